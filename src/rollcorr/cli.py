@@ -1,0 +1,51 @@
+"""The ``rollcorr`` command. Each sub-command lives in its app package and is imported only when used."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# sub-command -> module exposing add_arguments(parser) and run(args) -> int
+COMMANDS = {
+    "analyze": ("rollcorr.analyze.cli", "apply a correction config to rollout dumps and explain what it does"),
+    "audit": ("rollcorr.audit.cli", "measure sampler vs learner token-probability mismatch, with plots"),
+    "train": ("rollcorr.train.cli", "RL training with a separate sampler and learner"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollcorr", description=__doc__)
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        try:
+            importlib.import_module(module).add_arguments(p)
+        except ModuleNotFoundError as err:  # an app that is not built yet
+            if err.name != module:
+                raise
+            p.set_defaults(_missing=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from rollcorr import __version__
+
+        print(__version__)
+        return 0
+    if not args.command:
+        parser.print_help()
+        return 0
+    if getattr(args, "_missing", None):
+        print(f"rollcorr {args.command}: not available in this build", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

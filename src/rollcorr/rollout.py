@@ -1,0 +1,130 @@
+"""The one object that travels: a batch of responses from the sampler to the optimizer.
+
+Every stage reads the fields it needs and adds its own; nothing reaches back. Shapes:
+B responses, P prompt positions (left-padded), T response positions (right-padded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Rollout:
+    """A batch of sampled responses and everything later stages attach to it.
+
+    Filled by the sampler:
+      prompt_ids        (B, P) int64, left-padded prompt tokens (pad positions hold pad_token_id)
+      prompt_mask       (B, P) bool, True on real prompt tokens
+      response_ids      (B, T) int64, right-padded sampled tokens
+      response_mask     (B, T) bool, True on valid response tokens
+      rollout_log_prob  (B, T) float32, log μ(y_t) under the distribution actually sampled from
+                        (after temperature / top-k / top-p), 0 on padding; None if the engine gives none
+      log_kept_mass     (B, T) float32, log of the probability mass kept by top-k / top-p at each step
+                        (0 when nothing was truncated), so log π_full = rollout_log_prob + log_kept_mass
+      version           (B, T) int64, weight version that produced each token (partial rollouts span several)
+      group_ids         (B,) int64, responses to the same prompt share a group id
+      meta              per-response task items (e.g. the prompt text and expected answer), len B
+    Added later:
+      rewards           (B,) float32                      (task)
+      old_log_prob      (B, T) float32                    (proximal strategy)
+      is_weights        (B, T) float32 or None            (correction)
+      correction_mask   (B, T) bool                       (correction: response_mask after rejection)
+      advantages        (B, T) float32                    (advantages)
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    response_ids: Tensor
+    response_mask: Tensor
+    rollout_log_prob: Tensor | None
+    version: Tensor
+    group_ids: Tensor
+    log_kept_mass: Tensor | None = None
+    meta: list[dict[str, Any]] = field(default_factory=list)
+    rewards: Tensor | None = None
+    old_log_prob: Tensor | None = None
+    is_weights: Tensor | None = None
+    correction_mask: Tensor | None = None
+    advantages: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        b, t = self.response_ids.shape
+        if self.prompt_ids.shape[0] != b or self.prompt_mask.shape != self.prompt_ids.shape:
+            raise ValueError(
+                f"prompt_ids {tuple(self.prompt_ids.shape)} / prompt_mask {tuple(self.prompt_mask.shape)} "
+                f"do not match {b} responses"
+            )
+        for name in ("response_mask", "rollout_log_prob", "version", "log_kept_mass"):
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != (b, t):
+                raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {(b, t)}")
+        if tuple(self.group_ids.shape) != (b,):
+            raise ValueError(f"group_ids has shape {tuple(self.group_ids.shape)}, expected {(b,)}")
+
+    @property
+    def batch_size(self) -> int:
+        return self.response_ids.shape[0]
+
+    @property
+    def input_ids(self) -> Tensor:
+        """(B, P + T) prompt and response concatenated (padding on both sides)."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> Tensor:
+        """(B, P + T) bool, True on real tokens."""
+        return torch.cat([self.prompt_mask.bool(), self.response_mask.bool()], dim=1)
+
+    def select(self, index: Tensor | list[int]) -> Rollout:
+        """A new Rollout holding the rows in ``index`` (tensors indexed, ``meta`` picked)."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor):
+                out[f.name] = value[idx]
+            elif f.name == "meta":
+                out[f.name] = [value[i] for i in idx.tolist()] if value else []
+            else:
+                out[f.name] = value
+        return Rollout(**out)
+
+    def replace(self, **changes: Any) -> Rollout:
+        return replace(self, **changes)
+
+    @staticmethod
+    def concat(parts: list[Rollout], pad_token_id: int = 0) -> Rollout:
+        """Stack rollouts, re-padding prompts (left) and responses (right) to common widths."""
+        if not parts:
+            raise ValueError("Rollout.concat needs at least one rollout")
+        p = max(r.prompt_ids.shape[1] for r in parts)
+        t = max(r.response_ids.shape[1] for r in parts)
+
+        def left(x: Tensor | None, width: int, value: float) -> Tensor | None:
+            return None if x is None else torch.nn.functional.pad(x, (width - x.shape[1], 0), value=value)
+
+        def right(x: Tensor | None, width: int, value: float) -> Tensor | None:
+            return None if x is None else torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+        out: dict[str, Any] = {}
+        for f in fields(Rollout):
+            values = [getattr(r, f.name) for r in parts]
+            if f.name == "meta":
+                out[f.name] = [m for v in values for m in v]
+            elif all(v is None for v in values):
+                out[f.name] = None
+            elif any(v is None for v in values):
+                raise ValueError(f"cannot concat rollouts where only some have {f.name}")
+            elif f.name in ("prompt_ids", "prompt_mask"):
+                pad = pad_token_id if f.name == "prompt_ids" else 0
+                out[f.name] = torch.cat([left(v, p, pad) for v in values])
+            elif values[0].dim() == 2:
+                out[f.name] = torch.cat([right(v, t, 0) for v in values])
+            else:
+                out[f.name] = torch.cat(values)
+        return Rollout(**out)
