@@ -1,1 +1,68 @@
+"""Where π_old comes from when training is asynchronous (SPEC §7).
 
+``make_proximal(name, **kw)`` builds one of: recompute, bypass, snapshot, old_logit_model, interrupt,
+loglinear, linear, ewma. Each is a ``ProximalStrategy`` returning a ``ProximalResult``; see docs/proximal.md.
+"""
+
+from __future__ import annotations
+
+from rollcorr.proximal.base import (
+    ProximalResult,
+    ProximalStrategy,
+    discrepancy_staleness,
+    old_logit_error,
+)
+from rollcorr.proximal.ewma import EWMA, window_beta
+from rollcorr.proximal.interpolate import (
+    Linear,
+    LogLinear,
+    interpolation_alpha,
+    linear_prox,
+    loglinear_prox,
+)
+from rollcorr.proximal.interrupt import Interrupt
+from rollcorr.proximal.old_logit_model import OldLogitModel
+from rollcorr.proximal.recompute import Bypass, Recompute
+from rollcorr.proximal.snapshot import Snapshot
+from rollcorr.proximal.store import SnapshotStore, TokenStore, prefix_keys, score_by_version
+
+STRATEGIES: dict[str, type[ProximalStrategy]] = {
+    cls.name: cls for cls in (Recompute, Bypass, Snapshot, OldLogitModel, Interrupt, LogLinear, Linear, EWMA)
+}
+
+
+def make_proximal(name: str, **kw) -> ProximalStrategy:
+    """Build the strategy ``name`` with keyword options (e.g. ``max_staleness``, ``temperature``,
+    ``measure_error``; ewma: ``beta``, ``steps_per_version``, ``reset_keep_ratio``, ``keep_ratio_key``)."""
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown proximal strategy {name!r}; choose one of {sorted(STRATEGIES)}")
+    try:
+        return STRATEGIES[name](**kw)
+    except TypeError as e:
+        raise TypeError(f"bad options for proximal strategy {name!r}: {e}") from None
+
+
+__all__ = [
+    "EWMA",
+    "STRATEGIES",
+    "Bypass",
+    "Interrupt",
+    "Linear",
+    "LogLinear",
+    "OldLogitModel",
+    "ProximalResult",
+    "ProximalStrategy",
+    "Recompute",
+    "Snapshot",
+    "SnapshotStore",
+    "TokenStore",
+    "prefix_keys",
+    "discrepancy_staleness",
+    "interpolation_alpha",
+    "linear_prox",
+    "loglinear_prox",
+    "make_proximal",
+    "old_logit_error",
+    "score_by_version",
+    "window_beta",
+]

@@ -1,0 +1,198 @@
+"""Pretrain the built-in model from scratch (supervised) to a PARTLY competent addition checkpoint.
+
+Trains a ~1 M-parameter Qwen2 with the character tokenizer on "a+b=" → reversed sum + <eos> (loss on the
+response tokens only), evaluates greedy accuracy on held-out 3-digit problems every few steps, and stops as
+soon as the accuracy is inside [--min-acc, --max-acc], so RL has room to improve. Deterministic given
+--seed and --threads.
+
+    .venv/bin/python scripts/pretrain_builtin.py --out src/rollcorr/models/assets
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from rollcorr.models.builtin import BUILTIN_DIR, build_tokenizer, builtin_config
+from rollcorr.tasks.addition import AdditionTask
+
+
+def make_batch(tokenizer, items: list[dict], device: str) -> tuple[torch.Tensor, ...]:
+    """Right-padded (input_ids, attention_mask, labels) with labels = -100 outside response + <eos>."""
+    rows, labels = [], []
+    for item in items:
+        prompt = tokenizer(item["prompt"], add_special_tokens=False)["input_ids"]
+        answer = tokenizer(item["answer"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append(prompt + answer)
+        labels.append([-100] * len(prompt) + answer)
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    lab = torch.full((len(rows), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (r, la) in enumerate(zip(rows, labels)):
+        ids[i, : len(r)] = torch.tensor(r)
+        lab[i, : len(la)] = torch.tensor(la)
+        mask[i, : len(r)] = 1
+    return ids.to(device), mask.to(device), lab.to(device)
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, task: AdditionTask, items: list[dict], max_new_tokens: int) -> float:
+    """Exact-match accuracy of greedy decoding. Prompts of one task have equal length: no padding needed."""
+    model.eval()
+    ids = torch.tensor([tokenizer(it["prompt"], add_special_tokens=False)["input_ids"] for it in items])
+    out = []
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=ids).logits[:, -1]
+        nxt = logits.argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+        out.append(nxt)
+    gen = torch.cat(out, dim=1).tolist()
+    correct = 0
+    for item, row in zip(items, gen):
+        if tokenizer.eos_token_id in row:
+            row = row[: row.index(tokenizer.eos_token_id)]
+        else:
+            row = row + [-1]  # never finished: wrong
+        text = tokenizer.decode([t for t in row if t >= 0], skip_special_tokens=True)
+        correct += task.reward(item, text) == 1.0 and -1 not in row
+    model.train()
+    return correct / len(items)
+
+
+def save_atomic(model, tokenizer, out: Path, info: dict) -> None:
+    """save_pretrained into a temp dir beside ``out``, then swap it in (never a half-written checkpoint)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".assets-", dir=out.parent))
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    os.chmod(tmp, 0o755)
+    for f in tmp.iterdir():
+        os.chmod(f, 0o644)
+    old = out.with_name(out.name + ".old")
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=BUILTIN_DIR)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (results depend on it)")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--max-steps", type=int, default=6000)
+    p.add_argument("--eval-every", type=int, default=50, help="steps between evaluations while acc < 0.05")
+    p.add_argument(
+        "--eval-every-close", type=int, default=10, help="steps between evaluations once acc ≥ 0.05"
+    )
+    p.add_argument("--eval-size", type=int, default=500)
+    p.add_argument("--final-eval-size", type=int, default=2000)
+    p.add_argument("--min-acc", type=float, default=0.15)
+    p.add_argument("--max-acc", type=float, default=0.40)
+    p.add_argument("--max-minutes", type=float, default=40.0)
+    args = p.parse_args()
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    start = time.time()
+
+    tokenizer = build_tokenizer()
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_config(builtin_config(len(tokenizer)), attn_implementation="eager")
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"parameters: {n_params:,}")
+    model.train()
+
+    tasks = {d: AdditionTask(digits=d) for d in (1, 2, 3)}
+    eval_items = tasks[3].sample(args.eval_size, seed=12345, split="test")
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
+
+    def lr_at(step: int) -> float:
+        return args.lr * min(1.0, (step + 1) / args.warmup)
+
+    history, acc, prev_state, prev_acc = [], 0.0, None, 0.0
+    step = 0
+    for step in range(1, args.max_steps + 1):
+        # mostly 3-digit problems, some 1- and 2-digit ones
+        items = []
+        for _ in range(args.batch_size):
+            d = rng.choices((1, 2, 3), weights=(1, 2, 7))[0]
+            items.extend(tasks[d].sample(1, seed=rng.getrandbits(62), split="train"))
+        ids, mask, labels = make_batch(tokenizer, items, "cpu")
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+        every = args.eval_every if acc < 0.05 else args.eval_every_close
+        if step % every == 0:
+            acc = greedy_accuracy(model, tokenizer, tasks[3], eval_items, max_new_tokens=6)
+            elapsed = time.time() - start
+            history.append(
+                {"step": step, "loss": round(loss.item(), 4), "acc": acc, "seconds": round(elapsed, 1)}
+            )
+            print(
+                f"step {step:5d}  loss {loss.item():.4f}  greedy acc {acc:.3f}  {elapsed:6.0f}s", flush=True
+            )
+            if args.min_acc <= acc <= args.max_acc:
+                break
+            if acc > args.max_acc:  # overshot between two evaluations: keep the closer of the two states
+                if prev_state is not None and abs(prev_acc - args.min_acc) < acc - args.max_acc:
+                    model.load_state_dict(prev_state)
+                    print(f"overshot ({acc:.3f}); reverting to the previous evaluation ({prev_acc:.3f})")
+                break
+            if elapsed > args.max_minutes * 60:
+                print("time budget exhausted before reaching the accuracy window")
+                break
+            prev_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            prev_acc = acc
+
+    model.eval()
+    final_items = tasks[3].sample(args.final_eval_size, seed=999, split="test")
+    final_acc = greedy_accuracy(model, tokenizer, tasks[3], final_items, max_new_tokens=6)
+    wall = time.time() - start
+    info = {
+        "seed": args.seed,
+        "threads": args.threads,
+        "steps": step,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "parameters": n_params,
+        "final_greedy_accuracy_3digit_test": final_acc,
+        "final_eval_size": args.final_eval_size,
+        "wall_seconds": round(wall, 1),
+        "history": history,
+    }
+    save_atomic(model, tokenizer, args.out, info)
+    print(f"final greedy accuracy on {args.final_eval_size} held-out 3-digit problems: {final_acc:.3f}")
+    print(f"wall time {wall:.0f}s, {step} steps; saved to {args.out}")
+    return 0 if args.min_acc - 0.05 <= final_acc <= args.max_acc + 0.05 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

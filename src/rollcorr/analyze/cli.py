@@ -1,0 +1,184 @@
+"""``rollcorr analyze [FILE]``: apply a correction config to a rollout dump and explain what it does.
+
+Without FILE it runs on the sample dump shipped with rollcorr (bf16 sampler vs fp32 learner on the built-in
+model) with ``DEFAULT_PRESET``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PRESET = "decoupled_geo_rs_token_tis"
+DIALECTS = ("verl", "trl", "nemo_rl", "skyrl", "openrlhf")
+
+
+def sample_dump_path() -> Path:
+    """The sample dump shipped in ``rollcorr/data``."""
+    return Path(str(resources.files("rollcorr") / "data" / "sample_rollouts.jsonl"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "file",
+        nargs="?",
+        type=Path,
+        help="rollout dump (.jsonl, .jsonl.gz or .parquet); default: the shipped sample",
+    )
+    src = parser.add_argument_group(f"correction config (default: --preset {DEFAULT_PRESET})")
+    src.add_argument("--preset", help="a named preset (see --list-presets)")
+    src.add_argument(
+        "--config", type=Path, help="YAML file with CorrectionConfig keys (optionally 'preset: NAME')"
+    )
+    src.add_argument("--dialect", choices=DIALECTS, help="read --config as this framework's config keys")
+    src.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one CorrectionConfig key (repeatable), e.g. --set is_upper=3 --set rs=seq_mean_k1",
+    )
+    src.add_argument("--list-presets", action="store_true", help="print the preset names and exit")
+    fields = parser.add_argument_group("dump field names (defaults: verl's; peers' names are auto-detected)")
+    fields.add_argument("--rollout-field", default="rollout_log_probs", help="sampler log-probs, log μ")
+    fields.add_argument("--learner-field", default="old_log_probs", help="learner log-probs, log π_old")
+    fields.add_argument(
+        "--mask-field", default="response_mask", help="1 on valid tokens (else from list lengths)"
+    )
+    fields.add_argument("--advantages-field", default="advantages", help="per-token or per-row advantages")
+    out = parser.add_argument_group("output")
+    out.add_argument("--top", type=int, default=8, help="rejected sequences / tokens to show (default 8)")
+    out.add_argument(
+        "--all-metrics", action="store_true", help="print every diagnostic, not the headline ones"
+    )
+    out.add_argument(
+        "--json", dest="json_out", type=Path, metavar="OUT", help="write metrics and findings as JSON"
+    )
+
+
+def parse_value(text: str) -> Any:
+    """A ``--set`` value: JSON (numbers, lists, true/false/null), Python-style None/True/False, else a string.
+
+    YAML is avoided on purpose: it reads ``0.5_2`` (a verl "lo_hi" window) as the number 0.52.
+    """
+    special = {"none": None, "null": None, "true": True, "false": False}
+    if text.strip().lower() in special:
+        return special[text.strip().lower()]
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def load_config(
+    preset_name: str | None = None,
+    config_path: Path | None = None,
+    overrides: list[str] = (),
+    dialect: str | None = None,
+) -> tuple[Any, str]:
+    """Build the CorrectionConfig from a preset, a YAML file and ``KEY=VALUE`` overrides (applied in that order).
+
+    Returns (config, a short description of where it came from). Raises ValueError on any bad input.
+    """
+    from rollcorr.config.correction import CorrectionConfig
+    from rollcorr.config.presets import preset
+
+    data: dict[str, Any] = {}
+    source: list[str] = []
+    if config_path is not None:
+        import yaml
+
+        if not config_path.is_file():
+            raise ValueError(f"--config file not found: {config_path}")
+        try:
+            loaded = yaml.safe_load(config_path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(f"--config {config_path}: not valid YAML ({err})") from None
+        if not isinstance(loaded, dict):
+            raise ValueError(
+                f"--config {config_path}: expected a mapping of config keys, got {type(loaded).__name__}"
+            )
+        if dialect is not None:
+            from rollcorr.config import dialects
+
+            loaded = getattr(dialects, f"from_{dialect}")(loaded).to_dict()
+        elif "preset" in loaded:
+            if preset_name is not None and preset_name != loaded["preset"]:
+                raise ValueError(
+                    f"--preset {preset_name} conflicts with 'preset: {loaded['preset']}' in {config_path}"
+                )
+            preset_name = loaded.pop("preset")
+        data.update(loaded)
+        source.append(str(config_path) if dialect is None else f"{config_path} ({dialect})")
+    elif dialect is not None:
+        raise ValueError("--dialect needs --config FILE")
+
+    if preset_name is None and config_path is None:
+        preset_name = DEFAULT_PRESET
+    base = preset(preset_name).to_dict() if preset_name is not None else {}
+    if preset_name is not None:
+        source.insert(0, f"preset {preset_name}")
+
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        data[key.strip()] = parse_value(value)
+    if overrides:
+        source.append("--set " + " ".join(overrides))
+    return CorrectionConfig.from_dict({**base, **data}), ", ".join(source)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = Console()
+    if not console.is_terminal:  # piped or captured: rich would fall back to 80 columns
+        console = Console(width=110)
+    err = Console(stderr=True)
+    if args.list_presets:
+        from rollcorr.config.presets import PRESETS
+
+        for name in sorted(PRESETS):
+            console.print(name)
+        return 0
+    from rollcorr.analyze.dumps import read_dump
+    from rollcorr.analyze.report import analyze, render, write_json
+
+    path = args.file if args.file is not None else sample_dump_path()
+    try:
+        if args.top < 0:
+            raise ValueError(f"--top must be >= 0, got {args.top}")
+        config, source = load_config(args.preset, args.config, args.overrides, args.dialect)
+        dump = read_dump(
+            path,
+            rollout_field=args.rollout_field,
+            learner_field=args.learner_field,
+            mask_field=args.mask_field,
+            advantages_field=args.advantages_field,
+        )
+        analysis = analyze(dump, config, source)
+    except (ValueError, FileNotFoundError, ImportError) as error:
+        err.print(f"[bold red]rollcorr analyze:[/] {escape(str(error))}", highlight=False)
+        return 2
+    render(analysis, console, top=args.top, all_metrics=args.all_metrics)
+    if args.json_out is not None:
+        write_json(analysis, args.json_out)
+        console.print(f"wrote {args.json_out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rollcorr analyze", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,395 @@
+"""Read rollout dumps (JSONL or Parquet, one response per row) into padded (B, T) tensors.
+
+A dump row holds per-token lists for one response: the sampler's log-probs (log μ), the learner's log-probs
+(log π_old) and optionally a mask, advantages, token ids, token texts and per-token weight versions::
+
+    {"rollout_log_probs": [-0.1, -2.3], "old_log_probs": [-0.12, -2.1], "response_mask": [1, 1], ...}
+
+Rows that cannot be used (bad JSON, a missing field, lists of different lengths, NaN/inf or positive
+log-probs on valid tokens, no valid token) are skipped and reported with their line number; the rest of the
+file still counts. When the configured field name is the default and absent from the file, the reader looks
+for the names other frameworks use (``FIELD_ALIASES``) and records what it picked in ``Dump.fields``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# Log-probs in (0, POSITIVE_TOL] are rounding noise of a probability ~1 and are clamped to 0; larger
+# positive values are a broken row (a probability above 1).
+POSITIVE_TOL = 1e-3
+
+# role -> names tried in order when the default name is absent from the file (first is rollcorr's default).
+FIELD_ALIASES: dict[str, tuple[str, ...]] = {
+    "rollout": (
+        "rollout_log_probs",  # verl, slime, SkyRL
+        "rollout_log_prob",  # rollcorr
+        "generation_logprobs",  # NeMo-RL
+        "sampling_per_token_logps",  # TRL
+        "inference_logprobs",  # prime-rl
+        "infer_logprobs",
+        "rollout_logprobs",
+    ),
+    "learner": (
+        "old_log_probs",  # verl, slime, SkyRL, OpenRLHF
+        "old_log_prob",  # rollcorr
+        "prev_logprobs",  # NeMo-RL
+        "old_per_token_logps",  # TRL
+        "prox_logp",  # AReaL
+    ),
+    "mask": ("response_mask", "token_mask", "loss_mask", "completion_mask", "mask"),
+    "advantages": ("advantages", "advantage"),
+    "tokens": ("responses", "response_ids", "completion_ids", "token_ids"),
+    "token_text": ("token_text", "token_texts", "response_tokens_text"),
+    "text": ("response_text", "response", "completion"),
+    "version": ("version", "versions", "token_versions"),
+}
+
+DEFAULT_FIELDS = {role: names[0] for role, names in FIELD_ALIASES.items()}
+
+
+@dataclass(frozen=True)
+class MalformedRow:
+    """A skipped row: its 1-based line (JSONL) or row (Parquet) number and why it was skipped."""
+
+    line: int
+    reason: str
+
+
+@dataclass
+class Dump:
+    """Valid rows of a dump, right-padded to (B, T).
+
+    rollout_log_prob  (B, T) float64, log μ of each response token, 0 on padding
+    old_log_prob      (B, T) float64, log π_old (learner) of each response token, 0 on padding
+    response_mask     (B, T) bool, True on valid tokens (from the mask field, else from list lengths)
+    advantages        (B, T) float64 or None (a scalar per row is broadcast over its tokens)
+    tokens            (B, T) int64 response token ids or None
+    token_text        per-row lists of per-token strings, or None
+    text              per-row response strings, or None
+    version           (B, T) int64 weight version per token, or None
+    line_numbers      source line (JSONL) / row (Parquet) of each of the B rows, 1-based
+    extras            extra field name -> per-row values (None where a row lacks it)
+    malformed         skipped rows with line numbers and reasons
+    fields            role -> field name actually read ("rollout", "learner", "mask", ...)
+    """
+
+    path: Path
+    rollout_log_prob: Tensor
+    old_log_prob: Tensor
+    response_mask: Tensor
+    line_numbers: list[int]
+    fields: dict[str, str]
+    malformed: list[MalformedRow] = field(default_factory=list)
+    advantages: Tensor | None = None
+    tokens: Tensor | None = None
+    token_text: list[list[str]] | None = None
+    text: list[str] | None = None
+    version: Tensor | None = None
+    extras: dict[str, list[Any]] = field(default_factory=dict)
+    total_rows: int = 0
+
+    def __len__(self) -> int:
+        return self.rollout_log_prob.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+    def to_rollout(self):
+        """The dump as a :class:`rollcorr.rollout.Rollout` (float32 log-probs; no prompts, one group per row)."""
+        from rollcorr.rollout import Rollout
+
+        b, t = self.rollout_log_prob.shape
+        tokens = self.tokens if self.tokens is not None else torch.zeros(b, t, dtype=torch.long)
+        version = self.version if self.version is not None else torch.zeros(b, t, dtype=torch.long)
+        meta = [{"line": line} for line in self.line_numbers]
+        if self.text is not None:
+            for m, text in zip(meta, self.text):
+                m["response_text"] = text
+        return Rollout(
+            prompt_ids=torch.zeros(b, 0, dtype=torch.long),
+            prompt_mask=torch.zeros(b, 0, dtype=torch.bool),
+            response_ids=tokens,
+            response_mask=self.response_mask,
+            rollout_log_prob=self.rollout_log_prob.float(),
+            version=version,
+            group_ids=torch.arange(b),
+            meta=meta,
+            old_log_prob=self.old_log_prob.float(),
+            advantages=None if self.advantages is None else self.advantages.float(),
+        )
+
+
+class _BadRow(Exception):
+    """Raised while parsing one row; the message is the reason reported to the user."""
+
+
+def read_dump(
+    path: str | Path,
+    *,
+    rollout_field: str = DEFAULT_FIELDS["rollout"],
+    learner_field: str = DEFAULT_FIELDS["learner"],
+    mask_field: str = DEFAULT_FIELDS["mask"],
+    advantages_field: str = DEFAULT_FIELDS["advantages"],
+    tokens_field: str = DEFAULT_FIELDS["tokens"],
+    token_text_field: str = DEFAULT_FIELDS["token_text"],
+    text_field: str = DEFAULT_FIELDS["text"],
+    version_field: str = DEFAULT_FIELDS["version"],
+    extra_fields: Sequence[str] = ("prompt", "reward"),
+    fields: dict[str, str] | None = None,
+) -> Dump:
+    """Read a JSONL (``.jsonl``, ``.jsonl.gz``, anything else) or Parquet (``.parquet``/``.pq``) rollout dump.
+
+    ``fields`` maps roles ("rollout", "learner", "mask", "advantages", "tokens", "token_text", "text",
+    "version") to names and overrides the keyword arguments. Raises ``FileNotFoundError`` for a missing
+    file and ``ValueError`` when no row is usable or a required field is in no row.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"rollout dump not found: {path}")
+    wanted = {
+        "rollout": rollout_field,
+        "learner": learner_field,
+        "mask": mask_field,
+        "advantages": advantages_field,
+        "tokens": tokens_field,
+        "token_text": token_text_field,
+        "text": text_field,
+        "version": version_field,
+    }
+    if fields:
+        unknown = set(fields) - set(wanted)
+        if unknown:
+            raise ValueError(f"unknown field role(s) {sorted(unknown)}; roles are {sorted(wanted)}")
+        wanted.update(fields)
+
+    rows: list[tuple[int, Any]] = []  # (line, parsed object or _BadRow)
+    for line, obj in _iter_rows(path):
+        rows.append((line, obj))
+    if not rows:
+        raise ValueError(f"{path}: the dump is empty")
+
+    if all(isinstance(obj, _BadRow) for _, obj in rows):
+        raise _all_malformed(path, [MalformedRow(line, str(obj)) for line, obj in rows])
+    keys_seen: set[str] = set()
+    for _, obj in rows:
+        if isinstance(obj, dict):
+            keys_seen.update(obj)
+    names = {role: _resolve(role, name, keys_seen) for role, name in wanted.items()}
+    for role, name in wanted.items():
+        if names[role] is None and role not in ("rollout", "learner") and name != DEFAULT_FIELDS[role]:
+            raise ValueError(
+                f"{path}: no row has the {role} field {name!r}; fields present: {sorted(keys_seen)}"
+            )
+    for role in ("rollout", "learner"):
+        if names[role] is None:
+            raise ValueError(
+                f"{path}: no row has the {role} log-prob field {wanted[role]!r} "
+                f"(looked also for {', '.join(FIELD_ALIASES[role][1:])}); fields present: {sorted(keys_seen)}. "
+                f"Name it with --{role}-field / {role}_field=."
+            )
+
+    parsed: list[dict[str, Any]] = []
+    lines: list[int] = []
+    malformed: list[MalformedRow] = []
+    for line, obj in rows:
+        try:
+            if isinstance(obj, _BadRow):
+                raise obj
+            parsed.append(_parse_row(obj, names, extra_fields))
+            lines.append(line)
+        except _BadRow as err:
+            malformed.append(MalformedRow(line, str(err)))
+    if not parsed:
+        raise _all_malformed(path, malformed)
+
+    return _assemble(path, parsed, lines, malformed, names, extra_fields, total_rows=len(rows))
+
+
+def _all_malformed(path: Path, malformed: list[MalformedRow]) -> ValueError:
+    shown = "; ".join(f"line {m.line}: {m.reason}" for m in malformed[:5])
+    more = " ..." if len(malformed) > 5 else ""
+    return ValueError(f"{path}: all {len(malformed)} rows are malformed ({shown}{more})")
+
+
+def _resolve(role: str, name: str, keys_seen: set[str]) -> str | None:
+    """The field name to read for ``role``: ``name`` if present, else (for a default name) a known alias."""
+    if name in keys_seen:
+        return name
+    if name == DEFAULT_FIELDS[role]:
+        for alias in FIELD_ALIASES[role]:
+            if alias in keys_seen:
+                return alias
+    return None
+
+
+def _iter_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """Yield (1-based line or row number, dict or _BadRow). Blank JSONL lines are skipped."""
+    suffixes = "".join(path.suffixes[-2:]).lower()
+    if path.suffix.lower() in (".parquet", ".pq"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as err:
+            raise ImportError(
+                f"reading the Parquet dump {path} needs pyarrow: pip install 'rollcorr[parquet]'"
+            ) from err
+        for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+            yield i, row
+        return
+    opener = gzip.open if suffixes.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for i, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw.rstrip("\r\n"))
+            except json.JSONDecodeError as err:
+                yield i, _BadRow(f"bad JSON: {err.msg} (column {err.colno})")
+                continue
+            yield (
+                i,
+                obj
+                if isinstance(obj, dict)
+                else _BadRow(f"expected a JSON object, got {type(obj).__name__}"),
+            )
+
+
+def _number_list(obj: dict[str, Any], name: str) -> list[float]:
+    value = obj[name]
+    if not isinstance(value, list | tuple) or any(
+        not (x is None or isinstance(x, int | float)) or isinstance(x, bool) for x in value
+    ):
+        raise _BadRow(f"field {name!r} is not a list of numbers")
+    return [math.nan if x is None else float(x) for x in value]
+
+
+def _parse_row(
+    obj: dict[str, Any], names: dict[str, str | None], extra_fields: Sequence[str]
+) -> dict[str, Any]:
+    """Validate one row and return its per-token lists (mask-trimmed to the valid span)."""
+    for role in ("rollout", "learner"):
+        if names[role] not in obj:
+            raise _BadRow(f"missing field {names[role]!r}")
+    rollout = _number_list(obj, names["rollout"])
+    learner = _number_list(obj, names["learner"])
+    n = len(rollout)
+    if len(learner) != n:
+        raise _BadRow(
+            f"ragged: {names['rollout']!r} has {n} tokens but {names['learner']!r} has {len(learner)}"
+        )
+
+    if names["mask"] is not None:
+        if names["mask"] not in obj:
+            raise _BadRow(f"missing field {names['mask']!r}")
+        raw_mask = obj[names["mask"]]
+        if not isinstance(raw_mask, list | tuple) or any(x not in (0, 1) for x in raw_mask):
+            raise _BadRow(f"field {names['mask']!r} must be a list of 0/1 values")
+        if len(raw_mask) != n:
+            raise _BadRow(
+                f"ragged: {names['rollout']!r} has {n} tokens but {names['mask']!r} has {len(raw_mask)}"
+            )
+        mask = [bool(x) for x in raw_mask]
+    else:
+        mask = [True] * n
+    if not any(mask):
+        raise _BadRow("empty response (no valid tokens)")
+
+    for name, values in ((names["rollout"], rollout), (names["learner"], learner)):
+        for t, (x, valid) in enumerate(zip(values, mask)):
+            if not valid:
+                continue
+            if not math.isfinite(x):
+                raise _BadRow(f"non-finite {name!r} at token {t} ({x})")
+            if x > POSITIVE_TOL:
+                raise _BadRow(f"positive log-prob in {name!r} at token {t} ({x:.4g})")
+        for t in range(n):  # padding may hold anything; valid tiny positives are rounding noise
+            if not mask[t] or values[t] > 0:
+                values[t] = 0.0
+
+    row: dict[str, Any] = {"rollout": rollout, "learner": learner, "mask": mask}
+    name = names["advantages"]
+    if name is not None and obj.get(name) is not None:
+        adv = obj[name]
+        if isinstance(adv, int | float) and not isinstance(adv, bool):
+            adv = [float(adv)] * n
+        else:
+            adv = _number_list(obj, name)
+        if len(adv) != n:
+            raise _BadRow(f"ragged: {names['rollout']!r} has {n} tokens but {name!r} has {len(adv)}")
+        if any(not math.isfinite(a) for a, valid in zip(adv, mask) if valid):
+            raise _BadRow(f"non-finite {name!r} on a valid token")
+        row["advantages"] = [a if valid else 0.0 for a, valid in zip(adv, mask)]
+    for role in ("tokens", "version"):
+        name = names[role]
+        if name is not None and obj.get(name) is not None:
+            values = obj[name]
+            if not isinstance(values, list | tuple) or any(
+                not isinstance(x, int) or isinstance(x, bool) for x in values
+            ):
+                raise _BadRow(f"field {name!r} is not a list of integers")
+            if len(values) != n:
+                raise _BadRow(f"ragged: {names['rollout']!r} has {n} tokens but {name!r} has {len(values)}")
+            row[role] = list(values)
+    name = names["token_text"]
+    if name is not None and obj.get(name) is not None:
+        values = obj[name]
+        if not isinstance(values, list | tuple) or any(not isinstance(x, str) for x in values):
+            raise _BadRow(f"field {name!r} is not a list of strings")
+        if len(values) != n:
+            raise _BadRow(f"ragged: {names['rollout']!r} has {n} tokens but {name!r} has {len(values)}")
+        row["token_text"] = list(values)
+    name = names["text"]
+    if name is not None and isinstance(obj.get(name), str):
+        row["text"] = obj[name]
+    row["extras"] = {key: obj.get(key) for key in extra_fields}
+    return row
+
+
+def _assemble(
+    path: Path,
+    parsed: list[dict[str, Any]],
+    lines: list[int],
+    malformed: list[MalformedRow],
+    names: dict[str, str | None],
+    extra_fields: Sequence[str],
+    total_rows: int,
+) -> Dump:
+    b = len(parsed)
+    t = max(len(r["rollout"]) for r in parsed)
+
+    def pad(key: str, dtype: torch.dtype) -> Tensor:
+        out = torch.zeros(b, t, dtype=dtype)
+        for i, r in enumerate(parsed):
+            out[i, : len(r[key])] = torch.tensor(r[key], dtype=dtype)
+        return out
+
+    def optional(key: str, dtype: torch.dtype) -> Tensor | None:
+        # A per-token field is kept only when every valid row has it (otherwise padding would look like data).
+        return pad(key, dtype) if all(key in r for r in parsed) else None
+
+    return Dump(
+        path=path,
+        rollout_log_prob=pad("rollout", torch.float64),
+        old_log_prob=pad("learner", torch.float64),
+        response_mask=pad("mask", torch.bool),
+        line_numbers=lines,
+        fields={role: name for role, name in names.items() if name is not None},
+        malformed=malformed,
+        advantages=optional("advantages", torch.float64),
+        tokens=optional("tokens", torch.long),
+        token_text=[r["token_text"] for r in parsed] if all("token_text" in r for r in parsed) else None,
+        text=[r["text"] for r in parsed] if all("text" in r for r in parsed) else None,
+        version=optional("version", torch.long),
+        extras={key: [r["extras"][key] for r in parsed] for key in extra_fields},
+        total_rows=total_rows,
+    )

@@ -1,0 +1,672 @@
+"""Apply a correction config to a dump and explain it: diagnostics, what is rejected and why, bad rows.
+
+``analyze(dump, config)`` runs ``compute_correction`` once for the weights, mask and metrics, then re-runs each
+rule of the config on its own through the correction library's rule functions (``rollcorr.correction.
+rejection``) to say which rule removed which sequence or token, with the statistic and the threshold. The
+union of the findings is checked against the mask ``compute_correction`` returned.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rollcorr.analyze.dumps import Dump
+from rollcorr.config.correction import CorrectionConfig
+from rollcorr.correction import compute_correction, metrics_to_floats
+from rollcorr.correction.ratios import kl_stats, make_tokens
+from rollcorr.correction.rejection import opsm_keep, rs_option, trm_keep, veto_keep
+from rollcorr.correction.weights import apply_threshold, raw_weights
+
+PREFIX = "rollout_corr/"
+
+# statistic shown for each RS option; K1 statistics are shown as ratios (ρ = exp(−k1)), k3 = ρ − 1 − ℓ
+STATISTICS = {
+    "token_k1": "ρ_t",
+    "seq_sum_k1": "Π ρ_t",
+    "seq_mean_k1": "geo-mean ρ",
+    "token_k2": "½ℓ_t²",
+    "token_k3": "k3_t",
+    "seq_sum_k2": "Σ ½ℓ²",
+    "seq_sum_k3": "Σ k3",
+    "seq_mean_k2": "mean ½ℓ²",
+    "seq_mean_k3": "mean k3",
+    "seq_max_k2": "max ½ℓ²",
+    "seq_max_k3": "max k3",
+}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One sequence or token that a rule removes (rejection) or zeroes (IcePop / Seq-MIS weight mask).
+
+    ``position`` is the token for token rules, and the most mismatched token (largest |ℓ|) of the row for
+    sequence rules. ``excess`` ≥ 1 says how far outside the threshold the statistic is (ratio), for ranking.
+    """
+
+    row: int
+    line: int
+    rule: str
+    level: str  # "sequence" | "token"
+    position: int
+    token: str | None
+    statistic: str
+    value: float
+    threshold: str  # the kept range, e.g. "[0.999, 1.001]" or "≤ 0.01"
+    lower: float | None  # its bounds, in the statistic's units (None = unbounded)
+    upper: float | None
+    excess: float
+    tokens: int  # valid tokens removed by this finding
+    effect: str  # "rejected" (mask) | "zero weight" (IS mask)
+
+
+@dataclass(frozen=True)
+class RuleSummary:
+    """One rule on its own: the range it keeps, what it removes, and the statistic's observed spread
+    (5th / 50th / 95th percentile over valid sequences or tokens) to compare the range with."""
+
+    rule: str
+    statistic: str
+    threshold: str
+    level: str
+    effect: str
+    sequences: int
+    tokens: int
+    observed: tuple[float, float, float]
+
+
+def _spread(values: Tensor, valid: Tensor) -> tuple[float, float, float]:
+    x = values[valid].double()
+    return tuple(torch.quantile(x, torch.tensor([0.05, 0.5, 0.95], dtype=x.dtype)).tolist())
+
+
+@dataclass
+class Analysis:
+    dump: Dump
+    config: CorrectionConfig
+    source: str
+    metrics: dict[str, float]
+    weights: Tensor | None  # (B, T) or None
+    mask: Tensor  # (B, T) bool after rejection
+    findings: list[Finding]
+    rules: list[RuleSummary]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def rejected_tokens(self) -> int:
+        return int((self.dump.response_mask & ~self.mask).sum())
+
+    @property
+    def rejected_sequences(self) -> int:
+        return int((self.dump.response_mask & ~self.mask).any(dim=-1).sum())
+
+
+def analyze(dump: Dump, config: CorrectionConfig, source: str = "") -> Analysis:
+    """Run the correction on the dump and explain every rejection and zeroed weight."""
+    notes: list[str] = []
+    # Bypass mode needs π_θ (ratio π_θ/μ); a dump's learner log-probs are the only learner numbers there are,
+    # so they stand in for it (exact on the first mini-batch of a step). OPSM in decoupled mode uses π_old.
+    log_prob = dump.old_log_prob if config.mode == "bypass" else None
+    if log_prob is not None:
+        notes.append(f"bypass mode: the dump's learner log-probs ({dump.fields['learner']}) stand in for π_θ")
+    if config.opsm_delta is not None and dump.advantages is None:
+        raise ValueError(
+            "the config uses OPSM (opsm_delta), which needs advantages, but the dump has no "
+            f"{dump.fields.get('advantages', 'advantages')!r} field (name it with --advantages-field)"
+        )
+    version = current_version = None
+    if dump.version is not None:
+        version = dump.version
+        current_version = int(dump.version.masked_fill(~dump.response_mask, -(2**62)).max())
+        if int(dump.version.masked_fill(~dump.response_mask, 2**62).min()) != current_version:
+            notes.append(f"staleness is measured against the newest version in the dump ({current_version})")
+    res = compute_correction(
+        dump.old_log_prob,
+        dump.rollout_log_prob,
+        dump.response_mask,
+        config,
+        log_prob=log_prob,
+        advantages=dump.advantages,
+        version=version,
+        current_version=current_version,
+    )
+    mask = res.mask.bool()
+    findings, rules = explain(dump, config, res.weights, log_prob)
+    explained = torch.zeros_like(mask)
+    for f in findings:
+        if f.effect != "rejected":
+            continue
+        if f.level == "token":
+            explained[f.row, f.position] = True
+        else:
+            explained[f.row] = dump.response_mask[f.row]
+    if not torch.equal(explained, dump.response_mask & ~mask):
+        notes.append(
+            "warning: the per-rule explanation does not match the correction's mask "
+            f"({int(explained.sum())} vs {int((dump.response_mask & ~mask).sum())} rejected tokens)"
+        )
+    return Analysis(
+        dump, config, source, metrics_to_floats(res.metrics), res.weights, mask, findings, rules, notes
+    )
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}" if isinstance(x, float) else str(x)
+
+
+def _window(lo: float | None, hi: float | None) -> str:
+    if lo is None or lo == 0:
+        return f"≤ {_fmt(hi)}"
+    if hi is None or math.isinf(hi):
+        return f"≥ {_fmt(lo)}"
+    return f"[{_fmt(lo)}, {_fmt(hi)}]"
+
+
+def _fmt_against(value: float, lo: float | None, hi: float | None) -> str:
+    """``value`` with enough digits to tell it apart from the bounds it is compared with."""
+    for digits in range(4, 10):
+        text = f"{value:.{digits}g}"
+        if all(b is None or f"{b:.{digits}g}" != text for b in (lo, hi)):
+            return text if 1e-3 <= abs(value) < 1e5 or value == 0 else f"{value:.{digits - 1}e}"
+    return repr(value)
+
+
+def _outside(value: float, lo: float | None, hi: float | None) -> float:
+    """How far ``value`` lies outside [lo, hi] as a ratio (≥ 1 when outside; inf for a zero value)."""
+    out = 1.0
+    if hi is not None and hi > 0 and value > hi:
+        out = value / hi
+    if lo is not None and lo > 0 and value < lo:
+        out = lo / value if value > 0 else math.inf
+    return out
+
+
+def explain(
+    dump: Dump, config: CorrectionConfig, weights: Tensor | None, log_prob: Tensor | None
+) -> tuple[list[Finding], list[RuleSummary]]:
+    """Findings (every rejected / zeroed sequence or token, with its rule) and a per-rule summary."""
+    learner = log_prob if config.mode == "bypass" and log_prob is not None else dump.old_log_prob
+    tok = make_tokens(
+        learner, dump.rollout_log_prob, dump.response_mask, bound=config.safety_bound, verl=config.verl_compat
+    )
+    k2, k3 = kl_stats(tok, "k2"), kl_stats(tok, "k3")
+    worst = tok.log_ratio.abs().masked_fill(~tok.mask, -1.0).argmax(dim=-1).tolist()
+    lengths = tok.mask.sum(dim=-1).tolist()
+    findings: list[Finding] = []
+    rules: list[RuleSummary] = []
+
+    def token_text(b: int, t: int) -> str | None:
+        if dump.token_text is not None:
+            return dump.token_text[b][t]
+        if dump.tokens is not None:
+            return f"id {int(dump.tokens[b, t])}"
+        return None
+
+    def add_rows(rule, statistic, threshold, drop, values, lo, hi, *, positions=None, effect="rejected"):
+        """One finding per valid row in ``drop`` (B,) bool; ``values`` (B,) the statistic shown."""
+        drop = (drop & tok.valid).tolist()
+        values_t, values = values, values.tolist()
+        count = 0
+        for b in range(len(drop)):
+            if drop[b]:
+                t = worst[b] if positions is None else positions[b]
+                findings.append(Finding(b, dump.line_numbers[b], rule, "sequence", t, token_text(b, t), statistic,
+                                        values[b], threshold, lo, hi, _outside(values[b], lo, hi), lengths[b], effect))  # fmt: skip
+                count += 1
+        removed = sum(n for n, d in zip(lengths, drop) if d)
+        rules.append(RuleSummary(rule, statistic, threshold, "sequence", effect, count, removed,
+                                 _spread(values_t, tok.valid)))  # fmt: skip
+
+    def add_tokens(rule, statistic, threshold, drop, values, lo, hi, *, effect="rejected"):
+        """One finding per valid token in ``drop`` (B, T) bool; ``values`` (B, T) the statistic shown."""
+        idx = (drop & tok.mask).nonzero().tolist()
+        for b, t in idx:
+            v = float(values[b, t])
+            findings.append(Finding(b, dump.line_numbers[b], rule, "token", t, token_text(b, t), statistic, v,
+                                    threshold, lo, hi, _outside(v, lo, hi), 1, effect))  # fmt: skip
+        rules.append(RuleSummary(rule, statistic, threshold, "token", effect, len({b for b, _ in idx}), len(idx),
+                                 _spread(values, tok.mask)))  # fmt: skip
+
+    for option, threshold in zip(config.rs, config.rs_thresholds):
+        r = rs_option(option, threshold, kl_stats(tok, option[-2:]), tok)
+        if option.endswith("k1"):  # statistic space k1 = −log ρ → show ratios
+            lo, hi = math.exp(-r.upper), math.exp(-r.lower)
+            convert = lambda x: torch.exp(-x)  # noqa: E731
+        else:
+            lo, hi = None, r.upper
+            convert = lambda x: x  # noqa: E731
+        window = _window(lo, hi)
+        if r.token_keep is not None:
+            add_tokens(option, STATISTICS[option], window, ~r.token_keep, convert(r.token_stat), lo, hi)
+        else:
+            add_rows(option, STATISTICS[option], window, ~r.row_keep, convert(r.row_stat), lo, hi)
+
+    lr_min = tok.log_ratio.masked_fill(~tok.mask, math.inf)
+    lr_max = tok.log_ratio.masked_fill(~tok.mask, -math.inf)
+    if config.veto_threshold is not None:
+        keep, _ = veto_keep(tok, config.veto_threshold, None)
+        value, pos = lr_min.min(dim=-1)
+        add_rows("veto", "min ρ_t", f"≥ {_fmt(config.veto_threshold)}", ~keep, value.exp(), config.veto_threshold,
+                 None, positions=pos.tolist())  # fmt: skip
+    if config.veto_upper is not None:
+        keep, _ = veto_keep(tok, None, config.veto_upper)
+        value, pos = lr_max.max(dim=-1)
+        add_rows("veto_upper", "max ρ_t", f"≤ {_fmt(config.veto_upper)}", ~keep, value.exp(), None,
+                 config.veto_upper, positions=pos.tolist())  # fmt: skip
+    if config.trm_max_k2 is not None:
+        keep, row_max_k2, _ = trm_keep(k2, k3, tok, config.trm_max_k2, None)
+        pos = k2.masked_fill(~tok.mask, -1.0).argmax(dim=-1).tolist()
+        add_rows("trm_max_k2", "max ½ℓ²", f"≤ {_fmt(config.trm_max_k2)}", ~keep, row_max_k2, None,
+                 config.trm_max_k2, positions=pos)  # fmt: skip
+    if config.trm_mean_k3 is not None:
+        keep, _, row_mean_k3 = trm_keep(k2, k3, tok, None, config.trm_mean_k3)
+        add_rows("trm_mean_k3", "mean k3", f"≤ {_fmt(config.trm_mean_k3)}", ~keep, row_mean_k3, None,
+                 config.trm_mean_k3)  # fmt: skip
+    if config.opsm_delta is not None:
+        keep, div = opsm_keep(dump.rollout_log_prob, learner, dump.advantages, tok, config.opsm_delta)
+        add_rows("opsm", "mean(log μ − log π_θ), A<0", f"≤ {_fmt(config.opsm_delta)}", ~keep, div, None,
+                 config.opsm_delta or math.ulp(0.0))  # fmt: skip
+
+    if config.is_level is not None and config.is_mode == "mask" and weights is not None:
+        raw, row_log = raw_weights(tok, config.is_level, config.safety_bound)
+        masked = apply_threshold(raw, tok.mask_f, "mask", config.is_upper, config.is_lower)
+        zeroed = (masked == 0) & (raw != 0) & tok.mask
+        lo, hi = config.is_lower, config.is_upper
+        name = {"token": "icepop", "sequence": "seq_mis", "geometric": "geo_mis"}[config.is_level]
+        if config.is_level == "token":
+            add_tokens(name, "ρ_t", _window(lo, hi), zeroed, raw, lo, hi, effect="zero weight")
+        else:
+            stat = "Π ρ_t" if config.is_level == "sequence" else "geo-mean ρ"
+            add_rows(
+                name, stat, _window(lo, hi), zeroed.any(dim=-1), row_log.exp(), lo, hi, effect="zero weight"
+            )
+
+    return findings, rules
+
+
+# ---- JSON -------------------------------------------------------------------------------------------
+def to_json(analysis: Analysis, top: int | None = None) -> dict[str, Any]:
+    """Plain data: file, config, counts, every metric, per-rule summary, findings (all, or the ``top``)."""
+    dump = analysis.dump
+    findings = sorted(analysis.findings, key=lambda f: -f.excess)
+    return {
+        "file": str(dump.path),
+        "config_source": analysis.source,
+        "config": analysis.config.to_dict(),
+        "fields": dump.fields,
+        "rows": dump.total_rows,
+        "responses": len(dump),
+        "tokens": dump.num_tokens,
+        "rejected_tokens": analysis.rejected_tokens,
+        "rejected_sequences": analysis.rejected_sequences,
+        "metrics": {k: _finite_or_str(v) for k, v in analysis.metrics.items()},
+        "rules": [asdict(r) for r in analysis.rules],
+        "findings": [
+            {k: _finite_or_str(v) for k, v in asdict(f).items()}
+            for f in (findings if top is None else findings[:top])
+        ],
+        "malformed": [asdict(m) for m in dump.malformed],
+        "notes": analysis.notes,
+    }
+
+
+def _finite_or_str(v: Any) -> Any:
+    """JSON has no NaN / inf: write them as the strings "nan", "inf", "-inf"."""
+    return str(v) if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def write_json(analysis: Analysis, path: str | Path) -> None:
+    """Write ``to_json`` atomically (temp file in the same directory, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = to_json(analysis)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# ---- terminal report --------------------------------------------------------------------------------
+# (metric key without prefix, what it means) in the order shown; sections separate the groups
+HEADLINE: list[tuple[str, list[tuple[str, str]]]] = [
+    (
+        "mismatch μ vs π_old",
+        [
+            ("log_ratio_abs_mean", "mean |ℓ|, ℓ = log π_old − log μ"),
+            ("log_ratio_mean", "mean ℓ (signed; near 0 can hide a large |ℓ|)"),
+            ("kl", "KL(μ‖π_old), k1 estimate (verl)"),
+            ("k3_kl", "KL(μ‖π_old), k3 estimate (verl)"),
+            ("policy_kl", "KL(π_old‖μ)"),
+            ("js_divergence", "Jensen–Shannon per sampled token"),
+            ("token_mult_prob_error", "mean exp(|ℓ|) (NeMo-RL)"),
+            ("chi2_token", "χ² token (E ρ² − 1)"),
+            ("chi2_seq", "χ² sequence"),
+            ("log_ppl_abs_diff", "mean |log PPL_μ − log PPL_old| per response"),
+            ("training_ppl", "learner perplexity"),
+            ("rollout_ppl", "sampler perplexity"),
+        ],
+    ),
+    (
+        "probability space",
+        [
+            ("prob_diff_mean", "mean |p_μ − p_old|"),
+            ("prob_diff_max", "max |p_μ − p_old|"),
+            ("prob_diff_seq_max_mean", "per-response max |Δp|, averaged"),
+            ("prob_diff_frac_lt_1e-3", "share of tokens |Δp| < 1e-3"),
+            ("prob_diff_frac_ge_0.01", "share of tokens |Δp| ≥ 0.01"),
+            ("prob_diff_frac_ge_0.05", "share of tokens |Δp| ≥ 0.05"),
+            ("prob_diff_frac_ge_0.1", "share of tokens |Δp| ≥ 0.1"),
+            ("prob_pearson", "Pearson corr(p_μ, p_old)"),
+        ],
+    ),
+    (
+        "importance weights",
+        [
+            ("rollout_is_mean", "mean weight"),
+            ("rollout_is_std", "std of the weights"),
+            ("rollout_is_min", "min weight"),
+            ("rollout_is_max", "max weight"),
+            ("rollout_is_eff_sample_size", "effective sample size (share)"),
+            ("rollout_is_ratio_fraction_high", "share above the upper bound"),
+            ("rollout_is_ratio_fraction_low", "share below the lower bound"),
+            ("rollout_is_oob_ratio", "share outside the band (zeroed)"),
+            ("rollout_is_batch_norm_factor", "batch normalisation divisor"),
+        ],
+    ),
+    (
+        "rejection",
+        [
+            ("rollout_rs_masked_fraction", "share of tokens rejected"),
+            ("rollout_rs_seq_masked_fraction", "share of sequences with a rejected token"),
+            ("veto_seq_fraction", "share of sequences vetoed"),
+            ("trm_seq_masked_fraction", "share of sequences dropped by TRM"),
+            ("opsm_seq_masked_fraction", "share of sequences dropped by OPSM"),
+        ],
+    ),
+    (
+        "staleness",
+        [("staleness_mean", "mean version lag per token"), ("staleness_max", "max version lag")],
+    ),
+]
+
+
+def describe(config: CorrectionConfig) -> str:
+    """One line: mode, IS and every rejection rule of the config."""
+    parts = [config.mode + (f" ({config.loss_type})" if config.mode == "bypass" else "")]
+    if config.is_level is None:
+        parts.append("no IS weights")
+    else:
+        bound = (
+            _window(config.is_lower, config.is_upper) if config.is_upper or config.is_lower else "untruncated"
+        )
+        kind = "truncate" if config.is_mode == "truncate" else "mask"
+        applied = "" if config.applies_weights else " (not applied: the PPO ratio already holds π_θ/μ)"
+        parts.append(f"IS {config.is_level} {kind} {bound}{applied}")
+        if config.batch_normalize:
+            parts.append(f"batch-normalised per {config.batch_norm_scope}")
+    for option, threshold in zip(config.rs, config.rs_thresholds):
+        if isinstance(threshold, tuple):
+            parts.append(f"RS {option} {STATISTICS[option]} ∈ {_window(*threshold)}")
+        else:
+            parts.append(f"RS {option} {STATISTICS[option]} ≤ {_fmt(threshold)}")
+    if config.veto_threshold is not None:
+        parts.append(f"veto ρ_t < {_fmt(config.veto_threshold)}")
+    if config.veto_upper is not None:
+        parts.append(f"veto ρ_t > {_fmt(config.veto_upper)}")
+    if config.trm_max_k2 is not None:
+        parts.append(f"TRM max ½ℓ² ≤ {_fmt(config.trm_max_k2)}")
+    if config.trm_mean_k3 is not None:
+        parts.append(f"TRM mean k3 ≤ {_fmt(config.trm_mean_k3)}")
+    if config.opsm_delta is not None:
+        parts.append(f"OPSM δ = {_fmt(config.opsm_delta)}")
+    if config.rejects:
+        parts.append(f"loss denominator: {config.denominator}")
+    if config.verl_compat:
+        parts.append("verl-compatible formulas")
+    return " · ".join(parts)
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{part}/{whole} ({100.0 * part / max(whole, 1):.1f}%)"
+
+
+def _snippet(text: str | None, width: int = 24) -> str:
+    if text is None:
+        return ""
+    text = text.replace("\n", "⏎")
+    return repr(text if len(text) <= width else text[: width - 1] + "…")
+
+
+def _response(dump: Dump, row: int) -> str | None:
+    if dump.text is not None:
+        return dump.text[row]
+    if dump.token_text is not None:
+        n = int(dump.response_mask[row].sum())
+        return "".join(dump.token_text[row][:n])
+    return None
+
+
+def _token_fate(analysis: Analysis, by_token: dict, by_row: dict, b: int, t: int) -> str:
+    """What the config does with token t of row b: the rules that remove or zero it, else its weight."""
+    hits = [f"{f.rule}" for f in by_token.get((b, t), [])] + [
+        f"{f.rule} (sequence)" for f in by_row.get(b, [])
+    ]
+    if hits:
+        effects = {f.effect for f in by_token.get((b, t), []) + by_row.get(b, [])}
+        return f"{'rejected' if 'rejected' in effects else 'zero weight'} by {', '.join(hits)}"
+    if analysis.weights is not None:
+        return f"kept, w = {_fmt(float(analysis.weights[b, t]))}"
+    return "kept"
+
+
+def render(analysis: Analysis, console: Any, *, top: int = 8, all_metrics: bool = False) -> None:
+    """Print the report with rich: header, diagnostics, rules, top rejections, extreme tokens, bad rows."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    dump, config, metrics = analysis.dump, analysis.config, analysis.metrics
+    n_rows, n_tokens = len(dump), dump.num_tokens
+    console.rule(f"[bold]rollcorr analyze[/] · {escape(str(dump.path.name))}")
+    console.print(
+        f"{n_rows} responses, {n_tokens} tokens from {escape(str(dump.path))}"
+        + (f" · [yellow]{len(dump.malformed)} malformed row(s) skipped[/]" if dump.malformed else ""),
+        highlight=False,
+    )
+    used = ", ".join(f"{role}={name}" for role, name in dump.fields.items())
+    console.print(f"fields: {escape(used)}", style="dim", highlight=False)
+    console.print(
+        f"config: [bold]{escape(analysis.source or 'custom')}[/] → {escape(describe(config))}",
+        highlight=False,
+    )
+
+    # -- diagnostics
+    table = Table(title="Diagnostics (rollout_corr/…)", title_justify="left", show_edge=False, pad_edge=False)
+    table.add_column("metric", style="cyan", no_wrap=True)
+    table.add_column("value", justify="right")
+    table.add_column("meaning", style="dim")
+    shown: set[str] = set()
+    for section, entries in HEADLINE:
+        present = [(k, m) for k, m in entries if PREFIX + k in metrics]
+        if section == "staleness" and not metrics.get(PREFIX + "staleness_max"):
+            present = []  # one weight version: nothing to say
+        if not present:
+            continue
+        table.add_row(f"[bold]{section}[/]", "", "")
+        for key, meaning in present:
+            table.add_row("  " + key, _fmt(metrics[PREFIX + key]), meaning)
+            shown.add(PREFIX + key)
+        table.add_section()
+    if all_metrics:
+        rest = [k for k in metrics if k not in shown]
+        if rest:
+            table.add_row("[bold]all other metrics[/]", "", "")
+            for key in rest:
+                table.add_row("  " + key[len(PREFIX) :], _fmt(metrics[key]), "")
+                shown.add(key)
+    console.print()
+    console.print(table)
+    hidden = len(metrics) - len(shown)
+    if hidden > 0 and not all_metrics:
+        console.print(f"  … {hidden} more metrics with --all-metrics (or --json OUT)", style="dim")
+
+    # -- what the config does
+    console.print()
+    rejected_t, rejected_s = analysis.rejected_tokens, analysis.rejected_sequences
+    if analysis.weights is not None:
+        w = analysis.weights[dump.response_mask]
+        high = metrics.get(PREFIX + "rollout_is_ratio_fraction_high", 0.0)
+        unit = "tokens" if config.is_level == "token" else "sequences"
+        what = "truncated to" if config.is_mode == "truncate" else "zeroed above"
+        console.print(
+            f"[bold]IS weights[/]: {100 * high:.2g}% of {unit} {what} {_fmt(config.is_upper)}; "
+            f"applied weights mean {_fmt(float(w.mean()))}, range [{_fmt(float(w.min()))}, {_fmt(float(w.max()))}]",
+            highlight=False,
+        ) if config.is_upper is not None else console.print(
+            f"[bold]IS weights[/]: mean {_fmt(float(w.mean()))}, range [{_fmt(float(w.min()))}, {_fmt(float(w.max()))}]",
+            highlight=False,
+        )
+    elif config.is_level is not None:
+        console.print("[bold]IS weights[/]: computed for the metrics but not applied (bypass + ppo_clip)")
+    if config.rejects:
+        console.print(
+            f"[bold]Rejection[/]: {_pct(rejected_t, n_tokens)} tokens in {_pct(rejected_s, n_rows)} sequences "
+            f"would be masked out of the loss (denominator: {config.denominator})",
+            highlight=False,
+        )
+    if analysis.rules:
+        rules = Table(title="Rules", title_justify="left", show_edge=False, pad_edge=False)
+        for col in ("rule", "statistic", "keeps", "observed p5/p50/p95", "sequences hit", "tokens hit"):
+            rules.add_column(col, justify="right" if col.endswith("hit") else "left")
+        for r in analysis.rules:
+            observed = " / ".join(_fmt(v) for v in r.observed)
+            rule = r.rule if r.effect == "rejected" else f"{r.rule} ({r.effect})"
+            rules.add_row(
+                rule, r.statistic, r.threshold, observed, _pct(r.sequences, n_rows), _pct(r.tokens, n_tokens)
+            )
+        console.print(rules)
+    elif not config.rejects and config.is_mode != "mask":
+        console.print("[bold]Rejection[/]: none configured (no RS / veto / TRM / OPSM); nothing is masked")
+
+    # -- top sequences / tokens
+    ranked = sorted(analysis.findings, key=lambda f: (-f.excess, f.line))
+    seq = [f for f in ranked if f.level == "sequence"]
+    toks = [f for f in ranked if f.level == "token"]
+    if seq and top:
+        t = Table(title=f"Sequences removed or zeroed, furthest outside first (top {min(top, len(seq))} of {len(seq)})",
+                  title_justify="left", show_edge=False, pad_edge=False)  # fmt: skip
+        for col in ("line", "rule", "statistic", "keeps", "worst token", "response"):
+            t.add_column(col, justify="right" if col == "line" else "left", no_wrap=col != "response")
+        for f in seq[:top]:
+            worst = f"{f.position}:{f.token!r}" if f.token is not None else str(f.position)
+            t.add_row(str(f.line), f.rule, f"{f.statistic} = {_fmt_against(f.value, f.lower, f.upper)}", f.threshold, escape(worst),
+                      escape(_snippet(_response(dump, f.row))))  # fmt: skip
+        console.print()
+        console.print(t)
+    if toks and top:
+        t = Table(title=f"Tokens removed or zeroed, furthest outside first (top {min(top, len(toks))} of {len(toks)})",
+                  title_justify="left", show_edge=False, pad_edge=False)  # fmt: skip
+        for col in ("line", "pos", "token", "rule", "statistic", "keeps", "effect"):
+            t.add_column(col, justify="right" if col in ("line", "pos") else "left")
+        for f in toks[:top]:
+            t.add_row(str(f.line), str(f.position), escape(repr(f.token) if f.token is not None else ""), f.rule,
+                      f"{f.statistic} = {_fmt_against(f.value, f.lower, f.upper)}", f.threshold, f.effect)  # fmt: skip
+        console.print()
+        console.print(t)
+
+    # -- the most mismatched tokens, whatever the config did with them
+    if top:
+        lr = (dump.old_log_prob - dump.rollout_log_prob).masked_fill(~dump.response_mask, 0.0)
+        k = min(top, n_tokens)
+        idx = lr.abs().flatten().topk(k).indices
+        by_token: dict[tuple[int, int], list[Finding]] = {}
+        by_row: dict[int, list[Finding]] = {}
+        for f in analysis.findings:
+            if f.level == "token":
+                by_token.setdefault((f.row, f.position), []).append(f)
+            else:
+                by_row.setdefault(f.row, []).append(f)
+        t = Table(title=f"Most mismatched tokens (largest |ℓ|, top {k})", title_justify="left", show_edge=False,
+                  pad_edge=False)  # fmt: skip
+        for col in ("line", "pos", "token", "p_μ", "p_old", "ρ = π_old/μ", "fate"):
+            t.add_column(col, justify="left" if col in ("token", "fate") else "right")
+        width = lr.shape[1]
+        for i in idx.tolist():
+            b, p = divmod(i, width)
+            text = dump.token_text[b][p] if dump.token_text is not None else (
+                f"id {int(dump.tokens[b, p])}" if dump.tokens is not None else "")  # fmt: skip
+            t.add_row(str(dump.line_numbers[b]), str(p), escape(repr(text) if text else ""),
+                      _fmt(math.exp(float(dump.rollout_log_prob[b, p]))), _fmt(math.exp(float(dump.old_log_prob[b, p]))),
+                      _fmt(math.exp(float(lr[b, p]))), _token_fate(analysis, by_token, by_row, b, p))  # fmt: skip
+        console.print()
+        console.print(t)
+
+    # -- malformed rows
+    if dump.malformed:
+        t = Table(title=f"Malformed rows skipped ({len(dump.malformed)} of {dump.total_rows})", title_justify="left",
+                  show_edge=False, pad_edge=False)  # fmt: skip
+        t.add_column("line", justify="right")
+        t.add_column("reason", style="yellow")
+        limit = max(top, 10)
+        for m in dump.malformed[:limit]:
+            t.add_row(str(m.line), escape(m.reason))
+        console.print()
+        console.print(t)
+        if len(dump.malformed) > limit:
+            console.print(f"  … and {len(dump.malformed) - limit} more (see --json)", style="dim")
+    for note in analysis.notes:
+        console.print(f"note: {escape(note)}", style="dim", highlight=False)
+    console.print()
+    console.print(f"[bold]In short[/]: {escape(summary(analysis))}", highlight=False)
+
+
+def summary(analysis: Analysis) -> str:
+    """A few sentences: how large the mismatch is, what the config does about it, what was skipped."""
+    m, config = analysis.metrics, analysis.config
+    get = lambda key: m.get(PREFIX + key, math.nan)  # noqa: E731
+    out = [
+        f"sampler and learner differ by mean |ℓ| = {_fmt(get('log_ratio_abs_mean'))} per token "
+        f"({100 * get('prob_diff_frac_ge_0.01'):.2g}% of tokens with |Δp| ≥ 0.01, max |Δp| {_fmt(get('prob_diff_max'))})."
+    ]
+    stat = {"token": "ρ_t", "sequence": "Π ρ_t", "geometric": "geo-mean ρ"}.get(config.is_level or "", "ρ")
+    if analysis.weights is not None and config.is_mode == "mask":
+        share = get("rollout_is_oob_ratio")
+        band = (
+            f"outside {_window(config.is_lower, config.is_upper)}"
+            if config.is_lower
+            else f"> {_fmt(config.is_upper)}"
+        )
+        out.append(f"IS zeroes {100 * share:.2g}% of the token weights ({stat} {band}).")
+    elif analysis.weights is not None and config.is_upper is not None:
+        share = get("rollout_is_ratio_fraction_high")
+        out.append(f"IS truncates {100 * share:.2g}% of the weights ({stat} > {_fmt(config.is_upper)}).")
+    if config.rejects:
+        n_tok, n_seq = analysis.dump.num_tokens, len(analysis.dump)
+        out.append(
+            f"Rejection removes {100 * analysis.rejected_tokens / n_tok:.3g}% of tokens in "
+            f"{100 * analysis.rejected_sequences / n_seq:.3g}% of sequences."
+        )
+        worst = max(
+            (r for r in analysis.rules if r.effect == "rejected"), key=lambda r: r.tokens, default=None
+        )
+        if worst is not None and worst.tokens > 0:
+            p5, _, p95 = worst.observed
+            out.append(
+                f"Most of it is {worst.rule}: it keeps {worst.statistic} {worst.threshold}, "
+                f"while 90% of the observed values lie in [{_fmt(p5)}, {_fmt(p95)}]."
+            )
+    if analysis.dump.malformed:
+        out.append(f"{len(analysis.dump.malformed)} malformed row(s) were skipped.")
+    return " ".join(out)

@@ -1,0 +1,232 @@
+"""``rollcorr audit``: sample responses, score the same tokens with the learner, write a mismatch report.
+
+    rollcorr audit                                   # built-in model, hf:bf16 sampler vs hf:fp32 learner
+    rollcorr audit --sampler llamacpp:q4_0 --model DIR -n 128 --prompts prompts.jsonl
+    rollcorr audit --from-log dump.jsonl             # a rollout dump from any framework (verl field names)
+
+Every input is checked before any long work: the prompts file (line numbers), sampling parameters, the model
+path and GGUF file, engine specs. Errors print one line naming the problem and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULT_SAMPLER = "hf:bf16"
+DEFAULT_LEARNER = "hf:fp32"
+LIVE_ONLY = ("sampler", "learner", "model", "gguf_file", "prompts", "chat")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    live = parser.add_argument_group("sampling (default: built-in model and addition prompts)")
+    live.add_argument(
+        "--sampler", help=f"sampler engine spec (default {DEFAULT_SAMPLER}), e.g. llamacpp:q4_0"
+    )
+    live.add_argument("--learner", help=f"learner engine spec (default {DEFAULT_LEARNER})")
+    live.add_argument("--model", help="local Hugging Face model directory (default: the built-in model)")
+    live.add_argument(
+        "--gguf-file", help="GGUF file inside --model (or a path to one) to load the model from"
+    )
+    live.add_argument("--prompts", help='prompts: JSONL ({"prompt": ...} per line) or one prompt per line')
+    live.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+    live.add_argument("-n", "--num-responses", type=int, default=64, help="responses to sample (default 64)")
+    live.add_argument("--max-new-tokens", type=int, default=64, help="response length cap (default 64)")
+    live.add_argument("--temperature", type=float, default=1.0)
+    live.add_argument("--top-k", type=int, default=0, help="0 = off")
+    live.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    live.add_argument("--seed", type=int, default=0)
+    live.add_argument("--batch-size", type=int, default=8, help="prompts per sampling batch (default 8)")
+    live.add_argument(
+        "--sampler-dist",
+        choices=("full", "processed"),
+        default="full",
+        help="compare the learner with the sampler's distribution before top-k/top-p truncation (full, "
+        "default: truncation is not mismatch) or with the renormalised one it drew from (processed)",
+    )
+    log = parser.add_argument_group("from a rollout dump")
+    log.add_argument(
+        "--from-log", help="rollout dump (JSONL / Parquet) with per-token rollout and learner log-probs"
+    )
+    log.add_argument("--rollout-field", default="rollout_log_probs", help="sampler log-prob field")
+    log.add_argument("--learner-field", default="old_log_probs", help="learner log-prob field")
+    log.add_argument("--mask-field", default="response_mask", help="response mask field")
+    parser.add_argument("--out", help="report folder (default: a new runs/audit-<time> folder)")
+    parser.add_argument("--worst", type=int, default=10, help="worst tokens to list (default 10)")
+
+
+def _fail(message: str) -> int:
+    print(f"rollcorr audit: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _resolve_model(model: str | None, gguf_file: str | None) -> tuple[str | None, str | None]:
+    """Check --model / --gguf-file; a --gguf-file path without --model names its own folder."""
+    if gguf_file and model is None and Path(gguf_file).is_file():
+        return str(Path(gguf_file).parent), Path(gguf_file).name
+    if model is not None:
+        path = Path(model)
+        if not path.exists():
+            raise FileNotFoundError(f"--model {model!r} does not exist")
+        if not path.is_dir():
+            raise ValueError(
+                f"--model {model!r} is not a directory (pass the folder; the GGUF file via --gguf-file)"
+            )
+    if gguf_file:
+        if model is None:
+            raise FileNotFoundError(
+                f"--gguf-file {gguf_file!r} does not exist (or pass the folder with --model)"
+            )
+        if not (Path(model) / gguf_file).is_file():
+            found = sorted(p.name for p in Path(model).glob("*.gguf"))
+            raise FileNotFoundError(
+                f"--gguf-file {gguf_file!r} not found in {model!r}; GGUF files there: {found}"
+            )
+    return model, gguf_file
+
+
+def materialise_gguf(model_dir: str, gguf_file: str, into: Path) -> Path:
+    """Dequantise a GGUF model with transformers into a Hugging Face folder both engines can load.
+
+    transformers reads GGUF weights (Q4_1, Q8_0, ...) back to float, so the hf engines see exactly the
+    weights the GGUF holds; a llamacpp sampler re-exports that folder to its own quantisation.
+    """
+    from rollcorr.models.builtin import load_model
+
+    model, tokenizer = load_model(model_dir, dtype="float32", gguf_file=gguf_file)
+    # the weights are plain float tensors now; drop the GGUF marker that blocks save_pretrained
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(into)
+    tokenizer.save_pretrained(into)
+    return into
+
+
+def _out_dir(out: str | None) -> Path:
+    if out:
+        return Path(out)
+    return Path("runs") / time.strftime("audit-%Y%m%d-%H%M%S")
+
+
+def _prepare_prompts(prompts: list[str], args, tokenizer) -> list[str]:
+    """Apply the chat template if asked, and cycle through the prompts until there are N of them."""
+    if args.chat:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("--chat: the model's tokenizer has no chat template")
+        prompts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+            )
+            for p in prompts
+        ]
+    reps = -(-args.num_responses // len(prompts))  # cycle through the prompts until N responses
+    return (prompts * reps)[: args.num_responses]
+
+
+def _collect_live(args, console, workdir: str):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from rollcorr.audit.collect import builtin_prompts, collect, from_rollout, load_prompts
+    from rollcorr.engines import SamplingParams, make_learner, make_sampler, parse_spec
+
+    if args.num_responses < 1 or args.batch_size < 1:
+        raise ValueError(f"-n and --batch-size must be >= 1, got {args.num_responses} and {args.batch_size}")
+    # line-numbered prompt errors before anything is loaded
+    prompts = (
+        load_prompts(args.prompts) if args.prompts else builtin_prompts(args.num_responses, seed=args.seed)
+    )
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    model, gguf_file = _resolve_model(args.model, args.gguf_file)
+    sampler_spec, learner_spec = args.sampler or DEFAULT_SAMPLER, args.learner or DEFAULT_LEARNER
+    parse_spec(sampler_spec), parse_spec(learner_spec)  # unknown backend / dtype: fail before loading
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # rollcorr's own progress bars are the ones to read
+    with console.status(f"loading learner {learner_spec} and sampler {sampler_spec} ..."):
+        model_path = model
+        if gguf_file:
+            model_path = materialise_gguf(model, gguf_file, Path(workdir) / "model")
+        learner = make_learner(learner_spec, model_path=model_path)
+        sampler = make_sampler(sampler_spec, model_path=model_path)
+    prompts = _prepare_prompts(prompts, args, learner.tokenizer)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    started = time.perf_counter()
+    try:
+        with Progress(*columns, console=console) as progress:
+            tasks = {
+                "sample": progress.add_task(f"sampling ({sampler_spec})", total=len(prompts)),
+                "score": progress.add_task(f"scoring  ({learner_spec})", total=len(prompts)),
+            }
+            rollout = collect(
+                sampler,
+                learner,
+                prompts,
+                params,
+                batch_size=args.batch_size,
+                on_batch=lambda stage, rows: progress.advance(tasks[stage], rows),
+            )
+    finally:
+        close = getattr(sampler, "close", None)
+        if close:
+            close()
+    source = {
+        "sampler": sampler_spec,
+        "learner": learner_spec,
+        "model": model or "builtin",
+        **({"gguf_file": gguf_file} if gguf_file else {}),
+        "prompts": args.prompts or "builtin addition task (test split)",
+        "chat_template": args.chat,
+        "responses": len(prompts),
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_k": params.top_k,
+        "top_p": params.top_p,
+        "seed": params.seed,
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+    return from_rollout(rollout, learner.tokenizer, sampler_dist=args.sampler_dist, source=source)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from rollcorr.audit.collect import from_log
+    from rollcorr.audit.report import print_summary, write_report
+
+    console = Console()
+    if args.worst < 0:
+        return _fail(f"--worst must be >= 0, got {args.worst}")
+    try:
+        if args.from_log:
+            given = [f"--{name.replace('_', '-')}" for name in LIVE_ONLY if getattr(args, name, None)]
+            if given:
+                return _fail(f"--from-log reads log-probs from the file; {', '.join(given)} do(es) not apply")
+            data = from_log(
+                args.from_log,
+                rollout_field=args.rollout_field,
+                learner_field=args.learner_field,
+                mask_field=args.mask_field,
+            )
+        else:
+            with tempfile.TemporaryDirectory(prefix="rollcorr-audit-") as workdir:
+                data = _collect_live(args, console, workdir)
+    except (ValueError, FileNotFoundError, ImportError, NotImplementedError) as err:
+        return _fail(str(err))
+    out = _out_dir(args.out)
+    summary = write_report(data, out, worst_k=args.worst)
+    print_summary(summary, console)
+    malformed = summary["source"].get("malformed_rows")
+    if malformed:
+        console.print(f"[yellow]{len(malformed)} malformed row(s) skipped:[/] " + "; ".join(malformed[:5]))
+    console.print(f"report: {out / 'report.html'}  (summary.json and PNGs beside it)")
+    return 0

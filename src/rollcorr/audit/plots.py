@@ -1,0 +1,171 @@
+"""The audit's four figures (matplotlib, Agg backend, PNG). Each function draws one figure into ``path``.
+
+- ``scatter``: p_sampler vs p_learner per token, with the diagonal where the two engines agree;
+- ``histogram``: |Δp| on log-spaced bins with a log count axis, thresholds of the ABEJA table marked;
+- ``position``: |Δp| along the response (mean and max per position bucket; the worst response token by token);
+- ``per_response``: each response's max and mean |Δp| against its length.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from rollcorr.audit.stats import (  # noqa: E402
+    TokenView,
+    per_response,
+    position_profile,
+    probability_mismatch,
+)
+
+# threshold -> (comparison, key of the share in probability_mismatch)
+THRESHOLDS = {
+    1e-3: ("<", "prob_diff_frac_lt_1e-3"),
+    0.01: ("≥", "prob_diff_frac_ge_0.01"),
+    0.05: ("≥", "prob_diff_frac_ge_0.05"),
+    0.1: ("≥", "prob_diff_frac_ge_0.1"),
+}
+HIST_FLOOR = 1e-8  # |Δp| below this (including exact agreement) lands in the first bin
+DPI = 110
+
+
+def _save(fig, path: Path) -> Path:
+    """Write the figure atomically (temp file in the same folder, then rename)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=DPI, bbox_inches="tight")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def scatter(view: TokenView, path: Path, title: str = "") -> Path:
+    """p_sampler (x) vs p_learner (y) for every valid token; points off the diagonal disagree."""
+    p_mu = view.log_mu[view.mask].exp().numpy()
+    p_old = view.log_old[view.mask].exp().numpy()
+    diff = abs(p_mu - p_old)
+    order = diff.argsort()  # draw the largest mismatches last, on top
+    fig, ax = plt.subplots(figsize=(5.6, 5.2))
+    points = ax.scatter(
+        p_mu[order],
+        p_old[order],
+        c=diff[order],
+        s=7,
+        cmap="viridis",
+        vmin=0,
+        vmax=max(diff.max(), 1e-6),
+        alpha=0.7,
+    )
+    ax.plot([0, 1], [0, 1], "r--", lw=1, zorder=3, label="p_sampler = p_learner")
+    ax.set(xlim=(-0.02, 1.02), ylim=(-0.02, 1.02), xlabel="p_sampler  (μ)", ylabel="p_learner  (π_old)")
+    ax.set_title(title or f"Same tokens, two engines ({len(p_mu)} tokens)")
+    ax.set_aspect("equal")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.colorbar(points, ax=ax, label="|Δp|", shrink=0.8)
+    return _save(fig, path)
+
+
+def histogram(view: TokenView, path: Path) -> Path:
+    """Histogram of |Δp| on log-spaced bins and a log count axis; the ABEJA thresholds as dashed lines."""
+    d = view.abs_diff[view.mask]
+    bins = torch.logspace(torch.log10(torch.tensor(HIST_FLOOR)), 0, 57).numpy()
+    clipped = d.clamp(min=HIST_FLOOR * 1.0001).numpy()
+    fig, ax = plt.subplots(figsize=(7.2, 4.2))
+    ax.hist(clipped, bins=bins, color="#4c72b0", edgecolor="white", linewidth=0.3)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    shares = probability_mismatch(view)
+    for (c, (op, key)), color in zip(THRESHOLDS.items(), ("#2ca02c", "#ff7f0e", "#d62728", "#9467bd")):
+        ax.axvline(c, color=color, ls="--", lw=1, label=f"{op} {c:g}: {100 * shares[key]:.1f} %")
+    below = int((d < HIST_FLOOR).sum())
+    if below:
+        ax.annotate(
+            f"{below} tokens with |Δp| < {HIST_FLOOR:g}\n(incl. exact agreement)",
+            xy=(HIST_FLOOR * 1.6, below),
+            xytext=(HIST_FLOOR * 8, max(1.2, below / 3)),
+            fontsize=8,
+            arrowprops={"arrowstyle": "->", "lw": 0.8},
+        )
+    ax.set(xlabel="|p_sampler − p_learner|", ylabel="tokens (log scale)")
+    ax.set_title(f"How far the engines disagree, token by token (max {d.max().item():.3g})")
+    ax.legend(fontsize=8, title="share of tokens", title_fontsize=8)
+    ax.grid(alpha=0.3, which="major")
+    return _save(fig, path)
+
+
+def position(view: TokenView, path: Path, n_buckets: int = 20) -> Path:
+    """Top: mean and max |Δp| per bucket of response positions. Bottom: |Δp| token by token in the response
+    holding the largest mismatch (where along the response the big deviations sit)."""
+    prof = position_profile(view, n_buckets=n_buckets)
+    centers = [(s + e - 1) / 2 for s, e in zip(prof["start"], prof["end"])]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.2, 6.0), constrained_layout=True)
+    top.plot(centers, prof["max"], "o-", color="#d62728", ms=3, label="max")
+    top.plot(centers, prof["mean"], "o-", color="#4c72b0", ms=3, label="mean")
+    top.set_yscale("symlog", linthresh=1e-4)
+    top.set(xlabel="position in response (token index)", ylabel="|Δp|")
+    top.set_title(f"|Δp| along the response, {len(centers)} position buckets")
+    top.legend(fontsize=8)
+    top.grid(alpha=0.3)
+
+    abs_diff = view.abs_diff
+    row = int(abs_diff.max(dim=1).values.argmax())
+    trace = abs_diff[row][view.mask[row]].numpy()
+    bottom.vlines(range(len(trace)), 0, trace, color="#4c72b0", lw=1)
+    bottom.plot(range(len(trace)), trace, ".", color="#4c72b0", ms=3)
+    peak = int(trace.argmax())
+    bottom.plot([peak], [trace[peak]], "o", color="#d62728", ms=6, label=f"max {trace[peak]:.3g} at {peak}")
+    bottom.set(xlabel="position in response (token index)", ylabel="|Δp|", ylim=(0, None))
+    bottom.set_title(f"Token by token: response #{row} (the one with the largest |Δp|, {len(trace)} tokens)")
+    bottom.legend(fontsize=8)
+    bottom.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def per_response_plot(view: TokenView, path: Path) -> Path:
+    """Each response's max |Δp| and mean |Δp| (the TIS paper's two metrics) against its length."""
+    rows = per_response(view)
+    length = rows["length"].numpy()
+    fig, ax = plt.subplots(figsize=(7.2, 4.2))
+    ax.scatter(
+        length, rows["max_abs_diff"].clamp(min=HIST_FLOOR).numpy(), s=14, color="#d62728", label="max |Δp|"
+    )
+    ax.scatter(
+        length,
+        rows["mean_abs_diff"].clamp(min=HIST_FLOOR).numpy(),
+        s=14,
+        color="#4c72b0",
+        marker="s",
+        label="mean |Δp|",
+    )
+    ax.set_yscale("log")
+    ax.set(xlabel="response length (tokens)", ylabel=f"|Δp| (log, floor {HIST_FLOOR:g})")
+    ax.set_title(f"Mismatch per response ({len(length)} responses)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def draw_all(view: TokenView, out_dir: Path) -> dict[str, Path]:
+    """All four figures into ``out_dir``; returns name -> path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return {
+        "scatter": scatter(view, out_dir / "scatter.png"),
+        "histogram": histogram(view, out_dir / "histogram.png"),
+        "position": position(view, out_dir / "position.png"),
+        "per_response": per_response_plot(view, out_dir / "per_response.png"),
+    }

@@ -1,0 +1,218 @@
+"""The audit report: ``summary.json``, four PNGs, a self-contained ``report.html`` and a rich table.
+
+``write_report(data, out_dir)`` does everything and returns the summary dict. Files are written to a
+temporary name and renamed, so a folder never holds a half-written report file.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from rollcorr.audit import plots
+from rollcorr.audit.collect import AuditData
+from rollcorr.audit.stats import audit_stats, check_inputs
+
+CONTEXT_TOKENS = 12  # tokens shown on each side of a worst token
+PRINT_CONTEXT_CHARS = 24  # characters of that context printed on each side in the terminal
+
+
+def _visible(text: str) -> str:
+    """Make whitespace in a token visible in one line."""
+    return text.replace("\n", "⏎").replace("\t", "⇥")
+
+
+def token_context(data: AuditData, row: int, position: int, window: int = CONTEXT_TOKENS) -> dict[str, str]:
+    """The decoded text around one response token: ``before``, ``token``, ``after`` (empty when unknown).
+
+    ``position`` counts valid tokens of the row (responses are right-padded, so it is the column index).
+    When the token is within ``window`` of the response start, the end of the prompt is shown before it.
+    """
+    if data.tokens is None:
+        return {"before": "", "token": "", "after": ""}
+    toks = data.tokens[row]
+    before = "".join(toks[max(0, position - window) : position])
+    if position < window and data.prompts is not None:
+        before = data.prompts[row][-(window - position) * 4 :] + "│" + before
+    return {
+        "before": _visible(before),
+        "token": _visible(toks[position]),
+        "after": _visible("".join(toks[position + 1 : position + 1 + window])),
+    }
+
+
+def build_summary(data: AuditData, worst_k: int = 10) -> dict[str, Any]:
+    """Statistics (``audit_stats``) plus the source description and the worst tokens' context."""
+    stats = audit_stats(data.rollout_log_prob, data.old_log_prob, data.response_mask, worst_k=worst_k)
+    for item in stats["worst_tokens"]:
+        item.update(token_context(data, item["row"], item["position"]))
+    return {"source": data.source, **stats}
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2f} %"
+
+
+def _num(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4g}"
+
+
+def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(section, metric, value) rows shared by the printed table and the HTML page."""
+    p, d = summary["probability"], summary["divergence"]
+    rows = [
+        ("data", "responses / tokens", f"{summary['n_responses']} / {summary['n_tokens']}"),
+        ("|Δp|", "share < 0.001", _pct(p["prob_diff_frac_lt_1e-3"])),
+        ("|Δp|", "share ≥ 0.01", _pct(p["prob_diff_frac_ge_0.01"])),
+        ("|Δp|", "share ≥ 0.05", _pct(p["prob_diff_frac_ge_0.05"])),
+        ("|Δp|", "share ≥ 0.1", _pct(p["prob_diff_frac_ge_0.1"])),
+        ("|Δp|", "max", _num(p["prob_diff_max"])),
+        ("|Δp|", "mean", _num(p["prob_diff_mean"])),
+        ("|Δp|", "Pearson(p_μ, p_old)", _num(p["prob_pearson"])),
+    ]
+    for key, label in (("max_abs_diff", "max |Δp|"), ("mean_abs_diff", "mean |Δp|")):
+        q = summary["per_response"][key]
+        rows.append(
+            (
+                "per response",
+                f"{label} mean/median/p90/max",
+                " / ".join(_num(q[k]) for k in ("mean", "median", "p90", "max")),
+            )
+        )
+    rows += [
+        ("ℓ = log π_old − log μ", "mean (signed)", _num(d["log_ratio_mean"])),
+        ("ℓ = log π_old − log μ", "mean |ℓ|", _num(d["log_ratio_abs_mean"])),
+        ("ℓ = log π_old − log μ", "min / max", f"{_num(d['log_ratio_min'])} / {_num(d['log_ratio_max'])}"),
+        ("KL(μ ‖ π_old)", "k1 / k3", f"{_num(d['kl'])} / {_num(d['k3_kl'])}"),
+        ("KL(π_old ‖ μ)", "k1 / k3", f"{_num(d['policy_kl_k1'])} / {_num(d['policy_kl'])}"),
+        ("JS(π_old, μ)", "per sampled token", _num(d["js_divergence"])),
+        ("χ²", "token / sequence", f"{_num(d['chi2_token'])} / {_num(d['chi2_seq'])}"),
+        ("ESS / N", "token / sequence", f"{_num(d['ess_token'])} / {_num(d['ess_seq'])}"),
+    ]
+    return rows
+
+
+def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
+    """The summary table and the worst tokens, printed with rich."""
+    console = console or Console()
+    table = Table(title="sampler vs learner mismatch", title_justify="left")
+    for name in ("", "metric", "value"):
+        table.add_column(name, justify="right" if name == "value" else "left")
+    previous = None
+    for section, metric, value in summary_rows(summary):
+        table.add_row(section if section != previous else "", metric, value)
+        previous = section
+    console.print(table)
+    worst = Table(title="worst tokens", title_justify="left")
+    for name in ("resp", "pos", "p_sampler", "p_learner", "|Δp|", "context"):
+        worst.add_column(name, justify="left" if name == "context" else "right", overflow="fold")
+    for w in summary["worst_tokens"]:
+        before, after = escape(w["before"][-PRINT_CONTEXT_CHARS:]), escape(w["after"][:PRINT_CONTEXT_CHARS])
+        context = f"{before}[bold red]⟦{escape(w['token'])}⟧[/]{after}" if w["token"] else ""
+        worst.add_row(
+            str(w["row"]),
+            str(w["position"]),
+            f"{w['p_sampler']:.4f}",
+            f"{w['p_learner']:.4f}",
+            f"{w['abs_diff']:.4f}",
+            context,
+        )
+    console.print(worst)
+
+
+CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;
+color:#222;line-height:1.45}
+h1{font-size:1.5em;margin-bottom:.2em}h2{font-size:1.15em;margin-top:1.6em;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;margin:.5em 0;font-size:.92em}
+td,th{border:1px solid #ddd;padding:.25em .6em;text-align:left;vertical-align:top}
+th{background:#f4f4f4}td.num{text-align:right;font-variant-numeric:tabular-nums}
+.src td:first-child{color:#555}.ctx{font-family:ui-monospace,monospace;white-space:pre-wrap}
+.tok{background:#fdd;color:#b00;font-weight:bold;border-radius:2px}
+figure{margin:1em 0}figure img{max-width:100%;border:1px solid #eee}figcaption{color:#555;font-size:.9em}
+"""
+
+CAPTIONS = {
+    "scatter": "Each point is one sampled token: its probability under the sampler (x) and under the learner "
+    "(y). On the red diagonal the two engines agree; vertical distance from it is |Δp|.",
+    "histogram": "Distribution of |Δp| over tokens, log-spaced bins and log counts. Dashed lines mark the "
+    "thresholds of the summary table; the legend gives the share of tokens beyond each.",
+    "position": "Top: mean and max |Δp| in buckets of response positions — does mismatch grow along the "
+    "context? Bottom: the response with the largest |Δp|, token by token — isolated spikes or a drift?",
+    "per_response": "Each response's largest and average |Δp| (the TIS paper's two metrics) against its "
+    "length. Max mismatch tends to grow with length even when the mean does not.",
+}
+
+
+def render_html(summary: dict[str, Any], images: dict[str, Path]) -> str:
+    """One self-contained page: inline CSS, PNGs as base64 data URIs, no external resource."""
+    esc = html.escape
+    source = "".join(
+        f"<tr><td>{esc(str(k))}</td><td>{esc(json.dumps(v) if isinstance(v, dict | list) else str(v))}</td></tr>"
+        for k, v in summary["source"].items()
+    )
+    rows = "".join(
+        f"<tr><td>{esc(s)}</td><td>{esc(m)}</td><td class='num'>{esc(v)}</td></tr>"
+        for s, m, v in summary_rows(summary)
+    )
+    worst = "".join(
+        f"<tr><td class='num'>{w['row']}</td><td class='num'>{w['position']}</td>"
+        f"<td class='num'>{w['p_sampler']:.4f}</td><td class='num'>{w['p_learner']:.4f}</td>"
+        f"<td class='num'>{w['abs_diff']:.4f}</td><td class='ctx'>{esc(w['before'])}"
+        f"<span class='tok'>{esc(w['token'])}</span>{esc(w['after'])}</td></tr>"
+        for w in summary["worst_tokens"]
+    )
+    figures = "".join(
+        f"<figure><img alt='{esc(name)}' src='data:image/png;base64,"
+        f"{base64.b64encode(Path(path).read_bytes()).decode()}'><figcaption>{esc(CAPTIONS[name])}</figcaption>"
+        "</figure>"
+        for name, path in images.items()
+    )
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>rollcorr audit</title><style>{CSS}</style></head><body>
+<h1>rollcorr audit: sampler vs learner mismatch</h1>
+<p>The same sampled tokens scored by the sampler (μ, what the tokens were drawn from) and by the learner
+(π_old). Δp = p_sampler − p_learner per token; ℓ = log π_old − log μ. KL, χ² and ESS are Monte-Carlo
+estimates over the sampled tokens.</p>
+<table class="src">{source}</table>
+<h2>Summary</h2><table><tr><th></th><th>metric</th><th>value</th></tr>{rows}</table>
+<h2>Worst tokens</h2>
+<table><tr><th>resp</th><th>pos</th><th>p_sampler</th><th>p_learner</th><th>|Δp|</th><th>context</th></tr>
+{worst}</table>
+<h2>Plots</h2>{figures}
+</body></html>
+"""
+
+
+def write_report(data: AuditData, out_dir: str | Path, *, worst_k: int = 10) -> dict[str, Any]:
+    """Write summary.json, the PNGs and report.html into ``out_dir``; return the summary."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = build_summary(data, worst_k=worst_k)
+    view = check_inputs(data.rollout_log_prob, data.old_log_prob, data.response_mask)
+    images = plots.draw_all(view, out_dir)
+    summary["files"] = sorted([*(p.name for p in images.values()), "report.html", "summary.json"])
+    _atomic_write(out_dir / "summary.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    _atomic_write(out_dir / "report.html", render_html(summary, images))
+    return summary

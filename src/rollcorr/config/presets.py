@@ -1,0 +1,292 @@
+"""Named recipes: every verl preset (same names, same defaults; verl.md §1.5) and the other frameworks' ones.
+
+``preset("decoupled_token_is", threshold=3.0)`` builds a ``CorrectionConfig``; the keyword arguments are those
+of the recipe (``threshold``, ``threshold_lower``, ``is_threshold``, ``rs_threshold``, …). verl's K1 windows
+such as ``"0.999_1.001"`` are read with their documented meaning (a window on ρ), see docs/rejection.md.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from rollcorr.config.correction import CorrectionConfig
+
+C = CorrectionConfig
+GEO = "0.999_1.001"  # verl's Geo-RS default window on the geometric-mean ratio
+
+
+def _verl(is_level=None, is_threshold=2.0, rs=None, rs_threshold=None, bypass=False, loss_type="ppo_clip"):
+    """A verl preset. verl's lo_hi IS threshold means IcePop (mask); a number means TIS (truncate)."""
+    is_mode, lower, upper = "truncate", None, is_threshold
+    if isinstance(is_threshold, tuple):
+        is_mode, (lower, upper) = "mask", is_threshold
+    return C(
+        mode="bypass" if bypass else "decoupled",
+        loss_type=loss_type,
+        is_level=is_level,
+        is_mode=is_mode,
+        is_upper=upper,
+        is_lower=lower,
+        rs=() if rs is None else (rs,),
+        rs_thresholds=() if rs is None else (rs_threshold,),
+        # verl decoupled rejects before the loss (mean over kept); bypass rejects inside the loss after the
+        # engine counted tokens (issue #4852), i.e. the original count.
+        denominator="original" if bypass else "kept",
+        batch_norm_scope="micro_batch" if bypass else "batch",
+    )
+
+
+# ---- verl (RolloutCorrectionConfig classmethods) ------------------------------------------------
+def decoupled_token_is(threshold: float = 2.0) -> C:
+    return _verl("token", threshold)
+
+
+def decoupled_token_icepop(threshold: float = 5.0, threshold_lower: float = 0.5) -> C:
+    return _verl("token", (threshold_lower, threshold))
+
+
+def decoupled_seq_is(threshold: float = 2.0) -> C:
+    return _verl("sequence", threshold)
+
+
+def decoupled_seq_is_rs(is_threshold: float = 2.0, rs_threshold: Any = "0.5_2.0") -> C:
+    return _verl("sequence", is_threshold, "seq_sum_k1", rs_threshold)
+
+
+def decoupled_geo_rs(rs_threshold: Any = GEO) -> C:
+    return _verl(None, 2.0, "seq_mean_k1", rs_threshold)
+
+
+def decoupled_geo_rs_seq_tis(is_threshold: float = 2.0, rs_threshold: Any = GEO) -> C:
+    return _verl("sequence", is_threshold, "seq_mean_k1", rs_threshold)
+
+
+def decoupled_geo_rs_token_tis(is_threshold: float = 2.0, rs_threshold: Any = GEO) -> C:
+    return _verl("token", is_threshold, "seq_mean_k1", rs_threshold)
+
+
+def decoupled_k3_rs(rs_threshold: float = 0.01) -> C:
+    return _verl(None, 2.0, "seq_mean_k3", rs_threshold)
+
+
+def decoupled_k3_rs_seq_tis(is_threshold: float = 2.0, rs_threshold: float = 0.01) -> C:
+    return _verl("sequence", is_threshold, "seq_mean_k3", rs_threshold)
+
+
+def decoupled_k3_rs_token_tis(is_threshold: float = 2.0, rs_threshold: float = 0.01) -> C:
+    return _verl("token", is_threshold, "seq_mean_k3", rs_threshold)
+
+
+def bypass_ppo_clip() -> C:
+    return _verl(None, bypass=True)
+
+
+def bypass_ppo_clip_geo_rs(rs_threshold: Any = GEO) -> C:
+    return _verl(None, 2.0, "seq_mean_k1", rs_threshold, bypass=True)
+
+
+def bypass_ppo_clip_k3_rs(rs_threshold: float = 0.01) -> C:
+    return _verl(None, 2.0, "seq_mean_k3", rs_threshold, bypass=True)
+
+
+def bypass_pg_is(threshold: float = 2.0) -> C:
+    return _verl("sequence", threshold, bypass=True, loss_type="reinforce")
+
+
+def bypass_pg_token_icepop(threshold: float = 5.0, threshold_lower: float = 0.5) -> C:
+    return _verl("token", (threshold_lower, threshold), bypass=True, loss_type="reinforce")
+
+
+def bypass_pg_geo_rs(rs_threshold: Any = GEO) -> C:
+    return _verl(None, 2.0, "seq_mean_k1", rs_threshold, bypass=True, loss_type="reinforce")
+
+
+def bypass_pg_geo_rs_seq_tis(is_threshold: float = 2.0, rs_threshold: Any = GEO) -> C:
+    return _verl("sequence", is_threshold, "seq_mean_k1", rs_threshold, bypass=True, loss_type="reinforce")
+
+
+def bypass_pg_geo_rs_token_tis(is_threshold: float = 2.0, rs_threshold: Any = GEO) -> C:
+    return _verl("token", is_threshold, "seq_mean_k1", rs_threshold, bypass=True, loss_type="reinforce")
+
+
+def disabled() -> C:
+    return C()
+
+
+# ---- papers -------------------------------------------------------------------------------------
+def tis(threshold: float = 2.0) -> C:
+    """Token TIS (Yao et al.): w_t = min(ρ_t, C)."""
+    return C(is_level="token", is_upper=threshold)
+
+
+def icepop(threshold: float = 5.0, threshold_lower: float = 0.5) -> C:
+    """IcePop: w_t = ρ_t·1[α ≤ ρ_t ≤ β], α = 0.5, β = 5 (Ring-1T)."""
+    return C(is_level="token", is_mode="mask", is_lower=threshold_lower, is_upper=threshold)
+
+
+def seq_mis(threshold: float = 2.0) -> C:
+    """Seq-MIS (Liu et al.): w = ρ(y)·1[ρ(y) ≤ C] on the whole sequence."""
+    return C(is_level="sequence", is_mode="mask", is_upper=threshold)
+
+
+def geo_is(threshold: float = 1.01) -> C:
+    """Geometric (length-normalised) truncated IS weights: w = min(exp(mean_t ℓ_t), C)."""
+    return C(is_level="geometric", is_upper=threshold)
+
+
+def trm_max_k2_mean_k3(max_k2: float = 0.05, mean_k3: float = 0.001) -> C:
+    """Trust-region masking (Li et al., combined criterion), loss normalised by the whole batch N."""
+    return C(trm_max_k2=max_k2, trm_mean_k3=mean_k3, denominator="batch")
+
+
+def opsm(delta: float = 1e-4) -> C:
+    """DeepSeek-V3.2 off-policy sequence masking (slime default δ = 1e-4)."""
+    return C(opsm_delta=delta)
+
+
+# ---- other frameworks ---------------------------------------------------------------------------
+def trl_sequence_mask(clip_max: float = 3.0) -> C:
+    """TRL default ``vllm_importance_sampling_mode="sequence_mask"``, clip_max 3.0 (zero weight outside)."""
+    return C(is_level="sequence", is_mode="mask", is_upper=clip_max, denominator="original")
+
+
+def trl_token_truncate(clip_max: float = 3.0) -> C:
+    return C(is_level="token", is_upper=clip_max, denominator="original")
+
+
+def nemo_rl_tis(ratio: float = 2.0) -> C:
+    return C(is_level="token", is_upper=ratio, denominator="original")
+
+
+def nemo_rl_icepop(ratio: float = 5.0, ratio_min: float = 0.5) -> C:
+    return C(is_level="token", is_mode="mask", is_lower=ratio_min, is_upper=ratio, denominator="original")
+
+
+def nemo_rl_seq_mask_tis(ratio: float = 1.002, ratio_min: float = 0.999) -> C:
+    """NeMo-RL / OpenRLHF seq-mask-tis: untruncated token ρ, whole sequence zeroed unless the geometric
+    mean ratio is in [min, max]; zeroed tokens stay in the denominator."""
+    return C(
+        is_level="token",
+        is_upper=None,
+        rs=("seq_mean_k1",),
+        rs_thresholds=((ratio_min, ratio),),
+        denominator="original",
+    )
+
+
+def skyrl_geo_mask(low: float = 0.99, high: float = 1.01) -> C:
+    """SkyRL ``sequence_mask_metric="geometric"`` (the docs' first recommendation)."""
+    return C(rs=("seq_mean_k1",), rs_thresholds=((low, high),))
+
+
+def skyrl_token_tis(clip_high: float = 2.0) -> C:
+    return C(is_level="token", is_upper=clip_high)
+
+
+def skyrl_outlier(low: float = 1e-4, high: float = 100.0) -> C:
+    """SkyRL outlier sequences: drop the sequence if any token ratio is outside [low, high]."""
+    return C(veto_threshold=low, veto_upper=high)
+
+
+def slime_tis(clip: float = 2.0) -> C:
+    """slime ``--use-tis --tis-clip 2.0`` (tis-clip-low 0); the denominator stays the original count."""
+    return C(is_level="token", is_upper=clip, denominator="original")
+
+
+def slime_veto(clip: float = 2.0, veto: float = 1e-4) -> C:
+    """slime MIS helper: token TIS plus the catastrophic-token veto (ρ_t < 1e-4 drops the sequence)."""
+    return C(is_level="token", is_upper=clip, veto_threshold=veto, denominator="original")
+
+
+def slime_opsm(delta: float = 1e-4) -> C:
+    return C(opsm_delta=delta, denominator="original")
+
+
+def areal_decoupled_cap(cap: float = 5.0) -> C:
+    """AReaL's old default (token_mask, cap 5): w_t = 0 where ρ_t > cap, token kept in the denominator."""
+    return C(is_level="token", is_mode="mask", is_upper=cap, denominator="original")
+
+
+def openrlhf_tis(low: float = 0.5, high: float = 5.0) -> C:
+    """OpenRLHF ``is_correction_type=tis``: w = clamp(ρ, low, high) (note the lower clamp)."""
+    return C(is_level="token", is_lower=low, is_upper=high, denominator="original")
+
+
+def openrlhf_icepop(low: float = 0.5, high: float = 5.0) -> C:
+    return C(is_level="token", is_mode="mask", is_lower=low, is_upper=high, denominator="original")
+
+
+def openrlhf_seq_mask_tis(low: float = 0.5, high: float = 5.0) -> C:
+    return nemo_rl_seq_mask_tis(ratio=high, ratio_min=low)
+
+
+def prime_rl_masked_is(token_low: float = 0.125, token_high: float = 8.0, geo_low: float = 0.1,
+                       geo_high: float = 10.0) -> C:  # fmt: skip
+    """prime-rl's former default: token mask [1/8, 8] and geometric sequence mask [0.1, 10]."""
+    return C(
+        rs=("token_k1", "seq_mean_k1"),
+        rs_thresholds=((token_low, token_high), (geo_low, geo_high)),
+        denominator="original",
+    )
+
+
+PRESETS: dict[str, Callable[..., CorrectionConfig]] = {
+    f.__name__: f
+    for f in (
+        decoupled_token_is,
+        decoupled_token_icepop,
+        decoupled_seq_is,
+        decoupled_seq_is_rs,
+        decoupled_geo_rs,
+        decoupled_geo_rs_seq_tis,
+        decoupled_geo_rs_token_tis,
+        decoupled_k3_rs,
+        decoupled_k3_rs_seq_tis,
+        decoupled_k3_rs_token_tis,
+        bypass_ppo_clip,
+        bypass_ppo_clip_geo_rs,
+        bypass_ppo_clip_k3_rs,
+        bypass_pg_is,
+        bypass_pg_token_icepop,
+        bypass_pg_geo_rs,
+        bypass_pg_geo_rs_seq_tis,
+        bypass_pg_geo_rs_token_tis,
+        disabled,
+        tis,
+        icepop,
+        seq_mis,
+        geo_is,
+        trm_max_k2_mean_k3,
+        opsm,
+        trl_sequence_mask,
+        trl_token_truncate,
+        nemo_rl_tis,
+        nemo_rl_icepop,
+        nemo_rl_seq_mask_tis,
+        skyrl_geo_mask,
+        skyrl_token_tis,
+        skyrl_outlier,
+        slime_tis,
+        slime_veto,
+        slime_opsm,
+        areal_decoupled_cap,
+        openrlhf_tis,
+        openrlhf_icepop,
+        openrlhf_seq_mask_tis,
+        prime_rl_masked_is,
+    )
+}
+
+
+def preset(name: str, **kwargs: Any) -> CorrectionConfig:
+    """Build the named recipe; ``kwargs`` override its parameters (see each function's signature)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
+    factory = PRESETS[name]
+    params = inspect.signature(factory).parameters
+    unknown = sorted(set(kwargs) - set(params))
+    if unknown:
+        raise ValueError(f"preset {name!r} has no parameter(s) {unknown}; it takes {list(params)}")
+    return factory(**kwargs)

@@ -1,0 +1,194 @@
+"""``compute_correction``: the one entry point from log-probs to IS weights, rejection mask and metrics.
+
+    ℓ_t = log π_old − log μ          (bypass: log π_θ − log μ, from ``log_prob``, detached)
+    weights = IS(ℓ; config)          (weights.py; None when no IS or bypass + ppo_clip)
+    mask    = response_mask ∧ RS ∧ veto ∧ TRM ∧ OPSM   (rejection.py)
+    metrics = verl's + rollcorr's    (metrics.py; 0-d tensors, no sync)
+
+Nothing here is differentiable. The only device syncs are the input checks (one small stacked read, plus one
+for the optional inputs log_prob / advantages / log_kept_mass when given), which ``validate=False`` skips
+when the caller has already checked the tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rollcorr.config.correction import CorrectionConfig
+from rollcorr.correction import metrics as M
+from rollcorr.correction.ratios import check_extra, check_mask, check_tensor, kl_stats, make_tokens
+from rollcorr.correction.rejection import opsm_keep, rs_option, trm_keep, veto_keep
+from rollcorr.correction.weights import apply_threshold, batch_norm_factor, raw_weights
+
+PREFIX = "rollout_corr/"
+
+
+@dataclass(frozen=True)
+class CorrectionResult:
+    """weights: (B, T) detached IS weights, 0 on padding (float32; float64 for float64 inputs) or None.
+    mask: (B, T) ``response_mask`` after rejection, same dtype as the input mask.
+    metrics: ``rollout_corr/*`` 0-d tensors (read them with ``metrics_to_floats``)."""
+
+    weights: Tensor | None
+    mask: Tensor
+    metrics: dict[str, Tensor]
+
+
+@torch.no_grad()
+def compute_correction(
+    old_log_prob: Tensor | None,
+    rollout_log_prob: Tensor,
+    response_mask: Tensor,
+    config: CorrectionConfig,
+    log_prob: Tensor | None = None,
+    advantages: Tensor | None = None,
+    log_kept_mass: Tensor | None = None,
+    *,
+    version: Tensor | None = None,
+    current_version: int | Tensor | None = None,
+    group: object | None = None,
+    validate: bool = True,
+) -> CorrectionResult:
+    """Correct a (B, T) batch of right-padded responses.
+
+    old_log_prob      log π_old of the sampled tokens (decoupled mode; ignored in bypass, may be None)
+    rollout_log_prob  log μ, the distribution the sampler drew from
+    response_mask     1/True on valid tokens (bool, int or float)
+    log_prob          log π_θ (bypass: required, the ratio is π_θ/μ; decoupled: optional, enables the
+                      discrepancy/staleness metrics and serves OPSM instead of π_old)
+    advantages        (B,) or (B, T); required when ``config.opsm_delta`` is set
+    log_kept_mass     (B, T) log of the top-k/top-p kept mass; required when
+                      ``config.sampler_distribution == "full"`` (then log μ_full = rollout + log_kept_mass)
+    version, current_version   per-token weight version and the learner's version: staleness metrics
+    group             process group for the batch-normalisation all-reduce (default group if None)
+    """
+    if not isinstance(config, CorrectionConfig):
+        raise TypeError(f"config must be a CorrectionConfig, got {type(config).__name__}")
+    mask = check_mask(response_mask)
+    shape = tuple(mask.shape)
+    rollout = check_tensor("rollout_log_prob", rollout_log_prob, shape)
+    if log_prob is not None:
+        log_prob = check_tensor("log_prob", log_prob, shape).detach()
+    if config.mode == "bypass":
+        if log_prob is None:
+            raise ValueError("bypass mode computes the ratio π_θ/μ from log_prob: pass log_prob")
+        anchor_name, anchor = "log_prob", log_prob
+    else:
+        if old_log_prob is None:
+            raise ValueError("decoupled mode needs old_log_prob (π_old)")
+        anchor_name, anchor = "old_log_prob", check_tensor("old_log_prob", old_log_prob, shape).detach()
+    rollout = rollout.detach()
+    non_positive: dict[str, Tensor] = {}
+    if log_prob is not None and anchor_name != "log_prob":
+        non_positive["log_prob"] = log_prob
+    if config.sampler_distribution == "full":
+        if log_kept_mass is None:
+            raise ValueError(
+                "sampler_distribution='full' needs log_kept_mass (log of the top-k/top-p kept mass)"
+            )
+        non_positive["log_kept_mass"] = check_tensor("log_kept_mass", log_kept_mass, shape).detach()
+    finite_rows: dict[str, Tensor] = {}
+    if config.opsm_delta is not None:
+        if advantages is None:
+            raise ValueError("opsm_delta is set: OPSM needs advantages at call time")
+        if tuple(advantages.shape) not in (shape, shape[:1]):
+            raise ValueError(
+                f"advantages has shape {tuple(advantages.shape)}, expected {shape[:1]} or {shape}"
+            )
+        finite_rows["advantages"] = check_tensor("advantages", advantages).detach()
+    if version is not None:
+        check_tensor("version", version, shape, float_only=False)
+        if current_version is None:
+            raise ValueError("version given without current_version (the learner's version)")
+    if validate and (non_positive or finite_rows):
+        check_extra(mask if mask.dtype == torch.bool else mask != 0, non_positive, finite_rows)
+    if config.sampler_distribution == "full":
+        rollout = (
+            rollout.to(torch.promote_types(rollout.dtype, torch.float32)) + non_positive["log_kept_mass"]
+        )
+
+    tok = make_tokens(
+        anchor, rollout, mask, bound=config.safety_bound, verl=config.verl_compat,
+        names=(anchor_name, "rollout_log_prob"), validate=validate,
+    )  # fmt: skip
+    k3 = kl_stats(tok, "k3")
+    metrics: dict[str, Tensor] = {}
+
+    # ---- IS weights ------------------------------------------------------------------------------
+    weights = None
+    if config.is_level is not None:
+        raw, row_log = raw_weights(tok, config.is_level, config.safety_bound)
+        w = apply_threshold(raw, tok.mask_f, config.is_mode, config.is_upper, config.is_lower)
+        metrics.update(
+            M.is_metrics(
+                w, raw, row_log, tok, config.is_level, config.is_upper, config.is_lower, config.is_mode
+            )
+        )
+        if config.batch_normalize:
+            factor = batch_norm_factor(w, tok, config.is_level, group)
+            w = w / factor
+            metrics["rollout_is_batch_norm_factor"] = factor
+        if config.applies_weights:
+            weights = w
+
+    # ---- rejection -------------------------------------------------------------------------------
+    keep = None  # (B, T) bool, None while nothing is rejected
+    row_keep = None  # (B,) bool
+    for option, threshold in zip(config.rs, config.rs_thresholds):
+        stat = k3 if option.endswith("k3") else kl_stats(tok, option[-2:])
+        r = rs_option(option, threshold, stat, tok)
+        metrics.update(M.rs_option_metrics(r, tok))
+        if r.token_keep is not None:
+            keep = r.token_keep if keep is None else keep & r.token_keep
+        else:
+            row_keep = r.row_keep if row_keep is None else row_keep & r.row_keep
+    if config.veto_threshold is not None or config.veto_upper is not None:
+        vk, bad = veto_keep(tok, config.veto_threshold, config.veto_upper)
+        metrics["veto_token_fraction"] = tok.token_mean(bad.to(tok.mask_f.dtype))
+        metrics["veto_seq_fraction"] = tok.over_rows((~vk & tok.valid).to(tok.mask_f.dtype))
+        row_keep = vk if row_keep is None else row_keep & vk
+    if config.trm_max_k2 is not None or config.trm_mean_k3 is not None:
+        tk, row_max_k2, row_mean_k3 = trm_keep(
+            kl_stats(tok, "k2"), k3, tok, config.trm_max_k2, config.trm_mean_k3
+        )
+        metrics["trm_seq_masked_fraction"] = tok.over_rows((~tk & tok.valid).to(tok.mask_f.dtype))
+        metrics["trm_max_k2_max"] = tok.rows_max(row_max_k2)
+        metrics["trm_mean_k3_max"] = tok.rows_max(row_mean_k3)
+        row_keep = tk if row_keep is None else row_keep & tk
+    if config.opsm_delta is not None:
+        pi_theta = log_prob if log_prob is not None else anchor
+        ok, row_div = opsm_keep(tok.rollout, pi_theta, finite_rows["advantages"], tok, config.opsm_delta)
+        metrics["opsm_seq_masked_fraction"] = tok.over_rows((~ok & tok.valid).to(tok.mask_f.dtype))
+        metrics["opsm_divergence_mean"] = tok.over_rows(row_div)
+        row_keep = ok if row_keep is None else row_keep & ok
+    if row_keep is not None:
+        keep = row_keep[:, None].expand(shape) if keep is None else keep & row_keep[:, None]
+    if keep is None:
+        out_mask = mask.clone()
+    else:
+        metrics.update(M.rs_total_metrics(keep, tok))
+        out_mask = mask & keep if mask.dtype == torch.bool else (mask * keep).to(mask.dtype)
+
+    # ---- counts for the loss denominator (SPEC §3) -------------------------------------------------
+    kept = tok.mask if keep is None else tok.mask & keep
+    dtype = tok.mask_f.dtype
+    kept_tokens = torch.count_nonzero(kept).to(dtype)
+    metrics["num_tokens"] = tok.num_tokens
+    metrics["num_kept_tokens"] = kept_tokens
+    metrics["num_seqs"] = torch.tensor(float(shape[0]), dtype=dtype, device=mask.device)
+    metrics["num_valid_seqs"] = tok.num_rows
+    metrics["num_kept_seqs"] = torch.count_nonzero(kept.any(dim=-1)).to(dtype)
+    metrics["all_rejected"] = (kept_tokens == 0).to(dtype)
+
+    # ---- diagnostics ------------------------------------------------------------------------------
+    metrics.update(M.offpolicy_metrics(tok, k3))
+    metrics.update(M.divergence_metrics(tok, k3))
+    metrics.update(M.prob_mismatch(tok.old.exp(), tok.rollout.exp(), tok))
+    if version is not None:
+        metrics.update(M.staleness_metrics(version, current_version, tok))
+    if config.mode == "decoupled" and log_prob is not None:
+        metrics.update(M.decomposition_metrics(log_prob, tok))
+    return CorrectionResult(weights, out_mask, {PREFIX + k: v for k, v in metrics.items()})

@@ -1,0 +1,342 @@
+"""Diagnostics (SPEC §4): every verl metric under its verl name and meaning, plus rollcorr's extras.
+
+All functions return ``dict[str, 0-d Tensor]`` (no ``.item()``); ``metrics_to_floats`` is the one place values
+are synced to Python. Keys here carry no prefix; ``compute_correction`` adds ``rollout_corr/``.
+
+Where verl is biased, rollcorr is not unless ``Tokens.verl`` is set: rows without a valid token never enter
+per-sequence metrics (verl averages them in as ppl 1, χ² 0, weight 1), and ``k3_kl`` uses the clamped
+log-ratio (verl's is unclamped and turns ``inf`` at ℓ ≈ 90).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from rollcorr.correction.ratios import Tokens, check_mask, check_tensor
+from rollcorr.correction.rejection import RSOutcome
+
+Metrics = dict[str, Tensor]
+PPL_LOG_CAP = 80.0  # rollcorr's PPL metrics saturate at e^80 (finite in float32); verl's overflow to inf
+
+
+def _count(flag: Tensor, dtype: torch.dtype) -> Tensor:
+    """Number of True entries as a 0-d ``dtype`` tensor (count_nonzero: no bool → float copy)."""
+    return torch.count_nonzero(flag).to(dtype)
+
+
+def _dot(a: Tensor, b: Tensor) -> Tensor:
+    """Σ a·b over all elements in one fused pass."""
+    return torch.dot(a.reshape(-1), b.reshape(-1))
+
+
+def _std(values: Tensor, weight: Tensor, total: Tensor, eps: float) -> Tensor:
+    """sqrt(max(E[x²] − E[x]², 0)) with E the weighted mean Σ weight·x / (total + eps)."""
+    mean = (values * weight).sum() / (total + eps)
+    var = (values.square() * weight).sum() / (total + eps) - mean.square()
+    return var.clamp_min(0).sqrt()
+
+
+def _row_std_unbiased(x: Tensor, tok: Tokens) -> Tensor:
+    """Unbiased std of a (B,) row value over the rows that count (all in verl mode, valid otherwise);
+    0 when fewer than two rows count."""
+    w = torch.ones_like(x) if tok.verl else tok.valid.to(x.dtype)
+    count = w.sum()
+    mean = (x * w).sum() / count.clamp_min(1)
+    var = ((x - mean).square() * w).sum() / (count - 1).clamp_min(1)
+    return torch.where(count > 1, var.sqrt(), torch.zeros_like(var))
+
+
+# ---- IS ---------------------------------------------------------------------------------------
+def is_metrics(
+    w: Tensor,
+    raw: Tensor,
+    row_log: Tensor | None,
+    tok: Tokens,
+    level: str,
+    upper: float | None,
+    lower: float | None,
+    mode: str,
+) -> Metrics:
+    """verl ``compute_is_metrics`` (verl.md §2.3) on the thresholded weights ``w`` and the raw ones.
+    For sequence / geometric levels ``row_log`` is the per-row log weight (unclamped)."""
+    out: Metrics = {}
+    dtype = w.dtype
+    hi = math.inf if upper is None else upper
+    lo = (1.0 / hi if hi != math.inf else 0.0) if not lower else lower  # verl: lower defaults to 1/upper
+    if row_log is not None:
+        log_hi = math.log(hi) if hi != math.inf else math.inf
+        log_lo = math.log(lo) if lo > 0 else -math.inf
+        out["rollout_is_max"] = tok.rows_max(row_log).clamp(max=20.0).exp()
+        row_min = tok.rows_min(row_log)  # verl leaves the minimum unclamped (inf for ℓ ≫ 0)
+        out["rollout_is_min"] = (row_min if tok.verl else row_min.clamp(-20.0, 20.0)).exp()
+        out["rollout_is_ratio_fraction_high"] = tok.over_rows((row_log > log_hi).to(dtype))
+        out["rollout_is_ratio_fraction_low"] = tok.over_rows((row_log < log_lo).to(dtype))
+    else:
+        # raw is 0 on padding: "> hi" never fires there, "< lo" always does (subtract the padding count)
+        high = _count(raw > hi, dtype)
+        low = _count(raw < lo, dtype) - tok.num_pad if lo > 0 else torch.zeros((), dtype=dtype)
+        out["rollout_is_ratio_fraction_high"] = high / (tok.num_tokens + tok.eps)
+        out["rollout_is_ratio_fraction_low"] = low / (tok.num_tokens + tok.eps)
+        out["rollout_is_max"] = w.max()  # w ≥ 0 and 0 on padding: the max over valid tokens
+        out["rollout_is_min"] = torch.where(tok.mask, w, math.inf).min()
+        if mode == "mask":  # IcePop out-of-band share; the band's lower edge is 0 when none is given
+            oob = high + (low if lower else 0.0)
+            out["rollout_is_oob_ratio"] = oob / (tok.num_tokens + tok.eps)
+    # std / ESS on the applied weights clamped to [0, upper] (verl); thresholded weights already lie there
+    total = tok.num_tokens + tok.eps
+    mean, sq = w.sum() / total, _dot(w, w) / total
+    out["rollout_is_mean"] = mean
+    std = (sq - mean.square()).clamp_min(0).sqrt()
+    out["rollout_is_std"] = torch.where(tok.num_tokens > 1, std, torch.zeros_like(std))
+    out["rollout_is_eff_sample_size"] = (mean + 1e-8).square() / sq  # 1 / mean((w / (mean + 1e-8))²)
+    row_w = tok.row_mean(w)
+    out["rollout_is_seq_mean"] = tok.over_rows(row_w)
+    out["rollout_is_seq_std"] = _row_std_unbiased(row_w, tok)
+    out["rollout_is_seq_max"] = tok.rows_max(row_w)
+    out["rollout_is_seq_min"] = tok.rows_min(row_w)
+    out["rollout_is_seq_max_deviation"] = tok.rows_max((row_w - 1.0).abs())
+    raw_row = tok.row_mean(raw)
+    out["rollout_is_seq_fraction_high"] = tok.over_rows((raw_row > hi).to(dtype))
+    out["rollout_is_seq_fraction_low"] = tok.over_rows((raw_row < lo).to(dtype))
+    if mode == "mask" and row_log is not None:
+        oob = (raw > hi) | (raw < (lower or 0.0))
+        out["rollout_is_oob_ratio"] = tok.token_share(oob & tok.mask)
+    return out
+
+
+# ---- RS ---------------------------------------------------------------------------------------
+def rs_option_metrics(r: RSOutcome, tok: Tokens) -> Metrics:
+    """verl ``compute_rs_metrics`` for one option (verl.md §2.4), keys ``rollout_rs_{option}_*``."""
+    p = f"rollout_rs_{r.option}"
+    dtype = tok.mask_f.dtype
+    out: Metrics = {}
+    is_k1 = r.lower is not None
+    lower = r.lower if is_k1 else 0.0
+    seq = r.row_stat
+    seq_w = tok.valid.to(dtype)  # per-option seq metrics are over valid rows in verl too
+    nv = tok.num_rows
+
+    def seq_frac(flag: Tensor) -> Tensor:
+        return (flag.to(dtype) * seq_w).sum() / nv
+
+    if r.token_stat is not None:  # token level
+        x = r.token_stat
+        out[f"{p}_mean"] = tok.token_mean(x)
+        out[f"{p}_max"] = x.masked_fill(~tok.mask, float("-inf")).max()
+        out[f"{p}_min"] = x.masked_fill(~tok.mask, float("inf")).min()
+        out[f"{p}_fraction_high"] = tok.token_mean(((x > r.upper) & tok.mask).to(dtype))
+        out[f"{p}_fraction_low"] = (
+            tok.token_mean(((x < lower) & tok.mask).to(dtype)) if is_k1 else torch.zeros((), dtype=dtype)
+        )
+        std = _std(x.clamp(min=lower, max=r.upper), tok.mask_f, tok.num_tokens, tok.eps)
+        rejected = ~r.token_keep & tok.mask
+        out[f"{p}_masked_fraction_"] = tok.token_mean(rejected.to(dtype))
+        row_rejected = rejected.any(dim=-1)
+    else:  # sequence level: the row statistic broadcast to its tokens (token-weighted mean / std)
+        out[f"{p}_mean"] = (seq * tok.n).sum() / (tok.num_tokens + tok.eps)
+        out[f"{p}_max"] = seq.masked_fill(~tok.valid, float("-inf")).max()
+        out[f"{p}_min"] = seq.masked_fill(~tok.valid, float("inf")).min()
+        out[f"{p}_fraction_high"] = seq_frac(seq > r.upper)
+        out[f"{p}_fraction_low"] = seq_frac(seq < lower) if is_k1 else torch.zeros((), dtype=dtype)
+        std = _std(seq.clamp(min=lower, max=r.upper), tok.n, tok.num_tokens, tok.eps)
+        row_rejected = ~r.row_keep & tok.valid
+        out[f"{p}_masked_fraction_"] = (row_rejected.to(dtype) * tok.n).sum() / (tok.num_tokens + tok.eps)
+    out[f"{p}_std"] = torch.where(tok.num_tokens > 1, std, torch.zeros_like(std))
+    out[f"{p}_seq_mean"] = (seq * seq_w).sum() / nv
+    var = ((seq - out[f"{p}_seq_mean"]).square() * seq_w).sum() / (nv - 1).clamp_min(1)
+    out[f"{p}_seq_std"] = torch.where(nv > 1, var.sqrt(), torch.zeros_like(var))
+    out[f"{p}_seq_max"] = seq.masked_fill(~tok.valid, float("-inf")).max()
+    out[f"{p}_seq_min"] = seq.masked_fill(~tok.valid, float("inf")).min()
+    out[f"{p}_seq_max_deviation"] = seq.abs().masked_fill(~tok.valid, float("-inf")).max()
+    out[f"{p}_seq_fraction_high"] = seq_frac(seq > r.upper)
+    if is_k1:
+        out[f"{p}_seq_fraction_low"] = seq_frac(seq < lower)
+    out[f"{p}_masked_fraction"] = out.pop(f"{p}_masked_fraction_")
+    out[f"{p}_seq_masked_fraction"] = seq_frac(row_rejected)
+    return out
+
+
+def rs_total_metrics(keep: Tensor, tok: Tokens) -> Metrics:
+    """``rollout_rs_masked_fraction`` (tokens) and ``rollout_rs_seq_masked_fraction`` (rows with any valid
+    token rejected; over all rows in verl mode, over valid rows otherwise)."""
+    dtype = tok.mask_f.dtype
+    rejected = ~keep & tok.mask
+    return {
+        "rollout_rs_masked_fraction": tok.token_mean(rejected.to(dtype)),
+        "rollout_rs_seq_masked_fraction": tok.over_rows(rejected.any(dim=-1).to(dtype)),
+    }
+
+
+# ---- off-policy (verl compute_offpolicy_metrics) -----------------------------------------------
+def offpolicy_metrics(tok: Tokens | Tensor, k3: Tensor | None = None, *legacy: Tokens) -> Metrics:
+    """PPL, KL (k1, k3), log-PPL differences and χ² of π_old (or π_θ in bypass) against μ (verl.md §2.5).
+    ``k3``: the per-token ρ − 1 − ℓ from the clamped ℓ if already computed (verl's k3_kl is unclamped).
+    The older form ``offpolicy_metrics(old_log_prob, rollout_log_prob, tok)`` is still accepted (the
+    log-probs are taken from ``tok``)."""
+    if isinstance(tok, Tensor):
+        tok, k3 = legacy[0], None
+    if k3 is None:
+        k3 = tok.ratio - 1.0 - tok.log_ratio_safe
+    mean_old = tok.row_mean(tok.old)
+    mean_roll = tok.row_mean(tok.rollout)
+    lr = tok.log_ratio
+    if tok.verl:
+        k3 = lr.exp() - lr - 1.0
+    diff = mean_roll - mean_old
+    row_sum = lr.sum(dim=-1).clamp(-20.0, 20.0)
+    # rollcorr keeps these finite: PPL saturates at e^80, ppl_ratio's exponent is clamped to ±20 like ρ
+    ppl_cap, ratio_cap = (math.inf, math.inf) if tok.verl else (PPL_LOG_CAP, 20.0)
+    return {
+        "training_ppl": tok.over_rows((-mean_old).clamp(max=ppl_cap).exp()),
+        "training_log_ppl": tok.over_rows(-mean_old),
+        "kl": -tok.token_mean(lr),
+        "k3_kl": tok.token_mean(k3),
+        "rollout_ppl": tok.over_rows((-mean_roll).clamp(max=ppl_cap).exp()),
+        "rollout_log_ppl": tok.over_rows(-mean_roll),
+        "log_ppl_diff": tok.over_rows(diff),
+        "log_ppl_abs_diff": tok.over_rows(diff.abs()),
+        "log_ppl_diff_max": tok.rows_max(diff),
+        "log_ppl_diff_min": tok.rows_min(diff),
+        "ppl_ratio": tok.over_rows(diff.clamp(-ratio_cap, ratio_cap).exp()),
+        "chi2_token": (_dot(tok.ratio, tok.ratio) - tok.num_pad) / (tok.num_tokens + tok.eps)
+        - 1.0,  # ρ = 1 on pad
+        "chi2_seq": tok.over_rows((2.0 * row_sum).exp()) - 1.0,
+    }
+
+
+# ---- beyond verl -------------------------------------------------------------------------------
+def divergence_metrics(tok: Tokens, k3: Tensor | None = None) -> Metrics:
+    """Both KL directions, Jensen–Shannon and NeMo-RL's token_mult_prob_error, estimated from the sampled
+    tokens (samples from μ, ρ = π_old/μ; every per-token term is ≥ 0 and exactly 0 where ρ = 1):
+
+        gen_kl     KL(μ ‖ π_old)  ≈ mean(ρ − 1 − ℓ)                 (k3; = verl k3_kl, clamped)
+        policy_kl  KL(π_old ‖ μ)  ≈ mean(ρ·ℓ − ρ + 1)              (importance-weighted k3)
+        js         JS(π_old, μ)   ≈ mean(½[ρ·ℓ − (1 + ρ)·log((1 + ρ)/2)])
+        token_mult_prob_error = mean exp(|ℓ|);  log_ratio_mean = mean ℓ;  log_ratio_abs_mean = mean |ℓ|
+    """
+    lr, rho = tok.log_ratio_safe, tok.ratio
+    if k3 is None:
+        k3 = rho - 1.0 - lr
+    rho_lr = rho * lr
+    js = 0.5 * (rho_lr - (1.0 + rho) * (torch.nn.functional.softplus(lr) - math.log(2.0)))
+    abs_lr = lr.abs()
+    return {
+        "gen_kl": tok.token_mean(k3),
+        "policy_kl": tok.token_mean(rho_lr - rho + 1.0),  # per-token terms ≥ 0: no cancellation
+        "js_divergence": tok.token_mean(js),
+        "token_mult_prob_error": 1.0
+        + tok.token_mean(torch.maximum(rho, rho.reciprocal()) - 1.0),  # e^|ℓ| − 1
+        "log_ratio_mean": tok.token_mean(tok.log_ratio),
+        "log_ratio_abs_mean": tok.token_mean(abs_lr),
+    }
+
+
+def mismatch_stats(
+    p_old: Tensor, p_rollout: Tensor, response_mask: Tensor, *, log_space: bool = True
+) -> Metrics:
+    """Probability-space mismatch between the learner and the sampler on the sampled tokens.
+
+    ``p_old`` / ``p_rollout``: (B, T) log-probs (``log_space=True``) or probabilities; padding ignored.
+    Returns (0-d tensors): ``prob_diff_seq_max_mean`` / ``prob_diff_seq_mean_mean`` (per-response max and
+    mean |Δp|, averaged over responses with a valid token: the TIS paper's two metrics), ``prob_diff_mean``
+    and ``prob_diff_max`` over tokens, the share of tokens with |Δp| < 1e-3, ≥ 0.01, ≥ 0.05, ≥ 0.1 (the ABEJA
+    table), ``prob_pearson`` (Pearson correlation of p_μ and p_old over valid tokens; 1 when both are
+    constant and equal, 0 when one is constant and they differ).
+    """
+    mask = check_mask(response_mask)
+    check_tensor("p_old", p_old, tuple(mask.shape))
+    check_tensor("p_rollout", p_rollout, tuple(mask.shape))
+    dtype = torch.float64 if torch.float64 in (p_old.dtype, p_rollout.dtype) else torch.float32
+    m = mask if mask.dtype == torch.bool else mask != 0
+    a = torch.where(m, p_old.to(dtype), 0.0)
+    b = torch.where(m, p_rollout.to(dtype), 0.0)
+    if log_space:
+        a, b = a.exp(), b.exp()  # 1 on padding for both
+    n = m.sum(dim=-1, dtype=dtype)
+    return _prob_mismatch(a, b, n, n.sum(), m.numel() - n.sum(), pad=1.0 if log_space else 0.0)
+
+
+def prob_mismatch(p_old: Tensor, p_rollout: Tensor, tok: Tokens) -> Metrics:
+    """``mismatch_stats`` on probabilities already equal on padding (exp of the masked log-probs)."""
+    return _prob_mismatch(p_old, p_rollout, tok.n, tok.num_tokens, tok.num_pad, pad=1.0)
+
+
+def _prob_mismatch(a: Tensor, b: Tensor, n: Tensor, count: Tensor, num_pad: Tensor, *, pad: float) -> Metrics:
+    """a, b: (B, T) probabilities equal to ``pad`` on padding (so |Δp| = 0 there)."""
+    valid = n > 0
+    rows = valid.sum().clamp_min(1)
+    count = count.clamp_min(1)
+    d = (a - b).abs()
+    row_max = d.amax(dim=-1)
+    row_sum = d.sum(dim=-1)
+    # Pearson over valid tokens from raw moments, removing the padding's known contribution
+    pad_a, pad_aa = pad * num_pad, pad * pad * num_pad
+    sa, sb = a.sum() - pad_a, b.sum() - pad_a
+    saa, sbb, sab = _dot(a, a) - pad_aa, _dot(b, b) - pad_aa, _dot(a, b) - pad_aa
+    f64 = torch.float64
+    cnt = count.to(f64)
+    cov = sab.to(f64) - sa.to(f64) * sb.to(f64) / cnt
+    var_a = (saa.to(f64) - sa.to(f64).square() / cnt).clamp_min(0)
+    var_b = (sbb.to(f64) - sb.to(f64).square() / cnt).clamp_min(0)
+    denom = (var_a * var_b).sqrt()
+    same = row_max.max() == 0
+    scale = 1e-12 * cnt  # variance below rounding noise of the moment sums counts as constant
+    pearson = torch.where(denom > scale, cov / denom.clamp_min(1e-300), torch.where(same, 1.0, 0.0).to(f64))
+    dtype = a.dtype
+
+    def share(flag: Tensor) -> Tensor:
+        return _count(flag, dtype) / count
+
+    return {
+        "prob_diff_seq_max_mean": torch.where(valid, row_max, 0).sum() / rows,
+        "prob_diff_seq_mean_mean": torch.where(valid, row_sum / n.clamp_min(1), 0).sum() / rows,
+        "prob_diff_mean": row_sum.sum() / count,
+        "prob_diff_max": row_max.max(),  # |Δp| ≥ 0 and 0 on padding
+        "prob_diff_frac_lt_1e-3": (_count(d < 1e-3, dtype) - num_pad) / count,  # padding has d = 0
+        "prob_diff_frac_ge_0.01": share(d >= 0.01),
+        "prob_diff_frac_ge_0.05": share(d >= 0.05),
+        "prob_diff_frac_ge_0.1": share(d >= 0.1),
+        "prob_pearson": pearson.clamp(-1.0, 1.0).to(dtype),
+    }
+
+
+def staleness_metrics(version: Tensor, current_version: int | Tensor, tok: Tokens) -> Metrics:
+    """Per-token version lag (current − version that produced the token): mean and max over valid tokens."""
+    lag = (torch.as_tensor(current_version, device=version.device) - version).to(tok.mask_f.dtype)
+    lag = torch.where(tok.mask, lag, 0.0)
+    return {
+        "staleness_mean": tok.token_mean(lag),
+        "staleness_max": lag.masked_fill(~tok.mask, float("-inf")).max(),
+    }
+
+
+def decomposition_metrics(log_prob: Tensor, tok: Tokens) -> Metrics:
+    """SPEC §1 split of π_θ/μ into discrepancy π_old/μ and staleness π_θ/π_old: k3 (e^x − 1 − x, mean over
+    valid tokens, x clamped to ±20) of each log-ratio and of the total."""
+    theta = torch.where(tok.mask, log_prob.to(tok.old.dtype), 0.0)
+
+    def k3(x: Tensor) -> Tensor:
+        x = x.clamp(-20.0, 20.0)
+        return tok.token_mean(torch.expm1(x) - x)
+
+    return {
+        "discrepancy_k3": k3(tok.log_ratio),
+        "staleness_k3": k3(theta - tok.old),
+        "total_k3": k3(theta - tok.rollout),
+    }
+
+
+def metrics_to_floats(metrics: dict[str, Tensor | float]) -> dict[str, float]:
+    """Python floats for logging: one device sync for the whole dict."""
+    if not metrics:
+        return {}
+    keys = list(metrics)
+    first = next((v for v in metrics.values() if isinstance(v, Tensor)), None)
+    device = first.device if first is not None else None
+    values = [
+        torch.as_tensor(metrics[k], dtype=torch.float64, device=device).detach().reshape(()) for k in keys
+    ]
+    return dict(zip(keys, torch.stack(values).tolist()))

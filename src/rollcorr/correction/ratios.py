@@ -1,0 +1,208 @@
+"""Input checks and the per-token log-ratio ℓ = log π_old − log μ with its k1/k2/k3 statistics (SPEC §1, §3).
+
+Everything here is a pure function of (B, T) tensors. Padding never matters: ℓ is set to 0 there (so NaN or
+inf in padding is ignored), which also makes ρ − 1, k1, k2 and k3 exactly 0 on padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, *FLOAT_DTYPES)
+
+
+def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
+    """float64 if any input is float64, else float32 (bf16 / fp16 inputs are upcast)."""
+    return (
+        torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+    )
+
+
+def _positive_tolerance(dtype: torch.dtype) -> float:
+    # A log-prob rounded in low precision can land just above 0; anything beyond a few ulps of 1 is a bug.
+    return max(1e-6, 4 * torch.finfo(dtype).eps)
+
+
+def check_tensor(
+    name: str, x: object, shape: tuple[int, ...] | None = None, *, float_only: bool = True
+) -> Tensor:
+    """Type, dtype and shape checks that need no device sync."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if float_only and x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating tensor (float32/bfloat16/float64), got {x.dtype}")
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
+    return x
+
+
+def check_mask(mask: object) -> Tensor:
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"response_mask must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype not in MASK_DTYPES:
+        raise TypeError(f"response_mask must be bool, integer or float, got {mask.dtype}")
+    if mask.dim() != 2:
+        raise ValueError(f"response_mask must be (B, T), got shape {tuple(mask.shape)}")
+    if mask.shape[0] == 0 or mask.shape[1] == 0:
+        raise ValueError(f"response_mask is empty (shape {tuple(mask.shape)})")
+    return mask
+
+
+def _where(bad: Tensor) -> str:
+    idx = bad.nonzero()[:3].tolist()
+    return ", ".join(f"(row {i}, pos {j})" for i, j in idx)
+
+
+def _locate(name: str, x: Tensor, mask_bool: Tensor, upper_ok: float) -> str:
+    """Error path only: say what is wrong with ``x`` on valid tokens and where."""
+    nonfinite = mask_bool & ~torch.isfinite(x)
+    if nonfinite.any():
+        return f"{name} is NaN/inf on valid tokens at {_where(nonfinite)}"
+    return (
+        f"{name} is positive (not a log-probability) on valid tokens at {_where(mask_bool & (x > upper_ok))}"
+    )
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """The masked batch every correction step reads. Shapes: (B, T) unless noted."""
+
+    mask: Tensor  # bool, valid tokens
+    mask_f: Tensor  # same in the compute dtype
+    n: Tensor  # (B,) valid tokens per row
+    valid: Tensor  # (B,) bool, rows with >= 1 valid token
+    num_tokens: Tensor  # () total valid tokens
+    num_rows: Tensor  # () rows with >= 1 valid token
+    num_pad: Tensor  # () padding positions (B·T − num_tokens)
+    old: Tensor  # anchor log-probs (π_old, or π_θ in bypass), 0 on padding
+    rollout: Tensor  # log μ, 0 on padding
+    log_ratio: Tensor  # ℓ, unclamped, 0 on padding
+    log_ratio_safe: Tensor  # clamp(ℓ, ±bound)
+    ratio: Tensor  # ρ = exp(clamp(ℓ)), 1 on padding
+    verl: bool  # reproduce verl's formulas (masked means with +1e-8, all rows in seq metrics)
+
+    @property
+    def eps(self) -> float:
+        return 1e-8 if self.verl else 0.0
+
+    def token_mean(self, x: Tensor) -> Tensor:
+        """Masked mean over valid tokens of a (B, T) tensor that is already 0 on padding."""
+        return x.sum() / (self.num_tokens + self.eps)
+
+    def token_share(self, flag: Tensor) -> Tensor:
+        """Share of valid tokens where a bool (B, T) flag holds (the flag must be False on padding)."""
+        return torch.count_nonzero(flag).to(self.mask_f.dtype) / (self.num_tokens + self.eps)
+
+    def row_mean(self, x: Tensor) -> Tensor:
+        """(B,) per-row masked mean of a tensor that is 0 on padding (0 for all-padding rows)."""
+        return x.sum(dim=-1) / (self.n + self.eps if self.verl else self.n.clamp_min(1))
+
+    def over_rows(self, x: Tensor) -> Tensor:
+        """Mean of a (B,) per-row value: over all rows in verl mode, over rows with a valid token otherwise."""
+        if self.verl:
+            return x.mean()
+        return torch.where(self.valid, x, 0).sum() / self.num_rows
+
+    def rows_max(self, x: Tensor) -> Tensor:
+        return (x if self.verl else x.masked_fill(~self.valid, float("-inf"))).max()
+
+    def rows_min(self, x: Tensor) -> Tensor:
+        return (x if self.verl else x.masked_fill(~self.valid, float("inf"))).min()
+
+
+def make_tokens(
+    old_log_prob: Tensor,
+    rollout_log_prob: Tensor,
+    mask: Tensor,
+    *,
+    bound: float,
+    verl: bool,
+    names: tuple[str, str] = ("old_log_prob", "rollout_log_prob"),
+    validate: bool = True,
+) -> Tokens:
+    """Mask the log-probs (0 on padding, whatever padding held), check them, and form ℓ = old − rollout,
+    its clamp to ±bound and ρ = exp(clamp(ℓ)).
+
+    The check raises ``ValueError`` naming the tensor and the first bad positions when the mask has no
+    valid token or a valid log-prob is NaN, ±inf or positive. It costs one min/max pass per tensor and a
+    single device sync (one small stacked vector read)."""
+    dtype = compute_dtype(old_log_prob, rollout_log_prob)
+    mask_bool = mask if mask.dtype == torch.bool else mask != 0
+    old = torch.where(mask_bool, old_log_prob.to(dtype), 0.0)
+    rollout = torch.where(mask_bool, rollout_log_prob.to(dtype), 0.0)
+    n = mask_bool.sum(dim=-1, dtype=dtype)
+    num_tokens = n.sum()
+    if validate:
+        flags = [num_tokens, *torch.aminmax(old), *torch.aminmax(rollout)]
+        if mask.dtype != torch.bool:
+            flags.append(((mask != 0) & (mask != 1)).any())
+        values = torch.stack([f.to(dtype) for f in flags]).tolist()
+        if values[0] == 0:
+            raise ValueError("response_mask has no valid token: nothing to correct (every row is padding)")
+        if len(values) > 5 and values[5]:
+            raise ValueError(
+                f"response_mask has values other than 0 and 1 at {_where((mask != 0) & (mask != 1))}"
+            )
+        for (lo, hi), name, x in zip((values[1:3], values[3:5]), names, (old_log_prob, rollout_log_prob)):
+            tol = _positive_tolerance(x.dtype)
+            if not (lo > float("-inf") and hi <= tol):  # NaN fails both comparisons
+                raise ValueError(_locate(name, x, mask_bool, tol))
+    log_ratio = old - rollout
+    log_ratio_safe = log_ratio.clamp(-bound, bound)
+    valid = n > 0
+    return Tokens(
+        mask=mask_bool,
+        mask_f=mask_bool.to(dtype),
+        n=n,
+        valid=valid,
+        num_tokens=num_tokens,
+        num_rows=valid.sum().to(dtype),
+        num_pad=mask_bool.numel() - num_tokens,
+        old=old,
+        rollout=rollout,
+        log_ratio=log_ratio,
+        log_ratio_safe=log_ratio_safe,
+        ratio=log_ratio_safe.exp(),
+        verl=verl,
+    )
+
+
+def check_extra(
+    mask_bool: Tensor,
+    non_positive: dict[str, Tensor] | None = None,
+    finite_rows: dict[str, Tensor] | None = None,
+) -> None:
+    """Checks for the optional inputs (one sync): ``non_positive`` tensors finite and ≤ 0 on valid tokens
+    (log_prob, log_kept_mass); ``finite_rows`` finite on valid rows / tokens (advantages, (B,) or (B, T))."""
+    checks: list[tuple[str, Tensor, Tensor, float | None]] = []
+    for name, x in (non_positive or {}).items():
+        checks.append((name, x, torch.where(mask_bool, x, 0), _positive_tolerance(x.dtype)))
+    row_valid = mask_bool.any(dim=-1)
+    for name, x in (finite_rows or {}).items():
+        checks.append((name, x, torch.where(row_valid if x.dim() == 1 else mask_bool, x, 0), None))
+    if not checks:
+        return
+    stats = torch.stack([v.to(torch.float64) for _, _, xm, _ in checks for v in torch.aminmax(xm)]).tolist()
+    for k, (name, x, _, tol) in enumerate(checks):
+        lo, hi = stats[2 * k], stats[2 * k + 1]
+        if tol is None:
+            if not (lo > float("-inf") and hi < float("inf")):
+                raise ValueError(f"{name} is NaN/inf on valid rows/tokens")
+        elif not (lo > float("-inf") and hi <= tol):
+            raise ValueError(_locate(name, x, mask_bool, tol))
+
+
+def kl_stats(tok: Tokens, k: str) -> Tensor:
+    """Per-token k1 = −ℓ, k2 = ½ℓ² or k3 = ρ − 1 − ℓ (from the clamped ℓ; all 0 on padding)."""
+    lr = tok.log_ratio_safe
+    if k == "k1":
+        return -lr
+    if k == "k2":
+        return 0.5 * lr.square()
+    if k == "k3":
+        return tok.ratio - 1.0 - lr
+    raise ValueError(f"unknown statistic {k!r}; choose k1, k2 or k3")

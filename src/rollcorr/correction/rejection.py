@@ -1,0 +1,117 @@
+"""Rejection (SPEC §3): masks, not weights. Every rule returns a keep mask; rules combine with AND.
+
+Per-token statistics from ℓ (clamped): k1 = −ℓ, k2 = ½ℓ², k3 = e^ℓ − 1 − ℓ. verl options:
+
+    token_k{1,2,3}      the token statistic
+    seq_sum_k{1,2,3}    Σ_t k   (seq_sum_k1 = −log Π ρ_t)
+    seq_mean_k{1,2,3}   mean_t k (seq_mean_k1 = −log ρ_geo: Geo-RS)
+    seq_max_k{2,3}      max_t k
+
+K1 bounds a **ratio** window [lo, hi]: keep lo ≤ ρ ≤ hi (product for seq_sum, geometric mean for seq_mean),
+i.e. −log hi ≤ k1 ≤ −log lo. verl's code instead keeps log lo ≤ k1 ≤ log hi (``verl=True``), which inverts
+asymmetric windows (verl PR #6377, never merged). k2/k3 thresholds are upper bounds.
+
+Beyond verl: veto (any ρ_t < C drops the row), outlier ceiling (any ρ_t > C), TRM (max k2 ≤ δ_max and
+mean k3 ≤ δ_avg) and OPSM (drop iff A < 0 and mean_t(log μ − log π_θ) > δ).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rollcorr.correction.ratios import Tokens
+
+
+@dataclass(frozen=True)
+class RSOutcome:
+    """One option's decision and statistics (for the metrics)."""
+
+    option: str
+    token_keep: Tensor | None  # (B, T) bool for token options, None for sequence options
+    row_keep: Tensor | None  # (B,) bool for sequence options
+    token_stat: Tensor | None  # (B, T) statistic for token options (0 on padding)
+    row_stat: Tensor  # (B,) per-row statistic (row mean of the token stat for token options)
+    lower: float | None  # bounds in statistic space (lower only for K1)
+    upper: float
+
+
+def k1_bounds(window: tuple[float, float], verl: bool) -> tuple[float, float]:
+    """Statistic-space bounds on k1 = −log ρ for a ratio window (lo, hi)."""
+    lo, hi = window
+    return (math.log(lo), math.log(hi)) if verl else (-math.log(hi), -math.log(lo))
+
+
+def _row_max(x: Tensor, tok: Tokens) -> Tensor:
+    """Masked row max; 0 for all-padding rows (verl's convention)."""
+    m = x.masked_fill(~tok.mask, float("-inf")).amax(dim=-1)
+    return torch.where(tok.valid, m, torch.zeros_like(m))
+
+
+def rs_option(option: str, threshold: float | tuple[float, float], x: Tensor, tok: Tokens) -> RSOutcome:
+    """Apply one verl RS option to its per-token statistic ``x`` (k1, k2 or k3; 0 on padding)."""
+    kind, k = option.rsplit("_", 1)
+    if k == "k1":
+        lower, upper = k1_bounds(threshold, tok.verl)  # type: ignore[arg-type]
+    else:
+        lower, upper = None, float(threshold)  # type: ignore[arg-type]
+
+    def inside(v: Tensor) -> Tensor:
+        keep = v <= upper
+        return keep & (v >= lower) if lower is not None else keep
+
+    if kind == "token":
+        return RSOutcome(option, inside(x), None, x, tok.row_mean(x), lower, upper)
+    if kind == "seq_sum":
+        row = x.sum(dim=-1)
+    elif kind == "seq_mean":
+        row = tok.row_mean(x)
+    elif kind == "seq_max":
+        row = _row_max(x, tok)
+    else:  # config validation makes this unreachable
+        raise ValueError(f"unknown rs option {option!r}")
+    return RSOutcome(option, None, inside(row), None, row, lower, upper)
+
+
+def veto_keep(tok: Tokens, floor: float | None, ceiling: float | None) -> tuple[Tensor, Tensor]:
+    """(row keep (B,), per-token catastrophic flags (B, T)): a row is dropped if any valid ρ_t < floor or
+    > ceiling. Compared in log space on the unclamped ℓ."""
+    bad = torch.zeros_like(tok.mask)
+    if floor is not None:
+        bad = bad | (tok.log_ratio < math.log(floor))
+    if ceiling is not None:
+        bad = bad | (tok.log_ratio > math.log(ceiling))
+    bad = bad & tok.mask
+    return ~bad.any(dim=-1), bad
+
+
+def trm_keep(
+    k2: Tensor, k3: Tensor, tok: Tokens, max_k2: float | None, mean_k3: float | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Trust-region masking: keep a row iff max_t k2_t ≤ δ_max and mean_t k3_t ≤ δ_avg (either may be off).
+    Returns (row keep, row max k2, row mean k3)."""
+    row_max_k2 = _row_max(k2, tok)
+    row_mean_k3 = tok.row_mean(k3)
+    keep = torch.ones_like(tok.valid)
+    if max_k2 is not None:
+        keep = keep & (row_max_k2 <= max_k2)
+    if mean_k3 is not None:
+        keep = keep & (row_mean_k3 <= mean_k3)
+    return keep, row_max_k2, row_mean_k3
+
+
+def opsm_keep(
+    rollout_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, tok: Tokens, delta: float
+) -> tuple[Tensor, Tensor]:
+    """OPSM (DeepSeek-V3.2): drop a row iff A < 0 and mean_t(log μ − log π_θ) > δ.
+    ``advantages`` is (B,) or (B, T) (then its masked row mean is the row's advantage).
+    Returns (row keep, row divergence)."""
+    diff = torch.where(tok.mask, rollout_log_prob.to(tok.mask_f.dtype) - log_prob.to(tok.mask_f.dtype), 0.0)
+    row_div = tok.row_mean(diff)
+    adv = advantages.to(tok.mask_f.dtype)
+    if adv.dim() == 2:
+        adv = tok.row_mean(torch.where(tok.mask, adv, 0.0))
+    return (adv >= 0) | (row_div <= delta), row_div

@@ -1,0 +1,72 @@
+"""Importance weights (SPEC §2): level, truncation or IcePop masking, optional batch normalisation.
+
+    token:      w_t = ρ_t                      = exp(ℓ_t)
+    sequence:   w   = Π_t ρ_t                  = exp(Σ_t ℓ_t)           broadcast to the row
+    geometric:  w   = (Π_t ρ_t)^(1/T)          = exp(mean_t ℓ_t)        broadcast to the row
+    truncate:   w ← clamp(w, lower, upper)     (TIS; lower optional, ratios < 1 untouched by default)
+    mask:       w ← w · 1[lower ≤ w ≤ upper]   (IcePop / Seq-MIS: inside the band w keeps its value)
+    normalise:  w ← w / mean(w)                (masked mean after truncation; per-sequence for seq levels)
+
+Exponents are clamped to ±bound. Weights are 0 on padding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rollcorr.correction.ratios import Tokens
+
+
+def raw_weights(tok: Tokens, level: str, bound: float) -> tuple[Tensor, Tensor | None]:
+    """(raw (B, T) weights before thresholds, 0 on padding; per-row log weight (B,) for seq levels)."""
+    if level == "token":
+        return tok.ratio * tok.mask_f, None
+    row_log = tok.log_ratio.sum(dim=-1)  # Σ_t ℓ_t (unclamped), 0 for all-padding rows
+    if level == "geometric":
+        row_log = row_log / tok.n.clamp_min(1)
+    elif level != "sequence":
+        raise ValueError(f"is_level={level!r}; choose one of ['token', 'sequence', 'geometric']")
+    row_w = row_log.clamp(-bound, bound).exp()
+    return row_w[:, None] * tok.mask_f, row_log
+
+
+def apply_threshold(
+    raw: Tensor, mask_f: Tensor, mode: str, upper: float | None, lower: float | None
+) -> Tensor:
+    """Truncate (clamp) or mask (zero outside the band, keep ρ inside) the raw weights."""
+    if mode == "truncate":
+        if upper is None and lower is None:
+            return raw
+        w = raw.clamp(min=lower, max=upper)
+        return w * mask_f if lower is not None else w  # a lower clamp would lift padding off 0
+    if mode == "mask":
+        keep = raw <= (float("inf") if upper is None else upper)
+        if lower:
+            keep = keep & (raw >= lower)
+        return torch.where(keep, raw, 0.0)
+    raise ValueError(f"is_mode={mode!r}; choose one of ['truncate', 'mask']")
+
+
+def _all_reduce_sum(x: Tensor, group: object | None) -> Tensor:
+    if dist.is_available() and dist.is_initialized():
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return x
+
+
+def batch_norm_factor(w: Tensor, tok: Tokens, level: str, group: object | None = None) -> Tensor:
+    """Masked mean of the weights: over valid tokens (token level) or over valid rows of the per-row
+    weight (sequence / geometric). Summed across ranks when ``torch.distributed`` is initialised.
+    Returns 1 when the mean is ≤ 1e-8 (everything masked), so normalising never divides by 0."""
+    if level == "token":
+        stats = torch.stack([w.sum(), tok.num_tokens])
+        eps = tok.eps
+    else:
+        row_w = w.sum(dim=-1) / (tok.n + 1e-8 if tok.verl else tok.n.clamp_min(1))
+        stats = torch.stack([(row_w * tok.valid).sum(), tok.num_rows])
+        eps = 0.0
+    num, den = _all_reduce_sum(stats, group).unbind()
+    mean = num / (den + eps if level == "token" else den.clamp_min(1e-8))
+    return torch.where(mean > 1e-8, mean, torch.ones_like(mean))

@@ -1,0 +1,136 @@
+"""Engine protocols: a ``Sampler`` draws responses (with their log μ), a ``Learner`` scores them (log π).
+
+SPEC §8: ``rollout_log_prob`` is log μ of the sampled token under the distribution the sampler really drew
+from — logits / temperature, then top-k, then top-p, renormalised over the kept tokens — and
+``log_kept_mass`` is log of the mass the kept tokens had under the tempered (untruncated) distribution, so
+log π_full(y_t) = rollout_log_prob + log_kept_mass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+from rollcorr.rollout import Rollout
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. temperature 0 means greedy (log μ = 0 on the chosen token: μ is a point mass).
+
+    max_new_tokens  response length cap (tokens, EOS included)
+    temperature     ≥ 0; logits are divided by it (0 → greedy)
+    top_k           keep the k most likely tokens (0 = off)
+    top_p           keep the smallest set of most likely tokens whose mass reaches top_p (1.0 = off)
+    seed            seed of the sampler's torch.Generator (None: nondeterministic)
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be finite and ≥ 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int ≥ 0 (0 = off), got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """An inference engine holding one weight version.
+
+    ``generate`` returns a Rollout with n consecutive responses per prompt (sharing a group id), their
+    ``rollout_log_prob`` / ``log_kept_mass`` and per-token ``version``. ``meta[i]["finished"]`` tells whether
+    row i ended with EOS or the token cap (False when ``max_steps`` stopped decoding first); ``resume=``
+    continues the unfinished rows of such a Rollout with the current weights.
+    """
+
+    version: int
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams,
+        *,
+        n: int = 1,
+        meta: list[dict[str, Any]] | None = None,
+        group_ids: list[int] | Tensor | None = None,
+        resume: Rollout | None = None,
+        max_steps: int | None = None,
+    ) -> Rollout: ...
+
+    def load_weights(self, state_dict: dict[str, Tensor], version: int) -> int: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Learner(Protocol):
+    """The training engine: scores response tokens with full-sequence forwards (prompt + response)."""
+
+    model: nn.Module
+    tokenizer: Any
+
+    def log_prob(
+        self,
+        rollout_or_input: Rollout | tuple[Tensor, Tensor, Tensor, Tensor],
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        grad: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]: ...
+
+    def state_dict(self) -> dict[str, Tensor]: ...
+
+    def parameters(self): ...
+
+
+def process_logits(logits: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
+    """Logits (B, V) → (log μ over the vocabulary (B, V), log kept mass (B,)).  SPEC §8.
+
+    log p   = log_softmax(logits / temperature)                  the tempered full distribution
+    keep    = top-k ∩ top-p set of p (top-p: smallest prefix of the sorted p whose mass ≥ top_p;
+              the most likely token is always kept)
+    log μ_v = log p_v − log Σ_{u∈keep} p_u  for v ∈ keep, −inf otherwise
+    Greedy (temperature 0) is μ = one-hot(argmax) with kept mass p(argmax) of the untempered distribution.
+    Computed in float32 whatever the logits' dtype.
+    """
+    logits = logits.float()
+    if params.greedy:
+        log_p = torch.log_softmax(logits, dim=-1)
+        top = log_p.argmax(dim=-1, keepdim=True)
+        log_mu = torch.full_like(log_p, float("-inf")).scatter(-1, top, 0.0)
+        return log_mu, log_p.gather(-1, top).squeeze(-1)
+    log_p = torch.log_softmax(logits / params.temperature, dim=-1)
+    if params.top_k == 0 and params.top_p >= 1.0:
+        return log_p, torch.zeros(log_p.shape[0], dtype=log_p.dtype, device=log_p.device)
+    keep = torch.ones_like(log_p, dtype=torch.bool)
+    if params.top_k > 0 and params.top_k < log_p.shape[-1]:
+        kth = log_p.topk(params.top_k, dim=-1).values[:, -1:]
+        keep &= log_p >= kth
+    if params.top_p < 1.0:
+        sorted_lp, order = log_p.masked_fill(~keep, float("-inf")).sort(dim=-1, descending=True)
+        mass_before = sorted_lp.exp().cumsum(dim=-1) - sorted_lp.exp()  # mass of strictly better tokens
+        keep_sorted = mass_before < params.top_p
+        keep_sorted[:, 0] = True
+        keep &= torch.zeros_like(keep).scatter(-1, order, keep_sorted)
+    masked = log_p.masked_fill(~keep, float("-inf"))
+    log_kept = torch.logsumexp(masked, dim=-1)
+    return masked - log_kept.unsqueeze(-1), log_kept

@@ -1,0 +1,455 @@
+"""The ``hf`` backend: transformers models as sampler (own KV-cache decode loop) and learner.
+
+Sampler: left-padded prompts, position ids from the attention mask, a ``DynamicCache``; at each step the
+last logits go through ``process_logits`` (temperature → top-k → top-p, SPEC §8), a token is drawn from the
+processed distribution with a seeded ``torch.Generator``, and log μ of that token plus the log kept mass are
+recorded. Rows stop at EOS. Dtype float32 / bfloat16 / float16, attention eager / sdpa, or int8 dynamic
+quantisation of every ``nn.Linear`` (float32 activations, int8 weights).
+
+Learner: full-sequence forwards over prompt + response, log-softmax at the response tokens (logits / the
+sampling temperature), optional entropy, lm-head applied in chunks of response positions.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from rollcorr.engines.base import SamplingParams, process_logits
+from rollcorr.models.builtin import BUILTIN, load_model, resolve_dtype
+from rollcorr.rollout import Rollout
+
+QUANTIZATIONS = (None, "int8")
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """A copy of a float32 ``model`` whose ``nn.Linear`` layers hold int8 weights (dynamic quantisation).
+
+    Uses ``torch.ao.quantization.quantize_dynamic`` (deprecated in favour of torchao but still the CPU
+    dynamic int8 path in torch 2.13); activations are quantised per call, so outputs stay float32.
+    """
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=False)
+
+
+def positions_from_mask(mask: Tensor) -> Tensor:
+    """Position ids for a left-padded batch: 0 at each row's first real token, (B, L) int64."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Token lists → (ids (B, L) int64, mask (B, L) bool), left-padded."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r) :] = torch.as_tensor(r, dtype=torch.long)
+            mask[i, width - len(r) :] = True
+    return ids.to(device), mask.to(device)
+
+
+def right_pad(
+    rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype, width: int | None = None
+) -> Tensor:
+    width = max([len(r) for r in rows] + [0]) if width is None else width
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.as_tensor(r, dtype=dtype)
+    return out
+
+
+def finished_rows(rollout: Rollout) -> Tensor:
+    """(B,) bool: True where the response is complete (EOS or token cap), from ``meta[i]["finished"]``.
+
+    Rows without the flag (a Rollout not made by a partial-rollout-aware sampler) count as finished.
+    """
+    if not rollout.meta:
+        return torch.ones(rollout.batch_size, dtype=torch.bool)
+    return torch.tensor([bool(m.get("finished", True)) for m in rollout.meta], dtype=torch.bool)
+
+
+class HFSampler:
+    """Sampler on a transformers causal LM. ``version`` is the weight version it holds (starts at 0)."""
+
+    def __init__(
+        self,
+        model_path: str | Path = BUILTIN,
+        dtype: torch.dtype | str = torch.float32,
+        attn: str = "eager",
+        quant: str | None = None,
+        device: str | torch.device | None = None,
+        version: int = 0,
+    ) -> None:
+        if quant not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantisation {quant!r}; use one of {QUANTIZATIONS}")
+        self.dtype = resolve_dtype(dtype)
+        if quant == "int8" and self.dtype != torch.float32:
+            raise ValueError(
+                "int8 dynamic quantisation runs float32 activations: use dtype float32 with int8"
+            )
+        self.device = torch.device(device) if device is not None else default_device()
+        if quant == "int8" and self.device.type != "cpu":
+            raise ValueError("int8 dynamic quantisation is CPU-only; use device='cpu'")
+        self.quant = quant
+        self.attn = attn
+        self.model_path = str(model_path)
+        model, self.tokenizer = load_model(model_path, dtype=self.dtype, attn=attn)
+        self.float_model = model.to(self.device) if quant is None else model  # the one holding float weights
+        self.model = quantize_int8(model) if quant == "int8" else model
+        self.eos_id = self.tokenizer.eos_token_id
+        self.pad_id = self.tokenizer.pad_token_id
+        self.version = int(version)
+
+    def __repr__(self) -> str:
+        kind = self.quant or str(self.dtype).removeprefix("torch.")
+        return f"HFSampler({self.model_path!r}, {kind}, attn={self.attn}, version={self.version})"
+
+    # ---- weights ------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, Tensor], version: int) -> int:
+        """Copy float weights into the sampler (cast to its dtype; re-quantised for int8). Returns version."""
+        own = self.float_model.state_dict()
+        missing = sorted(set(own) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(own))
+        if missing or unexpected:
+            raise ValueError(
+                f"state_dict does not fit the sampler's model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        for name, value in state_dict.items():
+            if tuple(value.shape) != tuple(own[name].shape):
+                raise ValueError(
+                    f"{name}: shape {tuple(value.shape)} does not match {tuple(own[name].shape)}"
+                )
+            own[name].copy_(value.detach())  # copy_ casts dtype and moves device
+        if self.quant == "int8":
+            self.model = quantize_int8(self.float_model)
+        self.version = int(version)
+        return self.version
+
+    def close(self) -> None:
+        self.model = self.float_model = None
+
+    # ---- sampling -----------------------------------------------------------------------------------
+
+    def encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+        if len(prompts) == 0:
+            raise ValueError("no prompts given")
+        rows = []
+        for i, p in enumerate(prompts):
+            ids = self.tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
+            if not ids:
+                raise ValueError(f"prompt {i} is empty")
+            rows.append([int(t) for t in ids])
+        vocab = self.float_model.get_input_embeddings().weight.shape[0]
+        bad = [(i, t) for i, r in enumerate(rows) for t in r if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"prompt {bad[0][0]} has token id {bad[0][1]} outside the vocabulary [0, {vocab})"
+            )
+        return rows
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        n: int = 1,
+        meta: list[dict[str, Any]] | None = None,
+        group_ids: Sequence[int] | Tensor | None = None,
+        resume: Rollout | None = None,
+        max_steps: int | None = None,
+    ) -> Rollout:
+        """n responses per prompt (consecutive rows, same group id), or continue ``resume``'s unfinished rows.
+
+        ``meta`` (one dict per prompt) and ``group_ids`` (one per prompt, default 0..len-1) are repeated n
+        times. ``max_steps`` caps the decode steps of this call; rows stopped by it have
+        ``meta[i]["finished"] = False`` and can be continued with ``generate(..., resume=rollout)`` (prompts
+        are then ignored), whose new tokens carry the current ``version``.
+        """
+        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
+            raise ValueError(f"max_steps must be a positive int or None, got {max_steps!r}")
+        if resume is not None:
+            return self._resume(resume, params, max_steps)
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be a positive int, got {n!r}")
+        rows = self.encode(prompts)
+        if meta is not None and len(meta) != len(rows):
+            raise ValueError(f"meta has {len(meta)} entries for {len(rows)} prompts")
+        groups = (
+            torch.arange(len(rows)) if group_ids is None else torch.as_tensor(group_ids, dtype=torch.long)
+        )
+        if tuple(groups.shape) != (len(rows),):
+            raise ValueError(f"group_ids has shape {tuple(groups.shape)}, expected ({len(rows)},)")
+
+        rows = [r for r in rows for _ in range(n)]
+        tokens, log_mu, log_kept, finished = self._decode(
+            rows, [params.max_new_tokens] * len(rows), params, max_steps
+        )
+        prompt_ids, prompt_mask = left_pad(rows, self.pad_id, torch.device("cpu"))
+        metas = [dict(m) for m in meta for _ in range(n)] if meta is not None else [{} for _ in rows]
+        for m, tok, done in zip(metas, tokens, finished):
+            m["finished"] = done
+            m["response_text"] = self.tokenizer.decode(tok, skip_special_tokens=True)
+        return Rollout(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=right_pad(tokens, self.pad_id, torch.long),
+            response_mask=right_pad([[1] * len(t) for t in tokens], 0, torch.bool),
+            rollout_log_prob=right_pad(log_mu, 0.0, torch.float32),
+            log_kept_mass=right_pad(log_kept, 0.0, torch.float32),
+            version=right_pad([[self.version] * len(t) for t in tokens], 0, torch.long),
+            group_ids=groups.repeat_interleave(n),
+            meta=metas,
+        )
+
+    def _resume(self, rollout: Rollout, params: SamplingParams, max_steps: int | None) -> Rollout:
+        """Continue the unfinished rows of ``rollout`` with the current weights; finished rows untouched."""
+        done = finished_rows(rollout)
+        todo = (~done).nonzero().flatten().tolist()
+        if not todo:
+            return rollout
+        prompt_mask, resp_mask = rollout.prompt_mask.bool(), rollout.response_mask.bool()
+        old = [rollout.response_ids[i][resp_mask[i]].tolist() for i in range(rollout.batch_size)]
+        contexts = [rollout.prompt_ids[i][prompt_mask[i]].tolist() + old[i] for i in todo]
+        budgets = [params.max_new_tokens - len(old[i]) for i in todo]
+        if min(budgets) < 1:
+            raise ValueError(
+                "an unfinished row already holds max_new_tokens tokens: resume with the same params"
+            )
+        if rollout.rollout_log_prob is None:
+            raise ValueError("cannot resume a rollout without rollout_log_prob")
+        tokens, log_mu, log_kept, finished = self._decode(contexts, budgets, params, max_steps)
+        new_version = [[self.version] * len(t) for t in tokens]
+        merged = [old[i] + (tokens[todo.index(i)] if i in todo else []) for i in range(rollout.batch_size)]
+        width = max(len(r) for r in merged)
+
+        def extend(field: Tensor | None, new_rows: list[list], value: float, dtype: torch.dtype) -> Tensor:
+            """Row i: its valid old entries, then (if resumed) its new ones; right-padded to ``width``."""
+            field = torch.zeros_like(rollout.version, dtype=dtype) if field is None else field
+            rows = [field[i][resp_mask[i]].tolist() for i in range(rollout.batch_size)]
+            for j, i in enumerate(todo):
+                rows[i] = rows[i] + list(new_rows[j])
+            return right_pad(rows, value, dtype, width)
+
+        metas = [dict(m) for m in rollout.meta] if rollout.meta else [{} for _ in merged]
+        for j, i in enumerate(todo):
+            metas[i]["finished"] = finished[j]
+            metas[i]["response_text"] = self.tokenizer.decode(merged[i], skip_special_tokens=True)
+        return rollout.replace(
+            response_ids=right_pad(merged, self.pad_id, torch.long, width),
+            response_mask=right_pad([[1] * len(r) for r in merged], 0, torch.bool, width),
+            rollout_log_prob=extend(rollout.rollout_log_prob, log_mu, 0.0, torch.float32),
+            log_kept_mass=extend(rollout.log_kept_mass, log_kept, 0.0, torch.float32),
+            version=extend(rollout.version, new_version, 0, torch.long),
+            meta=metas,
+            # anything computed from the unfinished rows is stale now
+            rewards=None,
+            old_log_prob=None,
+            is_weights=None,
+            correction_mask=None,
+            advantages=None,
+        )
+
+    @torch.no_grad()
+    def _decode(
+        self, contexts: list[list[int]], budgets: list[int], params: SamplingParams, max_steps: int | None
+    ) -> tuple[list[list[int]], list[list[float]], list[list[float]], list[bool]]:
+        """The decode loop. Per row: sampled tokens, their log μ, log kept mass, and whether it finished.
+
+        A row finishes at EOS (kept as its last token) or when it has ``budgets[i]`` new tokens.
+        """
+        from transformers import DynamicCache
+
+        model, dev = self.model, self.device
+        gen = torch.Generator(device=dev)
+        if params.seed is not None:
+            gen.manual_seed(params.seed)
+        else:
+            gen.seed()
+
+        ids, mask = left_pad(contexts, self.pad_id, dev)
+        b = ids.shape[0]
+        budget = torch.as_tensor(budgets, device=dev)
+        cache = DynamicCache(config=model.config)
+        pos = positions_from_mask(mask)
+        out = model(
+            input_ids=ids,
+            attention_mask=mask.long(),
+            position_ids=pos,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits = out.logits[:, -1]
+        last_pos = pos[:, -1]
+
+        active = torch.ones(b, dtype=torch.bool, device=dev)  # still generating
+        steps_tok, steps_lp, steps_lk, steps_valid = [], [], [], []
+        limit = max(budgets) if max_steps is None else min(max(budgets), max_steps)
+        for step in range(limit):
+            log_mu, log_kept = process_logits(logits, params)
+            if params.greedy:
+                tok = log_mu.argmax(dim=-1)
+            else:
+                tok = torch.multinomial(log_mu.exp(), 1, generator=gen).squeeze(-1)
+            tok = torch.where(active, tok, torch.full_like(tok, self.pad_id))
+            steps_tok.append(tok)
+            steps_lp.append(log_mu.gather(-1, tok[:, None]).squeeze(-1))
+            steps_lk.append(log_kept)
+            steps_valid.append(active.clone())
+            active = active & (tok != self.eos_id) & (step + 1 < budget)
+            if not bool(active.any()) or step + 1 == limit:
+                break
+            mask = torch.cat([mask, active[:, None]], dim=1)
+            last_pos = last_pos + 1
+            out = model(
+                input_ids=tok[:, None],
+                attention_mask=mask.long(),
+                position_ids=last_pos[:, None],
+                cache=cache,
+                use_cache=True,
+            )
+            logits = out.logits[:, -1]
+
+        tok = torch.stack(steps_tok, 1).cpu()
+        valid = torch.stack(steps_valid, 1).cpu()
+        lp = torch.stack(steps_lp, 1).float().cpu()
+        lk = torch.stack(steps_lk, 1).float().cpu()
+        finished = (~active).cpu().tolist()
+        tokens = [tok[i][valid[i]].tolist() for i in range(b)]
+        return (
+            tokens,
+            [lp[i][valid[i]].tolist() for i in range(b)],
+            [lk[i][valid[i]].tolist() for i in range(b)],
+            finished,
+        )
+
+
+class HFLearner:
+    """Learner on a transformers causal LM (float32 by default): log-probs and entropy of response tokens."""
+
+    def __init__(
+        self,
+        model_path: str | Path = BUILTIN,
+        dtype: torch.dtype | str = torch.float32,
+        attn: str = "eager",
+        device: str | torch.device | None = None,
+        chunk_size: int = 1024,
+    ) -> None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be ≥ 1, got {chunk_size}")
+        self.dtype = resolve_dtype(dtype)
+        self.device = torch.device(device) if device is not None else default_device()
+        self.model_path = str(model_path)
+        model, self.tokenizer = load_model(model_path, dtype=self.dtype, attn=attn)
+        self.model = model.to(self.device)
+        self.chunk_size = chunk_size
+
+    def __repr__(self) -> str:
+        return f"HFLearner({self.model_path!r}, {str(self.dtype).removeprefix('torch.')})"
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return self.model.state_dict()
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def named_parameters(self):
+        return self.model.named_parameters()
+
+    def log_prob(
+        self,
+        rollout_or_input: Rollout | tuple[Tensor, Tensor, Tensor, Tensor],
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        grad: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """log π(y_t) (B, T) float32 of the response tokens, 0 on padding [, entropy (B, T)].
+
+        Input: a Rollout or (prompt_ids (B, P) left-padded, prompt_mask, response_ids (B, T) right-padded,
+        response_mask). One forward over prompt + response; the logits predicting y_t sit at position
+        P − 1 + t. log π = log_softmax(logits / temperature) (temperature 0 = greedy sampling, scored at 1).
+        The lm-head and softmax run over ``chunk_size`` response positions at a time (recomputed in the
+        backward pass when ``grad``), so the (B, T, V) logits never exist at once.
+        """
+        prompt_ids, prompt_mask, response_ids, response_mask = unpack(rollout_or_input)
+        if not (temperature >= 0):
+            raise ValueError(f"temperature must be ≥ 0, got {temperature!r}")
+        temp = 1.0 if temperature == 0 else float(temperature)
+        dev = self.device
+        ids = torch.cat([prompt_ids, response_ids], 1).to(dev)
+        mask = torch.cat([prompt_mask.bool(), response_mask.bool()], 1).to(dev)
+        p, t = prompt_ids.shape[1], response_ids.shape[1]
+        if p == 0:
+            raise ValueError("empty prompt: the first response token has no context to be scored from")
+
+        with torch.set_grad_enabled(grad):
+            body = self.model.get_decoder()
+            hidden = body(
+                input_ids=ids, attention_mask=mask.long(), position_ids=positions_from_mask(mask)
+            ).last_hidden_state
+            hidden = hidden[:, p - 1 : p - 1 + t]  # (B, T, H): the states that predict the response tokens
+            head = self.model.get_output_embeddings()
+            targets = response_ids.to(dev)
+
+            def score(h: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+                logits = head(h).float() / temp
+                logp = torch.log_softmax(logits, dim=-1)
+                tok = logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+                ent = -(logp.exp() * logp).sum(-1) if with_entropy else tok.new_zeros(())
+                return tok, ent
+
+            lps, ents = [], []
+            for start in range(0, t, self.chunk_size):
+                h, y = hidden[:, start : start + self.chunk_size], targets[:, start : start + self.chunk_size]
+                lp, ent = checkpoint(score, h, y, use_reentrant=False) if grad else score(h, y)
+                lps.append(lp)
+                ents.append(ent)
+            valid = response_mask.bool().to(dev)
+            log_prob = (
+                torch.cat(lps, 1) if lps else hidden.new_zeros((hidden.shape[0], 0), dtype=torch.float32)
+            )
+            log_prob = log_prob.masked_fill(~valid, 0.0)
+            if not with_entropy:
+                return log_prob
+            entropy = torch.cat(ents, 1) if ents else torch.zeros_like(log_prob)
+            return log_prob, entropy.masked_fill(~valid, 0.0)
+
+
+def unpack(x: Rollout | tuple[Tensor, Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(prompt_ids, prompt_mask, response_ids, response_mask) from a Rollout or a 4-tuple, checked."""
+    if isinstance(x, Rollout):
+        return x.prompt_ids, x.prompt_mask, x.response_ids, x.response_mask
+    if not (isinstance(x, tuple | list) and len(x) == 4):
+        raise TypeError(
+            "log_prob expects a Rollout or (prompt_ids, prompt_mask, response_ids, response_mask)"
+        )
+    prompt_ids, prompt_mask, response_ids, response_mask = x
+    if prompt_ids.dim() != 2 or response_ids.dim() != 2 or prompt_ids.shape[0] != response_ids.shape[0]:
+        raise ValueError(
+            f"expected (B, P) and (B, T) ids, got {tuple(prompt_ids.shape)} and {tuple(response_ids.shape)}"
+        )
+    if prompt_mask.shape != prompt_ids.shape or response_mask.shape != response_ids.shape:
+        raise ValueError("masks must have the shapes of their ids")
+    return prompt_ids, prompt_mask, response_ids, response_mask
+
+
+__all__ = ["HFLearner", "HFSampler", "finished_rows", "quantize_int8"]

@@ -1,0 +1,633 @@
+"""The ``llamacpp`` sampler: a GGUF export of the model run by llama.cpp (through llama-cpp-python).
+
+How μ is obtained (SPEC §8). llama.cpp computes the logits only; temperature, top-k, top-p and the draw
+happen here, with ``process_logits`` and a seeded ``torch.Generator`` — the same code as the hf sampler.
+So ``rollout_log_prob`` is exactly log μ of the distribution the token was drawn from and ``log_kept_mass``
+is recorded, which llama.cpp's own sampler chain would not report. The mismatch this engine measures is then
+purely the forward pass: GGUF quantisation (f32 / f16 / q8_0 / q4_0) and ggml's CPU kernels.
+
+Decoding is batched: the rows of a call share one llama.cpp context, one sequence id (and KV stream)
+each; the prompts are prefilled in one pass, then each step decodes one token for every active row.
+The model is loaded through the C API (``llama_model_load_from_file``) so the model parameters can be set:
+on CPUs with AMX, quantised models crash unless ``use_extra_bufts`` is off, so it is turned off there
+(``extra_bufts=None`` auto-detects from ``/proc/cpuinfo``).
+
+Weights: ``load_weights(state_dict, version)`` writes a new GGUF (atomically, ``engines.gguf``) and reloads.
+Token ids are the HF tokenizer's (the GGUF vocabulary is the same list, so llama.cpp agrees, but prompts
+are tokenized and responses decoded with the HF tokenizer so sampler and learner share one tokenization).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from rollcorr.engines.base import SamplingParams, process_logits
+from rollcorr.engines.gguf import QUANT_TYPES, write_gguf
+from rollcorr.engines.hf import finished_rows, left_pad, right_pad
+from rollcorr.models.builtin import BUILTIN, BUILTIN_DIR
+from rollcorr.rollout import Rollout
+
+INSTALL_HINT = (
+    "llama-cpp-python is not installed; pip install rollcorr[llamacpp] (builds llama.cpp from source)"
+)
+
+
+_LOG_CALLBACK = None  # keeps the ctypes callback alive while llama.cpp holds it
+
+
+def import_llama_cpp():
+    """``import llama_cpp`` with llama.cpp's log limited to errors, or RuntimeError with the install hint."""
+    global _LOG_CALLBACK
+    try:
+        import llama_cpp
+    except ImportError as err:
+        raise RuntimeError(INSTALL_HINT) from err
+    if _LOG_CALLBACK is None:
+
+        def log(level: int, text: bytes, user_data: Any) -> None:
+            # errors only; llama.cpp reports its 256-cell minimum per sequence (above a small model's
+            # training context) as an error, while rollcorr itself enforces n_ctx per row
+            if level == 3 and not text.startswith(b"llama_context: n_ctx"):  # GGML_LOG_LEVEL_ERROR
+                print(text.decode("utf-8", errors="replace"), end="", file=sys.stderr)
+
+        _LOG_CALLBACK = llama_cpp.llama_log_callback(log)
+        llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+    return llama_cpp
+
+
+@cache
+def cpu_has_amx() -> bool:
+    """True if /proc/cpuinfo lists an AMX flag (amx_tile / amx_int8 / amx_bf16)."""
+    try:
+        return " amx_" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def _resolve_model_dir(model_path: str | os.PathLike) -> Path:
+    path = BUILTIN_DIR if str(model_path) == BUILTIN else Path(model_path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model path {str(path)!r} is not a Hugging Face model directory")
+    for required in ("config.json", "tokenizer.json"):
+        if not (path / required).exists():
+            raise FileNotFoundError(f"{str(path)!r} has no {required}")
+    if not list(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"{str(path)!r} has no *.safetensors weights")
+    return path
+
+
+class LlamaCppSampler:
+    """Sampler on llama.cpp. ``version`` is the weight version it holds (starts at ``version``).
+
+    model_path   local HF directory (config.json, *.safetensors, tokenizer.json) or "builtin"
+    quant        GGUF weight type: "f32" | "f16" | "q8_0" | "q4_0"
+    max_batch    rows decoded together (llama.cpp sequences); larger calls run in chunks of this size
+    n_ctx        tokens per row (prompt + response); default the model's max_position_embeddings
+    n_threads    CPU threads for llama.cpp (default min(4, cpu count))
+    extra_bufts  llama.cpp extra buffer types (weight repacking); None = off on AMX CPUs, on otherwise
+    kv_cache     KV cache type "f16" (llama.cpp's default) or "f32"; None = f32 for quant "f32", else f16
+    flash_attn   True / False / None (llama.cpp decides); "auto" = off for quant "f32", else None.
+                 llama.cpp's CPU flash attention works in f16, so "f32" is the exact-fp32 reference only
+                 with it off and an f32 KV cache; the other types run llama.cpp's defaults
+    work_dir     where GGUF files are written (default a fresh temp dir, removed by ``close``)
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike = BUILTIN,
+        quant: str = "q8_0",
+        *,
+        max_batch: int = 32,
+        n_ctx: int | None = None,
+        n_threads: int | None = None,
+        extra_bufts: bool | None = None,
+        kv_cache: str | None = None,
+        flash_attn: bool | None | str = "auto",
+        work_dir: str | os.PathLike | None = None,
+        version: int = 0,
+    ) -> None:
+        if quant not in QUANT_TYPES:
+            raise ValueError(f"unknown quant type {quant!r}; use one of {QUANT_TYPES}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
+        self._llama = import_llama_cpp()
+        from safetensors.torch import load_file
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.model_dir = _resolve_model_dir(model_path)
+        self.quant = quant
+        self.config = AutoConfig.from_pretrained(self.model_dir, local_files_only=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        self.eos_id = self.tokenizer.eos_token_id
+        if self.eos_id is None:
+            raise ValueError("tokenizer has no eos_token: generation could never stop")
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else self.eos_id)
+        self.vocab_size = int(self.config.vocab_size)
+        self.max_batch = int(max_batch)
+        self.n_ctx = int(n_ctx or self.config.max_position_embeddings)
+        self.n_threads = int(n_threads or min(4, os.cpu_count() or 1))
+        self.extra_bufts = (not cpu_has_amx()) if extra_bufts is None else bool(extra_bufts)
+        if kv_cache not in (None, "f16", "f32"):
+            raise ValueError(f"kv_cache must be 'f16', 'f32' or None, got {kv_cache!r}")
+        self.kv_cache = kv_cache or ("f32" if quant == "f32" else "f16")
+        self.flash_attn = (False if quant == "f32" else None) if flash_attn == "auto" else flash_attn
+        self._own_dir = work_dir is None
+        self.work_dir = Path(tempfile.mkdtemp(prefix="rollcorr-gguf-") if work_dir is None else work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self._model = self._ctx = self._batch = self._vocab = None
+        self.gguf_path: Path | None = None
+
+        state_dict: dict[str, Tensor] = {}
+        for file in sorted(self.model_dir.glob("*.safetensors")):
+            state_dict.update(load_file(str(file)))
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        self._shapes = {
+            k: tuple(v.shape) for k, v in state_dict.items() if not (tied and k == "lm_head.weight")
+        }
+        self.version = int(version)
+        try:
+            self._export_and_load(state_dict)
+        except BaseException:
+            self.close()
+            raise
+
+    def __repr__(self) -> str:
+        return f"LlamaCppSampler({str(self.model_dir)!r}, {self.quant}, version={self.version})"
+
+    # ---- model lifetime -----------------------------------------------------------------------------
+
+    def _export_and_load(self, state_dict: dict[str, Tensor]) -> None:
+        """Write ``state_dict`` as this version's GGUF, load it, and only then drop the previous model."""
+        path = self.work_dir / f"model-v{self.version}-{self.quant}.gguf"
+        # the vocabulary comes from tokenizer.json itself: AutoTokenizer may rebuild the pipeline around it
+        write_gguf(path, state_dict, self.config, self.model_dir / "tokenizer.json", self.quant)
+        try:
+            handles = self._load(path)
+        except BaseException:
+            if path != self.gguf_path:
+                path.unlink(missing_ok=True)
+            raise
+        old = self.gguf_path
+        self._free()
+        self._model, self._ctx, self._batch, self._vocab = handles
+        self.gguf_path = path
+        if old is not None and old != path:
+            old.unlink(missing_ok=True)
+
+    def _load(self, path: Path) -> tuple[Any, Any, Any, Any]:
+        """llama.cpp model, context (max_batch sequences of n_ctx tokens), batch and vocab for ``path``."""
+        ll = self._llama
+        mparams = ll.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        if hasattr(mparams, "use_extra_bufts"):
+            mparams.use_extra_bufts = self.extra_bufts
+        model = ll.llama_model_load_from_file(str(path).encode(), mparams)
+        if not model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        vocab = ll.llama_model_get_vocab(model)
+        n_vocab = ll.llama_vocab_n_tokens(vocab)
+        if n_vocab != self.vocab_size:
+            ll.llama_model_free(model)
+            raise RuntimeError(f"GGUF vocabulary has {n_vocab} tokens, the config says {self.vocab_size}")
+        cparams = ll.llama_context_default_params()
+        cparams.n_seq_max = self.max_batch
+        cparams.n_ctx = self.max_batch * -(-self.n_ctx // 256) * 256  # llama.cpp pads sequences to 256
+        cparams.n_batch = cparams.n_ubatch = self._n_batch = min(max(512, self.max_batch), cparams.n_ctx)
+        cparams.n_threads = cparams.n_threads_batch = self.n_threads
+        cparams.type_k = cparams.type_v = ll.GGML_TYPE_F32 if self.kv_cache == "f32" else ll.GGML_TYPE_F16
+        cparams.flash_attn_type = {
+            None: ll.LLAMA_FLASH_ATTN_TYPE_AUTO,
+            False: ll.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+            True: ll.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+        }[self.flash_attn]
+        cparams.kv_unified = False  # one KV stream of n_ctx cells per sequence
+        cparams.no_perf = True
+        ctx = ll.llama_init_from_model(model, cparams)
+        if not ctx:
+            ll.llama_model_free(model)
+            raise RuntimeError("llama.cpp could not create a context")
+        return model, ctx, ll.llama_batch_init(self._n_batch, 0, 1), vocab
+
+    def _free(self) -> None:
+        ll = self._llama
+        if self._batch is not None:
+            ll.llama_batch_free(self._batch)
+        if self._ctx is not None:
+            ll.llama_free(self._ctx)
+        if self._model is not None:
+            ll.llama_model_free(self._model)
+        self._model = self._ctx = self._batch = None
+
+    def load_weights(self, state_dict: dict[str, Tensor], version: int) -> int:
+        """Write the new weights as a GGUF (atomic rename), reload llama.cpp from it; returns ``version``.
+
+        The old model keeps serving if anything fails (bad names / shapes, NaN weights, load error).
+        """
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        names = {k for k in state_dict if not (tied and k == "lm_head.weight")}
+        missing, unexpected = sorted(set(self._shapes) - names), sorted(names - set(self._shapes))
+        if missing or unexpected:
+            raise ValueError(
+                f"state_dict does not fit the sampler's model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        for name in names:
+            if tuple(state_dict[name].shape) != self._shapes[name]:
+                raise ValueError(
+                    f"{name}: shape {tuple(state_dict[name].shape)} does not match {self._shapes[name]}"
+                )
+        previous = self.version
+        self.version = int(version)
+        try:
+            self._export_and_load(dict(state_dict))
+        except BaseException:
+            self.version = previous
+            raise
+        return self.version
+
+    def close(self) -> None:
+        self._free()
+        if self._own_dir:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+        elif self.gguf_path is not None:
+            self.gguf_path.unlink(missing_ok=True)
+        self.gguf_path = None
+
+    def __del__(self) -> None:  # a sampler dropped without close() still frees llama.cpp and its files
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ---- llama.cpp calls ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._ctx is None:
+            raise RuntimeError("LlamaCppSampler is closed")
+
+    def _decode_batch(self, entries: Sequence[tuple[int, int, int, bool]]) -> list[np.ndarray]:
+        """Run one llama_decode over (token, position, sequence, want_logits) entries ≤ n_batch.
+
+        Returns the (V,) float32 logits of the entries that asked for them, in order.
+        """
+        ll, batch = self._llama, self._batch
+        for i, (token, pos, seq, want) in enumerate(entries):
+            batch.token[i] = token
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = want
+        batch.n_tokens = len(entries)
+        status = ll.llama_decode(self._ctx, batch)
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed with status {status} (KV cache full or bad batch)")
+        out = []
+        for i, (*_, want) in enumerate(entries):
+            if want:
+                ptr = ll.llama_get_logits_ith(self._ctx, i)
+                out.append(np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).copy())
+        return out
+
+    def _prefill(self, contexts: Sequence[Sequence[int]], all_logits: bool = False) -> list[np.ndarray]:
+        """Clear the KV cache and feed ``contexts[i]`` as sequence i.
+
+        Returns per row the logits of its last token (V,), or of every token (L_i, V) if ``all_logits``.
+        """
+        ll = self._llama
+        ll.llama_memory_clear(ll.llama_get_memory(self._ctx), True)
+        entries = [
+            (tok, pos, seq, all_logits or pos == len(ctx) - 1)
+            for seq, ctx in enumerate(contexts)
+            for pos, tok in enumerate(ctx)
+        ]
+        logits: list[np.ndarray] = []
+        for start in range(0, len(entries), self._n_batch):
+            logits += self._decode_batch(entries[start : start + self._n_batch])
+        if not all_logits:
+            return logits
+        out, at = [], 0
+        for ctx in contexts:
+            out.append(np.stack(logits[at : at + len(ctx)]))
+            at += len(ctx)
+        return out
+
+    def _check_rows(self, rows: Sequence[Sequence[int]], budgets: Sequence[int] | None = None) -> None:
+        for i, r in enumerate(rows):
+            if not r:
+                raise ValueError(f"prompt {i} is empty")
+            bad = [t for t in r if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
+                )
+            need = len(r) + (budgets[i] if budgets is not None else 0)
+            if need > self.n_ctx:
+                raise ValueError(f"row {i} needs {need} positions but n_ctx is {self.n_ctx}; raise n_ctx")
+
+    @torch.no_grad()
+    def logits(self, sequences: Sequence[Sequence[int]]) -> list[Tensor]:
+        """Teacher-forced logits: for each token list, (L, V) float32 where row j predicts token j + 1."""
+        self._check_open()
+        self._check_rows(sequences)
+        out = []
+        for start in range(0, len(sequences), self.max_batch):
+            chunk = [list(map(int, s)) for s in sequences[start : start + self.max_batch]]
+            out += [torch.from_numpy(x) for x in self._prefill(chunk, all_logits=True)]
+        return out
+
+    def tokenize_native(self, text: str) -> list[int]:
+        """llama.cpp's own tokenization of ``text`` from the GGUF vocabulary (no BOS added)."""
+        self._check_open()
+        ll, raw = self._llama, text.encode("utf-8")
+        buf = (ll.llama_token * (len(raw) + 8))()
+        n = ll.llama_tokenize(self._vocab, raw, len(raw), buf, len(buf), False, True)
+        if n < 0:
+            raise RuntimeError(f"llama_tokenize needs {-n} tokens")
+        return list(buf[:n])
+
+    def detokenize_native(self, ids: Sequence[int]) -> str:
+        """llama.cpp's own detokenization (special tokens rendered as text)."""
+        self._check_open()
+        ll, out = self._llama, b""
+        buf = ctypes.create_string_buffer(256)
+        for t in ids:
+            n = ll.llama_token_to_piece(self._vocab, int(t), buf, len(buf), 0, True)
+            if n < 0:
+                raise RuntimeError(f"token {t} has a piece longer than {len(buf)} bytes")
+            out += buf.raw[:n]
+        return out.decode("utf-8", errors="replace")
+
+    # ---- sampling -----------------------------------------------------------------------------------
+
+    def encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+        if len(prompts) == 0:
+            raise ValueError("no prompts given")
+        rows = [
+            self.tokenizer(p, add_special_tokens=False)["input_ids"]
+            if isinstance(p, str)
+            else [int(t) for t in p]
+            for p in prompts
+        ]
+        self._check_rows(rows)
+        return rows
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        n: int = 1,
+        meta: list[dict[str, Any]] | None = None,
+        group_ids: Sequence[int] | Tensor | None = None,
+        resume: Rollout | None = None,
+        max_steps: int | None = None,
+    ) -> Rollout:
+        """n responses per prompt (consecutive rows, same group id), or continue ``resume``'s unfinished rows.
+
+        Same contract as ``HFSampler.generate``: ``meta`` and ``group_ids`` are per prompt; rows stopped by
+        ``max_steps`` get ``meta[i]["finished"] = False`` and continue with ``generate(..., resume=rollout)``
+        under the weights held then (their new tokens carry the new ``version``).
+        """
+        self._check_open()
+        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
+            raise ValueError(f"max_steps must be a positive int or None, got {max_steps!r}")
+        if resume is not None:
+            return self._resume(resume, params, max_steps)
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be a positive int, got {n!r}")
+        rows = self.encode(prompts)
+        if meta is not None and len(meta) != len(rows):
+            raise ValueError(f"meta has {len(meta)} entries for {len(rows)} prompts")
+        groups = (
+            torch.arange(len(rows)) if group_ids is None else torch.as_tensor(group_ids, dtype=torch.long)
+        )
+        if tuple(groups.shape) != (len(rows),):
+            raise ValueError(f"group_ids has shape {tuple(groups.shape)}, expected ({len(rows)},)")
+
+        rows = [r for r in rows for _ in range(n)]
+        tokens, log_mu, log_kept, finished = self._decode(
+            rows, [params.max_new_tokens] * len(rows), params, max_steps
+        )
+        prompt_ids, prompt_mask = left_pad(rows, self.pad_id, torch.device("cpu"))
+        metas = [dict(m) for m in meta for _ in range(n)] if meta is not None else [{} for _ in rows]
+        for m, tok, done in zip(metas, tokens, finished):
+            m["finished"] = done
+            m["response_text"] = self.tokenizer.decode(tok, skip_special_tokens=True)
+        return Rollout(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=right_pad(tokens, self.pad_id, torch.long),
+            response_mask=right_pad([[1] * len(t) for t in tokens], 0, torch.bool),
+            rollout_log_prob=right_pad(log_mu, 0.0, torch.float32),
+            log_kept_mass=right_pad(log_kept, 0.0, torch.float32),
+            version=right_pad([[self.version] * len(t) for t in tokens], 0, torch.long),
+            group_ids=groups.repeat_interleave(n),
+            meta=metas,
+        )
+
+    def _resume(self, rollout: Rollout, params: SamplingParams, max_steps: int | None) -> Rollout:
+        """Continue the unfinished rows of ``rollout`` with the current weights; finished rows untouched."""
+        todo = (~finished_rows(rollout)).nonzero().flatten().tolist()
+        if not todo:
+            return rollout
+        prompt_mask, resp_mask = rollout.prompt_mask.bool(), rollout.response_mask.bool()
+
+        def valid(field: Tensor) -> list[list]:
+            return [field[i][resp_mask[i]].tolist() for i in range(rollout.batch_size)]
+
+        ids = valid(rollout.response_ids)
+        contexts = [rollout.prompt_ids[i][prompt_mask[i]].tolist() + ids[i] for i in todo]
+        budgets = [params.max_new_tokens - len(ids[i]) for i in todo]
+        if min(budgets) < 1:
+            raise ValueError(
+                "an unfinished row already holds max_new_tokens tokens: resume with the same params"
+            )
+        tokens, log_mu, log_kept, finished = self._decode(contexts, budgets, params, max_steps)
+
+        kept = (
+            rollout.log_kept_mass
+            if rollout.log_kept_mass is not None
+            else torch.zeros_like(rollout.rollout_log_prob)
+        )
+        lp, lk, ver = valid(rollout.rollout_log_prob), valid(kept), valid(rollout.version)
+        metas = [dict(m) for m in rollout.meta] if rollout.meta else [{} for _ in ids]
+        for j, i in enumerate(todo):
+            ids[i] += tokens[j]
+            lp[i] += log_mu[j]
+            lk[i] += log_kept[j]
+            ver[i] += [self.version] * len(tokens[j])
+            metas[i]["finished"] = finished[j]
+            metas[i]["response_text"] = self.tokenizer.decode(ids[i], skip_special_tokens=True)
+        width = max(len(r) for r in ids)
+        return rollout.replace(
+            response_ids=right_pad(ids, self.pad_id, torch.long, width),
+            response_mask=right_pad([[1] * len(r) for r in ids], 0, torch.bool, width),
+            rollout_log_prob=right_pad(lp, 0.0, torch.float32, width),
+            log_kept_mass=right_pad(lk, 0.0, torch.float32, width),
+            version=right_pad(ver, 0, torch.long, width),
+            meta=metas,
+        )
+
+    @torch.no_grad()
+    def _decode(
+        self, contexts: list[list[int]], budgets: list[int], params: SamplingParams, max_steps: int | None
+    ) -> tuple[list[list[int]], list[list[float]], list[list[float]], list[bool]]:
+        """Per row: sampled tokens, their log μ, log kept mass, and whether it finished (EOS or budget)."""
+        self._check_rows(contexts, budgets)
+        gen = torch.Generator()
+        if params.seed is not None:
+            gen.manual_seed(params.seed)
+        else:
+            gen.seed()
+        out: tuple[list, list, list, list] = ([], [], [], [])
+        for start in range(0, len(contexts), self.max_batch):
+            part = self._decode_chunk(
+                contexts[start : start + self.max_batch],
+                budgets[start : start + self.max_batch],
+                params,
+                max_steps,
+                gen,
+            )
+            for acc, new in zip(out, part):
+                acc += new
+        return out
+
+    def _decode_chunk(
+        self,
+        contexts: list[list[int]],
+        budgets: list[int],
+        params: SamplingParams,
+        max_steps: int | None,
+        gen: torch.Generator,
+    ) -> tuple[list[list[int]], list[list[float]], list[list[float]], list[bool]]:
+        b = len(contexts)
+        logits = torch.from_numpy(np.stack(self._prefill(contexts)))  # (b, V): next-token logits per row
+        rows = list(range(b))  # rows still generating, in the order of ``logits``
+        tokens: list[list[int]] = [[] for _ in range(b)]
+        log_mu_out: list[list[float]] = [[] for _ in range(b)]
+        log_kept_out: list[list[float]] = [[] for _ in range(b)]
+        finished = [False] * b
+        limit = max(budgets) if max_steps is None else min(max(budgets), max_steps)
+        for step in range(limit):
+            log_mu, log_kept = process_logits(logits, params)
+            if params.greedy:
+                tok = log_mu.argmax(dim=-1)
+            else:
+                tok = torch.multinomial(log_mu.exp(), 1, generator=gen).squeeze(-1)
+            lp = log_mu.gather(-1, tok[:, None]).squeeze(-1)
+            still = []
+            for j, row in enumerate(rows):
+                t = int(tok[j])
+                tokens[row].append(t)
+                log_mu_out[row].append(float(lp[j]))
+                log_kept_out[row].append(float(log_kept[j]))
+                if t == self.eos_id or len(tokens[row]) >= budgets[row]:
+                    finished[row] = True
+                else:
+                    still.append(row)
+            rows = still
+            if not rows or step + 1 == limit:
+                break
+            entries = [(tokens[r][-1], len(contexts[r]) + len(tokens[r]) - 1, r, True) for r in rows]
+            logits = torch.from_numpy(np.stack(self._decode_batch(entries)))
+        return tokens, log_mu_out, log_kept_out, finished
+
+
+# ---- measurement: how far is llama.cpp's μ from the HF fp32 learner? ------------------------------------
+
+
+def mismatch_report(
+    model_path: str | os.PathLike = BUILTIN,
+    quants: Sequence[str] = QUANT_TYPES,
+    *,
+    prompts: int = 64,
+    n: int = 4,
+    max_new_tokens: int = 8,
+    seed: int = 0,
+    n_threads: int | None = None,
+) -> list[dict[str, Any]]:
+    """Sample addition rollouts with llama.cpp at each quant type (temperature 1, no truncation) and score
+    the sampled tokens with the HF fp32 learner. Per quant type, over the sampled tokens y_t:
+
+        mean_abs_log_ratio   mean |log π(y_t) − log μ(y_t)|
+        k3_kl                mean exp(ℓ) − ℓ − 1 with ℓ = log π − log μ   (KL(μ‖π) estimate)
+        max_abs_dp           max |π(y_t) − μ(y_t)|
+        frac_dp_gt_1e-3      share of tokens with |π − μ| > 1e-3
+    """
+    from rollcorr.engines.hf import HFLearner
+    from rollcorr.tasks.addition import AdditionTask
+
+    items = AdditionTask(digits=3).sample(prompts, seed=seed)
+    learner = HFLearner(model_path, dtype="float32", device="cpu")
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=seed)
+    report = []
+    for quant in quants:
+        sampler = LlamaCppSampler(model_path, quant, n_threads=n_threads)
+        try:
+            rollout = sampler.generate([it["prompt"] for it in items], params, n=n, meta=items)
+            size = sampler.gguf_path.stat().st_size
+        finally:
+            sampler.close()
+        mask = rollout.response_mask
+        log_pi = learner.log_prob(rollout)[mask]
+        log_mu = rollout.rollout_log_prob[mask]
+        ratio = (log_pi - log_mu).clamp(-20, 20)
+        dp = (log_pi.exp() - log_mu.exp()).abs()
+        report.append(
+            {
+                "quant": quant,
+                "gguf_mb": size / 2**20,
+                "tokens": int(mask.sum()),
+                "mean_abs_log_ratio": float(ratio.abs().mean()),
+                "k3_kl": float((ratio.exp() - ratio - 1).mean()),
+                "max_abs_dp": float(dp.max()),
+                "frac_dp_gt_1e-3": float((dp > 1e-3).float().mean()),
+            }
+        )
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m rollcorr.engines.llamacpp [--model builtin] [--quants f32 q8_0 q4_0]``: print the table."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="llama.cpp μ vs HF fp32 π on sampled addition rollouts")
+    parser.add_argument("--model", default=BUILTIN)
+    parser.add_argument("--quants", nargs="+", default=list(QUANT_TYPES), choices=QUANT_TYPES)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads or 1)
+    rows = mismatch_report(
+        args.model,
+        args.quants,
+        prompts=args.prompts,
+        n=args.n,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        n_threads=args.threads,
+    )
+    keys = list(rows[0])
+    print(" | ".join(keys))
+    for row in rows:
+        print(" | ".join(f"{row[k]:.3g}" if isinstance(row[k], float) else str(row[k]) for k in keys))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

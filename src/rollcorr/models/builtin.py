@@ -1,0 +1,150 @@
+"""The built-in model: a ~1 M-parameter Qwen2 causal LM with a character-level tokenizer.
+
+It ships as a Hugging Face directory in ``assets/`` (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json, generation_config.json), trained by ``scripts/pretrain_builtin.py`` on the addition
+task of ``rollcorr.tasks.addition``. ``load_model`` loads it or any other local HF directory.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+from torch import nn
+
+BUILTIN_DIR = Path(__file__).resolve().parent / "assets"
+BUILTIN = "builtin"
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
+# printable ASCII without \r \x0b \x0c: digits first, so token id of digit d is len(SPECIAL_TOKENS) + d
+CHARACTERS = [c for c in string.digits + string.ascii_letters + string.punctuation + " \n\t"]
+
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+def build_tokenizer():
+    """A character-level ``PreTrainedTokenizerFast``: one token per character, specials pad/bos/eos/unk.
+
+    Built with the ``tokenizers`` library as a BPE model with no merges (every character is its own token,
+    unknown characters map to ``<unk>``) and a ``Fuse`` decoder (tokens join without spaces). No special
+    token is added automatically when encoding.
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    core.add_special_tokens(SPECIAL_TOKENS)
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        model_max_length=512,
+    )
+
+
+def builtin_config(vocab_size: int, **overrides):
+    """The Qwen2 architecture of the built-in model (~1 M parameters with the default sizes)."""
+    from transformers import Qwen2Config
+
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        pad_token_id=SPECIAL_TOKENS.index(PAD),
+        bos_token_id=SPECIAL_TOKENS.index(BOS),
+        eos_token_id=SPECIAL_TOKENS.index(EOS),
+    )
+    kwargs.update(overrides)
+    return Qwen2Config(**kwargs)
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """``torch.float32`` or one of "fp32" / "bf16" / "fp16" (and the long names) → a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; use one of float32, bfloat16, float16")
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}") from None
+
+
+def load_model(
+    path_or_builtin: str | Path = BUILTIN,
+    dtype: torch.dtype | str = torch.float32,
+    attn: str = "eager",
+    gguf_file: str | None = None,
+) -> tuple[nn.Module, object]:
+    """Load (model, tokenizer) from a local HF directory ("builtin" = the shipped model), eval mode.
+
+    Local files only: nothing is downloaded. Raises FileNotFoundError for a missing path and ValueError
+    when the tokenizer's vocabulary does not fit the model's embedding matrix, or for an unknown dtype /
+    attention implementation.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = resolve_dtype(dtype)
+    if attn not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention implementation {attn!r}; use one of {ATTN_IMPLEMENTATIONS}")
+    path = BUILTIN_DIR if str(path_or_builtin) == BUILTIN else Path(path_or_builtin)
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"model path {str(path)!r} is not a directory (expected a Hugging Face model dir)")
+    if gguf_file is None and not (path / "config.json").exists():
+        raise FileNotFoundError(f"{str(path)!r} has no config.json: not a Hugging Face model directory")
+    extra = {} if gguf_file is None else {"gguf_file": gguf_file}
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, **extra)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype=torch_dtype, attn_implementation=attn, **extra
+    )
+    model.eval()
+    check_tokenizer_matches(model, tokenizer)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def check_tokenizer_matches(model: nn.Module, tokenizer) -> None:
+    """Raise ValueError if some token id of ``tokenizer`` is outside the model's embedding matrix."""
+    n_embed = model.get_input_embeddings().weight.shape[0]
+    n_tokens = len(tokenizer)
+    if n_tokens > n_embed:
+        raise ValueError(
+            f"tokenizer has {n_tokens} tokens but the model's embedding has only {n_embed} rows: "
+            "the tokenizer does not belong to this model"
+        )
+    if tokenizer.eos_token_id is None:
+        raise ValueError("tokenizer has no eos_token: generation could never stop")
+
+
+def load_builtin(dtype: torch.dtype | str = torch.float32, attn: str = "eager") -> tuple[nn.Module, object]:
+    """(model, tokenizer) of the shipped built-in checkpoint."""
+    if not (BUILTIN_DIR / "model.safetensors").exists():
+        raise FileNotFoundError(
+            f"built-in checkpoint missing in {BUILTIN_DIR}; run scripts/pretrain_builtin.py to create it"
+        )
+    return load_model(BUILTIN, dtype=dtype, attn=attn)

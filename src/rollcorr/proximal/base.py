@@ -1,0 +1,228 @@
+"""The proximal-policy interface (SPEC §7): where π_old comes from when training is asynchronous.
+
+A strategy is told when the learner publishes weights (``on_publish``) and when it takes an optimizer step
+(``after_optimizer_step``), receives the trainer's metrics (``observe``) and, for a batch whose tokens carry
+the weight version that generated them, returns old log-probs with what they cost::
+
+    strategy.on_publish(0, learner.model)                       # weights the sampler starts with
+    for step ...:
+        rollout = sampler.generate(...)                         # rollout.version: (B, T) v_gen per token
+        res = strategy.old_log_prob(rollout, learner, current_version)
+        rollout.old_log_prob = res.old_log_prob                 # (B, T) detached, 0 on padding
+        ... loss, learner.step ...; strategy.after_optimizer_step(learner.model)
+        strategy.observe(metrics)                               # e.g. rollout_corr/keep_ratio
+        version += 1; strategy.on_publish(version, learner.model); sampler.load(...)
+
+With ``measure_error=True`` every strategy also keeps a snapshot store of the published weights as a
+reference and reports how far its π_old is from the exact one, π_train(v_gen) (``ProximalResult.error``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from rollcorr.proximal.scoring import check_versions, clone_model
+from rollcorr.proximal.store import SnapshotStore, score_by_version
+from rollcorr.rollout import Rollout
+
+LOG_RATIO_CLAMP = 20.0
+
+
+@dataclass
+class ProximalResult:
+    """Old log-probs and what they cost.
+
+    old_log_prob  (B, T) float32, detached, 0 on padding
+    seconds       wall time this call cost the training path
+    extra_bytes   memory the strategy holds beyond the learner (weight copies, stored logits)
+    error         vs exact old logits π_train(v_gen) when a reference is kept (``measure_error=True``):
+                  logp_abs_err_mean, logp_abs_err_max, p_abs_err_mean over valid tokens; else None
+    metrics       strategy-specific numbers (exact token share, EWMA resets, stall seconds, ...)
+    """
+
+    old_log_prob: Tensor
+    seconds: float
+    extra_bytes: int
+    error: dict[str, float] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def to_metrics(self, prefix: str = "proximal/") -> dict[str, float]:
+        """Flat dict for logging: seconds, extra_bytes, error/*, and the strategy metrics."""
+        out = {f"{prefix}seconds": self.seconds, f"{prefix}extra_bytes": float(self.extra_bytes)}
+        for k, v in (self.error or {}).items():
+            out[f"{prefix}error/{k}"] = v
+        for k, v in self.metrics.items():
+            out[f"{prefix}{k}"] = v
+        return out
+
+
+class ProximalStrategy:
+    """Base class: timing, input checks and error measurement; subclasses implement ``_old_log_prob``.
+
+    Class attributes:
+      name                    the ``make_proximal`` name
+      needs_rollout_log_prob  True when the strategy reads μ (``rollout.rollout_log_prob``)
+      exact                   True when π_old is the learner at v_gen
+    """
+
+    name = "base"
+    needs_rollout_log_prob = False
+    exact = False
+
+    def __init__(self, temperature: float = 1.0, max_staleness: int = 1, measure_error: bool = False):
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        self.temperature = float(temperature)
+        self.max_staleness = int(max_staleness)
+        self.reference: SnapshotStore | None = SnapshotStore(max_staleness) if measure_error else None
+        self._reference_model: nn.Module | None = None
+
+    # ---- hooks the trainer calls -------------------------------------------------------------------
+    def on_publish(self, version: int, model: nn.Module) -> None:
+        """The learner just published weights ``version`` (the sampler will generate with them)."""
+        if self.reference is not None:
+            self.reference.put(version, model)
+
+    def after_optimizer_step(self, model: nn.Module) -> None:
+        """The learner's weights just changed (one optimizer step)."""
+
+    def observe(self, metrics: dict[str, float]) -> None:
+        """Metrics of the last train step (e.g. the train/infer mask keep ratio)."""
+
+    def old_log_prob(self, rollout: Rollout, learner, current_version: int) -> ProximalResult:
+        """π_old for every response token of ``rollout``; the learner holds weights ``current_version``."""
+        check_versions(rollout, current_version)
+        if self.needs_rollout_log_prob:
+            _check_finite("rollout.rollout_log_prob", rollout.rollout_log_prob, rollout.response_mask)
+        start = time.perf_counter()
+        old = self._old_log_prob(rollout, learner, current_version).detach()
+        seconds = time.perf_counter() - start
+        mask = rollout.response_mask.bool().to(old.device)
+        if tuple(old.shape) != tuple(mask.shape):
+            raise ValueError(
+                f"{self.name}: old_log_prob has shape {tuple(old.shape)}, expected {tuple(mask.shape)}"
+            )
+        _check_finite(f"{self.name} old_log_prob", old, mask)
+        old = torch.where(mask, old, torch.zeros_like(old))
+        error = None
+        metrics = self.metrics()
+        if self.reference is not None and mask.any():
+            # measurement only: a token older than the reference window leaves the error unmeasured
+            try:
+                error = old_logit_error(old, self._reference_log_prob(rollout, learner, old), mask)
+            except KeyError:
+                metrics["reference_missing"] = 1.0
+            metrics["reference_bytes"] = float(self.reference.nbytes)
+        return ProximalResult(old, seconds, self.extra_bytes, error, metrics)
+
+    # ---- what subclasses provide --------------------------------------------------------------------
+    def _old_log_prob(self, rollout: Rollout, learner, current_version: int) -> Tensor:
+        raise NotImplementedError
+
+    @property
+    def extra_bytes(self) -> int:
+        """Memory held by the strategy itself (the measurement reference is not counted)."""
+        return 0
+
+    def metrics(self) -> dict[str, float]:
+        """Strategy-specific counters, reported in every ``ProximalResult``."""
+        return {}
+
+    def _reference_log_prob(self, rollout: Rollout, learner, old: Tensor) -> Tensor:
+        """Exact old log-probs from the reference store (scored with each token's own version)."""
+        if self._reference_model is None:
+            self._reference_model = clone_model(learner.model)
+        return score_by_version(self.reference, self._reference_model, learner, rollout, self.temperature).to(
+            old.device
+        )
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "reference": None if self.reference is None else self.reference.state_dict(),
+        }
+
+    def load_state_dict(self, d: dict) -> None:
+        if d.get("name") != self.name:
+            raise ValueError(f"state dict is for proximal strategy {d.get('name')!r}, not {self.name!r}")
+        if d.get("reference") is not None:
+            if self.reference is None:
+                self.reference = SnapshotStore(self.max_staleness)
+            self.reference.load_state_dict(d["reference"])
+
+
+def _check_finite(name: str, x: Tensor | None, mask: Tensor) -> None:
+    if x is None:
+        raise ValueError(f"{name} is None: this strategy needs the sampler's log-probs")
+    if tuple(x.shape) != tuple(mask.shape):
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(mask.shape)}")
+    bad = ~torch.isfinite(x) & mask.bool().to(x.device)
+    if bad.any():
+        raise ValueError(f"{name} has {int(bad.sum())} non-finite values on valid tokens")
+
+
+def _masked(x: Tensor, mask: Tensor) -> Tensor:
+    return x[mask.bool()]
+
+
+def old_logit_error(old_log_prob: Tensor, exact_old_log_prob: Tensor, mask: Tensor) -> dict[str, float]:
+    """How far a proxy π_old is from the exact one over valid tokens.
+
+    logp_abs_err_mean = mean |log π_old − log π_exact|, logp_abs_err_max = max of the same,
+    p_abs_err_mean = mean |π_old − π_exact| (probability space).
+    """
+    for name, x in (("old_log_prob", old_log_prob), ("exact_old_log_prob", exact_old_log_prob)):
+        _check_finite(name, x, mask)
+    if not mask.bool().any():
+        raise ValueError("response_mask selects no token: cannot measure the old-logit error")
+    a, b = _masked(old_log_prob.float(), mask), _masked(exact_old_log_prob.float(), mask)
+    d = (a - b).abs()
+    return {
+        "logp_abs_err_mean": float(d.mean()),
+        "logp_abs_err_max": float(d.max()),
+        "p_abs_err_mean": float((a.exp() - b.exp()).abs().mean()),
+    }
+
+
+def discrepancy_staleness(
+    rollout_log_prob: Tensor, exact_old_log_prob: Tensor, log_prob: Tensor, mask: Tensor
+) -> dict[str, float]:
+    """The two factors of SPEC §1, for logging: π_θ/μ = (π_old/μ) · (π_θ/π_old) with π_old = π_train(v_gen).
+
+    Per valid token: discrepancy d_t = log π_old − log μ, staleness s_t = log π_θ − log π_old (both clamped to
+    ±20), total d_t + s_t = log π_θ − log μ. Returns masked means, standard deviations and mean absolute
+    values of d and s, the mean total, and the mean ratios exp(d), exp(s). All inputs (B, T); ``log_prob`` is
+    detached here.
+    """
+    mask = mask.bool()
+    for name, x in (
+        ("rollout_log_prob", rollout_log_prob),
+        ("exact_old_log_prob", exact_old_log_prob),
+        ("log_prob", log_prob),
+    ):
+        _check_finite(name, x, mask)
+    if not mask.any():
+        raise ValueError("response_mask selects no token: cannot compute discrepancy/staleness")
+    mu, old, theta = (
+        _masked(x.detach().float(), mask) for x in (rollout_log_prob, exact_old_log_prob, log_prob)
+    )
+    d = (old - mu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    s = (theta - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return {
+        "discrepancy_log_mean": float(d.mean()),
+        "discrepancy_log_std": float(d.std(correction=0)),
+        "discrepancy_log_abs_mean": float(d.abs().mean()),
+        "discrepancy_ratio_mean": float(d.exp().mean()),
+        "staleness_log_mean": float(s.mean()),
+        "staleness_log_std": float(s.std(correction=0)),
+        "staleness_log_abs_mean": float(s.abs().mean()),
+        "staleness_ratio_mean": float(s.exp().mean()),
+        "total_log_mean": float((d + s).mean()),
+    }

@@ -1,0 +1,191 @@
+"""``ewma``: π_old = forward of an exponentially weighted average of the learner's weights (PPO-EWMA).
+
+Hilton, Cobbe, Schulman (arXiv 2110.00641), ``EwmaModel`` in openai/ppo-ewma, after *every* optimizer step::
+
+    w' = β w + 1
+    θ̄  ← (β w / w') θ̄ + θ / w'        (bias-corrected: θ̄ is the weighted mean Σ_j β^j θ_{n−j} / Σ_j β^j)
+    w  ← w'
+    reset: the same update with β = 0  →  θ̄ = θ, w = 1
+
+Seed 002 (Guan et al., arXiv 2605.12070) revises it for asynchronous RL in two ways, both implemented here:
+
+1. β tied to the asynchronous window. The EWMA's centre of mass (mean age of the averaged weights, in
+   optimizer steps) is β/(1−β). With a window of k versions and s optimizer steps per published version we
+   put it in the middle of the window, β/(1−β) = k·s/2, i.e. β = (k·s/2) / (1 + k·s/2). (k = 0 → β = 0, the
+   live weights.) ``beta=`` overrides the rule.
+2. Auto-reset. The trainer passes the share of tokens kept by the train/infer mask to ``observe``; when it
+   falls below ``reset_keep_ratio`` the average is reset to the live weights at the next optimizer step (or
+   the next ``old_log_prob``, whichever comes first). Resets are counted (metric ``ewma_resets``).
+
+The keep share is read from ``metrics[keep_ratio_key]`` (default ``"rollout_corr/keep_ratio"``); if that key
+is absent and ``"rollout_corr/rollout_rs_masked_fraction"`` is present, keep = 1 − masked fraction.
+The threshold default (0.9) is rollcorr's choice: the seed gives no number.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from rollcorr.proximal.base import ProximalStrategy
+from rollcorr.proximal.scoring import clone_model, model_bytes, score, unique_tensors
+from rollcorr.rollout import Rollout
+
+KEEP_RATIO_KEY = "rollout_corr/keep_ratio"
+MASKED_FRACTION_KEY = "rollout_corr/rollout_rs_masked_fraction"
+
+
+def window_beta(max_staleness: int, steps_per_version: int = 1) -> float:
+    """β whose centre of mass β/(1−β) is half the window: k·s/2 optimizer steps."""
+    if max_staleness < 0 or steps_per_version < 1:
+        raise ValueError(
+            f"need max_staleness >= 0 and steps_per_version >= 1, got {max_staleness}, {steps_per_version}"
+        )
+    com = max_staleness * steps_per_version / 2
+    return com / (1 + com)
+
+
+class EWMA(ProximalStrategy):
+    """π_old = forward of θ̄, the bias-corrected EWMA of the learner's weights (see module docstring).
+
+    θ̄ lives in a dedicated copy of the learner's model (one weight copy: ``extra_bytes``), initialised from
+    the first model it sees (``on_publish`` or ``after_optimizer_step``), updated in place after every
+    optimizer step. Floating-point parameters and buffers are averaged; other buffers are copied.
+    """
+
+    name = "ewma"
+
+    def __init__(
+        self,
+        max_staleness: int = 1,
+        steps_per_version: int = 1,
+        beta: float | None = None,
+        reset_keep_ratio: float | None = 0.9,
+        keep_ratio_key: str = KEEP_RATIO_KEY,
+        temperature: float = 1.0,
+        measure_error: bool = False,
+    ):
+        super().__init__(temperature=temperature, max_staleness=max_staleness, measure_error=measure_error)
+        self.beta = window_beta(max_staleness, steps_per_version) if beta is None else float(beta)
+        if not 0.0 <= self.beta < 1.0:
+            raise ValueError(f"EWMA beta must be in [0, 1), got {self.beta}")
+        if reset_keep_ratio is not None and not 0.0 <= reset_keep_ratio <= 1.0:
+            raise ValueError(f"reset_keep_ratio must be in [0, 1] or None, got {reset_keep_ratio}")
+        self.reset_keep_ratio = reset_keep_ratio
+        self.keep_ratio_key = keep_ratio_key
+        self.model: nn.Module | None = None  # holds θ̄
+        self.weight = 1.0  # w
+        self.resets = 0
+        self.updates = 0
+        self.pending_reset = False
+        self.last_keep_ratio: float | None = None
+        self._pending_average: dict[str, Tensor] | None = None
+
+    # ---- the average ------------------------------------------------------------------------------------
+    def _init(self, model: nn.Module) -> None:
+        if self.model is None:
+            self.model = clone_model(model)
+            if self._pending_average is not None:  # restored from a checkpoint before any model was seen
+                self.model.load_state_dict(self._pending_average)
+                self._pending_average = None
+            else:
+                self.weight = 1.0
+
+    @torch.no_grad()
+    def update(self, model: nn.Module, beta: float | None = None) -> None:
+        """One EWMA step towards ``model``'s weights: w' = βw + 1, θ̄ ← (βw/w')θ̄ + θ/w' (β=0: reset)."""
+        self._init(model)
+        beta = self.beta if beta is None else beta
+        new_weight = beta * self.weight + 1.0
+        keep, take = beta * self.weight / new_weight, 1.0 / new_weight
+        live = model.state_dict()
+        avg_state = self.model.state_dict()
+        pairs = [(avg_state[k], live[k]) for k in avg_state]
+        # tied weights appear under several names: update each storage once
+        seen = {id(t) for t in unique_tensors(a for a, _ in pairs)}
+        for avg, cur in pairs:
+            if id(avg) not in seen:
+                continue
+            seen.discard(id(avg))
+            if avg.is_floating_point():
+                avg.mul_(keep).add_(cur.detach().to(avg.device, avg.dtype), alpha=take)
+            else:
+                avg.copy_(cur)
+        self.weight = new_weight
+        self.updates += 1
+
+    def reset(self, model: nn.Module) -> None:
+        """θ̄ ← θ, w ← 1 (Hilton's update with decay 0) and count it."""
+        self.update(model, beta=0.0)
+        self.resets += 1
+        self.pending_reset = False
+
+    # ---- hooks --------------------------------------------------------------------------------------------
+    def on_publish(self, version: int, model: nn.Module) -> None:
+        super().on_publish(version, model)
+        self._init(model)
+
+    def after_optimizer_step(self, model: nn.Module) -> None:
+        if self.pending_reset:
+            self.reset(model)
+        else:
+            self.update(model)
+
+    def observe(self, metrics: dict[str, float]) -> None:
+        keep = metrics.get(self.keep_ratio_key)
+        if keep is None and MASKED_FRACTION_KEY in metrics:
+            keep = 1.0 - float(metrics[MASKED_FRACTION_KEY])
+        if keep is None:
+            return
+        self.last_keep_ratio = float(keep)
+        if self.reset_keep_ratio is not None and self.last_keep_ratio < self.reset_keep_ratio:
+            self.pending_reset = True
+
+    def _old_log_prob(self, rollout: Rollout, learner, current_version: int) -> Tensor:
+        if self.model is None or self.pending_reset:
+            self._init(learner.model)
+            if self.pending_reset:
+                self.reset(learner.model)
+        return score(learner, rollout, self.temperature, model=self.model)
+
+    # ---- reporting / checkpoints ------------------------------------------------------------------------
+    @property
+    def extra_bytes(self) -> int:
+        return 0 if self.model is None else model_bytes(self.model)
+
+    def metrics(self) -> dict[str, float]:
+        out = {"ewma_resets": float(self.resets), "ewma_beta": self.beta, "ewma_weight": self.weight}
+        if self.last_keep_ratio is not None:
+            out["ewma_keep_ratio"] = self.last_keep_ratio
+        return out
+
+    def state_dict(self) -> dict:
+        d = super().state_dict()
+        d.update(
+            beta=self.beta,
+            weight=self.weight,
+            resets=self.resets,
+            updates=self.updates,
+            pending_reset=self.pending_reset,
+            average=None
+            if self.model is None
+            else {k: v.clone() for k, v in self.model.state_dict().items()},
+        )
+        return d
+
+    def load_state_dict(self, d: dict, model: nn.Module | None = None) -> None:
+        """Restore; the averaged weights need a module to live in: ``model`` (or the one already held)."""
+        super().load_state_dict(d)
+        self.beta, self.weight = float(d["beta"]), float(d["weight"])
+        self.resets, self.updates, self.pending_reset = (
+            int(d["resets"]),
+            int(d["updates"]),
+            bool(d["pending_reset"]),
+        )
+        if d["average"] is not None:
+            if self.model is None:
+                if model is None:
+                    self._pending_average = d["average"]
+                    return
+                self.model = clone_model(model)
+            self.model.load_state_dict(d["average"])

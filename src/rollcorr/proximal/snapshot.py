@@ -1,0 +1,66 @@
+"""``snapshot``: exact old logits from stored copies of every live weight version (seed 002, route 1)."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from rollcorr.proximal.base import ProximalStrategy
+from rollcorr.proximal.scoring import clone_model, model_bytes
+from rollcorr.proximal.store import SnapshotStore, score_by_version
+from rollcorr.rollout import Rollout
+
+
+class Snapshot(ProximalStrategy):
+    """π_old = learner forward with the stored weights of each token's version v_gen (exact).
+
+    ``on_publish(v, model)`` copies the weights to CPU and evicts versions older than v − max_staleness. A
+    batch is scored once per distinct version present (a partial rollout that spans versions is scored once
+    per version and each token takes the score of its own version). The stored weights are loaded into a
+    scratch copy of the learner's model, so the live model is never touched.
+
+    Memory: ``store.nbytes`` (one weight copy per live version, ≤ max_staleness + 1) plus the scratch model.
+    """
+
+    name = "snapshot"
+    exact = True
+
+    def __init__(self, max_staleness: int = 1, temperature: float = 1.0, measure_error: bool = False):
+        super().__init__(temperature=temperature, max_staleness=max_staleness, measure_error=False)
+        self.store = SnapshotStore(max_staleness)
+        self._scratch: nn.Module | None = None
+        self._measure = measure_error
+
+    def on_publish(self, version: int, model: nn.Module) -> None:
+        self.store.put(version, model)
+
+    def _old_log_prob(self, rollout: Rollout, learner, current_version: int) -> Tensor:
+        if self._scratch is None:
+            self._scratch = clone_model(learner.model)
+        self._distinct = len({int(v) for v in rollout.version[rollout.response_mask.bool()].tolist()})
+        return score_by_version(self.store, self._scratch, learner, rollout, self.temperature)
+
+    def old_log_prob(self, rollout: Rollout, learner, current_version: int):
+        result = super().old_log_prob(rollout, learner, current_version)
+        if self._measure:  # the snapshot *is* the reference: its error is zero by construction
+            result.error = {"logp_abs_err_mean": 0.0, "logp_abs_err_max": 0.0, "p_abs_err_mean": 0.0}
+        return result
+
+    @property
+    def extra_bytes(self) -> int:
+        scratch = 0 if self._scratch is None else model_bytes(self._scratch)
+        return self.store.nbytes + scratch
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "stored_versions": float(len(self.store)),
+            "store_bytes": float(self.store.nbytes),
+            "versions_scored": float(getattr(self, "_distinct", 0)),
+        }
+
+    def state_dict(self) -> dict:
+        return {"name": self.name, "store": self.store.state_dict()}
+
+    def load_state_dict(self, d: dict) -> None:
+        if d.get("name") != self.name:
+            raise ValueError(f"state dict is for proximal strategy {d.get('name')!r}, not {self.name!r}")
+        self.store.load_state_dict(d["store"])

@@ -1,0 +1,359 @@
+"""Training configuration: plain dataclasses, one YAML file, dotted command-line overrides.
+
+``load_config(path, overrides)`` reads ``configs/default.yaml`` (or ``path``), applies overrides such as
+``algorithm.correction.preset=decoupled_seq_is_rs trainer.max_staleness=4`` and validates everything before
+any model is loaded. Every error names the offending key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
+
+MODES = ("sync", "simulated_async", "async")
+ADVANTAGES = ("grpo", "rloo", "drgrpo", "oapl")
+AGGREGATIONS = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "token-sum",
+)
+LOSSES = ("ppo_clip", "cispo", "gspo", "oapl", "reinforce")
+
+# Per-algorithm defaults; a field left at None in AlgorithmConfig takes the value from this table.
+ALGORITHMS: dict[str, dict[str, Any]] = {
+    "grpo": dict(loss="ppo_clip", advantage="grpo", norm_std=True, aggregation="seq-mean-token-mean",
+                 clip_low=0.2, clip_high=0.2, dynamic_sampling=False),
+    "dapo": dict(loss="ppo_clip", advantage="grpo", norm_std=True, aggregation="token-mean",
+                 clip_low=0.2, clip_high=0.28, dynamic_sampling=True),
+    "drgrpo": dict(loss="ppo_clip", advantage="drgrpo", norm_std=False, aggregation="seq-mean-token-sum-norm",
+                   clip_low=0.2, clip_high=0.2, dynamic_sampling=False),
+    "rloo": dict(loss="ppo_clip", advantage="rloo", norm_std=False, aggregation="seq-mean-token-mean",
+                 clip_low=0.2, clip_high=0.2, dynamic_sampling=False),
+    "cispo": dict(loss="cispo", advantage="grpo", norm_std=True, aggregation="token-mean",
+                  clip_low=1.0, clip_high=4.0, dynamic_sampling=False),
+    "gspo": dict(loss="gspo", advantage="grpo", norm_std=True, aggregation="seq-mean-token-mean",
+                 clip_low=3e-4, clip_high=4e-4, dynamic_sampling=False),
+    "oapl": dict(loss="oapl", advantage="oapl", norm_std=False, aggregation="seq-mean-token-mean",
+                 clip_low=0.2, clip_high=0.2, dynamic_sampling=False),
+}  # fmt: skip
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message starts with the dotted key at fault."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "builtin"  # "builtin" or a local Hugging Face directory
+    sampler: str = "hf:bf16"  # engine spec for make_sampler
+    learner: str = "hf:fp32"  # engine spec for make_learner
+
+
+@dataclass
+class TaskConfig:
+    name: str = "addition"  # make_task name or a .jsonl path
+    eval_prompts: int = 200  # held-out (split="test") prompts for greedy evaluation
+    eval_seed: int = 12345
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 16
+    group_size: int = 8  # G responses per prompt
+    max_new_tokens: int = 6
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"  # one of ALGORITHMS
+    loss: str | None = None  # None = the algorithm's default (see ALGORITHMS)
+    advantage: str | None = None
+    norm_std: bool | None = None
+    aggregation: str | None = None
+    clip_low: float | None = None
+    clip_high: float | None = None
+    dual_clip: float | None = None  # c > 1 for dual-clip PPO, None = off
+    dynamic_sampling: bool | None = None  # drop groups whose rewards are all equal
+    baseline_excludes_rejected: bool = True  # rejected sequences leave the group mean / std
+    oapl_beta: float = 1e-2  # OAPL regression coefficient β
+    oapl_beta1: float | None = None  # OAPL soft-value temperature β₁ (None = β)
+    oapl_sync_every: int = 4  # OAPL: publish weights to the sampler every N learner steps
+    # rollcorr correction config: {"preset": name, <CorrectionConfig field>: value, ...}
+    correction: dict[str, Any] = field(default_factory=lambda: {"preset": "decoupled_token_is"})
+    # π_old strategy: {"name": strategy, <strategy kwarg>: value, ...}
+    proximal: dict[str, Any] = field(default_factory=lambda: {"name": "recompute"})
+
+    def resolved(self, key: str) -> Any:
+        """The value of ``key`` after filling None from the algorithm's defaults."""
+        value = getattr(self, key)
+        return ALGORITHMS[self.name][key] if value is None else value
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.99
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm, 0 = off
+    warmup_steps: int = 0
+
+
+@dataclass
+class TrainerConfig:
+    mode: str = "sync"  # sync | simulated_async | async
+    lag: int = 1  # simulated_async: the sampler holds the weights of `lag` versions ago
+    max_staleness: int = 4  # no token is trained on at a version lag above this
+    queue_size: int = 2  # async: rollout batches waiting for the learner
+    partial_rollouts: bool = False  # async: interrupted responses resume with the new weights
+    partial_chunk_tokens: int = 2  # async + partial: tokens generated between weight-update checks
+    steps: int = 150
+    mini_batches: int = 1  # optimizer steps per rollout batch (per PPO epoch)
+    micro_batch_size: int = 0  # sequences per forward/backward, 0 = the whole mini-batch
+    ppo_epochs: int = 1
+    seed: int = 0
+    threads: int = 1  # torch intra-op threads (1 is fastest for the built-in model; 0 = torch's default)
+    eval_every: int = 25  # greedy evaluation every N steps (and at start and end), 0 = only start/end
+    checkpoint_every: int = 50  # 0 = only at the end
+    keep_checkpoints: int = 2
+    max_bad_steps: int = 3  # consecutive non-finite steps before the run stops
+    out: str | None = None  # run folder; None = runs/<timestamp>
+    tensorboard: bool = True
+    wandb: bool = False  # only when the wandb package is installed
+    progress: bool = True  # rich progress bar
+    plot: bool = True
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def batch_size(self) -> int:
+        return self.rollout.prompts_per_step * self.rollout.group_size
+
+
+# ---------------------------------------------------------------- building from dicts and overrides
+
+
+def _from_dict(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in known:
+            raise ConfigError(f"{dotted}: unknown key; known keys are {sorted(known)}")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _from_dict(hint, value or {}, dotted)
+        else:
+            kwargs[key] = _coerce(value, hint, dotted)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Check ``value`` against a simple type hint (int/float/bool/str/dict, optionally | None)."""
+    if getattr(hint, "__origin__", None) is dict:
+        hint = dict
+    args = getattr(hint, "__args__", ())
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    base = getattr(base, "__origin__", base)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{key}: may not be null")
+    if base is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true/false, got {value!r}")
+        return value
+    if base is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if base is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if base is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    if base is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    return value
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"a.b.c=value"`` → (["a", "b", "c"], value parsed as YAML)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"{text}: expected key=value, e.g. trainer.steps=50")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{key}: cannot parse value {raw!r}: {err}") from None
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set each dotted key in a nested dict (new nested keys are checked later against the dataclasses)."""
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for i, part in enumerate(path[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"{'.'.join(path[: i + 1])}: is a value, cannot set {'.'.join(path)}")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Read YAML (default: the shipped default.yaml), apply overrides, build and validate."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    data = apply_overrides(data, list(overrides or []))
+    config = _from_dict(TrainConfig, data, "")
+    validate(config)
+    return config
+
+
+def config_from_dict(data: dict[str, Any]) -> TrainConfig:
+    config = _from_dict(TrainConfig, data, "")
+    validate(config)
+    return config
+
+
+def save_config(config: TrainConfig, path: Path) -> None:
+    """Write the resolved config as YAML (temp file then rename)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    tmp.replace(path)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def _positive(value: float, key: str, allow_zero: bool = False) -> None:
+    ok = math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
+    _check(ok, key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def validate(c: TrainConfig) -> None:
+    """Self-consistency checks that need no model. Raises ConfigError naming the key."""
+    r, a, o, t = c.rollout, c.algorithm, c.optim, c.trainer
+    _positive(r.prompts_per_step, "rollout.prompts_per_step")
+    _positive(r.group_size, "rollout.group_size")
+    _positive(r.max_new_tokens, "rollout.max_new_tokens")
+    _positive(r.temperature, "rollout.temperature")
+    _positive(r.top_k, "rollout.top_k", allow_zero=True)
+    _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    _positive(c.task.eval_prompts, "task.eval_prompts", allow_zero=True)
+
+    _check(
+        a.name in ALGORITHMS,
+        "algorithm.name",
+        f"unknown algorithm {a.name!r}; use one of {sorted(ALGORITHMS)}",
+    )
+    _check(a.resolved("loss") in LOSSES, "algorithm.loss", f"unknown loss {a.loss!r}; use one of {LOSSES}")
+    _check(a.resolved("advantage") in ADVANTAGES, "algorithm.advantage",
+           f"unknown advantage estimator {a.advantage!r}; use one of {ADVANTAGES}")  # fmt: skip
+    _check(a.resolved("aggregation") in AGGREGATIONS, "algorithm.aggregation",
+           f"unknown aggregation {a.aggregation!r}; use one of {AGGREGATIONS}")  # fmt: skip
+    _positive(a.resolved("clip_low"), "algorithm.clip_low", allow_zero=True)
+    _positive(a.resolved("clip_high"), "algorithm.clip_high", allow_zero=True)
+    if a.dual_clip is not None:
+        _check(a.dual_clip > 1, "algorithm.dual_clip", f"must be > 1, got {a.dual_clip}")
+    _positive(a.oapl_beta, "algorithm.oapl_beta")
+    if a.oapl_beta1 is not None:
+        _positive(a.oapl_beta1, "algorithm.oapl_beta1")
+    _positive(a.oapl_sync_every, "algorithm.oapl_sync_every")
+    if (a.resolved("loss") == "oapl") != (a.resolved("advantage") == "oapl"):
+        raise ConfigError("algorithm.loss: the oapl loss and the oapl advantage go together")
+    if r.group_size < 2 and a.resolved("advantage") in ("grpo", "rloo", "drgrpo", "oapl"):
+        raise ConfigError(
+            f"rollout.group_size: {a.resolved('advantage')} needs groups of >= 2, got {r.group_size}"
+        )
+    _check("preset" in a.correction or "mode" in a.correction, "algorithm.correction",
+           "needs a 'preset' (e.g. decoupled_token_is) or explicit fields")  # fmt: skip
+    _check(isinstance(a.proximal.get("name"), str), "algorithm.proximal.name", "needs a strategy name")
+
+    _positive(o.lr, "optim.lr")
+    _positive(o.weight_decay, "optim.weight_decay", allow_zero=True)
+    _check(0 <= o.beta1 < 1, "optim.beta1", f"must be in [0, 1), got {o.beta1}")
+    _check(0 <= o.beta2 < 1, "optim.beta2", f"must be in [0, 1), got {o.beta2}")
+    _positive(o.eps, "optim.eps")
+    _positive(o.grad_clip, "optim.grad_clip", allow_zero=True)
+    _positive(o.warmup_steps, "optim.warmup_steps", allow_zero=True)
+
+    _check(t.mode in MODES, "trainer.mode", f"unknown mode {t.mode!r}; use one of {MODES}")
+    _positive(t.lag, "trainer.lag", allow_zero=True)
+    _check(t.max_staleness >= 0, "trainer.max_staleness", f"must be >= 0, got {t.max_staleness}")
+    if t.mode == "simulated_async":
+        _check(t.lag <= t.max_staleness, "trainer.lag",
+               f"lag {t.lag} exceeds trainer.max_staleness {t.max_staleness}")  # fmt: skip
+    if a.resolved("loss") == "oapl" and t.mode != "async":
+        # the sampler lags by up to sync_every - 1 versions on top of the executor's own lag
+        own = t.lag if t.mode == "simulated_async" else 0
+        _check(own + a.oapl_sync_every - 1 <= t.max_staleness, "algorithm.oapl_sync_every",
+               f"sync every {a.oapl_sync_every} steps lags the sampler by up to {own + a.oapl_sync_every - 1} "
+               f"versions, above trainer.max_staleness {t.max_staleness}")  # fmt: skip
+    _positive(t.queue_size, "trainer.queue_size")
+    _check(not t.partial_rollouts or t.mode == "async", "trainer.partial_rollouts",
+           f"partial rollouts need trainer.mode=async, got {t.mode!r}")  # fmt: skip
+    _positive(t.partial_chunk_tokens, "trainer.partial_chunk_tokens")
+    _positive(t.steps, "trainer.steps")
+    _positive(t.threads, "trainer.threads", allow_zero=True)
+    _positive(t.mini_batches, "trainer.mini_batches")
+    _check(c.batch_size % t.mini_batches == 0, "trainer.mini_batches",
+           f"{t.mini_batches} does not divide the batch of {c.batch_size} responses")  # fmt: skip
+    _check(t.mini_batches == 1 or c.batch_size // t.mini_batches % r.group_size == 0, "trainer.mini_batches",
+           "each mini-batch must hold whole groups (batch / mini_batches must be a multiple of group_size)")  # fmt: skip
+    _positive(t.micro_batch_size, "trainer.micro_batch_size", allow_zero=True)
+    _positive(t.ppo_epochs, "trainer.ppo_epochs")
+    _positive(t.eval_every, "trainer.eval_every", allow_zero=True)
+    _positive(t.checkpoint_every, "trainer.checkpoint_every", allow_zero=True)
+    _positive(t.keep_checkpoints, "trainer.keep_checkpoints")
+    _positive(t.max_bad_steps, "trainer.max_bad_steps")

@@ -1,0 +1,117 @@
+"""What a user sees: ``metrics.jsonl``, TensorBoard events, optional W&B, and a rich progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+# the columns of the progress bar: (metric key, label, format)
+PROGRESS_FIELDS = (
+    ("reward/mean", "reward", "{:.3f}"),
+    ("eval/accuracy", "acc", "{:.3f}"),
+    ("staleness/lag_mean", "lag", "{:.2f}"),
+    ("rollout_corr/kl", "kl", "{:.1e}"),
+    ("rollout_corr/log_ppl_abs_diff", "|Δlogppl|", "{:.1e}"),
+    ("rollout_corr/rollout_rs_masked_fraction", "rej", "{:.3f}"),
+)
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+class RunLogger:
+    """Appends one JSON line per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard / W&B.
+
+    ``resume_step``: lines of a previous life of the run with a step above it are dropped (the run continues
+    from the checkpoint at ``resume_step``).
+    """
+
+    def __init__(self, run_dir: Path, total_steps: int, *, tensorboard: bool = True, wandb: bool = False,
+                 progress: bool = True, config: dict | None = None, resume_step: int | None = None):  # fmt: skip
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            self._truncate(resume_step)
+        self.file = self.path.open("a")
+        self.last: dict[str, float] = {}
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=resume_step)
+        self.wandb = None
+        if wandb:
+            try:
+                import wandb as wandb_lib
+            except ImportError:
+                print("trainer.wandb=true but the wandb package is not installed: logging locally only")
+            else:
+                self.wandb = wandb_lib.init(project="rollcorr", dir=str(self.run_dir), config=config,
+                                            resume="allow")  # fmt: skip
+        self.progress = None
+        if progress:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                TextColumn("{task.fields[stats]}"),
+            )  # fmt: skip
+            self.task = self.progress.add_task(
+                "train", total=total_steps, completed=resume_step or 0, stats=""
+            )
+            self.progress.start()
+
+    def _truncate(self, step: int) -> None:
+        keep = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    keep.append(line)
+            except json.JSONDecodeError:
+                break  # a torn last line from the killed run
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        tmp.replace(self.path)
+
+    def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
+        record: dict[str, Any] = {"step": step}
+        record.update({k: _finite_or_none(float(v)) for k, v in sorted(metrics.items())})
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        self.last.update(metrics)
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if math.isfinite(float(v)):
+                    self.tb.add_scalar(k, float(v), step)
+        if self.wandb is not None:
+            self.wandb.log(dict(metrics), step=step)
+        if self.progress is not None:
+            stats = "  ".join(
+                f"{label} {fmt.format(self.last[key])}"
+                for key, label, fmt in PROGRESS_FIELDS
+                if key in self.last
+            )
+            self.progress.update(self.task, completed=step if advance else None, stats=stats)
+
+    def message(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.console.print(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,409 @@
+"""The training run: build the pieces from a ``TrainConfig``, then step, publish, evaluate, checkpoint.
+
+    executor.next_rollout(step, version)   → rollout with rewards (sampler at some version ≤ version)
+    train_step(rollout, ...)                → π_old, correction, advantages, loss, optimizer step
+    version += 1; publish to the sampler    (OAPL: only every ``oapl_sync_every`` versions)
+    evaluate / log / checkpoint
+
+``run(config)`` starts a run, ``run(config, resume=run_dir)`` continues one from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rollcorr.train.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from rollcorr.train.config import ConfigError, TrainConfig, save_config
+from rollcorr.train.step import Algorithm, train_step
+
+
+class TrainingStopped(RuntimeError):
+    """Raised when too many consecutive steps had a non-finite loss or gradient."""
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    steps: int
+    version: int
+    initial_accuracy: float | None
+    final_accuracy: float | None
+    seconds: float
+    stopped: str | None = None
+
+
+# ---------------------------------------------------------------- building (all checks before any model loads)
+
+
+def build_correction(config: TrainConfig):
+    """``algorithm.correction`` ({"preset": name, field: value, ...}) → CorrectionConfig."""
+    from rollcorr.config.correction import CorrectionConfig
+
+    spec = dict(config.algorithm.correction)
+    name = spec.pop("preset", None)
+    try:
+        if name is None:
+            return CorrectionConfig(**spec)
+        from rollcorr.config.presets import PRESETS
+
+        if name not in PRESETS:
+            raise ConfigError(
+                f"algorithm.correction.preset: unknown preset {name!r}; choose one of {sorted(PRESETS)}"
+            )
+        base = PRESETS[name]()
+        known = {f.name for f in dataclasses.fields(base)}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ConfigError(
+                f"algorithm.correction.{unknown[0]}: unknown correction field; known: {sorted(known)}"
+            )
+        return dataclasses.replace(base, **spec)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"algorithm.correction: {err}") from None
+
+
+def build_algorithm(config: TrainConfig) -> Algorithm:
+    """Resolve the algorithm's defaults into the ``Algorithm`` the step uses."""
+    from rollcorr.losses import LossConfig
+
+    a = config.algorithm
+    correction = build_correction(config)
+    try:
+        loss = LossConfig(
+            name=a.resolved("loss"),
+            clip_low=a.resolved("clip_low"),
+            clip_high=a.resolved("clip_high"),
+            clip_c=a.dual_clip,
+            agg=a.resolved("aggregation"),
+            denominator=correction.denominator,
+            norm_constant=float(config.rollout.max_new_tokens),
+            oapl_beta=a.oapl_beta,
+            oapl_beta1=a.oapl_beta1,
+            check_inputs=True,
+        )
+    except ValueError as err:
+        raise ConfigError(f"algorithm.loss: {err}") from None
+    return Algorithm(
+        loss=loss,
+        correction=correction,
+        advantage=a.resolved("advantage"),
+        norm_std=a.resolved("norm_std"),
+        dynamic_sampling=a.resolved("dynamic_sampling"),
+        baseline_excludes_rejected=a.baseline_excludes_rejected,
+        oapl_beta1=a.oapl_beta if a.oapl_beta1 is None else a.oapl_beta1,
+        temperature=config.rollout.temperature,
+        mini_batches=config.trainer.mini_batches,
+        micro_batch_size=config.trainer.micro_batch_size,
+        ppo_epochs=config.trainer.ppo_epochs,
+        grad_clip=config.optim.grad_clip,
+    )
+
+
+def build_proximal(config: TrainConfig):
+    from rollcorr.proximal import STRATEGIES, make_proximal
+
+    spec = dict(config.algorithm.proximal)
+    name = spec.pop("name")
+    if name not in STRATEGIES:
+        raise ConfigError(
+            f"algorithm.proximal.name: unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}"
+        )
+    spec.setdefault("temperature", config.rollout.temperature)
+    spec.setdefault("max_staleness", max(config.trainer.max_staleness, 1))
+    if name == "ewma":  # the EWMA window is counted in optimizer steps
+        spec.setdefault("steps_per_version", config.trainer.mini_batches * config.trainer.ppo_epochs)
+    try:
+        return make_proximal(name, **spec)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"algorithm.proximal: {err}") from None
+
+
+def check_components(config: TrainConfig) -> tuple[Algorithm, Any]:
+    """Everything that can be checked without loading a model: presets, losses, strategy, engine specs."""
+    from rollcorr.engines import parse_spec
+    from rollcorr.tasks import make_task
+
+    algo = build_algorithm(config)
+    proximal = build_proximal(config)
+    for key in ("sampler", "learner"):
+        try:
+            parse_spec(getattr(config.model, key))
+        except ValueError as err:
+            raise ConfigError(f"model.{key}: {err}") from None
+    try:
+        make_task(config.task.name)
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(f"task.name: {err}") from None
+    if config.trainer.partial_rollouts and parse_spec(config.model.sampler).backend not in ("hf", "llamacpp"):
+        raise ConfigError(
+            f"trainer.partial_rollouts: sampler {config.model.sampler!r} cannot resume responses"
+        )
+    if getattr(algo.correction, "mode", "") == "bypass" and proximal.name != "bypass":
+        raise ConfigError(f"algorithm.proximal.name: a bypass correction preset means π_old := μ; use "
+                          f"algorithm.proximal.name=bypass, not {proximal.name!r}")  # fmt: skip
+    if algo.loss.name == "oapl" and getattr(algo.correction, "mode", "") == "bypass":
+        raise ConfigError(
+            "algorithm.correction: OAPL regresses on log μ itself; use a decoupled preset or 'disabled'"
+        )
+    return algo, proximal
+
+
+def check_sampler_log_probs(sampler, proximal, config: TrainConfig) -> None:
+    """A strategy or loss that reads log μ needs a sampler that reports it (checked before training)."""
+    if getattr(sampler, "gives_log_probs", True):
+        return
+    if getattr(proximal, "needs_rollout_log_prob", False):
+        raise ConfigError(f"algorithm.proximal.name: {proximal.name!r} needs rollout log-probs, but sampler "
+                          f"{config.model.sampler!r} gives none")  # fmt: skip
+    raise ConfigError(
+        f"model.sampler: {config.model.sampler!r} gives no rollout log-probs; the correction needs them"
+    )
+
+
+def publishes(config: TrainConfig, version: int) -> bool:
+    """Whether weights of ``version`` go to the sampler (OAPL: only every ``oapl_sync_every`` versions)."""
+    if config.algorithm.resolved("loss") == "oapl":
+        return version % config.algorithm.oapl_sync_every == 0
+    return True
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def new_run_dir(config: TrainConfig) -> Path:
+    if config.trainer.out:
+        return Path(config.trainer.out)
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / stamp
+
+
+# ---------------------------------------------------------------- the run
+
+
+class Trainer:
+    """Holds what lives for the whole run: learner, optimizer, executor, π_old strategy, logger, evaluator."""
+
+    def __init__(self, config: TrainConfig, run_dir: Path | None = None, resume: Path | None = None):
+        from rollcorr.engines import SamplingParams, make_learner, make_sampler
+        from rollcorr.tasks import make_task
+        from rollcorr.train.eval import GreedyEvaluator
+        from rollcorr.train.executors import RolloutSource, make_executor
+        from rollcorr.train.logging import RunLogger
+
+        self.config = config
+        self.algo, self.proximal = check_components(config)
+        t, r = config.trainer, config.rollout
+        self.run_dir = Path(resume) if resume is not None else (run_dir or new_run_dir(config))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, self.run_dir / "config.yaml")
+        seed_everything(t.seed)
+        model_path = None if config.model.path == "builtin" else config.model.path
+
+        self.learner = make_learner(config.model.learner, model_path)
+        self.learner.model.train(False)  # no dropout: the learner scores exactly what it trains
+        sampler = make_sampler(config.model.sampler, model_path)
+        check_sampler_log_probs(sampler, self.proximal, config)
+        o = config.optim
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.learner.model.parameters() if p.requires_grad],
+            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+        )  # fmt: skip
+        self.task = make_task(config.task.name)
+        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
+                                top_p=r.top_p, seed=t.seed)  # fmt: skip
+        source = RolloutSource(sampler, self.task, self.learner.tokenizer, params, r.prompts_per_step,
+                               r.group_size, t.seed)  # fmt: skip
+        self.executor = make_executor(t.mode, source, lag=t.lag, max_staleness=t.max_staleness,
+                                      queue_size=t.queue_size, partial_rollouts=t.partial_rollouts,
+                                      chunk_tokens=t.partial_chunk_tokens)  # fmt: skip
+        # old_logit_model follows the *sampler's* weights (which lag the learner's in the async modes): it gets
+        # each version when the sampler loads it, and scores every chunk as soon as it is generated
+        self.follows_sampler = hasattr(self.proximal, "submit")
+        if self.follows_sampler:
+            scratch = copy.deepcopy(self.learner.model)
+
+            def sampler_loaded(version: int, weights) -> None:
+                scratch.load_state_dict(weights)
+                self.proximal.on_publish(version, scratch)
+
+            source.load_listeners.append(sampler_loaded)
+            source.listeners.append(lambda rollout: self.proximal.submit(rollout, self.learner))
+        self.evaluator = None
+        if config.task.eval_prompts > 0:
+            eval_sampler = make_sampler("hf:fp32", model_path)
+            self.evaluator = GreedyEvaluator(eval_sampler, self.task, self.learner.tokenizer,
+                                             config.task.eval_prompts, r.max_new_tokens, config.task.eval_seed)  # fmt: skip
+        self.step = 0
+        self.version = 0
+        self.bad_steps = 0
+        self.initial_accuracy: float | None = None
+        self.final_accuracy: float | None = None
+        if resume is not None:
+            self._restore(latest_checkpoint(self.run_dir))
+        self.logger = RunLogger(self.run_dir, t.steps, tensorboard=t.tensorboard, wandb=t.wandb, progress=t.progress,
+                                config=config.to_dict(), resume_step=self.step if resume is not None else None)  # fmt: skip
+
+    # ---- checkpoints ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "version": self.version,
+            "model": {k: v.detach().clone() for k, v in self.learner.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "executor": self.executor.state_dict(),
+            "proximal": self.proximal.state_dict(),
+            "rng": rng_state(),
+            "loop": {"bad_steps": self.bad_steps, "initial_accuracy": self.initial_accuracy},
+            "config": self.config.to_dict(),
+        }
+
+    def save(self) -> Path:
+        return save_checkpoint(self.run_dir, self.step, self.state_dict(), self.learner.model, self.learner.tokenizer,
+                               keep=self.config.trainer.keep_checkpoints)  # fmt: skip
+
+    def _restore(self, path: Path) -> None:
+        state = load_checkpoint(path)
+        self.learner.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.version = int(state["step"]), int(state["version"])
+        self.bad_steps = int(state["loop"]["bad_steps"])
+        self.initial_accuracy = state["loop"]["initial_accuracy"]
+        self.proximal.load_state_dict(state["proximal"])
+        self.executor.load_state_dict(state["executor"])
+        set_rng_state(state["rng"])
+
+    # ---- the loop --------------------------------------------------------------------------------------
+    def _lr(self, step: int) -> float:
+        warmup = self.config.optim.warmup_steps
+        return self.config.optim.lr * (min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
+
+    def _evaluate(self) -> dict[str, float]:
+        if self.evaluator is None:
+            return {}
+        return self.evaluator(self.learner.model.state_dict(), self.version)
+
+    def _publish(self) -> None:
+        if publishes(self.config, self.version):
+            if not self.follows_sampler:
+                self.proximal.on_publish(self.version, self.learner.model)
+            self.executor.publish(self.version, self.learner.model.state_dict())
+
+    def run(self) -> RunResult:
+        t = self.config.trainer
+        start = time.perf_counter()
+        stopped = None
+        try:
+            if self.step == 0:
+                if not self.follows_sampler:
+                    self.proximal.on_publish(0, self.learner.model)
+                self.executor.start(0, self.learner.model.state_dict())
+                ev = self._evaluate()
+                self.initial_accuracy = ev.get("eval/accuracy")
+                self.logger.log(0, ev, advance=False)
+                if self.initial_accuracy is not None:
+                    self.logger.message(
+                        f"step 0: greedy accuracy {self.initial_accuracy:.3f} on held-out prompts"
+                    )
+            ev = {}
+            while self.step < t.steps:
+                ev = self._one_step()
+            if not ev and self.evaluator is not None:  # the final step was not an eval step
+                ev = self._evaluate()
+                self.logger.log(self.step, ev, advance=False)
+            self.final_accuracy = ev.get("eval/accuracy")
+        except TrainingStopped as err:
+            stopped = str(err)
+            self.logger.message(f"[red]stopped:[/red] {err}")
+        finally:
+            self.executor.close()
+            if hasattr(self.proximal, "wait"):
+                self.proximal.wait()
+        self.save()
+        seconds = time.perf_counter() - start
+        if t.plot:
+            from rollcorr.train.logging import read_metrics
+            from rollcorr.train.plots import plot_run
+
+            plot_run(read_metrics(self.run_dir), self.run_dir / "curves.png")
+        self.logger.close()
+        return RunResult(self.run_dir, self.step, self.version, self.initial_accuracy, self.final_accuracy, seconds,
+                         stopped)  # fmt: skip
+
+    def _one_step(self) -> dict[str, float]:
+        t = self.config.trainer
+        step_start = time.perf_counter()
+        rollout, metrics = self.executor.next_rollout(self.step, self.version)
+        if rollout.rollout_log_prob is None:
+            check_sampler_log_probs(
+                type("NoLogProbs", (), {"gives_log_probs": False})(), self.proximal, self.config
+            )
+
+        # interrupt strategy: exact old logits of in-flight tokens while the learner still holds `version`
+        stall = 0.0
+        before_publish = getattr(self.proximal, "before_publish", None)
+        in_flight = self.executor.pause() if before_publish is not None else []
+        if before_publish is not None:
+            stall = before_publish(self.learner, in_flight)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._lr(self.step)
+
+        result = train_step(rollout, self.learner, self.optimizer, self.proximal, self.algo, self.version)
+        metrics.update(result.metrics)
+        metrics["proximal/stall_s"] = float(stall or 0.0)
+        self.step += 1
+        self.version += 1
+        self._publish()
+        self.executor.resume()
+
+        if result.skipped_updates:
+            self.bad_steps += 1
+            self.logger.message(f"step {self.step}: non-finite loss or gradient, update skipped "
+                                f"({self.bad_steps} in a row)")  # fmt: skip
+        else:
+            self.bad_steps = 0
+        metrics["train/bad_steps_in_row"] = float(self.bad_steps)
+        metrics["time/step_s"] = time.perf_counter() - step_start
+        metrics["train/lr"] = self._lr(self.step - 1)
+
+        ev: dict[str, float] = {}
+        if t.eval_every and self.step % t.eval_every == 0 or self.step == t.steps:
+            ev = self._evaluate()
+            metrics.update(ev)
+        self.logger.log(self.step, metrics)
+        if self.bad_steps >= t.max_bad_steps:
+            raise TrainingStopped(
+                f"{self.bad_steps} consecutive steps had a non-finite loss or gradient (last at step {self.step}); "
+                f"the weights are those from before them, saved in {self.run_dir / 'checkpoints'}"
+            )
+        if t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < t.steps:
+            self.save()
+        return ev
+
+
+def run(config: TrainConfig, run_dir: Path | None = None, resume: Path | None = None) -> RunResult:
+    """Train with ``config``; ``resume`` continues the run in that folder from its newest checkpoint."""
+    if config.trainer.threads > 0:
+        torch.set_num_threads(config.trainer.threads)
+    trainer = Trainer(config, run_dir=run_dir, resume=resume)
+    return trainer.run()

@@ -1,0 +1,316 @@
+"""One training step, read top to bottom as one walk over a ``Rollout`` (ARCHITECTURE.md):
+
+    rollout (tokens, μ, per-token versions, rewards)           ← executor
+    rollout.old_log_prob = proximal.old_log_prob(...)           ← π_old by the chosen strategy
+    corr = compute_correction(old, μ, mask, config)             ← IS weights, rejection mask, metrics
+    rollout.advantages = advantages(rewards, groups, keep)      ← rejected rows out of the baselines
+    for epoch, mini-batch, micro-batch: policy_loss → backward   ← π_θ with gradient
+    optimizer step (skipped when the loss or a gradient is not finite)
+
+The learner's weight version does not change inside ``train_step``: the caller publishes afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from rollcorr.advantages import compute_advantages
+from rollcorr.losses import LossConfig, policy_loss
+from rollcorr.rollout import Rollout
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """Everything the step needs to know about the algorithm, resolved from ``TrainConfig``."""
+
+    loss: LossConfig
+    correction: object  # rollcorr.config.correction.CorrectionConfig
+    advantage: str  # grpo | rloo | drgrpo | oapl
+    norm_std: bool
+    dynamic_sampling: bool
+    baseline_excludes_rejected: bool
+    oapl_beta1: float
+    temperature: float  # the sampler's temperature: the learner scores with the same one
+    mini_batches: int = 1
+    micro_batch_size: int = 0  # 0 = whole mini-batch
+    ppo_epochs: int = 1
+    grad_clip: float = 1.0
+
+
+@dataclass
+class StepResult:
+    """What one step did. ``applied`` is False when a non-finite loss/gradient made it skip the update."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    applied: bool = True
+    skipped_updates: int = 0
+
+
+def _float_metrics(metrics: dict[str, Tensor | float]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def version_lag(rollout: Rollout, version: int) -> dict[str, float]:
+    """Per-token version lag (learner version − version that generated the token) over valid tokens, and the
+    share of responses whose tokens span several versions (partial rollouts)."""
+    mask = rollout.response_mask.bool()
+    if not mask.any():
+        return {"staleness/lag_mean": 0.0, "staleness/lag_max": 0.0, "staleness/mixed_version_fraction": 0.0}
+    lag = (version - rollout.version)[mask].float()
+    big = torch.iinfo(torch.int64).max
+    newest = torch.where(mask, rollout.version, torch.full_like(rollout.version, -1)).max(1).values
+    oldest = torch.where(mask, rollout.version, torch.full_like(rollout.version, big)).min(1).values
+    mixed = ((newest > oldest) & mask.any(1)).float().mean()
+    return {
+        "staleness/lag_mean": float(lag.mean()),
+        "staleness/lag_max": float(lag.max()),
+        "staleness/oldest_version": float(rollout.version[mask].min()),
+        "staleness/mixed_version_fraction": float(mixed),
+    }
+
+
+def reward_metrics(rollout: Rollout) -> dict[str, float]:
+    rewards = rollout.rewards.float()
+    lengths = rollout.response_mask.float().sum(1)
+    return {
+        "reward/mean": float(rewards.mean()),
+        "reward/accuracy": float((rewards >= 1.0).float().mean()),
+        "response/length_mean": float(lengths.mean()),
+        "response/tokens": float(lengths.sum()),
+    }
+
+
+def correct(
+    rollout: Rollout, algo: Algorithm, version: int, log_prob: Tensor | None, advantages: Tensor | None = None
+) -> tuple[Rollout, dict]:
+    """Attach ``is_weights`` and ``correction_mask`` (SPEC §2–3); returns the rollout and the metrics.
+
+    ``log_prob``: detached log π_θ before the update when available (required in bypass mode, where the
+    ratio is π_θ/μ); it also enables the correction's discrepancy/staleness metrics.
+    """
+    from rollcorr.correction import compute_correction, metrics_to_floats
+
+    if rollout.rollout_log_prob is None:
+        raise ValueError("the sampler returned no rollout_log_prob: the correction needs log μ")
+    res = compute_correction(
+        rollout.old_log_prob,
+        rollout.rollout_log_prob,
+        rollout.response_mask,
+        algo.correction,
+        log_prob=log_prob,
+        advantages=advantages,
+        log_kept_mass=rollout.log_kept_mass,
+        version=rollout.version,
+        current_version=version,
+    )
+    mask = res.mask.bool() & rollout.response_mask.bool()
+    weights = None if res.weights is None else res.weights.detach()
+    return rollout.replace(is_weights=weights, correction_mask=mask), metrics_to_floats(res.metrics)
+
+
+def attach_advantages(rollout: Rollout, algo: Algorithm) -> tuple[Rollout, Tensor, dict[str, float]]:
+    """(B, T) advantages from rewards and group ids; returns (rollout, rows used (B,), metrics).
+
+    With ``baseline_excludes_rejected`` a sequence with no kept token leaves its group's mean / std; with
+    ``dynamic_sampling`` groups whose rewards are all equal are dropped (DAPO).
+    """
+    valid = rollout.response_mask.bool().any(1)
+    kept = rollout.correction_mask.any(1) if algo.baseline_excludes_rejected else valid
+    adv, used = compute_advantages(
+        algo.advantage,
+        rollout.rewards.float(),
+        rollout.group_ids,
+        rollout.correction_mask,
+        keep=kept & valid,
+        norm_std=algo.norm_std,
+        beta1=algo.oapl_beta1,
+        filter_uniform_groups=algo.dynamic_sampling,
+    )
+    metrics = {
+        "advantage/abs_mean": float(adv.abs().sum() / rollout.correction_mask.sum().clamp_min(1)),
+        "advantage/used_fraction": float(used.float().mean()),
+    }
+    return rollout.replace(advantages=adv), used, metrics
+
+
+def _loss(algo: Algorithm, part: Rollout, log_prob: Tensor, loss_mask: Tensor) -> tuple[Tensor, dict]:
+    if algo.loss.name == "oapl":
+        return policy_loss(
+            algo.loss,
+            log_prob,
+            None,
+            None,
+            loss_mask,
+            rollout_log_prob=part.rollout_log_prob,
+            rewards=part.rewards.float(),
+            group_ids=part.group_ids,
+            denominator_mask=part.response_mask,
+        )
+    return policy_loss(
+        algo.loss,
+        log_prob,
+        part.old_log_prob,
+        part.advantages,
+        loss_mask,
+        weights=part.is_weights,
+        rollout_log_prob=part.rollout_log_prob
+        if algo.loss.name in ("ppo_is", "vanilla_is", "tis", "areal")
+        else None,
+        denominator_mask=part.response_mask,
+    )
+
+
+def _micro_batches(n: int, size: int) -> list[list[int]]:
+    size = n if size <= 0 else size
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+
+def _mini_batch_indices(rollout: Rollout, mini_batches: int) -> list[list[int]]:
+    """Split rows into mini-batches of whole groups (consecutive rows share a group)."""
+    n = rollout.batch_size
+    size = n // mini_batches
+    return [list(range(i, i + size)) for i in range(0, n, size)]
+
+
+def optimize(
+    rollout: Rollout,
+    loss_mask: Tensor,
+    learner,
+    optimizer: torch.optim.Optimizer,
+    algo: Algorithm,
+    after_optimizer_step=None,
+) -> tuple[dict[str, float], int, int]:
+    """PPO epochs × mini-batches of optimizer steps over ``rollout``.
+
+    Micro-batches accumulate gradients; each micro loss is scaled by its share of the mini-batch (tokens for
+    token-level aggregations, sequences otherwise), so the accumulated gradient equals the mini-batch one.
+    Returns (metrics averaged over optimizer steps, optimizer steps applied, steps skipped as non-finite).
+    """
+    params = [p for p in learner.model.parameters() if p.requires_grad]
+    token_level = algo.loss.agg_mode in ("token-mean", "token-sum")
+    sums: dict[str, float] = {}
+    applied = skipped = 0
+    for _epoch in range(algo.ppo_epochs):
+        for rows in _mini_batch_indices(rollout, algo.mini_batches):
+            mini = rollout.select(rows)
+            mini_mask = loss_mask[rows]
+            total = float(mini_mask.sum()) if token_level else float(len(rows))
+            optimizer.zero_grad(set_to_none=True)
+            finite = True
+            step_metrics: dict[str, float] = {}
+            for micro_rows in _micro_batches(len(rows), algo.micro_batch_size):
+                part = mini.select(micro_rows) if len(micro_rows) < len(rows) else mini
+                part_mask = mini_mask[micro_rows]
+                share = (float(part_mask.sum()) if token_level else float(len(micro_rows))) / max(total, 1.0)
+                log_prob = learner.log_prob(part, temperature=algo.temperature, grad=True)
+                if isinstance(log_prob, tuple):
+                    log_prob = log_prob[0]
+                loss, metrics = _loss(algo, part, log_prob, part_mask)
+                if not torch.isfinite(loss):
+                    finite = False
+                    break
+                (loss * share).backward()
+                step_metrics["loss/policy"] = (
+                    step_metrics.get("loss/policy", 0.0) + float(loss.detach()) * share
+                )
+                for k, v in _float_metrics(metrics).items():
+                    step_metrics[k] = step_metrics.get(k, 0.0) + v * share
+            grad_norm = _grad_norm(params, algo.grad_clip) if finite else float("nan")
+            if not math.isfinite(grad_norm):
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                continue
+            optimizer.step()
+            applied += 1
+            if after_optimizer_step is not None:
+                after_optimizer_step(learner.model)
+            step_metrics["loss/grad_norm"] = grad_norm
+            for k, v in step_metrics.items():
+                sums[k] = sums.get(k, 0.0) + v
+    optimizer.zero_grad(set_to_none=True)
+    return {k: v / max(applied, 1) for k, v in sums.items()}, applied, skipped
+
+
+def _grad_norm(params: list[Tensor], max_norm: float) -> float:
+    """Global gradient norm (before clipping); clips in place when ``max_norm`` > 0. NaN/inf propagate."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    if max_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    return float(norm)
+
+
+def train_step(
+    rollout: Rollout,
+    learner,
+    optimizer: torch.optim.Optimizer,
+    proximal,
+    algo: Algorithm,
+    version: int,
+) -> StepResult:
+    """One walk from a rewarded rollout to updated learner weights (see module docstring).
+
+    ``version`` is the learner's current weight version (the rollout's tokens carry their own, ≤ version).
+    """
+    metrics = {**reward_metrics(rollout), **version_lag(rollout, version)}
+
+    # π_old by the chosen strategy (timed, with its memory cost and, when measurable, its error)
+    prox = proximal.old_log_prob(rollout, learner, version)
+    rollout = rollout.replace(old_log_prob=prox.old_log_prob)
+    metrics.update(prox.to_metrics("proximal/"))
+
+    # log π_θ before the update, when the correction or the factor metrics need it (free under recompute)
+    bypass = getattr(algo.correction, "mode", "decoupled") == "bypass"
+    recompute = getattr(proximal, "name", "") == "recompute"
+    all_current = bool((rollout.version[rollout.response_mask.bool()] == version).all())
+    exact = getattr(proximal, "exact", False) or (recompute and all_current)  # π_old is π_train(v_gen)
+    current = None
+    if recompute:
+        current = rollout.old_log_prob
+    elif bypass or exact:
+        with torch.no_grad():
+            current = learner.log_prob(rollout, temperature=algo.temperature, grad=False)
+            current = current[0] if isinstance(current, tuple) else current
+
+    # correction: IS weights, rejection mask, the verl-named diagnostics (OPSM also reads the advantages)
+    advantages = None
+    if getattr(algo.correction, "opsm_delta", None) is not None:
+        unrejected = rollout.replace(correction_mask=rollout.response_mask.bool())
+        advantages = attach_advantages(unrejected, algo)[0].advantages
+    rollout, corr_metrics = correct(
+        rollout, algo, version, current if (bypass or exact) else None, advantages
+    )
+    metrics.update(corr_metrics)
+
+    # advantages, with rejected sequences (and uniform groups under dynamic sampling) out of the baselines
+    rollout, used, adv_metrics = attach_advantages(rollout, algo)
+    metrics.update(adv_metrics)
+    loss_mask = rollout.correction_mask & used[:, None]
+
+    # discrepancy × staleness (SPEC §1): exact when π_old is π_train(v_gen)
+    if exact and current is not None and rollout.response_mask.any():
+        from rollcorr.proximal.base import discrepancy_staleness
+
+        factors = discrepancy_staleness(
+            rollout.rollout_log_prob, rollout.old_log_prob, current, rollout.response_mask
+        )
+        metrics.update({f"factors/{k}": v for k, v in factors.items()})
+
+    start = time.perf_counter()
+    opt_metrics, applied, skipped = optimize(
+        rollout, loss_mask, learner, optimizer, algo, after_optimizer_step=proximal.after_optimizer_step
+    )
+    metrics.update(opt_metrics)
+    metrics["time/optimize_s"] = time.perf_counter() - start
+    metrics["train/skipped_updates"] = float(skipped)
+    metrics["train/applied_updates"] = float(applied)
+    proximal.observe(metrics)
+    return StepResult(metrics=metrics, applied=skipped == 0 and applied > 0, skipped_updates=skipped)

@@ -1,0 +1,141 @@
+import json
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollcorr.tasks import AdditionTask, JsonlTask, Task, make_task, rewards
+from rollcorr.tasks.addition import is_test_pair, reversed_sum
+
+
+def test_addition_items_and_reward():
+    task = AdditionTask(digits=3)
+    items = task.sample(50, seed=0)
+    for item in items:
+        a, b = item["a"], item["b"]
+        assert 100 <= a <= 999 and 100 <= b <= 999
+        assert item["prompt"] == f"{a}+{b}="
+        assert int(item["answer"][::-1]) == a + b
+        assert task.reward(item, item["answer"]) == 1.0
+        assert task.reward(item, item["answer"] + " \n") == 1.0
+        assert task.reward(item, str(a + b)) == (1.0 if str(a + b) == item["answer"] else 0.0)
+        assert task.reward(item, "") == 0.0
+    assert isinstance(task, Task)
+
+
+def test_reversed_sum_is_least_significant_first():
+    assert reversed_sum(123, 456) == "975"
+    assert reversed_sum(999, 1) == "0001"
+
+
+def test_format_reward_only_for_wrong_digit_strings():
+    task = AdditionTask(digits=2, format_reward=0.1)
+    item = task.item(12, 34)
+    assert task.reward(item, "64") == 1.0
+    assert task.reward(item, "65") == pytest.approx(0.1)
+    assert task.reward(item, "6a") == 0.0
+
+
+def test_sampling_is_deterministic_and_splits_are_disjoint():
+    task = AdditionTask(digits=3)
+    assert task.sample(20, seed=3) == task.sample(20, seed=3)
+    assert task.sample(20, seed=3) != task.sample(20, seed=4)
+    train = task.sample(300, seed=1, split="train")
+    test = task.sample(300, seed=1, split="test")
+    assert all(not is_test_pair(i["a"], i["b"]) for i in train)
+    assert all(is_test_pair(i["a"], i["b"]) for i in test)
+    assert not {i["prompt"] for i in train} & {i["prompt"] for i in test}
+    # the split must not depend on the answer: both splits see every last digit and carries
+    for items in (train, test):
+        assert {i["answer"][0] for i in items} == set("0123456789")
+        assert {len(i["answer"]) for i in items} == {3, 4}
+    share = sum(is_test_pair(a, b) for a in range(100, 160) for b in range(100, 160)) / 60**2
+    assert 0.07 < share < 0.13
+
+
+@settings(deadline=None, max_examples=25)
+@given(digits=st.integers(1, 6), seed=st.integers(0, 10_000))
+def test_answers_are_reversed_sums(digits, seed):
+    task = AdditionTask(digits=digits)
+    for item in task.sample(5, seed=seed, split="test"):
+        a, b = item["a"], item["b"]
+        assert len(str(a)) == digits and len(str(b)) == digits
+        assert item["answer"] == str(a + b)[::-1]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="digits"):
+        AdditionTask(digits=0)
+    with pytest.raises(ValueError, match="split"):
+        AdditionTask().sample(1, seed=0, split="val")
+    with pytest.raises(ValueError, match="non-negative"):
+        AdditionTask().sample(-1, seed=0)
+    with pytest.raises(ValueError, match="2 items but 1 responses"):
+        rewards(AdditionTask(), AdditionTask().sample(2, 0), ["1"])
+
+
+def write(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_jsonl_task_exact_reward_and_split(tmp_path):
+    path = write(
+        tmp_path / "d.jsonl", [json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(20)] + [""]
+    )
+    task = JsonlTask(path)
+    assert len(task.items) == 20
+    train, test = task.sample(40, seed=0), task.sample(40, seed=0, split="test")
+    assert {i["prompt"] for i in test} <= {"q9", "q19"}
+    assert not {i["prompt"] for i in train} & {"q9", "q19"}
+    assert task.sample(5, seed=2) == task.sample(5, seed=2)
+    item = train[0]
+    assert task.reward(item, f" {item['answer']} ") == 1.0
+    assert task.reward(item, item["answer"] + "0") == 0.0
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("{not json", "line 2: invalid JSON"),
+        ('["a", "b"]', "line 2: expected a JSON object"),
+        ('{"prompt": "x"}', "line 2: missing key 'answer'"),
+        ('{"prompt": "", "answer": "1"}', "line 2: 'prompt' must be a non-empty string"),
+    ],
+)
+def test_jsonl_invalid_lines_name_the_line(tmp_path, bad, message):
+    path = write(tmp_path / "d.jsonl", ['{"prompt": "a", "answer": "1"}', bad])
+    with pytest.raises(ValueError, match=message):
+        JsonlTask(path)
+
+
+def test_jsonl_custom_reward_module(tmp_path, monkeypatch):
+    (tmp_path / "my_reward.py").write_text(
+        "def contains(item, text):\n    return 0.5 if item['answer'] in text else 0.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = write(tmp_path / "d.jsonl", ['{"prompt": "a", "answer": "42"}'])
+    task = JsonlTask(path, reward="my_reward:contains")
+    assert task.reward(task.items[0], "it is 42!") == 0.5
+    assert task.reward(task.items[0], "no") == 0.0
+    with pytest.raises(ValueError, match="no function 'missing'"):
+        JsonlTask(path, reward="my_reward:missing")
+    with pytest.raises(ValueError, match="cannot import"):
+        JsonlTask(path, reward="no_such_module_xyz:f")
+    with pytest.raises(ValueError, match="'exact' or 'module:function'"):
+        JsonlTask(path, reward="fuzzy")
+    sys.modules.pop("my_reward", None)
+
+
+def test_make_task(tmp_path):
+    assert make_task("addition").digits == 3
+    assert make_task("addition:4").digits == 4
+    path = write(tmp_path / "d.jsonl", ['{"prompt": "a", "answer": "1"}'])
+    assert isinstance(make_task(str(path)), JsonlTask)
+    with pytest.raises(ValueError, match="unknown task"):
+        make_task("multiplication")
+    with pytest.raises(ValueError, match="integer"):
+        make_task("addition:x")
+    with pytest.raises(FileNotFoundError):
+        make_task(str(tmp_path / "missing.jsonl"))

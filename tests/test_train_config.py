@@ -1,0 +1,120 @@
+"""rollcorr train: configuration loading, overrides and validation (no model is loaded here)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from rollcorr.train.config import ConfigError, TrainConfig, config_from_dict, load_config, save_config
+from rollcorr.train.loop import check_components, check_sampler_log_probs, publishes
+
+
+def test_default_config_loads_and_resolves_algorithm_defaults():
+    c = load_config()
+    assert c.trainer.mode == "sync"
+    assert c.algorithm.name == "grpo"
+    assert c.algorithm.resolved("clip_high") == 0.2
+    dapo = load_config(None, ["algorithm.name=dapo"])
+    assert dapo.algorithm.resolved("clip_high") == 0.28
+    assert dapo.algorithm.resolved("aggregation") == "token-mean"
+    assert dapo.algorithm.resolved("dynamic_sampling") is True
+    # an explicit value beats the algorithm's default
+    assert (
+        load_config(None, ["algorithm.name=dapo", "algorithm.clip_high=0.3"]).algorithm.resolved("clip_high")
+        == 0.3
+    )
+
+
+def test_overrides_parse_yaml_values_and_nested_dicts():
+    c = load_config(None, ["trainer.max_staleness=2", "rollout.temperature=0.7", "trainer.progress=false", "optim.lr=1e-3",
+                           "algorithm.correction.preset=decoupled_seq_is_rs", "algorithm.correction.is_upper=3"])  # fmt: skip
+    assert c.trainer.max_staleness == 2 and isinstance(c.trainer.max_staleness, int)
+    assert c.rollout.temperature == 0.7 and c.optim.lr == 1e-3
+    assert c.trainer.progress is False
+    assert c.algorithm.correction == {"preset": "decoupled_seq_is_rs", "is_upper": 3}
+    algo, _ = check_components(c)
+    assert algo.correction.is_upper == 3.0 and algo.correction.is_level == "sequence"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["trainer.bogus=1"], "trainer.bogus"),
+        (["bogus.x=1"], "bogus"),
+        (["trainer.max_staleness=-1"], "trainer.max_staleness"),
+        (["trainer.mode=fast"], "trainer.mode"),
+        (["algorithm.name=ppo2"], "algorithm.name"),
+        (["rollout.top_p=abc"], "rollout.top_p"),
+        (["rollout.group_size=1"], "rollout.group_size"),
+        (["trainer.steps=0"], "trainer.steps"),
+        (["trainer.mini_batches=3"], "trainer.mini_batches"),
+        (["trainer.mode=simulated_async", "trainer.lag=5", "trainer.max_staleness=2"], "trainer.lag"),
+        (["trainer.partial_rollouts=true"], "trainer.partial_rollouts"),
+        (
+            ["algorithm.name=oapl", "algorithm.oapl_sync_every=8", "trainer.max_staleness=4"],
+            "algorithm.oapl_sync_every",
+        ),
+        (["trainer.steps.x=1"], "trainer.steps"),
+        (["noequals"], "noequals"),
+    ],
+)
+def test_invalid_config_names_the_key(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert str(err.value).startswith(key), str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["algorithm.correction.preset=no_such_preset"], "algorithm.correction.preset"),
+        (["algorithm.correction.is_uper=3"], "algorithm.correction.is_uper"),
+        (["algorithm.correction.is_upper=-1"], "algorithm.correction"),
+        (["algorithm.proximal.name=telepathy"], "algorithm.proximal.name"),
+        (["algorithm.proximal.bogus_option=1"], "algorithm.proximal"),
+        (["model.sampler=tpu:fp8"], "model.sampler"),
+        (["task.name=subtraction"], "task.name"),
+        (["algorithm.loss=nope"], "algorithm.loss"),
+    ],
+)
+def test_component_errors_name_the_key(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        check_components(load_config(None, overrides))
+    assert str(err.value).startswith(key), str(err.value)
+
+
+class _SamplerWithoutLogProbs:
+    gives_log_probs = False
+
+
+def test_strategy_needing_log_probs_rejects_sampler_without_them():
+    config = load_config(None, ["algorithm.proximal.name=bypass"])
+    _, proximal = check_components(config)
+    with pytest.raises(ConfigError, match=r"^algorithm\.proximal\.name: 'bypass' needs rollout log-probs"):
+        check_sampler_log_probs(_SamplerWithoutLogProbs(), proximal, config)
+    config = load_config()
+    _, proximal = check_components(config)
+    with pytest.raises(ConfigError, match=r"^model\.sampler"):
+        check_sampler_log_probs(_SamplerWithoutLogProbs(), proximal, config)
+
+
+def test_saved_config_round_trips(tmp_path):
+    c = load_config(None, ["algorithm.name=cispo", "trainer.mode=async", "trainer.max_staleness=3"])
+    save_config(c, tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert again == c
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["algorithm"]["name"] == "cispo"
+    assert config_from_dict(c.to_dict()) == c
+    assert isinstance(again, TrainConfig)
+
+
+def test_oapl_publishes_every_n_versions():
+    c = load_config(None, ["algorithm.name=oapl", "algorithm.oapl_sync_every=3", "trainer.max_staleness=2"])
+    assert [v for v in range(10) if publishes(c, v)] == [0, 3, 6, 9]
+    assert all(publishes(load_config(), v) for v in range(5))
+
+
+def test_every_algorithm_builds():
+    for name in ("grpo", "dapo", "drgrpo", "rloo", "cispo", "gspo", "oapl"):
+        algo, _ = check_components(load_config(None, [f"algorithm.name={name}"]))
+        assert algo.loss.name in ("ppo_clip", "cispo", "gspo", "oapl")
