@@ -38,6 +38,11 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
     return adv
 
 
+def on_valid(values: list[float], valid: list[bool], digits: int = 7) -> list[float]:
+    """Rounded values on valid tokens, 0 past the response (verl-style right padding)."""
+    return [round(float(x), digits) if v else 0.0 for x, v in zip(values, valid)]
+
+
 def broken_rows(good: dict) -> list[str]:
     """Malformed lines appended after the real rows, one per kind the reader reports."""
     n = len(good["rollout_log_probs"])
@@ -78,37 +83,28 @@ def main() -> None:
     rollout = sampler.generate([it["prompt"] for it in items], params, n=args.n, meta=items)
     old_log_prob = learner.log_prob(rollout, temperature=args.temperature)
 
-    tokenizer = learner.tokenizer
-    mask = rollout.response_mask.bool()
     texts = [m["response_text"] for m in rollout.meta]
-    item_of_row = rollout.meta
-    rewards = torch.tensor([task.reward(it, text) for it, text in zip(item_of_row, texts)])
+    rewards = torch.tensor([task.reward(item, text) for item, text in zip(rollout.meta, texts)])
     advantages = grpo_advantages(rewards, rollout.group_ids)
 
     rows = []
     for i in range(rollout.batch_size):
-        m = mask[i]
+        valid = rollout.response_mask[i].bool().tolist()
+        ids = rollout.response_ids[i].tolist()
+
         rows.append(
             {
                 "uid": int(rollout.group_ids[i]),
-                "prompt": item_of_row[i]["prompt"],
+                "prompt": rollout.meta[i]["prompt"],
                 "response_text": texts[i],
-                "responses": rollout.response_ids[i].tolist(),
+                "responses": ids,
                 "token_text": [
-                    t if v else ""
-                    for t, v in zip(
-                        tokenizer.convert_ids_to_tokens(rollout.response_ids[i].tolist()), m.tolist()
-                    )
+                    t if v else "" for t, v in zip(learner.tokenizer.convert_ids_to_tokens(ids), valid)
                 ],
-                "response_mask": m.int().tolist(),
-                "rollout_log_probs": [
-                    round(x, 7) if v else 0.0
-                    for x, v in zip(rollout.rollout_log_prob[i].tolist(), m.tolist())
-                ],
-                "old_log_probs": [
-                    round(x, 7) if v else 0.0 for x, v in zip(old_log_prob[i].tolist(), m.tolist())
-                ],
-                "advantages": [round(float(advantages[i]), 6) if v else 0.0 for v in m.tolist()],
+                "response_mask": [int(v) for v in valid],
+                "rollout_log_probs": on_valid(rollout.rollout_log_prob[i].tolist(), valid),
+                "old_log_probs": on_valid(old_log_prob[i].tolist(), valid),
+                "advantages": on_valid([float(advantages[i])] * len(valid), valid, 6),
                 "reward": float(rewards[i]),
                 "version": rollout.version[i].tolist(),
             }
@@ -119,6 +115,7 @@ def main() -> None:
     fd, tmp = tempfile.mkstemp(dir=args.out.parent, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         f.write("\n".join(lines) + "\n")
+    os.chmod(tmp, 0o644)  # mkstemp creates 0600; the file ships in the package
     os.replace(tmp, args.out)
     size = args.out.stat().st_size
     print(

@@ -95,9 +95,17 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--max-steps", type=int, default=6000)
-    p.add_argument("--eval-every", type=int, default=50, help="steps between evaluations while acc < 0.05")
     p.add_argument(
-        "--eval-every-close", type=int, default=10, help="steps between evaluations once acc ≥ 0.05"
+        "--eval-every", type=int, default=50, help="steps between evaluations while acc < --close-at"
+    )
+    p.add_argument(
+        "--eval-every-close", type=int, default=10, help="steps between evaluations once acc ≥ --close-at"
+    )
+    p.add_argument(
+        "--close-at",
+        type=float,
+        default=0.05,
+        help="accuracy from which to evaluate every --eval-every-close steps",
     )
     p.add_argument("--eval-size", type=int, default=500)
     p.add_argument("--final-eval-size", type=int, default=2000)
@@ -149,7 +157,7 @@ def main() -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 
-        every = args.eval_every if acc < 0.05 else args.eval_every_close
+        every = args.eval_every if acc < args.close_at else args.eval_every_close
         if step % every == 0:
             acc = greedy_accuracy(model, tokenizer, tasks[3], eval_items, max_new_tokens=6)
             elapsed = time.time() - start

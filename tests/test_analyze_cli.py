@@ -64,6 +64,7 @@ def _ratios(path):
 def test_shipped_sample_runs_with_the_default_preset(capsys, tmp_path):
     assert sample_dump_path().is_file()
     assert sample_dump_path().stat().st_size < 1_000_000
+    assert sample_dump_path().stat().st_mode & 0o044 == 0o044  # readable once installed
     code, out, err = _run(capsys, "--json", tmp_path / "m.json")
     assert code == 0, err
     for part in (
@@ -138,7 +139,7 @@ def test_token_rule_findings_are_the_tokens_outside_the_window(capsys, dump_path
     for f in data["findings"]:
         assert f["rule"] == "token_k1" and f["level"] == "token" and f["threshold"] == "[0.97, 1.03]"
         assert not 0.97 <= f["value"] <= 1.03
-    assert "Tokens removed" in out and "token_k1" in out
+    assert "Tokens hit" in out and "token_k1" in out
 
 
 @pytest.mark.parametrize(
@@ -274,3 +275,13 @@ def test_all_metrics_and_list_presets(capsys, dump_path):
     assert "rollout_rs_seq_mean_k1_seq_std" in out and "more metrics" not in out
     code, out, _ = _run(capsys, "--list-presets")
     assert code == 0 and set(out.split()) == set(PRESETS)
+
+
+def test_k1_window_shown_is_the_one_applied(dump_path):
+    """rollcorr keeps lo ≤ ρ ≤ hi; verl_compat keeps verl's inverted window 1/hi ≤ ρ ≤ 1/lo (SPEC §3)."""
+    dump = read_dump(dump_path)
+    base = preset("disabled").replace(rs=("token_k1",), rs_thresholds=("0.6_1.5",))
+    for config, window in ((base, "[0.6, 1.5]"), (base.replace(verl_compat=True), "[0.6667, 1.667]")):
+        analysis = analyze(dump, config)
+        assert [r.threshold for r in analysis.rules] == [window]
+        assert not any(n.startswith("warning") for n in analysis.notes)

@@ -93,3 +93,25 @@ def test_checkpoint_is_partly_competent():
     acc = sum(task.reward(i, t) == 1.0 and e for i, t, e in zip(items, texts, ended)) / len(items)
     assert 0.08 <= acc <= 0.5, acc
     assert sum(ended) / len(ended) > 0.9  # it has learned the format: digits then EOS
+
+
+@pytest.mark.slow
+def test_pretrain_script_writes_a_loadable_deterministic_checkpoint(tmp_path):
+    import hashlib
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "pretrain_builtin.py"
+    digests = []
+    for run in ("a", "b"):
+        out = tmp_path / run
+        cmd = [sys.executable, str(script), "--out", str(out), "--max-steps", "10", "--eval-every", "5"]
+        cmd += ["--eval-size", "20", "--final-eval-size", "20"]
+        subprocess.run(cmd, check=False, capture_output=True, timeout=600)
+        model, tok = load_model(out)
+        assert model.config.vocab_size == len(tok)
+        info = json.loads((out / "training_info.json").read_text())
+        assert info["steps"] == 10 and 0.0 <= info["final_greedy_accuracy_3digit_test"] <= 1.0
+        digests.append(hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest())
+    assert digests[0] == digests[1]

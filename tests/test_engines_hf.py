@@ -153,7 +153,7 @@ def test_low_precision_samplers_disagree_more(learner):
     params = SamplingParams(max_new_tokens=6, seed=1)
     share = {}
     for spec in ("hf:fp32", "hf:bf16", "hf:int8"):
-        gap = probs_gap(make_sampler(spec).generate(PROMPTS, params, n=4), learner)
+        gap = probs_gap(make_sampler(spec).generate(PROMPTS[:8], params, n=4), learner)
         share[spec] = (gap >= 0.01).float().mean().item() + gap.mean().item()
     assert share["hf:fp32"] < share["hf:bf16"]
     assert share["hf:fp32"] < share["hf:int8"]
@@ -182,8 +182,8 @@ def test_generation_layout_and_reproducibility(sampler):
     again = sampler.generate(PROMPTS[:3], params, n=2, meta=meta, group_ids=[5, 6, 7])
     assert torch.equal(again.response_ids, r.response_ids)
     assert torch.equal(again.rollout_log_prob, r.rollout_log_prob)
-    other = sampler.generate(PROMPTS[:3] * 4, SamplingParams(max_new_tokens=6, seed=12), n=2)
-    same = sampler.generate(PROMPTS[:3] * 4, SamplingParams(max_new_tokens=6, seed=11), n=2)
+    other = sampler.generate(PROMPTS[:3] * 2, SamplingParams(max_new_tokens=6, seed=12), n=2)
+    same = sampler.generate(PROMPTS[:3] * 2, SamplingParams(max_new_tokens=6, seed=11), n=2)
     assert not torch.equal(other.response_ids, same.response_ids)
 
 
@@ -255,6 +255,8 @@ def test_resume_continues_unfinished_rows_with_current_weights(learner):
     new_state = perturbed(learner.state_dict(), scale=0.02, seed=1)
     s.load_weights(new_state, version=1)
     resumed = s.generate([], sampled, resume=part)
+    again = s.generate([], sampled, resume=part)
+    assert torch.equal(again.response_ids, resumed.response_ids)  # seeded resume is reproducible
     m = resumed.response_mask
     assert torch.equal(resumed.version[:, :2][m[:, :2]], torch.zeros(int(m[:, :2].sum()), dtype=torch.long))
     assert torch.all(resumed.version[:, 2:][m[:, 2:]] == 1)
@@ -313,3 +315,11 @@ def test_tokenizer_that_does_not_fit_the_model_is_rejected(tmp_path):
     tok.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="tokenizer has 101 tokens but the model's embedding has only 40"):
         make_sampler("hf", tmp_path)
+
+
+def test_closed_sampler_refuses_work():
+    s = make_sampler("hf:int8")
+    assert s.device.type == "cpu"
+    s.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        s.generate(["1+1="], SamplingParams())

@@ -135,6 +135,7 @@ def _bench_child(variant: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # two fresh Python processes: ~5 s idle, ~20 s on a loaded machine
 def test_chunked_working_memory_is_a_small_fraction_of_naive():
     """Peak RSS growth after a warm-up (fresh process each) minus the returned gradients: chunked ≪ naive."""
     naive, chunked = _bench_child("naive"), _bench_child("chunked")

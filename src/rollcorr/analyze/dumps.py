@@ -173,9 +173,7 @@ def read_dump(
             raise ValueError(f"unknown field role(s) {sorted(unknown)}; roles are {sorted(wanted)}")
         wanted.update(fields)
 
-    rows: list[tuple[int, Any]] = []  # (line, parsed object or _BadRow)
-    for line, obj in _iter_rows(path):
-        rows.append((line, obj))
+    rows = list(_iter_rows(path))  # (line, dict or _BadRow)
     if not rows:
         raise ValueError(f"{path}: the dump is empty")
 
@@ -193,10 +191,12 @@ def read_dump(
             )
     for role in ("rollout", "learner"):
         if names[role] is None:
+            also = ""
+            if wanted[role] == DEFAULT_FIELDS[role]:
+                also = f" (nor {', '.join(FIELD_ALIASES[role][1:])})"
             raise ValueError(
-                f"{path}: no row has the {role} log-prob field {wanted[role]!r} "
-                f"(looked also for {', '.join(FIELD_ALIASES[role][1:])}); fields present: {sorted(keys_seen)}. "
-                f"Name it with --{role}-field / {role}_field=."
+                f"{path}: no row has the {role} log-prob field {wanted[role]!r}{also}; fields present: "
+                f"{sorted(keys_seen)}. Name it with --{role}-field / {role}_field=."
             )
 
     parsed: list[dict[str, Any]] = []
@@ -207,9 +207,10 @@ def read_dump(
             if isinstance(obj, _BadRow):
                 raise obj
             parsed.append(_parse_row(obj, names, extra_fields))
-            lines.append(line)
         except _BadRow as err:
             malformed.append(MalformedRow(line, str(err)))
+        else:
+            lines.append(line)
     if not parsed:
         raise _all_malformed(path, malformed)
 
@@ -265,6 +266,7 @@ def _iter_rows(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def _number_list(obj: dict[str, Any], name: str) -> list[float]:
+    """The field as floats (JSON null → NaN); a non-list or a non-number entry is a bad row."""
     value = obj[name]
     if not isinstance(value, list | tuple) or any(
         not (x is None or isinstance(x, int | float)) or isinstance(x, bool) for x in value
@@ -273,84 +275,75 @@ def _number_list(obj: dict[str, Any], name: str) -> list[float]:
     return [math.nan if x is None else float(x) for x in value]
 
 
+def _typed_list(obj: dict[str, Any], name: str, kind: type, what: str) -> list[Any]:
+    value = obj[name]
+    if not isinstance(value, list | tuple) or any(
+        not isinstance(x, kind) or isinstance(x, bool) for x in value
+    ):
+        raise _BadRow(f"field {name!r} is not a list of {what}")
+    return list(value)
+
+
 def _parse_row(
     obj: dict[str, Any], names: dict[str, str | None], extra_fields: Sequence[str]
 ) -> dict[str, Any]:
-    """Validate one row and return its per-token lists (mask-trimmed to the valid span)."""
-    for role in ("rollout", "learner"):
-        if names[role] not in obj:
-            raise _BadRow(f"missing field {names[role]!r}")
-    rollout = _number_list(obj, names["rollout"])
-    learner = _number_list(obj, names["learner"])
+    """Validate one row; return its per-token lists (full length, 0 at mask-0 positions) and extras."""
+    rollout_name, learner_name, mask_name = names["rollout"], names["learner"], names["mask"]
+    for name in (rollout_name, learner_name):
+        if name not in obj:
+            raise _BadRow(f"missing field {name!r}")
+    rollout = _number_list(obj, rollout_name)
     n = len(rollout)
-    if len(learner) != n:
-        raise _BadRow(
-            f"ragged: {names['rollout']!r} has {n} tokens but {names['learner']!r} has {len(learner)}"
-        )
 
-    if names["mask"] is not None:
-        if names["mask"] not in obj:
-            raise _BadRow(f"missing field {names['mask']!r}")
-        raw_mask = obj[names["mask"]]
-        if not isinstance(raw_mask, list | tuple) or any(x not in (0, 1) for x in raw_mask):
-            raise _BadRow(f"field {names['mask']!r} must be a list of 0/1 values")
-        if len(raw_mask) != n:
-            raise _BadRow(
-                f"ragged: {names['rollout']!r} has {n} tokens but {names['mask']!r} has {len(raw_mask)}"
-            )
-        mask = [bool(x) for x in raw_mask]
-    else:
-        mask = [True] * n
+    def same_length(name: str, values: list[Any]) -> list[Any]:
+        if len(values) != n:
+            raise _BadRow(f"ragged: {rollout_name!r} has {n} tokens but {name!r} has {len(values)}")
+        return values
+
+    learner = same_length(learner_name, _number_list(obj, learner_name))
+    mask = [True] * n
+    if mask_name is not None:
+        if mask_name not in obj:
+            raise _BadRow(f"missing field {mask_name!r}")
+        raw = obj[mask_name]
+        if not isinstance(raw, list | tuple) or any(x not in (0, 1) for x in raw):
+            raise _BadRow(f"field {mask_name!r} must be a list of 0/1 values")
+        mask = [bool(x) for x in same_length(mask_name, list(raw))]
     if not any(mask):
         raise _BadRow("empty response (no valid tokens)")
 
-    for name, values in ((names["rollout"], rollout), (names["learner"], learner)):
+    for name, values in ((rollout_name, rollout), (learner_name, learner)):
         for t, (x, valid) in enumerate(zip(values, mask)):
-            if not valid:
-                continue
-            if not math.isfinite(x):
+            if valid and not math.isfinite(x):
                 raise _BadRow(f"non-finite {name!r} at token {t} ({x})")
-            if x > POSITIVE_TOL:
+            if valid and x > POSITIVE_TOL:
                 raise _BadRow(f"positive log-prob in {name!r} at token {t} ({x:.4g})")
-        for t in range(n):  # padding may hold anything; valid tiny positives are rounding noise
-            if not mask[t] or values[t] > 0:
-                values[t] = 0.0
-
+        # padding may hold anything; tiny positives on valid tokens are rounding noise of p ≈ 1
+        values[:] = [x if valid and x <= 0 else 0.0 for x, valid in zip(values, mask)]
     row: dict[str, Any] = {"rollout": rollout, "learner": learner, "mask": mask}
-    name = names["advantages"]
-    if name is not None and obj.get(name) is not None:
+
+    present = {role: names[role] for role in ("advantages", "tokens", "version", "token_text", "text")}
+    present = {role: name for role, name in present.items() if name is not None and obj.get(name) is not None}
+    if "advantages" in present:  # per token, or one number per row
+        name = present["advantages"]
         adv = obj[name]
-        if isinstance(adv, int | float) and not isinstance(adv, bool):
-            adv = [float(adv)] * n
-        else:
-            adv = _number_list(obj, name)
-        if len(adv) != n:
-            raise _BadRow(f"ragged: {names['rollout']!r} has {n} tokens but {name!r} has {len(adv)}")
-        if any(not math.isfinite(a) for a, valid in zip(adv, mask) if valid):
+        adv = (
+            [float(adv)] * n
+            if isinstance(adv, int | float) and not isinstance(adv, bool)
+            else _number_list(obj, name)
+        )
+        if any(not math.isfinite(a) for a, valid in zip(same_length(name, adv), mask) if valid):
             raise _BadRow(f"non-finite {name!r} on a valid token")
         row["advantages"] = [a if valid else 0.0 for a, valid in zip(adv, mask)]
     for role in ("tokens", "version"):
-        name = names[role]
-        if name is not None and obj.get(name) is not None:
-            values = obj[name]
-            if not isinstance(values, list | tuple) or any(
-                not isinstance(x, int) or isinstance(x, bool) for x in values
-            ):
-                raise _BadRow(f"field {name!r} is not a list of integers")
-            if len(values) != n:
-                raise _BadRow(f"ragged: {names['rollout']!r} has {n} tokens but {name!r} has {len(values)}")
-            row[role] = list(values)
-    name = names["token_text"]
-    if name is not None and obj.get(name) is not None:
-        values = obj[name]
-        if not isinstance(values, list | tuple) or any(not isinstance(x, str) for x in values):
-            raise _BadRow(f"field {name!r} is not a list of strings")
-        if len(values) != n:
-            raise _BadRow(f"ragged: {names['rollout']!r} has {n} tokens but {name!r} has {len(values)}")
-        row["token_text"] = list(values)
-    name = names["text"]
-    if name is not None and isinstance(obj.get(name), str):
-        row["text"] = obj[name]
+        if role in present:
+            row[role] = same_length(present[role], _typed_list(obj, present[role], int, "integers"))
+    if "token_text" in present:
+        row["token_text"] = same_length(
+            present["token_text"], _typed_list(obj, present["token_text"], str, "strings")
+        )
+    if "text" in present and isinstance(obj[present["text"]], str):
+        row["text"] = obj[present["text"]]
     row["extras"] = {key: obj.get(key) for key in extra_fields}
     return row
 

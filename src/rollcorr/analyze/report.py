@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.markup import escape
+from rich.rule import Rule
+from rich.table import Table
 from torch import Tensor
 
 from rollcorr.analyze.dumps import Dump
@@ -90,6 +93,9 @@ def _spread(values: Tensor, valid: Tensor) -> tuple[float, float, float]:
 
 @dataclass
 class Analysis:
+    """A dump with a config applied: the metrics (floats), applied weights, mask after rejection, the
+    findings and per-rule summaries that explain them, and notes (stand-ins used, warnings)."""
+
     dump: Dump
     config: CorrectionConfig
     source: str
@@ -139,7 +145,7 @@ def analyze(dump: Dump, config: CorrectionConfig, source: str = "") -> Analysis:
         current_version=current_version,
     )
     mask = res.mask.bool()
-    findings, rules = explain(dump, config, res.weights, log_prob)
+    findings, rules = explain(dump, config, res.weights)
     explained = torch.zeros_like(mask)
     for f in findings:
         if f.effect != "rejected":
@@ -190,12 +196,19 @@ def _outside(value: float, lo: float | None, hi: float | None) -> float:
 
 
 def explain(
-    dump: Dump, config: CorrectionConfig, weights: Tensor | None, log_prob: Tensor | None
+    dump: Dump, config: CorrectionConfig, weights: Tensor | None
 ) -> tuple[list[Finding], list[RuleSummary]]:
-    """Findings (every rejected / zeroed sequence or token, with its rule) and a per-rule summary."""
-    learner = log_prob if config.mode == "bypass" and log_prob is not None else dump.old_log_prob
+    """Findings (every rejected / zeroed sequence or token, with its rule) and a per-rule summary.
+
+    Each rule runs alone through the correction library's rule functions on ℓ = log π_old − log μ (in bypass
+    mode the dump's learner log-probs are π_θ, so the same ℓ). ``weights`` are the applied IS weights.
+    """
     tok = make_tokens(
-        learner, dump.rollout_log_prob, dump.response_mask, bound=config.safety_bound, verl=config.verl_compat
+        dump.old_log_prob,
+        dump.rollout_log_prob,
+        dump.response_mask,
+        bound=config.safety_bound,
+        verl=config.verl_compat,
     )
     k2, k3 = kl_stats(tok, "k2"), kl_stats(tok, "k3")
     worst = tok.log_ratio.abs().masked_fill(~tok.mask, -1.0).argmax(dim=-1).tolist()
@@ -210,30 +223,50 @@ def explain(
             return f"id {int(dump.tokens[b, t])}"
         return None
 
+    def finding(b, t, level, rule, statistic, value, threshold, lo, hi, tokens, effect) -> Finding:
+        return Finding(
+            row=b,
+            line=dump.line_numbers[b],
+            rule=rule,
+            level=level,
+            position=t,
+            token=token_text(b, t),
+            statistic=statistic,
+            value=value,
+            threshold=threshold,
+            lower=lo,
+            upper=hi,
+            excess=_outside(value, lo, hi),
+            tokens=tokens,
+            effect=effect,
+        )
+
     def add_rows(rule, statistic, threshold, drop, values, lo, hi, *, positions=None, effect="rejected"):
-        """One finding per valid row in ``drop`` (B,) bool; ``values`` (B,) the statistic shown."""
-        drop = (drop & tok.valid).tolist()
-        values_t, values = values, values.tolist()
-        count = 0
-        for b in range(len(drop)):
-            if drop[b]:
-                t = worst[b] if positions is None else positions[b]
-                findings.append(Finding(b, dump.line_numbers[b], rule, "sequence", t, token_text(b, t), statistic,
-                                        values[b], threshold, lo, hi, _outside(values[b], lo, hi), lengths[b], effect))  # fmt: skip
-                count += 1
-        removed = sum(n for n, d in zip(lengths, drop) if d)
-        rules.append(RuleSummary(rule, statistic, threshold, "sequence", effect, count, removed,
-                                 _spread(values_t, tok.valid)))  # fmt: skip
+        """One finding per valid row in ``drop`` (B,) bool; ``values`` (B,) is the statistic shown;
+        ``positions`` (B,) the token to name (default: the row's largest |ℓ|)."""
+        rows = (drop & tok.valid).nonzero()[:, 0].tolist()
+        shown = values.tolist()
+        for b in rows:
+            t = worst[b] if positions is None else positions[b]
+            findings.append(
+                finding(b, t, "sequence", rule, statistic, shown[b], threshold, lo, hi, lengths[b], effect)
+            )
+        removed = sum(lengths[b] for b in rows)
+        observed = _spread(values, tok.valid)
+        rules.append(
+            RuleSummary(rule, statistic, threshold, "sequence", effect, len(rows), removed, observed)
+        )
 
     def add_tokens(rule, statistic, threshold, drop, values, lo, hi, *, effect="rejected"):
-        """One finding per valid token in ``drop`` (B, T) bool; ``values`` (B, T) the statistic shown."""
+        """One finding per valid token in ``drop`` (B, T) bool; ``values`` (B, T) is the statistic shown."""
         idx = (drop & tok.mask).nonzero().tolist()
         for b, t in idx:
-            v = float(values[b, t])
-            findings.append(Finding(b, dump.line_numbers[b], rule, "token", t, token_text(b, t), statistic, v,
-                                    threshold, lo, hi, _outside(v, lo, hi), 1, effect))  # fmt: skip
-        rules.append(RuleSummary(rule, statistic, threshold, "token", effect, len({b for b, _ in idx}), len(idx),
-                                 _spread(values, tok.mask)))  # fmt: skip
+            findings.append(
+                finding(b, t, "token", rule, statistic, float(values[b, t]), threshold, lo, hi, 1, effect)
+            )
+        hit_rows = len({b for b, _ in idx})
+        observed = _spread(values, tok.mask)
+        rules.append(RuleSummary(rule, statistic, threshold, "token", effect, hit_rows, len(idx), observed))
 
     for option, threshold in zip(config.rs, config.rs_thresholds):
         r = rs_option(option, threshold, kl_stats(tok, option[-2:]), tok)
@@ -254,26 +287,64 @@ def explain(
     if config.veto_threshold is not None:
         keep, _ = veto_keep(tok, config.veto_threshold, None)
         value, pos = lr_min.min(dim=-1)
-        add_rows("veto", "min ρ_t", f"≥ {_fmt(config.veto_threshold)}", ~keep, value.exp(), config.veto_threshold,
-                 None, positions=pos.tolist())  # fmt: skip
+        add_rows(
+            "veto",
+            "min ρ_t",
+            f"≥ {_fmt(config.veto_threshold)}",
+            ~keep,
+            value.exp(),
+            config.veto_threshold,
+            None,
+            positions=pos.tolist(),
+        )
     if config.veto_upper is not None:
         keep, _ = veto_keep(tok, None, config.veto_upper)
         value, pos = lr_max.max(dim=-1)
-        add_rows("veto_upper", "max ρ_t", f"≤ {_fmt(config.veto_upper)}", ~keep, value.exp(), None,
-                 config.veto_upper, positions=pos.tolist())  # fmt: skip
+        add_rows(
+            "veto_upper",
+            "max ρ_t",
+            f"≤ {_fmt(config.veto_upper)}",
+            ~keep,
+            value.exp(),
+            None,
+            config.veto_upper,
+            positions=pos.tolist(),
+        )
     if config.trm_max_k2 is not None:
         keep, row_max_k2, _ = trm_keep(k2, k3, tok, config.trm_max_k2, None)
         pos = k2.masked_fill(~tok.mask, -1.0).argmax(dim=-1).tolist()
-        add_rows("trm_max_k2", "max ½ℓ²", f"≤ {_fmt(config.trm_max_k2)}", ~keep, row_max_k2, None,
-                 config.trm_max_k2, positions=pos)  # fmt: skip
+        add_rows(
+            "trm_max_k2",
+            "max ½ℓ²",
+            f"≤ {_fmt(config.trm_max_k2)}",
+            ~keep,
+            row_max_k2,
+            None,
+            config.trm_max_k2,
+            positions=pos,
+        )
     if config.trm_mean_k3 is not None:
         keep, _, row_mean_k3 = trm_keep(k2, k3, tok, None, config.trm_mean_k3)
-        add_rows("trm_mean_k3", "mean k3", f"≤ {_fmt(config.trm_mean_k3)}", ~keep, row_mean_k3, None,
-                 config.trm_mean_k3)  # fmt: skip
+        add_rows(
+            "trm_mean_k3",
+            "mean k3",
+            f"≤ {_fmt(config.trm_mean_k3)}",
+            ~keep,
+            row_mean_k3,
+            None,
+            config.trm_mean_k3,
+        )
     if config.opsm_delta is not None:
-        keep, div = opsm_keep(dump.rollout_log_prob, learner, dump.advantages, tok, config.opsm_delta)
-        add_rows("opsm", "mean(log μ − log π_θ), A<0", f"≤ {_fmt(config.opsm_delta)}", ~keep, div, None,
-                 config.opsm_delta or math.ulp(0.0))  # fmt: skip
+        keep, div = opsm_keep(tok.rollout, tok.old, dump.advantages, tok, config.opsm_delta)
+        add_rows(
+            "opsm",
+            "mean(log μ − log π_θ), A<0",
+            f"≤ {_fmt(config.opsm_delta)}",
+            ~keep,
+            div,
+            None,
+            config.opsm_delta,
+        )
 
     if config.is_level is not None and config.is_mode == "mask" and weights is not None:
         raw, row_log = raw_weights(tok, config.is_level, config.safety_bound)
@@ -333,6 +404,7 @@ def write_json(analysis: Analysis, path: str | Path) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, allow_nan=False)
             f.write("\n")
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -459,49 +531,77 @@ def _response(dump: Dump, row: int) -> str | None:
     return None
 
 
-def _token_fate(analysis: Analysis, by_token: dict, by_row: dict, b: int, t: int) -> str:
+def _token_label(dump: Dump, b: int, t: int) -> str:
+    if dump.token_text is not None:
+        return repr(dump.token_text[b][t])
+    return f"id {int(dump.tokens[b, t])}" if dump.tokens is not None else ""
+
+
+def _token_fate(analysis: Analysis, hits: list[Finding], b: int, t: int) -> str:
     """What the config does with token t of row b: the rules that remove or zero it, else its weight."""
-    hits = [f"{f.rule}" for f in by_token.get((b, t), [])] + [
-        f"{f.rule} (sequence)" for f in by_row.get(b, [])
-    ]
-    if hits:
-        effects = {f.effect for f in by_token.get((b, t), []) + by_row.get(b, [])}
-        return f"{'rejected' if 'rejected' in effects else 'zero weight'} by {', '.join(hits)}"
+    by_effect: dict[str, list[str]] = {}
+    for f in hits:
+        by_effect.setdefault(f.effect, []).append(f.rule if f.level == "token" else f"{f.rule} (sequence)")
+    if by_effect:
+        return "; ".join(f"{effect} by {', '.join(rules)}" for effect, rules in sorted(by_effect.items()))
     if analysis.weights is not None:
         return f"kept, w = {_fmt(float(analysis.weights[b, t]))}"
     return "kept"
 
 
+def _table(title: str, columns: dict[str, str], **column_kw: Any):
+    """A borderless rich table; ``columns`` maps a header to its justification ("left" / "right")."""
+    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    for name, justify in columns.items():
+        table.add_column(name, justify=justify, **column_kw.get(name, {}))
+    return table
+
+
 def render(analysis: Analysis, console: Any, *, top: int = 8, all_metrics: bool = False) -> None:
-    """Print the report with rich: header, diagnostics, rules, top rejections, extreme tokens, bad rows."""
-    from rich.markup import escape
-    from rich.table import Table
+    """Print the report with rich: header, diagnostics, what the config does, the sequences and tokens it
+    hits, the most mismatched tokens, malformed rows, notes and a short summary."""
+    parts = [
+        _header(analysis),
+        _diagnostics(analysis, all_metrics),
+        _config_effect(analysis),
+        _findings(analysis, top),
+        _mismatched_tokens(analysis, top),
+        _malformed(analysis, top),
+    ]
+    for renderables in parts:
+        for item in renderables:
+            console.print(item, highlight=False)
+    for note in analysis.notes:
+        console.print(f"[dim]note: {escape(note)}[/]", highlight=False)
+    console.print()
+    console.print(f"[bold]In short[/]: {escape(summary(analysis))}", highlight=False)
 
-    dump, config, metrics = analysis.dump, analysis.config, analysis.metrics
-    n_rows, n_tokens = len(dump), dump.num_tokens
-    console.rule(f"[bold]rollcorr analyze[/] · {escape(str(dump.path.name))}")
-    console.print(
-        f"{n_rows} responses, {n_tokens} tokens from {escape(str(dump.path))}"
-        + (f" · [yellow]{len(dump.malformed)} malformed row(s) skipped[/]" if dump.malformed else ""),
-        highlight=False,
-    )
+
+def _header(analysis: Analysis) -> list[Any]:
+    dump = analysis.dump
+    skipped = f" · [yellow]{len(dump.malformed)} malformed row(s) skipped[/]" if dump.malformed else ""
     used = ", ".join(f"{role}={name}" for role, name in dump.fields.items())
-    console.print(f"fields: {escape(used)}", style="dim", highlight=False)
-    console.print(
-        f"config: [bold]{escape(analysis.source or 'custom')}[/] → {escape(describe(config))}",
-        highlight=False,
-    )
+    return [
+        Rule(f"[bold]rollcorr analyze[/] · {escape(dump.path.name)}"),
+        f"{len(dump)} responses, {dump.num_tokens} tokens from {escape(str(dump.path))}{skipped}",
+        f"[dim]fields: {escape(used)}[/]",
+        f"config: [bold]{escape(analysis.source or 'custom')}[/] → {escape(describe(analysis.config))}",
+    ]
 
-    # -- diagnostics
-    table = Table(title="Diagnostics (rollout_corr/…)", title_justify="left", show_edge=False, pad_edge=False)
-    table.add_column("metric", style="cyan", no_wrap=True)
-    table.add_column("value", justify="right")
-    table.add_column("meaning", style="dim")
+
+def _diagnostics(analysis: Analysis, all_metrics: bool) -> list[Any]:
+    metrics = analysis.metrics
+    table = _table(
+        "Diagnostics (rollout_corr/…)",
+        {"metric": "left", "value": "right", "meaning": "left"},
+        metric={"style": "cyan", "no_wrap": True},
+        meaning={"style": "dim"},
+    )
     shown: set[str] = set()
     for section, entries in HEADLINE:
-        present = [(k, m) for k, m in entries if PREFIX + k in metrics]
+        present = [(key, meaning) for key, meaning in entries if PREFIX + key in metrics]
         if section == "staleness" and not metrics.get(PREFIX + "staleness_max"):
-            present = []  # one weight version: nothing to say
+            present = []  # a single weight version: nothing to say
         if not present:
             continue
         table.add_row(f"[bold]{section}[/]", "", "")
@@ -509,127 +609,151 @@ def render(analysis: Analysis, console: Any, *, top: int = 8, all_metrics: bool 
             table.add_row("  " + key, _fmt(metrics[PREFIX + key]), meaning)
             shown.add(PREFIX + key)
         table.add_section()
-    if all_metrics:
-        rest = [k for k in metrics if k not in shown]
-        if rest:
-            table.add_row("[bold]all other metrics[/]", "", "")
-            for key in rest:
-                table.add_row("  " + key[len(PREFIX) :], _fmt(metrics[key]), "")
-                shown.add(key)
-    console.print()
-    console.print(table)
-    hidden = len(metrics) - len(shown)
-    if hidden > 0 and not all_metrics:
-        console.print(f"  … {hidden} more metrics with --all-metrics (or --json OUT)", style="dim")
+    rest = [key for key in metrics if key not in shown]
+    if all_metrics and rest:
+        table.add_row("[bold]all other metrics[/]", "", "")
+        for key in rest:
+            table.add_row("  " + key.removeprefix(PREFIX), _fmt(metrics[key]), "")
+    out: list[Any] = ["", table]
+    if rest and not all_metrics:
+        out.append(f"[dim]  … {len(rest)} more metrics with --all-metrics (or --json OUT)[/]")
+    return out
 
-    # -- what the config does
-    console.print()
-    rejected_t, rejected_s = analysis.rejected_tokens, analysis.rejected_sequences
+
+def _config_effect(analysis: Analysis) -> list[Any]:
+    """The IS weights and rejection in one line each, then the per-rule table."""
+    dump, config, metrics = analysis.dump, analysis.config, analysis.metrics
+    n_rows, n_tokens = len(dump), dump.num_tokens
+    out: list[Any] = [""]
     if analysis.weights is not None:
         w = analysis.weights[dump.response_mask]
-        high = metrics.get(PREFIX + "rollout_is_ratio_fraction_high", 0.0)
-        unit = "tokens" if config.is_level == "token" else "sequences"
-        what = "truncated to" if config.is_mode == "truncate" else "zeroed above"
-        console.print(
-            f"[bold]IS weights[/]: {100 * high:.2g}% of {unit} {what} {_fmt(config.is_upper)}; "
-            f"applied weights mean {_fmt(float(w.mean()))}, range [{_fmt(float(w.min()))}, {_fmt(float(w.max()))}]",
-            highlight=False,
-        ) if config.is_upper is not None else console.print(
-            f"[bold]IS weights[/]: mean {_fmt(float(w.mean()))}, range [{_fmt(float(w.min()))}, {_fmt(float(w.max()))}]",
-            highlight=False,
-        )
+        spread = f"applied weights mean {_fmt(float(w.mean()))}, range [{_fmt(float(w.min()))}, {_fmt(float(w.max()))}]"
+        head = ""
+        if config.is_mode == "mask":  # rollout_is_oob_ratio is a share of tokens at every level
+            share = metrics.get(PREFIX + "rollout_is_oob_ratio", 0.0)
+            band = _window(config.is_lower, config.is_upper)
+            head = f"{100 * share:.2g}% of tokens zeroed (outside {band}); "
+        elif config.is_upper is not None:  # ..._fraction_high counts tokens, or rows at sequence levels
+            share = metrics.get(PREFIX + "rollout_is_ratio_fraction_high", 0.0)
+            unit = "tokens" if config.is_level == "token" else "sequences"
+            head = f"{100 * share:.2g}% of {unit} truncated to {_fmt(config.is_upper)}; "
+        out.append(f"[bold]IS weights[/]: {head}{spread}")
     elif config.is_level is not None:
-        console.print("[bold]IS weights[/]: computed for the metrics but not applied (bypass + ppo_clip)")
+        out.append("[bold]IS weights[/]: computed for the metrics but not applied (bypass + ppo_clip)")
     if config.rejects:
-        console.print(
-            f"[bold]Rejection[/]: {_pct(rejected_t, n_tokens)} tokens in {_pct(rejected_s, n_rows)} sequences "
-            f"would be masked out of the loss (denominator: {config.denominator})",
-            highlight=False,
+        out.append(
+            f"[bold]Rejection[/]: {_pct(analysis.rejected_tokens, n_tokens)} tokens in "
+            f"{_pct(analysis.rejected_sequences, n_rows)} sequences would be masked out of the loss "
+            f"(denominator: {config.denominator})"
         )
+    elif not analysis.rules:
+        out.append("[bold]Rejection[/]: none configured (no RS / veto / TRM / OPSM); nothing is masked")
     if analysis.rules:
-        rules = Table(title="Rules", title_justify="left", show_edge=False, pad_edge=False)
-        for col in ("rule", "statistic", "keeps", "observed p5/p50/p95", "sequences hit", "tokens hit"):
-            rules.add_column(col, justify="right" if col.endswith("hit") else "left")
+        right = ("sequences hit", "tokens hit")
+        columns = ("rule", "statistic", "keeps", "observed p5/p50/p95", *right)
+        table = _table("Rules", {c: "right" if c in right else "left" for c in columns})
         for r in analysis.rules:
-            observed = " / ".join(_fmt(v) for v in r.observed)
-            rule = r.rule if r.effect == "rejected" else f"{r.rule} ({r.effect})"
-            rules.add_row(
-                rule, r.statistic, r.threshold, observed, _pct(r.sequences, n_rows), _pct(r.tokens, n_tokens)
+            table.add_row(
+                r.rule if r.effect == "rejected" else f"{r.rule} ({r.effect})",
+                r.statistic,
+                r.threshold,
+                " / ".join(_fmt(v) for v in r.observed),
+                _pct(r.sequences, n_rows),
+                _pct(r.tokens, n_tokens),
             )
-        console.print(rules)
-    elif not config.rejects and config.is_mode != "mask":
-        console.print("[bold]Rejection[/]: none configured (no RS / veto / TRM / OPSM); nothing is masked")
+        out.append(table)
+    return out
 
-    # -- top sequences / tokens
+
+def _findings(analysis: Analysis, top: int) -> list[Any]:
+    """The sequences and tokens the rules hit, furthest outside their range first."""
     ranked = sorted(analysis.findings, key=lambda f: (-f.excess, f.line))
     seq = [f for f in ranked if f.level == "sequence"]
     toks = [f for f in ranked if f.level == "token"]
+    out: list[Any] = []
     if seq and top:
-        t = Table(title=f"Sequences removed or zeroed, furthest outside first (top {min(top, len(seq))} of {len(seq)})",
-                  title_justify="left", show_edge=False, pad_edge=False)  # fmt: skip
-        for col in ("line", "rule", "statistic", "keeps", "worst token", "response"):
-            t.add_column(col, justify="right" if col == "line" else "left", no_wrap=col != "response")
+        columns = ("line", "rule", "statistic", "keeps", "worst token", "response")
+        table = _table(
+            f"Sequences hit, worst first ({min(top, len(seq))} of {len(seq)} findings)",
+            {c: "right" if c == "line" else "left" for c in columns},
+            **{c: {"no_wrap": True} for c in columns[:-1]},
+        )
         for f in seq[:top]:
             worst = f"{f.position}:{f.token!r}" if f.token is not None else str(f.position)
-            t.add_row(str(f.line), f.rule, f"{f.statistic} = {_fmt_against(f.value, f.lower, f.upper)}", f.threshold, escape(worst),
-                      escape(_snippet(_response(dump, f.row))))  # fmt: skip
-        console.print()
-        console.print(t)
+            table.add_row(
+                str(f.line),
+                f.rule,
+                f"{f.statistic} = {_fmt_against(f.value, f.lower, f.upper)}",
+                f.threshold,
+                escape(worst),
+                escape(_snippet(_response(analysis.dump, f.row))),
+            )
+        out += ["", table]
     if toks and top:
-        t = Table(title=f"Tokens removed or zeroed, furthest outside first (top {min(top, len(toks))} of {len(toks)})",
-                  title_justify="left", show_edge=False, pad_edge=False)  # fmt: skip
-        for col in ("line", "pos", "token", "rule", "statistic", "keeps", "effect"):
-            t.add_column(col, justify="right" if col in ("line", "pos") else "left")
+        columns = ("line", "pos", "token", "rule", "statistic", "keeps", "effect")
+        table = _table(
+            f"Tokens hit, worst first ({min(top, len(toks))} of {len(toks)} findings)",
+            {c: "right" if c in ("line", "pos") else "left" for c in columns},
+        )
         for f in toks[:top]:
-            t.add_row(str(f.line), str(f.position), escape(repr(f.token) if f.token is not None else ""), f.rule,
-                      f"{f.statistic} = {_fmt_against(f.value, f.lower, f.upper)}", f.threshold, f.effect)  # fmt: skip
-        console.print()
-        console.print(t)
+            table.add_row(
+                str(f.line),
+                str(f.position),
+                escape(repr(f.token) if f.token is not None else ""),
+                f.rule,
+                f"{f.statistic} = {_fmt_against(f.value, f.lower, f.upper)}",
+                f.threshold,
+                f.effect,
+            )
+        out += ["", table]
+    return out
 
-    # -- the most mismatched tokens, whatever the config did with them
-    if top:
-        lr = (dump.old_log_prob - dump.rollout_log_prob).masked_fill(~dump.response_mask, 0.0)
-        k = min(top, n_tokens)
-        idx = lr.abs().flatten().topk(k).indices
-        by_token: dict[tuple[int, int], list[Finding]] = {}
-        by_row: dict[int, list[Finding]] = {}
-        for f in analysis.findings:
-            if f.level == "token":
-                by_token.setdefault((f.row, f.position), []).append(f)
-            else:
-                by_row.setdefault(f.row, []).append(f)
-        t = Table(title=f"Most mismatched tokens (largest |ℓ|, top {k})", title_justify="left", show_edge=False,
-                  pad_edge=False)  # fmt: skip
-        for col in ("line", "pos", "token", "p_μ", "p_old", "ρ = π_old/μ", "fate"):
-            t.add_column(col, justify="left" if col in ("token", "fate") else "right")
-        width = lr.shape[1]
-        for i in idx.tolist():
-            b, p = divmod(i, width)
-            text = dump.token_text[b][p] if dump.token_text is not None else (
-                f"id {int(dump.tokens[b, p])}" if dump.tokens is not None else "")  # fmt: skip
-            t.add_row(str(dump.line_numbers[b]), str(p), escape(repr(text) if text else ""),
-                      _fmt(math.exp(float(dump.rollout_log_prob[b, p]))), _fmt(math.exp(float(dump.old_log_prob[b, p]))),
-                      _fmt(math.exp(float(lr[b, p]))), _token_fate(analysis, by_token, by_row, b, p))  # fmt: skip
-        console.print()
-        console.print(t)
 
-    # -- malformed rows
-    if dump.malformed:
-        t = Table(title=f"Malformed rows skipped ({len(dump.malformed)} of {dump.total_rows})", title_justify="left",
-                  show_edge=False, pad_edge=False)  # fmt: skip
-        t.add_column("line", justify="right")
-        t.add_column("reason", style="yellow")
-        limit = max(top, 10)
-        for m in dump.malformed[:limit]:
-            t.add_row(str(m.line), escape(m.reason))
-        console.print()
-        console.print(t)
-        if len(dump.malformed) > limit:
-            console.print(f"  … and {len(dump.malformed) - limit} more (see --json)", style="dim")
-    for note in analysis.notes:
-        console.print(f"note: {escape(note)}", style="dim", highlight=False)
-    console.print()
-    console.print(f"[bold]In short[/]: {escape(summary(analysis))}", highlight=False)
+def _mismatched_tokens(analysis: Analysis, top: int) -> list[Any]:
+    """The tokens with the largest |ℓ| in the dump, whatever the config does with them."""
+    dump = analysis.dump
+    if not top:
+        return []
+    lr = (dump.old_log_prob - dump.rollout_log_prob).masked_fill(~dump.response_mask, 0.0)
+    k = min(top, dump.num_tokens)
+    hits: dict[tuple[int, int] | int, list[Finding]] = {}
+    for f in analysis.findings:
+        hits.setdefault((f.row, f.position) if f.level == "token" else f.row, []).append(f)
+    columns = ("line", "pos", "token", "p_μ", "p_old", "ρ = π_old/μ", "fate")
+    table = _table(
+        f"Most mismatched tokens (largest |ℓ|, {k} of {dump.num_tokens})",
+        {c: "left" if c in ("token", "fate") else "right" for c in columns},
+    )
+    for i in lr.abs().flatten().topk(k).indices.tolist():
+        b, t = divmod(i, lr.shape[1])
+        table.add_row(
+            str(dump.line_numbers[b]),
+            str(t),
+            escape(_token_label(dump, b, t)),
+            _fmt(math.exp(float(dump.rollout_log_prob[b, t]))),
+            _fmt(math.exp(float(dump.old_log_prob[b, t]))),
+            _fmt(math.exp(float(lr[b, t]))),
+            _token_fate(analysis, hits.get((b, t), []) + hits.get(b, []), b, t),
+        )
+    return ["", table]
+
+
+def _malformed(analysis: Analysis, top: int) -> list[Any]:
+    dump = analysis.dump
+    if not dump.malformed:
+        return []
+    table = _table(
+        f"Malformed rows skipped ({len(dump.malformed)} of {dump.total_rows})",
+        {"line": "right", "reason": "left"},
+        reason={"style": "yellow"},
+    )
+    limit = max(top, 10)
+    for m in dump.malformed[:limit]:
+        table.add_row(str(m.line), escape(m.reason))
+    out: list[Any] = ["", table]
+    if len(dump.malformed) > limit:
+        out.append(f"[dim]  … and {len(dump.malformed) - limit} more (see --json)[/]")
+    return out
 
 
 def summary(analysis: Analysis) -> str:

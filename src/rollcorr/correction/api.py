@@ -19,7 +19,14 @@ from torch import Tensor
 
 from rollcorr.config.correction import CorrectionConfig
 from rollcorr.correction import metrics as M
-from rollcorr.correction.ratios import check_extra, check_mask, check_tensor, kl_stats, make_tokens
+from rollcorr.correction.ratios import (
+    any_per_row,
+    check_extra,
+    check_mask,
+    check_tensor,
+    kl_stats,
+    make_tokens,
+)
 from rollcorr.correction.rejection import opsm_keep, rs_option, trm_keep, veto_keep
 from rollcorr.correction.weights import apply_threshold, batch_norm_factor, raw_weights
 
@@ -135,11 +142,14 @@ def compute_correction(
             weights = w
 
     # ---- rejection -------------------------------------------------------------------------------
-    keep = None  # (B, T) bool, None while nothing is rejected
-    row_keep = None  # (B,) bool
+    keep = None  # (B, T) bool, None while no token rule rejects
+    row_keep = None  # (B,) bool, None while no sequence rule rejects
     for option, threshold in zip(config.rs, config.rs_thresholds):
-        stat = k3 if option.endswith("k3") else kl_stats(tok, option[-2:])
-        r = rs_option(option, threshold, stat, tok)
+        if option in ("seq_sum_k1", "seq_mean_k1"):  # Σ_t k1 = −Σ_t ℓ: no (B, T) statistic needed
+            r = rs_option(option, threshold, None, tok, row_sum=-tok.log_ratio_safe.sum(dim=-1))
+        else:
+            stat = k3 if option.endswith("k3") else kl_stats(tok, option[-2:])
+            r = rs_option(option, threshold, stat, tok)
         metrics.update(M.rs_option_metrics(r, tok))
         if r.token_keep is not None:
             keep = r.token_keep if keep is None else keep & r.token_keep
@@ -147,7 +157,7 @@ def compute_correction(
             row_keep = r.row_keep if row_keep is None else row_keep & r.row_keep
     if config.veto_threshold is not None or config.veto_upper is not None:
         vk, bad = veto_keep(tok, config.veto_threshold, config.veto_upper)
-        metrics["veto_token_fraction"] = tok.token_mean(bad.to(tok.mask_f.dtype))
+        metrics["veto_token_fraction"] = tok.token_share(bad)
         metrics["veto_seq_fraction"] = tok.over_rows((~vk & tok.valid).to(tok.mask_f.dtype))
         row_keep = vk if row_keep is None else row_keep & vk
     if config.trm_max_k2 is not None or config.trm_mean_k3 is not None:
@@ -164,31 +174,45 @@ def compute_correction(
         metrics["opsm_seq_masked_fraction"] = tok.over_rows((~ok & tok.valid).to(tok.mask_f.dtype))
         metrics["opsm_divergence_mean"] = tok.over_rows(row_div)
         row_keep = ok if row_keep is None else row_keep & ok
-    if row_keep is not None:
-        keep = row_keep[:, None].expand(shape) if keep is None else keep & row_keep[:, None]
-    if keep is None:
+    # kept = response_mask ∧ token rules ∧ row rules; counts are exact integers in float
+    dtype = tok.mask_f.dtype
+    if keep is None and row_keep is None:
         out_mask = mask.clone()
+        kept_tokens, kept_rows = torch.count_nonzero(tok.mask).to(dtype), tok.valid
     else:
-        metrics.update(M.rs_total_metrics(keep, tok))
+        if keep is None:  # sequence rules only: everything follows from the per-row counts n
+            keep = row_keep[:, None]
+            kept_tokens = (tok.n * row_keep).sum()
+            kept_rows, rejected_rows = tok.valid & row_keep, tok.valid & ~row_keep
+        else:
+            if row_keep is not None:
+                keep = keep & row_keep[:, None]
+            kept = tok.mask & keep
+            kept_tokens = torch.count_nonzero(kept).to(dtype)
+            kept_rows, rejected_rows = any_per_row(kept), any_per_row(tok.mask & ~kept)
+        metrics.update(M.rs_total_from_counts(tok.num_tokens - kept_tokens, rejected_rows, tok))
         out_mask = mask & keep if mask.dtype == torch.bool else (mask * keep).to(mask.dtype)
 
     # ---- counts for the loss denominator (SPEC §3) -------------------------------------------------
-    kept = tok.mask if keep is None else tok.mask & keep
-    dtype = tok.mask_f.dtype
-    kept_tokens = torch.count_nonzero(kept).to(dtype)
     metrics["num_tokens"] = tok.num_tokens
     metrics["num_kept_tokens"] = kept_tokens
     metrics["num_seqs"] = torch.tensor(float(shape[0]), dtype=dtype, device=mask.device)
     metrics["num_valid_seqs"] = tok.num_rows
-    metrics["num_kept_seqs"] = torch.count_nonzero(kept.any(dim=-1)).to(dtype)
+    metrics["num_kept_seqs"] = torch.count_nonzero(kept_rows).to(dtype)
     metrics["all_rejected"] = (kept_tokens == 0).to(dtype)
 
     # ---- diagnostics ------------------------------------------------------------------------------
     metrics.update(M.offpolicy_metrics(tok, k3))
-    metrics.update(M.divergence_metrics(tok, k3))
-    metrics.update(M.prob_mismatch(tok.old.exp(), tok.rollout.exp(), tok))
+    late: dict[str, Tensor] = {}
     if version is not None:
-        metrics.update(M.staleness_metrics(version, current_version, tok))
+        late.update(M.staleness_metrics(version, current_version, tok))
     if config.mode == "decoupled" and log_prob is not None:
-        metrics.update(M.decomposition_metrics(log_prob, tok))
+        late.update(M.decomposition_metrics(log_prob, tok))
+    # Last reads of the masked log-probs (tok is local): exponentiate them in place for the
+    # probability-space metrics, then reuse both buffers as the divergence metrics' scratch.
+    p_old, p_rollout = tok.old.exp_(), tok.rollout.exp_()
+    prob = M.prob_mismatch(p_old, p_rollout, tok, overwrite=True)
+    metrics.update(M.divergence_metrics(tok, k3, scratch=(p_old, p_rollout)))
+    metrics.update(prob)
+    metrics.update(late)
     return CorrectionResult(weights, out_mask, {PREFIX + k: v for k, v in metrics.items()})

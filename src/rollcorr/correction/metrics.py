@@ -15,7 +15,7 @@ import math
 import torch
 from torch import Tensor
 
-from rollcorr.correction.ratios import Tokens, check_mask, check_tensor
+from rollcorr.correction.ratios import Tokens, any_per_row, check_mask, check_tensor
 from rollcorr.correction.rejection import RSOutcome
 
 Metrics = dict[str, Tensor]
@@ -81,7 +81,7 @@ def is_metrics(
         out["rollout_is_ratio_fraction_high"] = high / (tok.num_tokens + tok.eps)
         out["rollout_is_ratio_fraction_low"] = low / (tok.num_tokens + tok.eps)
         out["rollout_is_max"] = w.max()  # w ≥ 0 and 0 on padding: the max over valid tokens
-        out["rollout_is_min"] = torch.where(tok.mask, w, math.inf).min()
+        out["rollout_is_min"] = tok.valid_min(w)
         if mode == "mask":  # IcePop out-of-band share; the band's lower edge is 0 when none is given
             oob = high + (low if lower else 0.0)
             out["rollout_is_oob_ratio"] = oob / (tok.num_tokens + tok.eps)
@@ -125,16 +125,20 @@ def rs_option_metrics(r: RSOutcome, tok: Tokens) -> Metrics:
     if r.token_stat is not None:  # token level
         x = r.token_stat
         out[f"{p}_mean"] = tok.token_mean(x)
-        out[f"{p}_max"] = x.masked_fill(~tok.mask, float("-inf")).max()
-        out[f"{p}_min"] = x.masked_fill(~tok.mask, float("inf")).min()
-        out[f"{p}_fraction_high"] = tok.token_mean(((x > r.upper) & tok.mask).to(dtype))
+        out[f"{p}_max"] = tok.valid_max(x)
+        out[f"{p}_min"] = tok.valid_min(x)
+        out[f"{p}_fraction_high"] = tok.token_share((x > r.upper) & tok.mask)
         out[f"{p}_fraction_low"] = (
-            tok.token_mean(((x < lower) & tok.mask).to(dtype)) if is_k1 else torch.zeros((), dtype=dtype)
+            tok.token_share((x < lower) & tok.mask) if is_k1 else torch.zeros((), dtype=dtype)
         )
-        std = _std(x.clamp(min=lower, max=r.upper), tok.mask_f, tok.num_tokens, tok.eps)
+        # std of the clamped statistic over valid tokens: c·m, and (c·m)² = c²·m for m ∈ {0, 1}
+        cm = x.clamp(min=lower, max=r.upper).mul_(tok.mask_f)
+        total = tok.num_tokens + tok.eps
+        mean = cm.sum() / total
+        std = (cm.square_().sum() / total - mean.square()).clamp_min(0).sqrt()
         rejected = ~r.token_keep & tok.mask
-        out[f"{p}_masked_fraction_"] = tok.token_mean(rejected.to(dtype))
-        row_rejected = rejected.any(dim=-1)
+        out[f"{p}_masked_fraction_"] = tok.token_share(rejected)
+        row_rejected = any_per_row(rejected)
     else:  # sequence level: the row statistic broadcast to its tokens (token-weighted mean / std)
         out[f"{p}_mean"] = (seq * tok.n).sum() / (tok.num_tokens + tok.eps)
         out[f"{p}_max"] = seq.masked_fill(~tok.valid, float("-inf")).max()
@@ -162,11 +166,16 @@ def rs_option_metrics(r: RSOutcome, tok: Tokens) -> Metrics:
 def rs_total_metrics(keep: Tensor, tok: Tokens) -> Metrics:
     """``rollout_rs_masked_fraction`` (tokens) and ``rollout_rs_seq_masked_fraction`` (rows with any valid
     token rejected; over all rows in verl mode, over valid rows otherwise)."""
-    dtype = tok.mask_f.dtype
     rejected = ~keep & tok.mask
+    return rs_total_from_counts(_count(rejected, tok.mask_f.dtype), any_per_row(rejected), tok)
+
+
+def rs_total_from_counts(rejected_tokens: Tensor, rejected_rows: Tensor, tok: Tokens) -> Metrics:
+    """``rs_total_metrics`` from the number of rejected valid tokens (0-d) and the (B,) bool rows with a
+    rejected valid token."""
     return {
-        "rollout_rs_masked_fraction": tok.token_mean(rejected.to(dtype)),
-        "rollout_rs_seq_masked_fraction": tok.over_rows(rejected.any(dim=-1).to(dtype)),
+        "rollout_rs_masked_fraction": rejected_tokens / (tok.num_tokens + tok.eps),
+        "rollout_rs_seq_masked_fraction": tok.over_rows(rejected_rows.to(tok.mask_f.dtype)),
     }
 
 
@@ -184,7 +193,7 @@ def offpolicy_metrics(tok: Tokens | Tensor, k3: Tensor | None = None, *legacy: T
     mean_roll = tok.row_mean(tok.rollout)
     lr = tok.log_ratio
     if tok.verl:
-        k3 = lr.exp() - lr - 1.0
+        k3 = lr.exp().sub_(lr).sub_(1.0)
     diff = mean_roll - mean_old
     row_sum = lr.sum(dim=-1).clamp(-20.0, 20.0)
     # rollcorr keeps these finite: PPL saturates at e^80, ppl_ratio's exponent is clamped to ±20 like ρ
@@ -208,7 +217,9 @@ def offpolicy_metrics(tok: Tokens | Tensor, k3: Tensor | None = None, *legacy: T
 
 
 # ---- beyond verl -------------------------------------------------------------------------------
-def divergence_metrics(tok: Tokens, k3: Tensor | None = None) -> Metrics:
+def divergence_metrics(
+    tok: Tokens, k3: Tensor | None = None, *, scratch: tuple[Tensor, Tensor] | None = None
+) -> Metrics:
     """Both KL directions, Jensen–Shannon and NeMo-RL's token_mult_prob_error, estimated from the sampled
     tokens (samples from μ, ρ = π_old/μ; every per-token term is ≥ 0 and exactly 0 where ρ = 1):
 
@@ -216,21 +227,28 @@ def divergence_metrics(tok: Tokens, k3: Tensor | None = None) -> Metrics:
         policy_kl  KL(π_old ‖ μ)  ≈ mean(ρ·ℓ − ρ + 1)              (importance-weighted k3)
         js         JS(π_old, μ)   ≈ mean(½[ρ·ℓ − (1 + ρ)·log((1 + ρ)/2)])
         token_mult_prob_error = mean exp(|ℓ|);  log_ratio_mean = mean ℓ;  log_ratio_abs_mean = mean |ℓ|
+
+    ``scratch``: two (B, T) tensors of ℓ's dtype that may be overwritten (else two are allocated).
     """
     lr, rho = tok.log_ratio_safe, tok.ratio
     if k3 is None:
-        k3 = rho - 1.0 - lr
-    rho_lr = rho * lr
-    js = 0.5 * (rho_lr - (1.0 + rho) * (torch.nn.functional.softplus(lr) - math.log(2.0)))
-    abs_lr = lr.abs()
+        k3 = (rho - 1.0).sub_(lr)
+    # (B, T) buffers are reused in place: a fresh (B, T) allocation costs as much as the arithmetic
+    a, b = scratch if scratch is not None else (torch.empty_like(lr), torch.empty_like(lr))
+    rho_lr = torch.mul(rho, lr, out=a)
+    policy_kl = tok.token_mean(torch.sub(rho_lr, rho, out=b).add_(1.0))  # ρℓ − ρ + 1 ≥ 0 per token
+    # js = ½[ρℓ − (1 + ρ)·(softplus(ℓ) − log 2)]
+    js = torch.nn.functional.softplus(lr).sub_(math.log(2.0)).mul_(torch.add(rho, 1.0, out=b))
+    js = torch.sub(rho_lr, js, out=js).mul_(0.5)
+    e_abs = torch.maximum(rho, torch.reciprocal(rho, out=a), out=a).sub_(1.0)  # e^|ℓ| − 1
+    token_mult_prob_error = 1.0 + tok.token_mean(e_abs)
     return {
         "gen_kl": tok.token_mean(k3),
-        "policy_kl": tok.token_mean(rho_lr - rho + 1.0),  # per-token terms ≥ 0: no cancellation
+        "policy_kl": policy_kl,
         "js_divergence": tok.token_mean(js),
-        "token_mult_prob_error": 1.0
-        + tok.token_mean(torch.maximum(rho, rho.reciprocal()) - 1.0),  # e^|ℓ| − 1
+        "token_mult_prob_error": token_mult_prob_error,
         "log_ratio_mean": tok.token_mean(tok.log_ratio),
-        "log_ratio_abs_mean": tok.token_mean(abs_lr),
+        "log_ratio_abs_mean": tok.token_mean(torch.abs(lr, out=b)),
     }
 
 
@@ -259,23 +277,27 @@ def mismatch_stats(
     return _prob_mismatch(a, b, n, n.sum(), m.numel() - n.sum(), pad=1.0 if log_space else 0.0)
 
 
-def prob_mismatch(p_old: Tensor, p_rollout: Tensor, tok: Tokens) -> Metrics:
-    """``mismatch_stats`` on probabilities already equal on padding (exp of the masked log-probs)."""
-    return _prob_mismatch(p_old, p_rollout, tok.n, tok.num_tokens, tok.num_pad, pad=1.0)
+def prob_mismatch(p_old: Tensor, p_rollout: Tensor, tok: Tokens, *, overwrite: bool = False) -> Metrics:
+    """``mismatch_stats`` on probabilities already equal on padding (exp of the masked log-probs).
+    ``overwrite=True`` lets it store |Δp| in ``p_rollout`` (saves a (B, T) allocation)."""
+    return _prob_mismatch(p_old, p_rollout, tok.n, tok.num_tokens, tok.num_pad, pad=1.0, overwrite=overwrite)
 
 
-def _prob_mismatch(a: Tensor, b: Tensor, n: Tensor, count: Tensor, num_pad: Tensor, *, pad: float) -> Metrics:
-    """a, b: (B, T) probabilities equal to ``pad`` on padding (so |Δp| = 0 there)."""
+def _prob_mismatch(
+    a: Tensor, b: Tensor, n: Tensor, count: Tensor, num_pad: Tensor, *, pad: float, overwrite: bool = False
+) -> Metrics:
+    """a, b: (B, T) probabilities equal to ``pad`` on padding (so |Δp| = 0 there); ``overwrite``: b may be
+    reused for |Δp|."""
     valid = n > 0
     rows = valid.sum().clamp_min(1)
     count = count.clamp_min(1)
-    d = (a - b).abs()
-    row_max = d.amax(dim=-1)
-    row_sum = d.sum(dim=-1)
     # Pearson over valid tokens from raw moments, removing the padding's known contribution
     pad_a, pad_aa = pad * num_pad, pad * pad * num_pad
     sa, sb = a.sum() - pad_a, b.sum() - pad_a
     saa, sbb, sab = _dot(a, a) - pad_aa, _dot(b, b) - pad_aa, _dot(a, b) - pad_aa
+    d = torch.sub(a, b, out=b if overwrite else None).abs_()
+    row_max = d.amax(dim=-1)
+    row_sum = d.sum(dim=-1)
     f64 = torch.float64
     cnt = count.to(f64)
     cov = sab.to(f64) - sa.to(f64) * sb.to(f64) / cnt
@@ -286,19 +308,21 @@ def _prob_mismatch(a: Tensor, b: Tensor, n: Tensor, count: Tensor, num_pad: Tens
     scale = 1e-12 * cnt  # variance below rounding noise of the moment sums counts as constant
     pearson = torch.where(denom > scale, cov / denom.clamp_min(1e-300), torch.where(same, 1.0, 0.0).to(f64))
     dtype = a.dtype
+    flag = torch.empty(d.shape, dtype=torch.bool, device=d.device)  # one (B, T) bool buffer for the shares
 
-    def share(flag: Tensor) -> Tensor:
-        return _count(flag, dtype) / count
+    def share(threshold: float) -> Tensor:
+        return _count(torch.ge(d, threshold, out=flag), dtype) / count
 
     return {
         "prob_diff_seq_max_mean": torch.where(valid, row_max, 0).sum() / rows,
         "prob_diff_seq_mean_mean": torch.where(valid, row_sum / n.clamp_min(1), 0).sum() / rows,
         "prob_diff_mean": row_sum.sum() / count,
         "prob_diff_max": row_max.max(),  # |Δp| ≥ 0 and 0 on padding
-        "prob_diff_frac_lt_1e-3": (_count(d < 1e-3, dtype) - num_pad) / count,  # padding has d = 0
-        "prob_diff_frac_ge_0.01": share(d >= 0.01),
-        "prob_diff_frac_ge_0.05": share(d >= 0.05),
-        "prob_diff_frac_ge_0.1": share(d >= 0.1),
+        "prob_diff_frac_lt_1e-3": (_count(torch.lt(d, 1e-3, out=flag), dtype) - num_pad)
+        / count,  # padding has d = 0
+        "prob_diff_frac_ge_0.01": share(0.01),
+        "prob_diff_frac_ge_0.05": share(0.05),
+        "prob_diff_frac_ge_0.1": share(0.1),
         "prob_pearson": pearson.clamp(-1.0, 1.0).to(dtype),
     }
 
@@ -320,7 +344,7 @@ def decomposition_metrics(log_prob: Tensor, tok: Tokens) -> Metrics:
 
     def k3(x: Tensor) -> Tensor:
         x = x.clamp(-20.0, 20.0)
-        return tok.token_mean(torch.expm1(x) - x)
+        return tok.token_mean(torch.expm1(x).sub_(x))
 
     return {
         "discrepancy_k3": k3(tok.log_ratio),

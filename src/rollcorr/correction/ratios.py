@@ -7,6 +7,7 @@ inf in padding is ignored), which also makes ρ − 1, k1, k2 and k3 exactly 0 o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -50,6 +51,11 @@ def check_mask(mask: object) -> Tensor:
     if mask.shape[0] == 0 or mask.shape[1] == 0:
         raise ValueError(f"response_mask is empty (shape {tuple(mask.shape)})")
     return mask
+
+
+def any_per_row(flag: Tensor) -> Tensor:
+    """(B,) rows of a (B, T) bool tensor holding a True: a uint8 max (vectorised, unlike bool ``any``)."""
+    return flag.view(torch.uint8).amax(dim=-1).bool()
 
 
 def _where(bad: Tensor) -> str:
@@ -99,13 +105,37 @@ class Tokens:
 
     def row_mean(self, x: Tensor) -> Tensor:
         """(B,) per-row masked mean of a tensor that is 0 on padding (0 for all-padding rows)."""
-        return x.sum(dim=-1) / (self.n + self.eps if self.verl else self.n.clamp_min(1))
+        return self.row_mean_of_sum(x.sum(dim=-1))
+
+    def row_mean_of_sum(self, row_sum: Tensor) -> Tensor:
+        """``row_mean`` from the (B,) row sums Σ_t x."""
+        return row_sum / (self.n + self.eps if self.verl else self.n.clamp_min(1))
 
     def over_rows(self, x: Tensor) -> Tensor:
         """Mean of a (B,) per-row value: over all rows in verl mode, over rows with a valid token otherwise."""
         if self.verl:
             return x.mean()
         return torch.where(self.valid, x, 0).sum() / self.num_rows
+
+    @cached_property
+    def pad_f(self) -> Tensor:
+        """(B, T) 1 on padding, 0 on valid tokens (compute dtype); built on first use."""
+        return 1.0 - self.mask_f
+
+    def _pad_shifted(self, x: Tensor, sign: float) -> Tensor:
+        # x + sign·FLT_MAX on padding and x + 0 = x on valid tokens: a masked_fill(±inf) in one vectorised
+        # pass (the bool masked_fill / where kernels are ~5× slower on CPU); x must be finite on padding.
+        return torch.add(x, self.pad_f, alpha=sign * torch.finfo(x.dtype).max)
+
+    def valid_max(self, x: Tensor, dim: int | None = None) -> Tensor:
+        """Max of a (B, T) tensor over valid tokens: over the batch (0-d) or per row (``dim=-1``, (B,);
+        rows without a valid token get a value ≤ −FLT_MAX/2, callers replace it)."""
+        shifted = self._pad_shifted(x, -1.0)
+        return shifted.max() if dim is None else shifted.amax(dim=dim)
+
+    def valid_min(self, x: Tensor) -> Tensor:
+        """Min of a (B, T) tensor over valid tokens (0-d)."""
+        return self._pad_shifted(x, 1.0).min()
 
     def rows_max(self, x: Tensor) -> Tensor:
         return (x if self.verl else x.masked_fill(~self.valid, float("-inf"))).max()
@@ -129,15 +159,23 @@ def make_tokens(
 
     The check raises ``ValueError`` naming the tensor and the first bad positions when the mask has no
     valid token or a valid log-prob is NaN, ±inf or positive. It costs one min/max pass per tensor and a
-    single device sync (one small stacked vector read)."""
+    single device sync (one small stacked vector read; a second one only when the padding holds NaN, ±inf
+    or positive values).
+
+    Fast path (validated inputs whose padding is finite and ≤ 0, e.g. verl's zero padding): masking is a
+    multiplication by the float mask (x·1 = x, x·0 = 0 exactly for finite x) instead of ``torch.where``,
+    and when the min/max of the inputs bound |ℓ| below ``bound`` the clamp is the identity and is skipped.
+    Both give bit-identical tensors to the general path."""
     dtype = compute_dtype(old_log_prob, rollout_log_prob)
     mask_bool = mask if mask.dtype == torch.bool else mask != 0
-    old = torch.where(mask_bool, old_log_prob.to(dtype), 0.0)
-    rollout = torch.where(mask_bool, rollout_log_prob.to(dtype), 0.0)
-    n = mask_bool.sum(dim=-1, dtype=dtype)
+    mask_f = mask_bool.to(dtype)
+    n = mask_f.sum(dim=-1)  # integer counts: exact in float
     num_tokens = n.sum()
+    inputs = (old_log_prob, rollout_log_prob)
+    clamp_needed = True
     if validate:
-        flags = [num_tokens, *torch.aminmax(old), *torch.aminmax(rollout)]
+        # one sync: the raw (padding included) min/max of each input
+        flags = [num_tokens, *torch.aminmax(old_log_prob), *torch.aminmax(rollout_log_prob)]
         if mask.dtype != torch.bool:
             flags.append(((mask != 0) & (mask != 1)).any())
         values = torch.stack([f.to(dtype) for f in flags]).tolist()
@@ -147,16 +185,29 @@ def make_tokens(
             raise ValueError(
                 f"response_mask has values other than 0 and 1 at {_where((mask != 0) & (mask != 1))}"
             )
-        for (lo, hi), name, x in zip((values[1:3], values[3:5]), names, (old_log_prob, rollout_log_prob)):
-            tol = _positive_tolerance(x.dtype)
-            if not (lo > float("-inf") and hi <= tol):  # NaN fails both comparisons
-                raise ValueError(_locate(name, x, mask_bool, tol))
+        ranges = (values[1:3], values[3:5])
+        clean = all(
+            lo > float("-inf") and hi <= _positive_tolerance(x.dtype) for (lo, hi), x in zip(ranges, inputs)
+        )  # NaN fails both comparisons
+        if clean:  # every entry (padding too) is a finite log-prob: multiply, and clamp only if needed
+            old, rollout = (x * mask_f for x in inputs)
+            (lo_old, hi_old), (lo_roll, hi_roll) = ranges
+            clamp_needed = not max(hi_old - lo_roll, hi_roll - lo_old) < bound
+        else:  # the padding (or a valid token) holds garbage: mask it away, then check the valid tokens
+            old, rollout = (torch.where(mask_bool, x.to(dtype), 0.0) for x in inputs)
+            masked = torch.stack([v.to(dtype) for x in (old, rollout) for v in torch.aminmax(x)]).tolist()
+            for lo, hi, name, x in zip(masked[0::2], masked[1::2], names, inputs):
+                tol = _positive_tolerance(x.dtype)
+                if not (lo > float("-inf") and hi <= tol):
+                    raise ValueError(_locate(name, x, mask_bool, tol))
+    else:
+        old, rollout = (torch.where(mask_bool, x.to(dtype), 0.0) for x in inputs)
     log_ratio = old - rollout
-    log_ratio_safe = log_ratio.clamp(-bound, bound)
+    log_ratio_safe = log_ratio.clamp(-bound, bound) if clamp_needed else log_ratio
     valid = n > 0
     return Tokens(
         mask=mask_bool,
-        mask_f=mask_bool.to(dtype),
+        mask_f=mask_f,
         n=n,
         valid=valid,
         num_tokens=num_tokens,
@@ -202,7 +253,7 @@ def kl_stats(tok: Tokens, k: str) -> Tensor:
     if k == "k1":
         return -lr
     if k == "k2":
-        return 0.5 * lr.square()
+        return lr.square().mul_(0.5)
     if k == "k3":
-        return tok.ratio - 1.0 - lr
+        return (tok.ratio - 1.0).sub_(lr)
     raise ValueError(f"unknown statistic {k!r}; choose k1, k2 or k3")

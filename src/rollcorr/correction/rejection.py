@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rollcorr.correction.ratios import Tokens
+from rollcorr.correction.ratios import Tokens, any_per_row
 
 
 @dataclass(frozen=True)
@@ -47,12 +47,21 @@ def k1_bounds(window: tuple[float, float], verl: bool) -> tuple[float, float]:
 
 def _row_max(x: Tensor, tok: Tokens) -> Tensor:
     """Masked row max; 0 for all-padding rows (verl's convention)."""
-    m = x.masked_fill(~tok.mask, float("-inf")).amax(dim=-1)
+    m = tok.valid_max(x, dim=-1)
     return torch.where(tok.valid, m, torch.zeros_like(m))
 
 
-def rs_option(option: str, threshold: float | tuple[float, float], x: Tensor, tok: Tokens) -> RSOutcome:
-    """Apply one verl RS option to its per-token statistic ``x`` (k1, k2 or k3; 0 on padding)."""
+def rs_option(
+    option: str,
+    threshold: float | tuple[float, float],
+    x: Tensor | None,
+    tok: Tokens,
+    *,
+    row_sum: Tensor | None = None,
+) -> RSOutcome:
+    """Apply one verl RS option to its per-token statistic ``x`` (k1, k2 or k3; 0 on padding).
+    ``seq_sum`` / ``seq_mean`` options need only Σ_t x: pass it as ``row_sum`` (B,) and ``x=None`` to skip
+    building x (e.g. Σ_t k1 = −Σ_t ℓ, bit-identical since negation is exact)."""
     kind, k = option.rsplit("_", 1)
     if k == "k1":
         lower, upper = k1_bounds(threshold, tok.verl)  # type: ignore[arg-type]
@@ -63,12 +72,14 @@ def rs_option(option: str, threshold: float | tuple[float, float], x: Tensor, to
         keep = v <= upper
         return keep & (v >= lower) if lower is not None else keep
 
+    if kind in ("seq_sum", "seq_mean") and row_sum is None:
+        row_sum = x.sum(dim=-1)
     if kind == "token":
         return RSOutcome(option, inside(x), None, x, tok.row_mean(x), lower, upper)
     if kind == "seq_sum":
-        row = x.sum(dim=-1)
+        row = row_sum
     elif kind == "seq_mean":
-        row = tok.row_mean(x)
+        row = tok.row_mean_of_sum(row_sum)
     elif kind == "seq_max":
         row = _row_max(x, tok)
     else:  # config validation makes this unreachable
@@ -80,12 +91,11 @@ def veto_keep(tok: Tokens, floor: float | None, ceiling: float | None) -> tuple[
     """(row keep (B,), per-token catastrophic flags (B, T)): a row is dropped if any valid ρ_t < floor or
     > ceiling. Compared in log space on the unclamped ℓ."""
     bad = torch.zeros_like(tok.mask)
-    if floor is not None:
-        bad = bad | (tok.log_ratio < math.log(floor))
-    if ceiling is not None:
-        bad = bad | (tok.log_ratio > math.log(ceiling))
-    bad = bad & tok.mask
-    return ~bad.any(dim=-1), bad
+    for limit, hit in ((floor, torch.lt), (ceiling, torch.gt)):
+        if limit is not None:
+            bad |= hit(tok.log_ratio, math.log(limit))
+    bad &= tok.mask
+    return ~any_per_row(bad), bad
 
 
 def trm_keep(

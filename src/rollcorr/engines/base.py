@@ -102,6 +102,12 @@ class Learner(Protocol):
     def parameters(self): ...
 
 
+def resume_seed(seed: int | None, tokens_so_far: int) -> int | None:
+    """Seed for continuing a partial rollout: a fresh random stream, since re-using ``seed`` as-is would
+    repeat the first call's draws at new positions (correlating early and late tokens)."""
+    return None if seed is None else (seed * 1_000_003 + tokens_so_far) % 2**62
+
+
 def process_logits(logits: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
     """Logits (B, V) → (log μ over the vocabulary (B, V), log kept mass (B,)).  SPEC §8.
 

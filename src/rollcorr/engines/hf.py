@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from rollcorr.engines.base import SamplingParams, process_logits
+from rollcorr.engines.base import SamplingParams, process_logits, resume_seed
 from rollcorr.models.builtin import BUILTIN, load_model, resolve_dtype
 from rollcorr.rollout import Rollout
 
@@ -103,7 +103,9 @@ class HFSampler:
             raise ValueError(
                 "int8 dynamic quantisation runs float32 activations: use dtype float32 with int8"
             )
-        self.device = torch.device(device) if device is not None else default_device()
+        if device is None:
+            device = "cpu" if quant == "int8" else default_device()
+        self.device = torch.device(device)
         if quant == "int8" and self.device.type != "cpu":
             raise ValueError("int8 dynamic quantisation is CPU-only; use device='cpu'")
         self.quant = quant
@@ -149,11 +151,13 @@ class HFSampler:
     # ---- sampling -----------------------------------------------------------------------------------
 
     def encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+        """Prompts (strings or token id lists) → token id lists, checked against the vocabulary."""
         if len(prompts) == 0:
             raise ValueError("no prompts given")
         rows = []
         for i, p in enumerate(prompts):
-            ids = self.tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
+            # the tokenizer's own special-token rule (BOS for Llama-style models; nothing for the built-in)
+            ids = self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p)
             if not ids:
                 raise ValueError(f"prompt {i} is empty")
             rows.append([int(t) for t in ids])
@@ -183,6 +187,8 @@ class HFSampler:
         ``meta[i]["finished"] = False`` and can be continued with ``generate(..., resume=rollout)`` (prompts
         are then ignored), whose new tokens carry the current ``version``.
         """
+        if self.model is None:
+            raise RuntimeError("this sampler was closed")
         if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
             raise ValueError(f"max_steps must be a positive int or None, got {max_steps!r}")
         if resume is not None:
@@ -235,7 +241,8 @@ class HFSampler:
             )
         if rollout.rollout_log_prob is None:
             raise ValueError("cannot resume a rollout without rollout_log_prob")
-        tokens, log_mu, log_kept, finished = self._decode(contexts, budgets, params, max_steps)
+        seed = resume_seed(params.seed, int(resp_mask.sum()))
+        tokens, log_mu, log_kept, finished = self._decode(contexts, budgets, params, max_steps, seed)
         new_version = [[self.version] * len(t) for t in tokens]
         merged = [old[i] + (tokens[todo.index(i)] if i in todo else []) for i in range(rollout.batch_size)]
         width = max(len(r) for r in merged)
@@ -269,18 +276,25 @@ class HFSampler:
 
     @torch.no_grad()
     def _decode(
-        self, contexts: list[list[int]], budgets: list[int], params: SamplingParams, max_steps: int | None
+        self,
+        contexts: list[list[int]],
+        budgets: list[int],
+        params: SamplingParams,
+        max_steps: int | None,
+        seed: int | None = None,
     ) -> tuple[list[list[int]], list[list[float]], list[list[float]], list[bool]]:
         """The decode loop. Per row: sampled tokens, their log μ, log kept mass, and whether it finished.
 
-        A row finishes at EOS (kept as its last token) or when it has ``budgets[i]`` new tokens.
+        A row finishes at EOS (kept as its last token) or when it has ``budgets[i]`` new tokens. The
+        generator is seeded with ``seed`` (default ``params.seed``; None for both = nondeterministic).
         """
         from transformers import DynamicCache
 
         model, dev = self.model, self.device
         gen = torch.Generator(device=dev)
-        if params.seed is not None:
-            gen.manual_seed(params.seed)
+        seed = params.seed if seed is None else seed
+        if seed is not None:
+            gen.manual_seed(seed)
         else:
             gen.seed()
 
@@ -404,7 +418,10 @@ class HFLearner:
         with torch.set_grad_enabled(grad):
             body = self.model.get_decoder()
             hidden = body(
-                input_ids=ids, attention_mask=mask.long(), position_ids=positions_from_mask(mask)
+                input_ids=ids,
+                attention_mask=mask.long(),
+                position_ids=positions_from_mask(mask),
+                use_cache=False,
             ).last_hidden_state
             hidden = hidden[:, p - 1 : p - 1 + t]  # (B, T, H): the states that predict the response tokens
             head = self.model.get_output_embeddings()

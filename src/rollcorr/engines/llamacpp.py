@@ -25,6 +25,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rollcorr.engines.base import SamplingParams, process_logits
+from rollcorr.engines.base import SamplingParams, process_logits, resume_seed
 from rollcorr.engines.gguf import QUANT_TYPES, write_gguf
 from rollcorr.engines.hf import finished_rows, left_pad, right_pad
 from rollcorr.models.builtin import BUILTIN, BUILTIN_DIR
@@ -454,6 +455,7 @@ class LlamaCppSampler:
             raise ValueError(
                 "an unfinished row already holds max_new_tokens tokens: resume with the same params"
             )
+        params = replace(params, seed=resume_seed(params.seed, int(resp_mask.sum())))
         tokens, log_mu, log_kept, finished = self._decode(contexts, budgets, params, max_steps)
 
         kept = (

@@ -46,7 +46,7 @@ def run(
     chunk: int = 2,
     max_new_tokens: int = 8,
     max_staleness: int = 4,
-    lr: float = 1e-3,
+    lr: float = 1e-4,
     sampler_dtype: str = "bf16",
     keep_band: float = 2.0,
     seed: int = 0,
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=2, help="tokens generated per batch per version")
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--max-staleness", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--sampler-dtype", default="bf16")
     p.add_argument("--keep-band", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)

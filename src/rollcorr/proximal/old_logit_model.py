@@ -56,6 +56,7 @@ class OldLogitModel(ProximalStrategy):
         self.background_seconds = 0.0  # written by the worker only
         self.publish_seconds = 0.0
         self._exact_share = 0.0
+        self._restored: dict[str, Tensor] | None = None  # checkpoint weights waiting for a model
 
     def _run(self, fn, *args) -> Future:
         """Queue ``fn(*args)`` on the worker (or run it now when ``background=False``)."""
@@ -69,9 +70,10 @@ class OldLogitModel(ProximalStrategy):
     def on_publish(self, version: int, model: nn.Module) -> None:
         super().on_publish(version, model)
         start = time.perf_counter()
-        if self.model is None:
+        if self.model is None and self._restored is None:
             self.model, self.model_version = clone_model(model), int(version)
         else:
+            self._ensure_model(model)
             state = copy_state(model, device=next(self.model.parameters()).device)  # the learner moves on
             self._run(self._load, state, int(version))  # queued after the rollouts already submitted
         self.publish_seconds += time.perf_counter() - start
@@ -85,8 +87,7 @@ class OldLogitModel(ProximalStrategy):
     # ---- scoring ------------------------------------------------------------------------------------------
     def submit(self, rollout: Rollout, learner) -> Future:
         """Queue ``rollout`` (finished or partial): store its tokens generated at the model's version."""
-        if self.model is None:
-            raise RuntimeError("old_logit_model: call on_publish(version, model) before submitting rollouts")
+        self._ensure_model(learner.model)
         return self._run(self._store, rollout, learner)
 
     def _store(self, rollout: Rollout, learner) -> int:
@@ -112,8 +113,7 @@ class OldLogitModel(ProximalStrategy):
         return old, share
 
     def _old_log_prob(self, rollout: Rollout, learner, current_version: int) -> Tensor:
-        if self.model is None:
-            raise RuntimeError("old_logit_model: call on_publish(version, model) before old_log_prob")
+        self._ensure_model(learner.model)
         old, self._exact_share = self._run(self._lookup, rollout, learner).result()
         return old.to(rollout.response_ids.device)
 
@@ -150,7 +150,8 @@ class OldLogitModel(ProximalStrategy):
         return d
 
     def load_state_dict(self, d: dict, model: nn.Module | None = None) -> None:
-        """Restore; the weights need a module: ``model`` (cloned) or the dedicated model already held."""
+        """Restore. The weights go into the dedicated model; if there is none yet they are kept until one is
+        built from ``model`` (here) or from the first model seen (``on_publish`` / ``submit`` / ``old_log_prob``)."""
         super().load_state_dict(d)
         self.wait()
         self.store.load_state_dict(d["store"])
@@ -158,8 +159,20 @@ class OldLogitModel(ProximalStrategy):
         if d["weights"] is None:
             return
         if self.model is None:
-            if model is None:
-                raise ValueError("old_logit_model.load_state_dict needs model= to hold the restored weights")
-            self.model = clone_model(model)
+            self._restored = d["weights"]
+            if model is not None:
+                self._ensure_model(model)
+            return
         with torch.no_grad():
             self.model.load_state_dict(d["weights"])
+
+    def _ensure_model(self, model: nn.Module) -> None:
+        """Build the dedicated model from ``model``'s architecture if needed, with restored weights if any."""
+        if self.model is not None:
+            return
+        if self._restored is None:
+            raise RuntimeError("old_logit_model: call on_publish(version, model) first")
+        self.model = clone_model(model)
+        with torch.no_grad():
+            self.model.load_state_dict(self._restored)
+        self._restored = None

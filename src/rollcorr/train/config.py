@@ -18,6 +18,7 @@ import yaml
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 
 MODES = ("sync", "simulated_async", "async")
+SCHEDULES = ("constant", "cosine")
 ADVANTAGES = ("grpo", "rloo", "drgrpo", "oapl")
 AGGREGATIONS = (
     "token-mean",
@@ -110,6 +111,8 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global grad norm, 0 = off
     warmup_steps: int = 0
+    schedule: str = "constant"  # constant | cosine (to min_lr_ratio · lr at trainer.steps)
+    min_lr_ratio: float = 0.1
 
 
 @dataclass
@@ -327,6 +330,8 @@ def validate(c: TrainConfig) -> None:
     _positive(o.eps, "optim.eps")
     _positive(o.grad_clip, "optim.grad_clip", allow_zero=True)
     _positive(o.warmup_steps, "optim.warmup_steps", allow_zero=True)
+    _check(o.schedule in SCHEDULES, "optim.schedule", f"unknown schedule {o.schedule!r}; use one of {SCHEDULES}")
+    _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
 
     _check(t.mode in MODES, "trainer.mode", f"unknown mode {t.mode!r}; use one of {MODES}")
     _positive(t.lag, "trainer.lag", allow_zero=True)

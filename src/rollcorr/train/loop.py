@@ -295,8 +295,13 @@ class Trainer:
 
     # ---- the loop --------------------------------------------------------------------------------------
     def _lr(self, step: int) -> float:
-        warmup = self.config.optim.warmup_steps
-        return self.config.optim.lr * (min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
+        """Linear warm-up, then constant or cosine decay to ``min_lr_ratio`` · lr at ``trainer.steps``."""
+        o, total = self.config.optim, self.config.trainer.steps
+        scale = min(1.0, (step + 1) / o.warmup_steps) if o.warmup_steps > 0 else 1.0
+        if o.schedule == "cosine" and total > o.warmup_steps:
+            progress = min(1.0, max(0.0, (step - o.warmup_steps) / (total - o.warmup_steps)))
+            scale *= o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return o.lr * scale
 
     def _evaluate(self) -> dict[str, float]:
         if self.evaluator is None:

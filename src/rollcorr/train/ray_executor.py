@@ -1,0 +1,430 @@
+"""Sampler workers as Ray actors; the learner stays in the driver.
+
+``RayExecutor`` has the executor surface of ``rollcorr.train.executors`` (``start``, ``next_rollout``,
+``publish``, ``pause`` / ``resume``, ``state_dict`` / ``load_state_dict``, ``close``):
+
+    driver (learner)                                    Ray actors (SamplerWorker × W)
+    publish(v, weights) ──ray.put once──▶ object ref ──▶ run(index, v, [ref]): load_weights if v is new,
+    next_rollout(step)  ◀──reorder buffer by index◀───   generate batch `index`, reward it
+
+Every batch ``index`` is produced by ``RolloutSource.generate(index)`` on some worker, so its prompts and
+sampling seed depend only on (seed, index); the driver hands batches to the learner strictly in index order.
+Which weights a batch is sampled with:
+
+  lag=None  freshest: the newest published version when the batch is dispatched (asynchronous, like
+            ``AsyncExecutor``; timing decides the version, so runs are reproducible only up to that)
+  lag=k     fixed: the newest published version ≤ (trained version − k), exactly as ``LaggedExecutor(lag=k)``,
+            so the batches equal the in-process executor's bit for bit, with k batches sampled ahead
+
+Admission control (the AsyncExecutor rule): batch ``i`` is trained at learner version ``i − dropped`` (one
+batch per step, version == step), so it is dispatched only with weights of version v where
+``(i − dropped) − v ≤ max_staleness``; ``next_rollout`` re-checks the oldest token of the batch against the
+learner's real version and drops (and counts) a batch that would break the bound.
+
+Bounded queue: at most ``queue_size + workers`` batches are ahead of the learner (generated or generating).
+A worker that dies (``ray.kill``, OOM, node loss) is replaced by a fresh actor; its batch goes back to the
+front of the queue and is generated again, so every index is trained exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rollcorr.engines import SamplingParams
+from rollcorr.rollout import Rollout
+from rollcorr.train.executors import RolloutSource
+
+StateDict = dict[str, Tensor]
+
+# sane defaults for a local cluster on a small, shared machine (the user's environment wins)
+LOCAL_RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",  # no usage report at start-up
+    "RAY_prestart_worker_first_driver": "0",  # no idle Python workers competing for the CPUs at start-up
+    "RAY_memory_monitor_refresh_ms": "0",  # other tenants' memory must not get our workers OOM-killed
+}
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """Everything a worker needs to build its ``RolloutSource`` (picklable; paths absolute)."""
+
+    sampler: str  # engine spec for make_sampler, e.g. "hf:bf16"
+    model_path: str | None  # None = the built-in model
+    task: str  # make_task name or .jsonl path
+    params: SamplingParams
+    prompts_per_step: int
+    group_size: int
+    seed: int
+    threads: int = 1  # torch intra-op threads in the worker (0 = torch's default)
+    sampler_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config) -> SourceSpec:
+        """The sampler side of a ``TrainConfig``."""
+        r, t = config.rollout, config.trainer
+        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
+                                top_p=r.top_p, seed=t.seed)  # fmt: skip
+        model_path = None if config.model.path == "builtin" else _absolute(config.model.path)
+        return cls(config.model.sampler, model_path, _absolute(config.task.name), params, r.prompts_per_step,
+                   r.group_size, t.seed, t.threads)  # fmt: skip
+
+    def build(self) -> RolloutSource:
+        from rollcorr.engines import make_sampler
+        from rollcorr.tasks import make_task
+
+        sampler = make_sampler(self.sampler, self.model_path, **self.sampler_kwargs)
+        tokenizer = getattr(sampler, "tokenizer", None)
+        if tokenizer is None:
+            raise ValueError(f"sampler {self.sampler!r} exposes no tokenizer to decode responses for rewards")
+        task = make_task(self.task)
+        return RolloutSource(sampler, task, tokenizer, self.params, self.prompts_per_step, self.group_size,
+                             self.seed)  # fmt: skip
+
+
+def _absolute(path: str) -> str:
+    """Ray workers may run in another directory: make existing local paths absolute."""
+    return str(Path(path).resolve()) if Path(path).exists() else path
+
+
+class SamplerWorker:
+    """The Ray actor: one sampler, one RolloutSource, the weight version it holds."""
+
+    def __init__(self, spec: SourceSpec):
+        if spec.threads > 0:
+            torch.set_num_threads(spec.threads)
+        self.source = spec.build()
+        self.loaded: int | None = None  # version of the weights in the sampler (None: the checkpoint file's)
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def run(self, index: int, version: int, weights: list) -> tuple[Rollout, dict[str, float]]:
+        """Batch ``index`` with weights ``version`` (``weights`` = [object ref], fetched only if new)."""
+        import ray
+
+        start = time.perf_counter()
+        if self.loaded != version:
+            self.source.load_weights(ray.get(weights[0]), version)
+            self.loaded = version
+        loaded = time.perf_counter()
+        rollout = self.source.reward(self.source.generate(index))
+        return rollout, {"load_s": loaded - start, "generate_s": time.perf_counter() - loaded,
+                         "pid": float(os.getpid())}  # fmt: skip
+
+
+def trained_version(index: int, dropped: int) -> int:
+    """The learner version batch ``index`` is trained at (one batch per step; dropped batches take none)."""
+    return index - dropped
+
+
+def lag_of(rollout: Rollout, version: int) -> int:
+    """Versions between the learner (``version``) and the oldest valid token of ``rollout``."""
+    mask = rollout.response_mask.bool()
+    return version - int(rollout.version[mask].min()) if mask.any() else 0
+
+
+class RayExecutor:
+    """``workers`` Ray actors sample batches; the driver orders them by index and enforces the staleness bound.
+
+    spec           how each worker builds its RolloutSource
+    workers        number of sampler actors
+    max_staleness  no batch is trained at a lag above this (admission control + a re-check)
+    queue_size     batches allowed to wait for the learner (plus one generating per worker)
+    lag            None = freshest weights (asynchronous); k = the LaggedExecutor(lag=k) weights (deterministic)
+    address        None: start a local cluster (``num_cpus``); "auto" or "ray://host:port": join that cluster
+    worker_cpus    CPUs each actor reserves; worker_gpus likewise (a vLLM sampler on a GPU node: 1)
+    max_restarts   worker deaths tolerated over the run before giving up
+    """
+
+    def __init__(
+        self,
+        spec: SourceSpec,
+        workers: int = 2,
+        max_staleness: int = 4,
+        queue_size: int = 2,
+        lag: int | None = None,
+        address: str | None = None,
+        num_cpus: int | None = None,
+        worker_cpus: float = 1.0,
+        worker_gpus: float = 0.0,
+        max_restarts: int = 8,
+        ready_timeout_s: float = 300.0,
+    ):
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        if max_staleness < 0 or queue_size < 1 or max_restarts < 0:
+            raise ValueError(
+                f"need max_staleness >= 0, queue_size >= 1, max_restarts >= 0; got {max_staleness}, "
+                f"{queue_size}, {max_restarts}"
+            )
+        if lag is not None and not 0 <= lag <= max_staleness:
+            raise ValueError(f"lag must be in [0, max_staleness={max_staleness}], got {lag}")
+        self.spec, self.num_workers, self.max_staleness = spec, workers, max_staleness
+        self.queue_size, self.lag, self.address = queue_size, lag, address
+        self.num_cpus = num_cpus
+        self.worker_cpus, self.worker_gpus = worker_cpus, worker_gpus
+        self.max_restarts, self.ready_timeout_s = max_restarts, ready_timeout_s
+        self.actors: list = []  # slot → actor handle
+        self.busy: set[int] = set()  # slots with a task in flight
+        self.pending: dict = {}  # object ref → (index, slot)
+        self.done: dict[int, tuple[Rollout, dict[str, float]]] = {}  # reorder buffer
+        self.retry: set[int] = set()  # indices whose worker died: generated again first
+        self.published: dict[int, Any] = {}  # version → object ref of its weights
+        self.latest = -1  # newest published version
+        self.learner_version = 0  # newest learner version the driver has told us about
+        self.next_index = 0  # next batch index never dispatched
+        self.next_train = 0  # next batch index the learner gets
+        self.dropped = 0
+        self.restarts = 0
+        self._paused = False
+        self._owns_ray = False
+        self._ray = None
+
+    # ---- cluster and workers -------------------------------------------------------------------------
+    def _connect(self):
+        import ray
+
+        if not ray.is_initialized():
+            if self.address is None:
+                for key, value in LOCAL_RAY_ENV.items():
+                    os.environ.setdefault(key, value)
+                cpus = self.num_cpus or max(1, int(self.num_workers * self.worker_cpus))
+                ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+            else:
+                ray.init(address=self.address, log_to_driver=False, configure_logging=False)
+            self._owns_ray = True
+        self._ray = ray
+        return ray
+
+    def _spawn(self, slot: int):
+        ray = self._ray
+        actor_cls = ray.remote(num_cpus=self.worker_cpus, num_gpus=self.worker_gpus, max_restarts=0)(SamplerWorker)
+        actor = actor_cls.options(name=None).remote(self.spec)
+        if slot < len(self.actors):
+            self.actors[slot] = actor
+        else:
+            self.actors.append(actor)
+        return actor
+
+    def _start_workers(self) -> None:
+        ray = self._connect()
+        self.actors = []
+        for slot in range(self.num_workers):
+            self._spawn(slot)
+        pings = [a.ready.remote() for a in self.actors]
+        ready, waiting = ray.wait(pings, num_returns=len(pings), timeout=self.ready_timeout_s)
+        if waiting:
+            raise RuntimeError(
+                f"{len(waiting)} of {self.num_workers} sampler workers not ready after {self.ready_timeout_s:.0f} s; "
+                f"each needs {self.worker_cpus} CPU and {self.worker_gpus} GPU, the cluster has "
+                f"{ray.cluster_resources()}"
+            )
+        ray.get(ready)  # surfaces a worker's construction error (bad model path, unknown engine, ...)
+
+    def _restart(self, slot: int, err: BaseException) -> None:
+        self.restarts += 1
+        if self.restarts > self.max_restarts:
+            raise RuntimeError(f"sampler workers died {self.restarts} times (max_restarts={self.max_restarts})") from err
+        self._ray.kill(self.actors[slot], no_restart=True)
+        self._spawn(slot)
+
+    # ---- dispatch and collect ------------------------------------------------------------------------
+    def _weights_for(self, index: int) -> int | None:
+        """The version batch ``index`` is sampled with, or None if it may not start yet (admission control)."""
+        trained = trained_version(index, self.dropped)
+        if self.lag is None:
+            version = self.latest
+        else:
+            if self.learner_version < trained - self.lag:
+                return None  # the version it must use is not trained yet
+            eligible = [v for v in self.published if v <= trained - self.lag]
+            version = max(eligible) if eligible else min(self.published)
+        return version if trained - version <= self.max_staleness else None
+
+    def _pump(self) -> None:
+        """Give work to idle workers: retries first, then new indices inside the queue bound."""
+        if self._paused or not self.actors:
+            return
+        for slot in range(self.num_workers):
+            if slot in self.busy:
+                continue
+            if self.retry:
+                index = min(self.retry)
+            elif self.next_index < self.next_train + self.queue_size + self.num_workers:
+                index = self.next_index
+            else:
+                return
+            version = self._weights_for(index)
+            if version is None:
+                return
+            ref = self.actors[slot].run.remote(index, version, [self.published[version]])
+            self.pending[ref] = (index, slot)
+            self.busy.add(slot)
+            if index in self.retry:
+                self.retry.discard(index)
+            else:
+                self.next_index += 1
+
+    def _collect(self, timeout: float | None) -> None:
+        """Wait for at least one finished task (up to ``timeout``) and file its batch or handle its death."""
+        ray = self._ray
+        from ray.exceptions import RayActorError
+
+        ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=timeout)
+        for ref in ready:
+            index, slot = self.pending.pop(ref)
+            self.busy.discard(slot)
+            try:
+                self.done[index] = ray.get(ref)
+            except RayActorError as err:  # the worker died: replace it, generate the batch again
+                self._restart(slot, err)
+                self.retry.add(index)
+            except ray.exceptions.RayTaskError as err:
+                raise RuntimeError(f"sampler worker failed on batch {index}: {err}") from err
+
+    def _prune(self) -> None:
+        """Forget weights no future batch can use (in-flight tasks hold their own references)."""
+        if self.lag is None:
+            keep = self.latest
+        else:
+            floor = trained_version(self.next_train, self.dropped) - self.lag
+            keep = max([v for v in self.published if v <= floor], default=min(self.published))
+        self.published = {v: ref for v, ref in self.published.items() if v >= keep}
+
+    # ---- learner side --------------------------------------------------------------------------------
+    def start(self, version: int, weights: StateDict) -> None:
+        self._start_workers()
+        self.learner_version = version
+        self.publish(version, weights)
+
+    def publish(self, version: int, weights: StateDict) -> None:
+        """One ``ray.put`` per version (serialised now, so the learner may keep training its tensors)."""
+        if self._ray is None:
+            raise RuntimeError("RayExecutor.publish before start() / load_state_dict()")
+        self.published[version] = self._ray.put({k: v.detach().cpu() for k, v in weights.items()})
+        self.latest = max(self.latest, version)
+        self.learner_version = max(self.learner_version, version)
+        self._prune()
+        self._pump()
+
+    def next_rollout(self, step: int, version: int) -> tuple[Rollout, dict[str, float]]:
+        """Batch ``next_train`` (blocks until a worker has it); drops a batch above ``max_staleness``."""
+        start = time.perf_counter()
+        self.learner_version = max(self.learner_version, version)
+        dropped_now = 0
+        while True:
+            index = self.next_train
+            self._pump()
+            while index not in self.done:
+                if not self.pending:
+                    raise RuntimeError(
+                        f"batch {index} cannot start: it is trained at version {version} and the newest "
+                        f"published weights are version {self.latest}, above max_staleness={self.max_staleness}"
+                    )
+                self._collect(timeout=1.0)
+                self._pump()
+            rollout, info = self.done.pop(index)
+            self.next_train += 1
+            if lag_of(rollout, version) <= self.max_staleness:
+                break
+            self.dropped += 1  # defensive: admission control should make this unreachable
+            dropped_now += 1
+        self._prune()
+        self._pump()
+        return rollout, {
+            "time/queue_wait_s": time.perf_counter() - start,
+            "time/generate_s": info["generate_s"],
+            "sampler/version": float(rollout.version[rollout.response_mask.bool()].min())
+            if rollout.response_mask.any()
+            else float(self.latest),
+            "async/queue_size": float(len(self.done)),
+            "async/dropped_total": float(self.dropped),
+            "async/dropped_now": float(dropped_now),
+            "ray/in_flight": float(len(self.pending)),
+            "ray/restarts_total": float(self.restarts),
+        }
+
+    def pause(self) -> list[Rollout]:
+        """Stop dispatching, let in-flight batches finish; returns every batch generated but not yet trained."""
+        self._paused = True
+        while self.pending:
+            self._collect(timeout=1.0)
+        return [self.done[i][0] for i in sorted(self.done)]
+
+    def resume(self) -> None:
+        self._paused = False
+        self._pump()
+
+    def close(self) -> None:
+        ray = self._ray
+        if ray is None:
+            return
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors, self.pending, self.busy = [], {}, set()
+        if self._owns_ray:
+            ray.shutdown()
+        self._ray = None
+
+    # ---- checkpoints ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Generated-but-untrained batches, counters and the weights still needed (in-flight batches are
+        generated again after a resume)."""
+        ray = self._ray
+        return {
+            "kind": "ray",
+            "lag": self.lag,
+            "next_index": self.next_train,
+            "done": {i: r for i, r in self.done.items()},
+            "dropped": self.dropped,
+            "restarts": self.restarts,
+            "latest": self.latest,
+            "learner_version": self.learner_version,
+            "published": {v: ray.get(ref) for v, ref in self.published.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore counters, buffered batches and weights, then start the workers."""
+        if state.get("kind") != "ray":
+            raise ValueError(f"checkpoint holds a {state.get('kind')!r} executor state, not 'ray'")
+        if state["lag"] != self.lag:
+            raise ValueError(f"checkpoint was written with lag={state['lag']}, this executor has lag={self.lag}")
+        self._start_workers()
+        self.next_train = int(state["next_index"])
+        self.done = {int(i): r for i, r in state["done"].items()}
+        self.next_index = max([self.next_train, *(i + 1 for i in self.done)])
+        self.retry = set(range(self.next_train, self.next_index)) - set(self.done)
+        self.dropped, self.restarts = int(state["dropped"]), int(state["restarts"])
+        self.latest, self.learner_version = int(state["latest"]), int(state["learner_version"])
+        self.published = {int(v): self._ray.put(w) for v, w in state["published"].items()}
+        self._pump()
+
+
+def make_ray_executor(config, spec: SourceSpec | None = None, *, address: str | None = None,
+                      workers: int | None = None, **kwargs: Any) -> RayExecutor:  # fmt: skip
+    """A RayExecutor for a ``TrainConfig``: trainer.mode picks the weights rule, trainer.ray_* the cluster.
+
+    sync → lag 0, simulated_async → lag ``trainer.lag`` (both deterministic), async → freshest weights.
+    """
+    t = config.trainer
+    if t.partial_rollouts:
+        raise ValueError("trainer.partial_rollouts: not supported by the Ray executor (whole batches only)")
+    lag = {"sync": 0, "simulated_async": t.lag, "async": None}.get(t.mode, "?")
+    if lag == "?":
+        raise ValueError(f"trainer.mode: unknown mode {t.mode!r}")
+    return RayExecutor(
+        spec or SourceSpec.from_config(config),
+        workers=workers if workers is not None else getattr(t, "ray_workers", 2),
+        max_staleness=t.max_staleness,
+        queue_size=t.queue_size,
+        lag=lag,
+        address=address if address is not None else getattr(t, "ray_address", None),
+        **kwargs,
+    )

@@ -1,0 +1,184 @@
+"""The Ray executor: sampler workers as Ray actors on a local cluster, the learner in the test process.
+
+One local cluster serves the module (start-up is most of the cost). The "learner" is simulated: version v's
+weights are the built-in model's plus v times a fixed perturbation, so every version samples differently and
+a batch shows which version produced it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollcorr.engines import SamplingParams, make_sampler
+from rollcorr.train.executors import LaggedExecutor
+from rollcorr.train.ray_executor import RayExecutor, SourceSpec, lag_of, make_ray_executor
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.ray
+
+PROMPTS = 2
+SPEC = SourceSpec(
+    sampler="hf:fp32",
+    model_path=None,
+    task="addition:1",
+    params=SamplingParams(max_new_tokens=4, temperature=1.0, seed=0),
+    prompts_per_step=PROMPTS,
+    group_size=2,
+    seed=3,
+    threads=1,
+)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import os
+
+    from rollcorr.train.ray_executor import LOCAL_RAY_ENV
+
+    for key, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def versions():
+    """weights(v): the built-in model moved v steps along a fixed random direction."""
+    base = make_sampler("hf:fp32").float_model.state_dict()
+    g = torch.Generator().manual_seed(0)
+    direction = {k: torch.randn(v.shape, generator=g) * 0.05 for k, v in base.items()}
+    return lambda v: {k: base[k] + v * direction[k] for k in base}
+
+
+def batch_index(rollout) -> int:
+    return int(rollout.group_ids[0]) // PROMPTS
+
+
+def drive(executor, weights, steps: int, after_publish=None):
+    """The trainer's calls: next_rollout at version == step, then publish version step + 1."""
+    executor.start(0, weights(0))
+    out = []
+    try:
+        for step in range(steps):
+            rollout, metrics = executor.next_rollout(step, step)
+            out.append((rollout, metrics))
+            executor.publish(step + 1, weights(step + 1))
+            if after_publish is not None:
+                after_publish(step)
+    finally:
+        executor.close()
+    return out
+
+
+def test_killed_worker_is_replaced_and_batches_match_the_in_process_executor(cluster, versions):
+    """Two workers sampling ahead with lag 1; one dies with a batch in flight. Every index is trained exactly
+    once, in order, and each batch equals LaggedExecutor(lag=1)'s bit for bit (the lost batch is generated
+    again with the same weights)."""
+    steps = 6
+    executor = RayExecutor(SPEC, workers=2, max_staleness=1, lag=1)
+    killed = []
+
+    def kill_busy_worker(step: int) -> None:
+        if step == 0:  # publishing version 1 started batch 2; its worker dies at once
+            index, slot = next(iter(executor.pending.values()))
+            killed.append(index)
+            ray.kill(executor.actors[slot])
+
+    got = drive(executor, versions, steps, after_publish=kill_busy_worker)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the workers, so the floating-point sums match
+    try:
+        want = drive(LaggedExecutor(SPEC.build(), lag=1), versions, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+    assert killed == [2]
+    assert [batch_index(r) for r, _ in got] == list(range(steps))
+    assert got[-1][1]["ray/restarts_total"] == 1.0
+    assert [m["sampler/version"] for _, m in got] == [0, 0, 1, 2, 3, 4]
+    for (a, ma), (b, mb) in zip(got, want, strict=True):
+        assert ma["sampler/version"] == mb["sampler/version"]
+        for name in ("prompt_ids", "response_ids", "response_mask", "rollout_log_prob", "version", "rewards"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert [m["answer"] for m in a.meta] == [m["answer"] for m in b.meta]
+    # the versions differ enough to matter: the samples are not all the same
+    assert not all(torch.equal(got[0][0].response_ids, r.response_ids) for r, _ in got[1:])
+
+
+@pytest.mark.slow
+def test_freshest_weights_keep_the_staleness_bound_through_a_worker_death(cluster, versions):
+    steps, max_staleness = 8, 2
+    executor = RayExecutor(SPEC, workers=2, max_staleness=max_staleness, queue_size=2)
+    killed = []
+
+    def kill_busy_worker(step: int) -> None:
+        if step == 2:
+            index, slot = next(iter(executor.pending.values()))
+            killed.append(index)
+            ray.kill(executor.actors[slot])
+
+    got = drive(executor, versions, steps, after_publish=kill_busy_worker)
+    assert killed and killed[0] > 2
+    assert [batch_index(r) for r, _ in got] == list(range(steps))  # every index exactly once, in order
+    assert got[-1][1]["ray/restarts_total"] == 1.0
+    assert all(m["async/dropped_total"] == 0.0 for _, m in got)
+    for step, (rollout, _) in enumerate(got):
+        assert lag_of(rollout, step) <= max_staleness
+        assert rollout.rewards is not None and rollout.rewards.shape == (rollout.batch_size,)
+
+
+@pytest.mark.slow
+def test_pause_returns_untrained_batches_and_checkpoint_resumes(cluster, versions):
+    executor = RayExecutor(SPEC, workers=2, max_staleness=2, lag=1)
+    executor.start(0, versions(0))
+    try:
+        first, _ = executor.next_rollout(0, 0)
+        executor.publish(1, versions(1))
+        in_flight = executor.pause()
+        assert not executor.pending and [batch_index(r) for r in in_flight] == sorted(executor.done)
+        assert in_flight and batch_index(in_flight[0]) == 1
+        state = executor.state_dict()
+        executor.resume()
+        second, _ = executor.next_rollout(1, 1)
+    finally:
+        executor.close()
+
+    assert state["kind"] == "ray" and state["next_index"] == 1
+    resumed = RayExecutor(SPEC, workers=1, max_staleness=2, lag=1)
+    resumed.load_state_dict(state)
+    try:
+        again, _ = resumed.next_rollout(1, 1)
+        resumed.publish(2, versions(2))
+        third, _ = resumed.next_rollout(2, 2)
+    finally:
+        resumed.close()
+    assert torch.equal(again.response_ids, second.response_ids) and batch_index(third) == 2
+    assert int(third.version.max()) == 1  # lag 1: batch 2 sampled with version 1
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="workers"):
+        RayExecutor(SPEC, workers=0)
+    with pytest.raises(ValueError, match="lag"):
+        RayExecutor(SPEC, max_staleness=1, lag=2)
+    with pytest.raises(RuntimeError, match="before start"):
+        RayExecutor(SPEC).publish(0, {})
+
+
+def test_make_ray_executor_maps_trainer_modes():
+    from rollcorr.train.config import load_config
+
+    def build(*overrides):
+        return make_ray_executor(load_config(None, list(overrides)), workers=3)
+
+    assert build("trainer.mode=sync").lag == 0
+    ex = build("trainer.mode=simulated_async", "trainer.lag=2", "trainer.max_staleness=3")
+    assert ex.lag == 2 and ex.max_staleness == 3 and ex.num_workers == 3
+    assert build("trainer.mode=async").lag is None
+    assert ex.spec.params.max_new_tokens == 6 and ex.spec.sampler == "hf:bf16"
+    with pytest.raises(ValueError, match="partial_rollouts"):
+        build("trainer.mode=async", "trainer.partial_rollouts=true")
