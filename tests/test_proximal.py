@@ -503,3 +503,15 @@ def test_error_is_unmeasured_not_fatal_outside_the_reference_window(make_learner
     assert res.error is None and res.metrics["reference_missing"] == 1.0
     res = strat.old_log_prob(make_rollout(torch.full((3, T), 2, dtype=torch.long)), learner, 2)
     assert res.error is not None and res.error["logp_abs_err_max"] < 1e-6  # recompute is exact at v_cur
+
+
+def test_ewma_error_is_reported_and_bounded(run):
+    r, learner = run["rollout"], run["learner"]
+    ewma = run["strategies"]["ewma"].old_log_prob(r, learner, 3)
+    recompute = run["strategies"]["recompute"].old_log_prob(r, learner, 3)
+    exact = exact_reference(run["states"], run["model"], r)
+    assert ewma.error == pytest.approx(old_logit_error(ewma.old_log_prob, exact, r.response_mask), rel=1e-5)
+    # θ̄ averages v0..v3 (random-direction SGD here, so it need not beat the live weights); it stays within
+    # the scale of the versions' spread rather than drifting off
+    assert 0 < ewma.error["logp_abs_err_mean"] < 2 * recompute.error["logp_abs_err_mean"]
+    assert ewma.extra_bytes == model_bytes(run["model"]) and ewma.metrics["ewma_beta"] == pytest.approx(0.6)

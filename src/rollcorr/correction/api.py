@@ -134,12 +134,14 @@ def compute_correction(
                 w, raw, row_log, tok, config.is_level, config.is_upper, config.is_lower, config.is_mode
             )
         )
+        del raw  # free each (B, T) temporary once read: the next one reuses its memory
         if config.batch_normalize:
             factor = batch_norm_factor(w, tok, config.is_level, group)
-            w = w / factor
+            w = w.div_(factor)  # w is a fresh tensor (raw_weights / apply_threshold never alias inputs)
             metrics["rollout_is_batch_norm_factor"] = factor
         if config.applies_weights:
             weights = w
+        del w
 
     # ---- rejection -------------------------------------------------------------------------------
     keep = None  # (B, T) bool, None while no token rule rejects

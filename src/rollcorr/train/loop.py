@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import dataclasses
 import random
 import time

@@ -119,9 +119,16 @@ class SamplerWorker:
                          "pid": float(os.getpid())}  # fmt: skip
 
 
+# The admission rule shared with AsyncExecutor (which inlines it as ``index + shift - version``); these three
+# helpers belong in rollcorr.train.executors, for both executors to import.
 def trained_version(index: int, dropped: int) -> int:
     """The learner version batch ``index`` is trained at (one batch per step; dropped batches take none)."""
     return index - dropped
+
+
+def admissible(index: int, dropped: int, sampler_version: int, max_staleness: int) -> bool:
+    """May batch ``index`` be sampled with weights ``sampler_version``? (no token trained at lag > bound)"""
+    return trained_version(index, dropped) - sampler_version <= max_staleness
 
 
 def lag_of(rollout: Rollout, version: int) -> int:
@@ -186,6 +193,7 @@ class RayExecutor:
         self._paused = False
         self._owns_ray = False
         self._ray = None
+        self._closed_weights: dict[int, StateDict] = {}
 
     # ---- cluster and workers -------------------------------------------------------------------------
     def _connect(self):
@@ -205,8 +213,10 @@ class RayExecutor:
 
     def _spawn(self, slot: int):
         ray = self._ray
-        actor_cls = ray.remote(num_cpus=self.worker_cpus, num_gpus=self.worker_gpus, max_restarts=0)(SamplerWorker)
-        actor = actor_cls.options(name=None).remote(self.spec)
+        actor_cls = ray.remote(num_cpus=self.worker_cpus, num_gpus=self.worker_gpus, max_restarts=0)(
+            SamplerWorker
+        )
+        actor = actor_cls.remote(self.spec)
         if slot < len(self.actors):
             self.actors[slot] = actor
         else:
@@ -231,7 +241,9 @@ class RayExecutor:
     def _restart(self, slot: int, err: BaseException) -> None:
         self.restarts += 1
         if self.restarts > self.max_restarts:
-            raise RuntimeError(f"sampler workers died {self.restarts} times (max_restarts={self.max_restarts})") from err
+            raise RuntimeError(
+                f"sampler workers died {self.restarts} times (max_restarts={self.max_restarts})"
+            ) from err
         self._ray.kill(self.actors[slot], no_restart=True)
         self._spawn(slot)
 
@@ -246,7 +258,7 @@ class RayExecutor:
                 return None  # the version it must use is not trained yet
             eligible = [v for v in self.published if v <= trained - self.lag]
             version = max(eligible) if eligible else min(self.published)
-        return version if trained - version <= self.max_staleness else None
+        return version if admissible(index, self.dropped, version, self.max_staleness) else None
 
     def _pump(self) -> None:
         """Give work to idle workers: retries first, then new indices inside the queue bound."""
@@ -316,6 +328,8 @@ class RayExecutor:
 
     def next_rollout(self, step: int, version: int) -> tuple[Rollout, dict[str, float]]:
         """Batch ``next_train`` (blocks until a worker has it); drops a batch above ``max_staleness``."""
+        if self._paused:
+            raise RuntimeError("RayExecutor.next_rollout while paused: call resume() first")
         start = time.perf_counter()
         self.learner_version = max(self.learner_version, version)
         dropped_now = 0
@@ -363,9 +377,12 @@ class RayExecutor:
         self._pump()
 
     def close(self) -> None:
+        """Stop the workers (in-flight batches are discarded) and, if this executor started Ray, Ray itself.
+        ``state_dict()`` still works afterwards (the trainer checkpoints after closing)."""
         ray = self._ray
         if ray is None:
             return
+        self._closed_weights = {v: ray.get(ref) for v, ref in self.published.items()}
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self.actors, self.pending, self.busy = [], {}, set()
@@ -377,7 +394,10 @@ class RayExecutor:
     def state_dict(self) -> dict[str, Any]:
         """Generated-but-untrained batches, counters and the weights still needed (in-flight batches are
         generated again after a resume)."""
-        ray = self._ray
+        if self._ray is not None:
+            weights = {v: self._ray.get(ref) for v, ref in self.published.items()}
+        else:
+            weights = self._closed_weights
         return {
             "kind": "ray",
             "lag": self.lag,
@@ -387,7 +407,7 @@ class RayExecutor:
             "restarts": self.restarts,
             "latest": self.latest,
             "learner_version": self.learner_version,
-            "published": {v: ray.get(ref) for v, ref in self.published.items()},
+            "published": weights,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -395,7 +415,9 @@ class RayExecutor:
         if state.get("kind") != "ray":
             raise ValueError(f"checkpoint holds a {state.get('kind')!r} executor state, not 'ray'")
         if state["lag"] != self.lag:
-            raise ValueError(f"checkpoint was written with lag={state['lag']}, this executor has lag={self.lag}")
+            raise ValueError(
+                f"checkpoint was written with lag={state['lag']}, this executor has lag={self.lag}"
+            )
         self._start_workers()
         self.next_train = int(state["next_index"])
         self.done = {int(i): r for i, r in state["done"].items()}
