@@ -1,26 +1,34 @@
 """Throughput and peak memory of the full correction (weights + rejection + every metric + the one sync).
 
-    .venv/bin/python benchmarks/bench_correction.py [--batch 256] [--length 8192] [--repeat 5] [--threads 2]
-                                                    [--presets NAME ...] [--compile]
+    .venv/bin/python benchmarks/bench_correction.py [--batch 256] [--length 8192] [--repeat 7]
+        [--threads 1 2] [--presets NAME ...] [--dtype float32|bfloat16] [--impl MODULE] [--compile]
 
-Prints, per preset, the median wall time, tokens/s (B·T positions per second), the median CPU time of the
-process (all threads) and the peak resident memory above the inputs (Linux VmHWM, reset through
-/proc/self/clear_refs). Prints numbers; asserts nothing. The machine may be shared:
-report the load next to the numbers.
+Per preset and thread count it prints the median over ``--repeat`` calls of: wall time and tokens/s (B·T
+positions per second), CPU time of the process (all threads; user + system) and the system part of it,
+minor page faults per call, and the peak resident memory of one extra, untimed call above the inputs
+(Linux VmHWM after ``malloc_trim``, so memory glibc kept from earlier calls does not hide the peak).
+
+On a shared machine wall time is noisy: compare CPU times, and report the load printed in the header.
+System time is mostly first-touch page faults on fresh (B, T) buffers; how many happen depends on how much
+freed memory glibc keeps between calls (``MALLOC_TRIM_THRESHOLD_`` changes it), hence the column.
+``--impl`` benchmarks another module exposing ``compute_correction`` / ``metrics_to_floats`` (e.g. a copy of
+an older version on PYTHONPATH). Prints numbers; asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
+import importlib
 import os
+import resource
 import statistics
 import time
 
 import torch
 
 from rollcorr.config import preset
-from rollcorr.correction import compute_correction, metrics_to_floats
 
 PRESETS = [
     "disabled",  # metrics only
@@ -34,7 +42,7 @@ PRESETS = [
 ]
 
 
-def _rss_kib(field: str) -> int:
+def _status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field):
@@ -42,68 +50,82 @@ def _rss_kib(field: str) -> int:
     return -1
 
 
-def _reset_peak() -> bool:
+def _peak_mib(call) -> float:
+    """Peak RSS growth of one call (MiB), or NaN where /proc or glibc's malloc_trim is unavailable."""
     try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
         with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
+            f.write("5")  # reset VmHWM to the current RSS
     except OSError:
-        return False
+        return float("nan")
+    base = _status_kib("VmRSS")
+    call()
+    return (_status_kib("VmHWM") - base) / 1024
+
+
+def _inputs(b: int, t: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    rollout = -torch.rand(b, t, generator=g) * 4 - 1e-3
+    old = (rollout + 0.05 * torch.randn(b, t, generator=g)).clamp(max=-1e-4)
+    lengths = torch.randint(t // 4, t + 1, (b,), generator=g)
+    mask = torch.arange(t)[None] < lengths[:, None]
+    return old.to(dtype), rollout.to(dtype), mask
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--length", type=int, default=8192)
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--presets", nargs="*", default=PRESETS)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--impl", default="rollcorr.correction", help="module with compute_correction")
     ap.add_argument(
         "--compile",
         action="store_true",
         help="torch.compile the correction (validate=False); compile time is reported separately",
     )
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    impl = importlib.import_module(args.impl)
     b, t = args.batch, args.length
-    g = torch.Generator().manual_seed(0)
-    rollout = -torch.rand(b, t, generator=g) * 4 - 1e-3
-    old = (rollout + 0.05 * torch.randn(b, t, generator=g)).clamp(max=-1e-4)
-    lengths = torch.randint(t // 4, t + 1, (b,), generator=g)
-    mask = torch.arange(t)[None] < lengths[:, None]
+    old, rollout, mask = _inputs(b, t, getattr(torch, args.dtype))
     tokens = int(mask.sum())
-    print(f"B×T = {b}×{t} ({tokens / 1e6:.2f} M valid tokens of {b * t / 1e6:.2f} M), float32, "
-          f"{torch.get_num_threads()} threads, load avg {os.getloadavg()[0]:.1f}, torch {torch.__version__}")  # fmt: skip
-    print(f"{'preset':28s} {'median ms':>10s} {'M tok/s (B*T)':>14s} {'CPU ms':>8s} {'peak MiB':>9s}")
-    for name in args.presets:
-        config = preset(name)
-        run = functools.partial(compute_correction, config=config)
-        if args.compile:
-            run = torch.compile(functools.partial(run, validate=False), dynamic=False)
-        start = time.perf_counter()
-        got = metrics_to_floats(run(old, rollout, mask).metrics)  # warm up (and compile)
-        if args.compile:
-            eager = metrics_to_floats(compute_correction(old, rollout, mask, config).metrics)
-            diff = max(abs(got[k] - v) / max(abs(v), 1e-12) for k, v in eager.items())
+    print(f"B×T = {b}×{t} ({tokens / 1e6:.2f} M valid tokens of {b * t / 1e6:.2f} M), {args.dtype}, "
+          f"impl {args.impl}, load avg {os.getloadavg()[0]:.1f}, torch {torch.__version__}")  # fmt: skip
+    print(f"{'preset':28s} {'thr':>3s} {'wall ms':>8s} {'M tok/s':>8s} {'CPU ms':>7s} {'sys ms':>7s} "
+          f"{'faults':>7s} {'peak MiB':>9s}")  # fmt: skip
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for name in args.presets:
+            config = preset(name)
+            run = functools.partial(impl.compute_correction, config=config)
+            if args.compile:
+                run = torch.compile(functools.partial(run, validate=False), dynamic=False)
+            start = time.perf_counter()
+            got = impl.metrics_to_floats(run(old, rollout, mask).metrics)  # warm up (and compile)
+            if args.compile:
+                eager = impl.metrics_to_floats(impl.compute_correction(old, rollout, mask, config).metrics)
+                diff = max(abs(got[k] - v) / max(abs(v), 1e-12) for k, v in eager.items())
+                print(f"{name}: compiled in {time.perf_counter() - start:.1f} s, "
+                      f"max rel. metric diff vs eager {diff:.1e}")  # fmt: skip
+            wall, cpu, sys_, faults = [], [], [], []
+            for _ in range(args.repeat):
+                r0 = resource.getrusage(resource.RUSAGE_SELF)
+                start, start_cpu = time.perf_counter(), time.process_time()
+                impl.metrics_to_floats(run(old, rollout, mask).metrics)
+                wall.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - start_cpu)
+                r1 = resource.getrusage(resource.RUSAGE_SELF)
+                sys_.append(r1.ru_stime - r0.ru_stime)
+                faults.append(r1.ru_minflt - r0.ru_minflt)
+            peak = _peak_mib(lambda run=run: impl.metrics_to_floats(run(old, rollout, mask).metrics))
+            med = statistics.median(wall)
             print(
-                f"{name}: compiled in {time.perf_counter() - start:.1f} s, max rel. metric diff vs eager {diff:.1e}"
+                f"{name:28s} {threads:3d} {med * 1e3:8.1f} {b * t / med / 1e6:8.1f} "
+                f"{statistics.median(cpu) * 1e3:7.1f} {statistics.median(sys_) * 1e3:7.1f} "
+                f"{statistics.median(faults):7.0f} {peak:9.0f}"
             )
-        times, cpu = [], []
-        peak = -1.0
-        for _ in range(args.repeat):
-            base = _rss_kib("VmRSS")
-            has_peak = _reset_peak()
-            start, start_cpu = time.perf_counter(), time.process_time()
-            res = run(old, rollout, mask)
-            metrics_to_floats(res.metrics)
-            times.append(time.perf_counter() - start)
-            cpu.append(time.process_time() - start_cpu)
-            if has_peak:
-                peak = max(peak, (_rss_kib("VmHWM") - base) / 1024)
-            del res
-        med = statistics.median(times)
-        cpu_ms = statistics.median(cpu) * 1e3
-        print(f"{name:28s} {med * 1e3:10.1f} {b * t / med / 1e6:14.1f} {cpu_ms:8.0f} {peak:9.0f}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ import json
 import statistics
 import sys
 import tempfile
-from pathlib import Path
 
 import torch
 

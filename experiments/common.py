@@ -26,12 +26,9 @@ ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
 
 # The shared small grid every training study uses (docs/results.md lists it; no per-method tuning).
-GRID = {
-    "optim.lr": [2e-4, 5e-4],
-    "rollout.prompts_per_step": [16],
-    "rollout.group_size": [8],
-    "rollout.max_new_tokens": [6],
-}
+# Everything else is the shipped default config (16 prompts × 8 responses, 6 new tokens, temperature 1).
+GRID = {"optim.lr": [2e-4, 1e-3]}
+RUNS = ROOT.parent / "runs" / "experiments"  # training run folders (checkpoints, metrics); not committed
 SEEDS = (0, 1, 2)
 
 
@@ -39,7 +36,9 @@ def summary(values: Sequence[float]) -> dict[str, Any]:
     """mean, std (sample, 0 for one value), min, max and the values themselves; NaN/inf are kept out of
     the moments and counted in ``n_nonfinite``."""
     finite = [float(v) for v in values if v is not None and math.isfinite(v)]
-    out: dict[str, Any] = {"values": [None if v is None or not math.isfinite(v) else float(v) for v in values]}
+    out: dict[str, Any] = {
+        "values": [None if v is None or not math.isfinite(v) else float(v) for v in values]
+    }
     out["n_nonfinite"] = len(values) - len(finite)
     if not finite:
         return out | {"mean": None, "std": None, "min": None, "max": None}
@@ -52,8 +51,11 @@ def summary(values: Sequence[float]) -> dict[str, Any]:
 
 
 def separated(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """True when two ``summary`` results differ by more than their combined spread (std_a + std_b)."""
+    """True when two ``summary`` results, each over ≥ 2 seeds, differ by more than their combined spread
+    (std_a + std_b). With one seed there is no spread, so nothing counts as reproduced."""
     if a["mean"] is None or b["mean"] is None:
+        return False
+    if len(a["values"]) - a["n_nonfinite"] < 2 or len(b["values"]) - b["n_nonfinite"] < 2:
         return False
     return abs(a["mean"] - b["mean"]) > a["std"] + b["std"]
 
@@ -127,12 +129,35 @@ def train_config(overrides: Sequence[str]):
 
 
 def train(overrides: Sequence[str], run_dir: Path) -> dict[str, Any]:
-    """One training run through the trainer's public entry point; returns its result and metric records."""
+    """One training run through the trainer's public entry point; returns its result and metric records.
+
+    A run folder that already holds a finished run of the same config (every key of its config.yaml equal
+    to the current config, final checkpoint present) is read instead of retrained, so an interrupted study continues where it stopped.
+    """
+    import yaml
+
+    from rollcorr.train.checkpoint import checkpoint_dir
     from rollcorr.train.logging import read_metrics
     from rollcorr.train.loop import run
 
+    run_dir = Path(run_dir)
     config = train_config([*overrides, f"trainer.out={run_dir}"])
-    result = run(config, run_dir=Path(run_dir))
+    saved = run_dir / "config.yaml"
+    finished = checkpoint_dir(run_dir, config.trainer.steps) / "model"
+    if saved.is_file() and finished.is_dir() and _same(yaml.safe_load(saved.read_text()), config.to_dict()):
+        records = read_metrics(run_dir)
+        evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
+        return {
+            "run_dir": str(run_dir),
+            "steps": config.trainer.steps,
+            "seconds": sum(r.get("time/step_s", 0.0) + r.get("time/eval_s", 0.0) for r in records),
+            "initial_accuracy": evals[0] if evals else None,
+            "final_accuracy": evals[-1] if evals else None,
+            "stopped": None,
+            "reused": True,
+            "records": records,
+        }
+    result = run(config, run_dir=run_dir)
     return {
         "run_dir": str(result.run_dir),
         "steps": result.steps,
@@ -140,8 +165,25 @@ def train(overrides: Sequence[str], run_dir: Path) -> dict[str, Any]:
         "initial_accuracy": result.initial_accuracy,
         "final_accuracy": result.final_accuracy,
         "stopped": result.stopped,
+        "reused": False,
         "records": read_metrics(Path(result.run_dir)),
     }
+
+
+def _same(saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Every key of the saved config equals the current one (keys the trainer added since are ignored)."""
+    for key, value in saved.items():
+        if (
+            isinstance(value, dict)
+            and isinstance(current.get(key), dict)
+            and key != "correction"
+            and key != "proximal"
+        ):
+            if not _same(value, current[key]):
+                return False
+        elif current.get(key, value) != value or key not in current:
+            return False
+    return True
 
 
 def curve(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -199,3 +241,103 @@ def final_value(records: list[dict[str, Any]], key: str) -> float | None:
 
 def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+def quick_overrides() -> list[str]:
+    """Tiny runs for ``--quick``: 2 steps, 2 prompts × 2 responses, 8 eval prompts."""
+    return [
+        "trainer.steps=2",
+        "trainer.eval_every=0",
+        "rollout.prompts_per_step=2",
+        "rollout.group_size=2",
+        "task.eval_prompts=8",
+    ]
+
+
+def grid_points(grid: dict[str, list[Any]]) -> list[list[str]]:
+    """Every combination of the grid as a list of ``key=value`` overrides."""
+    points: list[list[str]] = [[]]
+    for key, values in grid.items():
+        points = [p + [f"{key}={v}"] for p in points for v in values]
+    return points
+
+
+def run_arms(
+    arms: dict[str, list[str]],
+    base: list[str],
+    out: Path,
+    *,
+    seeds: Sequence[int] = SEEDS,
+    grid: dict[str, list[Any]] | None = None,
+    quick: bool = False,
+    keep: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Train every arm × grid point × seed; returns {arm: {grid_label: {"runs": [...]}}}.
+
+    Run folders go to ``runs/experiments/<out name>/<arm>_<grid values>_s<seed>`` (``out/runs/...`` when
+    ``out`` is outside experiments/results). ``base`` overrides apply to every run, then the arm's, then the grid point's and the seed. Only the
+    metric keys in ``keep`` (plus step) are stored per record, so results.json stays small. ``quick`` runs
+    the first grid point with 1 seed and ``quick_overrides()``.
+    """
+    grid = GRID if grid is None else grid
+    points = grid_points(grid)
+    if quick:
+        points, seeds = points[:1], list(seeds)[:1]
+    out = Path(out).resolve()
+    runs_root = RUNS / out.name if out.is_relative_to(RESULTS) else out / "runs"
+    results: dict[str, Any] = {}
+    for arm, overrides in arms.items():
+        results[arm] = {}
+        for point in points:
+            label = " ".join(point) or "default"
+            runs = []
+            for seed in seeds:
+                tag = "_".join([arm.replace("/", "-"), *(p.split("=")[1] for p in point), f"s{seed}"])
+                log(f"  {arm} [{label}] seed {seed}")
+                extra = quick_overrides() if quick else []
+                record = train([*base, *overrides, *point, *extra, f"trainer.seed={seed}"], runs_root / tag)
+                record["seed"] = seed
+                record["records"] = [{k: r[k] for k in ("step", *keep) if k in r} for r in record["records"]]
+                runs.append(record)
+            results[arm][label] = {"overrides": [*base, *overrides, *point], "runs": runs}
+    return results
+
+
+def summarize_arms(results: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    """Per arm and grid point: mean ± std over seeds of each key's last logged value."""
+    return {
+        arm: {
+            label: {key: summary([final_value(r["records"], key) for r in cell["runs"]]) for key in keys}
+            for label, cell in cells.items()
+        }
+        for arm, cells in results.items()
+    }
+
+
+def curve_groups(results: dict[str, Any], label: str | None = None) -> dict[str, list[list[dict]]]:
+    """{arm: [records per seed]} at grid point ``label`` (default: each arm's first)."""
+    groups = {}
+    for arm, cells in results.items():
+        cell = cells[label] if label is not None and label in cells else next(iter(cells.values()))
+        groups[arm] = [r["records"] for r in cell["runs"]]
+    return groups
+
+
+def study_arguments(description: str, arms: Sequence[str]):
+    """The common command line of the training studies."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="2 steps, 1 seed, first grid point (smoke test)")
+    parser.add_argument("--arms", nargs="+", choices=list(arms), default=list(arms), help="arms to run")
+    parser.add_argument("--seeds", type=int, default=len(SEEDS))
+    parser.add_argument("--steps", type=int, default=None, help="trainer.steps (default: the study's)")
+    parser.add_argument("--lr", type=float, nargs="+", default=None, choices=GRID["optim.lr"],
+                        help="run only these learning rates of the shared grid")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=None)
+    return parser
+
+
+def chosen_grid(args) -> dict[str, list[Any]]:
+    """The shared grid, restricted to ``--lr`` when given."""
+    return GRID if args.lr is None else {**GRID, "optim.lr": list(args.lr)}

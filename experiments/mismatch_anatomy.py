@@ -18,6 +18,7 @@ Writes results/mismatch_anatomy/results.json and PNGs; prints the wall time.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -166,7 +167,8 @@ def plot_length(results: dict[str, Any], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4))
-    for spec, res in results.items():
+    for i, (spec, res) in enumerate(results.items()):
+        color = f"C{i}"  # one colour per sampler
         bins = res["length"]["bins"]
         x = [b["bin"][0] for b in bins]
         for key, style in (("max_abs_diff", "-"), ("mean_abs_diff", ":")):
@@ -174,24 +176,23 @@ def plot_length(results: dict[str, Any], path: Path) -> Path:
             xs = [xx for xx, mm in zip(x, m) if mm is not None]
             ys = [mm for mm in m if mm is not None]
             es = [b[key]["std"] for b in bins if b[key]["mean"] is not None]
-            left.errorbar(xs, ys, yerr=es, ls=style, marker="o", ms=3, capsize=2,
-                          label=f"{spec} {key.split('_')[0]}")  # fmt: skip
+            left.errorbar(xs, ys, yerr=es, ls=style, marker="o", ms=3, capsize=2, color=color)  # fmt: skip
         pre = res["length"]["prefix"]
         L = [p["L"] for p in pre if p["max_abs_diff"]["mean"] is not None]
         for key, style in (("max_abs_diff", "-"), ("mean_abs_diff", ":")):
             m = [p[key]["mean"] for p in pre if p[key]["mean"] is not None]
             e = [p[key]["std"] for p in pre if p[key]["mean"] is not None]
-            right.errorbar(L, m, yerr=e, ls=style, marker="o", ms=3, capsize=2,
-                           label=f"{spec} {key.split('_')[0]}")  # fmt: skip
+            right.errorbar(L, m, yerr=e, ls=style, marker="o", ms=3, capsize=2, color=color,
+                           label=spec if key == "max_abs_diff" else None)  # fmt: skip
     left.set(xscale="log", yscale="log", xlabel="response length bin (first token count)",
              ylabel="per-response |Δp| (mean over responses)")  # fmt: skip
     left.set_title("Mean (dotted) and max (solid) |Δp| per response, by length")
     right.set(xscale="log", yscale="log", xlabel="prefix length L (tokens)",
               ylabel="E[max_{t<L} |Δp|]  /  E[mean_{t<L} |Δp|]")  # fmt: skip
-    right.set_title("First L tokens of the long responses")
+    right.set_title("First L tokens of the long responses (mean ± std over seeds)")
     for ax in (left, right):
         ax.grid(alpha=0.3, which="both")
-    right.legend(fontsize=6, ncol=2)
+    right.legend(fontsize=7, title="solid: max, dotted: mean", title_fontsize=7)
     return save_figure(fig, path)
 
 
@@ -271,7 +272,10 @@ def run(
                 plots.histogram(task_view, out / f"histogram_{name}.png")
                 plots.per_response_plot(long_view, out / f"per_response_long_{name}.png")
                 if spec == "hf:fp32" and batch_inputs is None:
-                    batch_inputs = (task_rollout, long_rollout.select(list(range(min(4, long_rollout.batch_size)))))
+                    batch_inputs = (
+                        task_rollout,
+                        long_rollout.select(list(range(min(4, long_rollout.batch_size)))),
+                    )
         close = getattr(sampler, "close", None)
         if close:
             close()
@@ -323,7 +327,9 @@ def aggregate(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
                 "bin": b["bin"],
                 "n": [s["length"]["bins"][i]["n"] for s in per_seed],
                 **{
-                    key: summary([s["length"]["bins"][i][key] for s in per_seed if s["length"]["bins"][i]["n"]])
+                    key: summary(
+                        [s["length"]["bins"][i][key] for s in per_seed if s["length"]["bins"][i]["n"]]
+                    )
                     for key in ("mean_abs_diff", "max_abs_diff")
                 },
             }
@@ -335,7 +341,9 @@ def aggregate(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
                 "L": p["L"],
                 "n": [s["length"]["prefix"][i]["n"] for s in per_seed],
                 **{
-                    key: summary([s["length"]["prefix"][i][key] for s in per_seed if s["length"]["prefix"][i]["n"]])
+                    key: summary(
+                        [s["length"]["prefix"][i][key] for s in per_seed if s["length"]["prefix"][i]["n"]]
+                    )
                     for key in ("mean_abs_diff", "max_abs_diff")
                 },
             }
@@ -368,6 +376,56 @@ def _ratio(a: dict[str, Any], b: dict[str, Any]) -> float | None:
     return a["mean"] / b["mean"] if a["mean"] is not None and b["mean"] else None
 
 
+def _pm(s: dict[str, Any], scale: float = 1.0, fmt: str = ".3g") -> str:
+    if s["mean"] is None:
+        return "–"
+    return f"{s['mean'] * scale:{fmt}} ± {s['std'] * scale:{fmt}}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The tables of docs/results.md, rendered from a results.json (mean ± std over seeds)."""
+    lines = ["| sampler | < 1e-3 (%) | ≥ 0.01 (%) | ≥ 0.05 (%) | ≥ 0.1 (%) | max | mean |", "|---" * 7 + "|"]
+    for spec, res in report["samplers"].items():
+        t = res["table"]
+        lines.append(
+            f"| {spec} | {_pm(t['prob_diff_frac_lt_1e-3'], 100, '.2f')} | {_pm(t['prob_diff_frac_ge_0.01'], 100, '.2f')}"
+            f" | {_pm(t['prob_diff_frac_ge_0.05'], 100, '.2f')} | {_pm(t['prob_diff_frac_ge_0.1'], 100, '.2f')}"
+            f" | {_pm(t['prob_diff_max'])} | {_pm(t['prob_diff_mean'])} |"
+        )
+    lines += [
+        "",
+        "| sampler | L | max_{t<L} \\|Δp\\| | mean_{t<L} \\|Δp\\| | responses ≥ L |",
+        "|---" * 5 + "|",
+    ]
+    for spec, res in report["samplers"].items():
+        for p in res["length"]["prefix"]:
+            if p["L"] in (4, 16, 96):
+                lines.append(
+                    f"| {spec} | {p['L']} | {_pm(p['max_abs_diff'])} | {_pm(p['mean_abs_diff'])} | {p['n']} |"
+                )
+    lines += [
+        "",
+        "| sampler | max grows (4 → longest) | mean changes | max ratio | mean ratio |",
+        "|---" * 5 + "|",
+    ]
+    for spec, c in report["claims"].items():
+        lines.append(
+            f"| {spec} | {c['max_grows']} | {c['mean_changes']} | {c['max_ratio_long_over_short']:.3g}"
+            f" | {c['mean_ratio_long_over_short']:.3g} |"
+        )
+    comp = report.get("batch_composition")
+    if comp:
+        lines += ["", "| scorer | condition | mean \\|Δp\\| to fp32 | mean \\|p − p_alone\\| | max \\|p − p_alone\\| "
+                  "| tokens changed (%) |", "|---" * 6 + "|"]  # fmt: skip
+        for name, conds in comp.items():
+            for cond, v in conds.items():
+                lines.append(
+                    f"| {name} | {cond} | {v['mean_abs_diff_to_fp32']:.3g} | {v['mean_change_vs_alone']:.3g}"
+                    f" | {v['max_change_vs_alone']:.3g} | {100 * v['frac_tokens_changed']:.1f} |"
+                )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 seed, 4 prompts, 2 samplers (smoke test)")
@@ -376,7 +434,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task-prompts", type=int, default=256)
     parser.add_argument("--long-prompts", type=int, default=48)
     parser.add_argument("--out", type=Path, default=RESULTS / "mismatch_anatomy")
+    parser.add_argument("--markdown", type=Path, default=None, metavar="RESULTS_JSON",
+                        help="print the tables of an existing results.json as markdown and exit")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.markdown is not None:
+        print(markdown(json.loads(args.markdown.read_text())))
+        return 0
     if args.seeds < 1:
         parser.error("--seeds must be >= 1")
     if args.quick:

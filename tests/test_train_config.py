@@ -56,6 +56,13 @@ def test_overrides_parse_yaml_values_and_nested_dicts():
         ),
         (["trainer.steps.x=1"], "trainer.steps"),
         (["noequals"], "noequals"),
+        (["optim.schedule=linear"], "optim.schedule"),
+        (["trainer.executor=spark"], "trainer.executor"),
+        (
+            ["trainer.executor=ray", "trainer.mode=async", "trainer.partial_rollouts=true"],
+            "trainer.partial_rollouts",
+        ),
+        (["optim.lr=fast"], "optim.lr"),
     ],
 )
 def test_invalid_config_names_the_key(overrides, key):
@@ -75,6 +82,7 @@ def test_invalid_config_names_the_key(overrides, key):
         (["model.sampler=tpu:fp8"], "model.sampler"),
         (["task.name=subtraction"], "task.name"),
         (["algorithm.loss=nope"], "algorithm.loss"),
+        (["trainer.executor=ray", "algorithm.proximal.name=old_logit_model"], "algorithm.proximal.name"),
     ],
 )
 def test_component_errors_name_the_key(overrides, key):

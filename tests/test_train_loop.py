@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ TINY = [
     "trainer.plot=false",
     "trainer.tensorboard=false",
     "optim.lr=1e-3",
+    "trainer.mini_batches=1",
 ]
 
 
@@ -125,26 +127,26 @@ def test_simulated_async_holds_a_fixed_lag(tmp_path, model_dir):
 
 
 def test_simulated_async_resume_is_bit_identical(tmp_path, model_dir):
-    common = (
-        "trainer.mode=simulated_async",
-        "trainer.lag=1",
-        "trainer.checkpoint_every=2",
-        "task.eval_prompts=4",
-    )
-    run(tiny_config(tmp_path, model_dir, *common, "trainer.steps=4", name="full"))
-    first = run(tiny_config(tmp_path, model_dir, *common, "trainer.steps=2", name="split"))
-    assert first.steps == 2
-    again = load_config(first.run_dir / "config.yaml", ["trainer.steps=4"])
-    resumed = run(again, resume=first.run_dir)
+    """A run killed after step 3 and resumed from its step-2 checkpoint ends exactly like an uninterrupted one."""
+    full = run(tiny_config(tmp_path, model_dir, "trainer.mode=simulated_async", "trainer.lag=1",
+                           "trainer.steps=4", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=3",
+                           "task.eval_prompts=4", name="full"))  # fmt: skip
+    killed = tmp_path / "killed"
+    shutil.copytree(full.run_dir, killed)
+    shutil.rmtree(killed / "checkpoints" / "step_000004")  # what survives a kill during step 4
+    lines = (killed / "metrics.jsonl").read_text().splitlines()
+    (killed / "metrics.jsonl").write_text("\n".join(lines[:4]) + '\n{"step": 4, "tor')  # steps 0-3, torn line
+    resumed = run(load_config(killed / "config.yaml"), resume=killed)
     assert resumed.steps == 4
-    full, split = final_weights(tmp_path / "full"), final_weights(tmp_path / "split")
-    assert full.keys() == split.keys()
-    for k in full:
-        assert torch.equal(full[k], split[k]), k
-    a, b = step_records(tmp_path / "full"), step_records(tmp_path / "split")
-    assert [r["step"] for r in b] == [1, 2, 3, 4]  # the resumed run continues the same metrics file
-    for ra, rb in zip(a, b):
-        assert ra["reward/mean"] == rb["reward/mean"] and ra["loss/policy"] == rb["loss/policy"]
+    a, b = final_weights(full.run_dir), final_weights(killed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    ra, rb = step_records(full.run_dir), step_records(killed)
+    assert [r["step"] for r in rb] == [1, 2, 3, 4]  # metrics after the checkpoint were replaced, not doubled
+    for x, y in zip(ra, rb):
+        assert x["reward/mean"] == y["reward/mean"] and x["loss/policy"] == y["loss/policy"]
+    assert any(r["loss/grad_norm"] > 0 for r in ra)  # the weights really moved between checkpoints
 
 
 @pytest.mark.parametrize("partial", [False, True])
@@ -240,3 +242,13 @@ def test_every_algorithm_runs_two_steps(tmp_path, model_dir, name):
     result = run(config)
     steps = step_records(result.run_dir)
     assert len(steps) == 2 and all(math.isfinite(r["loss/policy"]) for r in steps)
+
+
+def test_admission_counts_dropped_batches_against_the_trained_version():
+    """Batch i is trained at version i − dropped: a drop makes later batches *older*-tolerant, not fresher."""
+    from rollcorr.train.executors import admissible, trained_version
+
+    assert trained_version(5, dropped=2) == 3
+    assert admissible(5, dropped=2, sampler_version=1, max_staleness=2)  # trained at 3, lag 2
+    assert not admissible(5, dropped=2, sampler_version=0, max_staleness=2)  # lag 3
+    assert not admissible(5, dropped=0, sampler_version=2, max_staleness=2)  # trained at 5, lag 3

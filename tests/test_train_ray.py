@@ -82,7 +82,7 @@ def test_killed_worker_is_replaced_and_batches_match_the_in_process_executor(clu
     killed = []
 
     def kill_busy_worker(step: int) -> None:
-        if step == 0:  # publishing version 1 started batch 2; its worker dies at once
+        if step == 0:  # publishing version 1 started batch 2 (batch 1 may still run too): a busy worker dies
             index, slot = next(iter(executor.pending.values()))
             killed.append(index)
             ray.kill(executor.actors[slot])
@@ -96,7 +96,7 @@ def test_killed_worker_is_replaced_and_batches_match_the_in_process_executor(clu
     finally:
         torch.set_num_threads(threads)
 
-    assert killed == [2]
+    assert killed in ([1], [2])
     assert [batch_index(r) for r, _ in got] == list(range(steps))
     assert got[-1][1]["ray/restarts_total"] == 1.0
     assert [m["sampler/version"] for _, m in got] == [0, 0, 1, 2, 3, 4]
@@ -173,13 +173,14 @@ def test_make_ray_executor_maps_trainer_modes():
     from rollcorr.train.config import load_config
 
     def build(*overrides):
-        return make_ray_executor(load_config(None, list(overrides)), workers=3)
+        fixed = ["rollout.max_new_tokens=5", "model.sampler=hf:fp32", "trainer.max_staleness=4"]
+        return make_ray_executor(load_config(None, [*fixed, *overrides]), workers=3)
 
     assert build("trainer.mode=sync").lag == 0
     ex = build("trainer.mode=simulated_async", "trainer.lag=2", "trainer.max_staleness=3")
     assert ex.lag == 2 and ex.max_staleness == 3 and ex.num_workers == 3
     assert build("trainer.mode=async").lag is None
-    assert ex.spec.params.max_new_tokens == 6 and ex.spec.sampler == "hf:bf16"
+    assert ex.spec.params.max_new_tokens == 5 and ex.spec.sampler == "hf:fp32" and ex.spec.model_path is None
     with pytest.raises(ValueError, match="partial_rollouts"):
         build("trainer.mode=async", "trainer.partial_rollouts=true")
 
@@ -266,3 +267,24 @@ def test_joins_an_existing_cluster_by_address(cluster, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"batches 0 {PROMPTS}" in out.stdout
     assert ray.is_initialized() and ray.cluster_resources().get("CPU") == 2.0  # our cluster still runs
+
+
+@pytest.mark.slow
+def test_cli_train_with_ray_executor(tmp_path):
+    """``rollcorr train trainer.executor=ray ...`` end to end (its own local cluster, in a subprocess)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    args = ["trainer.executor=ray", "trainer.ray_workers=2", "trainer.mode=async", "trainer.max_staleness=2",
+            "trainer.steps=3", "task.name=addition:1", "task.eval_prompts=0", "rollout.prompts_per_step=4",
+            "rollout.group_size=4", "rollout.max_new_tokens=4", "trainer.progress=false", "trainer.plot=false",
+            "trainer.tensorboard=false", "--out", str(out)]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "rollcorr.cli", "train", *args], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["staleness/lag_max"] <= 2 and "ray/restarts_total" in r for r in steps)

@@ -139,9 +139,9 @@ def from_rollout(
     if rollout.old_log_prob is None or rollout.rollout_log_prob is None:
         raise ValueError("the rollout needs both rollout_log_prob and old_log_prob")
     log_mu = rollout.rollout_log_prob
-    if sampler_dist == "full" and rollout.log_kept_mass is not None:
-        log_mu = log_mu + rollout.log_kept_mass
     mask = rollout.response_mask.bool()
+    if sampler_dist == "full" and rollout.log_kept_mass is not None:
+        log_mu = log_mu + rollout.log_kept_mass.masked_fill(~mask, 0.0)
     tokens = prompts = None
     if tokenizer is not None:
         lengths = mask.sum(dim=1).tolist()  # responses are right-padded: valid tokens come first

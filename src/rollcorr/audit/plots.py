@@ -17,6 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from rollcorr.audit.stats import (  # noqa: E402
     TokenView,
@@ -132,6 +133,8 @@ def position(view: TokenView, path: Path, n_buckets: int = 20) -> Path:
     bottom.set_title(f"Token by token: response #{row} (the one with the largest |Δp|, {len(trace)} tokens)")
     bottom.legend(fontsize=8)
     bottom.grid(alpha=0.3)
+    for ax in (top, bottom):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     return _save(fig, path)
 
 
@@ -152,6 +155,7 @@ def per_response_plot(view: TokenView, path: Path) -> Path:
         label="mean |Δp|",
     )
     ax.set_yscale("log")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(xlabel="response length (tokens)", ylabel=f"|Δp| (log, floor {HIST_FLOOR:g})")
     ax.set_title(f"Mismatch per response ({len(length)} responses)")
     ax.legend(fontsize=8)

@@ -217,6 +217,7 @@ def offpolicy_metrics(tok: Tokens | Tensor, k3: Tensor | None = None, *legacy: T
 
 
 # ---- beyond verl -------------------------------------------------------------------------------
+@torch.no_grad()  # diagnostics; the in-place / out= buffer reuse needs tensors outside autograd
 def divergence_metrics(
     tok: Tokens, k3: Tensor | None = None, *, scratch: tuple[Tensor, Tensor] | None = None
 ) -> Metrics:
@@ -283,6 +284,7 @@ def prob_mismatch(p_old: Tensor, p_rollout: Tensor, tok: Tokens, *, overwrite: b
     return _prob_mismatch(p_old, p_rollout, tok.n, tok.num_tokens, tok.num_pad, pad=1.0, overwrite=overwrite)
 
 
+@torch.no_grad()
 def _prob_mismatch(
     a: Tensor, b: Tensor, n: Tensor, count: Tensor, num_pad: Tensor, *, pad: float, overwrite: bool = False
 ) -> Metrics:

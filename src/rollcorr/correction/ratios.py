@@ -84,10 +84,10 @@ class Tokens:
     num_tokens: Tensor  # () total valid tokens
     num_rows: Tensor  # () rows with >= 1 valid token
     num_pad: Tensor  # () padding positions (B·T − num_tokens)
-    old: Tensor  # anchor log-probs (π_old, or π_θ in bypass), 0 on padding
-    rollout: Tensor  # log μ, 0 on padding
+    old: Tensor  # anchor log-probs (π_old, or π_θ in bypass), 0 on padding; a fresh buffer, never an input
+    rollout: Tensor  # log μ, 0 on padding; a fresh buffer, never an input
     log_ratio: Tensor  # ℓ, unclamped, 0 on padding
-    log_ratio_safe: Tensor  # clamp(ℓ, ±bound)
+    log_ratio_safe: Tensor  # clamp(ℓ, ±bound); the same tensor as log_ratio when no entry reaches ±bound
     ratio: Tensor  # ρ = exp(clamp(ℓ)), 1 on padding
     verl: bool  # reproduce verl's formulas (masked means with +1e-8, all rows in seq metrics)
 

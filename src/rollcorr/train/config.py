@@ -19,6 +19,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 
 MODES = ("sync", "simulated_async", "async")
 SCHEDULES = ("constant", "cosine")
+EXECUTORS = ("local", "ray")
 ADVANTAGES = ("grpo", "rloo", "drgrpo", "oapl")
 AGGREGATIONS = (
     "token-mean",
@@ -104,27 +105,32 @@ class AlgorithmConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 2e-4
+    lr: float = 3e-4
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.99
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global grad norm, 0 = off
     warmup_steps: int = 0
-    schedule: str = "constant"  # constant | cosine (to min_lr_ratio · lr at trainer.steps)
+    schedule: str = "cosine"  # constant | cosine (to min_lr_ratio · lr at trainer.steps)
     min_lr_ratio: float = 0.1
 
 
 @dataclass
 class TrainerConfig:
     mode: str = "sync"  # sync | simulated_async | async
+    executor: str = (
+        "local"  # local (in-process; async = a sampler thread) | ray (sampler workers as Ray actors)
+    )
+    ray_workers: int = 2  # executor=ray: sampler actors
+    ray_address: str | None = None  # executor=ray: an existing cluster (None = start a local one)
     lag: int = 1  # simulated_async: the sampler holds the weights of `lag` versions ago
     max_staleness: int = 4  # no token is trained on at a version lag above this
     queue_size: int = 2  # async: rollout batches waiting for the learner
     partial_rollouts: bool = False  # async: interrupted responses resume with the new weights
     partial_chunk_tokens: int = 2  # async + partial: tokens generated between weight-update checks
     steps: int = 150
-    mini_batches: int = 1  # optimizer steps per rollout batch (per PPO epoch)
+    mini_batches: int = 2  # optimizer steps per rollout batch (per PPO epoch)
     micro_batch_size: int = 0  # sequences per forward/backward, 0 = the whole mini-batch
     ppo_epochs: int = 1
     seed: int = 0
@@ -330,10 +336,20 @@ def validate(c: TrainConfig) -> None:
     _positive(o.eps, "optim.eps")
     _positive(o.grad_clip, "optim.grad_clip", allow_zero=True)
     _positive(o.warmup_steps, "optim.warmup_steps", allow_zero=True)
-    _check(o.schedule in SCHEDULES, "optim.schedule", f"unknown schedule {o.schedule!r}; use one of {SCHEDULES}")
+    _check(
+        o.schedule in SCHEDULES, "optim.schedule", f"unknown schedule {o.schedule!r}; use one of {SCHEDULES}"
+    )
     _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
 
     _check(t.mode in MODES, "trainer.mode", f"unknown mode {t.mode!r}; use one of {MODES}")
+    _check(
+        t.executor in EXECUTORS,
+        "trainer.executor",
+        f"unknown executor {t.executor!r}; use one of {EXECUTORS}",
+    )
+    _positive(t.ray_workers, "trainer.ray_workers")
+    _check(t.executor != "ray" or not t.partial_rollouts, "trainer.partial_rollouts",
+           "the Ray executor samples whole batches; use trainer.executor=local for partial rollouts")  # fmt: skip
     _positive(t.lag, "trainer.lag", allow_zero=True)
     _check(t.max_staleness >= 0, "trainer.max_staleness", f"must be >= 0, got {t.max_staleness}")
     if t.mode == "simulated_async":

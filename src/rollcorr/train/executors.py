@@ -181,12 +181,28 @@ class LaggedExecutor:
         pass
 
 
+def trained_version(index: int, dropped: int) -> int:
+    """The learner version batch ``index`` is trained at (one batch per step; dropped batches take none)."""
+    return index - dropped
+
+
+def admissible(index: int, dropped: int, sampler_version: int, max_staleness: int) -> bool:
+    """May batch ``index`` be sampled with weights ``sampler_version``? (no token trained at lag > bound)"""
+    return trained_version(index, dropped) - sampler_version <= max_staleness
+
+
+def lag_of(rollout: Rollout, version: int) -> int:
+    """Versions between the learner (``version``) and the oldest valid token of ``rollout``."""
+    mask = rollout.response_mask.bool()
+    return version - int(rollout.version[mask].min()) if mask.any() else 0
+
+
 class AsyncExecutor:
     """A producer thread samples while the learner trains; batches wait in a bounded queue.
 
     Admission control (AReaL-style, not drop-after-generation): batch ``i`` is trained on at learner version
-    ``i + shift`` (``shift`` counts batches dropped so far), so the producer starts it only once its sampler
-    holds a version ≥ i + shift − max_staleness. Every token of the batch is generated at that version or a
+    ``i − dropped`` (``dropped`` counts batches dropped so far), so the producer starts it only once its
+    sampler holds a version ≥ i − dropped − max_staleness. Every token of the batch is generated at that version or a
     newer one, so no token is ever trained on at a lag above ``max_staleness``; ``next_rollout`` re-checks the
     bound and drops (and counts) a batch that would break it.
 
@@ -211,7 +227,6 @@ class AsyncExecutor:
         self.mailbox: tuple[int, StateDict] | None = None  # newest published weights not yet loaded
         self.published: tuple[int, StateDict] | None = None  # newest published weights (for checkpoints)
         self.next_index = 0
-        self.shift = 0
         self.dropped = 0
         self.in_flight: Rollout | None = None
         self.error: BaseException | None = None
@@ -250,13 +265,10 @@ class AsyncExecutor:
                     raise RuntimeError("the sampler thread failed") from self.error
                 _index, rollout = self.queue.popleft()
                 self.cond.notify_all()
-            mask = rollout.response_mask.bool()
-            oldest = int(rollout.version[mask].min()) if mask.any() else version
-            if version - oldest <= self.max_staleness:
+            if lag_of(rollout, version) <= self.max_staleness:
                 break
             with self.cond:  # defensive: admission control should make this unreachable
                 self.dropped += 1
-                self.shift += 1
                 dropped_now += 1
         metrics = {
             "time/queue_wait_s": time.perf_counter() - start,
@@ -320,7 +332,7 @@ class AsyncExecutor:
     def _admissible(self, index: int) -> bool:
         if self.mailbox is not None and self.mailbox[0] > self.source.version:
             return True  # newer weights are waiting: load them, then decide
-        return index + self.shift - self.source.version <= self.max_staleness
+        return admissible(index, self.dropped, self.source.version, self.max_staleness)
 
     def _produce(self) -> None:
         try:
@@ -331,7 +343,7 @@ class AsyncExecutor:
                     if not self._wait(lambda index=index: self._admissible(index)):
                         return
                     self._pull_weights()
-                    if index + self.shift - self.source.version <= self.max_staleness:
+                    if admissible(index, self.dropped, self.source.version, self.max_staleness):
                         break
                 rollout = self._generate(index)
                 if rollout is None:
@@ -370,7 +382,6 @@ class AsyncExecutor:
                 "kind": "async",
                 "queue": [(i, r) for i, r in self.queue],
                 "next_index": (self.queue[0][0] if self.queue else self.next_index),
-                "shift": self.shift,
                 "dropped": self.dropped,
                 "published": self.published,
             }
@@ -381,7 +392,7 @@ class AsyncExecutor:
             raise ValueError(f"checkpoint holds a {state.get('kind')!r} executor state, not 'async'")
         self.queue = deque((int(i), r) for i, r in state["queue"])
         self.next_index = (self.queue[-1][0] + 1) if self.queue else int(state["next_index"])
-        self.shift, self.dropped = int(state["shift"]), int(state["dropped"])
+        self.dropped = int(state["dropped"])
         self.published = state["published"]
         self.source.load_weights(self.published[1], self.published[0])
         self._launch()

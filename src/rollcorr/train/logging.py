@@ -54,10 +54,11 @@ class RunLogger:
         self.progress = None
         if progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.table import Column
 
             self.progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                TextColumn("{task.fields[stats]}"),
+                TextColumn("[bold]train"), BarColumn(bar_width=20), MofNCompleteColumn(), TimeElapsedColumn(),
+                TextColumn("{task.fields[stats]}", table_column=Column(no_wrap=False, ratio=1)),
             )  # fmt: skip
             self.task = self.progress.add_task(
                 "train", total=total_steps, completed=resume_step or 0, stats=""

@@ -11,8 +11,8 @@
 from __future__ import annotations
 
 import copy
-import math
 import dataclasses
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -157,6 +157,9 @@ def check_components(config: TrainConfig) -> tuple[Algorithm, Any]:
         raise ConfigError(
             f"trainer.partial_rollouts: sampler {config.model.sampler!r} cannot resume responses"
         )
+    if config.trainer.executor == "ray" and hasattr(proximal, "submit"):
+        raise ConfigError(f"algorithm.proximal.name: {proximal.name!r} scores chunks as the sampler makes them; "
+                          "that needs trainer.executor=local")  # fmt: skip
     if getattr(algo.correction, "mode", "") == "bypass" and proximal.name != "bypass":
         raise ConfigError(f"algorithm.proximal.name: a bypass correction preset means π_old := μ; use "
                           f"algorithm.proximal.name=bypass, not {proximal.name!r}")  # fmt: skip
@@ -235,9 +238,14 @@ class Trainer:
                                 top_p=r.top_p, seed=t.seed)  # fmt: skip
         source = RolloutSource(sampler, self.task, self.learner.tokenizer, params, r.prompts_per_step,
                                r.group_size, t.seed)  # fmt: skip
-        self.executor = make_executor(t.mode, source, lag=t.lag, max_staleness=t.max_staleness,
-                                      queue_size=t.queue_size, partial_rollouts=t.partial_rollouts,
-                                      chunk_tokens=t.partial_chunk_tokens)  # fmt: skip
+        if t.executor == "ray":  # sampler workers in Ray actors, same executor surface
+            from rollcorr.train.ray_executor import make_ray_executor
+
+            self.executor = make_ray_executor(config)
+        else:
+            self.executor = make_executor(t.mode, source, lag=t.lag, max_staleness=t.max_staleness,
+                                          queue_size=t.queue_size, partial_rollouts=t.partial_rollouts,
+                                          chunk_tokens=t.partial_chunk_tokens)  # fmt: skip
         # old_logit_model follows the *sampler's* weights (which lag the learner's in the async modes): it gets
         # each version when the sampler loads it, and scores every chunk as soon as it is generated
         self.follows_sampler = hasattr(self.proximal, "submit")

@@ -14,7 +14,10 @@ PANELS = (
         "discrepancy / staleness (|log| mean)",
         ("factors/discrepancy_log_abs_mean", "factors/staleness_log_abs_mean"),
     ),
-    ("rejected fraction", ("rollout_corr/rollout_rs_masked_fraction",)),
+    (
+        "rejected / truncated fraction",
+        ("rollout_corr/rollout_rs_masked_fraction", "rollout_corr/rollout_is_ratio_fraction_high"),
+    ),
 )
 
 

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from rollcorr.engines import SamplingParams
 from rollcorr.rollout import Rollout
-from rollcorr.train.executors import RolloutSource
+from rollcorr.train.executors import RolloutSource, admissible, lag_of, trained_version
 
 StateDict = dict[str, Tensor]
 
@@ -121,22 +121,6 @@ class SamplerWorker:
 
 # The admission rule shared with AsyncExecutor (which inlines it as ``index + shift - version``); these three
 # helpers belong in rollcorr.train.executors, for both executors to import.
-def trained_version(index: int, dropped: int) -> int:
-    """The learner version batch ``index`` is trained at (one batch per step; dropped batches take none)."""
-    return index - dropped
-
-
-def admissible(index: int, dropped: int, sampler_version: int, max_staleness: int) -> bool:
-    """May batch ``index`` be sampled with weights ``sampler_version``? (no token trained at lag > bound)"""
-    return trained_version(index, dropped) - sampler_version <= max_staleness
-
-
-def lag_of(rollout: Rollout, version: int) -> int:
-    """Versions between the learner (``version``) and the oldest valid token of ``rollout``."""
-    mask = rollout.response_mask.bool()
-    return version - int(rollout.version[mask].min()) if mask.any() else 0
-
-
 class RayExecutor:
     """``workers`` Ray actors sample batches; the driver orders them by index and enforces the staleness bound.
 
@@ -191,6 +175,7 @@ class RayExecutor:
         self.dropped = 0
         self.restarts = 0
         self._paused = False
+        self._next_slot = 0
         self._owns_ray = False
         self._ray = None
         self._closed_weights: dict[int, StateDict] = {}
@@ -261,10 +246,13 @@ class RayExecutor:
         return version if admissible(index, self.dropped, version, self.max_staleness) else None
 
     def _pump(self) -> None:
-        """Give work to idle workers: retries first, then new indices inside the queue bound."""
+        """Give work to idle workers (round-robin, so every worker is used and a dead one is noticed):
+        retries first, then new indices inside the queue bound."""
         if self._paused or not self.actors:
             return
-        for slot in range(self.num_workers):
+        first = self._next_slot
+        for turn in range(self.num_workers):
+            slot = (first + turn) % self.num_workers
             if slot in self.busy:
                 continue
             if self.retry:
@@ -279,6 +267,7 @@ class RayExecutor:
             ref = self.actors[slot].run.remote(index, version, [self.published[version]])
             self.pending[ref] = (index, slot)
             self.busy.add(slot)
+            self._next_slot = (slot + 1) % self.num_workers
             if index in self.retry:
                 self.retry.discard(index)
             else:
@@ -355,9 +344,7 @@ class RayExecutor:
         return rollout, {
             "time/queue_wait_s": time.perf_counter() - start,
             "time/generate_s": info["generate_s"],
-            "sampler/version": float(rollout.version[rollout.response_mask.bool()].min())
-            if rollout.response_mask.any()
-            else float(self.latest),
+            "sampler/version": float(version - lag_of(rollout, version)),  # oldest weights in the batch
             "async/queue_size": float(len(self.done)),
             "async/dropped_total": float(self.dropped),
             "async/dropped_now": float(dropped_now),

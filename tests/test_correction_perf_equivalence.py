@@ -1,0 +1,153 @@
+"""The fast paths of the correction hot path give bit-identical results to the general ones.
+
+make_tokens masks by multiplication and skips the ±bound clamp when validated inputs allow it; the
+general path (``validate=False``, or garbage in the padding) masks with ``torch.where`` and always clamps.
+compute_correction reuses its own (B, T) buffers in place: the caller's tensors must never change.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from rollcorr.config import CorrectionConfig, preset
+from rollcorr.correction import compute_correction
+from rollcorr.correction import metrics as M
+from rollcorr.correction.ratios import any_per_row, make_tokens
+
+CONFIGS = [
+    preset("disabled"),
+    preset("decoupled_token_is"),
+    preset("decoupled_token_icepop"),
+    preset("decoupled_seq_is_rs"),
+    preset("decoupled_geo_rs_token_tis"),
+    preset("decoupled_k3_rs_seq_tis"),
+    preset("trm_max_k2_mean_k3"),
+    preset("slime_veto"),
+    preset("bypass_pg_is"),
+    CorrectionConfig(
+        is_level="token",
+        is_mode="mask",
+        is_upper=2.0,
+        is_lower=0.5,
+        rs=("token_k1", "token_k2", "seq_max_k3", "seq_sum_k2", "seq_mean_k1"),
+        rs_thresholds=("0.5_2.0", 0.5, 0.5, 3.0, "0.9_1.1"),
+        veto_threshold=1e-3,
+        veto_upper=50.0,
+    ),
+    CorrectionConfig(is_level="geometric", batch_normalize=True, trm_max_k2=0.1, opsm_delta=0.0),
+    CorrectionConfig(is_level="sequence", is_lower=0.5, sampler_distribution="full"),
+]
+CONFIGS += [dataclasses.replace(c, verl_compat=True) for c in CONFIGS[:4]]
+
+
+def _batch(dtype, noise=0.3, b=6, t=17, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    roll = -torch.rand(b, t, generator=g, dtype=torch.float64) * 4 - 1e-3
+    old = (roll + noise * torch.randn(b, t, generator=g, dtype=torch.float64)).clamp(max=-1e-4)
+    lengths = torch.randint(0, t + 1, (b,), generator=g)
+    lengths[0] = t
+    mask = torch.arange(t)[None] < lengths[:, None]
+    mask[1, 1] = False  # a hole inside a response
+    extra = {
+        "log_prob": (old + 0.05 * torch.randn(b, t, generator=g, dtype=torch.float64)).clamp(max=-1e-5),
+        "advantages": torch.randn(b, generator=g, dtype=torch.float64),
+        "log_kept_mass": -0.1 * torch.rand(b, t, generator=g, dtype=torch.float64),
+    }
+    cast = {k: v.to(dtype) for k, v in extra.items()}
+    return old.to(dtype), roll.to(dtype), mask, cast
+
+
+def _call(config, old, roll, mask, extra, **kw):
+    lp = extra["log_prob"]
+    return compute_correction(
+        old, roll, mask, config, lp,
+        advantages=extra["advantages"] if config.opsm_delta is not None else None,
+        log_kept_mass=extra["log_kept_mass"] if config.sampler_distribution == "full" else None,
+        **kw,
+    )  # fmt: skip
+
+
+def _assert_identical(a, b):
+    assert torch.equal(a.mask, b.mask) and a.mask.dtype == b.mask.dtype
+    assert (a.weights is None) == (b.weights is None)
+    if a.weights is not None:
+        assert a.weights.dtype == b.weights.dtype and torch.equal(a.weights, b.weights)
+    assert list(a.metrics) == list(b.metrics)
+    for key in a.metrics:
+        x, y = a.metrics[key], b.metrics[key]
+        assert x.dtype == y.dtype, key
+        assert torch.equal(x, y) or (x.isnan() & y.isnan()).all(), (key, x.item(), y.item())
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.is_level}-{c.rs}-{c.verl_compat}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("noise", [0.3, 30.0])  # 30: |ℓ| exceeds the ±20 bound, the clamp is needed
+def test_fast_path_matches_general_path(config, dtype, noise):
+    old, roll, mask, extra = _batch(dtype, noise)
+    fast = _call(config, old, roll, mask, extra)
+    general = _call(config, old, roll, mask, extra, validate=False)
+    _assert_identical(fast, general)
+
+
+@pytest.mark.parametrize("config", CONFIGS[:6], ids=lambda c: f"{c.is_level}-{c.rs}")
+@pytest.mark.parametrize("pad", [math.nan, math.inf, 5.0])
+def test_garbage_padding_gives_the_same_result(config, pad):
+    old, roll, mask, extra = _batch(torch.float32)
+    clean = _call(config, old, roll, mask, extra)
+    dirty = _call(config, torch.where(mask, old, pad), torch.where(mask, roll, -pad), mask, extra)
+    _assert_identical(clean, dirty)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.is_level}-{c.rs}-{c.verl_compat}")
+def test_inputs_are_never_modified(config):
+    old, roll, mask, extra = _batch(torch.float64)  # float64: no dtype conversion copy to hide aliasing
+    before = [x.clone() for x in (old, roll, mask, *extra.values())]
+    for cfg in (config, dataclasses.replace(config, mode="bypass")):
+        _call(cfg, old, roll, mask, extra)
+        _call(cfg, old, roll, mask, extra, validate=False)
+    for x, y in zip((old, roll, mask, *extra.values()), before):
+        assert torch.equal(x, y)
+
+
+def test_masked_reductions_match_their_definitions():
+    old, roll, mask, _ = _batch(torch.float32)
+    tok = make_tokens(old, roll, mask, bound=20.0, verl=False)
+    x = torch.randn(mask.shape)
+    assert torch.equal(tok.valid_max(x), x.masked_fill(~mask, -math.inf).max())
+    assert torch.equal(tok.valid_min(x), x.masked_fill(~mask, math.inf).min())
+    assert torch.equal(tok.valid_max(x, dim=-1), x.masked_fill(~mask, -math.inf).amax(dim=-1))
+    assert torch.equal(any_per_row(mask), mask.any(dim=-1))
+    assert torch.equal(any_per_row(mask[:, :1].expand(mask.shape)), mask[:, 0])  # stride-0 view
+
+
+def test_scratch_and_overwrite_do_not_change_metrics():
+    old, roll, mask, _ = _batch(torch.float32)
+    tok = make_tokens(old, roll, mask, bound=20.0, verl=False)
+    scratch = (torch.full(mask.shape, math.nan), torch.full(mask.shape, math.nan))
+    plain = M.divergence_metrics(tok)
+    reused = M.divergence_metrics(tok, scratch=scratch)
+    assert all(torch.equal(plain[k], reused[k]) for k in plain)
+    a, b = tok.old.exp(), tok.rollout.exp()
+    kept = M.prob_mismatch(a, b, tok)
+    assert torch.equal(b, tok.rollout.exp())  # not overwritten unless asked
+    overwritten = M.prob_mismatch(a, b.clone(), tok, overwrite=True)
+    assert all(torch.equal(kept[k], overwritten[k]) for k in kept)
+
+
+@pytest.mark.parametrize("config", [preset("disabled"), CONFIGS[9]], ids=["disabled", "rules"])
+def test_diagnostics_match_the_standalone_metric_functions(config):
+    """compute_correction exponentiates its own buffers in place and reuses them as scratch: its diagnostics
+    must equal the metric functions run on fresh Tokens."""
+    old, roll, mask, extra = _batch(torch.float32)
+    got = _call(config, old, roll, mask, extra).metrics
+    tok = make_tokens(old, roll, mask, bound=config.safety_bound, verl=config.verl_compat)
+    want = {
+        **M.offpolicy_metrics(tok),
+        **M.divergence_metrics(tok),
+        **M.prob_mismatch(tok.old.exp(), tok.rollout.exp(), tok),
+        **M.decomposition_metrics(extra["log_prob"], tok),
+    }
+    for key, value in want.items():
+        assert torch.equal(got["rollout_corr/" + key], value), key

@@ -1,0 +1,138 @@
+"""Smoke tests of experiments/: the shared helpers, study 1 on its cheapest path, the training studies'
+--quick mode (slow: each trains for real, ~15-60 s on the shared machine)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from experiments import common  # noqa: E402
+
+
+def test_summary_mean_spread_and_nonfinite():
+    s = common.summary([1.0, 3.0, float("nan"), None])
+    assert s["mean"] == 2.0
+    assert math.isclose(s["std"], math.sqrt(2.0))
+    assert s["n_nonfinite"] == 2
+    assert s["values"] == [1.0, 3.0, None, None]
+    assert common.summary([None])["mean"] is None
+
+
+def test_separated_needs_difference_beyond_spread_and_two_seeds():
+    a, b = common.summary([1.0, 1.1, 0.9]), common.summary([2.0, 2.1, 1.9])
+    assert common.separated(a, b)
+    wide = common.summary([0.0, 2.0, 4.0])
+    assert not common.separated(a, wide)
+    # one seed has no spread: nothing counts as reproduced
+    assert not common.separated(common.summary([1.0]), common.summary([5.0]))
+
+
+def test_write_json_is_atomic_and_nan_free(tmp_path):
+    path = common.write_json({"x": float("nan"), "p": tmp_path, "t": (1, 2)}, tmp_path / "a" / "r.json")
+    assert json.loads(path.read_text()) == {"x": None, "p": str(tmp_path), "t": [1, 2]}
+    assert [p.name for p in path.parent.iterdir()] == ["r.json"]
+
+
+def test_grid_points_and_mean_curve():
+    assert common.grid_points({"a": [1, 2], "b": ["x"]}) == [["a=1", "b=x"], ["a=2", "b=x"]]
+    runs = [[{"step": 1, "k": 1.0}, {"step": 2, "k": 3.0}], [{"step": 1, "k": 3.0}, {"step": 3, "k": 0.0}]]
+    steps, mean, std = common.mean_curve(runs, "k")
+    assert steps == [1] and mean == [2.0] and math.isclose(std[0], math.sqrt(2.0))
+
+
+def test_train_config_uses_the_trainer_defaults_and_rejects_bad_keys():
+    from rollcorr.train.config import ConfigError
+
+    config = common.train_config(["trainer.steps=3"])
+    assert config.trainer.steps == 3 and config.trainer.progress is False
+    with pytest.raises(ConfigError, match="nonsense"):
+        common.train_config(["trainer.nonsense=1"])
+
+
+def test_pass_at_k_estimator():
+    from experiments.oapl_lag import pass_at_k
+
+    assert pass_at_k(16, 0, 4) == 0.0
+    assert pass_at_k(16, 16, 1) == 1.0
+    assert math.isclose(pass_at_k(4, 1, 1), 0.25)
+    assert math.isclose(pass_at_k(4, 1, 2), 0.5)
+    with pytest.raises(ValueError, match="k=8"):
+        pass_at_k(4, 1, 8)
+
+
+def test_mismatch_anatomy_pieces():
+    """The study's measurements on 4 prompts: int8 sampling disagrees with the fp32 learner, the length
+    profile covers every response, and int8 scoring depends on the batch while fp32 scoring does not."""
+    from experiments import mismatch_anatomy as ma
+
+    from rollcorr.audit.collect import builtin_prompts
+    from rollcorr.audit.stats import probability_mismatch
+    from rollcorr.engines import make_sampler
+
+    fp32 = ma.scorer(None)
+    rollout, view = ma.scored(make_sampler("hf:int8"), fp32, builtin_prompts(4, 0), 6, seed=0, batch_size=4)
+    assert probability_mismatch(view)["prob_diff_max"] > 1e-4
+    prof = ma.length_profile(view)
+    assert sum(b["n"] for b in prof["bins"]) == 4
+    assert (
+        prof["prefix"][0]["n"] == 4
+        and prof["prefix"][0]["max_abs_diff"] >= prof["prefix"][0]["mean_abs_diff"]
+    )
+    targets = rollout.replace(old_log_prob=fp32.log_prob(rollout).detach())
+    comp = ma.batch_composition(targets, targets.select([0]), {"fp32": fp32, "int8": ma.scorer("int8")}, 4)
+    assert comp["fp32"]["alone"]["max_abs_diff_to_fp32"] < 1e-5
+    assert comp["fp32"]["batch_8"]["max_change_vs_alone"] < 1e-5
+    assert comp["int8"]["alone"]["mean_abs_diff_to_fp32"] > 1e-4
+    assert comp["int8"]["batch_8"]["max_change_vs_alone"] > 0  # per-tensor activation scale sees the batch
+
+
+@pytest.mark.slow
+def test_mismatch_anatomy_cheapest_path(tmp_path):
+    """1 seed, 4 prompts, fp32 vs int8: fp32 sampling and fp32 scoring agree to float rounding, int8 does
+    not, and the batch-composition control (fp32 scored alone vs in a batch) changes nothing."""
+    from experiments import mismatch_anatomy as ma
+
+    report = ma.run(("hf:fp32", "hf:int8"), (0,), n_task=4, n_long=2, n_batch=4, out=tmp_path)
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk["samplers"].keys() == {"hf:fp32", "hf:int8"}
+    fp32 = report["samplers"]["hf:fp32"]["table"]
+    int8 = report["samplers"]["hf:int8"]["table"]
+    assert fp32["prob_diff_max"]["mean"] < 1e-4
+    assert int8["prob_diff_max"]["mean"] > fp32["prob_diff_max"]["mean"]
+    control = report["batch_composition"]["fp32"]["batch_8"]
+    assert control["max_change_vs_alone"] < 1e-5
+    assert report["claims"]["hf:int8"]["max_grows"] is False  # one seed: no claim is "reproduced"
+    for name in ("scatter_hf_int8.png", "histogram_hf_int8.png", "length.png", "table.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "module, arm",
+    [
+        ("quantised_rollouts", "int8/tis"),
+        ("staleness", "lag2/ewma_reset"),
+        ("oapl_lag", "oapl_sync10"),
+        ("throughput", "async"),
+    ],
+)
+def test_training_study_quick(module, arm, tmp_path, capsys):
+    import importlib
+
+    study = importlib.import_module(f"experiments.{module}")
+    assert study.main(["--quick", "--arms", arm, "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "results.json").read_text())
+    runs = next(iter(report["runs"][arm].values()))["runs"]
+    assert len(runs) == 1 and runs[0]["steps"] == 2 and runs[0]["stopped"] is None
+    assert any("eval/accuracy" in r for r in runs[0]["records"])
+    for name in report["figures"].values():
+        assert (tmp_path / name).stat().st_size > 1000
+    assert "wall time" in capsys.readouterr().out
