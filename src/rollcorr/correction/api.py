@@ -218,7 +218,7 @@ def compute_correction(
         late.update(M.decomposition_metrics(log_prob, tok))
     # Last reads of the masked log-probs (tok is local): exponentiate them in place for the
     # probability-space metrics, then reuse both buffers as the divergence metrics' scratch.
-    p_old, p_rollout = tok.old.exp_(), tok.old.exp_()
+    p_old, p_rollout = tok.old.exp_(), tok.rollout.exp_()
     prob = M.prob_mismatch(p_old, p_rollout, tok, overwrite=True)
     metrics.update(M.divergence_metrics(tok, k3, scratch=(p_old, p_rollout)))
     metrics.update(prob)
