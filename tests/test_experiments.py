@@ -136,3 +136,15 @@ def test_training_study_quick(module, arm, tmp_path, capsys):
     for name in report["figures"].values():
         assert (tmp_path / name).stat().st_size > 1000
     assert "wall time" in capsys.readouterr().out
+
+
+def test_finished_run_is_reused_only_for_the_same_config():
+    saved = {"trainer": {"steps": 30, "seed": 0}, "algorithm": {"correction": {"preset": "tis"}}}
+    current = {
+        "trainer": {"steps": 30, "seed": 0, "executor": "local"},
+        "algorithm": {"correction": {"preset": "tis"}},
+    }
+    assert common._same(saved, current)  # keys the trainer added since are ignored
+    assert not common._same(saved, {**current, "trainer": {"steps": 30, "seed": 1}})
+    changed = {**current, "algorithm": {"correction": {"preset": "tis", "is_upper": None}}}
+    assert not common._same(saved, changed)  # the correction dict is compared whole

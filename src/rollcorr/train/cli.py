@@ -55,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"rollcorr train: config error: {err}", file=sys.stderr)
         return 2
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # checkpoints call save_pretrained; rollcorr's own bar is the one to read
     result = run_training(config, resume=args.resume)
     acc = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
     print(
