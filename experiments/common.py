@@ -155,6 +155,7 @@ def train(overrides: Sequence[str], run_dir: Path) -> dict[str, Any]:
             "final_accuracy": evals[-1] if evals else None,
             "stopped": None,
             "reused": True,
+            "config": config.to_dict(),
             "records": records,
         }
     result = run(config, run_dir=run_dir)
@@ -166,6 +167,7 @@ def train(overrides: Sequence[str], run_dir: Path) -> dict[str, Any]:
         "final_accuracy": result.final_accuracy,
         "stopped": result.stopped,
         "reused": False,
+        "config": config.to_dict(),
         "records": read_metrics(Path(result.run_dir)),
     }
 
