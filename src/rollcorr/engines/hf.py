@@ -15,13 +15,13 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from rollcorr.engines.base import SamplingParams, process_logits, resume_seed
+from rollcorr.engines.base import SamplingParams, process_logits
+from rollcorr.engines.decoding import DecodingSampler, finished_rows, left_pad, right_pad  # noqa: F401
 from rollcorr.models.builtin import BUILTIN, load_model, resolve_dtype
 from rollcorr.rollout import Rollout
 
@@ -51,40 +51,7 @@ def positions_from_mask(mask: Tensor) -> Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Token lists → (ids (B, L) int64, mask (B, L) bool), left-padded."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r) :] = torch.as_tensor(r, dtype=torch.long)
-            mask[i, width - len(r) :] = True
-    return ids.to(device), mask.to(device)
-
-
-def right_pad(
-    rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype, width: int | None = None
-) -> Tensor:
-    width = max([len(r) for r in rows] + [0]) if width is None else width
-    out = torch.full((len(rows), width), value, dtype=dtype)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, : len(r)] = torch.as_tensor(r, dtype=dtype)
-    return out
-
-
-def finished_rows(rollout: Rollout) -> Tensor:
-    """(B,) bool: True where the response is complete (EOS or token cap), from ``meta[i]["finished"]``.
-
-    Rows without the flag (a Rollout not made by a partial-rollout-aware sampler) count as finished.
-    """
-    if not rollout.meta:
-        return torch.ones(rollout.batch_size, dtype=torch.bool)
-    return torch.tensor([bool(m.get("finished", True)) for m in rollout.meta], dtype=torch.bool)
-
-
-class HFSampler:
+class HFSampler(DecodingSampler):
     """Sampler on a transformers causal LM. ``version`` is the weight version it holds (starts at 0)."""
 
     def __init__(
@@ -148,6 +115,10 @@ class HFSampler:
     def close(self) -> None:
         self.model = self.float_model = None
 
+    def _check_open(self) -> None:
+        if self.model is None:
+            raise RuntimeError("this sampler was closed")
+
     # ---- sampling -----------------------------------------------------------------------------------
 
     def encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
@@ -169,111 +140,6 @@ class HFSampler:
             )
         return rows
 
-    def generate(
-        self,
-        prompts: Sequence[str] | Sequence[Sequence[int]],
-        params: SamplingParams,
-        *,
-        n: int = 1,
-        meta: list[dict[str, Any]] | None = None,
-        group_ids: Sequence[int] | Tensor | None = None,
-        resume: Rollout | None = None,
-        max_steps: int | None = None,
-    ) -> Rollout:
-        """n responses per prompt (consecutive rows, same group id), or continue ``resume``'s unfinished rows.
-
-        ``meta`` (one dict per prompt) and ``group_ids`` (one per prompt, default 0..len-1) are repeated n
-        times. ``max_steps`` caps the decode steps of this call; rows stopped by it have
-        ``meta[i]["finished"] = False`` and can be continued with ``generate(..., resume=rollout)`` (prompts
-        are then ignored), whose new tokens carry the current ``version``.
-        """
-        if self.model is None:
-            raise RuntimeError("this sampler was closed")
-        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
-            raise ValueError(f"max_steps must be a positive int or None, got {max_steps!r}")
-        if resume is not None:
-            return self._resume(resume, params, max_steps)
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"n must be a positive int, got {n!r}")
-        rows = self.encode(prompts)
-        if meta is not None and len(meta) != len(rows):
-            raise ValueError(f"meta has {len(meta)} entries for {len(rows)} prompts")
-        groups = (
-            torch.arange(len(rows)) if group_ids is None else torch.as_tensor(group_ids, dtype=torch.long)
-        )
-        if tuple(groups.shape) != (len(rows),):
-            raise ValueError(f"group_ids has shape {tuple(groups.shape)}, expected ({len(rows)},)")
-
-        rows = [r for r in rows for _ in range(n)]
-        tokens, log_mu, log_kept, finished = self._decode(
-            rows, [params.max_new_tokens] * len(rows), params, max_steps
-        )
-        prompt_ids, prompt_mask = left_pad(rows, self.pad_id, torch.device("cpu"))
-        metas = [dict(m) for m in meta for _ in range(n)] if meta is not None else [{} for _ in rows]
-        for m, tok, done in zip(metas, tokens, finished):
-            m["finished"] = done
-            m["response_text"] = self.tokenizer.decode(tok, skip_special_tokens=True)
-        return Rollout(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            response_ids=right_pad(tokens, self.pad_id, torch.long),
-            response_mask=right_pad([[1] * len(t) for t in tokens], 0, torch.bool),
-            rollout_log_prob=right_pad(log_mu, 0.0, torch.float32),
-            log_kept_mass=right_pad(log_kept, 0.0, torch.float32),
-            version=right_pad([[self.version] * len(t) for t in tokens], 0, torch.long),
-            group_ids=groups.repeat_interleave(n),
-            meta=metas,
-        )
-
-    def _resume(self, rollout: Rollout, params: SamplingParams, max_steps: int | None) -> Rollout:
-        """Continue the unfinished rows of ``rollout`` with the current weights; finished rows untouched."""
-        done = finished_rows(rollout)
-        todo = (~done).nonzero().flatten().tolist()
-        if not todo:
-            return rollout
-        prompt_mask, resp_mask = rollout.prompt_mask.bool(), rollout.response_mask.bool()
-        old = [rollout.response_ids[i][resp_mask[i]].tolist() for i in range(rollout.batch_size)]
-        contexts = [rollout.prompt_ids[i][prompt_mask[i]].tolist() + old[i] for i in todo]
-        budgets = [params.max_new_tokens - len(old[i]) for i in todo]
-        if min(budgets) < 1:
-            raise ValueError(
-                "an unfinished row already holds max_new_tokens tokens: resume with the same params"
-            )
-        if rollout.rollout_log_prob is None:
-            raise ValueError("cannot resume a rollout without rollout_log_prob")
-        seed = resume_seed(params.seed, int(resp_mask.sum()))
-        tokens, log_mu, log_kept, finished = self._decode(contexts, budgets, params, max_steps, seed)
-        new_version = [[self.version] * len(t) for t in tokens]
-        merged = [old[i] + (tokens[todo.index(i)] if i in todo else []) for i in range(rollout.batch_size)]
-        width = max(len(r) for r in merged)
-
-        def extend(field: Tensor | None, new_rows: list[list], value: float, dtype: torch.dtype) -> Tensor:
-            """Row i: its valid old entries, then (if resumed) its new ones; right-padded to ``width``."""
-            field = torch.zeros_like(rollout.version, dtype=dtype) if field is None else field
-            rows = [field[i][resp_mask[i]].tolist() for i in range(rollout.batch_size)]
-            for j, i in enumerate(todo):
-                rows[i] = rows[i] + list(new_rows[j])
-            return right_pad(rows, value, dtype, width)
-
-        metas = [dict(m) for m in rollout.meta] if rollout.meta else [{} for _ in merged]
-        for j, i in enumerate(todo):
-            metas[i]["finished"] = finished[j]
-            metas[i]["response_text"] = self.tokenizer.decode(merged[i], skip_special_tokens=True)
-        return rollout.replace(
-            response_ids=right_pad(merged, self.pad_id, torch.long, width),
-            response_mask=right_pad([[1] * len(r) for r in merged], 0, torch.bool, width),
-            rollout_log_prob=extend(rollout.rollout_log_prob, log_mu, 0.0, torch.float32),
-            log_kept_mass=extend(rollout.log_kept_mass, log_kept, 0.0, torch.float32),
-            version=extend(rollout.version, new_version, 0, torch.long),
-            meta=metas,
-            # anything computed from the unfinished rows is stale now
-            rewards=None,
-            old_log_prob=None,
-            is_weights=None,
-            correction_mask=None,
-            advantages=None,
-        )
-
     @torch.no_grad()
     def _decode(
         self,
@@ -281,20 +147,18 @@ class HFSampler:
         budgets: list[int],
         params: SamplingParams,
         max_steps: int | None,
-        seed: int | None = None,
     ) -> tuple[list[list[int]], list[list[float]], list[list[float]], list[bool]]:
         """The decode loop. Per row: sampled tokens, their log μ, log kept mass, and whether it finished.
 
         A row finishes at EOS (kept as its last token) or when it has ``budgets[i]`` new tokens. The
-        generator is seeded with ``seed`` (default ``params.seed``; None for both = nondeterministic).
+        generator is seeded with ``params.seed`` (None = nondeterministic).
         """
         from transformers import DynamicCache
 
         model, dev = self.model, self.device
         gen = torch.Generator(device=dev)
-        seed = params.seed if seed is None else seed
-        if seed is not None:
-            gen.manual_seed(seed)
+        if params.seed is not None:
+            gen.manual_seed(params.seed)
         else:
             gen.seed()
 

@@ -25,7 +25,6 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -34,11 +33,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rollcorr.engines.base import SamplingParams, process_logits, resume_seed
+from rollcorr.engines.base import SamplingParams, process_logits
+from rollcorr.engines.decoding import DecodingSampler
 from rollcorr.engines.gguf import QUANT_TYPES, write_gguf
-from rollcorr.engines.hf import finished_rows, left_pad, right_pad
 from rollcorr.models.builtin import BUILTIN, BUILTIN_DIR
-from rollcorr.rollout import Rollout
 
 INSTALL_HINT = (
     "llama-cpp-python is not installed; pip install rollcorr[llamacpp] (builds llama.cpp from source)"
@@ -89,7 +87,7 @@ def _resolve_model_dir(model_path: str | os.PathLike) -> Path:
     return path
 
 
-class LlamaCppSampler:
+class LlamaCppSampler(DecodingSampler):
     """Sampler on llama.cpp. ``version`` is the weight version it holds (starts at ``version``).
 
     model_path   local HF directory (config.json, *.safetensors, tokenizer.json) or "builtin"
@@ -383,104 +381,6 @@ class LlamaCppSampler:
         ]
         self._check_rows(rows)
         return rows
-
-    def generate(
-        self,
-        prompts: Sequence[str] | Sequence[Sequence[int]],
-        params: SamplingParams,
-        *,
-        n: int = 1,
-        meta: list[dict[str, Any]] | None = None,
-        group_ids: Sequence[int] | Tensor | None = None,
-        resume: Rollout | None = None,
-        max_steps: int | None = None,
-    ) -> Rollout:
-        """n responses per prompt (consecutive rows, same group id), or continue ``resume``'s unfinished rows.
-
-        Same contract as ``HFSampler.generate``: ``meta`` and ``group_ids`` are per prompt; rows stopped by
-        ``max_steps`` get ``meta[i]["finished"] = False`` and continue with ``generate(..., resume=rollout)``
-        under the weights held then (their new tokens carry the new ``version``).
-        """
-        self._check_open()
-        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
-            raise ValueError(f"max_steps must be a positive int or None, got {max_steps!r}")
-        if resume is not None:
-            return self._resume(resume, params, max_steps)
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"n must be a positive int, got {n!r}")
-        rows = self.encode(prompts)
-        if meta is not None and len(meta) != len(rows):
-            raise ValueError(f"meta has {len(meta)} entries for {len(rows)} prompts")
-        groups = (
-            torch.arange(len(rows)) if group_ids is None else torch.as_tensor(group_ids, dtype=torch.long)
-        )
-        if tuple(groups.shape) != (len(rows),):
-            raise ValueError(f"group_ids has shape {tuple(groups.shape)}, expected ({len(rows)},)")
-
-        rows = [r for r in rows for _ in range(n)]
-        tokens, log_mu, log_kept, finished = self._decode(
-            rows, [params.max_new_tokens] * len(rows), params, max_steps
-        )
-        prompt_ids, prompt_mask = left_pad(rows, self.pad_id, torch.device("cpu"))
-        metas = [dict(m) for m in meta for _ in range(n)] if meta is not None else [{} for _ in rows]
-        for m, tok, done in zip(metas, tokens, finished):
-            m["finished"] = done
-            m["response_text"] = self.tokenizer.decode(tok, skip_special_tokens=True)
-        return Rollout(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            response_ids=right_pad(tokens, self.pad_id, torch.long),
-            response_mask=right_pad([[1] * len(t) for t in tokens], 0, torch.bool),
-            rollout_log_prob=right_pad(log_mu, 0.0, torch.float32),
-            log_kept_mass=right_pad(log_kept, 0.0, torch.float32),
-            version=right_pad([[self.version] * len(t) for t in tokens], 0, torch.long),
-            group_ids=groups.repeat_interleave(n),
-            meta=metas,
-        )
-
-    def _resume(self, rollout: Rollout, params: SamplingParams, max_steps: int | None) -> Rollout:
-        """Continue the unfinished rows of ``rollout`` with the current weights; finished rows untouched."""
-        todo = (~finished_rows(rollout)).nonzero().flatten().tolist()
-        if not todo:
-            return rollout
-        prompt_mask, resp_mask = rollout.prompt_mask.bool(), rollout.response_mask.bool()
-
-        def valid(field: Tensor) -> list[list]:
-            return [field[i][resp_mask[i]].tolist() for i in range(rollout.batch_size)]
-
-        ids = valid(rollout.response_ids)
-        contexts = [rollout.prompt_ids[i][prompt_mask[i]].tolist() + ids[i] for i in todo]
-        budgets = [params.max_new_tokens - len(ids[i]) for i in todo]
-        if min(budgets) < 1:
-            raise ValueError(
-                "an unfinished row already holds max_new_tokens tokens: resume with the same params"
-            )
-        params = replace(params, seed=resume_seed(params.seed, int(resp_mask.sum())))
-        tokens, log_mu, log_kept, finished = self._decode(contexts, budgets, params, max_steps)
-
-        kept = (
-            rollout.log_kept_mass
-            if rollout.log_kept_mass is not None
-            else torch.zeros_like(rollout.rollout_log_prob)
-        )
-        lp, lk, ver = valid(rollout.rollout_log_prob), valid(kept), valid(rollout.version)
-        metas = [dict(m) for m in rollout.meta] if rollout.meta else [{} for _ in ids]
-        for j, i in enumerate(todo):
-            ids[i] += tokens[j]
-            lp[i] += log_mu[j]
-            lk[i] += log_kept[j]
-            ver[i] += [self.version] * len(tokens[j])
-            metas[i]["finished"] = finished[j]
-            metas[i]["response_text"] = self.tokenizer.decode(ids[i], skip_special_tokens=True)
-        width = max(len(r) for r in ids)
-        return rollout.replace(
-            response_ids=right_pad(ids, self.pad_id, torch.long, width),
-            response_mask=right_pad([[1] * len(r) for r in ids], 0, torch.bool, width),
-            rollout_log_prob=right_pad(lp, 0.0, torch.float32, width),
-            log_kept_mass=right_pad(lk, 0.0, torch.float32, width),
-            version=right_pad(ver, 0, torch.long, width),
-            meta=metas,
-        )
 
     @torch.no_grad()
     def _decode(
