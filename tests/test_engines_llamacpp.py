@@ -300,3 +300,27 @@ def test_builtin_model_prompts():
         assert [m["response_text"] for m in ours.meta] == [m["response_text"] for m in theirs.meta]
     finally:
         s.close()
+
+
+def test_serves_a_shipped_gguf_file_as_it_is(model_dir, samplers, reference, tmp_path):
+    """quant="file": llama.cpp loads the given GGUF (here a q8_0 export) unchanged; it cannot take new weights."""
+    import shutil
+
+    path, model, tokenizer = model_dir
+    shipped = tmp_path / "shipped-q8_0.gguf"
+    shutil.copy(samplers["q8_0"].gguf_path, shipped)
+    sampler = LlamaCppSampler(path, "file", gguf_file=shipped, max_batch=8, n_threads=1)
+    try:
+        # same file, same kernels: the same probabilities as the sampler that wrote it
+        assert np.allclose(mismatch(sampler, reference), mismatch(samplers["q8_0"], reference), atol=1e-6)
+        rollout = sampler.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4, seed=0), n=2)
+        assert rollout.response_mask.any() and torch.isfinite(rollout.rollout_log_prob).all()
+        with pytest.raises(ValueError, match="cannot take new weights"):
+            sampler.load_weights(model.state_dict(), 1)
+    finally:
+        sampler.close()
+    assert shipped.is_file()  # the user's file is never deleted
+    with pytest.raises(ValueError, match="go together"):
+        LlamaCppSampler(path, "file")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LlamaCppSampler(path, "file", gguf_file=tmp_path / "nope.gguf")

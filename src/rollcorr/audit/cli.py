@@ -149,6 +149,8 @@ def _collect_live(args, console, workdir: str):
     model, gguf_file = _resolve_model(args.model, args.gguf_file)
     sampler_spec, learner_spec = args.sampler or DEFAULT_SAMPLER, args.learner or DEFAULT_LEARNER
     parse_spec(sampler_spec), parse_spec(learner_spec)  # unknown backend / dtype: fail before loading
+    if sampler_spec == "llamacpp:file" and not gguf_file:
+        raise ValueError("--sampler llamacpp:file serves a shipped GGUF file as it is: give --gguf-file")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # rollcorr's own progress bars are the ones to read
@@ -157,7 +159,9 @@ def _collect_live(args, console, workdir: str):
         if gguf_file:
             model_path = materialise_gguf(model, gguf_file, Path(workdir) / "model")
         learner = make_learner(learner_spec, model_path=model_path)
-        sampler = make_sampler(sampler_spec, model_path=model_path)
+        # llamacpp:file serves the user's GGUF as shipped (e.g. Q4_1); other specs load the float folder
+        file_kw = {"gguf_file": str(Path(model) / gguf_file)} if sampler_spec == "llamacpp:file" else {}
+        sampler = make_sampler(sampler_spec, model_path=model_path, **file_kw)
     prompts = _prepare_prompts(prompts, args, learner.tokenizer)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     started = time.perf_counter()

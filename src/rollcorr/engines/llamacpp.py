@@ -91,7 +91,10 @@ class LlamaCppSampler(DecodingSampler):
     """Sampler on llama.cpp. ``version`` is the weight version it holds (starts at ``version``).
 
     model_path   local HF directory (config.json, *.safetensors, tokenizer.json) or "builtin"
-    quant        GGUF weight type: "f32" | "f16" | "q8_0" | "q4_0"
+    quant        GGUF weight type: "f32" | "f16" | "q8_0" | "q4_0", or "file" to serve ``gguf_file`` as it is
+    gguf_file    a GGUF file to load as shipped (any type llama.cpp reads, e.g. Q4_1) with quant="file";
+                 ``model_path`` then only supplies config.json and the tokenizer, and the sampler cannot take
+                 new weights (``load_weights`` raises)
     max_batch    rows decoded together (llama.cpp sequences); larger calls run in chunks of this size
     n_ctx        tokens per row (prompt + response); default the model's max_position_embeddings
     n_threads    CPU threads for llama.cpp (default min(4, cpu count))
@@ -116,9 +119,14 @@ class LlamaCppSampler(DecodingSampler):
         flash_attn: bool | None | str = "auto",
         work_dir: str | os.PathLike | None = None,
         version: int = 0,
+        gguf_file: str | os.PathLike | None = None,
     ) -> None:
-        if quant not in QUANT_TYPES:
-            raise ValueError(f"unknown quant type {quant!r}; use one of {QUANT_TYPES}")
+        if quant not in (*QUANT_TYPES, "file"):
+            raise ValueError(f"unknown quant type {quant!r}; use one of {(*QUANT_TYPES, 'file')}")
+        if (quant == "file") != (gguf_file is not None):
+            raise ValueError("quant='file' and gguf_file= go together: the file is served as it is")
+        if gguf_file is not None and not Path(gguf_file).is_file():
+            raise FileNotFoundError(f"gguf_file {str(gguf_file)!r} does not exist")
         if max_batch < 1:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
         self._llama = import_llama_cpp()
@@ -157,8 +165,12 @@ class LlamaCppSampler(DecodingSampler):
             k: tuple(v.shape) for k, v in state_dict.items() if not (tied and k == "lm_head.weight")
         }
         self.version = int(version)
+        self.fixed_file = None if gguf_file is None else Path(gguf_file)
         try:
-            self._export_and_load(state_dict)
+            if self.fixed_file is not None:
+                self._model, self._ctx, self._batch, self._vocab = self._load(self.fixed_file)
+            else:
+                self._export_and_load(state_dict)
         except BaseException:
             self.close()
             raise
@@ -235,6 +247,11 @@ class LlamaCppSampler(DecodingSampler):
 
         The old model keeps serving if anything fails (bad names / shapes, NaN weights, load error).
         """
+        if self.fixed_file is not None:
+            raise ValueError(
+                f"this sampler serves {self.fixed_file.name} as shipped and cannot take new weights; "
+                "use quant='f32'|'f16'|'q8_0'|'q4_0' to have rollcorr write (and re-write) the GGUF"
+            )
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
         names = {k for k in state_dict if not (tied and k == "lm_head.weight")}
         missing, unexpected = sorted(set(self._shapes) - names), sorted(names - set(self._shapes))
