@@ -22,6 +22,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from rollcorr.plotting import save_figure  # noqa: E402,F401  (re-exported for the studies)
+
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
 
@@ -87,23 +89,6 @@ def _clean(x: Any) -> Any:
     if isinstance(x, Path):
         return str(x)
     return x
-
-
-def save_figure(fig, path: Path) -> Path:
-    """Save a matplotlib figure atomically as PNG and close it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
 
 
 class Clock:

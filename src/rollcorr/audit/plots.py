@@ -8,8 +8,6 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -25,6 +23,7 @@ from rollcorr.audit.stats import (  # noqa: E402
     position_profile,
     probability_mismatch,
 )
+from rollcorr.plotting import save_figure  # noqa: E402
 
 # threshold -> (comparison, key of the share in probability_mismatch)
 THRESHOLDS = {
@@ -35,22 +34,6 @@ THRESHOLDS = {
 }
 HIST_FLOOR = 1e-8  # |Δp| below this (including exact agreement) lands in the first bin
 DPI = 110
-
-
-def _save(fig, path: Path) -> Path:
-    """Write the figure atomically (temp file in the same folder, then rename)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=DPI, bbox_inches="tight")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
 
 
 def scatter(view: TokenView, path: Path, title: str = "") -> Path:
@@ -77,7 +60,7 @@ def scatter(view: TokenView, path: Path, title: str = "") -> Path:
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
     fig.colorbar(points, ax=ax, label="|Δp|", shrink=0.8)
-    return _save(fig, path)
+    return save_figure(fig, path, dpi=DPI)
 
 
 def histogram(view: TokenView, path: Path) -> Path:
@@ -105,7 +88,7 @@ def histogram(view: TokenView, path: Path) -> Path:
     ax.set_title(f"How far the engines disagree, token by token (max {d.max().item():.3g})")
     ax.legend(fontsize=8, title="share of tokens", title_fontsize=8)
     ax.grid(alpha=0.3, which="major")
-    return _save(fig, path)
+    return save_figure(fig, path, dpi=DPI)
 
 
 def position(view: TokenView, path: Path, n_buckets: int = 20) -> Path:
@@ -135,7 +118,7 @@ def position(view: TokenView, path: Path, n_buckets: int = 20) -> Path:
     bottom.grid(alpha=0.3)
     for ax in (top, bottom):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    return _save(fig, path)
+    return save_figure(fig, path, dpi=DPI)
 
 
 def per_response_plot(view: TokenView, path: Path) -> Path:
@@ -160,7 +143,7 @@ def per_response_plot(view: TokenView, path: Path) -> Path:
     ax.set_title(f"Mismatch per response ({len(length)} responses)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path, dpi=DPI)
 
 
 def draw_all(view: TokenView, out_dir: Path) -> dict[str, Path]:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from rollcorr.plotting import save_figure
 
 PANELS = (
     ("reward", ("reward/mean",)),
@@ -43,9 +44,4 @@ def plot_run(records: list[dict], path: Path) -> Path:
         else:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return save_figure(fig, path)
