@@ -89,7 +89,7 @@ class AlgorithmConfig:
     dual_clip: float | None = None  # c > 1 for dual-clip PPO, None = off
     dynamic_sampling: bool | None = None  # drop groups whose rewards are all equal
     baseline_excludes_rejected: bool = True  # rejected sequences leave the group mean / std
-    oapl_beta: float = 1e-2  # OAPL regression coefficient β
+    oapl_beta: float = 0.3  # OAPL regression coefficient β (see docs/training.md for the sweep)
     oapl_beta1: float | None = None  # OAPL soft-value temperature β₁ (None = β)
     oapl_sync_every: int = 4  # OAPL: publish weights to the sampler every N learner steps
     # rollcorr correction config: {"preset": name, <CorrectionConfig field>: value, ...}
