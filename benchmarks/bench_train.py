@@ -78,6 +78,9 @@ def main() -> int:
     p.add_argument("overrides", nargs="*", help="extra config overrides for every run")
     args = p.parse_args()
     torch.set_num_threads(1)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # model loads and checkpoint writes would flood the table
     print(f"# {' '.join(sys.argv)}")
 
     if not args.skip_modes:
