@@ -7,8 +7,9 @@ import io
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
+from rollcorr.models.builtin import builtin_config
 from rollcorr.proximal import (
     EWMA,
     ProximalResult,
@@ -57,15 +58,8 @@ VOCAB = _vocab()
 
 def tiny_model(seed=0):
     torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
+    cfg = builtin_config(
+        VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=64
     )
     model = Qwen2ForCausalLM(cfg).eval()
     return model
