@@ -45,7 +45,7 @@ ARMS = {
 }
 STEPS = 200
 KS = (1, 2, 4, 8, 16)
-KEYS = ("eval/accuracy", "reward/mean", "staleness/lag_mean", "response/length_mean")
+KEYS = ("eval/accuracy", "reward/mean", "actor/entropy", "staleness/lag_mean", "response/length_mean")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -48,7 +48,11 @@ ARMS = {
 }
 STEPS = 150
 KEYS = ("reward/mean", "eval/accuracy", "actor/ppo_kl", "response/length_mean", "actor/pg_clipfrac",
-        "rollout_corr/prob_diff_max", "loss/grad_norm")  # fmt: skip
+        "rollout_corr/prob_diff_max", "loss/grad_norm", "actor/entropy", "rollout_corr/kl")  # fmt: skip
+
+
+PANELS = ("reward/mean", "eval/accuracy", "actor/entropy", "actor/ppo_kl", "rollout_corr/kl",
+          "response/length_mean")  # fmt: skip
 
 
 def above(acc: dict, high: str, low: str) -> bool | None:
@@ -83,12 +87,16 @@ def main(argv: list[str] | None = None) -> int:
             "int8_tis_vs_fp32_ppo_gap_beyond_spread": above(acc, "fp32/ppo", "int8/tis"),
         }
     figures = {}
-    for sampler in SAMPLERS:
-        groups = {a: r for a, r in curve_groups(results).items() if a.startswith(sampler + "/")}
-        if groups:
-            name = f"curves_{sampler}.png"
-            plot_curves(groups, KEYS[:4], out / name, title=f"{sampler} sampler, fp32 learner")
-            figures[sampler] = name
+    labels = sorted({label for cells in results.values() for label in cells})
+    for label in labels:
+        lr = label.split("optim.lr=")[-1].split()[0] if "optim.lr=" in label else ""
+        for sampler in SAMPLERS:
+            groups = {a: r for a, r in curve_groups(results, label).items()
+                      if a.startswith(sampler + "/") and label in results[a]}  # fmt: skip
+            if groups:
+                name = f"curves_{sampler}" + (f"_lr{lr}" if len(labels) > 1 else "") + ".png"
+                plot_curves(groups, PANELS, out / name, title=f"{sampler} sampler, fp32 learner, {label}")
+                figures[f"{sampler} {label}"] = name
     report = {"study": "quantised_rollouts", "steps": steps, "quick": args.quick, "final": final,
               "claims": claims, "figures": figures, "runs": results, "wall_seconds": clock.seconds}  # fmt: skip
     write_json(report, out / "results.json")

@@ -45,10 +45,23 @@ def lag_overrides(k: int) -> list[str]:
 
 
 ARMS = {f"lag{k}/{name}": [*lag_overrides(k), *ov] for k in LAGS for name, ov in STRATEGIES.items()}
+# Lag *and* a train/infer discrepancy: an int8 sampler 4 versions behind. Every strategy here uses a
+# correction with a rejection rule (sequences whose mean k3 exceeds 0.01 are dropped, token TIS C = 2), so
+# the keep ratio that EWMA's auto-reset watches actually moves.
+DISCREPANCY = ["model.sampler=hf:int8", *lag_overrides(4)]
+K3_RS = "algorithm.correction={preset: decoupled_k3_rs_token_tis}"
+ARMS |= {
+    "int8lag4/recompute": [*DISCREPANCY, "algorithm.proximal={name: recompute}", K3_RS],
+    "int8lag4/bypass": [*DISCREPANCY, "algorithm.proximal={name: bypass}",
+                        "algorithm.correction={preset: bypass_ppo_clip_k3_rs}"],
+    "int8lag4/snapshot": [*DISCREPANCY, "algorithm.proximal={name: snapshot}", K3_RS],
+    "int8lag4/ewma": [*DISCREPANCY, "algorithm.proximal={name: ewma, reset_keep_ratio: null}", K3_RS],
+    "int8lag4/ewma_reset": [*DISCREPANCY, "algorithm.proximal={name: ewma, reset_keep_ratio: 0.9}", K3_RS],
+}  # fmt: skip
 STEPS = 150
 KEYS = ("eval/accuracy", "reward/mean", "actor/kept_token_fraction", "actor/pg_clipfrac",
         "proximal/ewma_resets", "time/step_s", "proximal/seconds", "proximal/extra_bytes",
-        "staleness/lag_mean")  # fmt: skip
+        "staleness/lag_mean", "rollout_corr/rollout_rs_masked_fraction", "actor/entropy")  # fmt: skip
 # The seed's reported cost at 4B parameters (for the table next to ours; not measured here).
 SEED_REPORTED = {"snapshot": {"memory_gb": 40, "seconds": 25}, "ewma": {"memory_gb": 7.9, "seconds": 8}}
 
@@ -88,12 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     final = summarize_arms(results, KEYS[:5])
     figures = {}
     groups = curve_groups(results)
-    for k in LAGS:
-        sub = {a.split("/")[1]: r for a, r in groups.items() if a.startswith(f"lag{k}/")}
+    panels = (*KEYS[:5], "rollout_corr/rollout_rs_masked_fraction")
+    for block, title in [*((f"lag{k}", f"simulated lag {k}, fp32 sampler") for k in LAGS),
+                         ("int8lag4", "simulated lag 4, int8 sampler, k3 rejection + token TIS")]:  # fmt: skip
+        sub = {a.split("/")[1]: r for a, r in groups.items() if a.startswith(f"{block}/")}
         if sub:
-            name = f"curves_lag{k}.png"
-            plot_curves(sub, KEYS[:5], out / name, title=f"simulated lag {k}")
-            figures[f"lag{k}"] = name
+            name = f"curves_{block}.png"
+            plot_curves(sub, panels, out / name, title=title)
+            figures[block] = name
     report = {"study": "staleness", "steps": steps, "quick": args.quick, "final": final,
               "cost": cost_table(results), "seed_reported_4b": SEED_REPORTED, "figures": figures,
               "runs": results, "wall_seconds": clock.seconds}  # fmt: skip

@@ -107,6 +107,8 @@ def test_sync_run_writes_run_folder_and_learns_something(tmp_path, model_dir):
         assert r["factors/staleness_log_abs_mean"] == 0.0
         assert math.isfinite(r["rollout_corr/kl"]) and "rollout_corr/rollout_is_mean" in r
         assert r["train/applied_updates"] == 1.0
+        # the policy entropy over response tokens: 0 < H < log V (the built-in vocabulary has 101 tokens)
+        assert 0.0 < r["actor/entropy"] < math.log(128)
     assert result.initial_accuracy is not None and result.final_accuracy is not None
     # the weights moved
     start = make_sampler("hf:fp32", model_dir).float_model.state_dict()

@@ -207,10 +207,11 @@ def optimize(
                 part = mini.select(micro_rows) if len(micro_rows) < len(rows) else mini
                 part_mask = mini_mask[micro_rows]
                 share = (float(part_mask.sum()) if token_level else float(len(micro_rows))) / max(total, 1.0)
-                log_prob = learner.log_prob(part, temperature=algo.temperature, grad=True)
-                if isinstance(log_prob, tuple):
-                    log_prob = log_prob[0]
+                log_prob, entropy = learner.log_prob(
+                    part, temperature=algo.temperature, grad=True, with_entropy=True
+                )
                 loss, metrics = _loss(algo, part, log_prob, part_mask)
+                metrics["actor/entropy"] = _masked_mean(entropy.detach(), part.response_mask)
                 if not torch.isfinite(loss):
                     finite = False
                     break
@@ -234,6 +235,12 @@ def optimize(
                 sums[k] = sums.get(k, 0.0) + v
     optimizer.zero_grad(set_to_none=True)
     return {k: v / max(applied, 1) for k, v in sums.items()}, applied, skipped
+
+
+def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``values`` (B, T) over the positions where ``mask`` is set (0 for an empty mask)."""
+    m = mask.to(values.dtype)
+    return (values * m).sum() / m.sum().clamp_min(1.0)
 
 
 def _grad_norm(params: list[Tensor], max_norm: float) -> float:
