@@ -192,9 +192,14 @@ def mean_curve(runs: list[list[dict[str, Any]]], key: str) -> tuple[list[int], l
 
 
 def plot_curves(
-    groups: dict[str, list[list[dict[str, Any]]]], keys: Sequence[str], path: Path, title: str = ""
+    groups: dict[str, list[list[dict[str, Any]]]],
+    keys: Sequence[str],
+    path: Path,
+    title: str = "",
+    x_scale: float = 1.0,
+    x_label: str = "step",
 ) -> Path:
-    """One panel per metric key; one line per group (mean over seeds, band = ± std)."""
+    """One panel per metric key; one line per group (mean over seeds, band = ± std); x = step × x_scale."""
     n = len(keys)
     cols = min(n, 3)
     rows = -(-n // cols)
@@ -204,12 +209,13 @@ def plot_curves(
             steps, mean, std = mean_curve(runs, key)
             if not steps:
                 continue
+            steps = [s * x_scale for s in steps]
             (line,) = ax.plot(steps, mean, label=label, lw=1.3)
             lo = [m - s for m, s in zip(mean, std)]
             hi = [m + s for m, s in zip(mean, std)]
             ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15)
         ax.set_title(key, fontsize=9)
-        ax.set_xlabel("step")
+        ax.set_xlabel(x_label)
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")

@@ -23,12 +23,15 @@ from experiments.common import (
     chosen_grid,
     curve_groups,
     plot_curves,
+    plt,
     run_arms,
+    save_figure,
     study_arguments,
     summarize_arms,
     summary,
     write_json,
 )
+from rollcorr.train.checkpoint import latest_checkpoint
 
 SYNC_EVERY = (1, 10, 50, 100)
 ARMS = {
@@ -82,6 +85,24 @@ def held_out_eval(model_dir: Path, n_prompts: int, n_samples: int = 16, seed: in
     }
 
 
+def plot_pass_at_k(held_out: dict, path: Path) -> Path:
+    """pass@k against k (log scale) per arm, first grid point, mean ± std over seeds."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for arm, cells in held_out.items():
+        per_k = next(iter(cells.values()))["pass_at_k"]
+        ks = [int(k) for k in per_k]
+        mean = [per_k[k]["mean"] for k in per_k]
+        std = [per_k[k]["std"] for k in per_k]
+        ax.errorbar(ks, mean, yerr=std, marker="o", capsize=3, label=arm, lw=1.2)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("k (samples per held-out prompt)")
+    ax.set_ylabel("pass@k")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = study_arguments(__doc__.splitlines()[0], ARMS).parse_args(argv)
     out = args.out or RESULTS / "oapl_lag"
@@ -96,15 +117,18 @@ def main(argv: list[str] | None = None) -> int:
         for label, cell in cells.items():
             evals = []
             for run in cell["runs"]:
-                final = sorted(Path(run["run_dir"]).glob("checkpoints/step_*/model"))[-1]
+                final = latest_checkpoint(Path(run["run_dir"])) / "model"
                 evals.append(held_out_eval(final, n_prompts, n_samples=4 if args.quick else 16))
             ks = evals[0]["pass_at_k"]
             held_out[arm][label] = {
                 "pass_at_k": {k: summary([e["pass_at_k"][k] for e in evals]) for k in ks},
                 "entropy": summary([e["entropy"] for e in evals]),
             }
+    batch = 2 * 2 if args.quick else 16 * 8
     figures = {"curves": plot_curves(curve_groups(results), KEYS, out / "curves.png",
-                                     title="OAPL sync interval vs GRPO + TIS (x: step; samples = step × 128)").name}  # fmt: skip
+                                     title="OAPL sync interval vs GRPO + TIS at the same sample budget",
+                                     x_scale=batch, x_label="generated samples").name}  # fmt: skip
+    figures["pass_at_k"] = plot_pass_at_k(held_out, out / "pass_at_k.png").name
     report = {"study": "oapl_lag", "steps": steps, "quick": args.quick,
               "samples_per_step": None if args.quick else 128,
               "final": summarize_arms(results, KEYS), "held_out": held_out, "figures": figures,

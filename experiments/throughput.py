@@ -36,7 +36,7 @@ ARMS = {
     "ray_async": ["trainer.mode=async", "trainer.executor=ray", "trainer.ray_workers=1"],
 }
 STEPS = 150
-TARGET = 0.55
+TARGET = 0.65  # the 150-step runs at lr 2e-4 end near 0.72; 0.55 is reached within ~10 steps
 KEYS = ("eval/accuracy", "reward/mean", "time/step_s", "time/generate_s", "time/optimize_s",
         "response/tokens", "staleness/lag_mean")  # fmt: skip
 

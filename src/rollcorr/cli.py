@@ -8,7 +8,10 @@ import sys
 
 # sub-command -> module exposing add_arguments(parser) and run(args) -> int
 COMMANDS = {
-    "analyze": ("rollcorr.analyze.cli", "apply a correction config to rollout dumps and explain what it does"),
+    "analyze": (
+        "rollcorr.analyze.cli",
+        "apply a correction config to rollout dumps and explain what it does",
+    ),
     "audit": ("rollcorr.audit.cli", "measure sampler vs learner token-probability mismatch, with plots"),
     "train": ("rollcorr.train.cli", "RL training with a separate sampler and learner"),
 }
