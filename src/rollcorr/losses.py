@@ -18,8 +18,14 @@ OAPL — plus detached scalar metrics; `aggregate` reduces it; `policy_loss(Loss
   cispo        L = −sg(clip(r, 1−ε_lo, 1+ε_hi)) · A · log π_θ · w
   gspo         r_t = exp(log π_θ − sg(log π_θ) + sg(mean_t Δ)), then PPO clip; times w
   gmpo         Δ' = sgn(A)·min(sgn(A)·Δ, sgn(A)·clamp(Δ, −ε_lo, ε_hi)); L_b = −mean_t A · exp(mean_t Δ')
-  dppo_tv      L = −A · r · keep,  keep = ¬[(A>0 ∧ p_θ−p_old > ε_hi) ∨ (A≤0 ∧ p_θ−p_old < −ε_lo)]
-               (+ kl_coef · Δ²)
+  dppo_tv      L = −A · r̃ · keep,  keep = ¬[(A>0 ∧ p_θ−p_old > ε_hi) ∨ (A≤0 ∧ p_θ−p_old < −ε_lo)]
+               (+ kl_coef · Δ²); r̃ = r, or sg(min(r, c))·exp(Δ − sg(Δ)) with the cap c = clip_c (verl)
+  dppo_kl      dppo_tv with keep from the binary KL of (p_old, p_θ) (verl `dppo_kl`)
+  sapo         L = −A · (4/τ)·σ(τ(r − 1)) · w,   τ = τ_pos if A > 0 else τ_neg
+  gpg          L = −A · log π_θ · w            (verl `gpg`; = reinforce without its metric)
+  clip_cov     PPO clip (no dual clip) with the loss of a few random high-covariance tokens zeroed; · w
+  kl_cov       L = −A·r · w, + ppo_kl_coef·|Δ| on the top-k tokens by covariance
+  dro          L = −(A · log π_θ − ½β·Δ²) · w
   oapl         ℓ_b = (β · Σ_t (log π_θ − log μ) − (r_b − V̂(x)))²
 """
 
@@ -40,14 +46,19 @@ __all__ = [
     "LossConfig",
     "aggregate",
     "cispo_loss",
+    "clip_cov_loss",
+    "dppo_kl_loss",
     "dppo_tv_loss",
+    "dro_loss",
     "gmpo_loss",
     "gspo_loss",
+    "kl_cov_loss",
     "masked_mean",
     "oapl_loss",
     "policy_loss",
     "ppo_clip_loss",
     "reinforce_loss",
+    "sapo_loss",
 ]
 
 AGG_MODES = (
@@ -69,13 +80,21 @@ LOSS_NAMES = (
     "gspo",
     "gmpo",
     "dppo_tv",
+    "dppo_kl",
+    "sapo",
+    "gpg",
+    "clip_cov",
+    "kl_cov",
+    "dro",
     "oapl",
 )
 LOG_RATIO_CLAMP = 20.0
 
 # Per-loss defaults: (ε_lo, ε_hi, aggregation). Sources: PPO / DAPO 0.2; GSPO paper 3e-4 / 4e-4 with
 # seq-mean-token-mean; GMPO paper ε = 0.4 (log space); CISPO as AReaL recommends (ε_lo = 1 → no lower bound,
-# ε_hi = 4); dppo_tv as prime-rl's DefaultLossConfig (dppo_mask_low/high = 0.2, thresholds on Δp).
+# ε_hi = 4); dppo_tv as prime-rl's DefaultLossConfig (dppo_mask_low/high = 0.2, thresholds on Δp); the verl
+# losses sapo / gpg / clip_cov / kl_cov / dppo_kl / dro as verl's ActorConfig (clip_ratio 0.2, token-mean; sapo
+# forced to seq-mean-token-mean; dppo_kl's ε are binary-KL thresholds). ε is unused by sapo, gpg, kl_cov, dro.
 _DEFAULTS: dict[str, tuple[float, float, str]] = {
     "ppo_clip": (0.2, 0.2, "token-mean"),
     "ppo_is": (0.2, 0.2, "token-mean"),
@@ -87,6 +106,12 @@ _DEFAULTS: dict[str, tuple[float, float, str]] = {
     "gspo": (3e-4, 4e-4, "seq-mean-token-mean"),
     "gmpo": (0.4, 0.4, "token-mean"),
     "dppo_tv": (0.2, 0.2, "token-mean"),
+    "dppo_kl": (0.2, 0.2, "token-mean"),
+    "sapo": (0.0, 0.0, "seq-mean-token-mean"),
+    "gpg": (0.0, 0.0, "token-mean"),
+    "clip_cov": (0.2, 0.2, "token-mean"),
+    "kl_cov": (0.0, 0.0, "token-mean"),
+    "dro": (0.0, 0.0, "token-mean"),
     "oapl": (0.0, 0.0, "token-mean"),
 }
 
@@ -104,14 +129,23 @@ class LossConfig:
     name: str = "ppo_clip"
     clip_low: float | None = None
     clip_high: float | None = None
-    clip_c: float | None = None  # dual clip for A < 0; None = off (verl default 3.0)
+    clip_c: float | None = None  # dual clip for A < 0; dppo_tv / dppo_kl: cap on sg(r); None = off (verl 3.0)
     agg: str | None = None
     denominator: str = "kept"
     norm_constant: float | None = None
     tis_cap: float = 2.0  # tis: w = min(ρ, cap)
     tis_floor: float | None = None  # tis: optional lower bound w = max(w, floor)
     areal_cap: float = 5.0  # areal: w = 0 where ρ > cap
-    dppo_kl_coef: float = 0.0  # dppo_tv: + coef · (log r)² on every valid token (prime-rl kl_tau)
+    dppo_kl_coef: float = 0.0  # dppo_tv / dppo_kl: + coef · (log r)² on every valid token (prime-rl kl_tau)
+    sapo_tau_pos: float = 1.0  # sapo: gate temperature for A > 0 (verl tau_pos)
+    sapo_tau_neg: float = 1.05  # sapo: gate temperature for A ≤ 0 (verl tau_neg)
+    clip_cov_ratio: float = 2e-4  # clip_cov: share of tokens whose loss is zeroed (at least one)
+    clip_cov_lb: float = 1.0  # clip_cov: candidates have lb < cov < ub
+    clip_cov_ub: float = 5.0
+    clip_cov_seed: int | None = None  # clip_cov: seed of the token draw when no generator is passed
+    kl_cov_ratio: float = 2e-4  # kl_cov: share of tokens (top covariance, at least one) given the KL term
+    kl_cov_coef: float = 0.1  # kl_cov: coefficient of |Δ| (verl policy_loss.ppo_kl_coef)
+    dro_beta: float = 0.1  # dro: β of the quadratic penalty ½β·Δ²
     oapl_beta: float = 1e-3  # OAPL β (compose-rl default)
     oapl_beta1: float | None = None  # OAPL β₁ of the soft value; None → β; inf → plain group mean
     check_inputs: bool = True  # NaN / mask checks (one host sync); turn off in tight loops
@@ -130,7 +164,7 @@ class LossConfig:
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"LossConfig.{name} must be a finite number >= 0, got {value}")
         if self.clip_c is not None and not self.clip_c > 1:
-            raise ValueError(f"LossConfig.clip_c (dual clip) must be > 1, got {self.clip_c}")
+            raise ValueError(f"LossConfig.clip_c (dual clip / dppo ratio cap) must be > 1, got {self.clip_c}")
         if self.norm_constant is not None and not self.norm_constant > 0:
             raise ValueError(f"LossConfig.norm_constant must be > 0, got {self.norm_constant}")
         if not self.tis_cap > 0:
@@ -141,6 +175,27 @@ class LossConfig:
             raise ValueError(f"LossConfig.areal_cap must be > 0, got {self.areal_cap}")
         if not self.dppo_kl_coef >= 0:
             raise ValueError(f"LossConfig.dppo_kl_coef must be >= 0, got {self.dppo_kl_coef}")
+        for name in ("sapo_tau_pos", "sapo_tau_neg", "dro_beta"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"LossConfig.{name} must be a finite number > 0, got {value}")
+        if not (math.isfinite(self.kl_cov_coef) and self.kl_cov_coef >= 0):
+            raise ValueError(f"LossConfig.kl_cov_coef must be a finite number >= 0, got {self.kl_cov_coef}")
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"LossConfig.{name} must be in (0, 1], got {value}")
+        if not (math.isfinite(self.clip_cov_lb) and math.isfinite(self.clip_cov_ub)) or not (
+            self.clip_cov_lb < self.clip_cov_ub
+        ):
+            raise ValueError(
+                "LossConfig.clip_cov_lb and LossConfig.clip_cov_ub must be finite with clip_cov_lb < "
+                f"clip_cov_ub, got {self.clip_cov_lb} and {self.clip_cov_ub}"
+            )
+        if self.clip_cov_seed is not None and (
+            isinstance(self.clip_cov_seed, bool) or not isinstance(self.clip_cov_seed, int)
+        ):
+            raise ValueError(f"LossConfig.clip_cov_seed must be an int or None, got {self.clip_cov_seed!r}")
         if not self.oapl_beta > 0:
             raise ValueError(f"LossConfig.oapl_beta must be > 0, got {self.oapl_beta}")
         if self.oapl_beta1 is not None and not self.oapl_beta1 > 0:
@@ -400,6 +455,47 @@ def gmpo_loss(
     return loss, _detached(metrics)
 
 
+def _dppo_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    keep: Tensor,
+    high: Tensor,
+    low: Tensor,
+    *,
+    cap: float | None,
+    kl_coef: float,
+    weights: Tensor | None,
+    verl_value: bool,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Shared tail of the DPPO losses once the trust-region mask ``keep`` (B, T) bool is known."""
+    delta, ratio = _ratio(log_prob, old_log_prob)
+    keep_f = keep.to(ratio.dtype)
+    if cap is None and not verl_value:
+        loss = -advantages * ratio * keep_f  # prime-rl's value; ∇ = −A·r·∇log π_θ
+    else:
+        truncated = ratio.detach() if cap is None else ratio.detach().clamp(max=cap)
+        # verl: −A·sg(min(r, c))·log π_θ; otherwise the same gradient with the value −A·min(r, c)
+        surrogate = log_prob if verl_value else torch.exp(delta - delta.detach())
+        loss = -advantages * truncated * surrogate * keep_f
+    if weights is not None:
+        loss = loss * weights.detach()
+    if kl_coef:
+        loss = loss + kl_coef * delta**2
+    dtype = delta.dtype
+    capped = keep & (ratio > cap) if cap is not None else torch.zeros_like(keep)
+    metrics = {
+        "actor/pg_clipfrac": masked_mean((~keep).to(dtype), response_mask),
+        "actor/ppo_kl": masked_mean(-delta, response_mask),
+        "actor/pg_clipfrac_lower": masked_mean(capped.to(dtype), response_mask),
+        "actor/dppo_masked_fraction": masked_mean((~keep).to(dtype), response_mask),
+        "actor/dppo_masked_high": masked_mean(high.to(dtype), response_mask),
+        "actor/dppo_masked_low": masked_mean(low.to(dtype), response_mask),
+    }
+    return loss, _detached(metrics)
+
+
 def dppo_tv_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
@@ -408,32 +504,217 @@ def dppo_tv_loss(
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
+    cap: float | None = None,
     kl_coef: float = 0.0,
     weights: Tensor | None = None,
+    verl_value: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """prime-rl DPPO (binary-TV trust region on Δp = p_θ − p_old, p = exp(log-prob) of the sampled token).
+    """DPPO-Binary-TV (prime-rl default loss, verl `dppo_tv`): trust region on Δp = p_θ − p_old, p = exp(log-prob)
+    of the sampled token. (B, T) loss and metrics.
 
-    keep = ¬[(A>0 ∧ Δp > ε_hi) ∨ (A≤0 ∧ Δp < −ε_lo)];  L = −A·r·keep·w + kl_coef·Δ²
-    ∇L = −A·r·∇log π_θ on kept tokens (= verl's −A·sg(r)·log π_θ). With π_old := μ this is prime-rl's
-    default loss; verl `dppo_tv` also caps sg(r) at clip_ratio_c (not applied here).
+    keep = ¬[(A>0 ∧ Δp > ε_hi) ∨ (A≤0 ∧ Δp < −ε_lo)]
+    cap None:  L = −A·r·keep·w (+ kl_coef·Δ²)                       (prime-rl; ∇ = −A·r·∇log π_θ)
+    cap c:     L = −A·sg(min(r, c))·exp(Δ − sg(Δ))·keep·w (+ …)    (∇ = −A·min(r, c)·∇log π_θ, verl's TIS cap)
+    verl_value: L = −A·sg(min(r, c))·log π_θ·keep·w — verl's value (same gradient); used by the verl compat.
+    Metrics as verl: pg_clipfrac = share outside the region, pg_clipfrac_lower = share kept with r > c.
     """
-    delta, ratio = _ratio(log_prob, old_log_prob)
     with torch.no_grad():
         dp = torch.exp(log_prob) - torch.exp(old_log_prob)
         high = (advantages > 0) & (dp > clip_high)
         low = (advantages <= 0) & (dp < -clip_low)
         keep = ~(high | low)
-    loss = -advantages * ratio * keep.to(ratio.dtype)
+    return _dppo_loss(
+        log_prob, old_log_prob, advantages, response_mask, keep, high, low,
+        cap=cap, kl_coef=kl_coef, weights=weights, verl_value=verl_value,
+    )  # fmt: skip
+
+
+def dppo_kl_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    cap: float | None = None,
+    kl_coef: float = 0.0,
+    weights: Tensor | None = None,
+    verl_value: bool = False,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPPO-Binary-KL (verl `dppo_kl`): `dppo_tv` with the trust region measured by the KL between the
+    Bernoulli distributions (p_old, 1 − p_old) and (p_θ, 1 − p_θ) of the sampled token:
+
+    D = p_old·(log p_old − log p_θ) + (1 − p_old)·log((1 − p_old + 1e-8) / (1 − p_θ + 1e-8))
+    keep = (A>0 ∧ (D ≤ ε_hi ∨ p_θ ≤ p_old)) ∨ (A≤0 ∧ (D ≤ ε_lo ∨ p_θ ≥ p_old))
+    Loss, cap and metrics exactly as `dppo_tv_loss`. ε are KL thresholds (verl default 0.2; SkyRL
+    recommends 0.05).
+    """
+    with torch.no_grad():
+        prob, old_prob = torch.exp(log_prob), torch.exp(old_log_prob)
+        div = old_prob * (old_log_prob - log_prob) + (1 - old_prob) * torch.log(
+            (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)
+        )
+        high = (advantages > 0) & (div > clip_high) & (prob > old_prob)
+        low = (advantages <= 0) & (div > clip_low) & (prob < old_prob)
+        keep = ~(high | low)
+    return _dppo_loss(
+        log_prob, old_log_prob, advantages, response_mask, keep, high, low,
+        cap=cap, kl_coef=kl_coef, weights=weights, verl_value=verl_value,
+    )  # fmt: skip
+
+
+def sapo_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO (arXiv 2511.20347, verl `sapo`): a smooth gate instead of the PPO clip. (B, T) loss and metrics.
+
+    f(r, τ) = σ(τ·(r − 1))·4/τ,  τ = τ_pos if A > 0 else τ_neg;   L = −f(r, τ)·A·w
+    ∇L = −A·4·σ'(τ(r − 1))·r·∇log π_θ: 1× the PPO gradient at r = 1, decaying smoothly away from it.
+    verl aggregates with seq-mean-token-mean whatever loss_agg_mode says (rollcorr's default agg for sapo).
+    """
+    delta, ratio = _ratio(log_prob, old_log_prob)
+    tau = torch.where(
+        advantages > 0,
+        torch.as_tensor(tau_pos, dtype=ratio.dtype, device=ratio.device),
+        torch.as_tensor(tau_neg, dtype=ratio.dtype, device=ratio.device),
+    )
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    loss = -gate * advantages
     if weights is not None:
         loss = loss * weights.detach()
-    if kl_coef:
-        loss = loss + kl_coef * delta**2
+    zero = torch.zeros((), dtype=delta.dtype, device=delta.device)
     metrics = {
-        "actor/dppo_masked_fraction": masked_mean((~keep).to(delta.dtype), response_mask),
-        "actor/dppo_masked_high": masked_mean(high.to(delta.dtype), response_mask),
-        "actor/dppo_masked_low": masked_mean(low.to(delta.dtype), response_mask),
+        "actor/pg_clipfrac": zero,
+        "actor/ppo_kl": masked_mean(-delta, response_mask),
+        "actor/pg_clipfrac_lower": zero,
+    }
+    return loss, _detached(metrics)
+
+
+def _smallest_k(keys: Tensor, k: Tensor) -> Tensor:
+    """(B, T) bool: the ``k`` (0-d integer tensor) positions with the smallest keys; no host sync."""
+    flat = keys.flatten()
+    order = torch.argsort(flat, stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(flat.numel(), device=flat.device)
+    return (rank < k).view_as(keys)
+
+
+def _covariance(advantages: Tensor, log_prob: Tensor, mask: Tensor) -> Tensor:
+    """cov_t = (A_t − mean A)·(log π_θ,t − mean log π_θ), means over valid tokens; detached (B, T)."""
+    lp = log_prob.detach()
+    return (advantages - masked_mean(advantages, mask)) * (lp - masked_mean(lp, mask))
+
+
+def _count_share(mask: Tensor, share: float) -> Tensor:
+    """max(⌊share · Σ m⌋, 1) as a 0-d int64 tensor (float64 product, as Python's int(share · n))."""
+    n = mask.sum().to(torch.float64)
+    return torch.floor(n * share).clamp_min(1).to(torch.int64)
+
+
+def clip_cov_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    ratio: float = 2e-4,
+    cov_lb: float = 1.0,
+    cov_ub: float = 5.0,
+    generator: torch.Generator | None = None,
+    weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"; verl `clip_cov`).
+
+    L_t = max(−A·r, −A·clip(r, 1−ε_lo, 1+ε_hi))·corr_t·w     (no dual clip)
+    corr_t = 0 for k = max(⌊ratio·N⌋, 1) tokens drawn uniformly without replacement among the valid tokens
+    that PPO did not clip and whose cov_t = (A − mean A)(log π_θ − mean sg(log π_θ)) lies in (lb, ub);
+    all of them when fewer qualify. N = number of valid tokens. corr is detached: those tokens get no gradient.
+    The draw uses ``generator`` (default: torch's global RNG, as verl); it is sync-free (a sort of uniform keys)
+    so it is the same distribution as verl's randperm but not the same stream.
+    Metrics (verl): pg_clipfrac = share of valid tokens zeroed by the draw, ppo_kl.
+    Δ is clamped to ±20 before exp (verl leaves it unclamped).
+    """
+    mask = response_mask.bool()
+    delta, r = _ratio(log_prob, old_log_prob)
+    loss1 = -advantages * r
+    loss2 = -advantages * torch.clamp(r, 1 - clip_low, 1 + clip_high)
+    with torch.no_grad():
+        cov = _covariance(advantages, log_prob, mask)
+        candidate = mask & ~(loss2 > loss1) & (cov > cov_lb) & (cov < cov_ub)
+        device = cov.device if generator is None else generator.device
+        uniform = torch.rand(cov.shape, generator=generator, device=device).to(cov.device)  # float32 keys
+        keys = torch.where(candidate, uniform, 2.0)  # non-candidates sort last
+        zeroed = candidate & _smallest_k(keys, _count_share(mask, ratio))
+    loss = torch.maximum(loss1, loss2) * (~zeroed).to(r.dtype)
+    if weights is not None:
+        loss = loss * weights.detach()
+    metrics = {
+        "actor/pg_clipfrac": masked_mean(zeroed.to(delta.dtype), response_mask),
         "actor/ppo_kl": masked_mean(-delta, response_mask),
     }
+    return loss, _detached(metrics)
+
+
+def kl_cov_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    ratio: float = 2e-4,
+    kl_coef: float = 0.1,
+    weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """KL-Cov (Cui et al. 2025; verl `kl_cov`). No clipping; a |Δ| penalty on the highest-covariance tokens.
+
+    L_t = (−A·r + kl_coef·|Δ|·1[t ∈ top-k cov])·w,   k = max(⌊ratio·N⌋, 1) valid tokens by
+    cov_t = (A − mean A)(log π_θ − mean log π_θ) (means over valid tokens, detached).
+    Deterministic (ties broken by position). Metric (verl): ppo_kl = mean |Δ| over valid tokens.
+    r uses Δ clamped to ±20 (verl leaves it unclamped); |Δ| is not clamped.
+    """
+    mask = response_mask.bool()
+    raw_delta = log_prob - old_log_prob
+    _, r = _ratio(log_prob, old_log_prob)
+    with torch.no_grad():
+        cov = _covariance(advantages, log_prob, mask)
+        keys = torch.where(mask, -cov, torch.full_like(cov, math.inf))
+        top = mask & _smallest_k(keys, _count_share(mask, ratio))
+    loss = -advantages * r + kl_coef * raw_delta.abs() * top.to(r.dtype)
+    if weights is not None:
+        loss = loss * weights.detach()
+    metrics = {"actor/ppo_kl": masked_mean(raw_delta.abs(), response_mask)}
+    return loss, _detached(metrics)
+
+
+def dro_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    beta: float = 0.1,
+    weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DRO (Richemond et al. 2024; Kimi k1.5; verl `dro`): REINFORCE with a quadratic trust region.
+
+    L = −(A·log π_θ − ½β·(log π_θ − log π_old)²)·w,   ∇L = −(A − β·Δ)·∇log π_θ·w.   Δ is not clamped.
+    """
+    delta = log_prob - old_log_prob
+    loss = -(log_prob * advantages - 0.5 * beta * delta.square())
+    if weights is not None:
+        loss = loss * weights.detach()
+    metrics = {"actor/ppo_kl": masked_mean(-delta, response_mask)}
     return loss, _detached(metrics)
 
 
@@ -511,14 +792,18 @@ def policy_loss(
     denominator_mask: Tensor | None = None,
     rewards: Tensor | None = None,
     group_ids: Tensor | None = None,
+    generator: torch.Generator | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Compute `config.name`'s loss and aggregate it. Returns (scalar loss, detached metrics).
 
     response_mask: kept tokens (after rejection); denominator_mask: valid tokens before rejection (default
     response_mask). advantages: (B, T) or (B,) (broadcast). weights: detached correction weights w (B, T)
-    for ppo_clip (decoupled), reinforce, cispo, gspo, gmpo, dppo_tv. rollout_log_prob (μ) is needed by
+    for ppo_clip (decoupled), reinforce, cispo, gspo, gmpo and the verl losses (dppo_tv, dppo_kl, sapo, gpg,
+    clip_cov, kl_cov, dro). rollout_log_prob (μ) is needed by
     ppo_is, vanilla_is, tis, areal and oapl; oapl also needs rewards (B,) and group_ids (B,) (advantages
     unused). If no token is kept the loss is exactly 0 with zero gradient and `actor/all_rejected` = 1.
+    generator: clip_cov's random draw (default: a generator seeded with `clip_cov_seed` when that is set,
+    else torch's global RNG). Pass one persistent generator per run for fresh, reproducible draws.
     """
     name = config.name
     if advantages is not None and advantages.dim() == 1:
@@ -553,7 +838,7 @@ def policy_loss(
     else:
         if advantages is None:
             raise ValueError(f"loss {name!r} needs advantages")
-        if old_log_prob is None and name not in ("reinforce", "ppo_is"):
+        if old_log_prob is None and name not in ("reinforce", "ppo_is", "gpg"):
             raise ValueError(f"loss {name!r} needs old_log_prob")
 
     lo, hi = config.eps_low, config.eps_high
@@ -600,16 +885,35 @@ def policy_loss(
         loss, m = gmpo_loss(
             log_prob, old_log_prob, advantages, response_mask, clip_low=lo, clip_high=hi, weights=weights
         )
-    elif name == "dppo_tv":
-        loss, m = dppo_tv_loss(
-            log_prob,
-            old_log_prob,
-            advantages,
-            response_mask,
-            clip_low=lo,
-            clip_high=hi,
-            kl_coef=config.dppo_kl_coef,
-            weights=weights,
+    elif name in ("dppo_tv", "dppo_kl"):
+        fn = dppo_tv_loss if name == "dppo_tv" else dppo_kl_loss
+        loss, m = fn(
+            log_prob, old_log_prob, advantages, response_mask, clip_low=lo, clip_high=hi,
+            cap=config.clip_c, kl_coef=config.dppo_kl_coef, weights=weights,
+        )  # fmt: skip
+    elif name == "sapo":
+        loss, m = sapo_loss(
+            log_prob, old_log_prob, advantages, response_mask,
+            tau_pos=config.sapo_tau_pos, tau_neg=config.sapo_tau_neg, weights=weights,
+        )  # fmt: skip
+    elif name == "gpg":
+        loss, m = reinforce_loss(log_prob, advantages, response_mask, weights=weights)
+    elif name == "clip_cov":
+        if generator is None and config.clip_cov_seed is not None:
+            generator = torch.Generator(device=log_prob.device).manual_seed(config.clip_cov_seed)
+        loss, m = clip_cov_loss(
+            log_prob, old_log_prob, advantages, response_mask, clip_low=lo, clip_high=hi,
+            ratio=config.clip_cov_ratio, cov_lb=config.clip_cov_lb, cov_ub=config.clip_cov_ub,
+            generator=generator, weights=weights,
+        )  # fmt: skip
+    elif name == "kl_cov":
+        loss, m = kl_cov_loss(
+            log_prob, old_log_prob, advantages, response_mask,
+            ratio=config.kl_cov_ratio, kl_coef=config.kl_cov_coef, weights=weights,
+        )  # fmt: skip
+    elif name == "dro":
+        loss, m = dro_loss(
+            log_prob, old_log_prob, advantages, response_mask, beta=config.dro_beta, weights=weights
         )
     else:
         loss, m = oapl_loss(

@@ -26,7 +26,7 @@ from rollcorr.analyze.dumps import Dump
 from rollcorr.config.correction import CorrectionConfig
 from rollcorr.correction import compute_correction, metrics_to_floats
 from rollcorr.correction.ratios import kl_stats, make_tokens
-from rollcorr.correction.rejection import opsm_keep, rs_option, trm_keep, veto_keep
+from rollcorr.correction.rejection import opsm_keep, rs_option, rs_statistic, trm_keep, veto_keep
 from rollcorr.correction.weights import apply_threshold, raw_weights
 
 PREFIX = "rollout_corr/"
@@ -44,6 +44,10 @@ STATISTICS = {
     "seq_mean_k3": "mean k3",
     "seq_max_k2": "max ½ℓ²",
     "seq_max_k3": "max k3",
+    "token_binary_kl": "bkl_t",
+    "seq_sum_binary_kl": "Σ bkl",
+    "seq_mean_binary_kl": "mean bkl",
+    "seq_max_binary_kl": "max bkl",
 }
 
 
@@ -269,7 +273,7 @@ def explain(
         rules.append(RuleSummary(rule, statistic, threshold, "token", effect, hit_rows, len(idx), observed))
 
     for option, threshold in zip(config.rs, config.rs_thresholds):
-        r = rs_option(option, threshold, kl_stats(tok, option[-2:]), tok)
+        r = rs_option(option, threshold, rs_statistic(option, tok), tok)
         if option.endswith("k1"):  # statistic space k1 = −log ρ → show ratios
             lo, hi = math.exp(-r.upper), math.exp(-r.lower)
             convert = lambda x: torch.exp(-x)  # noqa: E731

@@ -8,7 +8,8 @@ One frozen dataclass drives both the driver-side correction (decoupled mode) and
   Mask (IcePop / Seq-MIS): w ← w·1[is_lower ≤ w ≤ is_upper], is_lower None meaning 0.
 - RS: ``rs`` names verl options (``token_k1`` … ``seq_max_k3``) combined with AND, ``rs_thresholds`` one per
   option (or one shared). K1 options take a ratio window (lo, hi) or a number C meaning [1/C, C]; k2/k3
-  options take a single upper bound.
+  options take a single upper bound. ``*_binary_kl`` options (AReaL's ``metric="binary_kl"``: the symmetric
+  KL between the Bernoulli distributions of the sampled token under π_old and μ) take a single upper bound.
 - Sequence drops beyond verl: ``veto_threshold`` (any ρ_t below it), ``veto_upper`` (any ρ_t above it),
   TRM ``trm_max_k2`` / ``trm_mean_k3``, OPSM ``opsm_delta`` (needs advantages at call time).
 """
@@ -39,6 +40,10 @@ RS_OPTIONS = (
     "seq_mean_k3",
     "seq_max_k2",
     "seq_max_k3",
+    "token_binary_kl",
+    "seq_sum_binary_kl",
+    "seq_mean_binary_kl",
+    "seq_max_binary_kl",
 )
 
 RSThreshold = float | tuple[float, float]
@@ -73,7 +78,7 @@ def _parse_float(name: str, text: str) -> float:
 
 
 def parse_rs_threshold(option: str, spec: Any, *, name: str = "rs_thresholds") -> RSThreshold:
-    """One RS threshold in canonical form: K1 options → ratio window (lo, hi); k2/k3 → upper bound.
+    """One RS threshold in canonical form: K1 options → ratio window (lo, hi); k2/k3/binary_kl → upper bound.
 
     Accepts a number, a (lo, hi) pair or a verl string (``"2.0"``, ``"0.5_2.0"``). For K1 a single
     number C means [1/C, C] and must be ≥ 1.

@@ -89,6 +89,9 @@ def from_verl(data: Mapping[str, Any], *, exact: bool = False) -> CorrectionConf
     if rs is not None:
         rs = [part.strip() for part in str(rs).split(",") if part.strip()]
         rs = list(dict.fromkeys(rs))  # verl drops duplicates, keeping order
+        beyond = [o for o in rs if o.endswith("binary_kl")]
+        if beyond:  # rollcorr options that verl's SUPPORTED_ROLLOUT_RS_OPTIONS lacks: verl raises on them
+            raise ValueError(f"verl rollout_rs: {beyond} are not verl options (AReaL's binary_kl metric)")
         if isinstance(rs_threshold, bool):
             raise ValueError("verl rollout_rs_threshold must be a number or a string, not a bool")
         if isinstance(rs_threshold, int | float):

@@ -33,7 +33,7 @@ from rollcorr.correction.ratios import (
     kl_stats,
     make_tokens,
 )
-from rollcorr.correction.rejection import opsm_keep, rs_option, trm_keep, veto_keep
+from rollcorr.correction.rejection import opsm_keep, rs_option, rs_statistic, trm_keep, veto_keep
 from rollcorr.correction.weights import apply_threshold, batch_norm_factor, raw_weights
 
 PREFIX = "rollout_corr/"
@@ -156,7 +156,7 @@ def compute_correction(
         if option in ("seq_sum_k1", "seq_mean_k1"):  # Σ_t k1 = −Σ_t ℓ: no (B, T) statistic needed
             r = rs_option(option, threshold, None, tok, row_sum=-tok.log_ratio_safe.sum(dim=-1))
         else:
-            stat = k3 if option.endswith("k3") else kl_stats(tok, option[-2:])
+            stat = k3 if option.endswith("k3") else rs_statistic(option, tok)
             r = rs_option(option, threshold, stat, tok)
         metrics.update(M.rs_option_metrics(r, tok))
         if r.token_keep is not None:

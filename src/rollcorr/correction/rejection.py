@@ -11,6 +11,15 @@ K1 bounds a **ratio** window [lo, hi]: keep lo ≤ ρ ≤ hi (product for seq_su
 i.e. −log hi ≤ k1 ≤ −log lo. verl's code instead keeps log lo ≤ k1 ≤ log hi (``verl=True``), which inverts
 asymmetric windows (verl PR #6377, never merged). k2/k3 thresholds are upper bounds.
 
+Binary KL (AReaL ``RejectionSamplingConfig(metric="binary_kl")``, "KPop"): with p = π_old(y_t), q = μ(y_t) the
+probabilities of the sampled token, each clamped to [1e-8, 1 − 1e-8], and
+KL_b(p‖q) = p·log(p/q) + (1 − p)·log((1 − p)/(1 − q)) (the KL of the Bernoulli "this token or not"),
+
+    bkl_t = max(KL_b(p‖q), KL_b(q‖p))        (symmetric: a token is out if either direction exceeds u)
+
+with the same four levels (``token_binary_kl``, ``seq_sum_binary_kl``, ``seq_mean_binary_kl``,
+``seq_max_binary_kl``) and an upper bound u, like k2/k3. It is 0 on padding and where p = q.
+
 Beyond verl: veto (any ρ_t < C drops the row), outlier ceiling (any ρ_t > C), TRM (max k2 ≤ δ_max and
 mean k3 ≤ δ_avg) and OPSM (drop iff A < 0 and mean_t(log μ − log π_θ) > δ).
 """
@@ -23,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rollcorr.correction.ratios import Tokens, any_per_row
+from rollcorr.correction.ratios import Tokens, any_per_row, kl_stats
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,37 @@ def k1_bounds(window: tuple[float, float], verl: bool) -> tuple[float, float]:
     return (math.log(lo), math.log(hi)) if verl else (-math.log(hi), -math.log(lo))
 
 
+BINARY_KL_EPS = 1e-8
+
+
+def split_option(option: str) -> tuple[str, str]:
+    """``"seq_mean_k3"`` → ``("seq_mean", "k3")``; ``"token_binary_kl"`` → ``("token", "binary_kl")``."""
+    if option.endswith("_binary_kl"):
+        return option[: -len("_binary_kl")], "binary_kl"
+    kind, stat = option.rsplit("_", 1)
+    return kind, stat
+
+
+def binary_kl(log_p: Tensor, log_q: Tensor, eps: float = BINARY_KL_EPS) -> Tensor:
+    """KL_b(p‖q) = p·log(p/q) + (1 − p)·log((1 − p)/(1 − q)) elementwise, p and 1 − p clamped to [eps, 1 − eps].
+
+    1 − p is computed as −expm1(log p): in float32, 1 − 1e-8 rounds to 1, and AReaL's 1 − clamp(p) would give
+    0·log(0/0) = NaN for a token of probability ≈ 1 (e.g. on zero padding). Same value otherwise."""
+    p, q = log_p.exp().clamp(eps, 1.0 - eps), log_q.exp().clamp(eps, 1.0 - eps)
+    p_bar, q_bar = (-log_p.expm1()).clamp(eps, 1.0 - eps), (-log_q.expm1()).clamp(eps, 1.0 - eps)
+    return p * (p / q).log() + p_bar * (p_bar / q_bar).log()
+
+
+def rs_statistic(option: str, tok: Tokens) -> Tensor:
+    """The per-token statistic (B, T) an RS option thresholds, 0 on padding: k1 = −ℓ, k2 = ½ℓ², k3 = ρ − 1 − ℓ
+    (from the clamped ℓ) or the symmetric binary KL max(KL_b(p_old‖p_μ), KL_b(p_μ‖p_old))."""
+    stat = split_option(option)[1]
+    if stat != "binary_kl":
+        return kl_stats(tok, stat)
+    # tok.old / tok.rollout are 0 on padding: p = q there, so the statistic is exactly 0
+    return torch.maximum(binary_kl(tok.old, tok.rollout), binary_kl(tok.rollout, tok.old))
+
+
 def _row_max(x: Tensor, tok: Tokens) -> Tensor:
     """Masked row max; 0 for all-padding rows (verl's convention)."""
     m = tok.valid_max(x, dim=-1)
@@ -59,10 +99,10 @@ def rs_option(
     *,
     row_sum: Tensor | None = None,
 ) -> RSOutcome:
-    """Apply one verl RS option to its per-token statistic ``x`` (k1, k2 or k3; 0 on padding).
+    """Apply one RS option to its per-token statistic ``x`` (k1, k2, k3 or binary KL; 0 on padding).
     ``seq_sum`` / ``seq_mean`` options need only Σ_t x: pass it as ``row_sum`` (B,) and ``x=None`` to skip
     building x (e.g. Σ_t k1 = −Σ_t ℓ, bit-identical since negation is exact)."""
-    kind, k = option.rsplit("_", 1)
+    kind, k = split_option(option)
     if k == "k1":
         lower, upper = k1_bounds(threshold, tok.verl)  # type: ignore[arg-type]
     else:
