@@ -28,7 +28,35 @@ AGGREGATIONS = (
     "seq-mean-token-sum-norm",
     "token-sum",
 )
-LOSSES = ("ppo_clip", "cispo", "gspo", "oapl", "reinforce")
+# The losses of rollcorr.losses.LOSS_NAMES that algorithm.loss accepts; all but oapl take the correction's w.
+LOSSES = ("ppo_clip", "reinforce", "cispo", "gspo", "gmpo", "dppo_tv", "dppo_kl", "sapo", "gpg", "clip_cov",
+          "kl_cov", "dro", "oapl")  # fmt: skip
+# The IS losses build their own train/infer weight; in the trainer that weight is the correction's job, so each
+# is refused with the settings that give the same loss (ppo_clip times the correction's w).
+REFUSED_LOSSES: dict[str, str] = {
+    "ppo_is": "algorithm.loss=ppo_clip algorithm.correction.preset=bypass_ppo_clip algorithm.proximal.name=bypass "
+              "(the PPO ratio is π_θ/μ)",
+    "vanilla_is": "algorithm.loss=ppo_clip algorithm.correction.preset=tis algorithm.correction.is_upper=null "
+                  "(untruncated token IS, w = ρ)",
+    "tis": "algorithm.loss=ppo_clip algorithm.correction.preset=tis (w = min(ρ, 2); set the cap with "
+           "algorithm.correction.is_upper, a floor with algorithm.correction.is_lower)",
+    "areal": "algorithm.loss=ppo_clip algorithm.correction.preset=areal_decoupled_cap (w = ρ·1[ρ ≤ 5]; set the cap "
+             "with algorithm.correction.is_upper)",
+}  # fmt: skip
+# algorithm.loss_args: the LossConfig fields of the losses' own hyper-parameters, and the losses that read them.
+# The other LossConfig fields come from other keys (clip_low → algorithm.clip_low, clip_c → algorithm.dual_clip,
+# agg → algorithm.aggregation, denominator → the correction, oapl_beta → algorithm.oapl_beta, ...).
+LOSS_ARGS: dict[str, tuple[str, ...]] = {
+    "dppo_kl_coef": ("dppo_tv", "dppo_kl"),
+    "sapo_tau_pos": ("sapo",),
+    "sapo_tau_neg": ("sapo",),
+    "clip_cov_ratio": ("clip_cov",),
+    "clip_cov_lb": ("clip_cov",),
+    "clip_cov_ub": ("clip_cov",),
+    "kl_cov_ratio": ("kl_cov",),
+    "kl_cov_coef": ("kl_cov",),
+    "dro_beta": ("dro",),
+}
 
 # Per-algorithm defaults; a field left at None in AlgorithmConfig takes the value from this table.
 ALGORITHMS: dict[str, dict[str, Any]] = {
@@ -92,6 +120,8 @@ class AlgorithmConfig:
     oapl_beta: float = 0.3  # OAPL regression coefficient β (see docs/training.md for the sweep)
     oapl_beta1: float | None = None  # OAPL soft-value temperature β₁ (None = β)
     oapl_sync_every: int = 4  # OAPL: publish weights to the sampler every N learner steps
+    # the loss's own hyper-parameters: {<LossConfig field of LOSS_ARGS>: value}, e.g. {"sapo_tau_pos": 1.0}
+    loss_args: dict[str, Any] = field(default_factory=dict)
     # rollcorr correction config: {"preset": name, <CorrectionConfig field>: value, ...}
     correction: dict[str, Any] = field(default_factory=lambda: {"preset": "decoupled_token_is"})
     # π_old strategy: {"name": strategy, <strategy kwarg>: value, ...}
@@ -290,6 +320,29 @@ def _positive(value: float, key: str, allow_zero: bool = False) -> None:
     _check(ok, key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
 
 
+def _validate_loss_args(loss: str, loss_args: dict[str, Any]) -> None:
+    """Each key a LOSS_ARGS field read by ``loss``, each value a number LossConfig accepts."""
+    from rollcorr.losses import LossConfig
+
+    values = {}
+    for key, value in loss_args.items():
+        dotted = f"algorithm.loss_args.{key}"
+        _check(key in LOSS_ARGS, dotted, f"unknown loss argument; allowed: {sorted(LOSS_ARGS)}")
+        _check(
+            loss in LOSS_ARGS[key],
+            dotted,
+            f"only {' / '.join(LOSS_ARGS[key])} read it; algorithm.loss is {loss!r}",
+        )
+        values[key] = _coerce(value, float, dotted)
+    try:
+        LossConfig(name=loss, **values)
+    except ValueError as err:  # "LossConfig.<field> must be ..." names a field of loss_args
+        key = str(err).removeprefix("LossConfig.").split(" ")[0]
+        raise ConfigError(
+            f"algorithm.loss_args.{key}: {str(err).removeprefix(f'LossConfig.{key} ')}"
+        ) from None
+
+
 def validate(c: TrainConfig) -> None:
     """Self-consistency checks that need no model. Raises ConfigError naming the key."""
     r, a, o, t = c.rollout, c.algorithm, c.optim, c.trainer
@@ -306,7 +359,12 @@ def validate(c: TrainConfig) -> None:
         "algorithm.name",
         f"unknown algorithm {a.name!r}; use one of {sorted(ALGORITHMS)}",
     )
-    _check(a.resolved("loss") in LOSSES, "algorithm.loss", f"unknown loss {a.loss!r}; use one of {LOSSES}")
+    loss = a.resolved("loss")
+    if loss in REFUSED_LOSSES:
+        raise ConfigError(f"algorithm.loss: {loss!r} weights by π_old/μ itself, which the trainer leaves to "
+                          f"algorithm.correction; for the same loss use {REFUSED_LOSSES[loss]}")  # fmt: skip
+    _check(loss in LOSSES, "algorithm.loss", f"unknown loss {loss!r}; use one of {LOSSES}")
+    _validate_loss_args(loss, a.loss_args)
     _check(a.resolved("advantage") in ADVANTAGES, "algorithm.advantage",
            f"unknown advantage estimator {a.advantage!r}; use one of {ADVANTAGES}")  # fmt: skip
     _check(a.resolved("aggregation") in AGGREGATIONS, "algorithm.aggregation",

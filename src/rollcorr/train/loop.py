@@ -99,6 +99,7 @@ def build_algorithm(config: TrainConfig) -> Algorithm:
             oapl_beta=a.oapl_beta,
             oapl_beta1=a.oapl_beta1,
             check_inputs=True,
+            **{key: float(value) for key, value in a.loss_args.items()},  # checked by config.validate
         )
     except ValueError as err:
         raise ConfigError(f"algorithm.loss: {err}") from None
@@ -263,6 +264,8 @@ class Trainer:
             eval_sampler = make_sampler("hf:fp32", model_path)
             self.evaluator = GreedyEvaluator(eval_sampler, self.task, self.learner.tokenizer,
                                              config.task.eval_prompts, r.max_new_tokens, config.task.eval_seed)  # fmt: skip
+        # the loss's own randomness (clip_cov's token draw): one stream per run, saved in checkpoints
+        self.loss_generator = torch.Generator().manual_seed(t.seed)
         self.step = 0
         self.version = 0
         self.bad_steps = 0
@@ -283,6 +286,7 @@ class Trainer:
             "executor": self.executor.state_dict(),
             "proximal": self.proximal.state_dict(),
             "rng": rng_state(),
+            "loss_generator": self.loss_generator.get_state(),
             "loop": {"bad_steps": self.bad_steps, "initial_accuracy": self.initial_accuracy},
             "config": self.config.to_dict(),
         }
@@ -301,6 +305,9 @@ class Trainer:
         self.proximal.load_state_dict(state["proximal"])
         self.executor.load_state_dict(state["executor"])
         set_rng_state(state["rng"])
+        # checkpoints written before the loss generator was saved restart its stream at the seed
+        if "loss_generator" in state:
+            self.loss_generator.set_state(state["loss_generator"])
 
     # ---- the loop --------------------------------------------------------------------------------------
     def _lr(self, step: int) -> float:
@@ -382,7 +389,8 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self._lr(self.step)
 
-        result = train_step(rollout, self.learner, self.optimizer, self.proximal, self.algo, self.version)
+        result = train_step(rollout, self.learner, self.optimizer, self.proximal, self.algo, self.version,
+                            generator=self.loss_generator)  # fmt: skip
         metrics.update(result.metrics)
         metrics["proximal/stall_s"] = float(stall or 0.0)
         self.step += 1

@@ -138,7 +138,11 @@ def attach_advantages(rollout: Rollout, algo: Algorithm) -> tuple[Rollout, Tenso
     return rollout.replace(advantages=adv), used, metrics
 
 
-def _loss(algo: Algorithm, part: Rollout, log_prob: Tensor, loss_mask: Tensor) -> tuple[Tensor, dict]:
+def _loss(
+    algo: Algorithm, part: Rollout, log_prob: Tensor, loss_mask: Tensor, generator: torch.Generator | None
+) -> tuple[Tensor, dict]:
+    """``algo.loss`` on one micro-batch: OAPL regresses on log μ and the rewards, every other loss takes
+    π_old, the advantages and the correction's weights (clip_cov also the run's generator for its draw)."""
     if algo.loss.name == "oapl":
         return policy_loss(
             algo.loss,
@@ -158,10 +162,8 @@ def _loss(algo: Algorithm, part: Rollout, log_prob: Tensor, loss_mask: Tensor) -
         part.advantages,
         loss_mask,
         weights=part.is_weights,
-        rollout_log_prob=part.rollout_log_prob
-        if algo.loss.name in ("ppo_is", "vanilla_is", "tis", "areal")
-        else None,
         denominator_mask=part.response_mask,
+        generator=generator,
     )
 
 
@@ -184,15 +186,19 @@ def optimize(
     optimizer: torch.optim.Optimizer,
     algo: Algorithm,
     after_optimizer_step=None,
+    generator: torch.Generator | None = None,
 ) -> tuple[dict[str, float], int, int]:
     """PPO epochs × mini-batches of optimizer steps over ``rollout``.
 
     Micro-batches accumulate gradients; each micro loss is scaled by its share of the mini-batch (tokens for
-    token-level aggregations, sequences otherwise), so the accumulated gradient equals the mini-batch one.
+    token-level aggregations, sequences otherwise and for the per-sequence losses gmpo and oapl), so the
+    accumulated gradient equals the mini-batch one.
     Returns (metrics averaged over optimizer steps, optimizer steps applied, steps skipped as non-finite).
+    ``generator`` feeds the loss's random draw (clip_cov).
     """
     params = [p for p in learner.model.parameters() if p.requires_grad]
-    token_level = algo.loss.agg_mode in ("token-mean", "token-sum")
+    per_sequence = algo.loss.name in ("gmpo", "oapl")  # a mean over sequences, whatever the aggregation
+    token_level = algo.loss.agg_mode in ("token-mean", "token-sum") and not per_sequence
     sums: dict[str, float] = {}
     applied = skipped = 0
     for _epoch in range(algo.ppo_epochs):
@@ -210,7 +216,7 @@ def optimize(
                 log_prob, entropy = learner.log_prob(
                     part, temperature=algo.temperature, grad=True, with_entropy=True
                 )
-                loss, metrics = _loss(algo, part, log_prob, part_mask)
+                loss, metrics = _loss(algo, part, log_prob, part_mask, generator)
                 metrics["actor/entropy"] = _masked_mean(entropy.detach(), part.response_mask)
                 if not torch.isfinite(loss):
                     finite = False
@@ -262,10 +268,12 @@ def train_step(
     proximal,
     algo: Algorithm,
     version: int,
+    generator: torch.Generator | None = None,
 ) -> StepResult:
     """One walk from a rewarded rollout to updated learner weights (see module docstring).
 
-    ``version`` is the learner's current weight version (the rollout's tokens carry their own, ≤ version).
+    ``version`` is the learner's current weight version (the rollout's tokens carry their own, ≤ version);
+    ``generator`` is the run's stream for the loss's random draw (clip_cov; None = torch's global RNG).
     """
     metrics = {**reward_metrics(rollout), **version_lag(rollout, version)}
 
@@ -313,8 +321,9 @@ def train_step(
 
     start = time.perf_counter()
     opt_metrics, applied, skipped = optimize(
-        rollout, loss_mask, learner, optimizer, algo, after_optimizer_step=proximal.after_optimizer_step
-    )
+        rollout, loss_mask, learner, optimizer, algo,
+        after_optimizer_step=proximal.after_optimizer_step, generator=generator,
+    )  # fmt: skip
     metrics.update(opt_metrics)
     metrics["time/optimize_s"] = time.perf_counter() - start
     metrics["train/skipped_updates"] = float(skipped)
