@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from experiments.common import RESULTS, separated
+from experiments.common import RESULTS, curve, separated, summary
 
 
 def cell(s: dict[str, Any] | None, fmt: str = ".3f", scale: float = 1.0) -> str:
@@ -56,17 +56,27 @@ def by_label(final: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def run_mean(r: dict[str, Any], arm: str, label: str, key: str) -> dict[str, Any]:
+    """mean ± std over seeds of each run's mean of ``key`` over all its logged steps."""
+    per_seed = []
+    for run in r["runs"][arm][label]["runs"]:
+        _, values = curve(run["records"], key)
+        per_seed.append(sum(values) / len(values) if values else None)
+    return summary(per_seed)
+
+
 def quantised_rollouts(r: dict[str, Any]) -> str:
     parts = []
     for label, arms in by_label(r["final"]).items():
         rows = [
             [arm, cell(m["eval/accuracy"]), cell(m["reward/mean"]), cell(m.get("actor/entropy")),
-             cell(m["actor/ppo_kl"], ".1e"), cell(m.get("rollout_corr/kl"), ".1e"),
-             cell(m["rollout_corr/prob_diff_max"], ".2f")]
+             cell(run_mean(r, arm, label, "actor/ppo_kl"), ".1e"),
+             cell(run_mean(r, arm, label, "rollout_corr/kl"), ".1e"),
+             cell(run_mean(r, arm, label, "rollout_corr/prob_diff_max"), ".2f")]
             for arm, m in arms.items()
         ]  # fmt: skip
-        header = ["arm", "greedy accuracy", "sampled reward", "entropy", "actor/ppo_kl",
-                  "rollout_corr/kl", "max |Δp|"]  # fmt: skip
+        header = ["arm", "greedy accuracy", "sampled reward", "entropy", "actor/ppo_kl (run mean)",
+                  "rollout_corr/kl (run mean)", "max |Δp| (run mean)"]  # fmt: skip
         parts.append(f"**{label}**, last step of {r['steps']}\n\n" + table(header, rows))
         parts.append(separations({a: m["eval/accuracy"] for a, m in arms.items()}))
     return "\n\n".join(parts)
