@@ -87,12 +87,14 @@ def staleness(r: dict[str, Any]) -> str:
     rows = []
     for arm, m in final.items():
         cost = r["cost"][arm]
-        rows.append([arm, cell(m["eval/accuracy"]),
-                     cell(one_minus(m.get("rollout_corr/rollout_rs_masked_fraction"))),
+        label = next(iter(r["runs"][arm]))
+        masked = run_mean(r, arm, label, "rollout_corr/rollout_rs_masked_fraction")
+        keep = cell(one_minus(masked)) if masked["mean"] is not None else "1 (no rule)"
+        rows.append([arm, cell(m["eval/accuracy"]), keep,
                      cell(m["actor/pg_clipfrac"]), cell(m["proximal/ewma_resets"], ".1f"),
                      f"{cost['time/step_s']['mean']:.3f}", f"{cost['proximal/seconds']['mean']:.3f}",
                      f"{cost['proximal/extra_bytes']['mean'] / 2**20:.2f}"])  # fmt: skip
-    header = ["arm", "greedy accuracy", "keep ratio", "PPO clip fraction", "EWMA resets", "s / step",
+    header = ["arm", "greedy accuracy", "keep ratio (run mean)", "PPO clip fraction", "EWMA resets", "s / step",
               "π_old s / step", "extra MB"]  # fmt: skip
     parts = [f"last step of {r['steps']}\n\n" + table(header, rows)]
     blocks = sorted({arm.split("/")[0] for arm in final})

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         grid=chosen_grid(args),
         keep=KEYS,
     )
-    final = summarize_arms(results, KEYS[:5])
+    final = summarize_arms(results, KEYS)
     figures = {}
     groups = curve_groups(results)
     panels = (*KEYS[:5], "rollout_corr/rollout_rs_masked_fraction")
