@@ -29,7 +29,7 @@ RESULTS = ROOT / "results"
 
 # The shared small grid every training study uses (docs/results.md lists it; no per-method tuning).
 # Everything else is the shipped default config (16 prompts × 8 responses, 6 new tokens, temperature 1).
-GRID = {"optim.lr": [2e-4, 1e-3]}
+GRID = {"optim.lr": [2e-4, 4e-4, 1e-3]}  # 1e-3 collapses every arm within 10 steps (docs/results.md)
 RUNS = ROOT.parent / "runs" / "experiments"  # training run folders (checkpoints, metrics); not committed
 SEEDS = (0, 1, 2)
 
@@ -204,13 +204,14 @@ def plot_curves(
     cols = min(n, 3)
     rows = -(-n // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.3 * rows), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, key in zip(axes.flat, keys):
-        for label, runs in groups.items():
+        for i, (label, runs) in enumerate(groups.items()):  # one colour per group in every panel
             steps, mean, std = mean_curve(runs, key)
             if not steps:
                 continue
             steps = [s * x_scale for s in steps]
-            (line,) = ax.plot(steps, mean, label=label, lw=1.3)
+            (line,) = ax.plot(steps, mean, label=label, lw=1.3, color=colors[i % len(colors)])
             lo = [m - s for m, s in zip(mean, std)]
             hi = [m + s for m, s in zip(mean, std)]
             ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15)
