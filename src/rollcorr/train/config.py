@@ -406,8 +406,6 @@ def validate(c: TrainConfig) -> None:
         f"unknown executor {t.executor!r}; use one of {EXECUTORS}",
     )
     _positive(t.ray_workers, "trainer.ray_workers")
-    _check(t.executor != "ray" or not t.partial_rollouts, "trainer.partial_rollouts",
-           "the Ray executor samples whole batches; use trainer.executor=local for partial rollouts")  # fmt: skip
     _positive(t.lag, "trainer.lag", allow_zero=True)
     _check(t.max_staleness >= 0, "trainer.max_staleness", f"must be >= 0, got {t.max_staleness}")
     if t.mode == "simulated_async":
