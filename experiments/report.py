@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from experiments.common import RESULTS, separated
+from experiments.common import RESULTS, curve, separated, summary
 
 
 def cell(s: dict[str, Any] | None, fmt: str = ".3f", scale: float = 1.0) -> str:
@@ -56,17 +56,27 @@ def by_label(final: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def run_mean(r: dict[str, Any], arm: str, label: str, key: str) -> dict[str, Any]:
+    """mean ± std over seeds of each run's mean of ``key`` over all its logged steps."""
+    per_seed = []
+    for run in r["runs"][arm][label]["runs"]:
+        _, values = curve(run["records"], key)
+        per_seed.append(sum(values) / len(values) if values else None)
+    return summary(per_seed)
+
+
 def quantised_rollouts(r: dict[str, Any]) -> str:
     parts = []
     for label, arms in by_label(r["final"]).items():
         rows = [
             [arm, cell(m["eval/accuracy"]), cell(m["reward/mean"]), cell(m.get("actor/entropy")),
-             cell(m["actor/ppo_kl"], ".1e"), cell(m.get("rollout_corr/kl"), ".1e"),
-             cell(m["rollout_corr/prob_diff_max"], ".2f")]
+             cell(run_mean(r, arm, label, "actor/ppo_kl"), ".1e"),
+             cell(run_mean(r, arm, label, "rollout_corr/kl"), ".1e"),
+             cell(run_mean(r, arm, label, "rollout_corr/prob_diff_max"), ".2f")]
             for arm, m in arms.items()
         ]  # fmt: skip
-        header = ["arm", "greedy accuracy", "sampled reward", "entropy", "actor/ppo_kl",
-                  "rollout_corr/kl", "max |Δp|"]  # fmt: skip
+        header = ["arm", "greedy accuracy", "sampled reward", "entropy", "actor/ppo_kl (run mean)",
+                  "rollout_corr/kl (run mean)", "max |Δp| (run mean)"]  # fmt: skip
         parts.append(f"**{label}**, last step of {r['steps']}\n\n" + table(header, rows))
         parts.append(separations({a: m["eval/accuracy"] for a, m in arms.items()}))
     return "\n\n".join(parts)
@@ -77,12 +87,14 @@ def staleness(r: dict[str, Any]) -> str:
     rows = []
     for arm, m in final.items():
         cost = r["cost"][arm]
-        rows.append([arm, cell(m["eval/accuracy"]),
-                     cell(one_minus(m.get("rollout_corr/rollout_rs_masked_fraction"))),
+        label = next(iter(r["runs"][arm]))
+        masked = run_mean(r, arm, label, "rollout_corr/rollout_rs_masked_fraction")
+        keep = cell(one_minus(masked)) if masked["mean"] is not None else "1 (no rule)"
+        rows.append([arm, cell(m["eval/accuracy"]), keep,
                      cell(m["actor/pg_clipfrac"]), cell(m["proximal/ewma_resets"], ".1f"),
                      f"{cost['time/step_s']['mean']:.3f}", f"{cost['proximal/seconds']['mean']:.3f}",
                      f"{cost['proximal/extra_bytes']['mean'] / 2**20:.2f}"])  # fmt: skip
-    header = ["arm", "greedy accuracy", "keep ratio", "PPO clip fraction", "EWMA resets", "s / step",
+    header = ["arm", "greedy accuracy", "keep ratio (run mean)", "PPO clip fraction", "EWMA resets", "s / step",
               "π_old s / step", "extra MB"]  # fmt: skip
     parts = [f"last step of {r['steps']}\n\n" + table(header, rows)]
     blocks = sorted({arm.split("/")[0] for arm in final})
