@@ -144,6 +144,9 @@ class OptimConfig:
     warmup_steps: int = 0
     schedule: str = "cosine"  # constant | cosine (to min_lr_ratio · lr at trainer.steps)
     min_lr_ratio: float = 0.1
+    # No optimizer step on a mini-batch whose gradient is exactly 0 (all tokens rejected, all advantages 0):
+    # Adam would otherwise keep moving the weights by its momentum (docs/training.md, "Zero gradients").
+    skip_zero_grad: bool = False
 
 
 @dataclass
