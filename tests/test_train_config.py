@@ -59,7 +59,7 @@ def test_overrides_parse_yaml_values_and_nested_dicts():
         (["optim.schedule=linear"], "optim.schedule"),
         (["trainer.executor=spark"], "trainer.executor"),
         (
-            ["trainer.executor=ray", "trainer.mode=async", "trainer.partial_rollouts=true"],
+            ["trainer.executor=ray", "trainer.mode=simulated_async", "trainer.partial_rollouts=true"],
             "trainer.partial_rollouts",
         ),
         (["optim.lr=fast"], "optim.lr"),

@@ -254,3 +254,27 @@ def test_admission_counts_dropped_batches_against_the_trained_version():
     assert admissible(5, dropped=2, sampler_version=1, max_staleness=2)  # trained at 3, lag 2
     assert not admissible(5, dropped=2, sampler_version=0, max_staleness=2)  # lag 3
     assert not admissible(5, dropped=0, sampler_version=2, max_staleness=2)  # trained at 5, lag 3
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_zero_gradient_mini_batches_take_no_optimizer_step_when_asked(tmp_path, model_dir, skip):
+    """A K1 window that excludes ratio 1 rejects every token: the gradient is exactly 0 on every mini-batch.
+    With optim.skip_zero_grad the optimizer never steps (weights bit-identical, not counted as bad steps)."""
+    reject_all = (
+        "algorithm.correction={preset: decoupled_geo_rs, rs: [token_k1], rs_thresholds: [[1.5, 2.0]]}"
+    )
+    config = tiny_config(tmp_path, model_dir, "trainer.steps=2", "trainer.mini_batches=2", reject_all,
+                         f"optim.skip_zero_grad={skip}")  # fmt: skip
+    result = run(config)
+    assert result.stopped is None
+    for r in step_records(result.run_dir):
+        assert r["rollout_corr/rollout_rs_masked_fraction"] == 1.0
+        assert r["train/zero_grad_skips"] == (2.0 if skip else 0.0)
+        assert r["train/applied_updates"] == (0.0 if skip else 2.0)
+        assert r["train/bad_steps_in_row"] == 0.0
+        if not skip:
+            assert r["loss/grad_norm"] == 0.0
+    if skip:
+        start = make_sampler("hf:fp32", model_dir).float_model.state_dict()
+        end = final_weights(result.run_dir)
+        assert all(torch.equal(start[k].float(), end[k]) for k in end)

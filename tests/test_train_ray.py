@@ -181,8 +181,7 @@ def test_make_ray_executor_maps_trainer_modes():
     assert ex.lag == 2 and ex.max_staleness == 3 and ex.num_workers == 3
     assert build("trainer.mode=async").lag is None
     assert ex.spec.params.max_new_tokens == 5 and ex.spec.sampler == "hf:fp32" and ex.spec.model_path is None
-    with pytest.raises(ValueError, match="partial_rollouts"):
-        build("trainer.mode=async", "trainer.partial_rollouts=true")
+    assert build("trainer.mode=async", "trainer.partial_rollouts=true").partial_rollouts
 
 
 @pytest.mark.slow

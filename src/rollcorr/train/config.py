@@ -144,6 +144,9 @@ class OptimConfig:
     warmup_steps: int = 0
     schedule: str = "cosine"  # constant | cosine (to min_lr_ratio · lr at trainer.steps)
     min_lr_ratio: float = 0.1
+    # No optimizer step on a mini-batch whose gradient is exactly 0 (all tokens rejected, all advantages 0):
+    # Adam would otherwise keep moving the weights by its momentum (docs/training.md, "Zero gradients").
+    skip_zero_grad: bool = False
 
 
 @dataclass
@@ -406,8 +409,6 @@ def validate(c: TrainConfig) -> None:
         f"unknown executor {t.executor!r}; use one of {EXECUTORS}",
     )
     _positive(t.ray_workers, "trainer.ray_workers")
-    _check(t.executor != "ray" or not t.partial_rollouts, "trainer.partial_rollouts",
-           "the Ray executor samples whole batches; use trainer.executor=local for partial rollouts")  # fmt: skip
     _positive(t.lag, "trainer.lag", allow_zero=True)
     _check(t.max_staleness >= 0, "trainer.max_staleness", f"must be >= 0, got {t.max_staleness}")
     if t.mode == "simulated_async":

@@ -116,6 +116,7 @@ def build_algorithm(config: TrainConfig) -> Algorithm:
         micro_batch_size=config.trainer.micro_batch_size,
         ppo_epochs=config.trainer.ppo_epochs,
         grad_clip=config.optim.grad_clip,
+        skip_zero_grad=config.optim.skip_zero_grad,
     )
 
 

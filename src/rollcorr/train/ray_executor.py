@@ -21,14 +21,23 @@ batch per step, version == step), so it is dispatched only with weights of versi
 ``(i − dropped) − v ≤ max_staleness``; ``next_rollout`` re-checks the oldest token of the batch against the
 learner's real version and drops (and counts) a batch that would break the bound.
 
+Partial rollouts (lag=None only): a worker decodes ``chunk_tokens`` tokens at a time. ``publish`` offers the
+new version to every busy worker (``offer``, a second thread of the actor); between chunks the worker loads the
+newest offered weights and continues the unfinished responses with them, so each token keeps the version that
+produced it. Tokens only get newer than the version the batch was admitted with, so the bound holds. ``pause``
+asks busy workers to stop at their next chunk boundary (``interrupt``) and returns their unfinished batches;
+``resume`` continues them, with the newest weights, before anything else.
+
 Bounded queue: at most ``queue_size + workers`` batches are ahead of the learner (generated or generating).
 A worker that dies (``ray.kill``, OOM, node loss) is replaced by a fresh actor; its batch goes back to the
-front of the queue and is generated again, so every index is trained exactly once.
+front of the queue and is generated again from scratch (also when it was partly generated), so every index
+is trained exactly once.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,33 +103,88 @@ def _absolute(path: str) -> str:
 
 
 class SamplerWorker:
-    """The Ray actor: one sampler, one RolloutSource, the weight version it holds."""
+    """The Ray actor: one sampler, one RolloutSource, the weight version it holds.
 
-    def __init__(self, spec: SourceSpec):
+    With partial rollouts (``chunk_tokens``) the actor is threaded (``max_concurrency=2``): while ``run``
+    decodes a batch chunk by chunk, ``offer`` drops newer weights into a mailbox and ``interrupt`` asks ``run``
+    to return at the next chunk boundary; both are only looked at between chunks.
+    """
+
+    def __init__(self, spec: SourceSpec, chunk_tokens: int | None = None):
         if spec.threads > 0:
             torch.set_num_threads(spec.threads)
         self.source = spec.build()
+        self.threads, self.chunk_tokens = spec.threads, chunk_tokens
         self.loaded: int | None = None  # version of the weights in the sampler (None: the checkpoint file's)
+        self.lock = threading.Lock()
+        self.mailbox: tuple[int, list] | None = None  # newest offered (version, [object ref]) not yet loaded
+        self.stop: int | None = None  # index of the batch asked to stop at its next chunk boundary
 
     def ready(self) -> int:
         return os.getpid()
 
-    def run(self, index: int, version: int, weights: list) -> tuple[Rollout, dict[str, float]]:
-        """Batch ``index`` with weights ``version`` (``weights`` = [object ref], fetched only if new)."""
+    def offer(self, version: int, weights: list) -> None:
+        """Newer weights published while ``run`` decodes: loaded at its next chunk boundary."""
+        with self.lock:
+            if self.mailbox is None or version > self.mailbox[0]:
+                self.mailbox = (version, weights)
+
+    def interrupt(self, index: int) -> None:
+        """Make ``run(index, ...)`` return its unfinished batch at the next chunk boundary (a pause). Keyed by
+        index, so a request that arrives after the batch finished cannot stop another one."""
+        self.stop = index
+
+    def _load(self, version: int, weights: list) -> float:
+        """Load ``version`` (``weights`` = [object ref]) unless the sampler holds it; returns the seconds spent."""
         import ray
 
+        if version == self.loaded:
+            return 0.0
         start = time.perf_counter()
-        if self.loaded != version:
-            self.source.load_weights(ray.get(weights[0]), version)
-            self.loaded = version
-        loaded = time.perf_counter()
-        rollout = self.source.reward(self.source.generate(index))
-        return rollout, {"load_s": loaded - start, "generate_s": time.perf_counter() - loaded,
+        self.source.load_weights(ray.get(weights[0]), version)
+        self.loaded = version
+        return time.perf_counter() - start
+
+    def _load_offered(self) -> float:
+        """Load the mailbox's weights if they are newer than the sampler's; returns the seconds spent."""
+        with self.lock:
+            offered, self.mailbox = self.mailbox, None
+        if offered is None or (self.loaded is not None and offered[0] <= self.loaded):
+            return 0.0
+        return self._load(*offered)
+
+    def run(
+        self, index: int, version: int, weights: list, partial: Rollout | None = None
+    ) -> tuple[Rollout, dict[str, float]]:
+        """Batch ``index`` with weights ``version`` (``weights`` = [object ref], fetched only if new).
+
+        Whole batches without ``chunk_tokens``. With it: decode ``chunk_tokens`` tokens at a time (continuing
+        ``partial`` if given), load newer offered weights between chunks, and return early, unfinished and
+        without rewards, if interrupted. A finished batch is rewarded.
+        """
+        start = time.perf_counter()
+        load_s = self._load(version, weights)
+        if self.chunk_tokens is None:
+            rollout = self.source.generate(index)
+        else:
+            if self.threads > 0:
+                torch.set_num_threads(self.threads)  # run may execute in a thread of the actor's pool
+            load_s += self._load_offered()
+            if partial is None:
+                rollout = self.source.generate(index, max_steps=self.chunk_tokens)
+            else:
+                rollout = self.source.resume(index, partial, max_steps=self.chunk_tokens)
+            while not self.source.finished(rollout) and self.stop != index:
+                load_s += self._load_offered()  # between chunks: newer weights continue the responses
+                rollout = self.source.resume(index, rollout, max_steps=self.chunk_tokens)
+            if self.stop == index:
+                self.stop = None
+        if self.source.finished(rollout):
+            rollout = self.source.reward(rollout)
+        return rollout, {"load_s": load_s, "generate_s": time.perf_counter() - start - load_s,
                          "pid": float(os.getpid())}  # fmt: skip
 
 
-# The admission rule shared with AsyncExecutor (which inlines it as ``index + shift - version``); these three
-# helpers belong in rollcorr.train.executors, for both executors to import.
 class RayExecutor:
     """``workers`` Ray actors sample batches; the driver orders them by index and enforces the staleness bound.
 
@@ -132,6 +196,8 @@ class RayExecutor:
     address        None: start a local cluster (``num_cpus``); "auto" or "ray://host:port": join that cluster
     worker_cpus    CPUs each actor reserves; worker_gpus likewise (a vLLM sampler on a GPU node: 1)
     max_restarts   worker deaths tolerated over the run before giving up
+    partial_rollouts  workers decode ``chunk_tokens`` tokens at a time and continue unfinished responses with
+                   weights published meanwhile (freshest-weights mode only, as ``AsyncExecutor``)
     """
 
     def __init__(
@@ -147,6 +213,8 @@ class RayExecutor:
         worker_gpus: float = 0.0,
         max_restarts: int = 8,
         ready_timeout_s: float = 300.0,
+        partial_rollouts: bool = False,
+        chunk_tokens: int = 2,
     ):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -157,16 +225,25 @@ class RayExecutor:
             )
         if lag is not None and not 0 <= lag <= max_staleness:
             raise ValueError(f"lag must be in [0, max_staleness={max_staleness}], got {lag}")
+        if partial_rollouts and lag is not None:
+            raise ValueError(
+                f"partial rollouts take the freshest weights between chunks: they need lag=None "
+                f"(trainer.mode=async), got lag={lag}"
+            )
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.spec, self.num_workers, self.max_staleness = spec, workers, max_staleness
         self.queue_size, self.lag, self.address = queue_size, lag, address
         self.num_cpus = num_cpus
         self.worker_cpus, self.worker_gpus = worker_cpus, worker_gpus
         self.max_restarts, self.ready_timeout_s = max_restarts, ready_timeout_s
+        self.partial_rollouts, self.chunk_tokens = partial_rollouts, chunk_tokens
         self.actors: list = []  # slot → actor handle
         self.busy: set[int] = set()  # slots with a task in flight
         self.pending: dict = {}  # object ref → (index, slot)
         self.done: dict[int, tuple[Rollout, dict[str, float]]] = {}  # reorder buffer
-        self.retry: set[int] = set()  # indices whose worker died: generated again first
+        self.retry: set[int] = set()  # indices whose worker died: generated again (from scratch) first
+        self.partial: dict[int, Rollout] = {}  # unfinished batches handed back by a pause: continued first
         self.published: dict[int, Any] = {}  # version → object ref of its weights
         self.latest = -1  # newest published version
         self.learner_version = 0  # newest learner version the driver has told us about
@@ -198,10 +275,11 @@ class RayExecutor:
 
     def _spawn(self, slot: int):
         ray = self._ray
-        actor_cls = ray.remote(num_cpus=self.worker_cpus, num_gpus=self.worker_gpus, max_restarts=0)(
-            SamplerWorker
-        )
-        actor = actor_cls.remote(self.spec)
+        # partial rollouts: a second thread takes `offer` / `interrupt` while `run` decodes
+        concurrency = 2 if self.partial_rollouts else 1
+        actor_cls = ray.remote(num_cpus=self.worker_cpus, num_gpus=self.worker_gpus, max_restarts=0,
+                               max_concurrency=concurrency)(SamplerWorker)  # fmt: skip
+        actor = actor_cls.remote(self.spec, self.chunk_tokens if self.partial_rollouts else None)
         if slot < len(self.actors):
             self.actors[slot] = actor
         else:
@@ -247,7 +325,7 @@ class RayExecutor:
 
     def _pump(self) -> None:
         """Give work to idle workers (round-robin, so every worker is used and a dead one is noticed):
-        retries first, then new indices inside the queue bound."""
+        unfinished batches and retries first (lowest index first), then new indices inside the queue bound."""
         if self._paused or not self.actors:
             return
         first = self._next_slot
@@ -255,20 +333,25 @@ class RayExecutor:
             slot = (first + turn) % self.num_workers
             if slot in self.busy:
                 continue
-            if self.retry:
-                index = min(self.retry)
+            partial = None
+            if self.retry or self.partial:
+                index = min(self.retry | set(self.partial))
+                partial = self.partial.get(index)
             elif self.next_index < self.next_train + self.queue_size + self.num_workers:
                 index = self.next_index
             else:
                 return
-            version = self._weights_for(index)
+            # an unfinished batch was admitted when it started; newer weights only shorten its lag
+            version = self.latest if partial is not None else self._weights_for(index)
             if version is None:
                 return
-            ref = self.actors[slot].run.remote(index, version, [self.published[version]])
+            ref = self.actors[slot].run.remote(index, version, [self.published[version]], partial)
             self.pending[ref] = (index, slot)
             self.busy.add(slot)
             self._next_slot = (slot + 1) % self.num_workers
-            if index in self.retry:
+            if partial is not None:
+                del self.partial[index]
+            elif index in self.retry:
                 self.retry.discard(index)
             else:
                 self.next_index += 1
@@ -283,12 +366,17 @@ class RayExecutor:
             index, slot = self.pending.pop(ref)
             self.busy.discard(slot)
             try:
-                self.done[index] = ray.get(ref)
+                rollout, info = ray.get(ref)
             except RayActorError as err:  # the worker died: replace it, generate the batch again
                 self._restart(slot, err)
                 self.retry.add(index)
+                continue
             except ray.exceptions.RayTaskError as err:
                 raise RuntimeError(f"sampler worker failed on batch {index}: {err}") from err
+            if RolloutSource.finished(rollout):
+                self.done[index] = (rollout, info)
+            else:  # interrupted by a pause
+                self.partial[index] = rollout
 
     def _prune(self) -> None:
         """Forget weights no future batch can use (in-flight tasks hold their own references)."""
@@ -312,6 +400,9 @@ class RayExecutor:
         self.published[version] = self._ray.put({k: v.detach().cpu() for k, v in weights.items()})
         self.latest = max(self.latest, version)
         self.learner_version = max(self.learner_version, version)
+        if self.partial_rollouts and version == self.latest:  # busy workers load it at their next chunk
+            for slot in self.busy:
+                self.actors[slot].offer.remote(version, [self.published[version]])
         self._prune()
         self._pump()
 
@@ -353,11 +444,15 @@ class RayExecutor:
         }
 
     def pause(self) -> list[Rollout]:
-        """Stop dispatching, let in-flight batches finish; returns every batch generated but not yet trained."""
+        """Stop dispatching; partial rollouts: workers stop at their next chunk boundary, else in-flight
+        batches finish. Returns every batch not yet trained: generated ones, then unfinished ones."""
         self._paused = True
+        if self.partial_rollouts:
+            for index, slot in self.pending.values():
+                self.actors[slot].interrupt.remote(index)
         while self.pending:
             self._collect(timeout=1.0)
-        return [self.done[i][0] for i in sorted(self.done)]
+        return [self.done[i][0] for i in sorted(self.done)] + [self.partial[i] for i in sorted(self.partial)]
 
     def resume(self) -> None:
         self._paused = False
@@ -372,7 +467,7 @@ class RayExecutor:
         self._closed_weights = {v: ray.get(ref) for v, ref in self.published.items()}
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
-        self.actors, self.pending, self.busy = [], {}, set()
+        self.actors, self.pending, self.busy, self.partial = [], {}, set(), {}
         if self._owns_ray:
             ray.shutdown()
         self._ray = None
@@ -423,8 +518,6 @@ def make_ray_executor(config, spec: SourceSpec | None = None, *, address: str | 
     sync → lag 0, simulated_async → lag ``trainer.lag`` (both deterministic), async → freshest weights.
     """
     t = config.trainer
-    if t.partial_rollouts:
-        raise ValueError("trainer.partial_rollouts: not supported by the Ray executor (whole batches only)")
     lag = {"sync": 0, "simulated_async": t.lag, "async": None}.get(t.mode, "?")
     if lag == "?":
         raise ValueError(f"trainer.mode: unknown mode {t.mode!r}")
@@ -435,5 +528,7 @@ def make_ray_executor(config, spec: SourceSpec | None = None, *, address: str | 
         queue_size=t.queue_size,
         lag=lag,
         address=address if address is not None else getattr(t, "ray_address", None),
+        partial_rollouts=t.partial_rollouts,
+        chunk_tokens=t.partial_chunk_tokens,
         **kwargs,
     )

@@ -40,6 +40,7 @@ class Algorithm:
     micro_batch_size: int = 0  # 0 = whole mini-batch
     ppo_epochs: int = 1
     grad_clip: float = 1.0
+    skip_zero_grad: bool = False  # no optimizer step when the gradient is exactly zero (see optimize)
 
 
 @dataclass
@@ -194,13 +195,15 @@ def optimize(
     token-level aggregations, sequences otherwise and for the per-sequence losses gmpo and oapl), so the
     accumulated gradient equals the mini-batch one.
     Returns (metrics averaged over optimizer steps, optimizer steps applied, steps skipped as non-finite).
+    With ``algo.skip_zero_grad`` a mini-batch whose gradient is exactly zero takes no optimizer step
+    (counted in ``train/zero_grad_skips``; not a bad step).
     ``generator`` feeds the loss's random draw (clip_cov).
     """
     params = [p for p in learner.model.parameters() if p.requires_grad]
     per_sequence = algo.loss.name in ("gmpo", "oapl")  # a mean over sequences, whatever the aggregation
     token_level = algo.loss.agg_mode in ("token-mean", "token-sum") and not per_sequence
     sums: dict[str, float] = {}
-    applied = skipped = 0
+    applied = skipped = zero_grad_skips = 0
     for _epoch in range(algo.ppo_epochs):
         for rows in _mini_batch_indices(rollout, algo.mini_batches):
             mini = rollout.select(rows)
@@ -232,6 +235,11 @@ def optimize(
                 optimizer.zero_grad(set_to_none=True)
                 skipped += 1
                 continue
+            if algo.skip_zero_grad and grad_norm == 0.0:
+                # Every token rejected, or every advantage zero. Adam would still move the weights by its
+                # momentum m/√v (and v keeps decaying, which inflates the next real step): skip it entirely.
+                zero_grad_skips += 1
+                continue
             optimizer.step()
             applied += 1
             if after_optimizer_step is not None:
@@ -240,7 +248,9 @@ def optimize(
             for k, v in step_metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
     optimizer.zero_grad(set_to_none=True)
-    return {k: v / max(applied, 1) for k, v in sums.items()}, applied, skipped
+    metrics = {k: v / max(applied, 1) for k, v in sums.items()}
+    metrics["train/zero_grad_skips"] = float(zero_grad_skips)
+    return metrics, applied, skipped
 
 
 def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
