@@ -1,7 +1,7 @@
 """Study 2 — quantised rollouts (the TIS paper): does an int8 sampler hurt learning, and which correction
 recovers it?
 
-    python -m experiments.quantised_rollouts            # full study: 14 arms × grid × 3 seeds
+    python -m experiments.quantised_rollouts            # full study: 16 arms × grid × 3 seeds
     python -m experiments.quantised_rollouts --quick    # 2 steps, 1 seed (smoke test)
 
 fp32 learner; samplers fp32 and int8 (``model.sampler``). Methods (``algorithm.correction``):
@@ -12,6 +12,7 @@ fp32 learner; samplers fp32 and int8 (``model.sampler``). Methods (``algorithm.c
   icepop       w_t = ρ_t·1[0.5 ≤ ρ_t ≤ 5]                                        (preset icepop)
   seq_mis      w = ρ(y)·1[ρ(y) ≤ 2]                                             (preset seq_mis)
   geo_rs       reject sequences whose geometric-mean ratio leaves its band      (preset decoupled_geo_rs)
+  geo_rs_skipzero  the same with optim.skip_zero_grad=true (no Adam step on a zero gradient)
 Two optimizer steps per rollout batch (trainer.mini_batches=2), so the second one is off-policy and the
 PPO ratio / KL estimate are not trivially 1 / 0. Curves: rollout reward, greedy accuracy, actor/ppo_kl (the k1 estimate of KL(π_old‖π_θ)), response length.
 """
@@ -39,6 +40,8 @@ METHODS = {
     "icepop": ["algorithm.correction={preset: icepop}"],
     "seq_mis": ["algorithm.correction={preset: seq_mis}"],
     "geo_rs": ["algorithm.correction={preset: decoupled_geo_rs}"],
+    # Not a method of the paper: Geo-RS with optim.skip_zero_grad, to test why Geo-RS collapses (results.md).
+    "geo_rs_skipzero": ["algorithm.correction={preset: decoupled_geo_rs}", "optim.skip_zero_grad=true"],
 }
 SAMPLERS = {"fp32": "hf:fp32", "int8": "hf:int8"}
 ARMS = {
