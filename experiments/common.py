@@ -265,24 +265,29 @@ def run_arms(
     grid: dict[str, list[Any]] | None = None,
     quick: bool = False,
     keep: Sequence[str] = (),
+    only: dict[str, Sequence[str]] | None = None,
 ) -> dict[str, Any]:
     """Train every arm × grid point × seed; returns {arm: {grid_label: {"runs": [...]}}}.
 
     Run folders go to ``runs/experiments/<out name>/<arm>_<grid values>_s<seed>`` (``out/runs/...`` when
     ``out`` is outside experiments/results). ``base`` overrides apply to every run, then the arm's, then the grid point's and the seed. Only the
     metric keys in ``keep`` (plus step) are stored per record, so results.json stays small. ``quick`` runs
-    the first grid point with 1 seed and ``quick_overrides()``.
+    the first grid point with 1 seed and ``quick_overrides()``. ``only`` restricts an arm to the grid points
+    whose overrides are all in ``only[arm]`` (e.g. ``{"int8/x": ["optim.lr=0.0002"]}``).
     """
     grid = GRID if grid is None else grid
     points = grid_points(grid)
     if quick:
         points, seeds = points[:1], list(seeds)[:1]
+    only = only or {}
     out = Path(out).resolve()
     runs_root = RUNS / out.name if out.is_relative_to(RESULTS) else out / "runs"
     results: dict[str, Any] = {}
     for arm, overrides in arms.items():
         results[arm] = {}
         for point in points:
+            if arm in only and not set(point) <= set(only[arm]):
+                continue  # a diagnostic arm that runs at some grid points only
             label = " ".join(point) or "default"
             runs = []
             for seed in seeds:

@@ -49,6 +49,8 @@ ARMS = {
     for s, spec in SAMPLERS.items()
     for m, overrides in METHODS.items()
 }
+# Diagnostic arms (not the paper's methods) run at the first learning rate only.
+ONLY = {f"{s}/geo_rs_skipzero": ["optim.lr=0.0002"] for s in SAMPLERS}
 STEPS = 150
 KEYS = ("reward/mean", "eval/accuracy", "actor/ppo_kl", "response/length_mean", "actor/pg_clipfrac",
         "rollout_corr/prob_diff_max", "loss/grad_norm", "actor/entropy", "rollout_corr/kl")  # fmt: skip
@@ -79,11 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         quick=args.quick,
         grid=chosen_grid(args),
         keep=KEYS,
+        only=ONLY,
     )
     final = summarize_arms(results, KEYS)
     claims = {}
     for label in next(iter(final.values())):
-        acc = {arm: final[arm][label]["eval/accuracy"] for arm in final}
+        acc = {arm: final[arm][label]["eval/accuracy"] for arm in final if label in final[arm]}
         claims[label] = {
             "int8_ppo_worse_than_fp32_ppo": above(acc, "fp32/ppo", "int8/ppo"),
             "int8_tis_better_than_int8_ppo": above(acc, "int8/tis", "int8/ppo"),
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             groups = {a: r for a, r in curve_groups(results, label).items()
                       if a.startswith(sampler + "/") and label in results[a]}  # fmt: skip
             if groups:
-                name = f"curves_{sampler}" + (f"_lr{lr}" if len(labels) > 1 else "") + ".png"
+                name = f"curves_{sampler}" + (f"_lr{lr}" if lr else "") + ".png"
                 plot_curves(groups, PANELS, out / name, title=f"{sampler} sampler, fp32 learner, {label}")
                 figures[f"{sampler} {label}"] = name
     report = {"study": "quantised_rollouts", "steps": steps, "quick": args.quick, "final": final,

@@ -76,7 +76,7 @@ def quantised_rollouts(r: dict[str, Any]) -> str:
             for arm, m in arms.items()
         ]  # fmt: skip
         header = ["arm", "greedy accuracy", "sampled reward", "entropy", "actor/ppo_kl (run mean)",
-                  "rollout_corr/kl (run mean)", "max |Δp| (run mean)"]  # fmt: skip
+                  "rollout_corr/kl (run mean)", "max \\|Δp\\| (run mean)"]  # fmt: skip
         parts.append(f"**{label}**, last step of {r['steps']}\n\n" + table(header, rows))
         parts.append(separations({a: m["eval/accuracy"] for a, m in arms.items()}))
     return "\n\n".join(parts)
