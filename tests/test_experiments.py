@@ -136,6 +136,28 @@ def test_training_study_quick(module, arm, tmp_path, capsys):
     for name in report["figures"].values():
         assert (tmp_path / name).stat().st_size > 1000
     assert "wall time" in capsys.readouterr().out
+    from experiments import report as tables
+
+    table = tables.STUDIES[module](report)  # the markdown docs/results.md shows
+    assert f"| {arm} |" in table and "±" in table
+
+
+def test_run_arms_restricts_diagnostic_arms_to_their_grid_points(tmp_path, monkeypatch):
+    """``only`` keeps an arm to the listed grid points; the others run the whole grid (the trainer is
+    replaced by a recorder: this checks which runs are requested, not training)."""
+    calls = []
+
+    def record(overrides, run_dir):
+        calls.append((run_dir.name, [o for o in overrides if o.startswith("optim.lr=")]))
+        return {"records": [{"step": 1, "eval/accuracy": 0.5}]}
+
+    monkeypatch.setattr(common, "train", record)
+    grid = {"optim.lr": [0.0002, 0.0004]}
+    results = common.run_arms({"a/x": [], "a/diag": []}, [], tmp_path / "out", seeds=[0], grid=grid,
+                              only={"a/diag": ["optim.lr=0.0002"]})  # fmt: skip
+    assert list(results["a/x"]) == ["optim.lr=0.0002", "optim.lr=0.0004"]
+    assert list(results["a/diag"]) == ["optim.lr=0.0002"]
+    assert [name for name, _ in calls] == ["a-x_0.0002_s0", "a-x_0.0004_s0", "a-diag_0.0002_s0"]
 
 
 def test_finished_run_is_reused_only_for_the_same_config():
