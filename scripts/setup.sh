@@ -11,7 +11,8 @@ fi
 # torch first, pinned exactly: this is the CPU wheel on local disk (a looser pin pulls a CUDA build).
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e ".[${ROLLCORR_EXTRAS:-dev,parquet}]"
-for extra in ${ROLLCORR_OPTIONAL//,/ }; do
+optional="${ROLLCORR_OPTIONAL:-}"
+for extra in ${optional//,/ }; do
     if ! .venv/bin/python -m pip install -q -e ".[${extra}]"; then
         echo "warning: optional extra '${extra}' did not install; its tests will be skipped" >&2
     fi
