@@ -17,13 +17,17 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser. Only ``command``'s module is imported to add its arguments (the apps import
+    torch, ~2 s), so ``rollcorr --help`` stays instant; ``None`` adds every command's arguments."""
     parser = argparse.ArgumentParser(prog="rollcorr", description=__doc__)
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
+        if command is not None and name != command:
+            continue
         try:
             importlib.import_module(module).add_arguments(p)
         except ModuleNotFoundError as err:  # an app that is not built yet
@@ -34,7 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # the sub-command is the first argument that names one (top-level options take no values)
+    command = next((a for a in argv if a in COMMANDS), "")
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     if args.version:
         from rollcorr import __version__

@@ -1,0 +1,54 @@
+"""The top-level ``rollcorr`` command: help without importing the apps, version, dispatch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+import pytest
+
+from rollcorr.cli import COMMANDS, build_parser, main
+
+CHECK = """
+import sys
+from rollcorr.cli import main
+try:
+    main({argv!r})
+except SystemExit:
+    pass
+print(sorted(m for m in ("torch", *{apps!r}) if m in sys.modules))
+"""
+
+
+def imported_by(argv: list[str]) -> list[str]:
+    """Modules among torch and the apps' CLI modules that running ``rollcorr argv`` imported."""
+    apps = [module for module, _ in COMMANDS.values()]
+    code = CHECK.format(argv=argv, apps=apps)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return ast.literal_eval(out.strip().splitlines()[-1])
+
+
+def test_top_level_help_imports_no_app_and_no_torch():
+    assert imported_by(["--help"]) == []
+    assert imported_by(["--version"]) == []
+
+
+def test_a_command_imports_only_its_own_app():
+    loaded = imported_by(["analyze", "--help"])
+    assert "rollcorr.analyze.cli" in loaded
+    assert "rollcorr.train.cli" not in loaded and "rollcorr.audit.cli" not in loaded
+
+
+def test_version_and_unknown_command(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip()
+    with pytest.raises(SystemExit):
+        main(["no-such-command"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_full_parser_knows_every_command_option():
+    parser = build_parser()  # every app's arguments (what documentation tools would read)
+    args = parser.parse_args(["train", "--print-config", "trainer.steps=3"])
+    assert args.command == "train" and args.print_config
