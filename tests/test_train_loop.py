@@ -35,46 +35,10 @@ TINY = [
 ]
 
 
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    """A 2-layer Qwen2 (hidden 64) taught 1-digit addition by 100 supervised steps: ~10 % greedy accuracy."""
-    from transformers import AutoModelForCausalLM
-
-    from rollcorr.models.builtin import build_tokenizer, builtin_config
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # far faster than 2 for this size on a shared 2-core machine
-    torch.manual_seed(0)
-    tok = build_tokenizer()
-    model = AutoModelForCausalLM.from_config(
-        builtin_config(len(tok), hidden_size=64, intermediate_size=256, num_hidden_layers=2)
+def tiny_config(tmp_path, addition_model_dir, *overrides, name="run"):
+    return load_config(
+        None, [*TINY, f"model.path={addition_model_dir}", f"trainer.out={tmp_path / name}", *overrides]
     )
-    task = make_task("addition:1")
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for step in range(100):
-        rows, labels = [], []
-        for item in task.sample(64, seed=step, split="train"):
-            prompt = tok(item["prompt"], add_special_tokens=False)["input_ids"]
-            answer = tok(item["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            rows.append(prompt + answer)
-            labels.append([-100] * len(prompt) + answer)
-        width = max(map(len, rows))
-        ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
-        lab = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
-        mask = (torch.arange(width)[None] < torch.tensor([len(r) for r in rows])[:, None]).long()
-        loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    torch.set_num_threads(threads)
-    out = tmp_path_factory.mktemp("model")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
-def tiny_config(tmp_path, model_dir, *overrides, name="run"):
-    return load_config(None, [*TINY, f"model.path={model_dir}", f"trainer.out={tmp_path / name}", *overrides])
 
 
 def records(run_dir):
@@ -89,9 +53,9 @@ def final_weights(run_dir):
     return load_checkpoint(latest_checkpoint(run_dir))["model"]
 
 
-def test_sync_run_writes_run_folder_and_learns_something(tmp_path, model_dir):
+def test_sync_run_writes_run_folder_and_learns_something(tmp_path, addition_model_dir):
     config = tiny_config(
-        tmp_path, model_dir, "trainer.steps=3", "trainer.tensorboard=true", "trainer.plot=true"
+        tmp_path, addition_model_dir, "trainer.steps=3", "trainer.tensorboard=true", "trainer.plot=true"
     )
     result = run(config)
     out = result.run_dir
@@ -111,13 +75,13 @@ def test_sync_run_writes_run_folder_and_learns_something(tmp_path, model_dir):
         assert 0.0 < r["actor/entropy"] < math.log(128)
     assert result.initial_accuracy is not None and result.final_accuracy is not None
     # the weights moved
-    start = make_sampler("hf:fp32", model_dir).float_model.state_dict()
+    start = make_sampler("hf:fp32", addition_model_dir).float_model.state_dict()
     end = final_weights(out)
     assert any(not torch.equal(start[k].float(), end[k]) for k in end)
 
 
-def test_simulated_async_holds_a_fixed_lag(tmp_path, model_dir):
-    config = tiny_config(tmp_path, model_dir, "trainer.mode=simulated_async", "trainer.lag=2", "trainer.steps=5",
+def test_simulated_async_holds_a_fixed_lag(tmp_path, addition_model_dir):
+    config = tiny_config(tmp_path, addition_model_dir, "trainer.mode=simulated_async", "trainer.lag=2", "trainer.steps=5",
                          "algorithm.proximal.name=snapshot")  # fmt: skip
     run(config)
     steps = step_records(tmp_path / "run")
@@ -128,9 +92,9 @@ def test_simulated_async_holds_a_fixed_lag(tmp_path, model_dir):
     assert steps[-1]["factors/staleness_log_abs_mean"] > 0
 
 
-def test_simulated_async_resume_is_bit_identical(tmp_path, model_dir):
+def test_simulated_async_resume_is_bit_identical(tmp_path, addition_model_dir):
     """A run killed after step 3 and resumed from its step-2 checkpoint ends exactly like an uninterrupted one."""
-    full = run(tiny_config(tmp_path, model_dir, "trainer.mode=simulated_async", "trainer.lag=1",
+    full = run(tiny_config(tmp_path, addition_model_dir, "trainer.mode=simulated_async", "trainer.lag=1",
                            "trainer.steps=4", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=3",
                            "task.eval_prompts=4", name="full"))  # fmt: skip
     killed = tmp_path / "killed"
@@ -152,8 +116,8 @@ def test_simulated_async_resume_is_bit_identical(tmp_path, model_dir):
 
 
 @pytest.mark.parametrize("partial", [False, True])
-def test_async_never_trains_above_max_staleness(tmp_path, model_dir, partial):
-    config = tiny_config(tmp_path, model_dir, "trainer.mode=async", "trainer.max_staleness=1", "trainer.queue_size=4",
+def test_async_never_trains_above_max_staleness(tmp_path, addition_model_dir, partial):
+    config = tiny_config(tmp_path, addition_model_dir, "trainer.mode=async", "trainer.max_staleness=1", "trainer.queue_size=4",
                          "trainer.steps=8", f"trainer.partial_rollouts={str(partial).lower()}",
                          "trainer.partial_chunk_tokens=1", "trainer.eval_every=0")  # fmt: skip
     result = run(config)
@@ -163,8 +127,8 @@ def test_async_never_trains_above_max_staleness(tmp_path, model_dir, partial):
     assert steps[-1]["async/dropped_total"] == 0  # admission control, not drop-after-generation
 
 
-def test_partial_rollout_resumes_with_new_weights_and_keeps_token_versions(model_dir):
-    sampler = make_sampler("hf:bf16", model_dir)
+def test_partial_rollout_resumes_with_new_weights_and_keeps_token_versions(addition_model_dir):
+    sampler = make_sampler("hf:bf16", addition_model_dir)
     task = make_task("addition:2")
     params = SamplingParams(max_new_tokens=6, temperature=1.0)
     source = RolloutSource(sampler, task, sampler.tokenizer, params, prompts_per_step=3, group_size=2, seed=0)
@@ -182,9 +146,9 @@ def test_partial_rollout_resumes_with_new_weights_and_keeps_token_versions(model
     assert done.rollout_log_prob is not None and torch.isfinite(done.rollout_log_prob[mask]).all()
 
 
-def test_nan_gradient_step_is_skipped_then_run_stops_with_checkpoint(tmp_path, model_dir):
+def test_nan_gradient_step_is_skipped_then_run_stops_with_checkpoint(tmp_path, addition_model_dir):
     config = tiny_config(
-        tmp_path, model_dir, "trainer.steps=6", "trainer.max_bad_steps=2", "task.eval_prompts=4"
+        tmp_path, addition_model_dir, "trainer.steps=6", "trainer.max_bad_steps=2", "task.eval_prompts=4"
     )
     trainer = Trainer(config)
     before = {k: v.clone() for k, v in trainer.learner.model.state_dict().items()}
@@ -208,8 +172,8 @@ def test_nan_gradient_step_is_skipped_then_run_stops_with_checkpoint(tmp_path, m
         assert torch.equal(saved[k], v), k
 
 
-def test_single_nan_step_is_skipped_and_training_continues(tmp_path, model_dir):
-    config = tiny_config(tmp_path, model_dir, "trainer.steps=3", "task.eval_prompts=4")
+def test_single_nan_step_is_skipped_and_training_continues(tmp_path, addition_model_dir):
+    config = tiny_config(tmp_path, addition_model_dir, "trainer.steps=3", "task.eval_prompts=4")
     trainer = Trainer(config)
     state = {"first": True}
 
@@ -227,8 +191,8 @@ def test_single_nan_step_is_skipped_and_training_continues(tmp_path, model_dir):
     assert [r["train/bad_steps_in_row"] for r in steps] == [1.0, 0.0, 0.0]
 
 
-def test_oapl_syncs_the_sampler_every_n_steps(tmp_path, model_dir):
-    config = tiny_config(tmp_path, model_dir, "algorithm.name=oapl", "algorithm.oapl_sync_every=3", "trainer.max_staleness=2",
+def test_oapl_syncs_the_sampler_every_n_steps(tmp_path, addition_model_dir):
+    config = tiny_config(tmp_path, addition_model_dir, "algorithm.name=oapl", "algorithm.oapl_sync_every=3", "trainer.max_staleness=2",
                          "trainer.steps=6", "task.eval_prompts=4", "algorithm.correction.preset=disabled")  # fmt: skip
     run(config)
     steps = step_records(tmp_path / "run")
@@ -238,8 +202,8 @@ def test_oapl_syncs_the_sampler_every_n_steps(tmp_path, model_dir):
 
 
 @pytest.mark.parametrize("name", ["dapo", "drgrpo", "rloo", "cispo", "gspo"])
-def test_every_algorithm_runs_two_steps(tmp_path, model_dir, name):
-    config = tiny_config(tmp_path, model_dir, f"algorithm.name={name}", "trainer.steps=2", "task.eval_prompts=0",
+def test_every_algorithm_runs_two_steps(tmp_path, addition_model_dir, name):
+    config = tiny_config(tmp_path, addition_model_dir, f"algorithm.name={name}", "trainer.steps=2", "task.eval_prompts=0",
                          "trainer.mini_batches=2", "trainer.micro_batch_size=3")  # fmt: skip
     result = run(config)
     steps = step_records(result.run_dir)
@@ -257,13 +221,13 @@ def test_admission_counts_dropped_batches_against_the_trained_version():
 
 
 @pytest.mark.parametrize("skip", [True, False])
-def test_zero_gradient_mini_batches_take_no_optimizer_step_when_asked(tmp_path, model_dir, skip):
+def test_zero_gradient_mini_batches_take_no_optimizer_step_when_asked(tmp_path, addition_model_dir, skip):
     """A K1 window that excludes ratio 1 rejects every token: the gradient is exactly 0 on every mini-batch.
     With optim.skip_zero_grad the optimizer never steps (weights bit-identical, not counted as bad steps)."""
     reject_all = (
         "algorithm.correction={preset: decoupled_geo_rs, rs: [token_k1], rs_thresholds: [[1.5, 2.0]]}"
     )
-    config = tiny_config(tmp_path, model_dir, "trainer.steps=2", "trainer.mini_batches=2", reject_all,
+    config = tiny_config(tmp_path, addition_model_dir, "trainer.steps=2", "trainer.mini_batches=2", reject_all,
                          f"optim.skip_zero_grad={skip}")  # fmt: skip
     result = run(config)
     assert result.stopped is None
@@ -275,6 +239,6 @@ def test_zero_gradient_mini_batches_take_no_optimizer_step_when_asked(tmp_path, 
         if not skip:
             assert r["loss/grad_norm"] == 0.0
     if skip:
-        start = make_sampler("hf:fp32", model_dir).float_model.state_dict()
+        start = make_sampler("hf:fp32", addition_model_dir).float_model.state_dict()
         end = final_weights(result.run_dir)
         assert all(torch.equal(start[k].float(), end[k]) for k in end)

@@ -17,7 +17,6 @@ import torch
 from rollcorr.config.presets import preset
 from rollcorr.correction import compute_correction
 from rollcorr.losses import LOSS_NAMES, LossConfig, policy_loss
-from rollcorr.tasks import make_task
 from rollcorr.train.checkpoint import latest_checkpoint, load_checkpoint
 from rollcorr.train.config import LOSS_ARGS, LOSSES, REFUSED_LOSSES, ConfigError, load_config
 from rollcorr.train.loop import Trainer, check_components, run
@@ -42,46 +41,10 @@ CLIP_COV_WIDE = [
 ]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A 2-layer Qwen2 (hidden 64) taught 1-digit addition by 100 supervised steps (as test_train_loop.py)."""
-    from transformers import AutoModelForCausalLM
-
-    from rollcorr.models.builtin import build_tokenizer, builtin_config
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    tok = build_tokenizer()
-    model = AutoModelForCausalLM.from_config(
-        builtin_config(len(tok), hidden_size=64, intermediate_size=256, num_hidden_layers=2)
+def tiny_config(tmp_path, addition_model_dir, *overrides, name="run"):
+    return load_config(
+        None, [*TINY, f"model.path={addition_model_dir}", f"trainer.out={tmp_path / name}", *overrides]
     )
-    task = make_task("addition:1")
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for step in range(100):
-        rows, labels = [], []
-        for item in task.sample(64, seed=step, split="train"):
-            prompt = tok(item["prompt"], add_special_tokens=False)["input_ids"]
-            answer = tok(item["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            rows.append(prompt + answer)
-            labels.append([-100] * len(prompt) + answer)
-        width = max(map(len, rows))
-        ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
-        lab = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
-        mask = (torch.arange(width)[None] < torch.tensor([len(r) for r in rows])[:, None]).long()
-        loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    torch.set_num_threads(threads)
-    out = tmp_path_factory.mktemp("model")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
-def tiny_config(tmp_path, model_dir, *overrides, name="run"):
-    return load_config(None, [*TINY, f"model.path={model_dir}", f"trainer.out={tmp_path / name}", *overrides])
 
 
 def step_records(run_dir):
@@ -105,8 +68,8 @@ def test_every_loss_name_is_accepted_or_refused():
 
 
 @pytest.mark.parametrize("loss", LOSSES)
-def test_every_accepted_loss_trains_two_steps(tmp_path, model_dir, loss):
-    config = tiny_config(tmp_path, model_dir, *loss_overrides(loss), "trainer.steps=2", "trainer.mini_batches=2",
+def test_every_accepted_loss_trains_two_steps(tmp_path, addition_model_dir, loss):
+    config = tiny_config(tmp_path, addition_model_dir, *loss_overrides(loss), "trainer.steps=2", "trainer.mini_batches=2",
                          "trainer.micro_batch_size=3")  # fmt: skip
     trainer = Trainer(config)
     assert trainer.algo.loss.name == loss
@@ -125,11 +88,11 @@ def test_every_accepted_loss_trains_two_steps(tmp_path, model_dir, loss):
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
-def test_loss_args_reach_the_loss(tmp_path, model_dir):
+def test_loss_args_reach_the_loss(tmp_path, addition_model_dir):
     """A sapo run with a different gate temperature trains on the same first batch to a different loss."""
     losses = []
     for tau in (1.0, 8.0):
-        config = tiny_config(tmp_path, model_dir, "algorithm.loss=sapo", f"algorithm.loss_args.sapo_tau_neg={tau}",
+        config = tiny_config(tmp_path, addition_model_dir, "algorithm.loss=sapo", f"algorithm.loss_args.sapo_tau_neg={tau}",
                              f"algorithm.loss_args.sapo_tau_pos={tau}", "trainer.steps=1", name=f"tau{tau}")  # fmt: skip
         assert Trainer(config).algo.loss.sapo_tau_pos == tau
         losses.append(step_records(run(config).run_dir)[0]["loss/policy"])
@@ -137,11 +100,11 @@ def test_loss_args_reach_the_loss(tmp_path, model_dir):
     assert losses[0] == pytest.approx(8 * losses[1], rel=1e-4)
 
 
-def test_clip_cov_draw_is_resumed_from_the_checkpoint(tmp_path, model_dir):
+def test_clip_cov_draw_is_resumed_from_the_checkpoint(tmp_path, addition_model_dir):
     """The clip_cov generator is saved: a run resumed after step 1 draws what the uninterrupted run drew."""
     overrides = [*loss_overrides("clip_cov"), "rollout.prompts_per_step=8", "trainer.steps=2",
                  "trainer.checkpoint_every=1", "trainer.keep_checkpoints=3"]  # fmt: skip
-    full = run(tiny_config(tmp_path, model_dir, *overrides, name="full"))
+    full = run(tiny_config(tmp_path, addition_model_dir, *overrides, name="full"))
     killed = tmp_path / "killed"
     shutil.copytree(full.run_dir, killed)
     shutil.rmtree(killed / "checkpoints" / "step_000002")
@@ -155,11 +118,11 @@ def test_clip_cov_draw_is_resumed_from_the_checkpoint(tmp_path, model_dir):
     assert step_records(killed)[1]["loss/policy"] == last["loss/policy"]
 
 
-def test_per_sequence_loss_accumulates_micro_batches_by_sequences(tmp_path, model_dir):
+def test_per_sequence_loss_accumulates_micro_batches_by_sequences(tmp_path, addition_model_dir):
     """gmpo is a mean over sequences: micro-batches of 3 give the loss and gradient of the whole mini-batch."""
     records = []
     for micro in (0, 3):
-        config = tiny_config(tmp_path, model_dir, "algorithm.loss=gmpo", "trainer.steps=1",
+        config = tiny_config(tmp_path, addition_model_dir, "algorithm.loss=gmpo", "trainer.steps=1",
                              f"trainer.micro_batch_size={micro}", name=f"micro{micro}")  # fmt: skip
         records.append(step_records(run(config).run_dir)[0])
     whole, micro = records

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollcorr.engines import SamplingParams, make_sampler
+from rollcorr.engines import SamplingParams
 from rollcorr.train.executors import LaggedExecutor
 from rollcorr.train.ray_executor import RayExecutor, SourceSpec, lag_of, make_ray_executor
 
@@ -29,28 +29,6 @@ SPEC = SourceSpec(
     seed=3,
     threads=1,
 )
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    import os
-
-    from rollcorr.train.ray_executor import LOCAL_RAY_ENV
-
-    for key, value in LOCAL_RAY_ENV.items():
-        os.environ.setdefault(key, value)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def versions():
-    """weights(v): the built-in model moved v steps along a fixed random direction."""
-    base = make_sampler("hf:fp32").float_model.state_dict()
-    g = torch.Generator().manual_seed(0)
-    direction = {k: torch.randn(v.shape, generator=g) * 0.05 for k, v in base.items()}
-    return lambda v: {k: base[k] + v * direction[k] for k in base}
 
 
 def batch_index(rollout) -> int:
@@ -73,7 +51,7 @@ def drive(executor, weights, steps: int, after_publish=None):
     return out
 
 
-def test_killed_worker_is_replaced_and_batches_match_the_in_process_executor(cluster, versions):
+def test_killed_worker_is_replaced_and_batches_match_the_in_process_executor(ray_cluster, versions):
     """Two workers sampling ahead with lag 1; one dies with a batch in flight. Every index is trained exactly
     once, in order, and each batch equals LaggedExecutor(lag=1)'s bit for bit (the lost batch is generated
     again with the same weights)."""
@@ -110,7 +88,7 @@ def test_killed_worker_is_replaced_and_batches_match_the_in_process_executor(clu
 
 
 @pytest.mark.slow
-def test_freshest_weights_keep_the_staleness_bound_through_a_worker_death(cluster, versions):
+def test_freshest_weights_keep_the_staleness_bound_through_a_worker_death(ray_cluster, versions):
     steps, max_staleness = 8, 2
     executor = RayExecutor(SPEC, workers=2, max_staleness=max_staleness, queue_size=2)
     killed = []
@@ -132,7 +110,7 @@ def test_freshest_weights_keep_the_staleness_bound_through_a_worker_death(cluste
 
 
 @pytest.mark.slow
-def test_pause_returns_untrained_batches_and_checkpoint_resumes(cluster, versions):
+def test_pause_returns_untrained_batches_and_checkpoint_resumes(ray_cluster, versions):
     executor = RayExecutor(SPEC, workers=2, max_staleness=2, lag=1)
     executor.start(0, versions(0))
     try:
@@ -185,7 +163,7 @@ def test_make_ray_executor_maps_trainer_modes():
 
 
 @pytest.mark.slow
-def test_trainer_runs_end_to_end_on_ray_workers(cluster, tmp_path):
+def test_trainer_runs_end_to_end_on_ray_workers(ray_cluster, tmp_path):
     """The real training loop with its executor replaced by the Ray one (what trainer.executor=ray wires)."""
     import json
 
@@ -231,7 +209,7 @@ def test_admission_rule_and_lag():
 
 
 @pytest.mark.slow
-def test_worker_construction_error_reaches_the_driver(cluster):
+def test_worker_construction_error_reaches_the_driver(ray_cluster):
     bad = SourceSpec("hf:fp32", None, "no_such_task", SPEC.params, 1, 2, 0)
     executor = RayExecutor(bad, workers=1)
     with pytest.raises(ray.exceptions.RayActorError, match="unknown task"):
@@ -240,7 +218,7 @@ def test_worker_construction_error_reaches_the_driver(cluster):
 
 
 @pytest.mark.slow
-def test_joins_an_existing_cluster_by_address(cluster, tmp_path):
+def test_joins_an_existing_cluster_by_address(ray_cluster, tmp_path):
     """Another process joins this test's cluster by address, samples two batches and leaves it running."""
     import subprocess
     import sys

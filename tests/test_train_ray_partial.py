@@ -7,14 +7,11 @@ after each ``next_rollout``, so weights change while workers are in the middle o
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
 
 import rollcorr
-from rollcorr.engines import SamplingParams, make_sampler
-from rollcorr.train.ray_executor import LOCAL_RAY_ENV, RayExecutor, SourceSpec, lag_of, make_ray_executor
+from rollcorr.engines import SamplingParams
+from rollcorr.train.ray_executor import RayExecutor, SourceSpec, lag_of, make_ray_executor
 
 ray = pytest.importorskip("ray")
 
@@ -33,24 +30,6 @@ SPEC = SourceSpec(
     seed=3,
     threads=1,
 )
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    for key, value in LOCAL_RAY_ENV.items():
-        os.environ.setdefault(key, value)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def versions():
-    """weights(v): the built-in model moved v steps along a fixed random direction."""
-    base = make_sampler("hf:fp32").float_model.state_dict()
-    g = torch.Generator().manual_seed(0)
-    direction = {k: torch.randn(v.shape, generator=g) * 0.05 for k, v in base.items()}
-    return lambda v: {k: base[k] + v * direction[k] for k in base}
 
 
 def batch_index(rollout) -> int:
@@ -82,7 +61,7 @@ def died(ref) -> bool:
     return False
 
 
-def test_responses_span_versions_within_the_bound_through_a_worker_death(cluster, versions):
+def test_responses_span_versions_within_the_bound_through_a_worker_death(ray_cluster, versions):
     """Two workers, one token per chunk, freshest weights; a busy worker is killed at step 3. Every index is
     trained once, in order; some responses were continued with newer weights mid-batch; no token is trained
     at a lag above max_staleness; the lost batch is generated again from scratch with the newest weights."""
@@ -121,7 +100,7 @@ def test_responses_span_versions_within_the_bound_through_a_worker_death(cluster
         assert min(min(row) for row in token_versions(got[index][0])) >= newest
 
 
-def test_pause_stops_at_a_chunk_boundary_and_resume_continues_with_new_weights(cluster, versions):
+def test_pause_stops_at_a_chunk_boundary_and_resume_continues_with_new_weights(ray_cluster, versions):
     """The interrupt-strategy protocol: pause right after dispatch returns unfinished batches (no task left
     running), publish while paused, resume: the same responses are continued, their new tokens at the new
     version."""
@@ -171,7 +150,7 @@ def test_make_ray_executor_takes_partial_rollouts_from_the_config():
         RayExecutor(SPEC, partial_rollouts=True, chunk_tokens=0)
 
 
-def test_trainer_with_partial_rollouts_and_the_interrupt_strategy(cluster, tmp_path):
+def test_trainer_with_partial_rollouts_and_the_interrupt_strategy(ray_cluster, tmp_path):
     """The real training loop with trainer.executor=ray and partial rollouts; the ``interrupt`` π_old strategy
     pauses the workers at a chunk boundary before every update and scores the unfinished responses."""
     import json
