@@ -302,6 +302,24 @@ def run_arms(
     return results
 
 
+def run_study_arms(
+    args, arms: dict[str, list[str]], base: list[str], out: Path, keep: Sequence[str], only=None
+) -> dict[str, Any]:
+    """``run_arms`` as a study's command line asks (``study_arguments``): the ``--arms`` chosen, ``--seeds``,
+    ``--quick`` and the ``--lr`` part of the grid."""
+    return run_arms({a: arms[a] for a in args.arms}, base, out, seeds=range(args.seeds), quick=args.quick,
+                    grid=chosen_grid(args), keep=keep, only=only)  # fmt: skip
+
+
+def run_mean(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """mean ± std over seeds (``summary``) of each run's mean of ``key`` over all its logged steps."""
+    per_seed = []
+    for run in runs:
+        _, values = curve(run["records"], key)
+        per_seed.append(sum(values) / len(values) if values else None)
+    return summary(per_seed)
+
+
 def summarize_arms(results: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
     """Per arm and grid point: mean ± std over seeds of each key's last logged value."""
     return {

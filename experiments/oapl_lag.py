@@ -20,11 +20,10 @@ import torch
 from experiments.common import (
     RESULTS,
     Clock,
-    chosen_grid,
     curve_groups,
     plot_curves,
     plt,
-    run_arms,
+    run_study_arms,
     save_figure,
     study_arguments,
     summarize_arms,
@@ -108,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or RESULTS / "oapl_lag"
     clock = Clock()
     steps = args.steps or STEPS
-    results = run_arms({a: ARMS[a] for a in args.arms}, [f"trainer.steps={steps}", "trainer.eval_every=10"],
-                       out, seeds=range(args.seeds), quick=args.quick, grid=chosen_grid(args), keep=KEYS)  # fmt: skip
+    results = run_study_arms(args, ARMS, [f"trainer.steps={steps}", "trainer.eval_every=10"], out, keep=KEYS)
     n_prompts = 8 if args.quick else 100
     held_out = {}
     for arm, cells in results.items():

@@ -22,10 +22,9 @@ from __future__ import annotations
 from experiments.common import (
     RESULTS,
     Clock,
-    chosen_grid,
     curve_groups,
     plot_curves,
-    run_arms,
+    run_study_arms,
     separated,
     study_arguments,
     summarize_arms,
@@ -73,13 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or RESULTS / "quantised_rollouts"
     clock = Clock()
     steps = args.steps or STEPS
-    results = run_arms(
-        {a: ARMS[a] for a in args.arms},
+    results = run_study_arms(
+        args,
+        ARMS,
         [f"trainer.steps={steps}", "trainer.eval_every=10", "trainer.mini_batches=2"],
         out,
-        seeds=range(args.seeds),
-        quick=args.quick,
-        grid=chosen_grid(args),
         keep=KEYS,
         only=ONLY,
     )

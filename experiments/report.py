@@ -16,7 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from experiments.common import RESULTS, curve, separated, summary
+from experiments import common
+from experiments.common import RESULTS, separated
 
 
 def cell(s: dict[str, Any] | None, fmt: str = ".3f", scale: float = 1.0) -> str:
@@ -57,12 +58,8 @@ def by_label(final: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def run_mean(r: dict[str, Any], arm: str, label: str, key: str) -> dict[str, Any]:
-    """mean ± std over seeds of each run's mean of ``key`` over all its logged steps."""
-    per_seed = []
-    for run in r["runs"][arm][label]["runs"]:
-        _, values = curve(run["records"], key)
-        per_seed.append(sum(values) / len(values) if values else None)
-    return summary(per_seed)
+    """``common.run_mean`` over the seeds of one arm and grid label of a results file."""
+    return common.run_mean(r["runs"][arm][label]["runs"], key)
 
 
 def quantised_rollouts(r: dict[str, Any]) -> str:

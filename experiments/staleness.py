@@ -18,10 +18,10 @@ from __future__ import annotations
 from experiments.common import (
     RESULTS,
     Clock,
-    chosen_grid,
     curve_groups,
     plot_curves,
-    run_arms,
+    run_mean,
+    run_study_arms,
     study_arguments,
     summarize_arms,
     write_json,
@@ -71,20 +71,9 @@ SEED_REPORTED = {"snapshot": {"memory_gb": 40, "seconds": 25}, "ewma": {"memory_
 
 def cost_table(results: dict) -> dict:
     """Mean over all logged steps (then over seeds) of step time, π_old time and extra bytes per arm."""
-    from experiments.common import curve, summary
-
-    table = {}
-    for arm, cells in results.items():
-        cell = next(iter(cells.values()))
-        row = {}
-        for key in ("time/step_s", "proximal/seconds", "proximal/extra_bytes"):
-            per_seed = []
-            for run in cell["runs"]:
-                _, values = curve(run["records"], key)
-                per_seed.append(sum(values) / len(values) if values else None)
-            row[key] = summary(per_seed)
-        table[arm] = row
-    return table
+    keys = ("time/step_s", "proximal/seconds", "proximal/extra_bytes")
+    return {arm: {key: run_mean(next(iter(cells.values()))["runs"], key) for key in keys}
+            for arm, cells in results.items()}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,13 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or RESULTS / "staleness"
     clock = Clock()
     steps = args.steps or STEPS
-    results = run_arms(
-        {a: ARMS[a] for a in args.arms},
+    results = run_study_arms(
+        args,
+        ARMS,
         [f"trainer.steps={steps}", "trainer.eval_every=10", "model.sampler=hf:fp32"],
         out,
-        seeds=range(args.seeds),
-        quick=args.quick,
-        grid=chosen_grid(args),
         keep=KEYS,
     )
     final = summarize_arms(results, KEYS)

@@ -19,11 +19,10 @@ from typing import Any
 from experiments.common import (
     RESULTS,
     Clock,
-    chosen_grid,
     curve,
     curve_groups,
     plot_curves,
-    run_arms,
+    run_study_arms,
     study_arguments,
     summary,
     write_json,
@@ -64,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or RESULTS / "throughput"
     clock = Clock()
     steps = args.steps or STEPS
-    results = run_arms({a: ARMS[a] for a in args.arms}, [f"trainer.steps={steps}", "trainer.eval_every=5"],
-                       out, seeds=range(args.seeds), quick=args.quick, grid=chosen_grid(args), keep=KEYS)  # fmt: skip
+    results = run_study_arms(args, ARMS, [f"trainer.steps={steps}", "trainer.eval_every=5"], out, keep=KEYS)
     batch = 2 * 2 if args.quick else 16 * 8
     table = {}
     for arm, cells in results.items():
