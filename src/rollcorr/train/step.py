@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from rollcorr.advantages import compute_advantages
-from rollcorr.losses import LossConfig, policy_loss
+from rollcorr.losses import LossConfig, masked_mean, policy_loss
 from rollcorr.rollout import Rollout
 
 
@@ -220,7 +220,7 @@ def optimize(
                     part, temperature=algo.temperature, grad=True, with_entropy=True
                 )
                 loss, metrics = _loss(algo, part, log_prob, part_mask, generator)
-                metrics["actor/entropy"] = _masked_mean(entropy.detach(), part.response_mask)
+                metrics["actor/entropy"] = masked_mean(entropy.detach(), part.response_mask)
                 if not torch.isfinite(loss):
                     finite = False
                     break
@@ -251,12 +251,6 @@ def optimize(
     metrics = {k: v / max(applied, 1) for k, v in sums.items()}
     metrics["train/zero_grad_skips"] = float(zero_grad_skips)
     return metrics, applied, skipped
-
-
-def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """Mean of ``values`` (B, T) over the positions where ``mask`` is set (0 for an empty mask)."""
-    m = mask.to(values.dtype)
-    return (values * m).sum() / m.sum().clamp_min(1.0)
 
 
 def _grad_norm(params: list[Tensor], max_norm: float) -> float:
