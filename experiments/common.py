@@ -87,7 +87,9 @@ def _clean(x: Any) -> Any:
     if isinstance(x, list | tuple):
         return [_clean(v) for v in x]
     if isinstance(x, Path):
-        return str(x)
+        x = str(x)
+    if isinstance(x, str) and x.startswith(f"{ROOT.parent}/"):  # results.json holds no path of this machine
+        return x[len(str(ROOT.parent)) + 1 :]  # relative to the checkout, e.g. runs/experiments/...
     return x
 
 

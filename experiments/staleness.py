@@ -58,7 +58,7 @@ ARMS |= {
     "int8lag4/ewma": [*DISCREPANCY, "algorithm.proximal={name: ewma, reset_keep_ratio: null}", K3_RS],
     "int8lag4/ewma_reset": [*DISCREPANCY, "algorithm.proximal={name: ewma, reset_keep_ratio: 0.9}", K3_RS],
     # Not part of the shared grid: the default threshold 0.9 sits above this block's steady keep ratio (≈ 0.6),
-    # so it resets every step; 0.5 is one extra arm to see the reset as the seed describes it (rare events).
+    # so it resets every step; 0.5 is one extra arm to see the reset as Guan et al. describe it (rare events).
     "int8lag4/ewma_reset0.5": [*DISCREPANCY, "algorithm.proximal={name: ewma, reset_keep_ratio: 0.5}", K3_RS],
 }  # fmt: skip
 STEPS = 150

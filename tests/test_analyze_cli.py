@@ -278,7 +278,7 @@ def test_all_metrics_and_list_presets(capsys, dump_path):
 
 
 def test_k1_window_shown_is_the_one_applied(dump_path):
-    """rollcorr keeps lo ≤ ρ ≤ hi; verl_compat keeps verl's inverted window 1/hi ≤ ρ ≤ 1/lo (SPEC §3)."""
+    """rollcorr keeps lo ≤ ρ ≤ hi; verl_compat keeps verl's inverted window 1/hi ≤ ρ ≤ 1/lo (docs/spec.md §3)."""
     dump = read_dump(dump_path)
     base = preset("disabled").replace(rs=("token_k1",), rs_thresholds=("0.6_1.5",))
     for config, window in ((base, "[0.6, 1.5]"), (base.replace(verl_compat=True), "[0.6667, 1.667]")):

@@ -87,7 +87,7 @@ def test_extreme_log_ratios_stay_finite():
     log_old = torch.tensor([[-80.0, -1e-4]])
     d = audit_stats(log_mu, log_old, torch.ones(1, 2))["divergence"]
     assert all(math.isfinite(v) for v in d.values())
-    assert d["log_ratio_min"] == -20.0 and d["log_ratio_max"] == 20.0  # clamped before exp (SPEC §1)
+    assert d["log_ratio_min"] == -20.0 and d["log_ratio_max"] == 20.0  # clamped before exp (docs/spec.md §1)
 
 
 def test_position_profile_buckets():

@@ -31,7 +31,7 @@ def close(a, b, tol=1e-9):
                                rtol=tol, atol=tol)  # fmt: skip
 
 
-RHO = [0.3, 0.9, 1.2, 4.0, 7.0]  # verl.md §2.2 worked example
+RHO = [0.3, 0.9, 1.2, 4.0, 7.0]  # the worked example of docs/importance-sampling.md
 
 
 # ---- IS --------------------------------------------------------------------------------------------

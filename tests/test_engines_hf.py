@@ -1,4 +1,4 @@
-"""The hf sampler and learner on the built-in model: SPEC §8 log-probs, mismatch ordering, partial rollouts."""
+"""The hf sampler and learner on the built-in model: docs/spec.md §8 log-probs, mismatch ordering, partial rollouts."""
 
 import math
 
@@ -75,7 +75,7 @@ def test_parse_spec():
             parse_spec(bad)
 
 
-# ---- SPEC §8: the processed distribution ---------------------------------------------------------------
+# ---- spec §8: the processed distribution ---------------------------------------------------------------
 
 
 @settings(deadline=None, max_examples=40)

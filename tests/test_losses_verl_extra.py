@@ -1,5 +1,5 @@
 """verl's remaining policy losses (sapo, gpg, clip_cov, kl_cov, dppo_tv with its cap, dppo_kl, dro) and the
-binary-KL rejection option, each against a float64 reference written here from verl's formula (verl.md §2.10,
+binary-KL rejection option, each against a float64 reference written here from verl's formula (verl core_algos.py,
 core_algos.py) — loss value and d loss / d log_prob — plus edge cases and config errors."""
 
 from __future__ import annotations

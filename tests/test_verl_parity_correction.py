@@ -13,12 +13,7 @@ from rollcorr.compat.verl_correction import compute_rollout_correction_and_rejec
 from rollcorr.config import CorrectionConfig, from_verl
 from rollcorr.correction import compute_correction, metrics_to_floats
 
-_CANDIDATES = [  # a copy in the repo first, then the shared reference next to the checkout
-    Path(__file__).resolve().parent / "data" / "verl_vectors.json",
-    Path(__file__).resolve().parents[2] / "shared" / "reference" / "verl_vectors.json",
-    Path("/work/shared/reference/verl_vectors.json"),
-]
-VECTORS = next((p for p in _CANDIDATES if p.exists()), _CANDIDATES[0])
+VECTORS = Path(__file__).resolve().parent / "data" / "verl_vectors.json"  # verl's own outputs (docs/spec.md §9)
 pytestmark = pytest.mark.skipif(not VECTORS.exists(), reason="verl_vectors.json not available")
 
 
@@ -71,7 +66,7 @@ def test_verl_bool_mask_round_trips_as_bool():
 
 # ---- deliberate differences ------------------------------------------------------------------------
 def test_k1_window_direction():
-    """verl.md §1.3: token_k1 with "0.6_1.5" and ρ = [.55, .7, 1.45, 1.9]: verl keeps [0,1,1,0] (the ρ-window
+    """docs/rejection.md, K1 direction: token_k1 with "0.6_1.5" and ρ = [.55, .7, 1.45, 1.9]: verl keeps [0,1,1,0] (the ρ-window
     [1/1.5, 1/0.6]); rollcorr keeps the documented window 0.6 ≤ ρ ≤ 1.5: [0,1,1,0] too here, so use a ρ
     that separates them: 1.6 (inside verl's [0.667, 1.667], outside [0.6, 1.5]) and 0.62."""
     rho = torch.tensor([[0.55, 0.62, 1.45, 1.6, 1.9]], dtype=torch.float64)
@@ -87,7 +82,7 @@ def test_k1_window_direction():
 
 
 def test_geo_rs_recipe_window():
-    """verl.md §1.3: seq_mean_k1 "0.99_1.001" with ρ_geo = [0.995, 0.9985, 1.0005, 1.005, 1.02]:
+    """docs/rejection.md, K1 direction: seq_mean_k1 "0.99_1.001" with ρ_geo = [0.995, 0.9985, 1.0005, 1.005, 1.02]:
     verl keeps [0,0,1,1,0]; the intended window [0.99, 1.001] keeps [1,1,1,0,0]."""
     geo = torch.tensor([0.995, 0.9985, 1.0005, 1.005, 1.02], dtype=torch.float64)
     roll = torch.full((5, 4), -1.5, dtype=torch.float64)
@@ -101,7 +96,7 @@ def test_geo_rs_recipe_window():
 
 
 def test_all_padding_rows_excluded_from_sequence_metrics():
-    """verl.md §2.5: one real row with Σℓ = 1 plus one all-padding row: verl chi2_seq = 3.19, rollcorr 6.39."""
+    """docs/metrics.md (verl bias): one real row with Σℓ = 1 plus one all-padding row: verl chi2_seq = 3.19, rollcorr 6.39."""
     old = torch.tensor([[-1.0, -1.0], [0.0, 0.0]], dtype=torch.float64)
     roll = torch.tensor([[-1.5, -1.5], [0.0, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]], dtype=torch.float64)
@@ -118,7 +113,7 @@ def test_all_padding_rows_excluded_from_sequence_metrics():
 
 
 def test_k3_kl_is_finite():
-    """verl.md §2.12: a log-ratio of 100 gives verl k3_kl = inf (float32); rollcorr clamps ℓ to ±20 first."""
+    """docs/metrics.md (verl bias): a log-ratio of 100 gives verl k3_kl = inf (float32); rollcorr clamps ℓ to ±20 first."""
     old = torch.tensor([[-1.0, -1.0]])
     roll = torch.tensor([[-101.0, -1.0]])
     mask = torch.ones_like(old)

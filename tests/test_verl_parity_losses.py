@@ -1,4 +1,4 @@
-"""rollcorr.compat.verl_losses reproduces verl's policy losses on shared/reference/verl_vectors.json."""
+"""rollcorr.compat.verl_losses reproduces verl's policy losses on tests/data/verl_vectors.json."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-# a copy of shared/reference/verl_vectors.json ships with the tests, so CI checks parity on a clean checkout
+# verl's own outputs (docs/spec.md §9) ship with the tests, so CI checks parity on a clean checkout
 VECTORS = Path(__file__).resolve().parent / "data" / "verl_vectors.json"
 CASES = [c for c in json.loads(VECTORS.read_text())["cases"] if c["kind"] == "loss"]
 RTOL = 1e-6

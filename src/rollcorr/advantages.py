@@ -1,4 +1,4 @@
-"""Outcome advantages from per-response rewards (SPEC §6).
+"""Outcome advantages from per-response rewards (docs/spec.md §6).
 
 Every estimator takes rewards (B,) and group ids (B,) (responses to the same prompt share an id) and
 returns advantages (B,); `broadcast` turns them into the (B, T) tensor the losses take. Formulas, for a
@@ -9,8 +9,8 @@ group G of kept responses with rewards r_j, n = |G|:
   RLOO      A_i =  r_i − mean_{j∈G, j≠i} r_j = n/(n−1) · (r_i − mean_G r)
   OAPL      A_i =  r_i − V̂(x),  V̂(x) = β₁ · log mean_{j∈G} exp(r_j / β₁)   (soft value; β₁ → ∞ gives the mean)
 
-`keep` (B,) bool removes responses from every baseline (rejected by the correction: SPEC §3 "rejected
-tokens must be invisible in advantage baselines"); removed responses get advantage 0. A group with a single
+`keep` (B,) bool removes responses from every baseline (rejected by the correction: docs/spec.md §3, "rejected
+tokens are invisible downstream"); removed responses get advantage 0. A group with a single
 kept response gets advantage 0 (no baseline information), where verl instead uses mean 0 / std 1.
 `uniform_group_filter` is DAPO's dynamic-sampling filter (drop groups whose rewards are all equal).
 All functions are pure and differentiable-free (rewards carry no gradient); no `.item()` calls.

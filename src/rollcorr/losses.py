@@ -1,6 +1,6 @@
-"""Policy losses and loss aggregation (SPEC §5, denominator policy of SPEC §3).
+"""Policy losses and loss aggregation (docs/spec.md §5, denominator policy of §3).
 
-Notation (SPEC §1): `log_prob` = log π_θ (with gradient), `old_log_prob` = log π_old, `rollout_log_prob` =
+Notation (docs/spec.md §1): `log_prob` = log π_θ (with gradient), `old_log_prob` = log π_old, `rollout_log_prob` =
 log μ. Per token, Δ = log π_θ − log π_old and the PPO ratio r = exp(clamp(Δ, ±20)); the discrepancy ratio
 ρ = exp(clamp(log π_old − log μ, ±20)) is never differentiated. All tensors are (B, T) right-padded;
 `response_mask` is the mask *after* rejection (kept tokens) and `denominator_mask` the mask *before*

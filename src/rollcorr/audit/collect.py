@@ -116,7 +116,7 @@ def collect(
         if on_batch:
             on_batch("sample", rollout.batch_size)
         with torch.no_grad():
-            # greedy (temperature 0) compares against the untempered distribution (log kept mass, SPEC §8)
+            # greedy (temperature 0) compares against the untempered distribution (log kept mass, docs/spec.md §8)
             old = learner.log_prob(rollout, temperature=params.temperature or 1.0)
         parts.append(rollout.replace(old_log_prob=old.detach().float().cpu()))
         if on_batch:
@@ -131,7 +131,7 @@ def from_rollout(
     """AuditData from a scored Rollout (``old_log_prob`` set).
 
     ``sampler_dist="full"`` compares the learner with the sampler's distribution before top-k / top-p
-    truncation (log μ + log kept mass, SPEC §8), so truncation does not count as mismatch; "processed"
+    truncation (log μ + log kept mass, docs/spec.md §8), so truncation does not count as mismatch; "processed"
     compares with the renormalised distribution actually drawn from. Without truncation they are equal.
     """
     if sampler_dist not in SAMPLER_DISTS:

@@ -1,7 +1,7 @@
 """Mismatch statistics between the sampler (μ) and the learner (π_old) on the same sampled tokens.
 
 All inputs are (B, T) right-padded tensors: ``rollout_log_prob`` = log μ(y_t), ``old_log_prob`` =
-log π_old(y_t), ``response_mask`` True on valid tokens. Per token (SPEC §1):
+log π_old(y_t), ``response_mask`` True on valid tokens. Per token (docs/spec.md §1):
 
     ℓ_t = log π_old − log μ            (log-ratio, clamped to ±20 before any exp)
     ρ_t = exp(ℓ_t)                     (discrepancy ratio)
@@ -125,7 +125,7 @@ def _quantiles(x: Tensor) -> dict[str, float]:
 
 
 def probability_mismatch(view: TokenView) -> dict[str, float]:
-    """The ABEJA table and the TIS paper's metrics in probability space (SPEC §4), under the correction
+    """The ABEJA table and the TIS paper's metrics in probability space (docs/spec.md §4), under the correction
     library's names: ``prob_diff_frac_lt_1e-3``, ``prob_diff_frac_ge_{0.01,0.05,0.1}``, ``prob_diff_max``,
     ``prob_diff_mean``, ``prob_diff_seq_max_mean``, ``prob_diff_seq_mean_mean``, ``prob_pearson``."""
     return metrics_to_floats(mismatch_stats(view.log_old, view.log_mu, view.mask))

@@ -3,7 +3,7 @@
 Backed by ``rollcorr.correction.compute_correction`` with ``verl_compat=True``: K1 windows applied to
 −log ρ as verl's code does, all rows (even all-padding ones) in the per-sequence metrics, unclamped
 ``k3_kl``, masked means with verl's +1e-8. Reproduces every weight, mask and metric of the "correction"
-cases in shared/reference/verl_vectors.json (tests/test_verl_parity_correction.py).
+cases in tests/data/verl_vectors.json (tests/test_verl_parity_correction.py).
 
 Where verl would silently compute nonsense this raises instead: NaN/inf or positive log-probs on valid
 tokens, and a single K1 threshold below 1 (verl turns C = 0.5 into the empty window [2, 0.5]).

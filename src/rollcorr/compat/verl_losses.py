@@ -1,7 +1,7 @@
 """verl's policy losses under verl's calling convention, backed by `rollcorr.losses`.
 
 `compute_policy_loss` reproduces verl (core_algos, newest snapshot) on
-`shared/reference/verl_vectors.json` — loss, metrics and d loss / d log_prob — for the loss modes
+`tests/data/verl_vectors.json` (verl's own outputs, docs/spec.md §9) — loss, metrics and d loss / d log_prob — for the loss modes
 `vanilla`, `gspo`, `cispo`, `geo_mean` and the bypass `reinforce` loss. verl details kept on purpose:
 
 - `vanilla` always applies the dual clip with `clip_ratio_c` (default 3.0, must be > 1);

@@ -1,4 +1,4 @@
-"""``CorrectionConfig``: what the rollout correction does (SPEC §2–3, §8), validated when built.
+"""``CorrectionConfig``: what the rollout correction does (docs/spec.md §2–3, §8), validated when built.
 
 One frozen dataclass drives both the driver-side correction (decoupled mode) and the loss-side one
 (bypass mode). Thresholds live in **ratio space** (ρ = π_old/μ) unless said otherwise:

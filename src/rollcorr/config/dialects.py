@@ -2,7 +2,8 @@
 
 Each ``from_<peer>(mapping)`` takes the peer's own keys with the peer's defaults for missing ones, and
 raises ``ValueError`` on a key it does not know (a typo must not silently turn a correction off). Sources
-and defaults: shared/reference/peers.md and verl.md; the mapping table is in docs/configuration.md.
+and defaults: each peer's public config classes (docs/spec.md §10 links them); the mapping table is in
+docs/configuration.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Named recipes: every verl preset (same names, same defaults; verl.md §1.5) and the other frameworks' ones.
+"""Named recipes: every verl preset (same names, same defaults as verl's
+``RolloutCorrectionConfig`` classmethods, docs/spec.md §9) and the other frameworks' ones.
 
 ``preset("decoupled_token_is", threshold=3.0)`` builds a ``CorrectionConfig``; the keyword arguments are those
 of the recipe (``threshold``, ``threshold_lower``, ``is_threshold``, ``rs_threshold``, …). verl's K1 windows

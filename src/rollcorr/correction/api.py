@@ -201,7 +201,7 @@ def compute_correction(
         metrics.update(M.rs_total_from_counts(tok.num_tokens - kept_tokens, rejected_rows, tok))
         out_mask = mask & keep if mask.dtype == torch.bool else (mask * keep).to(mask.dtype)
 
-    # ---- counts for the loss denominator (SPEC §3) -------------------------------------------------
+    # ---- counts for the loss denominator (docs/spec.md §3) -----------------------------------------
     metrics["num_tokens"] = tok.num_tokens
     metrics["num_kept_tokens"] = kept_tokens
     metrics["num_seqs"] = torch.tensor(float(shape[0]), dtype=dtype, device=mask.device)

@@ -1,4 +1,4 @@
-"""Diagnostics (SPEC §4): every verl metric under its verl name and meaning, plus rollcorr's extras.
+"""Diagnostics (docs/spec.md §4): every verl metric under its verl name and meaning, plus rollcorr's extras.
 
 All functions return ``dict[str, 0-d Tensor]`` (no ``.item()``); ``metrics_to_floats`` is the one place values
 are synced to Python. Keys here carry no prefix; ``compute_correction`` adds ``rollout_corr/``.
@@ -60,7 +60,7 @@ def is_metrics(
     lower: float | None,
     mode: str,
 ) -> Metrics:
-    """verl ``compute_is_metrics`` (verl.md §2.3) on the thresholded weights ``w`` and the raw ones.
+    """verl ``compute_is_metrics`` (verl ``rollout_corr_helper.py``) on the thresholded weights ``w`` and the raw ones.
     For sequence / geometric levels ``row_log`` is the per-row log weight (unclamped)."""
     out: Metrics = {}
     dtype = w.dtype
@@ -109,7 +109,7 @@ def is_metrics(
 
 # ---- RS ---------------------------------------------------------------------------------------
 def rs_option_metrics(r: RSOutcome, tok: Tokens) -> Metrics:
-    """verl ``compute_rs_metrics`` for one option (verl.md §2.4), keys ``rollout_rs_{option}_*``."""
+    """verl ``compute_rs_metrics`` for one option (verl ``rollout_corr_helper.py``), keys ``rollout_rs_{option}_*``."""
     p = f"rollout_rs_{r.option}"
     dtype = tok.mask_f.dtype
     out: Metrics = {}
@@ -181,7 +181,7 @@ def rs_total_from_counts(rejected_tokens: Tensor, rejected_rows: Tensor, tok: To
 
 # ---- off-policy (verl compute_offpolicy_metrics) -----------------------------------------------
 def offpolicy_metrics(tok: Tokens | Tensor, k3: Tensor | None = None, *legacy: Tokens) -> Metrics:
-    """PPL, KL (k1, k3), log-PPL differences and χ² of π_old (or π_θ in bypass) against μ (verl.md §2.5).
+    """PPL, KL (k1, k3), log-PPL differences and χ² of π_old (or π_θ in bypass) against μ (verl ``compute_offpolicy_metrics``).
     ``k3``: the per-token ρ − 1 − ℓ from the clamped ℓ if already computed (verl's k3_kl is unclamped).
     The older form ``offpolicy_metrics(old_log_prob, rollout_log_prob, tok)`` is still accepted (the
     log-probs are taken from ``tok``)."""
@@ -340,7 +340,7 @@ def staleness_metrics(version: Tensor, current_version: int | Tensor, tok: Token
 
 
 def decomposition_metrics(log_prob: Tensor, tok: Tokens) -> Metrics:
-    """SPEC §1 split of π_θ/μ into discrepancy π_old/μ and staleness π_θ/π_old: k3 (e^x − 1 − x, mean over
+    """docs/spec.md §1 split of π_θ/μ into discrepancy π_old/μ and staleness π_θ/π_old: k3 (e^x − 1 − x, mean over
     valid tokens, x clamped to ±20) of each log-ratio and of the total."""
     theta = torch.where(tok.mask, log_prob.to(tok.old.dtype), 0.0)
 

@@ -1,4 +1,4 @@
-"""Input checks and the per-token log-ratio ℓ = log π_old − log μ with its k1/k2/k3 statistics (SPEC §1, §3).
+"""Input checks and the per-token log-ratio ℓ = log π_old − log μ with its k1/k2/k3 statistics (docs/spec.md §1, §3).
 
 Everything here is a pure function of (B, T) tensors. Padding never matters: ℓ is set to 0 there (so NaN or
 inf in padding is ignored), which also makes ρ − 1, k1, k2 and k3 exactly 0 on padding.

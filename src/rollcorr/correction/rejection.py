@@ -1,4 +1,4 @@
-"""Rejection (SPEC §3): masks, not weights. Every rule returns a keep mask; rules combine with AND.
+"""Rejection (docs/spec.md §3): masks, not weights. Every rule returns a keep mask; rules combine with AND.
 
 Per-token statistics from ℓ (clamped): k1 = −ℓ, k2 = ½ℓ², k3 = e^ℓ − 1 − ℓ. verl options:
 

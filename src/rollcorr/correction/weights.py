@@ -1,4 +1,4 @@
-"""Importance weights (SPEC §2): level, truncation or IcePop masking, optional batch normalisation.
+"""Importance weights (docs/spec.md §2): level, truncation or IcePop masking, optional batch normalisation.
 
     token:      w_t = ρ_t                      = exp(ℓ_t)
     sequence:   w   = Π_t ρ_t                  = exp(Σ_t ℓ_t)           broadcast to the row

@@ -1,6 +1,6 @@
 """Engine protocols: a ``Sampler`` draws responses (with their log μ), a ``Learner`` scores them (log π).
 
-SPEC §8: ``rollout_log_prob`` is log μ of the sampled token under the distribution the sampler really drew
+docs/spec.md §8: ``rollout_log_prob`` is log μ of the sampled token under the distribution the sampler really drew
 from — logits / temperature, then top-k, then top-p, renormalised over the kept tokens — and
 ``log_kept_mass`` is log of the mass the kept tokens had under the tempered (untruncated) distribution, so
 log π_full(y_t) = rollout_log_prob + log_kept_mass.
@@ -109,7 +109,7 @@ def resume_seed(seed: int | None, tokens_so_far: int) -> int | None:
 
 
 def process_logits(logits: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
-    """Logits (B, V) → (log μ over the vocabulary (B, V), log kept mass (B,)).  SPEC §8.
+    """Logits (B, V) → (log μ over the vocabulary (B, V), log kept mass (B,)).  docs/spec.md §8.
 
     log p   = log_softmax(logits / temperature)                  the tempered full distribution
     keep    = top-k ∩ top-p set of p (top-p: smallest prefix of the sorted p whose mass ≥ top_p;

@@ -1,7 +1,7 @@
 """The ``hf`` backend: transformers models as sampler (own KV-cache decode loop) and learner.
 
 Sampler: left-padded prompts, position ids from the attention mask, a ``DynamicCache``; at each step the
-last logits go through ``process_logits`` (temperature → top-k → top-p, SPEC §8), a token is drawn from the
+last logits go through ``process_logits`` (temperature → top-k → top-p, docs/spec.md §8), a token is drawn from the
 processed distribution with a seeded ``torch.Generator``, and log μ of that token plus the log kept mass are
 recorded. Rows stop at EOS. Dtype float32 / bfloat16 / float16, attention eager / sdpa, or int8 dynamic
 quantisation of every ``nn.Linear`` (float32 activations, int8 weights).

@@ -1,6 +1,6 @@
 """The ``llamacpp`` sampler: a GGUF export of the model run by llama.cpp (through llama-cpp-python).
 
-How μ is obtained (SPEC §8). llama.cpp computes the logits only; temperature, top-k, top-p and the draw
+How μ is obtained (docs/spec.md §8). llama.cpp computes the logits only; temperature, top-k, top-p and the draw
 happen here, with ``process_logits`` and a seeded ``torch.Generator`` — the same code as the hf sampler.
 So ``rollout_log_prob`` is exactly log μ of the distribution the token was drawn from and ``log_kept_mass``
 is recorded, which llama.cpp's own sampler chain would not report. The mismatch this engine measures is then

@@ -1,6 +1,6 @@
 """vLLM sampler for GPU machines: ``vllm.LLM`` → Rollout with the log-probs of the distribution sampled from.
 
-μ (SPEC §8) is what vLLM calls ``processed_logprobs``: the engine is built with
+μ (docs/spec.md §8) is what vLLM calls ``processed_logprobs``: the engine is built with
 ``logprobs_mode="processed_logprobs"``, which vLLM documents as "the values after applying all processors,
 including temperature and top_k/top_p" (``ModelConfig.logprobs_mode`` in ``vllm/config/model.py``), and each
 request asks for ``logprobs=0`` (the sampled token's log-prob only). vLLM does not report the mass top-k /

@@ -1,4 +1,4 @@
-"""Where π_old comes from when training is asynchronous (SPEC §7).
+"""Where π_old comes from when training is asynchronous (docs/spec.md §7).
 
 ``make_proximal(name, **kw)`` builds one of: recompute, bypass, snapshot, old_logit_model, interrupt,
 loglinear, linear, ewma. Each is a ``ProximalStrategy`` returning a ``ProximalResult``; see docs/proximal.md.

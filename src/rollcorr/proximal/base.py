@@ -1,4 +1,4 @@
-"""The proximal-policy interface (SPEC §7): where π_old comes from when training is asynchronous.
+"""The proximal-policy interface (docs/spec.md §7): where π_old comes from when training is asynchronous.
 
 A strategy is told when the learner publishes weights (``on_publish``) and when it takes an optimizer step
 (``after_optimizer_step``), receives the trainer's metrics (``observe``) and, for a batch whose tokens carry
@@ -194,7 +194,7 @@ def old_logit_error(old_log_prob: Tensor, exact_old_log_prob: Tensor, mask: Tens
 def discrepancy_staleness(
     rollout_log_prob: Tensor, exact_old_log_prob: Tensor, log_prob: Tensor, mask: Tensor
 ) -> dict[str, float]:
-    """The two factors of SPEC §1, for logging: π_θ/μ = (π_old/μ) · (π_θ/π_old) with π_old = π_train(v_gen).
+    """The two factors of docs/spec.md §1, for logging: π_θ/μ = (π_old/μ) · (π_θ/π_old) with π_old = π_train(v_gen).
 
     Per valid token: discrepancy d_t = log π_old − log μ, staleness s_t = log π_θ − log π_old (both clamped to
     ±20), total d_t + s_t = log π_θ − log μ. Returns masked means, standard deviations and mean absolute

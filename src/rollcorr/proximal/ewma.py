@@ -7,7 +7,7 @@ Hilton, Cobbe, Schulman (arXiv 2110.00641), ``EwmaModel`` in openai/ppo-ewma, af
     w  ← w'
     reset: the same update with β = 0  →  θ̄ = θ, w = 1
 
-Seed 002 (Guan et al., arXiv 2605.12070) revises it for asynchronous RL in two ways, both implemented here:
+Guan et al. (arXiv 2605.12070) revise it for asynchronous RL in two ways, both implemented here:
 
 1. β tied to the asynchronous window. The EWMA's centre of mass (mean age of the averaged weights, in
    optimizer steps) is β/(1−β). With a window of k versions and s optimizer steps per published version we
@@ -19,7 +19,7 @@ Seed 002 (Guan et al., arXiv 2605.12070) revises it for asynchronous RL in two w
 
 The keep share is read from ``metrics[keep_ratio_key]`` (default ``"rollout_corr/keep_ratio"``); if that key
 is absent and ``"rollout_corr/rollout_rs_masked_fraction"`` is present, keep = 1 − masked fraction.
-The threshold default (0.9) is rollcorr's choice: the seed gives no number.
+The threshold default (0.9) is rollcorr's choice: the paper gives no number.
 """
 
 from __future__ import annotations

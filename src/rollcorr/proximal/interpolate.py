@@ -1,6 +1,6 @@
 """``loglinear`` / ``linear``: AReaL / A-3PO interpolation between μ and π_θ by version distance.
 
-papers.md §6.4 (AReaL ``compute_prox_logp_approximations``), per token with v_θ the learner's current
+AReaL's ``compute_prox_logp_approximations`` (A-3PO, arXiv 2512.06547), per token with v_θ the learner's current
 version and v_behav the token's generation version::
 
     v_prox = v_θ − 1

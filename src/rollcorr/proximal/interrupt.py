@@ -1,6 +1,6 @@
 """``interrupt``: exact old logits for partial rollouts by pausing the sampler before a version is dropped.
 
-Seed 002, route 3. Setting: partial rollouts — the sampler's weights are refreshed mid-sequence, so one
+Guan et al. (arXiv 2605.12070), exact route 3. Setting: partial rollouts — the sampler's weights are refreshed mid-sequence, so one
 response spans versions, and the weights of a version are gone once the learner moves past it. Protocol,
 once per published version::
 

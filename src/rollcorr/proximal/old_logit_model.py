@@ -1,4 +1,4 @@
-"""``old_logit_model``: a dedicated second model that follows the sampler's weights (seed 002, route 2).
+"""``old_logit_model``: a dedicated second model that follows the sampler's weights (Guan et al., arXiv 2605.12070, exact route 2).
 
 The dedicated model always holds the weights of the version the sampler runs: it receives them at every
 ``on_publish``, like the sampler. Samples — finished or partial — are handed over as soon as they are

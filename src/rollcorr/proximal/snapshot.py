@@ -1,4 +1,4 @@
-"""``snapshot``: exact old logits from stored copies of every live weight version (seed 002, route 1)."""
+"""``snapshot``: exact old logits from stored copies of every live weight version (Guan et al., arXiv 2605.12070, exact route 1)."""
 
 from __future__ import annotations
 

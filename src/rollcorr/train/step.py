@@ -1,4 +1,4 @@
-"""One training step, read top to bottom as one walk over a ``Rollout`` (ARCHITECTURE.md):
+"""One training step, read top to bottom as one walk over a ``Rollout`` (docs/architecture.md):
 
     rollout (tokens, μ, per-token versions, rewards)           ← executor
     rollout.old_log_prob = proximal.old_log_prob(...)           ← π_old by the chosen strategy
@@ -89,7 +89,7 @@ def reward_metrics(rollout: Rollout) -> dict[str, float]:
 def correct(
     rollout: Rollout, algo: Algorithm, version: int, log_prob: Tensor | None, advantages: Tensor | None = None
 ) -> tuple[Rollout, dict]:
-    """Attach ``is_weights`` and ``correction_mask`` (SPEC §2–3); returns the rollout and the metrics.
+    """Attach ``is_weights`` and ``correction_mask`` (docs/spec.md §2–3); returns the rollout and the metrics.
 
     ``log_prob``: detached log π_θ before the update when available (required in bypass mode, where the
     ratio is π_θ/μ); it also enables the correction's discrepancy/staleness metrics.
@@ -314,7 +314,7 @@ def train_step(
     metrics.update(adv_metrics)
     loss_mask = rollout.correction_mask & used[:, None]
 
-    # discrepancy × staleness (SPEC §1): exact when π_old is π_train(v_gen)
+    # discrepancy × staleness (docs/spec.md §1): exact when π_old is π_train(v_gen)
     if exact and current is not None and rollout.response_mask.any():
         from rollcorr.proximal.base import discrepancy_staleness
 
