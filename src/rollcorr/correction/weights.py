@@ -60,12 +60,23 @@ def batch_norm_factor(w: Tensor, tok: Tokens, level: str, group: object | None =
     """Masked mean of the weights: over valid tokens (token level) or over valid rows of the per-row
     weight (sequence / geometric). Summed across ranks when ``torch.distributed`` is initialised.
     Returns 1 when the mean is ≤ 1e-8 (everything masked), so normalising never divides by 0."""
+    return norm_factor(w, tok.n, tok.valid, level, verl=tok.verl, group=group)
+
+
+def norm_factor(
+    w: Tensor, n: Tensor, valid: Tensor, level: str, *, verl: bool = False, group: object | None = None
+) -> Tensor:
+    """The divisor of batch normalisation for (B, T) weights ``w`` (0 on padding) with ``n`` (B,) valid tokens
+    per row and ``valid`` (B,) rows holding one: the masked token mean (token level) or the mean over valid rows
+    of the per-row weight (sequence / geometric). ``batch_norm_factor`` on a whole batch; the trainer calls it
+    on each mini- or micro-batch for ``batch_norm_scope``. Returns 1 when the mean is ≤ 1e-8."""
+    n = n.to(w.dtype)
     if level == "token":
-        stats = torch.stack([w.sum(), tok.num_tokens])
-        eps = tok.eps
+        stats = torch.stack([w.sum(), n.sum()])
+        eps = 1e-8 if verl else 0.0
     else:
-        row_w = w.sum(dim=-1) / (tok.n + 1e-8 if tok.verl else tok.n.clamp_min(1))
-        stats = torch.stack([(row_w * tok.valid).sum(), tok.num_rows])
+        row_w = w.sum(dim=-1) / (n + 1e-8 if verl else n.clamp_min(1))
+        stats = torch.stack([(row_w * valid).sum(), valid.sum().to(w.dtype)])
         eps = 0.0
     num, den = _all_reduce_sum(stats, group).unbind()
     mean = num / (den + eps if level == "token" else den.clamp_min(1e-8))

@@ -60,7 +60,9 @@ LOSS_ARGS: dict[str, tuple[str, ...]] = {
 
 # Per-algorithm defaults; a field left at None in AlgorithmConfig takes the value from this table.
 ALGORITHMS: dict[str, dict[str, Any]] = {
-    "grpo": dict(loss="ppo_clip", advantage="grpo", norm_std=True, aggregation="seq-mean-token-mean",
+    # GRPO aggregates token-mean, verl's default loss_agg_mode (the GRPO paper's per-sequence mean is
+    # algorithm.aggregation=seq-mean-token-mean; token-mean learned faster on the built-in task, docs/training.md)
+    "grpo": dict(loss="ppo_clip", advantage="grpo", norm_std=True, aggregation="token-mean",
                  clip_low=0.2, clip_high=0.2, dynamic_sampling=False),
     "dapo": dict(loss="ppo_clip", advantage="grpo", norm_std=True, aggregation="token-mean",
                  clip_low=0.2, clip_high=0.28, dynamic_sampling=True),

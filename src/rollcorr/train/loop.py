@@ -81,15 +81,42 @@ def build_correction(config: TrainConfig):
         raise ConfigError(f"algorithm.correction: {err}") from None
 
 
+def resolve_loss(config: TrainConfig, correction) -> str:
+    """The policy loss, checked against the correction's ``loss_type`` (which only means something in bypass).
+
+    Bypass mode sets π_old := μ. With ``loss_type=ppo_clip`` the ratio π_θ/μ lives in a ratio-based loss and the
+    correction applies no weight; with ``loss_type=reinforce`` the correction's w = min(π_θ/μ, C) *is* the ratio,
+    so the loss must be REINFORCE (−A·sg(w)·log π_θ): a PPO ratio on top would count π_θ/μ twice. An unset
+    ``algorithm.loss`` follows the preset; an explicit one that disagrees is refused.
+    """
+    loss = config.algorithm.resolved("loss")
+    explicit = config.algorithm.loss is not None
+    if correction.loss_type == "reinforce":
+        if correction.mode != "bypass":
+            raise ConfigError("algorithm.correction.loss_type: 'reinforce' applies in bypass mode only (the weight "
+                              "π_θ/μ replaces the PPO ratio); decoupled corrections use loss_type=ppo_clip")  # fmt: skip
+        if not explicit:
+            return "reinforce"
+        if loss not in ("reinforce", "gpg"):  # gpg = REINFORCE without its metric
+            raise ConfigError(f"algorithm.loss: {loss!r} has its own ratio, but the correction has loss_type=reinforce "
+                              "(its weight min(π_θ/μ, C) is already the ratio, so it would count twice); leave "
+                              "algorithm.loss unset or use a bypass_ppo_clip* preset")  # fmt: skip
+    elif correction.mode == "bypass" and loss in ("reinforce", "gpg"):
+        raise ConfigError(f"algorithm.loss: {loss!r} has no ratio and a bypass_ppo_clip* correction applies no weight, "
+                          "so nothing would correct for μ ≠ π_θ; use a bypass_pg_* preset")  # fmt: skip
+    return loss
+
+
 def build_algorithm(config: TrainConfig) -> Algorithm:
     """Resolve the algorithm's defaults into the ``Algorithm`` the step uses."""
     from rollcorr.losses import LossConfig
 
     a = config.algorithm
     correction = build_correction(config)
+    loss_name = resolve_loss(config, correction)
     try:
         loss = LossConfig(
-            name=a.resolved("loss"),
+            name=loss_name,
             clip_low=a.resolved("clip_low"),
             clip_high=a.resolved("clip_high"),
             clip_c=a.dual_clip,
@@ -162,10 +189,10 @@ def check_components(config: TrainConfig) -> tuple[Algorithm, Any]:
     if config.trainer.executor == "ray" and hasattr(proximal, "submit"):
         raise ConfigError(f"algorithm.proximal.name: {proximal.name!r} scores chunks as the sampler makes them; "
                           "that needs trainer.executor=local")  # fmt: skip
-    if getattr(algo.correction, "mode", "") == "bypass" and proximal.name != "bypass":
+    if algo.correction.mode == "bypass" and proximal.name != "bypass":
         raise ConfigError(f"algorithm.proximal.name: a bypass correction preset means π_old := μ; use "
                           f"algorithm.proximal.name=bypass, not {proximal.name!r}")  # fmt: skip
-    if algo.loss.name == "oapl" and getattr(algo.correction, "mode", "") == "bypass":
+    if algo.loss.name == "oapl" and algo.correction.mode == "bypass":
         raise ConfigError(
             "algorithm.correction: OAPL regresses on log μ itself; use a decoupled preset or 'disabled'"
         )

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from rollcorr.advantages import compute_advantages
+from rollcorr.config.correction import CorrectionConfig
 from rollcorr.losses import LossConfig, masked_mean, policy_loss
 from rollcorr.rollout import Rollout
 
@@ -29,7 +30,7 @@ class Algorithm:
     """Everything the step needs to know about the algorithm, resolved from ``TrainConfig``."""
 
     loss: LossConfig
-    correction: object  # rollcorr.config.correction.CorrectionConfig
+    correction: CorrectionConfig
     advantage: str  # grpo | rloo | drgrpo | oapl
     norm_std: bool
     dynamic_sampling: bool
@@ -168,6 +169,20 @@ def _loss(
     )
 
 
+def renormalize(part: Rollout, algo: Algorithm, scope: str) -> Rollout:
+    """``part`` with its IS weights divided by their mean over ``part`` when the correction normalises them
+    per ``scope`` (``batch_norm_scope`` mini_batch | micro_batch; ``compute_correction`` already normalised
+    over the whole batch, and w/mean_part(w/f) = w/mean_part(w), so re-normalising a part is exact)."""
+    c = algo.correction
+    if not c.batch_normalize or c.batch_norm_scope != scope or part.is_weights is None:
+        return part
+    from rollcorr.correction.weights import norm_factor
+
+    mask = part.response_mask.bool()
+    factor = norm_factor(part.is_weights, mask.sum(-1), mask.any(-1), c.is_level)
+    return part.replace(is_weights=part.is_weights / factor)
+
+
 def _micro_batches(n: int, size: int) -> list[list[int]]:
     size = n if size <= 0 else size
     return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
@@ -206,7 +221,7 @@ def optimize(
     applied = skipped = zero_grad_skips = 0
     for _epoch in range(algo.ppo_epochs):
         for rows in _mini_batch_indices(rollout, algo.mini_batches):
-            mini = rollout.select(rows)
+            mini = renormalize(rollout.select(rows), algo, "mini_batch")
             mini_mask = loss_mask[rows]
             total = float(mini_mask.sum()) if token_level else float(len(rows))
             optimizer.zero_grad(set_to_none=True)
@@ -214,6 +229,7 @@ def optimize(
             step_metrics: dict[str, float] = {}
             for micro_rows in _micro_batches(len(rows), algo.micro_batch_size):
                 part = mini.select(micro_rows) if len(micro_rows) < len(rows) else mini
+                part = renormalize(part, algo, "micro_batch")
                 part_mask = mini_mask[micro_rows]
                 share = (float(part_mask.sum()) if token_level else float(len(micro_rows))) / max(total, 1.0)
                 log_prob, entropy = learner.log_prob(
@@ -287,7 +303,7 @@ def train_step(
     metrics.update(prox.to_metrics("proximal/"))
 
     # log π_θ before the update, when the correction or the factor metrics need it (free under recompute)
-    bypass = getattr(algo.correction, "mode", "decoupled") == "bypass"
+    bypass = algo.correction.mode == "bypass"
     recompute = getattr(proximal, "name", "") == "recompute"
     all_current = bool((rollout.version[rollout.response_mask.bool()] == version).all())
     exact = getattr(proximal, "exact", False) or (recompute and all_current)  # π_old is π_train(v_gen)
@@ -301,7 +317,7 @@ def train_step(
 
     # correction: IS weights, rejection mask, the verl-named diagnostics (OPSM also reads the advantages)
     advantages = None
-    if getattr(algo.correction, "opsm_delta", None) is not None:
+    if algo.correction.opsm_delta is not None:
         unrejected = rollout.replace(correction_mask=rollout.response_mask.bool())
         advantages = attach_advantages(unrejected, algo)[0].advantages
     rollout, corr_metrics = correct(
