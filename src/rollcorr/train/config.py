@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -172,7 +173,7 @@ class TrainerConfig:
     checkpoint_every: int = 50  # 0 = only at the end
     keep_checkpoints: int = 2
     max_bad_steps: int = 3  # consecutive non-finite steps before the run stops
-    out: str | None = None  # run folder; None = runs/<timestamp>
+    out: str | None = None  # run folder; None = runs/<timestamp>-<random suffix>
     tensorboard: bool = True
     wandb: bool = False  # only when the wandb package is installed
     progress: bool = True  # rich progress bar
@@ -306,8 +307,15 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
 def save_config(config: TrainConfig, path: Path) -> None:
     """Write the resolved config as YAML (temp file then rename)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-    tmp.replace(path)
+    try:
+        with tmp.open("w") as f:
+            f.write(yaml.safe_dump(config.to_dict(), sort_keys=False))
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no 0-byte config.yaml.tmp behind
+        raise
 
 
 # ---------------------------------------------------------------- validation
