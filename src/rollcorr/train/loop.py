@@ -34,6 +34,7 @@ from rollcorr.train.checkpoint import (
 from rollcorr.train.config import ConfigError, TrainConfig, save_config
 from rollcorr.train.rundir import (
     RunFinished,
+    RunFolderError,
     RunLock,
     check_new_run_dir,
     check_resume_config,
@@ -231,8 +232,11 @@ def open_resume(run_dir: Path, config: TrainConfig) -> tuple[dict[str, Any] | No
     messages = recover_checkpoints(run_dir)
     path, state, skipped = load_latest_intact(run_dir)
     messages += skipped
+    if state is None and skipped:  # checkpoints exist but none loads: never silently start over
+        raise RunFolderError(f"{run_dir}: no checkpoint can be read ({'; '.join(skipped)}); move "
+                             f"{run_dir / 'checkpoints'} aside to restart the run from step 0")  # fmt: skip
     if state is None:
-        messages.append(f"{run_dir}: no intact checkpoint; restarting the run from step 0")
+        messages.append(f"{run_dir}: no checkpoint yet (killed before the first one); restarting from step 0")
         return None, messages
     step, steps = int(state["step"]), config.trainer.steps
     check_resume_config(state["config"], config.to_dict(), step)
