@@ -13,7 +13,6 @@ for the names other frameworks use (``FIELD_ALIASES``) and records what it picke
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import zlib
@@ -255,49 +254,72 @@ def _iter_rows(path: Path) -> Iterator[tuple[int, Any]]:
         for i, row in enumerate(table.to_pylist(), start=1):
             yield i, row
         return
-    gz = suffixes.endswith(".gz")
+    i = 0
+    for raw in _raw_lines(path, gz=suffixes.endswith(".gz")):
+        if isinstance(raw, _BadRow):
+            yield i + 1, raw
+            return
+        i += 1
+        if i == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark
+            raw = raw[3:]
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            yield i, _BadRow(f"invalid UTF-8 at byte {err.start}")
+            continue
+        try:
+            obj = json.loads(text.rstrip("\r\n"))
+        except json.JSONDecodeError as err:
+            yield i, _BadRow(f"bad JSON: {err.msg} (column {err.colno})")
+            continue
+        except (ValueError, RecursionError) as err:  # e.g. an integer literal with > 4300 digits
+            yield i, _BadRow(f"bad JSON: {str(err).splitlines()[0]}")
+            continue
+        yield (
+            i,
+            obj
+            if isinstance(obj, dict)
+            else _BadRow(f"expected a JSON object, got {type(obj).__name__}"),
+        )
+
+
+def _raw_lines(path: Path, gz: bool) -> Iterator[bytes | _BadRow]:
+    """The file's lines as bytes; a gzip file is inflated chunk by chunk so every line before a truncation or
+    corruption is still read (then one ``_BadRow`` says where it broke). Unreadable: one-line ``ValueError``."""
     try:
-        f = gzip.open(path, "rb") if gz else path.open("rb")
+        f = path.open("rb")
     except OSError as err:
         raise ValueError(f"{path}: cannot read ({err.strerror or err})") from None
-    i = 0
     with f:
+        if not gz:
+            yield from f
+            return
+        inflate, pending, started = zlib.decompressobj(16 + zlib.MAX_WBITS), b"", False
         while True:
+            chunk = f.read(1 << 16)
             try:
-                raw = f.readline()
-            except (EOFError, zlib.error, gzip.BadGzipFile) as err:
-                if i == 0 and isinstance(err, gzip.BadGzipFile):
-                    raise ValueError(f"{path}: not a gzip file ({err}); rename it without .gz if it is plain JSONL") from None
-                yield i + 1, _BadRow(f"the compressed file ends early or is corrupt here ({err}); rows before it are read")
+                data = inflate.decompress(chunk) if chunk else inflate.flush()
+                while inflate.eof and inflate.unused_data:  # a multi-member gzip file (cat a.gz b.gz)
+                    rest = inflate.unused_data
+                    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+                    data += inflate.decompress(rest)
+            except zlib.error as err:
+                if not started:
+                    raise ValueError(f"{path}: not a gzip file ({err}); if it is plain JSONL, drop the .gz") from None
+                yield _BadRow(f"the compressed data is corrupt from here ({err}); the rows before it are read")
                 return
-            except OSError as err:
-                raise ValueError(f"{path}: cannot read ({err.strerror or err})") from None
-            if not raw:
-                return
-            i += 1
-            if i == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark
-                raw = raw[3:]
-            if not raw.strip():
-                continue
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                yield i, _BadRow(f"invalid UTF-8 at byte {err.start}")
-                continue
-            try:
-                obj = json.loads(text.rstrip("\r\n"))
-            except json.JSONDecodeError as err:
-                yield i, _BadRow(f"bad JSON: {err.msg} (column {err.colno})")
-                continue
-            except (ValueError, RecursionError) as err:  # e.g. an integer literal with > 4300 digits
-                yield i, _BadRow(f"bad JSON: {str(err).splitlines()[0]}")
-                continue
-            yield (
-                i,
-                obj
-                if isinstance(obj, dict)
-                else _BadRow(f"expected a JSON object, got {type(obj).__name__}"),
-            )
+            started = True
+            pending += data
+            *complete, pending = pending.split(b"\n")
+            yield from (line + b"\n" for line in complete)
+            if not chunk:
+                break
+        if not inflate.eof:
+            yield _BadRow("the compressed file ends early (truncated); the rows before it are read")
+        elif pending:
+            yield pending
 
 
 def _number_list(obj: dict[str, Any], name: str) -> list[float]:

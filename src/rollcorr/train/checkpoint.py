@@ -167,11 +167,13 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         with torch.serialization.safe_globals(SAFE_TYPES):
             state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated zip, bad pickle, a forbidden global, a read error
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        if "Unsupported global" in str(err) or "Weights only load failed" in str(err):
-            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
-            reason = f"it refers to {found.group(1)!r}, which a checkpoint never holds" if found else reason
-            reason = f"refused to load: {reason} (a checkpoint is data; this file would run code)"
+        text = str(err).strip()
+        reason = text.splitlines()[0] if text else type(err).__name__
+        if "Weights only load failed" in text:  # torch's safe unpickler met something that is not data
+            found = re.search(r"(?:Unsupported global: |unsupported )GLOBAL ([\w.]+)", text)
+            detail = text.partition("WeightsUnpickler error:")[2].strip().splitlines()
+            reason = (f"it calls {found.group(1)!r}" if found else detail[0] if detail else "unsupported content")
+            reason = f"refused to load: {reason} (a checkpoint holds only tensors, numbers and strings)"
         raise CheckpointError(f"{file}: {reason}") from None
     if not isinstance(state, dict) or "step" not in state:
         raise CheckpointError(f"{file}: not a rollcorr checkpoint (no 'step' entry)")

@@ -259,17 +259,19 @@ def optimize(
 
 
 def finite_step(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> bool:
-    """``optimizer.step()``, undone (weights and optimizer state restored) if any weight became non-finite.
+    """``optimizer.step()``, undone (weights and optimizer state restored) if a weight became unusable.
 
-    A finite loss and gradient can still give NaN/inf weights (lr = 1e30; fp16 AdamW, whose eps rounds to 0),
-    and those must never be published or checkpointed. Costs one copy of the weights and optimizer state and
-    one isfinite pass over the weights per optimizer step.
+    A finite loss and gradient can still give unusable weights (lr = 1e30; fp16 AdamW, whose eps rounds to 0),
+    and those must never be published or checkpointed. Unusable: NaN/inf, or so large that its square
+    overflows the dtype (|w| > √max, 1.8e19 in fp32), since every norm or dot product with it is then inf.
+    Costs one copy of the weights and optimizer state and one max-abs pass (one sync) per optimizer step.
     """
     before = [p.detach().clone() for p in params]
     state = copy.deepcopy(optimizer.state_dict())
     optimizer.step()
     with torch.no_grad():
-        if all(bool(torch.isfinite(p).all()) for p in params):
+        largest = torch.stack([p.detach().abs().amax().float() / math.sqrt(torch.finfo(p.dtype).max) for p in params])
+        if bool(largest.max() <= 1.0):  # NaN compares False
             return True
         for p, saved in zip(params, before):
             p.copy_(saved)
