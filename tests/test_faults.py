@@ -450,7 +450,7 @@ def test_infinite_log_prob_on_a_valid_token_is_refused():
     for bad in (-math.inf, math.inf):
         x = log_prob.detach().clone()
         x[1, 2] = bad
-        with pytest.raises(ValueError, match="log_prob is NaN or ±inf"):
+        with pytest.raises(ValueError, match="log_prob has NaN or ±inf"):
             policy_loss(LossConfig(name="dro"), x, old, adv, torch.ones(4, 5))
 
 

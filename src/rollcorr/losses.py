@@ -779,7 +779,7 @@ def _validate(
     mask = response_mask.bool()
     for name, value in {"log_prob": log_prob, **named}.items():
         if value is not None and value.is_floating_point() and not torch.isfinite(value.detach()[mask]).all():
-            raise ValueError(f"{name} is NaN or ±inf on valid tokens")
+            raise ValueError(f"{name} has NaN or ±inf on valid tokens")
     if denominator_mask is not None and (mask & ~denominator_mask.bool()).any():
         raise ValueError("response_mask keeps tokens that denominator_mask (pre-rejection) does not have")
 

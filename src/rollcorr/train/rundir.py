@@ -123,6 +123,9 @@ class RunLock:
             os.close(self.fd)
             self.fd = None
 
+    def __del__(self) -> None:  # a Trainer built but never run must not keep its folder locked
+        self.release()
+
     def __enter__(self) -> RunLock:
         return self
 
