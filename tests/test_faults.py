@@ -498,3 +498,11 @@ def test_ess_is_finite_when_every_weight_is_zero():
     res = compute_correction(old, old - 0.1, torch.ones(4, 5), config)
     ess = float(res.metrics["rollout_corr/rollout_is_eff_sample_size"])
     assert math.isfinite(ess) and ess == 0.0
+
+
+def test_a_new_run_that_cannot_load_its_model_leaves_no_folder(tmp_path):
+    out = tmp_path / "run"
+    config = load_config(None, [*TINY, f"model.path={tmp_path / 'no_such_model'}", f"trainer.out={out}"])
+    with pytest.raises(Exception):  # noqa: B017 (which error is the model loader's business)
+        Trainer(config)
+    assert not out.exists()

@@ -33,6 +33,7 @@ from rollcorr.train.checkpoint import (
 )
 from rollcorr.train.config import ConfigError, TrainConfig, save_config
 from rollcorr.train.rundir import (
+    LOCK_FILE,
     RunFinished,
     RunFolderError,
     RunLock,
@@ -293,7 +294,13 @@ class Trainer:
             save_config(config, self.run_dir / "config.yaml")
             self._build(config, state, resume is not None, notes)
         except BaseException:
+            if resume is None:  # a new run that could not start (a model that does not load): leave no folder
+                clear_run_dir(self.run_dir)
             self.lock.release()
+            if resume is None:
+                (self.run_dir / LOCK_FILE).unlink(missing_ok=True)
+                if not any(self.run_dir.iterdir()):
+                    self.run_dir.rmdir()
             raise
 
     def _build(self, config: TrainConfig, state: dict[str, Any] | None, resumed: bool, notes: list[str]) -> None:
