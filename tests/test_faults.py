@@ -143,6 +143,8 @@ def test_second_writer_fails_naming_the_holder(tmp_path, addition_model_dir):
     with RunLock(result.run_dir):  # this process holds the run, as a running `rollcorr train` would
         with pytest.raises(RunFolderError, match=f"pid {os.getpid()}"):
             resume(result.run_dir, "trainer.steps=2")
+        with pytest.raises(RunFolderError, match=f"pid {os.getpid()}"):  # even with --overwrite
+            run(tiny(tmp_path, addition_model_dir, "trainer.steps=1"), overwrite=True)
     assert (result.run_dir / "config.yaml").read_text() == before
     assert resume(result.run_dir, "trainer.steps=2").steps == 2  # released: the run continues
 

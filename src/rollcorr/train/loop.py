@@ -265,6 +265,8 @@ def open_run_dir(config: TrainConfig, run_dir: Path | None, resume: Path | None,
             raise
         return folder, lock, state, notes
     folder = Path(run_dir) if run_dir is not None else new_run_dir(config.trainer.out)
+    if (folder / LOCK_FILE).exists():  # a run may be writing there right now: say so, with its pid
+        RunLock(folder).release()
     check_new_run_dir(folder, overwrite)
     folder.mkdir(parents=True, exist_ok=True)
     lock = RunLock(folder)
