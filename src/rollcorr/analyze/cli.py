@@ -156,7 +156,9 @@ def run(args: argparse.Namespace) -> int:
         if args.top < 0:
             raise ValueError(f"--top must be >= 0, got {args.top}")
         if args.json_out is not None and args.json_out.is_dir():
-            raise ValueError(f"--json {args.json_out}: is a directory; give a file name, e.g. {args.json_out / 'analysis.json'}")
+            raise ValueError(
+                f"--json {args.json_out}: is a directory; give a file name, e.g. {args.json_out / 'analysis.json'}"
+            )
         config, source = load_config(args.preset, args.config, args.overrides, args.dialect)
         dump = read_dump(
             path,

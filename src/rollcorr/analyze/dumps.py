@@ -81,6 +81,7 @@ class Dump:
     extras            extra field name -> per-row values (None where a row lacks it)
     malformed         skipped rows with line numbers and reasons
     fields            role -> field name actually read ("rollout", "learner", "mask", ...)
+    partial           role -> lines lacking a per-token field other rows have (that field is then None)
     """
 
     path: Path
@@ -97,7 +98,7 @@ class Dump:
     version: Tensor | None = None
     extras: dict[str, list[Any]] = field(default_factory=dict)
     total_rows: int = 0
-    partial: dict[str, list[int]] = field(default_factory=dict)  # role -> lines lacking a field other rows have
+    partial: dict[str, list[int]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.rollout_log_prob.shape[0]
@@ -279,9 +280,7 @@ def _iter_rows(path: Path) -> Iterator[tuple[int, Any]]:
             continue
         yield (
             i,
-            obj
-            if isinstance(obj, dict)
-            else _BadRow(f"expected a JSON object, got {type(obj).__name__}"),
+            obj if isinstance(obj, dict) else _BadRow(f"expected a JSON object, got {type(obj).__name__}"),
         )
 
 
@@ -307,8 +306,12 @@ def _raw_lines(path: Path, gz: bool) -> Iterator[bytes | _BadRow]:
                     data += inflate.decompress(rest)
             except zlib.error as err:
                 if not started:
-                    raise ValueError(f"{path}: not a gzip file ({err}); if it is plain JSONL, drop the .gz") from None
-                yield _BadRow(f"the compressed data is corrupt from here ({err}); the rows before it are read")
+                    raise ValueError(
+                        f"{path}: not a gzip file ({err}); if it is plain JSONL, drop the .gz"
+                    ) from None
+                yield _BadRow(
+                    f"the compressed data is corrupt from here ({err}); the rows before it are read"
+                )
                 return
             started = True
             pending += data

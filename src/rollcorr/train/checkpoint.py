@@ -172,7 +172,9 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         if "Weights only load failed" in text:  # torch's safe unpickler met something that is not data
             found = re.search(r"(?:Unsupported global: |unsupported )GLOBAL ([\w.]+)", text)
             detail = text.partition("WeightsUnpickler error:")[2].strip().splitlines()
-            reason = (f"it calls {found.group(1)!r}" if found else detail[0] if detail else "unsupported content")
+            reason = (
+                f"it calls {found.group(1)!r}" if found else detail[0] if detail else "unsupported content"
+            )
             reason = f"refused to load: {reason} (a checkpoint holds only tensors, numbers and strings)"
         raise CheckpointError(f"{file}: {reason}") from None
     if not isinstance(state, dict) or "step" not in state:

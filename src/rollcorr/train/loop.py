@@ -305,7 +305,9 @@ class Trainer:
                     self.run_dir.rmdir()
             raise
 
-    def _build(self, config: TrainConfig, state: dict[str, Any] | None, resumed: bool, notes: list[str]) -> None:
+    def _build(
+        self, config: TrainConfig, state: dict[str, Any] | None, resumed: bool, notes: list[str]
+    ) -> None:
         """Models, optimizer, executor, evaluator, logger; then the checkpoint's state when resuming."""
         from rollcorr.engines import SamplingParams, make_learner, make_sampler
         from rollcorr.tasks import make_task

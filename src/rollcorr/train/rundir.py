@@ -137,7 +137,7 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in data.items():
         name = f"{prefix}{key}"
-        if isinstance(value, dict) and value and prefix.count(".") < 1:  # sections only; mappings compare whole
+        if isinstance(value, dict) and value and not prefix:  # sections only; a mapping compares whole
             out.update(_flatten(value, name + "."))
         else:
             out[name] = value

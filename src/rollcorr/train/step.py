@@ -270,7 +270,9 @@ def finite_step(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> bool:
     state = copy.deepcopy(optimizer.state_dict())
     optimizer.step()
     with torch.no_grad():
-        largest = torch.stack([p.detach().abs().amax().float() / math.sqrt(torch.finfo(p.dtype).max) for p in params])
+        largest = torch.stack(
+            [p.detach().abs().amax().float() / math.sqrt(torch.finfo(p.dtype).max) for p in params]
+        )
         if bool(largest.max() <= 1.0):  # NaN compares False
             return True
         for p, saved in zip(params, before):
