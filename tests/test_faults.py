@@ -25,6 +25,7 @@ from rollcorr.analyze.dumps import read_dump
 from rollcorr.cli import main
 from rollcorr.train.checkpoint import (
     STATE_FILE,
+    STATE_KEYS,
     CheckpointError,
     checkpoint_dir,
     list_checkpoints,
@@ -101,7 +102,7 @@ def test_checkpoint_rng_state_round_trips_under_weights_only(tmp_path):
     from rollcorr.train.checkpoint import rng_state, set_rng_state
 
     torch.manual_seed(3), random.seed(3), np.random.seed(3)
-    save_checkpoint(tmp_path, 1, {"step": 1, "rng": rng_state()})
+    save_checkpoint(tmp_path, 1, {**dict.fromkeys(STATE_KEYS), "step": 1, "rng": rng_state()})
     expected = (torch.rand(2), random.random(), np.random.rand())
     set_rng_state(load_checkpoint(checkpoint_dir(tmp_path, 1))["rng"])
     assert (torch.rand(2), random.random(), np.random.rand())[1:] == expected[1:]
@@ -254,6 +255,16 @@ def test_truncated_newest_checkpoint_falls_back_to_the_older_one(tmp_path, addit
     assert resume(result.run_dir, "trainer.steps=4").steps == 4
     assert "skipped checkpoint step_000003" in capsys.readouterr().out
     assert steps_logged(result.run_dir) == [1, 2, 3, 4]
+
+
+def test_resume_of_a_damaged_run_folder_is_one_line(tmp_path, addition_model_dir, capsys):
+    result = run(tiny(tmp_path, addition_model_dir, "trainer.steps=1"))
+    torch.save({"step": 1}, checkpoint_dir(result.run_dir, 1) / STATE_FILE)  # loads, but is not a checkpoint
+    assert main(["train", "--resume", str(result.run_dir), "trainer.steps=2"]) == 2
+    assert "no 'version' entry" in capsys.readouterr().err
+    (result.run_dir / "config.yaml").write_text("trainer: [unclosed")
+    assert main(["train", "--resume", str(result.run_dir)]) == 2
+    assert "not valid YAML at line 1" in capsys.readouterr().err
 
 
 def test_kill_between_the_renames_of_a_resave_keeps_the_checkpoint(tmp_path, addition_model_dir):

@@ -28,6 +28,7 @@ import torch
 from rollcorr.rollout import Rollout
 
 STATE_FILE = "state.pt"
+STATE_KEYS = ("step", "version", "model", "optimizer", "executor", "proximal", "rng", "loop", "config")
 SAFE_TYPES = [Rollout]  # the only non-builtin type a state.pt may contain (queued async batches)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -177,8 +178,9 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
             )
             reason = f"refused to load: {reason} (a checkpoint holds only tensors, numbers and strings)"
         raise CheckpointError(f"{file}: {reason}") from None
-    if not isinstance(state, dict) or "step" not in state:
-        raise CheckpointError(f"{file}: not a rollcorr checkpoint (no 'step' entry)")
+    missing = [key for key in STATE_KEYS if key not in state] if isinstance(state, dict) else ["step"]
+    if missing:
+        raise CheckpointError(f"{file}: not a rollcorr checkpoint (no {missing[0]!r} entry)")
     return state
 
 

@@ -291,7 +291,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     path = Path(path) if path is not None else DEFAULT_CONFIG
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        where = getattr(err, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where is not None else ""
+        raise ConfigError(f"config file {str(path)!r}: not valid YAML{at}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {str(path)!r}: expected a mapping of sections, got {type(data).__name__}"
+        )
     data = apply_overrides(data, list(overrides or []))
     config = _from_dict(TrainConfig, data, "")
     validate(config)
