@@ -13,6 +13,7 @@ import json
 import math
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -235,8 +236,6 @@ def test_corrupt_metrics_line_keeps_every_intact_line(tmp_path, addition_model_d
     result = run(tiny(tmp_path, addition_model_dir, "trainer.steps=4", "trainer.checkpoint_every=3"))
     folder = result.run_dir
     for ckpt in list_checkpoints(folder)[1:]:  # as if killed during step 4: newest checkpoint is step 3
-        import shutil
-
         shutil.rmtree(ckpt)
     text = (folder / "metrics.jsonl").read_text().splitlines()
     text[1] = text[1][:10]  # step 1's line torn in the middle of the file
@@ -262,6 +261,10 @@ def test_resume_of_a_damaged_run_folder_is_one_line(tmp_path, addition_model_dir
     torch.save({"step": 1}, checkpoint_dir(result.run_dir, 1) / STATE_FILE)  # loads, but is not a checkpoint
     assert main(["train", "--resume", str(result.run_dir), "trainer.steps=2"]) == 2
     assert "no 'version' entry" in capsys.readouterr().err
+    shutil.rmtree(result.run_dir / "checkpoints")
+    (result.run_dir / "checkpoints").write_text("not a folder")
+    assert main(["train", "--resume", str(result.run_dir), "trainer.steps=2"]) == 2
+    assert "checkpoints: is not a directory" in capsys.readouterr().err
     (result.run_dir / "config.yaml").write_text("trainer: [unclosed")
     assert main(["train", "--resume", str(result.run_dir)]) == 2
     assert "not valid YAML at line 1" in capsys.readouterr().err

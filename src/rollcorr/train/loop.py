@@ -230,6 +230,9 @@ def open_resume(run_dir: Path, config: TrainConfig) -> tuple[dict[str, Any] | No
     (``rundir.RESUMABLE_KEYS``), ``trainer.steps`` against its step, and a finished run (``RunFinished``).
     Leftovers of a kill during a save are tidied first (``recover_checkpoints``).
     """
+    root = Path(run_dir) / "checkpoints"
+    if root.exists() and not root.is_dir():
+        raise RunFolderError(f"{root}: is not a directory (a damaged run folder); move it aside to restart")
     messages = recover_checkpoints(run_dir)
     path, state, skipped = load_latest_intact(run_dir)
     messages += skipped
