@@ -119,7 +119,9 @@ def train(overrides: Sequence[str], run_dir: Path) -> dict[str, Any]:
     """One training run through the trainer's public entry point; returns its result and metric records.
 
     A run folder that already holds a finished run of the same config (every key of its config.yaml equal
-    to the current config, final checkpoint present) is read instead of retrained, so an interrupted study continues where it stopped.
+    to the current config, final checkpoint present) is read instead of retrained; an unfinished one of the same
+    config is resumed, and a folder holding another config is replaced, so an interrupted study continues where
+    it stopped.
     """
     import yaml
 
@@ -145,7 +147,9 @@ def train(overrides: Sequence[str], run_dir: Path) -> dict[str, Any]:
             "config": config.to_dict(),
             "records": records,
         }
-    result = run(config, run_dir=run_dir)
+    # an interrupted run of this config continues from its checkpoint; a folder of another config is replaced
+    same = saved.is_file() and _same(yaml.safe_load(saved.read_text()), config.to_dict())
+    result = run(config, resume=run_dir) if same else run(config, run_dir=run_dir, overwrite=True)
     return {
         "run_dir": str(result.run_dir),
         "steps": result.steps,

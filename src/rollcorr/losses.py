@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from rollcorr.advantages import oapl_value
+from rollcorr.correction.ratios import check_binary_mask
 
 __all__ = [
     "AGG_MODES",
@@ -772,10 +773,13 @@ def _validate(
             raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape}")
     if not check_values:
         return
+    check_binary_mask("response_mask", response_mask)
+    if denominator_mask is not None:
+        check_binary_mask("denominator_mask", denominator_mask)
     mask = response_mask.bool()
     for name, value in {"log_prob": log_prob, **named}.items():
-        if value is not None and value.is_floating_point() and torch.isnan(value[mask]).any():
-            raise ValueError(f"{name} has NaN on valid tokens")
+        if value is not None and value.is_floating_point() and not torch.isfinite(value.detach()[mask]).all():
+            raise ValueError(f"{name} has NaN or ±inf on valid tokens")
     if denominator_mask is not None and (mask & ~denominator_mask.bool()).any():
         raise ValueError("response_mask keeps tokens that denominator_mask (pre-rejection) does not have")
 
@@ -806,8 +810,22 @@ def policy_loss(
     else torch's global RNG). Pass one persistent generator per run for fresh, reproducible draws.
     """
     name = config.name
+    if log_prob.dim() == 2:
+        batch = log_prob.shape[0]
+        for arg, value in (("advantages", advantages), ("rewards", rewards), ("group_ids", group_ids)):
+            if value is not None and value.dim() == 1 and value.shape[0] != batch:
+                raise ValueError(f"{arg} has shape {tuple(value.shape)}, expected ({batch},) for {batch} rows"
+                                 + (f" or {tuple(log_prob.shape)}" if arg == "advantages" else ""))  # fmt: skip
     if advantages is not None and advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(log_prob)
+    # fp16 / bf16 inputs are computed in float32 (as compute_correction does): exp of a log-ratio clamped to
+    # ±20 is 4.9e8, beyond fp16's 65504, and bf16's 8-bit mantissa would round the ratios near 1
+    if log_prob.dtype in (torch.float16, torch.bfloat16):
+        log_prob = log_prob.float()
+    old_log_prob, advantages, weights, rollout_log_prob = (
+        x.float() if x is not None and x.dtype in (torch.float16, torch.bfloat16) else x
+        for x in (old_log_prob, advantages, weights, rollout_log_prob)
+    )
     _validate(
         log_prob,
         response_mask,

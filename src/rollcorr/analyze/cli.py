@@ -155,6 +155,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.top < 0:
             raise ValueError(f"--top must be >= 0, got {args.top}")
+        if args.json_out is not None and args.json_out.is_dir():
+            raise ValueError(
+                f"--json {args.json_out}: is a directory; give a file name, e.g. {args.json_out / 'analysis.json'}"
+            )
         config, source = load_config(args.preset, args.config, args.overrides, args.dialect)
         dump = read_dump(
             path,
@@ -169,7 +173,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     render(analysis, console, top=args.top, all_metrics=args.all_metrics)
     if args.json_out is not None:
-        write_json(analysis, args.json_out)
+        try:
+            write_json(analysis, args.json_out)
+        except OSError as error:
+            err.print(f"[bold red]rollcorr analyze:[/] --json {escape(str(args.json_out))}: cannot write "
+                      f"({escape(error.strerror or str(error))})", highlight=False)  # fmt: skip
+            return 2
         console.print(f"wrote {args.json_out}")
     return 0
 

@@ -13,9 +13,9 @@ for the names other frameworks use (``FIELD_ALIASES``) and records what it picke
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +81,7 @@ class Dump:
     extras            extra field name -> per-row values (None where a row lacks it)
     malformed         skipped rows with line numbers and reasons
     fields            role -> field name actually read ("rollout", "learner", "mask", ...)
+    partial           role -> lines lacking a per-token field other rows have (that field is then None)
     """
 
     path: Path
@@ -97,6 +98,7 @@ class Dump:
     version: Tensor | None = None
     extras: dict[str, list[Any]] = field(default_factory=dict)
     total_rows: int = 0
+    partial: dict[str, list[int]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.rollout_log_prob.shape[0]
@@ -155,6 +157,8 @@ def read_dump(
     file and ``ValueError`` when no row is usable or a required field is in no row.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path}: is a directory, not a rollout dump")
     if not path.is_file():
         raise FileNotFoundError(f"rollout dump not found: {path}")
     wanted = {
@@ -244,25 +248,81 @@ def _iter_rows(path: Path) -> Iterator[tuple[int, Any]]:
             raise ImportError(
                 f"reading the Parquet dump {path} needs pyarrow: pip install 'rollcorr[parquet]'"
             ) from err
-        for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+        try:
+            table = pq.read_table(path)
+        except Exception as err:  # pyarrow's own errors (not a Parquet file, truncated) and OSError
+            raise ValueError(f"{path}: cannot read as Parquet ({str(err).splitlines()[0]})") from None
+        for i, row in enumerate(table.to_pylist(), start=1):
             yield i, row
         return
-    opener = gzip.open if suffixes.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for i, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
+    i = 0
+    for raw in _raw_lines(path, gz=suffixes.endswith(".gz")):
+        if isinstance(raw, _BadRow):
+            yield i + 1, raw
+            return
+        i += 1
+        if i == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark
+            raw = raw[3:]
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            yield i, _BadRow(f"invalid UTF-8 at byte {err.start}")
+            continue
+        try:
+            obj = json.loads(text.rstrip("\r\n"))
+        except json.JSONDecodeError as err:
+            yield i, _BadRow(f"bad JSON: {err.msg} (column {err.colno})")
+            continue
+        except (ValueError, RecursionError) as err:  # e.g. an integer literal with > 4300 digits
+            yield i, _BadRow(f"bad JSON: {str(err).splitlines()[0]}")
+            continue
+        yield (
+            i,
+            obj if isinstance(obj, dict) else _BadRow(f"expected a JSON object, got {type(obj).__name__}"),
+        )
+
+
+def _raw_lines(path: Path, gz: bool) -> Iterator[bytes | _BadRow]:
+    """The file's lines as bytes; a gzip file is inflated chunk by chunk so every line before a truncation or
+    corruption is still read (then one ``_BadRow`` says where it broke). Unreadable: one-line ``ValueError``."""
+    try:
+        f = path.open("rb")
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read ({err.strerror or err})") from None
+    with f:
+        if not gz:
+            yield from f
+            return
+        inflate, pending, started = zlib.decompressobj(16 + zlib.MAX_WBITS), b"", False
+        while True:
+            chunk = f.read(1 << 16)
             try:
-                obj = json.loads(raw.rstrip("\r\n"))
-            except json.JSONDecodeError as err:
-                yield i, _BadRow(f"bad JSON: {err.msg} (column {err.colno})")
-                continue
-            yield (
-                i,
-                obj
-                if isinstance(obj, dict)
-                else _BadRow(f"expected a JSON object, got {type(obj).__name__}"),
-            )
+                data = inflate.decompress(chunk) if chunk else inflate.flush()
+                while inflate.eof and inflate.unused_data:  # a multi-member gzip file (cat a.gz b.gz)
+                    rest = inflate.unused_data
+                    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+                    data += inflate.decompress(rest)
+            except zlib.error as err:
+                if not started:
+                    raise ValueError(
+                        f"{path}: not a gzip file ({err}); if it is plain JSONL, drop the .gz"
+                    ) from None
+                yield _BadRow(
+                    f"the compressed data is corrupt from here ({err}); the rows before it are read"
+                )
+                return
+            started = True
+            pending += data
+            *complete, pending = pending.split(b"\n")
+            yield from (line + b"\n" for line in complete)
+            if not chunk:
+                break
+        if not inflate.eof:
+            yield _BadRow("the compressed file ends early (truncated); the rows before it are read")
+        elif pending:
+            yield pending
 
 
 def _number_list(obj: dict[str, Any], name: str) -> list[float]:
@@ -272,7 +332,11 @@ def _number_list(obj: dict[str, Any], name: str) -> list[float]:
         not (x is None or isinstance(x, int | float)) or isinstance(x, bool) for x in value
     ):
         raise _BadRow(f"field {name!r} is not a list of numbers")
-    return [math.nan if x is None else float(x) for x in value]
+    try:
+        return [math.nan if x is None else float(x) for x in value]
+    except OverflowError:
+        t = next(t for t, x in enumerate(value) if isinstance(x, int) and abs(x) > 1e308)
+        raise _BadRow(f"field {name!r} has a number too large for a float at token {t}") from None
 
 
 def _typed_list(obj: dict[str, Any], name: str, kind: type, what: str) -> list[Any]:
@@ -281,6 +345,10 @@ def _typed_list(obj: dict[str, Any], name: str, kind: type, what: str) -> list[A
         not isinstance(x, kind) or isinstance(x, bool) for x in value
     ):
         raise _BadRow(f"field {name!r} is not a list of {what}")
+    if kind is int:
+        for t, x in enumerate(value):
+            if not -(2**63) <= x < 2**63:
+                raise _BadRow(f"field {name!r} has an integer outside the int64 range at token {t}")
     return list(value)
 
 
@@ -302,9 +370,7 @@ def _parse_row(
 
     learner = same_length(learner_name, _number_list(obj, learner_name))
     mask = [True] * n
-    if mask_name is not None:
-        if mask_name not in obj:
-            raise _BadRow(f"missing field {mask_name!r}")
+    if mask_name is not None and obj.get(mask_name) is not None:  # the mask is optional, row by row
         raw = obj[mask_name]
         if not isinstance(raw, list | tuple) or any(x not in (0, 1) for x in raw):
             raise _BadRow(f"field {mask_name!r} must be a list of 0/1 values")
@@ -385,4 +451,6 @@ def _assemble(
         version=optional("version", torch.long),
         extras={key: [r["extras"][key] for r in parsed] for key in extra_fields},
         total_rows=total_rows,
-    )
+        partial={role: [line for line, r in zip(lines, parsed) if role not in r]
+                 for role in ("advantages", "tokens", "version") if 0 < sum(role in r for r in parsed) < b},
+    )  # fmt: skip

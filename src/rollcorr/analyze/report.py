@@ -127,6 +127,13 @@ def analyze(dump: Dump, config: CorrectionConfig, source: str = "") -> Analysis:
     log_prob = dump.old_log_prob if config.mode == "bypass" else None
     if log_prob is not None:
         notes.append(f"bypass mode: the dump's learner log-probs ({dump.fields['learner']}) stand in for π_θ")
+    if config.opsm_delta is not None and dump.advantages is None and "advantages" in dump.partial:
+        missing = dump.partial["advantages"]
+        raise ValueError(
+            f"the config uses OPSM (opsm_delta), which needs advantages in every row, but {len(missing)} of "
+            f"{len(dump)} rows have no {dump.fields.get('advantages', 'advantages')!r} (line "
+            f"{', '.join(map(str, missing[:5]))}{' ...' if len(missing) > 5 else ''})"
+        )
     if config.opsm_delta is not None and dump.advantages is None:
         raise ValueError(
             "the config uses OPSM (opsm_delta), which needs advantages, but the dump has no "
@@ -170,6 +177,11 @@ def analyze(dump: Dump, config: CorrectionConfig, source: str = "") -> Analysis:
 
 def _fmt(x: float) -> str:
     return f"{x:.4g}" if isinstance(x, float) else str(x)
+
+
+def _exp(x: float) -> float:
+    """math.exp that gives inf instead of raising for x > 709 (vLLM writes -9999.0 for a -inf log-prob)."""
+    return math.exp(x) if x < 709.0 else math.inf
 
 
 def _window(lo: float | None, hi: float | None) -> str:
@@ -275,7 +287,7 @@ def explain(
     for option, threshold in zip(config.rs, config.rs_thresholds):
         r = rs_option(option, threshold, rs_statistic(option, tok), tok)
         if option.endswith("k1"):  # statistic space k1 = −log ρ → show ratios
-            lo, hi = math.exp(-r.upper), math.exp(-r.lower)
+            lo, hi = _exp(-r.upper), _exp(-r.lower)
             convert = lambda x: torch.exp(-x)  # noqa: E731
         else:
             lo, hi = None, r.upper
@@ -734,9 +746,9 @@ def _mismatched_tokens(analysis: Analysis, top: int) -> list[Any]:
             str(dump.line_numbers[b]),
             str(t),
             escape(_token_label(dump, b, t)),
-            _fmt(math.exp(float(dump.rollout_log_prob[b, t]))),
-            _fmt(math.exp(float(dump.old_log_prob[b, t]))),
-            _fmt(math.exp(float(lr[b, t]))),
+            _fmt(_exp(float(dump.rollout_log_prob[b, t]))),
+            _fmt(_exp(float(dump.old_log_prob[b, t]))),
+            _fmt(_exp(float(lr[b, t]))),
             _token_fate(analysis, hits.get((b, t), []) + hits.get(b, []), b, t),
         )
     return ["", table]

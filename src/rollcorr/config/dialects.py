@@ -310,6 +310,11 @@ def from_openrlhf(data: Mapping[str, Any]) -> CorrectionConfig:
     geometric mean ratio is outside [low, high]. The denominator is the original token count."""
     if not isinstance(data, Mapping):
         raise ValueError(f"from_openrlhf needs a mapping, got {type(data).__name__}")
+    bare = {k.removeprefix(_OPENRLHF_PREFIX) for k in data if k.startswith(_OPENRLHF_PREFIX)} & set(data)
+    for key in sorted(bare):
+        if data[key] != data[_OPENRLHF_PREFIX + key]:
+            raise ValueError(f"openrlhf: {key}={data[key]!r} and {_OPENRLHF_PREFIX}{key}="
+                             f"{data[_OPENRLHF_PREFIX + key]!r} disagree; give one of them")  # fmt: skip
     d = _check_keys("openrlhf", {k.removeprefix(_OPENRLHF_PREFIX): v for k, v in data.items()}, OPENRLHF_KEYS)
     enabled = _flag("openrlhf", "is_correction_enable", d.get("is_correction_enable", False))
     window = d.get("is_correction_threshold", (0.5, 5.0))

@@ -29,6 +29,7 @@ from rollcorr.correction.ratios import (
     any_per_row,
     check_extra,
     check_mask,
+    check_not_newer,
     check_tensor,
     kl_stats,
     make_tokens,
@@ -116,6 +117,8 @@ def compute_correction(
         check_tensor("version", version, shape, float_only=False)
         if current_version is None:
             raise ValueError("version given without current_version (the learner's version)")
+        if validate:
+            check_not_newer(version, current_version, mask)
     if validate and (non_positive or finite_rows):
         check_extra(mask if mask.dtype == torch.bool else mask != 0, non_positive, finite_rows)
     if config.sampler_distribution == "full":

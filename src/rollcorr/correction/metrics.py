@@ -91,7 +91,8 @@ def is_metrics(
     out["rollout_is_mean"] = mean
     std = (sq - mean.square()).clamp_min(0).sqrt()
     out["rollout_is_std"] = torch.where(tok.num_tokens > 1, std, torch.zeros_like(std))
-    out["rollout_is_eff_sample_size"] = (mean + 1e-8).square() / sq  # 1 / mean((w / (mean + 1e-8))²)
+    # 1 / mean((w / (mean + 1e-8))²); 0 (not inf) when every weight is 0 (all tokens masked out)
+    out["rollout_is_eff_sample_size"] = torch.where(sq > 0, (mean + 1e-8).square() / sq, 0.0)
     row_w = tok.row_mean(w)
     out["rollout_is_seq_mean"] = tok.over_rows(row_w)
     out["rollout_is_seq_std"] = _row_std_unbiased(row_w, tok)

@@ -53,6 +53,24 @@ def check_mask(mask: object) -> Tensor:
     return mask
 
 
+def check_binary_mask(name: str, mask: Tensor) -> None:
+    """A mask is 0/1 (or bool): a fractional value (0.5) is refused, not read as "kept" by one entry point and
+    as a weight by another. Weight tokens with IS weights instead. One sync; free for bool masks."""
+    if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError(f"{name} has values other than 0 and 1 at {_where((mask != 0) & (mask != 1))}")
+
+
+def check_not_newer(version: Tensor, current_version: int | Tensor, mask: Tensor) -> None:
+    """No valid token may carry a weight version above the learner's (negative staleness is a bookkeeping
+    bug upstream: the token would come from weights that do not exist yet)."""
+    newer = (version > torch.as_tensor(current_version, device=version.device)) & (mask != 0)
+    if bool(newer.any()):
+        raise ValueError(
+            f"version is above current_version ({int(torch.as_tensor(current_version))}) on valid tokens at "
+            f"{_where(newer)}: a token cannot come from weights newer than the learner's"
+        )
+
+
 def any_per_row(flag: Tensor) -> Tensor:
     """(B,) rows of a (B, T) bool tensor holding a True: a uint8 max (vectorised, unlike bool ``any``)."""
     return flag.view(torch.uint8).amax(dim=-1).bool()
@@ -172,9 +190,7 @@ def make_tokens(
         if values[0] == 0:
             raise ValueError("response_mask has no valid token: nothing to correct (every row is padding)")
         if len(values) > 5 and values[5]:
-            raise ValueError(
-                f"response_mask has values other than 0 and 1 at {_where((mask != 0) & (mask != 1))}"
-            )
+            check_binary_mask("response_mask", mask)
         ranges = (values[1:3], values[3:5])
         clean = all(
             lo > float("-inf") and hi <= _positive_tolerance(x.dtype) for (lo, hi), x in zip(ranges, inputs)

@@ -1,4 +1,4 @@
-"""``rollcorr train [key=value ...] [--config FILE] [--out DIR] [--resume RUN_DIR]``.
+"""``rollcorr train [key=value ...] [--config FILE] [--out DIR [--overwrite]] [--resume RUN_DIR]``.
 
 With no arguments: the built-in model learns the built-in addition task with the shipped default config.
 """
@@ -20,21 +20,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", type=Path, default=None, help="YAML config (default: the shipped default.yaml)"
     )
-    parser.add_argument("--out", type=Path, default=None, help="run folder (default: runs/<timestamp>)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="run folder, new or empty (default: runs/<timestamp>-<random suffix>)")  # fmt: skip
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the run already in --out (default: refuse a non-empty folder)")  # fmt: skip
     parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
-                        help="continue the run in RUN_DIR from its newest checkpoint (overrides apply on top)")  # fmt: skip
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+                        help="continue the run in RUN_DIR from its newest checkpoint (overrides apply on top; "
+                             "only some keys may change, see docs/training.md)")  # fmt: skip
+    parser.add_argument("--print-config", action="store_true",
+                        help="check and print the resolved config, then exit")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     import yaml
 
     from rollcorr.train.config import ConfigError, load_config
+    from rollcorr.train.rundir import RunFinished, RunFolderError
 
     try:
         if args.resume is not None:
             if args.config is not None:
                 raise ConfigError("--resume: the run's own config.yaml is used; drop --config")
+            if args.out is not None or args.overwrite:
+                raise ConfigError("--resume: the run continues in RUN_DIR; drop --out / --overwrite")
             config_path = args.resume / "config.yaml"
             if not config_path.is_file():
                 raise ConfigError(f"--resume: {str(config_path)!r} does not exist (not a run folder?)")
@@ -44,13 +52,13 @@ def run(args: argparse.Namespace) -> int:
             if args.out is not None:
                 overrides.append(f"trainer.out={args.out}")
             config = load_config(args.config, overrides)
-        if args.print_config:
-            print(yaml.safe_dump(config.to_dict(), sort_keys=False))
-            return 0
         from rollcorr.train.loop import check_components
         from rollcorr.train.loop import run as run_training
 
         check_components(config)
+        if args.print_config:
+            print(yaml.safe_dump(config.to_dict(), sort_keys=False))
+            return 0
     except ConfigError as err:
         print(f"rollcorr train: config error: {err}", file=sys.stderr)
         return 2
@@ -58,7 +66,17 @@ def run(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # checkpoints call save_pretrained; rollcorr's own bar is the one to read
-    result = run_training(config, resume=args.resume)
+    try:
+        result = run_training(config, resume=args.resume, overwrite=args.overwrite)
+    except RunFinished as done:
+        print(f"rollcorr train: {done}")
+        return 0
+    except ConfigError as err:  # a resume override the checkpoint cannot take
+        print(f"rollcorr train: config error: {err}", file=sys.stderr)
+        return 2
+    except RunFolderError as err:
+        print(f"rollcorr train: {err}", file=sys.stderr)
+        return 2
     acc = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
     print(
         f"run folder: {result.run_dir}\n"

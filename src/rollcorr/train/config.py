@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -174,7 +175,7 @@ class TrainerConfig:
     checkpoint_every: int = 50  # 0 = only at the end
     keep_checkpoints: int = 2
     max_bad_steps: int = 3  # consecutive non-finite steps before the run stops
-    out: str | None = None  # run folder; None = runs/<timestamp>
+    out: str | None = None  # run folder; None = runs/<timestamp>-<random suffix>
     tensorboard: bool = True
     wandb: bool = False  # only when the wandb package is installed
     progress: bool = True  # rich progress bar
@@ -292,7 +293,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     path = Path(path) if path is not None else DEFAULT_CONFIG
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        where = getattr(err, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where is not None else ""
+        raise ConfigError(f"config file {str(path)!r}: not valid YAML{at}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {str(path)!r}: expected a mapping of sections, got {type(data).__name__}"
+        )
     data = apply_overrides(data, list(overrides or []))
     config = _from_dict(TrainConfig, data, "")
     validate(config)
@@ -308,8 +318,15 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
 def save_config(config: TrainConfig, path: Path) -> None:
     """Write the resolved config as YAML (temp file then rename)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-    tmp.replace(path)
+    try:
+        with tmp.open("w") as f:
+            f.write(yaml.safe_dump(config.to_dict(), sort_keys=False))
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no 0-byte config.yaml.tmp behind
+        raise
 
 
 # ---------------------------------------------------------------- validation

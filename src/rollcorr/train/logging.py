@@ -25,16 +25,14 @@ def _finite_or_none(value: float) -> float | None:
 class RunLogger:
     """Appends one JSON line per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard / W&B.
 
-    ``resume_step``: lines of a previous life of the run with a step above it are dropped (the run continues
-    from the checkpoint at ``resume_step``).
+    ``resume_step``: the run continues from the checkpoint at that step (``metrics.jsonl`` was already cut
+    there by ``rundir.repair_metrics``); TensorBoard events after it are purged.
     """
 
     def __init__(self, run_dir: Path, total_steps: int, *, tensorboard: bool = True, wandb: bool = False,
                  progress: bool = True, config: dict | None = None, resume_step: int | None = None):  # fmt: skip
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
-        if resume_step is not None and self.path.exists():
-            self._truncate(resume_step)
         self.file = self.path.open("a")
         self.last: dict[str, float] = {}
         self.tb = None
@@ -64,18 +62,6 @@ class RunLogger:
                 "train", total=total_steps, completed=resume_step or 0, stats=""
             )
             self.progress.start()
-
-    def _truncate(self, step: int) -> None:
-        keep = []
-        for line in self.path.read_text().splitlines():
-            try:
-                if json.loads(line).get("step", 0) <= step:
-                    keep.append(line)
-            except json.JSONDecodeError:
-                break  # a torn last line from the killed run
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        tmp.replace(self.path)
 
     def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
         record: dict[str, Any] = {"step": step}

@@ -14,9 +14,10 @@ import copy
 import dataclasses
 import math
 import random
+import signal
+import threading
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,18 +25,29 @@ import numpy as np
 import torch
 
 from rollcorr.train.checkpoint import (
-    latest_checkpoint,
-    load_checkpoint,
+    load_latest_intact,
+    recover_checkpoints,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
 from rollcorr.train.config import ConfigError, TrainConfig, save_config
+from rollcorr.train.rundir import (
+    LOCK_FILE,
+    RunFinished,
+    RunFolderError,
+    RunLock,
+    check_new_run_dir,
+    check_resume_config,
+    clear_run_dir,
+    new_run_dir,
+    repair_metrics,
+)
 from rollcorr.train.step import Algorithm, train_step
 
 
 class TrainingStopped(RuntimeError):
-    """Raised when too many consecutive steps had a non-finite loss or gradient."""
+    """Raised when too many consecutive steps were bad (non-finite loss, gradient or weights), or on a signal."""
 
 
 @dataclass
@@ -178,6 +190,7 @@ def check_components(config: TrainConfig) -> tuple[Algorithm, Any]:
             parse_spec(getattr(config.model, key))
         except ValueError as err:
             raise ConfigError(f"model.{key}: {err}") from None
+    check_trainable_learner(config)
     try:
         make_task(config.task.name)
     except (ValueError, FileNotFoundError) as err:
@@ -197,6 +210,19 @@ def check_components(config: TrainConfig) -> tuple[Algorithm, Any]:
             "algorithm.correction: OAPL regresses on log μ itself; use a decoupled preset or 'disabled'"
         )
     return algo, proximal
+
+
+def check_trainable_learner(config: TrainConfig) -> None:
+    """fp16 weights cannot take AdamW steps: eps = 1e-8 rounds to 0 in fp16, so m/(√v + eps) is 0/0 = NaN
+    wherever v underflows, and every weight turns NaN within a step (there are no fp32 master weights)."""
+    from rollcorr.engines import parse_spec
+
+    spec = parse_spec(config.model.learner)
+    if spec.backend == "hf" and spec.dtype == "fp16" and spec.quant is None:
+        raise ConfigError(
+            f"model.learner: {config.model.learner!r} cannot be trained (fp16 weights with no fp32 master copy: "
+            "AdamW's eps rounds to 0 and the weights turn NaN); use hf:fp32 or hf:bf16 (the sampler may stay fp16)"
+        )
 
 
 def check_sampler_log_probs(sampler, proximal, config: TrainConfig) -> None:
@@ -224,11 +250,64 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def new_run_dir(config: TrainConfig) -> Path:
-    if config.trainer.out:
-        return Path(config.trainer.out)
-    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / stamp
+def open_resume(run_dir: Path, config: TrainConfig) -> tuple[dict[str, Any] | None, list[str]]:
+    """The state to resume from (None: no intact checkpoint, restart at step 0) and messages for the user.
+
+    Checked before anything in the folder is written: the overrides against the checkpoint's own config
+    (``rundir.RESUMABLE_KEYS``), ``trainer.steps`` against its step, and a finished run (``RunFinished``).
+    Leftovers of a kill during a save are tidied first (``recover_checkpoints``).
+    """
+    root = Path(run_dir) / "checkpoints"
+    if root.exists() and not root.is_dir():
+        raise RunFolderError(f"{root}: is not a directory (a damaged run folder); move it aside to restart")
+    messages = recover_checkpoints(run_dir)
+    path, state, skipped = load_latest_intact(run_dir)
+    messages += skipped
+    if state is None and skipped:  # checkpoints exist but none loads: never silently start over
+        raise RunFolderError(f"{run_dir}: no checkpoint can be read ({'; '.join(skipped)}); move "
+                             f"{run_dir / 'checkpoints'} aside to restart the run from step 0")  # fmt: skip
+    if state is None:
+        messages.append(f"{run_dir}: no checkpoint yet (killed before the first one); restarting from step 0")
+        return None, messages
+    step, steps = int(state["step"]), config.trainer.steps
+    check_resume_config(state["config"], config.to_dict(), step)
+    if step >= steps:
+        raise RunFinished(
+            f"{run_dir}: already finished (checkpoint at step {step}, trainer.steps={steps}); nothing to do. "
+            f"To train further: rollcorr train --resume {run_dir} trainer.steps=<more than {step}>"
+        )
+    messages.append(f"resuming {run_dir} from {path.name}")
+    return state, messages
+
+
+def open_run_dir(config: TrainConfig, run_dir: Path | None, resume: Path | None, overwrite: bool
+                 ) -> tuple[Path, RunLock, dict[str, Any] | None, list[str]]:  # fmt: skip
+    """(folder, its lock, state to resume from or None, messages): a new run gets an empty (or, with
+    ``overwrite``, emptied) folder; a resumed one its checked checkpoint. Nothing is written before the lock
+    is held and every check passed."""
+    if resume is not None:
+        folder = Path(resume)
+        lock = RunLock(folder)
+        try:
+            state, notes = open_resume(folder, config)
+        except BaseException:
+            lock.release()
+            raise
+        return folder, lock, state, notes
+    folder = Path(run_dir) if run_dir is not None else new_run_dir(config.trainer.out)
+    if (folder / LOCK_FILE).exists():  # a run may be writing there right now: say so, with its pid
+        RunLock(folder).release()
+    check_new_run_dir(folder, overwrite)
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(folder)
+    try:
+        check_new_run_dir(folder, overwrite)  # again, now that no one else can write
+        if overwrite:
+            clear_run_dir(folder)
+    except BaseException:
+        lock.release()
+        raise
+    return folder, lock, None, []
 
 
 # ---------------------------------------------------------------- the run
@@ -237,19 +316,36 @@ def new_run_dir(config: TrainConfig) -> Path:
 class Trainer:
     """Holds what lives for the whole run: learner, optimizer, executor, π_old strategy, logger, evaluator."""
 
-    def __init__(self, config: TrainConfig, run_dir: Path | None = None, resume: Path | None = None):
+    def __init__(self, config: TrainConfig, run_dir: Path | None = None, resume: Path | None = None,
+                 overwrite: bool = False):  # fmt: skip
+        self.config = config
+        self.algo, self.proximal = check_components(config)
+        # the run folder: checked, locked and (on resume) validated against its checkpoint before any write
+        self.run_dir, self.lock, state, notes = open_run_dir(config, run_dir, resume, overwrite)
+        try:
+            save_config(config, self.run_dir / "config.yaml")
+            self._build(config, state, resume is not None, notes)
+        except BaseException:
+            if resume is None:  # a new run that could not start (a model that does not load): leave no folder
+                clear_run_dir(self.run_dir)
+            self.lock.release()
+            if resume is None:
+                (self.run_dir / LOCK_FILE).unlink(missing_ok=True)
+                if not any(self.run_dir.iterdir()):
+                    self.run_dir.rmdir()
+            raise
+
+    def _build(
+        self, config: TrainConfig, state: dict[str, Any] | None, resumed: bool, notes: list[str]
+    ) -> None:
+        """Models, optimizer, executor, evaluator, logger; then the checkpoint's state when resuming."""
         from rollcorr.engines import SamplingParams, make_learner, make_sampler
         from rollcorr.tasks import make_task
         from rollcorr.train.eval import GreedyEvaluator
         from rollcorr.train.executors import RolloutSource, make_executor
         from rollcorr.train.logging import RunLogger
 
-        self.config = config
-        self.algo, self.proximal = check_components(config)
         t, r = config.trainer, config.rollout
-        self.run_dir = Path(resume) if resume is not None else (run_dir or new_run_dir(config))
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(config, self.run_dir / "config.yaml")
         seed_everything(t.seed)
         model_path = None if config.model.path == "builtin" else config.model.path
 
@@ -299,10 +395,16 @@ class Trainer:
         self.bad_steps = 0
         self.initial_accuracy: float | None = None
         self.final_accuracy: float | None = None
-        if resume is not None:
-            self._restore(latest_checkpoint(self.run_dir))
+        if state is not None:
+            self._restore(state)
+        if resumed:  # keep every intact line up to the checkpoint (none of them on a restart from step 0)
+            notes.append(repair_metrics(self.run_dir, self.step if state is not None else -1))
+        self.stop_signal: int | None = None
         self.logger = RunLogger(self.run_dir, t.steps, tensorboard=t.tensorboard, wandb=t.wandb, progress=t.progress,
-                                config=config.to_dict(), resume_step=self.step if resume is not None else None)  # fmt: skip
+                                config=config.to_dict(), resume_step=self.step if resumed else None)  # fmt: skip
+        for note in notes:
+            if note:
+                self.logger.message(note)
 
     # ---- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -323,8 +425,7 @@ class Trainer:
         return save_checkpoint(self.run_dir, self.step, self.state_dict(), self.learner.model, self.learner.tokenizer,
                                keep=self.config.trainer.keep_checkpoints)  # fmt: skip
 
-    def _restore(self, path: Path) -> None:
-        state = load_checkpoint(path)
+    def _restore(self, state: dict[str, Any]) -> None:
         self.learner.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.version = int(state["step"]), int(state["version"])
@@ -358,7 +459,26 @@ class Trainer:
                 self.proximal.on_publish(self.version, self.learner.model)
             self.executor.publish(self.version, self.learner.model.state_dict())
 
+    def _on_signal(self, signum: int, _frame) -> None:
+        """First SIGINT/SIGTERM: finish the current step, save a checkpoint, stop. A second one: stop now."""
+        self.stop_signal = signum
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+        self.logger.message(f"[yellow]{signal.Signals(signum).name}:[/yellow] saving a checkpoint after this "
+                            "step (send it again to stop at once)")  # fmt: skip
+
     def run(self) -> RunResult:
+        """Train to ``trainer.steps``; a SIGINT/SIGTERM stops after the current step with a checkpoint."""
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return self._run()
+        finally:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+            self.lock.release()
+
+    def _run(self) -> RunResult:
         t = self.config.trainer
         start = time.perf_counter()
         stopped = None
@@ -375,8 +495,11 @@ class Trainer:
                         f"step 0: greedy accuracy {self.initial_accuracy:.3f} on held-out prompts"
                     )
             ev = {}
-            while self.step < t.steps:
+            while self.step < t.steps and self.stop_signal is None:
                 ev = self._one_step()
+            if self.stop_signal is not None:
+                raise TrainingStopped(f"{signal.Signals(self.stop_signal).name} at step {self.step}; continue with "
+                                      f"rollcorr train --resume {self.run_dir}")  # fmt: skip
             if not ev and self.evaluator is not None:  # the final step was not an eval step
                 ev = self._evaluate()
                 self.logger.log(self.step, ev, advance=False)
@@ -428,7 +551,7 @@ class Trainer:
 
         if result.skipped_updates:
             self.bad_steps += 1
-            self.logger.message(f"step {self.step}: non-finite loss or gradient, update skipped "
+            self.logger.message(f"step {self.step}: non-finite loss, gradient or updated weights, update skipped "
                                 f"({self.bad_steps} in a row)")  # fmt: skip
         else:
             self.bad_steps = 0
@@ -443,7 +566,8 @@ class Trainer:
         self.logger.log(self.step, metrics)
         if self.bad_steps >= t.max_bad_steps:
             raise TrainingStopped(
-                f"{self.bad_steps} consecutive steps had a non-finite loss or gradient (last at step {self.step}); "
+                f"{self.bad_steps} consecutive steps had a non-finite loss, gradient or updated weights (last at "
+                f"step {self.step}); "
                 f"the weights are those from before them, saved in {self.run_dir / 'checkpoints'}"
             )
         if t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < t.steps:
@@ -451,9 +575,11 @@ class Trainer:
         return ev
 
 
-def run(config: TrainConfig, run_dir: Path | None = None, resume: Path | None = None) -> RunResult:
-    """Train with ``config``; ``resume`` continues the run in that folder from its newest checkpoint."""
+def run(config: TrainConfig, run_dir: Path | None = None, resume: Path | None = None,
+        overwrite: bool = False) -> RunResult:  # fmt: skip
+    """Train with ``config``; ``resume`` continues the run in that folder from its newest checkpoint;
+    ``overwrite`` replaces the run in a non-empty ``trainer.out`` (otherwise refused)."""
     if config.trainer.threads > 0:
         torch.set_num_threads(config.trainer.threads)
-    trainer = Trainer(config, run_dir=run_dir, resume=resume)
+    trainer = Trainer(config, run_dir=run_dir, resume=resume, overwrite=overwrite)
     return trainer.run()

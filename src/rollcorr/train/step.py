@@ -5,13 +5,14 @@
     corr = compute_correction(old, μ, mask, config)             ← IS weights, rejection mask, metrics
     rollout.advantages = advantages(rewards, groups, keep)      ← rejected rows out of the baselines
     for epoch, mini-batch, micro-batch: policy_loss → backward   ← π_θ with gradient
-    optimizer step (skipped when the loss or a gradient is not finite)
+    optimizer step (skipped when the loss or a gradient is not finite; undone when a weight becomes non-finite)
 
 The learner's weight version does not change inside ``train_step``: the caller publishes afterwards.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -218,7 +219,7 @@ def optimize(
     per_sequence = algo.loss.name in ("gmpo", "oapl")  # a mean over sequences, whatever the aggregation
     token_level = algo.loss.agg_mode in ("token-mean", "token-sum") and not per_sequence
     sums: dict[str, float] = {}
-    applied = skipped = zero_grad_skips = 0
+    applied = skipped = zero_grad_skips = nonfinite_weights = 0
     for _epoch in range(algo.ppo_epochs):
         for rows in _mini_batch_indices(rollout, algo.mini_batches):
             mini = renormalize(rollout.select(rows), algo, "mini_batch")
@@ -256,7 +257,10 @@ def optimize(
                 # momentum m/√v (and v keeps decaying, which inflates the next real step): skip it entirely.
                 zero_grad_skips += 1
                 continue
-            optimizer.step()
+            if not finite_step(optimizer, params):  # weights would turn NaN/inf: undone, a bad step
+                skipped += 1
+                nonfinite_weights += 1
+                continue
             applied += 1
             if after_optimizer_step is not None:
                 after_optimizer_step(learner.model)
@@ -266,7 +270,31 @@ def optimize(
     optimizer.zero_grad(set_to_none=True)
     metrics = {k: v / max(applied, 1) for k, v in sums.items()}
     metrics["train/zero_grad_skips"] = float(zero_grad_skips)
+    metrics["train/nonfinite_weight_steps"] = float(nonfinite_weights)
     return metrics, applied, skipped
+
+
+def finite_step(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> bool:
+    """``optimizer.step()``, undone (weights and optimizer state restored) if a weight became unusable.
+
+    A finite loss and gradient can still give unusable weights (lr = 1e30; fp16 AdamW, whose eps rounds to 0),
+    and those must never be published or checkpointed. Unusable: NaN/inf, or so large that its square
+    overflows the dtype (|w| > √max, 1.8e19 in fp32), since every norm or dot product with it is then inf.
+    Costs one copy of the weights and optimizer state and one max-abs pass (one sync) per optimizer step.
+    """
+    before = [p.detach().clone() for p in params]
+    state = copy.deepcopy(optimizer.state_dict())
+    optimizer.step()
+    with torch.no_grad():
+        largest = torch.stack(
+            [p.detach().abs().amax().float() / math.sqrt(torch.finfo(p.dtype).max) for p in params]
+        )
+        if bool(largest.max() <= 1.0):  # NaN compares False
+            return True
+        for p, saved in zip(params, before):
+            p.copy_(saved)
+    optimizer.load_state_dict(state)
+    return False
 
 
 def _grad_norm(params: list[Tensor], max_norm: float) -> float:
