@@ -112,6 +112,9 @@ def train_config(overrides: Sequence[str]):
     from rollcorr.train.config import load_config
 
     base = ["trainer.progress=false", "trainer.tensorboard=false", "trainer.checkpoint_every=0"]
+    # the studies of docs/results.md ran with an optimizer step even on a zero gradient (the trainer's default
+    # then); an arm that wants the new default sets optim.skip_zero_grad=true itself
+    base.append("optim.skip_zero_grad=false")
     return load_config(None, base + list(overrides))
 
 

@@ -70,3 +70,23 @@ def versions():
     g = torch.Generator().manual_seed(0)
     direction = {k: torch.randn(v.shape, generator=g) * 0.05 for k, v in base.items()}
     return lambda v: {k: base[k] + v * direction[k] for k in base}
+
+
+@pytest.fixture
+def alternating_rewards(monkeypatch):
+    """Training batches rewarded 1, 0, 1, 0, … by row, whatever tokens were sampled.
+
+    Groups are consecutive rows of an even size, so every group holds both rewards: advantages — hence the
+    gradient — are non-zero by construction on any CPU (torch's float kernels differ between AVX2, AVX512
+    and the default build, so the same seed samples different tokens, and a tiny model's real reward can be
+    uniform over a whole mini-batch). The reward depends on the row only, so a resumed run sees the same
+    rewards. For tests of the training mechanics, not of learning; greedy evaluation keeps the task's real
+    reward; in-process only (Ray workers score with the real reward).
+    """
+    from rollcorr.train.executors import RolloutSource
+
+    def alternate(self, rollout):
+        rows = torch.arange(rollout.response_ids.shape[0])
+        return rollout.replace(rewards=(rows % 2 == 0).float())
+
+    monkeypatch.setattr(RolloutSource, "reward", alternate)

@@ -25,6 +25,16 @@ def test_default_config_loads_and_resolves_algorithm_defaults():
     )
 
 
+def test_default_yaml_and_dataclass_defaults_cannot_disagree():
+    """One default per key: the shipped default.yaml (the documented default run) and TrainConfig()."""
+    shipped, dataclass = load_config(None).to_dict(), TrainConfig().to_dict()
+    for section, values in shipped.items():
+        for key, value in values.items():
+            assert dataclass[section][key] == value, f"{section}.{key}: {value!r} in default.yaml"
+    assert shipped == dataclass
+    assert shipped["trainer"]["steps"] == 600 and shipped["optim"]["skip_zero_grad"] is True
+
+
 def test_overrides_parse_yaml_values_and_nested_dicts():
     c = load_config(None, ["trainer.max_staleness=2", "rollout.temperature=0.7", "trainer.progress=false", "optim.lr=1e-3",
                            "algorithm.correction.preset=decoupled_seq_is_rs", "algorithm.correction.is_upper=3"])  # fmt: skip

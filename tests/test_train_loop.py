@@ -1,8 +1,9 @@
 """rollcorr train end to end: every mode, the staleness bound, resume, NaN steps, OAPL.
 
 The runs use a small model fine-tuned here in a few seconds on 1-digit addition (a real Qwen2 with the
-built-in tokenizer), so rewards — hence gradients — are non-zero from the first step and the tests do not
-depend on the shipped checkpoint.
+built-in tokenizer), so the tests do not depend on the shipped checkpoint. Its training batches are rewarded
+1, 0, 1, 0, … by row (the ``alternating_rewards`` fixture), so every group's advantages — hence every gradient —
+are non-zero whatever tokens this CPU samples.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from rollcorr.train.checkpoint import latest_checkpoint, load_checkpoint
 from rollcorr.train.config import load_config
 from rollcorr.train.executors import RolloutSource
 from rollcorr.train.loop import Trainer, run
+
+pytestmark = pytest.mark.usefixtures("alternating_rewards")
 
 TINY = [
     "task.name=addition:1",

@@ -1,7 +1,8 @@
 """rollcorr train with every policy loss it accepts, algorithm.loss_args, and the losses it refuses.
 
 The runs use the same kind of small model as tests/test_train_loop.py: a 2-layer Qwen2 fine-tuned here in a few
-seconds on 1-digit addition, so rewards — hence gradients — are non-zero from the first step.
+seconds on 1-digit addition. Its training batches are rewarded 1, 0, 1, 0, … by row (the ``alternating_rewards``
+fixture), so every group's advantages — hence every gradient — are non-zero whatever tokens this CPU samples.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from rollcorr.losses import LOSS_NAMES, LossConfig, policy_loss
 from rollcorr.train.checkpoint import latest_checkpoint, load_checkpoint
 from rollcorr.train.config import LOSS_ARGS, LOSSES, REFUSED_LOSSES, ConfigError, load_config
 from rollcorr.train.loop import Trainer, build_algorithm, check_components, run
+
+pytestmark = pytest.mark.usefixtures("alternating_rewards")
 
 TINY = [
     "task.name=addition:1",

@@ -119,6 +119,13 @@ class Analysis:
         return int((self.dump.response_mask & ~self.mask).any(dim=-1).sum())
 
 
+ALL_REJECTED = (
+    "the correction rejects every token of this dump ({tokens} tokens in {seqs} sequences): a training step "
+    "on it would have a zero loss and an exactly-zero gradient. Its thresholds are tighter than this "
+    "mismatch; widen them or choose a looser preset (docs/configuration.md, Presets)."
+)
+
+
 def analyze(dump: Dump, config: CorrectionConfig, source: str = "") -> Analysis:
     """Run the correction on the dump and explain every rejection and zeroed weight."""
     notes: list[str] = []
@@ -154,8 +161,11 @@ def analyze(dump: Dump, config: CorrectionConfig, source: str = "") -> Analysis:
         advantages=dump.advantages,
         version=version,
         current_version=current_version,
+        warn=False,  # said below, in the report's words
     )
     mask = res.mask.bool()
+    if config.rejects and dump.num_tokens > 0 and not mask.any():
+        notes.insert(0, f"warning: {ALL_REJECTED.format(tokens=dump.num_tokens, seqs=len(dump))}")
     findings, rules = explain(dump, config, res.weights)
     explained = torch.zeros_like(mask)
     for f in findings:
@@ -588,7 +598,8 @@ def render(analysis: Analysis, console: Any, *, top: int = 8, all_metrics: bool 
         for item in renderables:
             console.print(item, highlight=False)
     for note in analysis.notes:
-        console.print(f"[dim]note: {escape(note)}[/]", highlight=False)
+        style = "bold yellow" if note.startswith("warning:") else "dim"
+        console.print(f"[{style}]{'' if style != 'dim' else 'note: '}{escape(note)}[/]", highlight=False)
     console.print()
     console.print(f"[bold]In short[/]: {escape(summary(analysis))}", highlight=False)
 
@@ -798,6 +809,8 @@ def summary(analysis: Analysis) -> str:
             f"Rejection removes {100 * analysis.rejected_tokens / n_tok:.3g}% of tokens in "
             f"{100 * analysis.rejected_sequences / n_seq:.3g}% of sequences."
         )
+        if n_tok and analysis.rejected_tokens == n_tok:
+            out.append("That is everything: a training step on this data would have no gradient.")
         worst = max(
             (r for r in analysis.rules if r.effect == "rejected"), key=lambda r: r.tokens, default=None
         )

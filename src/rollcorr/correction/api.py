@@ -7,7 +7,8 @@
 
 Nothing here is differentiable. The only device syncs are the input checks (one small stacked read, plus one
 for the optional inputs log_prob / advantages / log_kept_mass when given), which ``validate=False`` skips
-when the caller has already checked the tensors.
+when the caller has already checked the tensors, and, when a rejection rule is set, the check for a batch that
+lost every token (``AllRejectedWarning``), which ``warn=False`` skips.
 
 Cost (CPU, B×T = 256×8192 float32; benchmarks/bench_correction.py): every (B, T) pass costs ~0.5–2 ms and
 every fresh (B, T) buffer as much again in page faults, so the hot path makes few of either: statistics
@@ -18,6 +19,7 @@ straightforward formulas (tests/test_correction_perf_equivalence.py).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +40,22 @@ from rollcorr.correction.rejection import opsm_keep, rs_option, rs_statistic, tr
 from rollcorr.correction.weights import apply_threshold, batch_norm_factor, raw_weights
 
 PREFIX = "rollout_corr/"
+
+
+class AllRejectedWarning(UserWarning):
+    """``compute_correction`` rejected every valid token of a batch: its loss is 0 and its gradient exactly 0."""
+
+
+def warn_all_rejected(num_tokens: int, num_seqs: int, stacklevel: int = 4) -> None:
+    """Say in words that a batch lost every token to rejection, and what to do about it."""
+    warnings.warn(
+        f"the correction rejected every token of this batch ({num_tokens} tokens in {num_seqs} sequences): "
+        "its loss is 0 and its gradient exactly 0. The rejection thresholds are tighter than this batch's "
+        "sampler/learner mismatch; widen them or choose a looser preset (the Geo-RS presets' [0.999, 1.001] "
+        "band is meant for bf16-level mismatch only; docs/configuration.md, Presets).",
+        AllRejectedWarning,
+        stacklevel=stacklevel,
+    )
 
 
 @dataclass(frozen=True)
@@ -65,6 +83,7 @@ def compute_correction(
     current_version: int | Tensor | None = None,
     group: object | None = None,
     validate: bool = True,
+    warn: bool = True,
 ) -> CorrectionResult:
     """Correct a (B, T) batch of right-padded responses.
 
@@ -78,6 +97,9 @@ def compute_correction(
                       ``config.sampler_distribution == "full"`` (then log μ_full = rollout + log_kept_mass)
     version, current_version   per-token weight version and the learner's version: staleness metrics
     group             process group for the batch-normalisation all-reduce (default group if None)
+    warn              emit ``AllRejectedWarning`` when rejection removes every valid token (one device sync,
+                      only when a rejection rule is configured; the trainer passes False and reports it
+                      through its own alerts)
     """
     if not isinstance(config, CorrectionConfig):
         raise TypeError(f"config must be a CorrectionConfig, got {type(config).__name__}")
@@ -202,6 +224,8 @@ def compute_correction(
             kept_tokens = torch.count_nonzero(kept).to(dtype)
             kept_rows, rejected_rows = any_per_row(kept), any_per_row(tok.mask & ~kept)
         metrics.update(M.rs_total_from_counts(tok.num_tokens - kept_tokens, rejected_rows, tok))
+        if warn and bool((kept_tokens == 0) & (tok.num_tokens > 0)):
+            warn_all_rejected(int(tok.num_tokens), int(tok.num_rows))
         out_mask = mask & keep if mask.dtype == torch.bool else (mask * keep).to(mask.dtype)
 
     # ---- counts for the loss denominator (docs/spec.md §3) -----------------------------------------

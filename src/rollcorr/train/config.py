@@ -114,7 +114,7 @@ class AlgorithmConfig:
     loss: str | None = None  # None = the algorithm's default (see ALGORITHMS)
     advantage: str | None = None
     norm_std: bool | None = None
-    aggregation: str | None = None
+    aggregation: str | None = "token-mean"  # None = the algorithm's own (GRPO: seq-mean-token-mean)
     clip_low: float | None = None
     clip_high: float | None = None
     dual_clip: float | None = None  # c > 1 for dual-clip PPO, None = off
@@ -149,7 +149,7 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     # No optimizer step on a mini-batch whose gradient is exactly 0 (all tokens rejected, all advantages 0):
     # Adam would otherwise keep moving the weights by its momentum (docs/training.md, "Zero gradients").
-    skip_zero_grad: bool = False
+    skip_zero_grad: bool = True
 
 
 @dataclass
@@ -165,7 +165,7 @@ class TrainerConfig:
     queue_size: int = 2  # async: rollout batches waiting for the learner
     partial_rollouts: bool = False  # async: interrupted responses resume with the new weights
     partial_chunk_tokens: int = 2  # async + partial: tokens generated between weight-update checks
-    steps: int = 150
+    steps: int = 600
     mini_batches: int = 2  # optimizer steps per rollout batch (per PPO epoch)
     micro_batch_size: int = 0  # sequences per forward/backward, 0 = the whole mini-batch
     ppo_epochs: int = 1

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rollcorr.train.alerts import RunAlerts
 from rollcorr.train.checkpoint import (
     load_latest_intact,
     recover_checkpoints,
@@ -482,6 +483,7 @@ class Trainer:
         t = self.config.trainer
         start = time.perf_counter()
         stopped = None
+        self.alerts = RunAlerts.of_run(self.run_dir)  # a resumed run keeps its counts
         try:
             if self.step == 0:
                 if not self.follows_sampler:
@@ -513,6 +515,8 @@ class Trainer:
                 self.proximal.wait()
         self.save()
         seconds = time.perf_counter() - start
+        if self.alerts.summary():
+            self.logger.message(self.alerts.summary())
         if t.plot:
             from rollcorr.train.logging import read_metrics
             from rollcorr.train.plots import plot_run
@@ -563,6 +567,8 @@ class Trainer:
         if t.eval_every and self.step % t.eval_every == 0 or self.step == t.steps:
             ev = self._evaluate()
             metrics.update(ev)
+        for text in self.alerts.observe(self.step, metrics):  # rejected most / all, zero gradient
+            self.logger.message(text)
         self.logger.log(self.step, metrics)
         if self.bad_steps >= t.max_bad_steps:
             raise TrainingStopped(

@@ -42,7 +42,7 @@ class Algorithm:
     micro_batch_size: int = 0  # 0 = whole mini-batch
     ppo_epochs: int = 1
     grad_clip: float = 1.0
-    skip_zero_grad: bool = False  # no optimizer step when the gradient is exactly zero (see optimize)
+    skip_zero_grad: bool = True  # no optimizer step when the gradient is exactly zero (see optimize)
 
 
 @dataclass
@@ -110,6 +110,7 @@ def correct(
         log_kept_mass=rollout.log_kept_mass,
         version=rollout.version,
         current_version=version,
+        warn=False,  # the trainer says it in words through train/alerts.py
     )
     mask = res.mask.bool() & rollout.response_mask.bool()
     weights = None if res.weights is None else res.weights.detach()
@@ -211,15 +212,15 @@ def optimize(
     token-level aggregations, sequences otherwise and for the per-sequence losses gmpo and oapl), so the
     accumulated gradient equals the mini-batch one.
     Returns (metrics averaged over optimizer steps, optimizer steps applied, steps skipped as non-finite).
-    With ``algo.skip_zero_grad`` a mini-batch whose gradient is exactly zero takes no optimizer step
-    (counted in ``train/zero_grad_skips``; not a bad step).
+    A mini-batch whose gradient is exactly zero is counted in ``train/zero_grad_minibatches``; with
+    ``algo.skip_zero_grad`` it takes no optimizer step (counted in ``train/zero_grad_skips``; not a bad step).
     ``generator`` feeds the loss's random draw (clip_cov).
     """
     params = [p for p in learner.model.parameters() if p.requires_grad]
     per_sequence = algo.loss.name in ("gmpo", "oapl")  # a mean over sequences, whatever the aggregation
     token_level = algo.loss.agg_mode in ("token-mean", "token-sum") and not per_sequence
     sums: dict[str, float] = {}
-    applied = skipped = zero_grad_skips = nonfinite_weights = 0
+    applied = skipped = zero_grad_skips = zero_grads = nonfinite_weights = 0
     for _epoch in range(algo.ppo_epochs):
         for rows in _mini_batch_indices(rollout, algo.mini_batches):
             mini = renormalize(rollout.select(rows), algo, "mini_batch")
@@ -252,6 +253,7 @@ def optimize(
                 optimizer.zero_grad(set_to_none=True)
                 skipped += 1
                 continue
+            zero_grads += grad_norm == 0.0
             if algo.skip_zero_grad and grad_norm == 0.0:
                 # Every token rejected, or every advantage zero. Adam would still move the weights by its
                 # momentum m/√v (and v keeps decaying, which inflates the next real step): skip it entirely.
@@ -271,6 +273,7 @@ def optimize(
     metrics = {k: v / max(applied, 1) for k, v in sums.items()}
     metrics["train/zero_grad_skips"] = float(zero_grad_skips)
     metrics["train/nonfinite_weight_steps"] = float(nonfinite_weights)
+    metrics["train/zero_grad_minibatches"] = float(zero_grads)
     return metrics, applied, skipped
 
 

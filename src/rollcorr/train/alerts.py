@@ -1,0 +1,168 @@
+"""Warnings that speak: steps whose correction rejected most of the batch, all of it, or that had no gradient.
+
+The trainer hands every step's metrics to ``RunAlerts.observe``; it adds one 0/1 flag per condition and a
+running count (``alerts/<condition>`` and ``alerts/<condition>_steps``) to the metrics and returns the
+messages to print. A condition is announced in plain words the first time it happens in a run, and again
+while it **persists**: when ``repeat_every`` further steps have shown it since it was last said (its 1st, 26th,
+51st, … occurrence with the default 25), so a run stuck in it keeps saying so without printing every step. ``summary()`` is the
+end-of-run line, e.g. "37 of 150 steps rejected > 50 % of sequences; 12 steps had no gradient".
+
+The conditions, read from the step's metrics (``rollout_corr/*`` counts of ``compute_correction`` and the
+optimizer counters of ``train/step.py``):
+
+- ``rejected_all``: the correction kept no token (``rollout_corr/num_kept_tokens`` = 0 of > 0);
+- ``rejected_most_sequences``: more than half of the valid sequences lost every token;
+- ``rejected_most_tokens``: more than half of the valid tokens were rejected;
+- ``no_gradient``: every optimizer step of the step had an exactly-zero gradient (all tokens rejected, or
+  every kept group had one reward, so every advantage was 0).
+
+A step that rejects everything also counts as rejecting more than half; its message says it once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MOST = 0.5  # "most": strictly more than half
+REPEAT_EVERY = 25  # a persisting condition is said again every this many further occurrences
+PREFIX = "alerts/"
+# in the order of the end-of-run summary; each phrase follows "N of M steps" (or "N steps")
+CONDITIONS: dict[str, str] = {
+    "rejected_most_sequences": "rejected > 50 % of sequences",
+    "rejected_most_tokens": "rejected > 50 % of tokens",
+    "rejected_all": "rejected every token",
+    "no_gradient": "had no gradient",
+}
+ADVICE = (
+    "the correction's thresholds are tighter than this sampler/learner mismatch; widen them "
+    "(algorithm.correction.rs_thresholds) or choose a preset made for it "
+    "(docs/configuration.md, Presets)"
+)
+
+
+def step_conditions(metrics: dict[str, float]) -> dict[str, bool]:
+    """Which conditions one step's metrics show (all False when the metrics lack the counts)."""
+    g = metrics.get
+    tokens, kept_tokens = g("rollout_corr/num_tokens", 0.0), g("rollout_corr/num_kept_tokens", 0.0)
+    seqs, kept_seqs = g("rollout_corr/num_valid_seqs", 0.0), g("rollout_corr/num_kept_seqs", 0.0)
+    has_tokens = "rollout_corr/num_kept_tokens" in metrics and tokens > 0
+    has_seqs = "rollout_corr/num_kept_seqs" in metrics and seqs > 0
+    # optimizer steps with a finite gradient: the applied ones plus those skipped for a zero gradient
+    finite = g("train/applied_updates", 0.0) + g("train/zero_grad_skips", 0.0)
+    zero = g("train/zero_grad_minibatches", 0.0)
+    return {
+        "rejected_most_sequences": has_seqs and seqs - kept_seqs > MOST * seqs,
+        "rejected_most_tokens": has_tokens and tokens - kept_tokens > MOST * tokens,
+        "rejected_all": has_tokens and kept_tokens == 0,
+        "no_gradient": zero > 0 and zero == finite,
+    }
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.0f} %"
+
+
+def describe(step: int, condition: str, metrics: dict[str, float]) -> str:
+    """The plain-words message for ``condition`` at ``step``."""
+    g = metrics.get
+    tokens, kept_tokens = g("rollout_corr/num_tokens", 0.0), g("rollout_corr/num_kept_tokens", 0.0)
+    seqs, kept_seqs = g("rollout_corr/num_valid_seqs", 0.0), g("rollout_corr/num_kept_seqs", 0.0)
+    skipped = g("train/zero_grad_skips", 0.0) > 0
+    no_step = (
+        "no optimizer step was taken"
+        if skipped
+        else "Adam still moved the weights by its momentum (optim.skip_zero_grad=false)"
+    )
+    if condition == "rejected_all":
+        return (f"step {step}: the correction rejected every token ({tokens:.0f} tokens in {seqs:.0f} sequences), "
+                f"so this step learned nothing and {no_step}; {ADVICE}.")  # fmt: skip
+    if condition == "rejected_most_sequences":
+        return (f"step {step}: the correction rejected {_pct(seqs - kept_seqs, seqs)} of the sequences "
+                f"({seqs - kept_seqs:.0f} of {seqs:.0f}); the update rests on the other {kept_seqs:.0f}; {ADVICE}.")  # fmt: skip
+    if condition == "rejected_most_tokens":
+        return (f"step {step}: the correction rejected {_pct(tokens - kept_tokens, tokens)} of the tokens "
+                f"({tokens - kept_tokens:.0f} of {tokens:.0f}); {ADVICE}.")  # fmt: skip
+    why = (
+        "every kept group's responses got the same reward, so every advantage was 0"
+        if g("advantage/abs_mean", 1.0) == 0
+        else "the kept tokens' loss terms cancel or are all clipped"
+    )
+    return f"step {step}: the gradient was exactly 0 ({why}); {no_step}."
+
+
+@dataclass
+class RunAlerts:
+    """Counts the conditions over a run and decides when to speak (see the module docstring)."""
+
+    repeat_every: int = REPEAT_EVERY
+    steps: int = 0
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CONDITIONS, 0))
+    said_at: dict[str, int] = field(default_factory=dict)  # condition → its count when last said
+
+    @classmethod
+    def from_records(cls, records: Iterable[dict[str, Any]], repeat_every: int | None = None) -> RunAlerts:
+        """Counts of a run continued from its ``metrics.jsonl`` records (the steps already trained)."""
+        alerts = cls(repeat_every=repeat_every or REPEAT_EVERY)
+        for record in records:
+            if "train/applied_updates" not in record:  # step 0's evaluation, or an evaluation-only line
+                continue
+            alerts.steps += 1
+            for name in CONDITIONS:
+                alerts.counts[name] += int(bool(record.get(PREFIX + name)))
+        return alerts
+
+    @classmethod
+    def of_run(cls, run_dir: Path, repeat_every: int | None = None) -> RunAlerts:
+        """``from_records`` of the run folder's ``metrics.jsonl`` (none yet: a fresh run)."""
+        from rollcorr.train.logging import read_metrics
+
+        exists = (Path(run_dir) / "metrics.jsonl").is_file()
+        return cls.from_records(read_metrics(run_dir) if exists else [], repeat_every)
+
+    def _due(self, name: str) -> bool:
+        return name not in self.said_at or self.counts[name] - self.said_at[name] >= self.repeat_every
+
+    def observe(self, step: int, metrics: dict[str, float]) -> list[str]:
+        """Add ``alerts/*`` flags and counts to ``metrics`` (in place); return the messages to print now."""
+        flags = step_conditions(metrics)
+        self.steps += 1
+        for name, flag in flags.items():
+            self.counts[name] += int(flag)
+            metrics[PREFIX + name] = float(flag)
+            metrics[f"{PREFIX}{name}_steps"] = float(self.counts[name])
+        # one rejection message per step, the most severe one that is due; "rejected every token" implies
+        # the other two and the zero gradient, which are then not said separately
+        said = []
+        order = ("rejected_all", "rejected_most_sequences", "rejected_most_tokens")
+        for name in order:
+            if flags[name]:
+                if self._due(name):
+                    said.append(self._say(step, name, metrics))
+                break
+        if flags["no_gradient"] and not flags["rejected_all"] and self._due("no_gradient"):
+            said.append(self._say(step, "no_gradient", metrics))
+        return said
+
+    def _say(self, step: int, name: str, metrics: dict[str, float]) -> str:
+        n = self.counts[name]
+        first = name not in self.said_at
+        self.said_at[name] = n
+        if first:
+            tail = f"(first warning of this kind in this run; repeated every {self.repeat_every} such steps)"
+        else:
+            tail = f"(still happening: {n} of {self.steps} steps so far)"
+        return f"warning: {describe(step, name, metrics)} {tail}"
+
+    def summary(self) -> str | None:
+        """ "37 of 150 steps rejected > 50 % of sequences; 12 steps had no gradient", or None if none did."""
+        found = [(name, phrase) for name, phrase in CONDITIONS.items() if self.counts[name]]
+        parts = [
+            f"{self.counts[name]} of {self.steps} steps {phrase}"
+            if i == 0
+            else f"{self.counts[name]} step{'' if self.counts[name] == 1 else 's'} {phrase}"
+            for i, (name, phrase) in enumerate(found)
+        ]
+        return "alerts: " + "; ".join(parts) if parts else None
