@@ -37,6 +37,9 @@ from rollcorr.train.config import ConfigError, load_config, save_config
 from rollcorr.train.loop import Trainer, run
 from rollcorr.train.rundir import RESUMABLE_KEYS, RunFinished, RunFolderError, RunLock, new_run_dir
 
+# training batches rewarded 1, 0, 1, … by row (tests/conftest.py): gradients non-zero on any CPU
+pytestmark = pytest.mark.usefixtures("alternating_rewards")
+
 TINY = [
     "task.name=addition:1",
     "rollout.prompts_per_step=2",

@@ -114,7 +114,7 @@ class AlgorithmConfig:
     loss: str | None = None  # None = the algorithm's default (see ALGORITHMS)
     advantage: str | None = None
     norm_std: bool | None = None
-    aggregation: str | None = "token-mean"  # None = the algorithm's own (GRPO: seq-mean-token-mean)
+    aggregation: str | None = None  # None = the algorithm's own (GRPO: token-mean, GSPO: seq-mean-token-mean)
     clip_low: float | None = None
     clip_high: float | None = None
     dual_clip: float | None = None  # c > 1 for dual-clip PPO, None = off
