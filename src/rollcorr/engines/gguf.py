@@ -426,3 +426,121 @@ def export_hf_dir(model_dir: str | os.PathLike, path: str | os.PathLike, quant: 
         state_dict.update(load_file(str(file)))
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     return write_gguf(path, state_dict, config, model_dir / "tokenizer.json", quant)
+
+
+# --------------------------------------------------------------------------- the reader: GGUF → HF folder
+
+
+def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of ``_permute_rope``: llama.cpp's interleaved q/k rows → HF's rotate-half order."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_tensor_names() -> dict[str, str]:
+    """llama.cpp tensor name → HF parameter name (``{i}`` stands for the layer index)."""
+    names = {v: k for k, v in _GLOBAL_NAMES.items()}
+    names.update({f"blk.{{i}}.{v}": f"model.layers.{{i}}.{k}" for k, v in _LAYER_NAMES.items()})
+    return names
+
+
+def _no_merge_tokenizer(reader: Any):
+    """The tokenizer of a GGUF whose "gpt2" vocabulary has no merges (rollcorr writes the built-in model's
+    character vocabulary so, with the ``NO_MERGE`` placeholder that transformers' GGUF reader refuses):
+    byte-level BPE over the same tokens, so every text encodes to the same ids and decodes back the same."""
+    from gguf import TokenType
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    def field(key: str) -> Any:
+        f = reader.get_field(key)
+        return None if f is None else f.contents()
+
+    tokens, types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.token_type")
+    core = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens([AddedToken(t, special=True) for t, k in zip(tokens, types) if k == TokenType.CONTROL])
+    special = {
+        f"{kind}_token": tokens[i]
+        for kind in ("bos", "eos", "pad", "unk")
+        if (i := field(f"tokenizer.ggml.{kind}_token_id")) is not None
+    }
+    return PreTrainedTokenizerFast(tokenizer_object=core, clean_up_tokenization_spaces=False, **special)
+
+
+def gguf_to_hf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Save a Qwen2 / Llama GGUF model (any type the ``gguf`` package dequantises: Q4_0, Q4_1, Q8_0, K-quants,
+    f16, ...) as a Hugging Face folder — config.json, model.safetensors (float32), the tokenizer — and
+    return ``out_dir``. Such a folder is what ``rollcorr train`` / ``audit`` load as ``model.path``.
+
+    Memory: tensors are read from the memory-mapped file and dequantised one at a time, so the peak is one
+    float32 copy of the weights (what safetensors writes). The config comes from the GGUF metadata and the
+    tokenizer from transformers' GGUF reader. The inverse of ``export_hf_dir``/``write_gguf`` up to the
+    quantisation: a file rollcorr wrote as f32 comes back bit for bit.
+    """
+    from gguf import GGUFReader, dequantize
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    gguf_file, out_dir = Path(gguf_file), Path(out_dir)
+    if not gguf_file.is_file():
+        raise FileNotFoundError(f"GGUF file {str(gguf_file)!r} does not exist")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise FileExistsError(f"{str(out_dir)!r} exists and is not an empty folder; choose a new one")
+    try:
+        meta = load_gguf_checkpoint(str(gguf_file), return_tensors=False)["config"]
+    except (ValueError, KeyError, OSError) as err:
+        raise ValueError(f"{str(gguf_file)!r}: cannot read the GGUF metadata ({err})") from None
+    meta = dict(meta)
+    model_type = meta.pop("model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{gguf_file.name}: architecture {model_type!r} is not supported; gguf_to_hf reads {SUPPORTED_ARCHITECTURES}"
+        )
+    meta.pop("_model_name_or_path", None)
+    config = AutoConfig.for_model(model_type, **meta)
+    n_head = config.num_attention_heads
+    n_head_kv = getattr(config, "num_key_value_heads", None) or n_head
+
+    names = _hf_tensor_names()
+    reader = GGUFReader(gguf_file)
+    state_dict: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        match = re.match(r"^blk\.(\d+)\.(.+)$", tensor.name)
+        key = f"blk.{{i}}.{match.group(2)}" if match else tensor.name
+        if key not in names:
+            raise ValueError(f"{gguf_file.name}: tensor {tensor.name!r} has no Qwen2 / Llama counterpart")
+        hf_name = names[key].format(i=match.group(1)) if match else names[key]
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+        w = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        if model_type == "llama" and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
+            w = _unpermute_rope(w, n_head)
+        elif model_type == "llama" and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
+            w = _unpermute_rope(w, n_head_kv)
+        state_dict[hf_name] = torch.from_numpy(np.array(w, dtype=np.float32))  # own copy, off the memory map
+    merges = reader.get_field("tokenizer.ggml.merges")
+    if merges is not None and merges.contents() == [f"{NO_MERGE} {NO_MERGE}"]:
+        tokenizer = _no_merge_tokenizer(reader)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    del reader
+    config.tie_word_embeddings = "lm_head.weight" not in state_dict
+    config.architectures = [{"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[model_type]]
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        save_file(state_dict, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        del state_dict
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(tmp, out_dir)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

@@ -36,11 +36,10 @@ from torch import Tensor
 from rollcorr.engines.base import SamplingParams, process_logits
 from rollcorr.engines.decoding import DecodingSampler
 from rollcorr.engines.gguf import QUANT_TYPES, write_gguf
+from rollcorr.engines.preflight import install_hint
 from rollcorr.models.builtin import BUILTIN, BUILTIN_DIR
 
-INSTALL_HINT = (
-    "llama-cpp-python is not installed; pip install rollcorr[llamacpp] (builds llama.cpp from source)"
-)
+INSTALL_HINT = f"llama-cpp-python is not installed; {install_hint('llamacpp')}"
 
 
 _LOG_CALLBACK = None  # keeps the ctypes callback alive while llama.cpp holds it
@@ -130,6 +129,7 @@ class LlamaCppSampler(DecodingSampler):
         if max_batch < 1:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
         self._llama = import_llama_cpp()
+        from safetensors import safe_open
         from safetensors.torch import load_file
         from transformers import AutoConfig, AutoTokenizer
 
@@ -157,20 +157,24 @@ class LlamaCppSampler(DecodingSampler):
         self._model = self._ctx = self._batch = self._vocab = None
         self.gguf_path: Path | None = None
 
-        state_dict: dict[str, Tensor] = {}
-        for file in sorted(self.model_dir.glob("*.safetensors")):
-            state_dict.update(load_file(str(file)))
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
-        self._shapes = {
-            k: tuple(v.shape) for k, v in state_dict.items() if not (tied and k == "lm_head.weight")
-        }
+        self._shapes = {}  # read from the safetensors headers: a served file needs no float copy in memory
+        for file in sorted(self.model_dir.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                self._shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+        if tied:
+            self._shapes.pop("lm_head.weight", None)
         self.version = int(version)
         self.fixed_file = None if gguf_file is None else Path(gguf_file)
         try:
             if self.fixed_file is not None:
                 self._model, self._ctx, self._batch, self._vocab = self._load(self.fixed_file)
             else:
+                state_dict: dict[str, Tensor] = {}
+                for file in sorted(self.model_dir.glob("*.safetensors")):
+                    state_dict.update(load_file(str(file)))
                 self._export_and_load(state_dict)
+                del state_dict
         except BaseException:
             self.close()
             raise
