@@ -54,7 +54,9 @@ def test_missing_backend_package_is_one_line_with_exit_2(tmp_path, modules, spec
     line = _one_line(audit.stderr)
     assert line.startswith("rollcorr audit: error: --sampler: ")
     assert "not installed" in line
-    assert f'pip install -e ".[{extra}]"' in line and f"ROLLCORR_OPTIONAL={extra} bash scripts/setup.sh" in line
+    assert (
+        f'pip install -e ".[{extra}]"' in line and f"ROLLCORR_OPTIONAL={extra} bash scripts/setup.sh" in line
+    )
     train = _cli_without(modules, ["train", f"model.sampler={spec}", "--out", str(out)])
     assert train.returncode == 2
     line = _one_line(train.stderr)

@@ -15,7 +15,9 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("gguf", type=Path, help="the GGUF file (Qwen2 / Llama; Q4_0, Q4_1, Q8_0, K-quants, f16, f32)")
+    parser.add_argument(
+        "gguf", type=Path, help="the GGUF file (Qwen2 / Llama; Q4_0, Q4_1, Q8_0, K-quants, f16, f32)"
+    )
     parser.add_argument("out_dir", type=Path, help="new folder for config.json, model.safetensors, tokenizer")
 
 
@@ -27,7 +29,9 @@ def run(args: argparse.Namespace) -> int:
         if not args.gguf.is_file():
             raise FileNotFoundError(f"{str(args.gguf)!r} does not exist")
         if args.out_dir.exists() and (not args.out_dir.is_dir() or any(args.out_dir.iterdir())):
-            raise FileExistsError(f"{str(args.out_dir)!r} exists and is not an empty folder; choose a new one")
+            raise FileExistsError(
+                f"{str(args.out_dir)!r} exists and is not an empty folder; choose a new one"
+            )
         from rollcorr.engines.gguf import gguf_to_hf
 
         out = gguf_to_hf(args.gguf, args.out_dir)

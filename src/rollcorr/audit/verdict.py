@@ -20,7 +20,12 @@ import math
 from typing import Any
 
 # |Δp| shares and max, the keys of ``summary["probability"]``
-SHARE_KEYS = ("prob_diff_frac_lt_1e-3", "prob_diff_frac_ge_0.01", "prob_diff_frac_ge_0.05", "prob_diff_frac_ge_0.1")
+SHARE_KEYS = (
+    "prob_diff_frac_lt_1e-3",
+    "prob_diff_frac_ge_0.01",
+    "prob_diff_frac_ge_0.05",
+    "prob_diff_frac_ge_0.1",
+)
 REFERENCES: dict[str, dict[str, Any]] = {
     "builtin_bf16": {
         "label": "built-in model, hf:bf16 vs hf:fp32",
@@ -49,7 +54,7 @@ SEQ_ESS_BROKEN = 0.1  # sequence ESS below this: no reweighting recovers the lea
 
 
 def level(summary: dict[str, Any]) -> str:
-    """"same" | "bf16" | "beyond": where this audit's gap sits against the reference levels."""
+    """ "same" | "bf16" | "beyond": where this audit's gap sits against the reference levels."""
     p = summary["probability"]
     if p["prob_diff_max"] < SAME_MODEL_MAX:
         return "same"
@@ -128,8 +133,12 @@ def verdict(summary: dict[str, Any]) -> list[str]:
             )
     negative = [
         name
-        for name, key in (("KL k1", "kl"), ("reverse KL k1", "policy_kl_k1"), ("χ² token", "chi2_token"),
-                          ("χ² sequence", "chi2_seq"))  # fmt: skip
+        for name, key in (
+            ("KL k1", "kl"),
+            ("reverse KL k1", "policy_kl_k1"),
+            ("χ² token", "chi2_token"),
+            ("χ² sequence", "chi2_seq"),
+        )  # fmt: skip
         if isinstance(d.get(key), float) and math.isfinite(d[key]) and d[key] < 0
     ]
     if negative:
@@ -137,6 +146,6 @@ def verdict(summary: dict[str, Any]) -> list[str]:
             f"{', '.join(negative)} came out negative: these are Monte-Carlo estimates over the "
             f"{summary['n_tokens']} sampled tokens (the engines give one log-prob per token, not the whole "
             "vocabulary), unbiased but noisy, so a true value near 0 can be estimated below 0. Read it as "
-            "\"about zero\"; k3 and JS are non-negative by construction."
+            '"about zero"; k3 and JS are non-negative by construction.'
         )
     return out

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from rollcorr.engines.base import SamplingParams, process_logits
 from rollcorr.engines.decoding import DecodingSampler
-from rollcorr.engines.gguf import QUANT_TYPES, write_gguf
+from rollcorr.engines.gguf import QUANT_TYPES, mapped_safetensors, write_gguf
 from rollcorr.engines.preflight import install_hint
 from rollcorr.models.builtin import BUILTIN, BUILTIN_DIR
 
@@ -130,7 +130,6 @@ class LlamaCppSampler(DecodingSampler):
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
         self._llama = import_llama_cpp()
         from safetensors import safe_open
-        from safetensors.torch import load_file
         from transformers import AutoConfig, AutoTokenizer
 
         self.model_dir = _resolve_model_dir(model_path)
@@ -170,11 +169,8 @@ class LlamaCppSampler(DecodingSampler):
             if self.fixed_file is not None:
                 self._model, self._ctx, self._batch, self._vocab = self._load(self.fixed_file)
             else:
-                state_dict: dict[str, Tensor] = {}
-                for file in sorted(self.model_dir.glob("*.safetensors")):
-                    state_dict.update(load_file(str(file)))
-                self._export_and_load(state_dict)
-                del state_dict
+                # memory-mapped: the export reads each tensor from the file's pages, no float copy is made
+                self._export_and_load(mapped_safetensors(sorted(self.model_dir.glob("*.safetensors"))))
         except BaseException:
             self.close()
             raise

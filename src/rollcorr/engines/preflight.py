@@ -43,7 +43,7 @@ class PreflightError(ValueError):
 def install_hint(extra: str) -> str:
     """How to install an extra of this project (it is installed from its repository, not from PyPI)."""
     return (
-        f"install it from the rollcorr checkout with: pip install -e \".[{extra}]\" "
+        f'install it from the rollcorr checkout with: pip install -e ".[{extra}]" '
         f"(or: ROLLCORR_OPTIONAL={extra} bash scripts/setup.sh)"
     )
 
@@ -61,7 +61,8 @@ def check_extra(extra: str) -> None:
     missing = [m for m in modules if not _installed(m)]
     if missing:
         raise PreflightError(
-            "extra", f"{known_as}: not installed (no module {', '.join(map(repr, missing))}); {install_hint(extra)}"
+            "extra",
+            f"{known_as}: not installed (no module {', '.join(map(repr, missing))}); {install_hint(extra)}",
         )
 
 
@@ -79,7 +80,8 @@ def _check_safetensors(file: Path) -> None:
         raise PreflightError("path", f"{str(file)!r} is not a valid safetensors file ({err})") from None
     if 8 + n + end != size:
         raise PreflightError(
-            "path", f"{str(file)!r} is truncated or corrupt: its header needs {8 + n + end} bytes, it has {size}"
+            "path",
+            f"{str(file)!r} is truncated or corrupt: its header needs {8 + n + end} bytes, it has {size}",
         )
 
 
@@ -111,13 +113,15 @@ def check_model_dir(model_path: str | Path | None, gguf_file: str | None = None)
         raise PreflightError("path", f"{str(model_path)!r} is an empty folder (no config.json, no weights)")
     config = path / "config.json"
     if not config.is_file():
-        raise PreflightError("path", f"{str(model_path)!r} has no config.json: not a Hugging Face model folder")
+        raise PreflightError(
+            "path", f"{str(model_path)!r} has no config.json: not a Hugging Face model folder"
+        )
     try:
         data = json.loads(config.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as err:
         raise PreflightError("path", f"{str(config)!r} is not valid JSON ({err})") from None
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise PreflightError("path", f"{str(config)!r} has no \"model_type\": not a transformers config")
+        raise PreflightError("path", f'{str(config)!r} has no "model_type": not a transformers config')
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         if any(path.glob("*.bin")):
