@@ -126,7 +126,7 @@ def _collect_live(args, console, workdir: str):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from rollcorr.audit.collect import builtin_prompts, collect, from_rollout, load_prompts
-    from rollcorr.engines import SamplingParams, make_learner, make_sampler
+    from rollcorr.engines import SamplingParams, make_learner, make_sampler, parse_spec
 
     if args.num_responses < 1 or args.batch_size < 1:
         raise ValueError(f"-n and --batch-size must be >= 1, got {args.num_responses} and {args.batch_size}")
@@ -150,10 +150,16 @@ def _collect_live(args, console, workdir: str):
         if gguf_file:
             model_path = materialise_gguf(model, gguf_file, Path(workdir) / "model")
         learner = make_learner(learner_spec, model_path=model_path)
-        # llamacpp:file serves the user's GGUF as shipped (e.g. Q4_1); other specs load the float folder
-        file_kw = {"gguf_file": str(Path(model) / gguf_file)} if sampler_spec == "llamacpp:file" else {}
-        sampler = make_sampler(sampler_spec, model_path=model_path, **file_kw)
-    prompts = _prepare_prompts(prompts, args, learner.tokenizer)
+        prompts = _prepare_prompts(prompts, args, learner.tokenizer)
+        sampler_kw = {}
+        if parse_spec(sampler_spec).backend == "llamacpp":
+            # llama.cpp allocates its KV cache for max_batch rows × n_ctx tokens up front; the model's own
+            # context (8192 for SmolLM2) would cost GBs, so size it to what this audit needs
+            longest = max(len(learner.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+            sampler_kw = {"max_batch": args.batch_size, "n_ctx": longest + args.max_new_tokens}
+        if sampler_spec == "llamacpp:file":  # serve the user's GGUF as shipped (e.g. Q4_1)
+            sampler_kw["gguf_file"] = str(Path(model) / gguf_file)
+        sampler = make_sampler(sampler_spec, model_path=model_path, **sampler_kw)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     started = time.perf_counter()
     try:
