@@ -144,7 +144,7 @@ def test_negative_monte_carlo_estimates_are_explained(tmp_path):
     note = summary["verdict"][-1]
     assert "χ² token" in note and "reverse KL k1" in note and "Monte-Carlo" in note
     same, _ = _page(tmp_path / "same", _gap(0.0))  # every estimate exactly 0: nothing to explain
-    assert not any("came out negative" in s for s in same["verdict"])
+    assert not any("negative" in s for s in same["verdict"])
 
 
 @pytest.mark.parametrize("values", [[0.011, 0.04], [0.0, 0.0], [3e-7, 0.2], [0.5]])

@@ -143,7 +143,7 @@ def verdict(summary: dict[str, Any]) -> list[str]:
     ]
     if negative:
         out.append(
-            f"{', '.join(negative)} came out negative: these are Monte-Carlo estimates over the "
+            f"Some estimates came out negative ({', '.join(negative)}): they are Monte-Carlo estimates over the "
             f"{summary['n_tokens']} sampled tokens (the engines give one log-prob per token, not the whole "
             "vocabulary), unbiased but noisy, so a true value near 0 can be estimated below 0. Read it as "
             '"about zero"; k3 and JS are non-negative by construction.'
