@@ -95,7 +95,9 @@ class LlamaCppSampler(DecodingSampler):
                  ``model_path`` then only supplies config.json and the tokenizer, and the sampler cannot take
                  new weights (``load_weights`` raises)
     max_batch    rows decoded together (llama.cpp sequences); larger calls run in chunks of this size
-    n_ctx        tokens per row (prompt + response); default the model's max_position_embeddings
+    n_ctx        tokens per row (prompt + response); default the model's max_position_embeddings. The KV cache
+                 for max_batch × n_ctx tokens is allocated up front (SmolLM2-135M: 32 × 8192 tokens × 23 KB
+                 in f16 = 6 GB), so pass what the prompts and max_new_tokens need (``rollcorr audit`` does)
     n_threads    CPU threads for llama.cpp (default min(4, cpu count))
     extra_bufts  llama.cpp extra buffer types (weight repacking); None = off on AMX CPUs, on otherwise
     kv_cache     KV cache type "f16" (llama.cpp's default) or "f32"; None = f32 for quant "f32", else f16
