@@ -225,3 +225,24 @@ def test_builtin_end_to_end(tmp_path, capsys):
     assert summary["worst_tokens"][0]["token"] != ""  # decoded with the built-in tokenizer
     assert 0 <= summary["probability"]["prob_diff_frac_ge_0.01"] <= 1
     assert len(list(out.glob("*.png"))) == 4
+
+
+def test_llamacpp_kv_cache_is_sized_to_the_audit(tmp_path, monkeypatch, capsys):
+    """llama.cpp allocates max_batch × n_ctx KV cells up front: the audit asks for its batch and the longest
+    prompt + max_new_tokens, not the model's full context (8192 for SmolLM2 cost GBs)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    import rollcorr.engines
+
+    seen = {}
+
+    def fake_sampler(spec, model_path=None, **kwargs):
+        seen.update(kwargs, spec=spec)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(rollcorr.engines, "make_sampler", fake_sampler)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("1+2=\n123+456=\n")
+    argv = ["audit", "--sampler", "llamacpp:q8_0", "--prompts", str(prompts), "--batch-size", "3",
+            "--max-new-tokens", "7", "-n", "4", "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 2 and "stop here" in capsys.readouterr().err
+    assert seen == {"spec": "llamacpp:q8_0", "max_batch": 3, "n_ctx": len("123+456=") + 7}  # one token a char

@@ -91,3 +91,72 @@ def test_report_refuses_bad_data_without_writing(tmp_path):
     with pytest.raises(ValueError, match="NaN"):
         write_report(data, tmp_path / "bad")
     assert not (tmp_path / "bad" / "summary.json").exists()
+
+
+# ---- the verdict: how far apart, against the reference levels, and what to do ----
+
+
+def _gap(noise: float, b=64, t=24, seed=0, shift: float = 0.0) -> AuditData:
+    """Tokens with p in the hesitant middle (0.2–0.8) and log π_old = log μ + noise·N(0, 1) + shift."""
+    g = torch.Generator().manual_seed(seed)
+    log_mu = torch.empty(b, t).uniform_(0.2, 0.8, generator=g).log()
+    log_old = (log_mu + noise * torch.randn(b, t, generator=g) + shift).clamp(max=0)
+    return AuditData(log_mu, log_old, torch.ones(b, t, dtype=torch.bool))
+
+
+def _page(tmp_path, data) -> tuple[dict, str]:
+    summary = write_report(data, tmp_path)
+    return summary, (tmp_path / "report.html").read_text()
+
+
+def test_verdict_names_the_level_and_the_correction(tmp_path):
+    from rollcorr.audit.verdict import level
+
+    same, _ = _page(tmp_path / "same", _gap(0.0))
+    assert level(same) == "same" and "float noise" in same["verdict"][0] and "disabled" in same["verdict"][0]
+    bf16, _ = _page(tmp_path / "bf16", _gap(0.003))  # |Δp| ~ 1e-3: bf16 territory
+    assert level(bf16) == "bf16" and "preset tis" in " ".join(bf16["verdict"])
+    wide, _ = _page(tmp_path / "wide", _gap(0.3))  # |Δp| ~ 0.1 on many tokens: different models
+    assert level(wide) == "beyond" and "different weights" in wide["verdict"][0]
+    assert "icepop" in " ".join(wide["verdict"]) or "Fix the sampler" in " ".join(wide["verdict"])
+    # the levels are ordered by the shares they read
+    assert same["probability"]["prob_diff_max"] < bf16["probability"]["prob_diff_max"] < wide["probability"]["prob_diff_max"]
+
+
+def test_verdict_opens_the_page_with_both_reference_levels(tmp_path):
+    from rollcorr.audit.verdict import REFERENCES
+
+    summary, page = _page(tmp_path, _gap(0.003))
+    assert page.index("In short") < page.index("<h2>Summary</h2>") < page.index("<h2>Plots</h2>")
+    for sentence in summary["verdict"]:
+        assert html.escape(sentence) in page
+    for ref in REFERENCES.values():
+        assert html.escape(ref["label"]) in page
+    assert "81.10 %" in page and "0.215" in page  # ABEJA's published shares and max
+    assert "Monte-Carlo estimates" in page and "slightly negative" in page
+
+
+def test_negative_monte_carlo_estimates_are_explained(tmp_path):
+    # π_old below μ on every token: ρ < 1, so χ² = mean ρ² − 1 and KL(π_old‖μ) k1 = mean ρ·ℓ are negative
+    summary, _ = _page(tmp_path, _gap(0.001, shift=-0.01))
+    d = summary["divergence"]
+    assert d["chi2_token"] < 0 and d["policy_kl_k1"] < 0
+    note = summary["verdict"][-1]
+    assert "χ² token" in note and "reverse KL k1" in note and "Monte-Carlo" in note
+    same, _ = _page(tmp_path / "same", _gap(0.0))  # every estimate exactly 0: nothing to explain
+    assert not any("negative" in s for s in same["verdict"])
+
+
+@pytest.mark.parametrize("values", [[0.011, 0.04], [0.0, 0.0], [3e-7, 0.2], [0.5]])
+def test_log_axes_always_show_two_labelled_ticks(values):
+    import matplotlib.pyplot as plt
+
+    from rollcorr.audit.plots import log_axis
+
+    fig, ax = plt.subplots()
+    ax.plot(range(len(values)), [max(v, 1e-8) for v in values])
+    log_axis(ax, values)
+    lo, hi = ax.get_ylim()
+    ticks = [t for t in ax.get_yticks() if lo <= t <= hi]
+    assert len(ticks) >= 2 and lo <= max(min(values), 1e-8) and max(values) <= hi
+    plt.close(fig)

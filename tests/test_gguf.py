@@ -198,3 +198,74 @@ def test_llama_rope_permutation(tmp_path):
     assert field(reader, "llama.rope.dimension_count") == head_dim
     v = model.state_dict()["model.layers.0.self_attn.v_proj.weight"].numpy()
     np.testing.assert_array_equal(tensors["blk.0.attn_v.weight"].data.reshape(v.shape), v)
+
+
+# ---- the reader: gguf_to_hf / rollcorr gguf-to-hf -------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_gguf_to_hf_round_trips_an_f32_file_bit_for_bit(tmp_path, arch):
+    """A model rollcorr wrote as f32 comes back as the same HF weights (llama: q/k rows un-permuted)."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer, LlamaConfig
+
+    from rollcorr.engines.gguf import gguf_to_hf
+
+    tokenizer = build_tokenizer()
+    if arch == "qwen2":
+        config = builtin_config(len(tokenizer), num_hidden_layers=2, hidden_size=64, intermediate_size=128)
+    else:
+        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    path = write_gguf(tmp_path / "m.gguf", model.state_dict(), config, tokenizer, "f32")
+    out = gguf_to_hf(path, tmp_path / "hf")
+    assert sorted(p.name for p in out.iterdir()) >= ["config.json", "model.safetensors"]
+    back = load_file(str(out / "model.safetensors"))
+    expected = {k: v for k, v in model.state_dict().items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    assert sorted(back) == sorted(expected)
+    for name, w in expected.items():
+        assert torch.equal(back[name], w), name
+    again = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    ids = torch.tensor([tokenizer("12+34=")["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+    text = "279+440= 9\n"
+    assert AutoTokenizer.from_pretrained(out)(text)["input_ids"] == tokenizer(text)["input_ids"]
+
+
+def test_gguf_to_hf_dequantises_a_quantised_file(tiny, tmp_path):
+    from safetensors.torch import load_file
+
+    from rollcorr.engines.gguf import gguf_to_hf
+
+    model, config, tokenizer = tiny
+    path = write_gguf(tmp_path / "m.gguf", model.state_dict(), config, tokenizer, "q8_0")
+    back = load_file(str(gguf_to_hf(path, tmp_path / "hf") / "model.safetensors"))
+    w = model.state_dict()["model.layers.0.mlp.up_proj.weight"]
+    expected = dequantize_q8_0(quantize_q8_0(w.numpy()))
+    np.testing.assert_array_equal(back["model.layers.0.mlp.up_proj.weight"].numpy(), expected)
+    assert back["model.layers.0.mlp.up_proj.weight"].dtype == torch.float32
+
+
+def test_gguf_to_hf_command(tiny, tmp_path, capsys):
+    from rollcorr.cli import main
+
+    model, config, tokenizer = tiny
+    path = write_gguf(tmp_path / "m.gguf", model.state_dict(), config, tokenizer, "f16")
+    assert main(["gguf-to-hf", str(path), str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "model.safetensors").is_file() and "saved" in capsys.readouterr().out
+    # an existing folder is never overwritten; a missing file is one line
+    assert main(["gguf-to-hf", str(path), str(tmp_path / "hf")]) == 2
+    assert "not an empty folder" in capsys.readouterr().err
+    assert main(["gguf-to-hf", str(tmp_path / "nope.gguf"), str(tmp_path / "new")]) == 2
+    assert "does not exist" in capsys.readouterr().err and not (tmp_path / "new").exists()
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+    assert main(["gguf-to-hf", str(tmp_path / "junk.gguf"), str(tmp_path / "new")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rollcorr gguf-to-hf: error: ") and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "new").exists()

@@ -63,47 +63,42 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _resolve_model(model: str | None, gguf_file: str | None) -> tuple[str | None, str | None]:
-    """Check --model / --gguf-file; a --gguf-file path without --model names its own folder."""
-    if gguf_file and model is None and Path(gguf_file).is_file():
-        return str(Path(gguf_file).parent), Path(gguf_file).name
-    if model is not None:
-        path = Path(model)
-        if not path.exists():
-            raise FileNotFoundError(f"--model {model!r} does not exist")
-        if not path.is_dir():
-            raise ValueError(
-                f"--model {model!r} is not a directory (pass the folder; the GGUF file via --gguf-file)"
-            )
-    if gguf_file:
-        if model is None:
+def _check_engines(args) -> tuple[str, str, str | None, str | None]:
+    """(sampler spec, learner spec, model folder, GGUF file name) once everything that can be checked without
+    loading is fine (``rollcorr.engines.preflight``): a --gguf-file path without --model names its own folder."""
+    from rollcorr.engines.preflight import PreflightError, preflight
+
+    sampler_spec, learner_spec = args.sampler or DEFAULT_SAMPLER, args.learner or DEFAULT_LEARNER
+    model, gguf_file = args.model, args.gguf_file
+    if gguf_file and model is None:
+        if not Path(gguf_file).is_file():
             raise FileNotFoundError(
                 f"--gguf-file {gguf_file!r} does not exist (or pass the folder with --model)"
             )
-        if not (Path(model) / gguf_file).is_file():
-            found = sorted(p.name for p in Path(model).glob("*.gguf"))
-            raise FileNotFoundError(
-                f"--gguf-file {gguf_file!r} not found in {model!r}; GGUF files there: {found}"
-            )
-    return model, gguf_file
+        model, gguf_file = str(Path(gguf_file).parent), Path(gguf_file).name
+    for role, spec in (("sampler", sampler_spec), ("learner", learner_spec)):
+        try:
+            preflight(spec, model, role=role, gguf_file=gguf_file)
+        except PreflightError as err:
+            flag = {"spec": f"--{role}", "extra": f"--{role}", "path": "--model"}.get(err.field, "--gguf-file")
+            raise ValueError(f"{flag}: {err}") from None
+    if gguf_file and not (Path(model) / gguf_file).is_file():
+        found = sorted(p.name for p in Path(model).glob("*.gguf"))
+        raise FileNotFoundError(f"--gguf-file {gguf_file!r} not found in {model!r}; GGUF files there: {found}")
+    if sampler_spec == "llamacpp:file" and not gguf_file:
+        raise ValueError("--sampler llamacpp:file serves a shipped GGUF file as it is: give --gguf-file")
+    return sampler_spec, learner_spec, model, gguf_file
 
 
 def materialise_gguf(model_dir: str, gguf_file: str, into: Path) -> Path:
-    """Dequantise a GGUF model with transformers into a Hugging Face folder both engines can load.
+    """Dequantise a GGUF model into a Hugging Face folder both engines can load (``gguf_to_hf``).
 
-    transformers reads GGUF weights (Q4_1, Q8_0, ...) back to float, so the hf engines see exactly the
-    weights the GGUF holds; a llamacpp sampler re-exports that folder to its own quantisation.
+    The hf engines then see exactly the weights the GGUF holds; a llamacpp sampler re-exports that folder to
+    its own quantisation. Tensors are dequantised one at a time, so this holds one float32 copy at most.
     """
-    from rollcorr.models.builtin import load_model
+    from rollcorr.engines.gguf import gguf_to_hf
 
-    model, tokenizer = load_model(model_dir, dtype="float32", gguf_file=gguf_file)
-    # the weights are plain float tensors now; drop the GGUF marker that blocks save_pretrained
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(into)
-    tokenizer.save_pretrained(into)
-    return into
+    return gguf_to_hf(Path(model_dir) / gguf_file, into)
 
 
 def _out_dir(out: str | None) -> Path:
@@ -146,11 +141,7 @@ def _collect_live(args, console, workdir: str):
         top_p=args.top_p,
         seed=args.seed,
     )
-    model, gguf_file = _resolve_model(args.model, args.gguf_file)
-    sampler_spec, learner_spec = args.sampler or DEFAULT_SAMPLER, args.learner or DEFAULT_LEARNER
-    parse_spec(sampler_spec), parse_spec(learner_spec)  # unknown backend / dtype: fail before loading
-    if sampler_spec == "llamacpp:file" and not gguf_file:
-        raise ValueError("--sampler llamacpp:file serves a shipped GGUF file as it is: give --gguf-file")
+    sampler_spec, learner_spec, model, gguf_file = _check_engines(args)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # rollcorr's own progress bars are the ones to read
@@ -159,10 +150,16 @@ def _collect_live(args, console, workdir: str):
         if gguf_file:
             model_path = materialise_gguf(model, gguf_file, Path(workdir) / "model")
         learner = make_learner(learner_spec, model_path=model_path)
-        # llamacpp:file serves the user's GGUF as shipped (e.g. Q4_1); other specs load the float folder
-        file_kw = {"gguf_file": str(Path(model) / gguf_file)} if sampler_spec == "llamacpp:file" else {}
-        sampler = make_sampler(sampler_spec, model_path=model_path, **file_kw)
-    prompts = _prepare_prompts(prompts, args, learner.tokenizer)
+        prompts = _prepare_prompts(prompts, args, learner.tokenizer)
+        sampler_kw = {}
+        if parse_spec(sampler_spec).backend == "llamacpp":
+            # llama.cpp allocates its KV cache for max_batch rows × n_ctx tokens up front; the model's own
+            # context (8192 for SmolLM2) would cost GBs, so size it to what this audit needs
+            longest = max(len(learner.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+            sampler_kw = {"max_batch": args.batch_size, "n_ctx": longest + args.max_new_tokens}
+        if sampler_spec == "llamacpp:file":  # serve the user's GGUF as shipped (e.g. Q4_1)
+            sampler_kw["gguf_file"] = str(Path(model) / gguf_file)
+        sampler = make_sampler(sampler_spec, model_path=model_path, **sampler_kw)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     started = time.perf_counter()
     try:

@@ -14,6 +14,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
@@ -34,6 +35,19 @@ THRESHOLDS = {
 }
 HIST_FLOOR = 1e-8  # |Δp| below this (including exact agreement) lands in the first bin
 DPI = 110
+
+
+def log_axis(ax, values, floor: float = HIST_FLOOR, label: str = "|Δp|") -> None:
+    """A readable log y axis for ``values`` ≥ 0: values below ``floor`` (exact agreement) are drawn at the floor,
+    and the limits are whole decades around the data, so at least two labelled ticks always show."""
+    import math
+
+    vals = [max(float(v), floor) for v in values] or [floor]
+    lo = 10.0 ** math.floor(math.log10(min(vals)))
+    hi = 10.0 ** math.ceil(math.log10(max(vals)) + 1e-9)
+    ax.set_yscale("log")
+    ax.set_ylim(lo, max(hi, 10 * lo))
+    ax.set_ylabel(f"{label} (log scale, floor {floor:g})")
 
 
 def scatter(view: TokenView, path: Path, title: str = "") -> Path:
@@ -71,7 +85,9 @@ def histogram(view: TokenView, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7.2, 4.2))
     ax.hist(clipped, bins=bins, color="#4c72b0", edgecolor="white", linewidth=0.3)
     ax.set_xscale("log")
+    counts, _ = np.histogram(clipped, bins=bins)
     ax.set_yscale("log")
+    ax.set_ylim(0.5, max(10.0, 10.0 ** np.ceil(np.log10(max(counts.max(), 1)) + 1e-9)))  # ≥ 2 decade ticks
     shares = probability_mismatch(view)
     for (c, (op, key)), color in zip(THRESHOLDS.items(), ("#2ca02c", "#ff7f0e", "#d62728", "#9467bd")):
         ax.axvline(c, color=color, ls="--", lw=1, label=f"{op} {c:g}: {100 * shares[key]:.1f} %")
@@ -84,7 +100,7 @@ def histogram(view: TokenView, path: Path) -> Path:
             fontsize=8,
             arrowprops={"arrowstyle": "->", "lw": 0.8},
         )
-    ax.set(xlabel="|p_sampler − p_learner|", ylabel="tokens (log scale)")
+    ax.set(xlabel="|p_sampler − p_learner|  (log scale)", ylabel="tokens (log scale)")
     ax.set_title(f"How far the engines disagree, token by token (max {d.max().item():.3g})")
     ax.legend(fontsize=8, title="share of tokens", title_fontsize=8)
     ax.grid(alpha=0.3, which="major")
@@ -97,10 +113,11 @@ def position(view: TokenView, path: Path, n_buckets: int = 20) -> Path:
     prof = position_profile(view, n_buckets=n_buckets)
     centers = [(s + e - 1) / 2 for s, e in zip(prof["start"], prof["end"])]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.2, 6.0), constrained_layout=True)
-    top.plot(centers, prof["max"], "o-", color="#d62728", ms=3, label="max")
-    top.plot(centers, prof["mean"], "o-", color="#4c72b0", ms=3, label="mean")
-    top.set_yscale("symlog", linthresh=1e-4)
-    top.set(xlabel="position in response (token index)", ylabel="|Δp|")
+    clip = lambda xs: [max(x, HIST_FLOOR) for x in xs]  # noqa: E731
+    top.plot(centers, clip(prof["max"]), "o-", color="#d62728", ms=3, label="max")
+    top.plot(centers, clip(prof["mean"]), "o-", color="#4c72b0", ms=3, label="mean")
+    log_axis(top, prof["max"] + prof["mean"])
+    top.set(xlabel="position in response (token index)")
     top.set_title(f"|Δp| along the response, {len(centers)} position buckets")
     top.legend(fontsize=8)
     top.grid(alpha=0.3)
@@ -137,9 +154,9 @@ def per_response_plot(view: TokenView, path: Path) -> Path:
         marker="s",
         label="mean |Δp|",
     )
-    ax.set_yscale("log")
+    log_axis(ax, [*rows["max_abs_diff"].tolist(), *rows["mean_abs_diff"].tolist()])
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set(xlabel="response length (tokens)", ylabel=f"|Δp| (log, floor {HIST_FLOOR:g})")
+    ax.set(xlabel="response length (tokens)")
     ax.set_title(f"Mismatch per response ({len(length)} responses)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)

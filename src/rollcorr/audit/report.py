@@ -21,6 +21,7 @@ from rich.table import Table
 from rollcorr.audit import plots
 from rollcorr.audit.collect import AuditData
 from rollcorr.audit.stats import audit_stats, check_inputs
+from rollcorr.audit.verdict import REFERENCES, SHARE_KEYS, verdict
 
 CONTEXT_TOKENS = 12  # tokens shown on each side of a worst token
 PRINT_CONTEXT_CHARS = 24  # characters of that context printed on each side in the terminal
@@ -51,11 +52,13 @@ def token_context(data: AuditData, row: int, position: int, window: int = CONTEX
 
 
 def build_summary(data: AuditData, worst_k: int = 10) -> dict[str, Any]:
-    """Statistics (``audit_stats``) plus the source description and the worst tokens' context."""
+    """Statistics (``audit_stats``), the source description, the worst tokens' context and the verdict."""
     stats = audit_stats(data.rollout_log_prob, data.old_log_prob, data.response_mask, worst_k=worst_k)
     for item in stats["worst_tokens"]:
         item.update(token_context(data, item["row"], item["position"]))
-    return {"source": data.source, **stats}
+    summary = {"source": data.source, **stats}
+    summary["verdict"] = verdict(summary)
+    return summary
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -139,6 +142,7 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
             context,
         )
     console.print(worst)
+    console.print(f"[bold]In short[/]: {escape(' '.join(summary['verdict']))}", highlight=False)
 
 
 CSS = """
@@ -150,6 +154,8 @@ td,th{border:1px solid #ddd;padding:.25em .6em;text-align:left;vertical-align:to
 th{background:#f4f4f4}td.num{text-align:right;font-variant-numeric:tabular-nums}
 .src td:first-child{color:#555}.ctx{font-family:ui-monospace,monospace;white-space:pre-wrap}
 .tok{background:#fdd;color:#b00;font-weight:bold;border-radius:2px}
+.verdict{background:#f6f8fa;border-left:4px solid #4c72b0;padding:.2em 1em;margin:1em 0}
+.verdict h2{border:none;margin-top:.5em}.refs,.note{color:#555;font-size:.9em}
 figure{margin:1em 0}figure img{max-width:100%;border:1px solid #eee}figcaption{color:#555;font-size:.9em}
 """
 
@@ -165,9 +171,43 @@ CAPTIONS = {
 }
 
 
+SHARE_LABELS = ("share |Δp| < 0.001", "share ≥ 0.01", "share ≥ 0.05", "share ≥ 0.1")
+
+
+def reference_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:
+    """(metric, this audit, each reference level) rows: the |Δp| shares and the max."""
+    p, refs = summary["probability"], list(REFERENCES.values())
+    rows = [
+        (label, _pct(p[key]), *(_pct(r[key]) for r in refs)) for label, key in zip(SHARE_LABELS, SHARE_KEYS)
+    ]
+    rows.append(("max |Δp|", _num(p["prob_diff_max"]), *(_num(r["prob_diff_max"]) for r in refs)))
+    return rows
+
+
+MONTE_CARLO_NOTE = (
+    "KL, χ² and ESS are Monte-Carlo estimates over the sampled tokens only: the engines report the log-prob "
+    "of the token they drew, not the whole vocabulary. The k1 estimates (mean −ℓ, mean ρ·ℓ) and χ² "
+    "(mean ρ² − 1) are unbiased but noisy, so when the true divergence is close to 0 they can come out "
+    "slightly negative on a finite sample; read a negative value as “about zero, within sampling noise”. "
+    "k3 (mean ρ − 1 − ℓ), policy_kl and JS are non-negative token by token. χ²_seq = −1 means every sequence "
+    "weight exp(Σℓ) underflowed: the sample has no support there, read it as unbounded."
+)
+
+
 def render_html(summary: dict[str, Any], images: dict[str, Path]) -> str:
     """One self-contained page: inline CSS, PNGs as base64 data URIs, no external resource."""
     esc = html.escape
+    verdict_html = "".join(f"<p>{esc(sentence)}</p>" for sentence in summary["verdict"])
+    ref_head = "".join(
+        f"<th title='{esc(r['source'])}'>{esc(r['label'])}</th>" for r in REFERENCES.values()
+    )
+    ref_rows = "".join(
+        "<tr>" + f"<td>{esc(row[0])}</td>" + "".join(f"<td class='num'>{esc(v)}</td>" for v in row[1:]) + "</tr>"
+        for row in reference_rows(summary)
+    )
+    ref_sources = "".join(
+        f"<li>{esc(r['label'])}: {esc(r['source'])}</li>" for r in REFERENCES.values()
+    )
     source = "".join(
         f"<tr><td>{esc(str(k))}</td><td>{esc(json.dumps(v) if isinstance(v, dict | list) else str(v))}</td></tr>"
         for k, v in summary["source"].items()
@@ -192,11 +232,14 @@ def render_html(summary: dict[str, Any], images: dict[str, Path]) -> str:
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>rollcorr audit</title><style>{CSS}</style></head><body>
 <h1>rollcorr audit: sampler vs learner mismatch</h1>
+<div class="verdict"><h2>In short</h2>{verdict_html}</div>
+<table><tr><th>|Δp| over tokens</th><th>this audit</th>{ref_head}</tr>{ref_rows}</table>
+<ul class="refs">{ref_sources}</ul>
 <p>The same sampled tokens scored by the sampler (μ, what the tokens were drawn from) and by the learner
-(π_old). Δp = p_sampler − p_learner per token; ℓ = log π_old − log μ. KL, χ² and ESS are Monte-Carlo
-estimates over the sampled tokens.</p>
+(π_old). Δp = p_sampler − p_learner per token; ℓ = log π_old − log μ.</p>
 <table class="src">{source}</table>
 <h2>Summary</h2><table><tr><th></th><th>metric</th><th>value</th></tr>{rows}</table>
+<p class="note">{esc(MONTE_CARLO_NOTE)}</p>
 <h2>Worst tokens</h2>
 <table><tr><th>resp</th><th>pos</th><th>p_sampler</th><th>p_learner</th><th>|Δp|</th><th>context</th></tr>
 {worst}</table>

@@ -114,11 +114,9 @@ def make_sampler(spec: str, model_path: str | Path | None = None, **kwargs: Any)
 
 def make_learner(spec: str = "hf", model_path: str | Path | None = None, **kwargs: Any) -> Learner:
     """A learner for ``spec`` ("hf", "hf:bf16", ...; int8 is sampler-only) on ``model_path``."""
-    parsed = parse_spec(spec)
-    if parsed.backend != "hf":
-        raise ValueError(f"learners exist for the hf backend only, got {spec!r}")
-    if parsed.quant is not None:
-        raise ValueError(f"int8 quantisation is for samplers; a learner needs float weights ({spec!r})")
+    from rollcorr.engines.preflight import check_spec
+
+    parsed = check_spec(spec, role="learner")  # hf with float weights (PreflightError is a ValueError)
     path = _check_model_path(model_path)
     from rollcorr.engines.hf import HFLearner
 

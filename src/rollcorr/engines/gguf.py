@@ -426,3 +426,206 @@ def export_hf_dir(model_dir: str | os.PathLike, path: str | os.PathLike, quant: 
         state_dict.update(load_file(str(file)))
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     return write_gguf(path, state_dict, config, model_dir / "tokenizer.json", quant)
+
+
+# --------------------------------------------------------------------------- the reader: GGUF → HF folder
+
+
+def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of ``_permute_rope``: llama.cpp's interleaved q/k rows → HF's rotate-half order."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_tensor_names() -> dict[str, str]:
+    """llama.cpp tensor name → HF parameter name (``{i}`` stands for the layer index)."""
+    names = {v: k for k, v in _GLOBAL_NAMES.items()}
+    names.update({f"blk.{{i}}.{v}": f"model.layers.{{i}}.{k}" for k, v in _LAYER_NAMES.items()})
+    return names
+
+
+SPECIAL_TOKEN_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "pad": "padding_token_id", "unk": "unknown_token_id"}
+# GGUF metadata key (after "<arch>.") → transformers config field, for the architectures above
+_CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.key_length": "head_dim",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}
+
+
+def _hf_config(reader: Any, name: str) -> Any:
+    """A transformers config from a GGUF's metadata (Qwen2 / Llama), ValueError for anything else."""
+    from transformers import AutoConfig
+
+    def field(key: str) -> Any:
+        f = reader.get_field(key)
+        return None if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{name}: architecture {arch!r} is not supported; gguf_to_hf reads {SUPPORTED_ARCHITECTURES}")
+    values = {hf: field(f"{arch}.{key}") for key, hf in _CONFIG_KEYS.items()}
+    values = {k: v for k, v in values.items() if v is not None}
+    if values.get("vocab_size") is None:
+        values["vocab_size"] = len(field("tokenizer.ggml.tokens") or [])
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads") if k not in values]
+    if missing or not values["vocab_size"]:
+        raise ValueError(f"{name}: GGUF metadata lacks {missing or ['a vocabulary']}")
+    for kind, key in SPECIAL_TOKEN_KEYS.items():
+        token_id = field(f"tokenizer.ggml.{key}")
+        if token_id is not None and kind != "unk":
+            values[f"{kind}_token_id"] = int(token_id)
+    for key in ("rms_norm_eps", "rope_theta"):  # stored as float32: back to the shortest decimal (1e-06)
+        if key in values:
+            values[key] = float(str(np.float32(values[key])))
+    return AutoConfig.for_model(arch, **values)
+
+
+def _no_merge_tokenizer(reader: Any):
+    """The tokenizer of a GGUF whose "gpt2" vocabulary has no merges (rollcorr writes the built-in model's
+    character vocabulary so, with the ``NO_MERGE`` placeholder that transformers' GGUF reader refuses):
+    byte-level BPE over the same tokens, so every text encodes to the same ids and decodes back the same."""
+    from gguf import TokenType
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    def field(key: str) -> Any:
+        f = reader.get_field(key)
+        return None if f is None else f.contents()
+
+    tokens, types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.token_type")
+    core = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens([AddedToken(t, special=True) for t, k in zip(tokens, types) if k == TokenType.CONTROL])
+    special = {
+        f"{kind}_token": tokens[i]
+        for kind, key in SPECIAL_TOKEN_KEYS.items()
+        if (i := field(f"tokenizer.ggml.{key}")) is not None
+    }
+    return PreTrainedTokenizerFast(tokenizer_object=core, clean_up_tokenization_spaces=False, **special)
+
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def mapped_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    """The tensors of .safetensors files as views of a copy-on-write memory map: nothing is read until a
+    tensor is used, and its pages are the file's (no private float copy). Float dtypes F32 / F16 / BF16."""
+    out: dict[str, torch.Tensor] = {}
+    for file in files:
+        mm = np.memmap(file, dtype=np.uint8, mode="c")
+        n = int.from_bytes(bytes(mm[:8]), "little")
+        for name, info in json.loads(bytes(mm[8 : 8 + n])).items():
+            if name == "__metadata__":
+                continue
+            if info["dtype"] not in SAFETENSORS_DTYPES:
+                raise ValueError(f"{file.name}: tensor {name!r} has dtype {info['dtype']}, expected a float")
+            dtype, (begin, end) = SAFETENSORS_DTYPES[info["dtype"]], info["data_offsets"]
+            count = (end - begin) // dtype.itemsize
+            out[name] = torch.frombuffer(mm, dtype=dtype, count=count, offset=8 + n + begin).view(info["shape"])
+    return out
+
+
+def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], Any]]) -> None:
+    """Write float32 tensors as one .safetensors file, producing them one at a time.
+
+    ``tensors`` lists (name, shape, make) with ``make()`` → the (shape) float32 array. The format: an 8-byte
+    little-endian header length, a JSON header {name: {dtype, shape, data_offsets}} padded with spaces to 8
+    bytes, then the raw little-endian data in header order — so only one tensor is ever in memory.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, _ in tensors:
+        size = 4 * int(np.prod(shape, dtype=np.int64))
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, shape, make in tensors:
+            w = make()
+            if w.shape != tuple(shape) or w.dtype != np.float32:
+                raise ValueError(f"{name}: made {w.dtype} {w.shape}, header says float32 {tuple(shape)}")
+            f.write(memoryview(w.astype("<f4", copy=False)).cast("B"))
+
+
+def gguf_to_hf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Save a Qwen2 / Llama GGUF model (any type the ``gguf`` package dequantises: Q4_0, Q4_1, Q8_0, K-quants,
+    f16, ...) as a Hugging Face folder — config.json, model.safetensors (float32), the tokenizer — and
+    return ``out_dir``. Such a folder is what ``rollcorr train`` / ``audit`` load as ``model.path``.
+
+    Memory: tensors are read from the memory-mapped file, dequantised and written one at a time, so no
+    full float32 copy of the weights is ever held. The config comes from the GGUF metadata and the
+    tokenizer from transformers' GGUF reader. The inverse of ``export_hf_dir``/``write_gguf`` up to the
+    quantisation: a file rollcorr wrote as f32 comes back bit for bit.
+    """
+    from gguf import GGUFReader, dequantize
+    from transformers import AutoTokenizer
+
+    gguf_file, out_dir = Path(gguf_file), Path(out_dir)
+    if not gguf_file.is_file():
+        raise FileNotFoundError(f"GGUF file {str(gguf_file)!r} does not exist")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise FileExistsError(f"{str(out_dir)!r} exists and is not an empty folder; choose a new one")
+    try:
+        reader = GGUFReader(gguf_file)
+    except (ValueError, OSError) as err:
+        raise ValueError(f"{str(gguf_file)!r} is not a readable GGUF file ({err})") from None
+    config = _hf_config(reader, gguf_file.name)
+    model_type = config.model_type
+    n_head = config.num_attention_heads
+    n_head_kv = getattr(config, "num_key_value_heads", None) or n_head
+
+    names = _hf_tensor_names()
+    entries = []  # (HF name, HF shape, GGUF tensor)
+    for tensor in reader.tensors:
+        match = re.match(r"^blk\.(\d+)\.(.+)$", tensor.name)
+        key = f"blk.{{i}}.{match.group(2)}" if match else tensor.name
+        if key not in names:
+            raise ValueError(f"{gguf_file.name}: tensor {tensor.name!r} has no Qwen2 / Llama counterpart")
+        hf_name = names[key].format(i=match.group(1)) if match else names[key]
+        entries.append((hf_name, tuple(int(n) for n in reversed(tensor.shape)), tensor))  # GGUF: innermost first
+
+    def weight(shape: tuple[int, ...], tensor: Any) -> np.ndarray:
+        """One tensor dequantised to float32 in HF layout (llama q/k rows back to rotate-half order)."""
+        w = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        if model_type == "llama" and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
+            w = _unpermute_rope(w, n_head)
+        elif model_type == "llama" and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
+            w = _unpermute_rope(w, n_head_kv)
+        return np.ascontiguousarray(w, dtype=np.float32)
+
+    merges = reader.get_field("tokenizer.ggml.merges")
+    if merges is not None and merges.contents() == [f"{NO_MERGE} {NO_MERGE}"]:
+        tokenizer = _no_merge_tokenizer(reader)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    config.tie_word_embeddings = all(name != "lm_head.weight" for name, _, _ in entries)
+    config.architectures = [{"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[model_type]]
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        _write_safetensors(tmp / "model.safetensors", [(n, s, lambda s=s, t=t: weight(s, t)) for n, s, t in entries])
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        for file in (tmp, *tmp.iterdir()):
+            os.chmod(file, 0o755 if file.is_dir() else 0o644)
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(tmp, out_dir)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

@@ -35,12 +35,11 @@ from torch import Tensor
 
 from rollcorr.engines.base import SamplingParams, process_logits
 from rollcorr.engines.decoding import DecodingSampler
-from rollcorr.engines.gguf import QUANT_TYPES, write_gguf
+from rollcorr.engines.gguf import QUANT_TYPES, mapped_safetensors, write_gguf
+from rollcorr.engines.preflight import install_hint
 from rollcorr.models.builtin import BUILTIN, BUILTIN_DIR
 
-INSTALL_HINT = (
-    "llama-cpp-python is not installed; pip install rollcorr[llamacpp] (builds llama.cpp from source)"
-)
+INSTALL_HINT = f"llama-cpp-python is not installed; {install_hint('llamacpp')}"
 
 
 _LOG_CALLBACK = None  # keeps the ctypes callback alive while llama.cpp holds it
@@ -96,7 +95,9 @@ class LlamaCppSampler(DecodingSampler):
                  ``model_path`` then only supplies config.json and the tokenizer, and the sampler cannot take
                  new weights (``load_weights`` raises)
     max_batch    rows decoded together (llama.cpp sequences); larger calls run in chunks of this size
-    n_ctx        tokens per row (prompt + response); default the model's max_position_embeddings
+    n_ctx        tokens per row (prompt + response); default the model's max_position_embeddings. The KV cache
+                 for max_batch × n_ctx tokens is allocated up front (SmolLM2-135M: 32 × 8192 tokens × 23 KB
+                 in f16 = 6 GB), so pass what the prompts and max_new_tokens need (``rollcorr audit`` does)
     n_threads    CPU threads for llama.cpp (default min(4, cpu count))
     extra_bufts  llama.cpp extra buffer types (weight repacking); None = off on AMX CPUs, on otherwise
     kv_cache     KV cache type "f16" (llama.cpp's default) or "f32"; None = f32 for quant "f32", else f16
@@ -130,7 +131,7 @@ class LlamaCppSampler(DecodingSampler):
         if max_batch < 1:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
         self._llama = import_llama_cpp()
-        from safetensors.torch import load_file
+        from safetensors import safe_open
         from transformers import AutoConfig, AutoTokenizer
 
         self.model_dir = _resolve_model_dir(model_path)
@@ -157,20 +158,21 @@ class LlamaCppSampler(DecodingSampler):
         self._model = self._ctx = self._batch = self._vocab = None
         self.gguf_path: Path | None = None
 
-        state_dict: dict[str, Tensor] = {}
-        for file in sorted(self.model_dir.glob("*.safetensors")):
-            state_dict.update(load_file(str(file)))
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
-        self._shapes = {
-            k: tuple(v.shape) for k, v in state_dict.items() if not (tied and k == "lm_head.weight")
-        }
+        self._shapes = {}  # read from the safetensors headers: a served file needs no float copy in memory
+        for file in sorted(self.model_dir.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                self._shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+        if tied:
+            self._shapes.pop("lm_head.weight", None)
         self.version = int(version)
         self.fixed_file = None if gguf_file is None else Path(gguf_file)
         try:
             if self.fixed_file is not None:
                 self._model, self._ctx, self._batch, self._vocab = self._load(self.fixed_file)
             else:
-                self._export_and_load(state_dict)
+                # memory-mapped: the export reads each tensor from the file's pages, no float copy is made
+                self._export_and_load(mapped_safetensors(sorted(self.model_dir.glob("*.safetensors"))))
         except BaseException:
             self.close()
             raise

@@ -182,15 +182,16 @@ def build_proximal(config: TrainConfig):
 def check_components(config: TrainConfig) -> tuple[Algorithm, Any]:
     """Everything that can be checked without loading a model: presets, losses, strategy, engine specs."""
     from rollcorr.engines import parse_spec
+    from rollcorr.engines.preflight import PreflightError, preflight
     from rollcorr.tasks import make_task
 
     algo = build_algorithm(config)
     proximal = build_proximal(config)
-    for key in ("sampler", "learner"):
+    for key in ("sampler", "learner"):  # specs, optional packages, the model folder: before any run folder
         try:
-            parse_spec(getattr(config.model, key))
-        except ValueError as err:
-            raise ConfigError(f"model.{key}: {err}") from None
+            preflight(getattr(config.model, key), config.model.path, role=key)
+        except PreflightError as err:
+            raise ConfigError(f"model.{'path' if err.field == 'path' else key}: {err}") from None
     check_trainable_learner(config)
     try:
         make_task(config.task.name)
