@@ -62,11 +62,9 @@ def batch_norm_factor(w: Tensor, tok: Tokens, level: str, group: object | None =
     Returns 1 when the mean is ≤ 1e-8 (everything masked), so normalising never divides by 0."""
     if level == "token":
         stats = torch.stack([w.sum(), tok.num_tokens])
-        eps = tok.eps
     else:
-        row_w = w.sum(dim=-1) / (tok.n + 1e-8 if tok.verl else tok.n.clamp_min(1))
+        row_w = w.sum(dim=-1) / (tok.den(tok.n) if tok.verl else tok.n.clamp_min(1))
         stats = torch.stack([(row_w * tok.valid).sum(), tok.num_rows])
-        eps = 0.0
     num, den = _all_reduce_sum(stats, group).unbind()
-    mean = num / (den + eps if level == "token" else den.clamp_min(1e-8))
+    mean = num / (tok.den(den) if level == "token" else den.clamp_min(1e-8))
     return torch.where(mean > 1e-8, mean, torch.ones_like(mean))
