@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollcorr.compat.verl_losses import compute_policy_loss
+from rollcorr.compat.verl_losses import policy_loss_by_mode as compute_policy_loss
 
 
 @pytest.fixture(autouse=True, scope="module")
