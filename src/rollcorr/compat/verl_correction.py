@@ -90,6 +90,8 @@ def compute_rollout_correction_and_rejection_mask(
             f"old_log_prob shape {old_log_prob.shape} does not match rollout_log_prob shape "
             f"{rollout_log_prob.shape}."
         )
+    if isinstance(rollout_is_threshold, bool):  # verl's exception type
+        raise TypeError("rollout_is_threshold must be a float or a string threshold specification, not a boolean.")
     if rollout_is is not None and rollout_is_threshold is None:
         rollout_is = None  # verl: IS silently disabled when the threshold is None
     config = from_verl(

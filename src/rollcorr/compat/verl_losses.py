@@ -5,7 +5,7 @@
 `vanilla`, `gspo`, `cispo`, `geo_mean` and the bypass `reinforce` loss. verl details kept on purpose:
 
 - `vanilla` always applies the dual clip with `clip_ratio_c` (default 3.0, must be > 1);
-- `gspo` forces `seq-mean-token-mean` whatever `loss_agg_mode` says;
+- `gspo` aggregates with `loss_agg_mode` (verl 0.9.1; earlier verl forced `seq-mean-token-mean`);
 - `geo_mean` ignores `loss_agg_mode`: plain mean over all B rows (fully-masked rows included);
 - `reinforce` reads `old_log_prob` as the rollout log-prob (bypass sets π_old := μ) for its `ppo_kl` metric;
 - `seq-mean-*` divide by the number of non-empty rows; `seq-mean-token-sum-norm` divides by that and by T;
@@ -115,7 +115,6 @@ def policy_loss_by_mode(
         )
     elif loss_mode == "gspo":
         loss, metrics = gspo_loss(log_prob, old_log_prob, advantages, response_mask, **kwargs)
-        loss_agg_mode = "seq-mean-token-mean"
         if strict_verl:  # verl's gspo ppo_kl leaves the log-ratio unclamped
             metrics["actor/ppo_kl"] = masked_mean((old_log_prob - log_prob).detach(), response_mask)
     elif loss_mode == "cispo":
@@ -189,18 +188,18 @@ def agg_loss(
     never reach the sum. An all-masked local batch gives 0 (verl: 0/0 = NaN; ``strict_verl=True``)."""
     if loss_agg_mode not in AGG_MODES:
         raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}; choose one of {AGG_MODES}")
-    mask = loss_mask.bool()
     dtype = loss_mat.dtype
-    row_sum = torch.where(mask, loss_mat, torch.zeros_like(loss_mat)).sum(-1)
+    masked = torch.where(loss_mask.bool(), loss_mat, torch.zeros_like(loss_mat))  # summed in verl's order
     if loss_agg_mode == "token-sum":
-        return row_sum.sum() * dp_size
+        return masked.sum() * dp_size
     if loss_agg_mode == "token-mean":
         if batch_num_tokens is None:
             if dp_size > 1:
                 raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
             batch_num_tokens = loss_mask.sum()
         count = torch.as_tensor(batch_num_tokens, device=loss_mat.device).to(dtype)
-        return row_sum.sum() / (count if strict_verl else count.clamp_min(1)) * dp_size
+        return masked.sum() / (count if strict_verl else count.clamp_min(1)) * dp_size
+    row_sum = masked.sum(-1)
     n = loss_mask.sum(-1)
     if loss_agg_mode == "seq-mean-token-mean":  # verl adds its 1e-8 in the mask's sum dtype
         n_f = n if n.is_floating_point() else n.to(torch.get_default_dtype())

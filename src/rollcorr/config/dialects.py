@@ -74,7 +74,7 @@ def verl_mapping(config: Any) -> dict[str, Any]:
     else:
         raise ValueError(f"from_verl needs a mapping of verl keys, got {type(config).__name__}")
     target = data.pop("_target_", None)
-    if target is not None and str(target).rsplit(".", 1)[-1] != "RolloutCorrectionConfig":
+    if target and str(target).rsplit(".", 1)[-1] != "RolloutCorrectionConfig":
         raise ValueError(f"verl _target_ {target!r} is not a RolloutCorrectionConfig ({VERL_TARGET})")
     return {**VERL_DEFAULTS, **data}
 

@@ -87,7 +87,7 @@ def is_metrics(
             out["rollout_is_oob_ratio"] = oob / tok.den(tok.num_tokens)
     # std / ESS on the applied weights clamped to [0, upper] (verl); thresholded weights already lie there
     total = tok.den(tok.num_tokens)
-    mean, sq = w.sum() / total, _dot(w, w) / total
+    mean, sq = w.sum() / total, (w.square().sum() if tok.verl else _dot(w, w)) / total  # verl's sum order
     out["rollout_is_mean"] = mean
     std = (sq - mean.square()).clamp_min(0).sqrt()
     out["rollout_is_std"] = torch.where(tok.num_tokens > 1, std, torch.zeros_like(std))
@@ -140,12 +140,20 @@ def rs_option_metrics(r: RSOutcome, tok: Tokens) -> Metrics:
         out[f"{p}_masked_fraction_"] = tok.token_share(rejected)
         row_rejected = any_per_row(rejected)
     else:  # sequence level: the row statistic broadcast to its tokens (token-weighted mean / std)
-        out[f"{p}_mean"] = (seq * tok.n).sum() / tok.den(tok.num_tokens)
         out[f"{p}_max"] = seq.masked_fill(~tok.valid, float("-inf")).max()
         out[f"{p}_min"] = seq.masked_fill(~tok.valid, float("inf")).min()
         out[f"{p}_fraction_high"] = seq_frac(seq > r.upper)
         out[f"{p}_fraction_low"] = seq_frac(seq < lower) if is_k1 else torch.zeros((), dtype=dtype)
-        std = _std(seq.clamp(min=lower, max=r.upper), tok.n, tok.den(tok.num_tokens))
+        if tok.verl:  # verl broadcasts the row statistic to (B, T) and sums that: same rounding
+            total = tok.den(tok.num_tokens)
+            spread = torch.where(tok.mask, seq[:, None], 0.0)
+            out[f"{p}_mean"] = spread.sum() / total
+            clamped = torch.where(tok.mask, seq.clamp(min=lower, max=r.upper)[:, None], 0.0)
+            mean = clamped.sum() / total
+            std = (clamped.square().sum() / total - mean.square()).clamp_min(0).sqrt()
+        else:
+            out[f"{p}_mean"] = (seq * tok.n).sum() / tok.num_tokens
+            std = _std(seq.clamp(min=lower, max=r.upper), tok.n, tok.num_tokens)
         row_rejected = ~r.row_keep & tok.valid
         out[f"{p}_masked_fraction_"] = (row_rejected.to(dtype) * tok.n).sum() / tok.den(tok.num_tokens)
     out[f"{p}_std"] = torch.where(tok.num_tokens > 1, std, torch.zeros_like(std))
@@ -210,10 +218,17 @@ def offpolicy_metrics(tok: Tokens | Tensor, k3: Tensor | None = None, *legacy: T
         "log_ppl_diff_max": tok.rows_max(diff),
         "log_ppl_diff_min": tok.rows_min(diff),
         "ppl_ratio": tok.over_rows(diff.clamp(-ratio_cap, ratio_cap).exp()),
-        "chi2_token": (_dot(tok.ratio, tok.ratio) - tok.num_pad) / tok.den(tok.num_tokens)
-        - 1.0,  # ρ = 1 on pad
+        "chi2_token": _chi2_token(tok),
         "chi2_seq": tok.over_rows((2.0 * row_sum).exp()) - 1.0,
     }
+
+
+def _chi2_token(tok: Tokens) -> Tensor:
+    """E_valid[ρ²] − 1. ρ = 1 on padding: Σ ρ² − #pad is one fused pass; verl mode sums the masked ρ² as
+    verl does, so float32 rounding matches too."""
+    if tok.verl:
+        return torch.where(tok.mask, tok.ratio.square(), 0.0).sum() / tok.den(tok.num_tokens) - 1.0
+    return (_dot(tok.ratio, tok.ratio) - tok.num_pad) / tok.num_tokens - 1.0
 
 
 # ---- beyond verl -------------------------------------------------------------------------------
