@@ -155,3 +155,34 @@ def test_rollcorr_reproduces_trl_vllm_importance_sampling(tmp_path, mode, clip_m
     # the band is tight enough to bite on a bf16 batch for at least one setting of each mode
     if clip_max == 1.001 and "token" in mode:
         assert ((trl_ratio[mask] - 1).abs() > 1e-3).any()
+
+
+# ---- docs/trl.md: every snippet runs --------------------------------------------------------------------
+def test_docs_trl_snippets_run(tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "trl.md").read_text()
+    train, mapping = re.findall(r"```python\n(.*?)```", doc, re.S)
+    setup, analyze = re.findall(r"```bash\n(.*?)```", doc, re.S)
+    assert setup.strip() == "ROLLCORR_OPTIONAL=trl bash scripts/setup.sh"
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert 'trl = ["trl==1.16.0"]' in pyproject
+    monkeypatch.chdir(tmp_path)
+    model, tokenizer = load_builtin()
+    scope = {
+        "model": model,
+        "tokenizer": tokenizer,
+        "dataset": Dataset.from_dict({"prompt": PROMPTS * 4}),
+        "reward_funcs": alternating_reward,
+        "rollout_func": bf16_rollout_func(),
+        "print": lambda *a, **k: None,
+    }
+    exec(train, scope)
+    assert len(read_dump("runs/trl/rollouts.jsonl")) == 2 * 4
+    from rollcorr.cli import main
+
+    argv = analyze.strip().split()
+    assert argv[0] == "rollcorr" and main(argv[1:]) == 0
+    exec(mapping, scope)
+    assert scope["config"].is_mode == "mask" and scope["config"].denominator == "original"
