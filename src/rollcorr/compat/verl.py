@@ -241,7 +241,9 @@ for _name in EXTRA_LOSSES:
 
 
 # ---- DataProto-level helpers -----------------------------------------------------------------------
-def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config: Any) -> tuple[Any, dict]:
+def compute_rollout_correction_and_add_to_batch(
+    batch: Any, rollout_corr_config: Any, *, strict_verl: bool = False
+) -> tuple[Any, dict]:
     """verl's batch-level entry: reads ``old_log_probs``, ``rollout_log_probs``, ``response_mask`` from
     ``batch.batch``, writes the rejected ``response_mask`` and (when IS is on) ``rollout_is_weights``.
     Returns (batch, ``rollout_corr/*`` metrics)."""
@@ -257,6 +259,7 @@ def compute_rollout_correction_and_add_to_batch(batch: Any, rollout_corr_config:
         rollout_is_batch_normalize=cfg["rollout_is_batch_normalize"],
         rollout_rs=cfg["rollout_rs"],
         rollout_rs_threshold=cfg["rollout_rs_threshold"],
+        strict_verl=strict_verl,
     )
     batch.batch["response_mask"] = mask
     if weights is not None:
@@ -316,7 +319,9 @@ def install(*, strict_verl: bool = False) -> list[str]:
     rollout_corr_helper.compute_rollout_correction_weights = compute_rollout_correction_weights
     rollout_corr_helper.compute_rollout_rejection_mask = compute_rollout_rejection_mask
     rollout_corr_helper.compute_offpolicy_metrics = compute_offpolicy_metrics
-    rollout_corr_helper.compute_rollout_correction_and_add_to_batch = compute_rollout_correction_and_add_to_batch
+    rollout_corr_helper.compute_rollout_correction_and_add_to_batch = functools.partial(
+        compute_rollout_correction_and_add_to_batch, strict_verl=strict_verl
+    )
     rollout_corr_helper.apply_bypass_mode = apply_bypass_mode
     core_algos.agg_loss = agg_loss
     return names
