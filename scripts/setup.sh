@@ -13,6 +13,10 @@ fi
 .venv/bin/python -m pip install -q -e ".[${ROLLCORR_EXTRAS:-dev,parquet}]"
 optional="${ROLLCORR_OPTIONAL:-}"
 for extra in ${optional//,/ }; do
+    if [ "${extra}" = verl ]; then
+        # verl 0.9.1 pins transformers<5.11; its correction/loss modules need only the `verl` extra's packages.
+        .venv/bin/python -m pip install -q --no-deps verl==0.9.1 || echo "warning: verl did not install" >&2
+    fi
     if ! .venv/bin/python -m pip install -q -e ".[${extra}]"; then
         echo "warning: optional extra '${extra}' did not install; its tests will be skipped" >&2
     fi

@@ -6,9 +6,30 @@ from rollcorr.config import from_nemo_rl, from_openrlhf, from_skyrl, from_trl, f
 
 
 # ---- verl -----------------------------------------------------------------------------------------
-def test_verl_empty_is_yaml_defaults():
-    c = from_verl({})
-    assert c.is_level is None and c.rs == () and c.mode == "decoupled" and not c.verl_compat
+def test_verl_missing_keys_take_the_dataclass_defaults():
+    c = from_verl({})  # verl's RolloutCorrectionConfig(): rollout_is="sequence", threshold 2.0
+    assert c.is_level == "sequence" and c.is_upper == 2.0 and c.rs == () and c.mode == "decoupled"
+    assert not c.verl_compat
+    assert from_verl({"rollout_is": None}).is_level is None  # verl's YAML default
+
+
+def test_verl_target_key_and_objects():
+    from dataclasses import dataclass
+
+    target = {"_target_": "verl.trainer.config.RolloutCorrectionConfig", "rollout_is": "token"}
+    assert from_verl(target).is_level == "token"
+    with pytest.raises(ValueError, match="_target_"):
+        from_verl({"_target_": "verl.workers.config.ActorConfig"})
+
+    @dataclass
+    class RolloutCorrectionConfig:  # the shape of verl's dataclass, for machines without verl
+        _target_: str = "verl.trainer.config.RolloutCorrectionConfig"
+        rollout_is: str | None = "sequence"
+        rollout_rs: str | None = "seq_mean_k3"
+        rollout_rs_threshold: float | None = 0.01
+
+    c = from_verl(RolloutCorrectionConfig())
+    assert c.is_level == "sequence" and c.rs == ("seq_mean_k3",)
 
 
 def test_verl_rollout_is():

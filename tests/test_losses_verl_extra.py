@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from rollcorr.compat.verl_losses import LOSS_MODES, compute_policy_loss
+from rollcorr.compat.verl_losses import LOSS_MODES
+from rollcorr.compat.verl_losses import policy_loss_by_mode as compute_policy_loss
 from rollcorr.config.correction import CorrectionConfig
 from rollcorr.config.dialects import from_verl
 from rollcorr.correction.api import compute_correction

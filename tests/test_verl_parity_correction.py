@@ -29,12 +29,13 @@ def _t(x):
 
 @pytest.mark.parametrize("case", _cases(), ids=lambda c: c["name"])
 def test_matches_verl(case):
-    weights, mask, metrics = compute_rollout_correction_and_rejection_mask(
+    proto, mask, metrics = compute_rollout_correction_and_rejection_mask(
         _t(case["old_log_prob"]),
         _t(case["rollout_log_prob"]),
         _t(case["response_mask"]),
         **case["verl_config"],
     )
+    weights = None if proto is None else proto.batch["rollout_is_weights"]  # verl wraps them in a DataProto
     if case["weights"] is None:
         assert weights is None
     else:

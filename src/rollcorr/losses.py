@@ -427,19 +427,24 @@ def gmpo_loss(
     clip_low: float = 0.4,
     clip_high: float = 0.4,
     weights: Tensor | None = None,
+    log_ratio_clamp: float | None = LOG_RATIO_CLAMP,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GMPO (verl `geo_mean`). Returns a per-sequence loss (B,) and metrics.
 
     Δ' = sgn(A)·min(sgn(A)·Δ, sgn(A)·clamp(Δ, −ε_lo, ε_hi))   (one-sided clip in log space)
     L_b = −(Σ m·A / n_b) · exp(Σ m·Δ' / n_b) · exp(Σ m·log(w + 1e-10) / n_b),   n_b = Σ m + 1e-8
-    Δ is clamped to ±20 first (verl leaves it unclamped), so extreme log-ratios stay finite.
+    Δ is clamped to ±``log_ratio_clamp`` first (verl: None, unclamped), so extreme log-ratios stay finite.
     """
     mask = response_mask.to(log_prob.dtype)
-    delta = torch.clamp(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    delta = log_prob - old_log_prob
+    if log_ratio_clamp is not None:
+        delta = torch.clamp(delta, -log_ratio_clamp, log_ratio_clamp)
     sign = torch.sign(advantages)
     delta_clamped = torch.clamp(delta, -clip_low, clip_high)
     delta_min = sign * torch.minimum(sign * delta, sign * delta_clamped)
-    n = mask.sum(-1) + 1e-8
+    count = response_mask.sum(-1)  # verl adds its 1e-8 in the mask's sum dtype (float32 for bool/int)
+    count = count if count.is_floating_point() else count.to(torch.get_default_dtype())
+    n = (count + 1e-8).to(delta.dtype)
     zeros = torch.zeros_like(delta)
     ratio = torch.exp(torch.where(mask > 0, delta_min, zeros).sum(-1) / n)
     adv = torch.where(mask > 0, advantages, zeros).sum(-1) / n

@@ -38,6 +38,7 @@ FIELD_ALIASES: dict[str, tuple[str, ...]] = {
         "inference_logprobs",  # prime-rl
         "infer_logprobs",
         "rollout_logprobs",
+        "logprobs",  # AReaL (the inference engine's log-probs, beside prox_logp)
     ),
     "learner": (
         "old_log_probs",  # verl, slime, SkyRL, OpenRLHF
@@ -45,6 +46,7 @@ FIELD_ALIASES: dict[str, tuple[str, ...]] = {
         "prev_logprobs",  # NeMo-RL
         "old_per_token_logps",  # TRL
         "prox_logp",  # AReaL
+        "trainer_logprobs",  # prime-rl
     ),
     "mask": ("response_mask", "token_mask", "loss_mask", "completion_mask", "mask"),
     "advantages": ("advantages", "advantage"),
@@ -454,3 +456,73 @@ def _assemble(
         partial={role: [line for line, r in zip(lines, parsed) if role not in r]
                  for role in ("advantages", "tokens", "version") if 0 < sum(role in r for r in parsed) < b},
     )  # fmt: skip
+
+
+# ---- writing ----------------------------------------------------------------------------------------
+def write_dump(
+    path: str | Path,
+    rollout_log_prob: Tensor,
+    old_log_prob: Tensor,
+    response_mask: Tensor,
+    *,
+    advantages: Tensor | None = None,
+    tokens: Tensor | None = None,
+    version: Tensor | None = None,
+    extras: dict[str, Sequence[Any]] | None = None,
+    append: bool = True,
+) -> int:
+    """Write a (B, T) right-padded batch as JSONL rows that ``read_dump`` / ``rollcorr analyze`` read.
+
+    One row per response, under rollcorr's default field names (``rollout_log_probs``, ``old_log_probs``,
+    ``response_mask`` and, when given, ``advantages`` ((B,) or (B, T)), ``responses`` (token ids),
+    ``version``), each list cut after the row's last valid token; ``extras`` maps a field name to one value
+    per row (e.g. ``{"step": [3] * B, "reward": rewards}``). ``.gz`` paths are gzip-compressed. With
+    ``append`` the rows are added to an existing file (one file per run), else the file is replaced. The
+    rows are encoded first and written in one call, so a bad input leaves the file untouched. Returns the
+    number of rows written."""
+    path = Path(path)
+    shape = tuple(rollout_log_prob.shape)
+    if len(shape) != 2:
+        raise ValueError(f"rollout_log_prob must be (B, T), got shape {shape}")
+    named = {"old_log_prob": old_log_prob, "response_mask": response_mask, "tokens": tokens, "version": version}
+    for name, value in named.items():
+        if value is not None and tuple(value.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape}")
+    if advantages is not None and tuple(advantages.shape) not in (shape, shape[:1]):
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected {shape[:1]} or {shape}")
+    for name, values in (extras or {}).items():
+        if len(values) != shape[0]:
+            raise ValueError(f"extras[{name!r}] has {len(values)} values, expected one per row ({shape[0]})")
+    mask = response_mask.detach().bool().cpu()
+    lengths = torch.where(mask.any(-1), shape[1] - mask.flip(-1).int().argmax(-1), 0).tolist()
+
+    def cut(x: Tensor | None, b: int) -> list | None:
+        return None if x is None else x[b, : lengths[b]].tolist()
+
+    cpu = {k: None if v is None else v.detach().cpu() for k, v in named.items()}
+    roll, adv = rollout_log_prob.detach().double().cpu(), None if advantages is None else advantages.detach().cpu()
+    old = cpu["old_log_prob"].double()
+    lines = []
+    for b in range(shape[0]):
+        row: dict[str, Any] = {
+            "rollout_log_probs": cut(roll, b),
+            "old_log_probs": cut(old, b),
+            "response_mask": [int(v) for v in mask[b, : lengths[b]].tolist()],
+        }
+        if adv is not None:
+            row["advantages"] = float(adv[b]) if adv.dim() == 1 else cut(adv.double(), b)
+        if cpu["tokens"] is not None:
+            row["responses"] = cut(cpu["tokens"], b)
+        if cpu["version"] is not None:
+            row["version"] = cut(cpu["version"], b)
+        for name, values in (extras or {}).items():
+            value = values[b]
+            row[name] = value.item() if isinstance(value, Tensor) else value
+        lines.append(json.dumps(row, allow_nan=False))
+    text = "".join(line + "\n" for line in lines)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    opener = gzip.open if path.suffix.lower() == ".gz" else open
+    with opener(path, "at" if append else "wt", encoding="utf-8") as f:
+        f.write(text)
+    return len(lines)
+

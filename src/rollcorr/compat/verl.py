@@ -1,5 +1,327 @@
-"""Drop-in replacements for verl's rollout-correction and policy-loss functions (same signatures, same
-numbers on ``tests/data/verl_vectors.json``), backed by rollcorr's math."""
+"""A verl drop-in: verl's names and signatures (verl 0.9.1), rollcorr's math.
 
-from rollcorr.compat.verl_correction import compute_rollout_correction_and_rejection_mask  # noqa: F401
-from rollcorr.compat.verl_losses import compute_policy_loss  # noqa: F401
+Policy losses (``verl.trainer.ppo.core_algos``)::
+
+    compute_policy_loss_<mode>(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                               config=None, rollout_is_weights=None)          -> (loss, metrics)
+    POLICY_LOSS_REGISTRY / register_policy_loss / get_policy_loss_fn,  agg_loss,  kl_penalty
+    compute_policy_loss = compute_policy_loss_vanilla (verl's registered signature)
+
+Rollout correction (``verl.trainer.ppo.rollout_corr_helper``)::
+
+    compute_rollout_correction_and_rejection_mask(old_log_prob, rollout_log_prob, response_mask, ...)
+    compute_rollout_correction_weights(log_ratio, response_mask, ...)   compute_rollout_rejection_mask(...)
+    compute_offpolicy_metrics(...)   compute_rollout_correction_and_add_to_batch(batch, cfg)
+    apply_bypass_mode(batch, cfg, policy_loss_config)
+
+``config`` may be verl's dataclass (``ActorConfig`` / ``RolloutCorrectionConfig``), an OmegaConf node or a
+dict (a ``_target_`` key is allowed); missing fields take verl's dataclass defaults. ``install()`` puts
+these implementations into verl's own registry and helper module, so a verl run uses them by name.
+
+Where rollcorr deliberately differs from verl (docs/verl.md), ``strict_verl=True`` gives verl's result:
+positive log-probs are accepted instead of raising, an all-masked token-mean is NaN instead of 0, and the
+log-ratio is left unclamped where verl leaves it (gspo's ``actor/ppo_kl``, geo_mean).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rollcorr.compat.verl_correction import (
+    compute_offpolicy_metrics,
+    compute_rollout_correction_and_rejection_mask,
+    compute_rollout_correction_weights,
+    compute_rollout_rejection_mask,
+)
+from rollcorr.compat.verl_losses import LOSS_MODES, agg_loss, kl_penalty, policy_loss_by_mode
+from rollcorr.losses import LOSS_NAMES, LossConfig, policy_loss
+
+__all__ = [
+    "POLICY_LOSS_REGISTRY",
+    "agg_loss",
+    "apply_bypass_mode",
+    "compute_offpolicy_metrics",
+    "compute_policy_loss",
+    "compute_rollout_correction_and_add_to_batch",
+    "compute_rollout_correction_and_rejection_mask",
+    "compute_rollout_correction_weights",
+    "compute_rollout_rejection_mask",
+    "get_policy_loss_fn",
+    "install",
+    "kl_penalty",
+    "register_policy_loss",
+]
+
+PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Any]]]
+
+
+# ---- verl config objects ---------------------------------------------------------------------------
+def cfg_get(config: Any, key: str, default: Any = None) -> Any:
+    """``config.key`` for a verl dataclass, an OmegaConf node or a dict; ``default`` when absent or None."""
+    if config is None:
+        return default
+    value = config.get(key, None) if isinstance(config, Mapping) else getattr(config, key, None)
+    return default if value is None else value
+
+
+def _actor_fields(config: Any) -> dict[str, Any]:
+    """verl ``ActorConfig`` / ``PolicyLossConfig`` fields with verl's defaults, as policy_loss_by_mode's
+    keyword arguments."""
+    clip = cfg_get(config, "clip_ratio", 0.2)
+    pl = cfg_get(config, "policy_loss")
+    return {
+        "clip_ratio_low": cfg_get(config, "clip_ratio_low", clip),
+        "clip_ratio_high": cfg_get(config, "clip_ratio_high", clip),
+        "tau_pos": cfg_get(config, "tau_pos", 1.0),
+        "tau_neg": cfg_get(config, "tau_neg", 1.05),
+        "clip_cov_ratio": cfg_get(pl, "clip_cov_ratio", 2e-4),
+        "clip_cov_lb": cfg_get(pl, "clip_cov_lb", 1.0),
+        "clip_cov_ub": cfg_get(pl, "clip_cov_ub", 5.0),
+        "kl_cov_ratio": cfg_get(pl, "kl_cov_ratio", 2e-4),
+        "ppo_kl_coef": cfg_get(pl, "ppo_kl_coef", 1.0),  # verl's kl_cov reads None as 1.0
+        "dro_beta": cfg_get(pl, "dro_beta", 0.1),
+        "global_batch_info": dict(cfg_get(config, "global_batch_info", {})),
+    }
+
+
+def _registered(mode: str) -> PolicyLossFn:
+    def loss_fn(
+        old_log_prob: Tensor,
+        log_prob: Tensor,
+        advantages: Tensor,
+        response_mask: Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: Any = None,
+        rollout_is_weights: Tensor | None = None,
+        *,
+        strict_verl: bool = False,
+    ) -> tuple[Tensor, dict[str, Any]]:
+        if config is None:
+            raise ValueError(f"verl loss {mode!r} needs the actor config (verl asserts config is not None)")
+        kwargs = _actor_fields(config)
+        # verl's dual clip defaults to 3.0, its DPPO ratio cap to 20.0
+        clip_c = cfg_get(config, "clip_ratio_c", 20.0 if mode.startswith("dppo") else 3.0)
+        return policy_loss_by_mode(
+            mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+            clip_ratio_c=clip_c, rollout_is_weights=rollout_is_weights, strict_verl=strict_verl, **kwargs,
+        )  # fmt: skip
+
+    loss_fn.__name__ = loss_fn.__qualname__ = f"compute_policy_loss_{mode}"
+    loss_fn.__doc__ = f"verl's registered ``{mode}`` policy loss (rollcorr.compat.verl_losses)."
+    return loss_fn
+
+
+compute_policy_loss_vanilla = _registered("vanilla")
+compute_policy_loss_gspo = _registered("gspo")
+compute_policy_loss_cispo = _registered("cispo")
+compute_policy_loss_geo_mean = _registered("geo_mean")
+compute_policy_loss_sapo = _registered("sapo")
+compute_policy_loss_gpg = _registered("gpg")
+compute_policy_loss_clip_cov = _registered("clip_cov")
+compute_policy_loss_kl_cov = _registered("kl_cov")
+compute_policy_loss_dppo_tv = _registered("dppo_tv")
+compute_policy_loss_dppo_kl = _registered("dppo_kl")
+compute_policy_loss_dro = _registered("dro")
+compute_policy_loss_reinforce = _registered("reinforce")  # first argument: the rollout log-prob
+compute_policy_loss = compute_policy_loss_vanilla
+
+
+def compute_policy_loss_bypass_mode(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: Tensor | None = None,
+    *,
+    strict_verl: bool = False,
+) -> tuple[Tensor, dict[str, Any]]:
+    """verl's ``bypass_mode`` loss: π_old := μ (``old_log_prob`` is the rollout log-prob). The correction
+    (config.policy_loss.rollout_correction) is computed from π_θ/μ; ``loss_type`` ``ppo_clip`` clips that
+    ratio and applies no weight, ``reinforce`` applies the weights. Rollout metrics are merged in."""
+    corr = cfg_get(cfg_get(config, "policy_loss"), "rollout_correction")
+    if corr is None:
+        raise ValueError("bypass_mode loss needs config.policy_loss.rollout_correction (verl raises too)")
+    loss_type = cfg_get(corr, "loss_type", "ppo_clip")
+    if loss_type not in ("ppo_clip", "reinforce"):
+        raise ValueError(f"Invalid loss_type: {loss_type}. Must be 'reinforce' or 'ppo_clip'.")
+    with torch.no_grad():
+        proto, mask, rollout_metrics = compute_rollout_correction_and_rejection_mask(
+            old_log_prob=log_prob.detach(),
+            rollout_log_prob=old_log_prob,
+            response_mask=response_mask,
+            rollout_is=cfg_get(corr, "rollout_is"),
+            rollout_is_threshold=cfg_get(corr, "rollout_is_threshold", 2.0),
+            rollout_is_batch_normalize=cfg_get(corr, "rollout_is_batch_normalize", False),
+            rollout_rs=cfg_get(corr, "rollout_rs"),
+            rollout_rs_threshold=cfg_get(corr, "rollout_rs_threshold"),
+            strict_verl=strict_verl,
+        )
+    if loss_type == "reinforce":
+        weights = None if proto is None else proto.batch["rollout_is_weights"]
+        loss, metrics = compute_policy_loss_reinforce(
+            old_log_prob, log_prob, advantages, mask, loss_agg_mode, config, weights, strict_verl=strict_verl
+        )
+    else:
+        loss, metrics = compute_policy_loss_vanilla(
+            old_log_prob, log_prob, advantages, mask, loss_agg_mode, config, None, strict_verl=strict_verl
+        )
+    metrics.update(rollout_metrics)
+    return loss, metrics
+
+
+# ---- the registry ----------------------------------------------------------------------------------
+POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {
+    mode: globals()[f"compute_policy_loss_{mode}"] for mode in LOSS_MODES if mode != "reinforce"
+}
+POLICY_LOSS_REGISTRY["bypass_mode"] = compute_policy_loss_bypass_mode
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator: register a policy loss under ``name`` (verl's ``register_policy_loss``)."""
+
+    def decorator(func: PolicyLossFn) -> PolicyLossFn:
+        POLICY_LOSS_REGISTRY[name] = func
+        return func
+
+    return decorator
+
+
+def get_policy_loss_fn(name: str) -> PolicyLossFn:
+    """The registered loss ``name`` (verl's error for an unknown one)."""
+    if name not in POLICY_LOSS_REGISTRY:
+        raise ValueError(f"Unsupported loss mode: {name}. Supported modes are: {list(POLICY_LOSS_REGISTRY)}")
+    return POLICY_LOSS_REGISTRY[name]
+
+
+# rollcorr losses verl does not have, under verl's signature (registered as "rollcorr_<name>"). ppo_is,
+# vanilla_is, tis and areal need μ and oapl needs rewards and group ids, which verl's signature does not pass.
+EXTRA_LOSSES = tuple(n for n in LOSS_NAMES if n not in ("ppo_is", "vanilla_is", "tis", "areal", "oapl"))
+
+
+def _rollcorr_loss(name: str) -> PolicyLossFn:
+    def loss_fn(
+        old_log_prob: Tensor,
+        log_prob: Tensor,
+        advantages: Tensor,
+        response_mask: Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: Any = None,
+        rollout_is_weights: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, Any]]:
+        f = _actor_fields(config)
+        loss_config = LossConfig(  # no config: the loss's own defaults (rollcorr.losses)
+            name=name,
+            clip_low=None if config is None else f["clip_ratio_low"],
+            clip_high=None if config is None else f["clip_ratio_high"],
+            clip_c=cfg_get(config, "clip_ratio_c"),
+            agg=loss_agg_mode,
+            sapo_tau_pos=f["tau_pos"],
+            sapo_tau_neg=f["tau_neg"],
+            dro_beta=f["dro_beta"],
+        )
+        loss, metrics = policy_loss(
+            loss_config, log_prob, old_log_prob, advantages, response_mask, weights=rollout_is_weights
+        )
+        return loss, {k: float(v) for k, v in metrics.items()}
+
+    loss_fn.__name__ = loss_fn.__qualname__ = f"rollcorr_{name}"
+    loss_fn.__doc__ = f"rollcorr's ``{name}`` loss (rollcorr.losses) under verl's registered signature."
+    return loss_fn
+
+
+for _name in EXTRA_LOSSES:
+    POLICY_LOSS_REGISTRY[f"rollcorr_{_name}"] = _rollcorr_loss(_name)
+
+
+# ---- DataProto-level helpers -----------------------------------------------------------------------
+def compute_rollout_correction_and_add_to_batch(
+    batch: Any, rollout_corr_config: Any, *, strict_verl: bool = False
+) -> tuple[Any, dict]:
+    """verl's batch-level entry: reads ``old_log_probs``, ``rollout_log_probs``, ``response_mask`` from
+    ``batch.batch``, writes the rejected ``response_mask`` and (when IS is on) ``rollout_is_weights``.
+    Returns (batch, ``rollout_corr/*`` metrics)."""
+    from rollcorr.config.dialects import verl_mapping
+
+    cfg = verl_mapping(rollout_corr_config)
+    weights, mask, metrics = compute_rollout_correction_and_rejection_mask(
+        old_log_prob=batch.batch["old_log_probs"],
+        rollout_log_prob=batch.batch["rollout_log_probs"],
+        response_mask=batch.batch["response_mask"],
+        rollout_is=cfg["rollout_is"],
+        rollout_is_threshold=cfg["rollout_is_threshold"],
+        rollout_is_batch_normalize=cfg["rollout_is_batch_normalize"],
+        rollout_rs=cfg["rollout_rs"],
+        rollout_rs_threshold=cfg["rollout_rs_threshold"],
+        strict_verl=strict_verl,
+    )
+    batch.batch["response_mask"] = mask
+    if weights is not None:
+        batch.batch["rollout_is_weights"] = weights.batch["rollout_is_weights"]
+    return batch, metrics
+
+
+def apply_bypass_mode(batch: Any, rollout_corr_config: Any = None, policy_loss_config: Any = None) -> None:
+    """verl's bypass setup: ``old_log_probs := rollout_log_probs`` and the policy loss becomes
+    ``bypass_mode`` with the rollout-correction config attached."""
+    if "rollout_log_probs" not in batch.batch:
+        raise ValueError(
+            "bypass_mode=True requires rollout_log_probs in batch. "
+            "Ensure rollout worker is configured to calculate_log_probs=true."
+        )
+    batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+    _set(policy_loss_config, "rollout_correction", rollout_corr_config)
+    _set(policy_loss_config, "loss_mode", "bypass_mode")
+
+
+def _set(config: Any, key: str, value: Any) -> None:
+    """Set a field on a dict, an OmegaConf node (struct mode lifted, like verl's ``open_dict``) or a
+    dataclass."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, Mapping):
+        object.__setattr__(config, key, value)
+        return
+    try:
+        from omegaconf import DictConfig, open_dict
+    except ImportError:  # no OmegaConf: a plain mapping
+        config[key] = value
+        return
+    if isinstance(config, DictConfig):
+        with open_dict(config):
+            config[key] = value
+    else:
+        config[key] = value
+
+
+# ---- install into verl -----------------------------------------------------------------------------
+def install(*, strict_verl: bool = False) -> list[str]:
+    """Put rollcorr into the installed verl: every registered verl loss name (and ``rollcorr_<name>`` for
+    rollcorr's extra losses) in ``core_algos.POLICY_LOSS_REGISTRY`` maps to rollcorr's implementation, and
+    ``rollout_corr_helper``'s correction entry points are rollcorr's. Call it once in the driver and in
+    each worker process (e.g. from a module named in ``VERL_USE_EXTERNAL_MODULES``). Returns the
+    registered loss names. Raises ImportError when verl is not installed."""
+    import functools
+
+    from verl.trainer.ppo import core_algos, rollout_corr_helper
+
+    names = []
+    for name, fn in POLICY_LOSS_REGISTRY.items():
+        wrapped = functools.partial(fn, strict_verl=strict_verl) if name in LOSS_MODES + ("bypass_mode",) else fn
+        core_algos.POLICY_LOSS_REGISTRY[name] = wrapped
+        names.append(name)
+    helper = functools.partial(compute_rollout_correction_and_rejection_mask, strict_verl=strict_verl)
+    rollout_corr_helper.compute_rollout_correction_and_rejection_mask = helper
+    rollout_corr_helper.compute_rollout_correction_weights = compute_rollout_correction_weights
+    rollout_corr_helper.compute_rollout_rejection_mask = compute_rollout_rejection_mask
+    rollout_corr_helper.compute_offpolicy_metrics = compute_offpolicy_metrics
+    rollout_corr_helper.compute_rollout_correction_and_add_to_batch = functools.partial(
+        compute_rollout_correction_and_add_to_batch, strict_verl=strict_verl
+    )
+    rollout_corr_helper.apply_bypass_mode = apply_bypass_mode
+    core_algos.agg_loss = agg_loss
+    return names

@@ -1,11 +1,11 @@
 """verl's policy losses under verl's calling convention, backed by `rollcorr.losses`.
 
 `compute_policy_loss` reproduces verl (core_algos, newest snapshot) on
-`tests/data/verl_vectors.json` (verl's own outputs, docs/spec.md §9) — loss, metrics and d loss / d log_prob — for the loss modes
+`tests/data/verl_vectors.json` and against the installed verl (`tests/test_verl_live.py`) — loss, metrics and d loss / d log_prob — for the loss modes
 `vanilla`, `gspo`, `cispo`, `geo_mean` and the bypass `reinforce` loss. verl details kept on purpose:
 
 - `vanilla` always applies the dual clip with `clip_ratio_c` (default 3.0, must be > 1);
-- `gspo` forces `seq-mean-token-mean` whatever `loss_agg_mode` says;
+- `gspo` aggregates with `loss_agg_mode` (verl 0.9.1; earlier verl forced `seq-mean-token-mean`);
 - `geo_mean` ignores `loss_agg_mode`: plain mean over all B rows (fully-masked rows included);
 - `reinforce` reads `old_log_prob` as the rollout log-prob (bypass sets π_old := μ) for its `ppo_kl` metric;
 - `seq-mean-*` divide by the number of non-empty rows; `seq-mean-token-sum-norm` divides by that and by T;
@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from rollcorr.losses import (
+    AGG_MODES,
     aggregate,
     cispo_loss,
     clip_cov_loss,
@@ -36,12 +37,13 @@ from rollcorr.losses import (
     gmpo_loss,
     gspo_loss,
     kl_cov_loss,
+    masked_mean,
     ppo_clip_loss,
     reinforce_loss,
     sapo_loss,
 )
 
-__all__ = ["LOSS_MODES", "compute_policy_loss"]
+__all__ = ["LOSS_MODES", "agg_loss", "kl_penalty", "policy_loss_by_mode"]
 
 LOSS_MODES = (
     "vanilla",
@@ -60,7 +62,7 @@ LOSS_MODES = (
 _VERL_METRICS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
 
 
-def compute_policy_loss(
+def policy_loss_by_mode(
     loss_mode: str,
     old_log_prob: Tensor,
     log_prob: Tensor,
@@ -81,10 +83,15 @@ def compute_policy_loss(
     ppo_kl_coef: float = 0.1,
     dro_beta: float = 0.1,
     generator: torch.Generator | None = None,
+    global_batch_info: dict[str, Any] | None = None,
+    strict_verl: bool = False,
 ) -> tuple[Tensor, dict[str, Any]]:
     """verl's `compute_policy_loss_<mode>(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
     config, rollout_is_weights)` with the config fields passed directly (defaults: verl's ActorConfig /
-    PolicyLossConfig; `dro_beta` 0.1 is rollcorr's choice). Returns (scalar loss, metrics)."""
+    PolicyLossConfig; `dro_beta` 0.1 is rollcorr's choice). `global_batch_info` is verl's
+    ``config.global_batch_info`` for `agg_loss`. ``strict_verl`` drops rollcorr's ±20 clamp of the
+    log-ratio where verl has none (gspo's `actor/ppo_kl`, geo_mean) and lets an all-masked token-mean be
+    NaN as in verl. Returns (scalar loss, metrics)."""
     if loss_mode not in LOSS_MODES:
         raise ValueError(f"unsupported loss_mode {loss_mode!r}; choose one of {LOSS_MODES}")
     for name, value in (("old_log_prob", old_log_prob), ("advantages", advantages), ("mask", response_mask)):
@@ -108,11 +115,15 @@ def compute_policy_loss(
         )
     elif loss_mode == "gspo":
         loss, metrics = gspo_loss(log_prob, old_log_prob, advantages, response_mask, **kwargs)
-        loss_agg_mode = "seq-mean-token-mean"
+        if strict_verl:  # verl's gspo ppo_kl leaves the log-ratio unclamped
+            metrics["actor/ppo_kl"] = masked_mean((old_log_prob - log_prob).detach(), response_mask)
     elif loss_mode == "cispo":
         loss, metrics = cispo_loss(log_prob, old_log_prob, advantages, response_mask, **kwargs)
     elif loss_mode == "geo_mean":
-        loss, metrics = gmpo_loss(log_prob, old_log_prob, advantages, response_mask, **kwargs)
+        loss, metrics = gmpo_loss(
+            log_prob, old_log_prob, advantages, response_mask, log_ratio_clamp=None if strict_verl else 20.0,
+            **kwargs,
+        )
         denominator = "batch"
     elif loss_mode == "reinforce":
         loss, metrics = reinforce_loss(
@@ -146,5 +157,87 @@ def compute_policy_loss(
         loss, metrics = dro_loss(
             log_prob, old_log_prob, advantages, response_mask, beta=dro_beta, weights=rollout_is_weights
         )
-    total = aggregate(loss, response_mask, loss_agg_mode, denominator=denominator)
+    if denominator == "batch":  # geo_mean: plain mean of the (B,) sequence losses, no global-batch info
+        total = aggregate(loss, response_mask, loss_agg_mode, denominator=denominator)
+    else:
+        total = agg_loss(loss, response_mask, loss_agg_mode, **(global_batch_info or {}), strict_verl=strict_verl)
     return total, {k: float(v) for k, v in metrics.items()}
+
+
+def agg_loss(
+    loss_mat: Tensor,
+    loss_mask: Tensor,
+    loss_agg_mode: str,
+    dp_size: int = 1,
+    batch_num_tokens: int | Tensor | None = None,
+    global_batch_size: int | Tensor | None = None,
+    loss_scale_factor: int | None = None,
+    *,
+    strict_verl: bool = False,
+) -> Tensor:
+    """verl's ``agg_loss``: the (B, T) loss reduced so that the gradient averaged over ``dp_size``
+    data-parallel ranks equals the global-batch loss's gradient.
+
+      token-mean               Σ L·m / N_tok · dp          N_tok = batch_num_tokens (global), else local Σ m
+      token-sum                Σ L·m · dp
+      seq-mean-token-sum       Σ_b S_b / N_seq · dp        S_b = Σ_t L·m,  N_seq = global_batch_size, else the
+      seq-mean-token-mean      Σ_b S_b/(n_b+1e-8) / N_seq · dp    local rows with a valid token
+      seq-mean-token-sum-norm  seq-mean-token-sum / C      C = loss_scale_factor, default T
+
+    With ``dp_size > 1`` the global count must be given (verl raises the same error). Masked positions
+    never reach the sum. An all-masked local batch gives 0 (verl: 0/0 = NaN; ``strict_verl=True``)."""
+    if loss_agg_mode not in AGG_MODES:
+        raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}; choose one of {AGG_MODES}")
+    dtype = loss_mat.dtype
+    masked = torch.where(loss_mask.bool(), loss_mat, torch.zeros_like(loss_mat))  # summed in verl's order
+    if loss_agg_mode == "token-sum":
+        return masked.sum() * dp_size
+    if loss_agg_mode == "token-mean":
+        if batch_num_tokens is None:
+            if dp_size > 1:
+                raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
+            batch_num_tokens = loss_mask.sum()
+        count = torch.as_tensor(batch_num_tokens, device=loss_mat.device).to(dtype)
+        return masked.sum() / (count if strict_verl else count.clamp_min(1)) * dp_size
+    row_sum = masked.sum(-1)
+    n = loss_mask.sum(-1)
+    if loss_agg_mode == "seq-mean-token-mean":  # verl adds its 1e-8 in the mask's sum dtype
+        n_f = n if n.is_floating_point() else n.to(torch.get_default_dtype())
+        row_sum = row_sum / (n_f + 1e-8).to(dtype)
+    if global_batch_size is None:
+        if dp_size > 1:
+            raise ValueError("global_batch_size is required when dp_size > 1")
+        global_batch_size = (n > 0).sum()
+    rows = torch.as_tensor(global_batch_size, device=loss_mat.device).to(dtype)
+    total = torch.where(n > 0, row_sum, torch.zeros_like(row_sum)).sum()
+    total = total / (rows if strict_verl else rows.clamp_min(1)) * dp_size
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        total = total / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    return total
+
+
+KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kl_penalty: str) -> Tensor:
+    """verl's per-token KL estimate of log π − log π_ref (Schulman, "Approximating KL divergence", 2020):
+    ``kl``/``k1`` Δ, ``abs`` |Δ|, ``mse``/``k2`` ½Δ², ``low_var_kl``/``k3`` clamp(e^{−Δ'} + Δ' − 1, ±10)
+    with Δ' = clamp(Δ, ±20). A trailing ``+`` (``k3+``) keeps the value and takes the gradient of k2
+    (straight-through). (B, T) in, (B, T) out."""
+    base = kl_penalty[:-1] if kl_penalty.endswith("+") else kl_penalty
+    if base not in KL_PENALTIES:
+        raise ValueError(f"unknown kl_penalty {kl_penalty!r}; choose one of {KL_PENALTIES} (optionally with +)")
+    delta = log_prob - ref_log_prob
+    if base in ("kl", "k1"):
+        value = delta
+    elif base == "abs":
+        value = delta.abs()
+    elif base in ("mse", "k2"):
+        value = 0.5 * delta.square()
+    else:
+        kl = torch.clamp(-delta, min=-20, max=20)
+        value = torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+    if not kl_penalty.endswith("+") or base in ("mse", "k2"):
+        return value
+    k2 = 0.5 * delta.square()
+    return k2 - k2.detach() + value.detach()

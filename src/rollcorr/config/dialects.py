@@ -8,6 +8,7 @@ docs/configuration.md.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -60,15 +61,47 @@ def parse_verl_is_threshold(spec: Any) -> tuple[float, float | None]:
         raise ValueError(f"verl rollout_is_threshold {spec!r} is not 'C' or 'lo_hi'") from None
 
 
-def from_verl(data: Mapping[str, Any], *, exact: bool = False) -> CorrectionConfig:
-    """``algorithm.rollout_correction`` (YAML defaults: rollout_is null, threshold 2.0, rs null).
+VERL_TARGET = "verl.trainer.config.RolloutCorrectionConfig"
+
+
+def verl_mapping(config: Any) -> dict[str, Any]:
+    """A verl ``RolloutCorrectionConfig`` as a plain dict: the dataclass itself, an OmegaConf node or a dict
+    (Hydra's ``_target_`` key is checked and dropped). Missing keys take the dataclass defaults, so a missing
+    ``rollout_is`` is ``"sequence"`` as in verl's ``RolloutCorrectionConfig()`` (verl's YAML sets it null)."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        data = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    elif isinstance(config, Mapping):
+        data = dict(config.items())
+    else:
+        raise ValueError(f"from_verl needs a mapping of verl keys, got {type(config).__name__}")
+    target = data.pop("_target_", None)
+    if target and str(target).rsplit(".", 1)[-1] != "RolloutCorrectionConfig":
+        raise ValueError(f"verl _target_ {target!r} is not a RolloutCorrectionConfig ({VERL_TARGET})")
+    return {**VERL_DEFAULTS, **data}
+
+
+# verl's RolloutCorrectionConfig dataclass defaults (verl 0.9.1, verl/trainer/config/algorithm.py).
+VERL_DEFAULTS: dict[str, Any] = {
+    "rollout_is": "sequence",
+    "rollout_is_threshold": 2.0,
+    "rollout_is_batch_normalize": False,
+    "rollout_rs": None,
+    "rollout_rs_threshold": None,
+    "bypass_mode": False,
+    "loss_type": "ppo_clip",
+}
+
+
+def from_verl(data: Any, *, exact: bool = False) -> CorrectionConfig:
+    """``algorithm.rollout_correction``: verl's dataclass, an OmegaConf node or a dict (``_target_``
+    allowed); missing keys take the dataclass defaults (``rollout_is="sequence"``, threshold 2.0, no RS).
 
     ``exact=True`` sets ``verl_compat`` (K1 windows applied to −log ρ as verl's code does, verl's biased
     per-sequence metrics). Where verl silently disables IS (``rollout_is`` set, threshold ``None``) this
     raises instead. Decoupled mode normalises over the whole batch and averages over kept tokens; bypass
     mode normalises per micro-batch and keeps the original token count (verl #4852).
     """
-    d = _check_keys("verl", data, VERL_KEYS)
+    d = _check_keys("verl", verl_mapping(data), VERL_KEYS)
     level = d.get("rollout_is")
     threshold = d.get("rollout_is_threshold", 2.0)
     bypass = _flag("verl", "bypass_mode", d.get("bypass_mode", False))

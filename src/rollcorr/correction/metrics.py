@@ -32,10 +32,10 @@ def _dot(a: Tensor, b: Tensor) -> Tensor:
     return torch.dot(a.reshape(-1), b.reshape(-1))
 
 
-def _std(values: Tensor, weight: Tensor, total: Tensor, eps: float) -> Tensor:
-    """sqrt(max(E[x²] − E[x]², 0)) with E the weighted mean Σ weight·x / (total + eps)."""
-    mean = (values * weight).sum() / (total + eps)
-    var = (values.square() * weight).sum() / (total + eps) - mean.square()
+def _std(values: Tensor, weight: Tensor, total: Tensor) -> Tensor:
+    """sqrt(max(E[x²] − E[x]², 0)) with E the weighted mean Σ weight·x / total."""
+    mean = (values * weight).sum() / total
+    var = (values.square() * weight).sum() / total - mean.square()
     return var.clamp_min(0).sqrt()
 
 
@@ -78,16 +78,16 @@ def is_metrics(
         # raw is 0 on padding: "> hi" never fires there, "< lo" always does (subtract the padding count)
         high = _count(raw > hi, dtype)
         low = _count(raw < lo, dtype) - tok.num_pad if lo > 0 else torch.zeros((), dtype=dtype)
-        out["rollout_is_ratio_fraction_high"] = high / (tok.num_tokens + tok.eps)
-        out["rollout_is_ratio_fraction_low"] = low / (tok.num_tokens + tok.eps)
+        out["rollout_is_ratio_fraction_high"] = high / tok.den(tok.num_tokens)
+        out["rollout_is_ratio_fraction_low"] = low / tok.den(tok.num_tokens)
         out["rollout_is_max"] = w.max()  # w ≥ 0 and 0 on padding: the max over valid tokens
         out["rollout_is_min"] = tok.valid_min(w)
         if mode == "mask":  # IcePop out-of-band share; the band's lower edge is 0 when none is given
             oob = high + (low if lower else 0.0)
-            out["rollout_is_oob_ratio"] = oob / (tok.num_tokens + tok.eps)
+            out["rollout_is_oob_ratio"] = oob / tok.den(tok.num_tokens)
     # std / ESS on the applied weights clamped to [0, upper] (verl); thresholded weights already lie there
-    total = tok.num_tokens + tok.eps
-    mean, sq = w.sum() / total, _dot(w, w) / total
+    total = tok.den(tok.num_tokens)
+    mean, sq = w.sum() / total, (w.square().sum() if tok.verl else _dot(w, w)) / total  # verl's sum order
     out["rollout_is_mean"] = mean
     std = (sq - mean.square()).clamp_min(0).sqrt()
     out["rollout_is_std"] = torch.where(tok.num_tokens > 1, std, torch.zeros_like(std))
@@ -134,21 +134,29 @@ def rs_option_metrics(r: RSOutcome, tok: Tokens) -> Metrics:
         )
         # std of the clamped statistic over valid tokens: c·m, and (c·m)² = c²·m for m ∈ {0, 1}
         cm = x.clamp(min=lower, max=r.upper).mul_(tok.mask_f)
-        total = tok.num_tokens + tok.eps
+        total = tok.den(tok.num_tokens)
         mean = cm.sum() / total
         std = (cm.square_().sum() / total - mean.square()).clamp_min(0).sqrt()
         rejected = ~r.token_keep & tok.mask
         out[f"{p}_masked_fraction_"] = tok.token_share(rejected)
         row_rejected = any_per_row(rejected)
     else:  # sequence level: the row statistic broadcast to its tokens (token-weighted mean / std)
-        out[f"{p}_mean"] = (seq * tok.n).sum() / (tok.num_tokens + tok.eps)
         out[f"{p}_max"] = seq.masked_fill(~tok.valid, float("-inf")).max()
         out[f"{p}_min"] = seq.masked_fill(~tok.valid, float("inf")).min()
         out[f"{p}_fraction_high"] = seq_frac(seq > r.upper)
         out[f"{p}_fraction_low"] = seq_frac(seq < lower) if is_k1 else torch.zeros((), dtype=dtype)
-        std = _std(seq.clamp(min=lower, max=r.upper), tok.n, tok.num_tokens, tok.eps)
+        if tok.verl:  # verl broadcasts the row statistic to (B, T) and sums that: same rounding
+            total = tok.den(tok.num_tokens)
+            spread = torch.where(tok.mask, seq[:, None], 0.0)
+            out[f"{p}_mean"] = spread.sum() / total
+            clamped = torch.where(tok.mask, seq.clamp(min=lower, max=r.upper)[:, None], 0.0)
+            mean = clamped.sum() / total
+            std = (clamped.square().sum() / total - mean.square()).clamp_min(0).sqrt()
+        else:
+            out[f"{p}_mean"] = (seq * tok.n).sum() / tok.num_tokens
+            std = _std(seq.clamp(min=lower, max=r.upper), tok.n, tok.num_tokens)
         row_rejected = ~r.row_keep & tok.valid
-        out[f"{p}_masked_fraction_"] = (row_rejected.to(dtype) * tok.n).sum() / (tok.num_tokens + tok.eps)
+        out[f"{p}_masked_fraction_"] = (row_rejected.to(dtype) * tok.n).sum() / tok.den(tok.num_tokens)
     out[f"{p}_std"] = torch.where(tok.num_tokens > 1, std, torch.zeros_like(std))
     out[f"{p}_seq_mean"] = (seq * seq_w).sum() / nv
     var = ((seq - out[f"{p}_seq_mean"]).square() * seq_w).sum() / (nv - 1).clamp_min(1)
@@ -175,7 +183,7 @@ def rs_total_from_counts(rejected_tokens: Tensor, rejected_rows: Tensor, tok: To
     """``rs_total_metrics`` from the number of rejected valid tokens (0-d) and the (B,) bool rows with a
     rejected valid token."""
     return {
-        "rollout_rs_masked_fraction": rejected_tokens / (tok.num_tokens + tok.eps),
+        "rollout_rs_masked_fraction": rejected_tokens / tok.den(tok.num_tokens),
         "rollout_rs_seq_masked_fraction": tok.over_rows(rejected_rows.to(tok.mask_f.dtype)),
     }
 
@@ -211,10 +219,17 @@ def offpolicy_metrics(tok: Tokens | Tensor, k3: Tensor | None = None, *legacy: T
         "log_ppl_diff_max": tok.rows_max(diff),
         "log_ppl_diff_min": tok.rows_min(diff),
         "ppl_ratio": tok.over_rows(diff.clamp(-ratio_cap, ratio_cap).exp()),
-        "chi2_token": (_dot(tok.ratio, tok.ratio) - tok.num_pad) / (tok.num_tokens + tok.eps)
-        - 1.0,  # ρ = 1 on pad
+        "chi2_token": _chi2_token(tok),
         "chi2_seq": tok.over_rows((2.0 * row_sum).exp()) - 1.0,
     }
+
+
+def _chi2_token(tok: Tokens) -> Tensor:
+    """E_valid[ρ²] − 1. ρ = 1 on padding: Σ ρ² − #pad is one fused pass; verl mode sums the masked ρ² as
+    verl does, so float32 rounding matches too."""
+    if tok.verl:
+        return torch.where(tok.mask, tok.ratio.square(), 0.0).sum() / tok.den(tok.num_tokens) - 1.0
+    return (_dot(tok.ratio, tok.ratio) - tok.num_pad) / tok.num_tokens - 1.0
 
 
 # ---- beyond verl -------------------------------------------------------------------------------

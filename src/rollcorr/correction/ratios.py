@@ -108,18 +108,23 @@ class Tokens:
     log_ratio_safe: Tensor  # clamp(ℓ, ±bound); the same tensor as log_ratio when no entry reaches ±bound
     ratio: Tensor  # ρ = exp(clamp(ℓ)), 1 on padding
     verl: bool  # reproduce verl's formulas (masked means with +1e-8, all rows in seq metrics)
+    count_dtype: torch.dtype = torch.float32  # dtype of verl's ``mask.sum()`` (the +1e-8 is added in it)
 
-    @property
-    def eps(self) -> float:
-        return 1e-8 if self.verl else 0.0
+    def den(self, count: Tensor) -> Tensor:
+        """Denominator of a masked mean over ``count`` valid entries. verl's ``masked_mean`` divides by
+        ``mask.sum() + 1e-8`` computed in the mask's sum dtype: float32 for a bool/int mask, where the 1e-8
+        vanishes for any count ≥ 1, the mask's own dtype for a float mask. rollcorr divides by the count."""
+        if not self.verl:
+            return count
+        return (count.to(self.count_dtype) + 1e-8).to(count.dtype)
 
     def token_mean(self, x: Tensor) -> Tensor:
         """Masked mean over valid tokens of a (B, T) tensor that is already 0 on padding."""
-        return x.sum() / (self.num_tokens + self.eps)
+        return x.sum() / self.den(self.num_tokens)
 
     def token_share(self, flag: Tensor) -> Tensor:
         """Share of valid tokens where a bool (B, T) flag holds (the flag must be False on padding)."""
-        return torch.count_nonzero(flag).to(self.mask_f.dtype) / (self.num_tokens + self.eps)
+        return torch.count_nonzero(flag).to(self.mask_f.dtype) / self.den(self.num_tokens)
 
     def row_mean(self, x: Tensor) -> Tensor:
         """(B,) per-row masked mean of a tensor that is 0 on padding (0 for all-padding rows)."""
@@ -127,7 +132,7 @@ class Tokens:
 
     def row_mean_of_sum(self, row_sum: Tensor) -> Tensor:
         """``row_mean`` from the (B,) row sums Σ_t x."""
-        return row_sum / (self.n + self.eps if self.verl else self.n.clamp_min(1))
+        return row_sum / (self.den(self.n) if self.verl else self.n.clamp_min(1))
 
     def over_rows(self, x: Tensor) -> Tensor:
         """Mean of a (B,) per-row value: over all rows in verl mode, over rows with a valid token otherwise."""
@@ -225,6 +230,7 @@ def make_tokens(
         log_ratio_safe=log_ratio_safe,
         ratio=log_ratio_safe.exp(),
         verl=verl,
+        count_dtype=mask.dtype if mask.dtype.is_floating_point else torch.get_default_dtype(),
     )
 
 

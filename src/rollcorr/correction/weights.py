@@ -60,24 +60,26 @@ def batch_norm_factor(w: Tensor, tok: Tokens, level: str, group: object | None =
     """Masked mean of the weights: over valid tokens (token level) or over valid rows of the per-row
     weight (sequence / geometric). Summed across ranks when ``torch.distributed`` is initialised.
     Returns 1 when the mean is ≤ 1e-8 (everything masked), so normalising never divides by 0."""
-    return norm_factor(w, tok.n, tok.valid, level, verl=tok.verl, group=group)
+    return norm_factor(w, tok.n, tok.valid, level, den=tok.den if tok.verl else None, group=group)
 
 
 def norm_factor(
-    w: Tensor, n: Tensor, valid: Tensor, level: str, *, verl: bool = False, group: object | None = None
+    w: Tensor, n: Tensor, valid: Tensor, level: str, *, den=None, group: object | None = None
 ) -> Tensor:
     """The divisor of batch normalisation for (B, T) weights ``w`` (0 on padding) with ``n`` (B,) valid tokens
     per row and ``valid`` (B,) rows holding one: the masked token mean (token level) or the mean over valid rows
     of the per-row weight (sequence / geometric). ``batch_norm_factor`` on a whole batch; the trainer calls it
-    on each mini- or micro-batch for ``batch_norm_scope``. Returns 1 when the mean is ≤ 1e-8."""
+    on each mini- or micro-batch for ``batch_norm_scope``. ``den``: verl's masked-mean denominator
+    (``Tokens.den``, verl mode), None = the plain count. Returns 1 when the mean is ≤ 1e-8."""
     n = n.to(w.dtype)
     if level == "token":
         stats = torch.stack([w.sum(), n.sum()])
-        eps = 1e-8 if verl else 0.0
     else:
-        row_w = w.sum(dim=-1) / (n + 1e-8 if verl else n.clamp_min(1))
+        row_w = w.sum(dim=-1) / (den(n) if den is not None else n.clamp_min(1))
         stats = torch.stack([(row_w * valid).sum(), valid.sum().to(w.dtype)])
-        eps = 0.0
-    num, den = _all_reduce_sum(stats, group).unbind()
-    mean = num / (den + eps if level == "token" else den.clamp_min(1e-8))
+    num, count = _all_reduce_sum(stats, group).unbind()
+    if level == "token":
+        mean = num / (den(count) if den is not None else count)
+    else:
+        mean = num / count.clamp_min(1e-8)
     return torch.where(mean > 1e-8, mean, torch.ones_like(mean))

@@ -1,0 +1,188 @@
+"""rollcorr inside TRL's GRPOTrainer (the `.[trl]` extra, TRL 1.16), on CPU with the built-in model.
+
+TRL runs GRPOTrainer without vLLM; a ``rollout_func`` hands it sampling log-probs from a rollcorr sampler
+(the built-in model in bfloat16, weights synced from the trainer's float32 model every batch), which is
+what vLLM's ``sampling_per_token_logps`` are on a GPU. Skipped when TRL is not installed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("trl", reason="trl not installed (pip install the .[trl] extra)")
+
+from datasets import Dataset  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from rollcorr.analyze.dumps import read_dump  # noqa: E402
+from rollcorr.compat.trl import RollcorrGRPOTrainer, correct_trl_batch  # noqa: E402
+from rollcorr.config import from_trl  # noqa: E402
+from rollcorr.models.builtin import load_builtin  # noqa: E402
+
+PROMPTS = ["12+7=", "30+4=", "6+21=", "18+8="]  # one length: the sampler needs no padding
+
+
+def test_installed_version():
+    import trl
+
+    assert trl.__version__.startswith("1.16.")
+
+
+def bf16_rollout_func():
+    """A TRL ``rollout_func``: a bfloat16 copy of the trainer's model samples each prompt token by token
+    (one full forward per token) and reports log μ of every sampled token, as vLLM does on a GPU."""
+    sampler, _ = load_builtin(dtype="bfloat16")
+    gen = torch.Generator().manual_seed(0)
+
+    @torch.no_grad()
+    def rollout_func(prompts, trainer):
+        sampler.load_state_dict(trainer.model.state_dict())  # weight sync (cast to bf16)
+        prompt_ids = [trainer.processing_class(p)["input_ids"] for p in prompts]
+        ids = torch.tensor(prompt_ids)  # the test's prompts share one length: no padding needed
+        completions = torch.empty(len(prompts), 0, dtype=torch.long)
+        logprobs = torch.empty(len(prompts), 0)
+        for _ in range(6):
+            logits = sampler(input_ids=torch.cat([ids, completions], 1)).logits[:, -1].float()
+            logp = torch.log_softmax(logits, -1)
+            token = torch.multinomial(logp.exp(), 1, generator=gen)
+            completions = torch.cat([completions, token], 1)
+            logprobs = torch.cat([logprobs, logp.gather(-1, token)], 1)
+        return {"prompt_ids": prompt_ids, "completion_ids": completions.tolist(), "logprobs": logprobs.tolist()}
+
+    return rollout_func
+
+
+def alternating_reward(completions, **kwargs):
+    """1, 0, 1, 0 … within every group: advantages are non-zero by construction, whatever is sampled."""
+    return [float(i % 2) for i in range(len(completions))]
+
+
+def make_trainer(tmp_path, cls=RollcorrGRPOTrainer, steps=3, **kwargs):
+    model, tokenizer = load_builtin()
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=steps,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        beta=0.0,
+        seed=0,
+    )
+    data = Dataset.from_dict({"prompt": PROMPTS * 4})
+    return cls(
+        model=model,
+        reward_funcs=alternating_reward,
+        args=args,
+        train_dataset=data,
+        processing_class=tokenizer,
+        rollout_func=bf16_rollout_func(),
+        **kwargs,
+    )
+
+
+def test_grpo_trainer_trains_with_rollcorr_correction(tmp_path):
+    # token TIS: suits bf16-level mismatch (Geo-RS's [0.999, 1.001] band rejects every sequence here)
+    trainer = make_trainer(tmp_path, correction="decoupled_token_is", dump_path=tmp_path / "dump.jsonl")
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 3
+    for entry in logs:  # rollcorr's metrics reach TRL's logger
+        assert entry["rollout_corr/all_rejected"] == 0.0
+        assert math.isfinite(entry["rollout_corr/kl"]) and math.isfinite(entry["loss"])
+        assert entry["rollout_corr/rollout_is_mean"] > 0
+    after = trainer.model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the weights moved
+    dump = read_dump(tmp_path / "dump.jsonl", extra_fields=("step", "batch"))
+    assert len(dump) == 3 * 4 and dump.fields["rollout"] == "rollout_log_probs"
+    # bf16 sampler vs fp32 learner: the log-probs differ, but only slightly
+    diff = (dump.rollout_log_prob - dump.old_log_prob)[dump.response_mask]
+    assert diff.abs().max() > 0 and diff.abs().mean() < 0.5
+
+
+def test_correction_weights_reach_the_loss(tmp_path):
+    """The same batch, once with rollcorr's weights and once with all weights 0: the loss differs."""
+    trainer = make_trainer(tmp_path, correction="decoupled_token_is", steps=1)
+    batch = trainer._generate_and_score_completions(
+        [{"prompt": p} for p in PROMPTS * 1 for _ in range(4)][:16]
+    )
+    assert batch["importance_sampling_ratio"].shape == batch["completion_ids"].shape
+    loss = trainer._compute_loss(trainer.model, batch)
+    zero = dict(batch, importance_sampling_ratio=torch.zeros_like(batch["importance_sampling_ratio"]))
+    assert trainer._compute_loss(trainer.model, zero).item() == 0.0 != loss.item()
+    assert not trainer.use_vllm  # the vLLM path was opened for the loss only
+
+
+def _trl_own_ratio(tmp_path, mode: str, clip_min, clip_max):
+    """TRL's own vllm_importance_sampling_* code on a batch: a plain GRPOTrainer told it used vLLM."""
+    trainer = make_trainer(
+        tmp_path, cls=GRPOTrainer, steps=1,
+    )  # fmt: skip
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    trainer._last_loaded_step = trainer.state.global_step  # no vLLM weight sync
+    trainer.vllm_importance_sampling_mode = mode
+    trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max = clip_min, clip_max
+    out = trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS for _ in range(4)])
+    return out
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize(("clip_min", "clip_max"), [(None, 1.001), (0.999, 1.001), (0.5, 3.0)])
+def test_rollcorr_reproduces_trl_vllm_importance_sampling(tmp_path, mode, clip_min, clip_max):
+    out = _trl_own_ratio(tmp_path, mode, clip_min, clip_max)
+    mask = out["completion_mask"].bool()
+    config = from_trl(
+        {
+            "vllm_importance_sampling_mode": mode,
+            "vllm_importance_sampling_clip_min": clip_min,
+            "vllm_importance_sampling_clip_max": clip_max,
+        }
+    )
+    weights, kept, _ = correct_trl_batch(
+        out["old_per_token_logps"], out["sampling_per_token_logps"], out["completion_mask"], config
+    )
+    assert torch.equal(kept, out["completion_mask"])  # TRL's denominator: zeroed tokens stay in the mask
+    trl_ratio = out["importance_sampling_ratio"].expand_as(weights)
+    torch.testing.assert_close(weights[mask], trl_ratio[mask], rtol=1e-5, atol=1e-7)
+    # the band is tight enough to bite on a bf16 batch for at least one setting of each mode
+    if clip_max == 1.001 and "token" in mode:
+        assert ((trl_ratio[mask] - 1).abs() > 1e-3).any()
+
+
+# ---- docs/trl.md: every snippet runs --------------------------------------------------------------------
+def test_docs_trl_snippets_run(tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "trl.md").read_text()
+    train, mapping = re.findall(r"```python\n(.*?)```", doc, re.S)
+    setup, analyze = re.findall(r"```bash\n(.*?)```", doc, re.S)
+    assert setup.strip() == "ROLLCORR_OPTIONAL=trl bash scripts/setup.sh"
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert 'trl = ["trl==1.16.0"]' in pyproject
+    monkeypatch.chdir(tmp_path)
+    model, tokenizer = load_builtin()
+    scope = {
+        "model": model,
+        "tokenizer": tokenizer,
+        "dataset": Dataset.from_dict({"prompt": PROMPTS * 4}),
+        "reward_funcs": alternating_reward,
+        "rollout_func": bf16_rollout_func(),
+        "print": lambda *a, **k: None,
+    }
+    exec(train, scope)
+    assert len(read_dump("runs/trl/rollouts.jsonl")) == 2 * 4
+    from rollcorr.cli import main
+
+    argv = analyze.strip().split()
+    assert argv[0] == "rollcorr" and main(argv[1:]) == 0
+    exec(mapping, scope)
+    assert scope["config"].is_mode == "mask" and scope["config"].denominator == "original"
