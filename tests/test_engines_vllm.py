@@ -245,7 +245,10 @@ def test_docs_example_runs(engine):
     code = re.search(r"```python\n(from rollcorr.engines import .*?)```", DOCS.read_text(), re.S).group(1)
     assert 'make_sampler("vllm:fp32")' in code
     scope = {"print": lambda *a, **k: None}
-    exec(compile(code.replace('make_sampler("vllm:fp32")', "engine"), str(DOCS), "exec"), {**scope, "engine": engine})
+    exec(
+        compile(code.replace('make_sampler("vllm:fp32")', "engine"), str(DOCS), "exec"),
+        {**scope, "engine": engine},
+    )
     assert engine.version == 1
     engine.version = 0  # the example pushed the unchanged weights as version 1
 

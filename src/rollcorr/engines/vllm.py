@@ -234,9 +234,11 @@ class VLLMSampler(DecodingSampler):
     def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> int:
         """Reload HF-named weights in every worker (no restart), drop cached prefixes, take ``version``."""
         self._check_open()
-        weights = pack_weights(state_dict) if self.multiprocess else [
-            (name, t.detach()) for name, t in state_dict.items()
-        ]
+        weights = (
+            pack_weights(state_dict)
+            if self.multiprocess
+            else [(name, t.detach()) for name, t in state_dict.items()]
+        )
         self.llm.collective_rpc("rollcorr_load_weights", args=(weights,))
         self.llm.reset_prefix_cache()
         self.version = int(version)
@@ -269,7 +271,9 @@ class VLLMSampler(DecodingSampler):
                 raise ValueError(f"prompt {i} is empty")
             bad = [t for t in ids if not 0 <= int(t) < self.vocab_size]
             if bad:
-                raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+                raise ValueError(
+                    f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
+                )
             rows.append([int(t) for t in ids])
         return rows
 
