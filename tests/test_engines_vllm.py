@@ -25,6 +25,10 @@ from rollcorr.models.builtin import BUILTIN_DIR
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (pip install 'rollcorr[vllm]')")
 PROMPTS = ["12+34=", "5+7=", "250+13="]
+LONG = [
+    "1+1=2 " * 12 + "12+34=",
+    "1+1=2 " * 12 + "5+7=",
+]  # > 2 KV blocks of 32 tokens: the prefix cache holds them
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "vllm.md"
 
 
@@ -93,7 +97,7 @@ def test_missing_vllm_gives_clear_error():
 def engine():
     if not HAS_VLLM:
         pytest.skip("vLLM is not installed (pip install 'rollcorr[vllm]')")
-    sampler = make_sampler("vllm:fp32")
+    sampler = make_sampler("vllm:fp32", block_size=32)  # the smallest CPU block: short prompts fill blocks
     yield sampler
     sampler.close()
 
@@ -138,14 +142,15 @@ def test_weights_pushed_reach_the_engine_and_the_prefix_cache_is_reset(engine, l
     through the engine's log-probs (fp32: they must match the learner holding the same weights), twice."""
     base = {k: v.detach().clone() for k, v in learner.state_dict().items()}
     params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=5)
-    engine.generate(PROMPTS, params, n=2)  # fills the prefix cache with the old weights' KV
+    engine.generate(LONG, params, n=2)  # fills the prefix cache with the old weights' KV
     g = torch.Generator().manual_seed(0)
     try:
         for version in (1, 2):
             new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()}
             learner.model.load_state_dict(new)
             assert engine.load_weights(new, version) == version
-            r = engine.generate(PROMPTS, params, n=2)
+            r = engine.generate(LONG, params, n=2)
+            assert r.prompt_mask.sum(1).min() >= 64
             assert (r.version[r.response_mask] == version).all()
             gap = (learner.log_prob(r) - r.rollout_log_prob).abs()[r.response_mask]
             assert gap.max() < 1e-4, gap.max()  # stale weights or stale cached KV would be far off
