@@ -29,6 +29,7 @@ LONG = [
     "1+1=2 " * 12 + "12+34=",
     "1+1=2 " * 12 + "5+7=",
 ]  # > 2 KV blocks of 32 tokens: the prefix cache holds them
+ENGINE_START: dict[str, bool] = {}
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "vllm.md"
 
 
@@ -97,7 +98,10 @@ def test_missing_vllm_gives_clear_error():
 def engine():
     if not HAS_VLLM:
         pytest.skip("vLLM is not installed (pip install 'rollcorr[vllm]')")
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
     sampler = make_sampler("vllm:fp32", block_size=32)  # the smallest CPU block: short prompts fill blocks
+    ENGINE_START["rng_kept"] = torch.equal(before, torch.get_rng_state())
     yield sampler
     sampler.close()
 
@@ -217,6 +221,12 @@ def test_partial_rollout_resumes_with_the_new_version(engine, learner):
 
 
 @needs_vllm
+def test_engine_start_keeps_the_callers_random_streams(engine):
+    """An in-process vLLM engine seeds the process-wide RNGs; the sampler restores them (training seeds)."""
+    assert ENGINE_START["rng_kept"]
+
+
+@needs_vllm
 def test_bad_params_fail_with_a_clear_error(engine):
     with pytest.raises(ValueError, match=r"temperature 0 \(greedy\) or in \[0.01, 2.0\]"):
         engine.generate(PROMPTS, SamplingParams(temperature=2.5))
@@ -273,3 +283,18 @@ def test_multiprocess_engine_takes_weights_as_bytes(learner):
     finally:
         learner.model.load_state_dict(base)
         sampler.close()
+
+
+@needs_vllm
+def test_audit_cli_with_the_vllm_sampler(engine, tmp_path):
+    """`rollcorr audit --sampler vllm:fp32 --learner hf:fp32` end to end: fp32 vs fp32 is rounding only."""
+    import json
+
+    from rollcorr.cli import main
+
+    out = tmp_path / "audit"
+    argv = ["audit", "--sampler", "vllm:fp32", "--learner", "hf:fp32", "-n", "8", "--max-new-tokens", "6"]
+    assert main(argv + ["--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["source"]["sampler"] == "vllm:fp32"
+    assert summary["n_tokens"] > 8 and summary["probability"]["prob_diff_max"] < 1e-3

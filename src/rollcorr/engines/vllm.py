@@ -42,6 +42,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -212,14 +213,21 @@ class VLLMSampler(DecodingSampler):
         self.multiprocess = multiprocess
         self.model_path = str(model_path)
         self.dtype = dtype
-        self.llm = vllm.LLM(
-            model=self.model_path,
-            dtype=dtype,
-            seed=seed,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=WORKER_EXTENSION,
-            **llm_kwargs,
-        )
+        # an in-process engine seeds the process-wide RNGs with ``seed``; keep the caller's streams
+        rng_states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        try:
+            self.llm = vllm.LLM(
+                model=self.model_path,
+                dtype=dtype,
+                seed=seed,
+                logprobs_mode="processed_logprobs",
+                worker_extension_cls=WORKER_EXTENSION,
+                **llm_kwargs,
+            )
+        finally:
+            random.setstate(rng_states[0])
+            np.random.set_state(rng_states[1])
+            torch.set_rng_state(rng_states[2])
         self.tokenizer = self.llm.get_tokenizer()
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
