@@ -208,6 +208,12 @@ class VLLMSampler(DecodingSampler):
         self.on_cpu = current_platform.is_cpu()
         if self.on_cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             llm_kwargs.setdefault("kv_cache_memory_bytes", int(kv_cache_gib * 2**30))
+        if self.on_cpu:
+            # vLLM torch.compiles two small sampler helpers (token ranks, top-k/top-p) with this backend when
+            # their modules are first imported. Inductor on CPU needs a C++ compiler at run time, spends
+            # seconds on the first request, and its on-disk cache is keyed without ATEN_CPU_CAPABILITY (code
+            # built under avx2 fails to compile under "default"); eager avoids all three.
+            current_platform.simple_compile_backend = "eager"
         llm_kwargs.setdefault("enforce_eager", True)
         self._vllm = vllm
         self.multiprocess = multiprocess
