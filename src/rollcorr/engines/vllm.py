@@ -177,7 +177,7 @@ class VLLMSampler(DecodingSampler):
     model_path    local HF model folder (weights, config, tokenizer)
     dtype         vLLM's ``dtype``: "float32", "bfloat16", "float16"
     seed          the engine's seed (requests carry their own, from ``SamplingParams.seed``)
-    multiprocess  False (default): the engine core runs in this process (starts in ~12 s on CPU, weights
+    multiprocess  False (default): the engine core runs in this process (starts in 12–20 s on CPU, weights
                   handed over as tensors); True: vLLM's default engine process (weights sent as bytes)
     kv_cache_gib  KV cache on CPU, unless ``VLLM_CPU_KVCACHE_SPACE`` or ``kv_cache_memory_bytes`` is set
     llm_kwargs    passed to ``vllm.LLM`` (e.g. ``gpu_memory_utilization``, ``tensor_parallel_size``,
