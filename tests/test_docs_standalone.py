@@ -16,7 +16,7 @@ SKIP_DIRS = {"__pycache__", ".pytest_cache", ".ruff_cache"}
 
 # What a user cannot follow: notes that live outside the repository, and absolute paths of one machine.
 FORBIDDEN = re.compile(
-    r"SPEC §|SPEC\.md|shared/|(?i:seed 00\d)|(?:verl|papers|peers)\.md|/work/|/root/|/home/"
+    r"SPEC §|SPEC\.md|shared/|(?i:seed 00\d)|verl\.md §|reference/verl\.md|(?:papers|peers)\.md|/work/|/root/|/home/"
 )
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")  # markdown links [text](target)
 
@@ -28,7 +28,8 @@ def text_files(root: Path = ROOT) -> list[Path]:
         top = root / name
         paths = [top] if top.is_file() else sorted(p for p in top.rglob("*") if p.is_file())
         for path in paths:
-            if SKIP_DIRS.intersection(path.relative_to(root).parts):
+            parts = path.relative_to(root).parts
+            if SKIP_DIRS.intersection(parts) or any(part.endswith(".egg-info") for part in parts):
                 continue
             try:
                 path.read_bytes().decode("utf-8")

