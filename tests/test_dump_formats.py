@@ -83,3 +83,14 @@ def test_docs_analyze_write_dump_snippet_runs(tmp_path, monkeypatch):
     exec(code, {})
     dump = read_dump("runs/example/rollouts.jsonl", extra_fields=("step",))
     assert len(dump) == 2 and dump.extras["step"] == [0, 0]
+
+
+def test_write_dump_gz_round_trips(tmp_path):
+    """A ``.gz`` path is written gzip-compressed and appended to, and the reader inflates it."""
+    path = tmp_path / "rollouts.jsonl.gz"
+    roll, old = -torch.rand(2, 3), -torch.rand(2, 3)
+    assert write_dump(path, roll, old, torch.ones(2, 3)) == 2
+    assert write_dump(path, roll, old, torch.ones(2, 3)) == 2  # appended: a second gzip member
+    dump = read_dump(path)
+    assert len(dump) == 4
+    assert torch.allclose(dump.rollout_log_prob[:2].float(), roll)

@@ -13,6 +13,7 @@ for the names other frameworks use (``FIELD_ALIASES``) and records what it picke
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import zlib
