@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollcorr.tasks import AdditionTask, JsonlTask, Task, make_task, rewards
+from rollcorr.tasks import AdditionTask, JsonlTask, LongAdditionTask, Task, make_task, rewards
 from rollcorr.tasks.addition import is_test_pair, reversed_sum
 
 
@@ -139,3 +139,51 @@ def test_make_task(tmp_path):
         make_task("addition:x")
     with pytest.raises(FileNotFoundError):
         make_task(str(tmp_path / "missing.jsonl"))
+
+
+# ---------------------------------------------------------------- the long-response task
+
+
+def test_long_addition_items_are_reversed_operands_and_sum():
+    task = LongAdditionTask(digits=4)
+    item = task.item(1234, 5678)
+    assert item["prompt"] == "4321+8765=" and item["answer"] == "2196"  # 6912 reversed
+    assert task.item(9999, 9999)["answer"] == "89991"  # 19998 reversed: a carry out of the top digit
+    for item in LongAdditionTask().sample(20, seed=1):
+        a, b = (int(x[::-1]) for x in item["prompt"][:-1].split("+"))
+        assert len(item["prompt"]) == 2 * 64 + 2 and int(item["answer"][::-1]) == a + b
+        assert len(item["answer"]) in (64, 65)
+
+
+def test_long_addition_reward_gives_partial_credit_per_digit():
+    task = LongAdditionTask(digits=4)
+    item = task.item(1234, 5678)  # answer "2196"
+    assert task.reward(item, "2196") == 1.0
+    assert task.reward(item, " 2196\n") == 1.0  # surrounding whitespace ignored
+    assert task.reward(item, "2190") == 0.75  # last digit wrong
+    assert task.reward(item, "1196") == 0.75  # first digit wrong
+    assert task.reward(item, "2096") == 0.75
+    assert task.reward(item, "219") == 0.75  # one position missing
+    assert task.reward(item, "21960") == 0.8  # one extra position: 4 of 5
+    assert task.reward(item, "0000") == 0.0
+    assert task.reward(item, "") == 0.0
+    assert task.reward(item, "21x6") == 0.0  # not all digits
+    assert task.reward(item, "6912") == 0.0  # the sum written most significant first: no position lines up
+
+
+def test_long_addition_splits_are_disjoint_and_deterministic():
+    task = LongAdditionTask(digits=8)
+    train = {i["prompt"] for i in task.sample(300, seed=0)}
+    test = {i["prompt"] for i in task.sample(100, seed=0, split="test")}
+    assert not train & test
+    assert task.sample(5, seed=3) == task.sample(5, seed=3) != task.sample(5, seed=4)
+
+
+def test_make_task_long_addition():
+    assert make_task("long_addition").digits == 64 and make_task("long_addition").name == "long_addition"
+    assert make_task("long_addition:16").digits == 16
+    assert isinstance(make_task("long_addition"), Task)
+    with pytest.raises(ValueError, match="long_addition digits must be an integer"):
+        make_task("long_addition:x")
+    with pytest.raises(ValueError, match="digits must be an int"):
+        LongAdditionTask(digits=1)
