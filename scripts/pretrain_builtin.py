@@ -65,11 +65,11 @@ def greedy_accuracy(model, tokenizer, task, items: list[dict], max_new_tokens: i
     accuracy). Prompts of one task have equal length: no padding needed."""
     model.eval()
     ids = torch.tensor([tokenizer(it["prompt"], add_special_tokens=False)["input_ids"] for it in items])
-    out, past = [], None
+    from transformers import DynamicCache
+
+    out, cache = [], DynamicCache(config=model.config)
     for _ in range(max_new_tokens):  # with the KV cache: one new position per forward
-        result = model(input_ids=ids, past_key_values=past, use_cache=True)
-        past = result.past_key_values
-        ids = result.logits[:, -1].argmax(-1, keepdim=True)
+        ids = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         out.append(ids)
     gen = torch.cat(out, dim=1).tolist()
     correct = 0
@@ -111,11 +111,18 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--max-steps", type=int, default=6000)
-    p.add_argument("--eval-every", type=int, default=None, help="steps between evaluations while acc < --close-at")
-    p.add_argument("--eval-every-close", type=int, default=None,
-                   help="steps between evaluations once acc ≥ --close-at")
-    p.add_argument("--close-at", type=float, default=None,
-                   help="accuracy from which to evaluate every --eval-every-close steps")
+    p.add_argument(
+        "--eval-every", type=int, default=None, help="steps between evaluations while acc < --close-at"
+    )
+    p.add_argument(
+        "--eval-every-close", type=int, default=None, help="steps between evaluations once acc ≥ --close-at"
+    )
+    p.add_argument(
+        "--close-at",
+        type=float,
+        default=None,
+        help="accuracy from which to evaluate every --eval-every-close steps",
+    )
     p.add_argument("--eval-size", type=int, default=500)
     p.add_argument("--final-eval-size", type=int, default=2000)
     p.add_argument("--min-acc", type=float, default=None)

@@ -63,6 +63,7 @@ def builtin_path(path: str | Path | None) -> Path | str | None:
         raise ValueError(f"unknown built-in model {text!r}; use one of {sorted(BUILTIN_MODELS)}")
     return path
 
+
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
 # printable ASCII without \r \x0b \x0c: digits first, so token id of digit d is len(SPECIAL_TOKENS) + d

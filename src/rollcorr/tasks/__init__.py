@@ -28,5 +28,7 @@ def make_task(name_or_path: str, reward: str = "exact") -> Task:
         return builtin_tasks[name](digits=int(arg))
     if name_or_path.endswith(".jsonl") or Path(name_or_path).is_file():
         return JsonlTask(name_or_path, reward=reward)
-    raise ValueError(f"unknown task {name_or_path!r}; use 'addition', 'addition:<digits>', "
-                     "'long_addition', 'long_addition:<digits>' or a .jsonl path")
+    raise ValueError(
+        f"unknown task {name_or_path!r}; use 'addition', 'addition:<digits>', "
+        "'long_addition', 'long_addition:<digits>' or a .jsonl path"
+    )

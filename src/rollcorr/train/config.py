@@ -299,7 +299,9 @@ def preset_overrides(name: str) -> list[str]:
             if isinstance(value, dict) and value:
                 out += leaves(value, f"{prefix}{key}.")
             else:
-                out.append(f"{prefix}{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}")
+                out.append(
+                    f"{prefix}{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
+                )
         return out
 
     return leaves(yaml.safe_load(path.read_text()) or {}, "")
