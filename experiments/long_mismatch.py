@@ -1,12 +1,12 @@
-"""Study 6 — long responses: does sampler/learner mismatch break RL once responses are 65 tokens long, and
+"""Study 6 — long responses: does sampler/learner mismatch break RL once responses are 70 tokens long, and
 which correction repairs it?
 
     python -m experiments.long_mismatch                              # full study: 13 arms × 3 seeds
     python -m experiments.long_mismatch --arms fp32/ppo --seeds 1    # one part (finished runs are read back)
     python -m experiments.long_mismatch --quick                      # 2 steps, 1 seed (smoke test)
 
-The long-response task and model (``rollcorr train --config long_addition``: 64-digit reversed addition,
-65-token answers, per-digit partial credit, ``builtin:long_addition``) with its shipped settings; fp32
+The long-response task and model (``rollcorr train --config fibonacci``: chains of running sums, 70-token
+answers, per-digit partial credit, ``builtin:fibonacci``) with its shipped settings; fp32
 learner, one learning rate (``LR``, chosen on the fp32 arm only) for every arm. Samplers (``model.sampler``):
 fp32, bf16, int8. Methods (``algorithm.correction``):
   ppo          PPO, π_old recomputed by the learner, no correction                 (preset disabled)
@@ -44,9 +44,7 @@ from experiments.common import (
     write_json,
 )
 
-PRESET = (
-    "long_addition"  # the task, model and rollout settings: src/rollcorr/train/configs/long_addition.yaml
-)
+PRESET = "fibonacci"  # the task, model and rollout settings: src/rollcorr/train/configs/fibonacci.yaml
 LR = 3e-4  # chosen on the fp32 arm only (docs/results.md, study 6 protocol)
 STEPS = 200
 SAMPLERS = {"fp32": "hf:fp32", "bf16": "hf:bf16", "int8": "hf:int8"}

@@ -8,7 +8,7 @@ architecture and directory); the defaults of the other options are the ones it s
 Deterministic given --seed and --threads.
 
     .venv/bin/python scripts/pretrain_builtin.py                                # "builtin": 3-digit addition
-    .venv/bin/python scripts/pretrain_builtin.py --model builtin:long_addition  # 64-digit addition
+    .venv/bin/python scripts/pretrain_builtin.py --model builtin:fibonacci      # chains of running sums
 """
 
 from __future__ import annotations
@@ -29,14 +29,13 @@ from rollcorr.models.builtin import BUILTIN, BUILTIN_MODELS, build_tokenizer, bu
 from rollcorr.tasks import make_task
 
 # Per model: the training mix (task name → weight; evaluation is on the model's own task) and the option
-# defaults it shipped with. 3-digit addition learns from a mix with shorter problems; 64-digit addition
-# trains on its own task only (shorter operands would move the fixed operand-to-answer distances).
+# defaults it shipped with. 3-digit addition learns from a mix with shorter problems; the Fibonacci chains
+# train on their own task only.
 PRETRAIN = {
     BUILTIN: dict(mix={"addition:1": 1, "addition:2": 2, "addition:3": 7}, batch_size=128, lr=3e-3,
                   min_acc=0.15, max_acc=0.40, eval_every=50, eval_every_close=10, close_at=0.05),
-    f"{BUILTIN}:long_addition": dict(mix={"long_addition": 1}, batch_size=32, lr=3e-3,
-                                     min_acc=0.25, max_acc=0.40, eval_every=20, eval_every_close=5,
-                                     close_at=0.15),
+    f"{BUILTIN}:fibonacci": dict(mix={"fibonacci": 1}, batch_size=64, lr=3e-3, min_acc=0.25, max_acc=0.40,
+                                 eval_every=20, eval_every_close=5, close_at=0.15),
 }  # fmt: skip
 
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollcorr.tasks import AdditionTask, JsonlTask, LongAdditionTask, Task, make_task, rewards
+from rollcorr.tasks import AdditionTask, FibonacciTask, JsonlTask, Task, make_task, rewards
 from rollcorr.tasks.addition import is_test_pair, reversed_sum
 
 
@@ -144,46 +144,47 @@ def test_make_task(tmp_path):
 # ---------------------------------------------------------------- the long-response task
 
 
-def test_long_addition_items_are_reversed_operands_and_sum():
-    task = LongAdditionTask(digits=4)
-    item = task.item(1234, 5678)
-    assert item["prompt"] == "4321+8765=" and item["answer"] == "2196"  # 6912 reversed
-    assert task.item(9999, 9999)["answer"] == "89991"  # 19998 reversed: a carry out of the top digit
-    for item in LongAdditionTask().sample(20, seed=1):
-        a, b = (int(x[::-1]) for x in item["prompt"][:-1].split("+"))
-        assert len(item["prompt"]) == 2 * 64 + 2 and int(item["answer"][::-1]) == a + b
-        assert len(item["answer"]) in (64, 65)
+def test_fibonacci_items_are_running_sums_written_reversed():
+    task = FibonacciTask()
+    item = task.item(7218, 1433)
+    assert item["prompt"] == "8127,3341,"  # 7218 and 1433, least significant digit first
+    assert item["answer"].startswith("1568,4800,")  # 8651 = 7218 + 1433; 0084 = (1433 + 8651) mod 10^4
+    assert len(item["answer"]) == task.max_answer_tokens == 70
+    # 99 + 1 = 100 → 00; 1 + 0 = 1 → "01" reversed; 0 + 1 = 1
+    assert FibonacciTask(terms=3, digits=2).item(99, 1)["answer"] == "00,10,10,"
+    for item in task.sample(20, seed=1):
+        xs = [int(x[::-1]) for x in (item["prompt"] + item["answer"]).rstrip(",").split(",")]
+        assert len(xs) == 16 and all(c == (a + b) % 10**4 for a, b, c in zip(xs, xs[1:], xs[2:]))
 
 
-def test_long_addition_reward_gives_partial_credit_per_digit():
-    task = LongAdditionTask(digits=4)
-    item = task.item(1234, 5678)  # answer "2196"
-    assert task.reward(item, "2196") == 1.0
-    assert task.reward(item, " 2196\n") == 1.0  # surrounding whitespace ignored
-    assert task.reward(item, "2190") == 0.75  # last digit wrong
-    assert task.reward(item, "1196") == 0.75  # first digit wrong
-    assert task.reward(item, "2096") == 0.75
-    assert task.reward(item, "219") == 0.75  # one position missing
-    assert task.reward(item, "21960") == 0.8  # one extra position: 4 of 5
-    assert task.reward(item, "0000") == 0.0
+def test_fibonacci_reward_gives_partial_credit_per_digit():
+    task = FibonacciTask(terms=3, digits=2)
+    item = {"answer": "12,34,56,"}
+    assert task.reward(item, "12,34,56,") == 1.0
+    assert task.reward(item, " 12,34,56\n") == 1.0  # surrounding whitespace and the last comma optional
+    assert task.reward(item, "12,34,50,") == 5 / 6  # one digit wrong
+    assert task.reward(item, "02,34,56,") == 5 / 6
+    assert task.reward(item, "12,34,") == 4 / 6  # a number missing
+    assert task.reward(item, "12,3,56,") == 5 / 6  # a digit missing inside a number: the others still count
+    assert task.reward(item, "12,34,56,78,") == 6 / 8  # an extra number adds to the denominator
+    assert task.reward(item, "1x,34,56,") == 5 / 6  # a non-digit scores 0 at its position
+    assert task.reward(item, "21,43,65,") == 0.0  # written most significant first
     assert task.reward(item, "") == 0.0
-    assert task.reward(item, "21x6") == 0.0  # not all digits
-    assert task.reward(item, "6912") == 0.0  # the sum written most significant first: no position lines up
 
 
-def test_long_addition_splits_are_disjoint_and_deterministic():
-    task = LongAdditionTask(digits=8)
+def test_fibonacci_splits_are_disjoint_and_deterministic():
+    task = FibonacciTask()
     train = {i["prompt"] for i in task.sample(300, seed=0)}
     test = {i["prompt"] for i in task.sample(100, seed=0, split="test")}
     assert not train & test
     assert task.sample(5, seed=3) == task.sample(5, seed=3) != task.sample(5, seed=4)
 
 
-def test_make_task_long_addition():
-    assert make_task("long_addition").digits == 64 and make_task("long_addition").name == "long_addition"
-    assert make_task("long_addition:16").digits == 16
-    assert isinstance(make_task("long_addition"), Task)
-    with pytest.raises(ValueError, match="long_addition digits must be an integer"):
-        make_task("long_addition:x")
-    with pytest.raises(ValueError, match="digits must be an int"):
-        LongAdditionTask(digits=1)
+def test_make_task_fibonacci():
+    assert make_task("fibonacci").terms == 14 and make_task("fibonacci").name == "fibonacci"
+    assert make_task("fibonacci:20").terms == 20 and make_task("fibonacci:20").name == "fibonacci:20"
+    assert isinstance(make_task("fibonacci"), Task)
+    with pytest.raises(ValueError, match="fibonacci: the number after ':' must be an integer"):
+        make_task("fibonacci:x")
+    with pytest.raises(ValueError, match="terms must be an int"):
+        FibonacciTask(terms=0)

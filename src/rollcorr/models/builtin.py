@@ -4,8 +4,8 @@ Each ships as a Hugging Face directory (config.json, model.safetensors, tokenize
 generation_config.json), trained by ``scripts/pretrain_builtin.py`` on one built-in task:
 
     "builtin"                  assets/                  3-digit reversed addition (rollcorr.tasks.addition)
-    "builtin:long_addition"    assets_long_addition/    64-digit reversed addition, 65-token answers
-                                                        (rollcorr.tasks.long_addition)
+    "builtin:fibonacci"        assets_fibonacci/        chains of running sums, 70-token answers
+                                                        (rollcorr.tasks.fibonacci)
 
 ``BUILTIN_MODELS`` is the one table of them (directory, task, architecture changes); ``builtin_path`` turns a
 spelling into its directory. ``load_model`` loads them or any other local HF directory.
@@ -37,12 +37,7 @@ class BuiltinModel:
 # model.path spelling → checkpoint. "builtin" stays today's addition model; "builtin:<task>" names the others.
 BUILTIN_MODELS = {
     BUILTIN: BuiltinModel(BUILTIN_DIR, "addition"),
-    f"{BUILTIN}:long_addition": BuiltinModel(
-        BUILTIN_DIR.with_name("assets_long_addition"),
-        "long_addition",
-        # prompt 130 tokens + answer 65 + EOS = 196 positions
-        dict(max_position_embeddings=256),
-    ),
+    f"{BUILTIN}:fibonacci": BuiltinModel(BUILTIN_DIR.with_name("assets_fibonacci"), "fibonacci"),
 }
 
 
@@ -52,7 +47,7 @@ def is_builtin(path: str | Path | None) -> bool:
 
 
 def builtin_path(path: str | Path | None) -> Path | str | None:
-    """The directory of a built-in spelling ("builtin", "builtin:long_addition", None = "builtin"); any
+    """The directory of a built-in spelling ("builtin", "builtin:fibonacci", None = "builtin"); any
     other path is returned unchanged. An unknown "builtin:<name>" is a ValueError listing the known ones."""
     if path is None:
         return BUILTIN_DIR

@@ -1,4 +1,4 @@
-"""The long-response built-in: ``builtin:<name>`` spellings, its checkpoint, the ``long_addition`` config
+"""The long-response built-in: ``builtin:<name>`` spellings, its checkpoint, the ``fibonacci`` config
 preset, and a two-step ``rollcorr train`` on it (the task's reward is tested in test_tasks.py)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from rollcorr.models.builtin import BUILTIN_DIR, BUILTIN_MODELS, builtin_path, is_builtin, load_builtin
-from rollcorr.tasks import LongAdditionTask, make_task
+from rollcorr.tasks import FibonacciTask, make_task
 from rollcorr.train.config import ConfigError, load_config, preset_overrides
 
-LONG = "builtin:long_addition"
+LONG = "builtin:fibonacci"
 LONG_DIR = BUILTIN_MODELS[LONG].directory
 
 
@@ -44,13 +44,14 @@ def test_long_checkpoint_is_small_qwen2_fitting_its_task():
     item = task.sample(1, seed=0, split="test")[0]
     assert len(item["prompt"]) + task.max_answer_tokens + 1 <= config["max_position_embeddings"]
     assert tok(item["prompt"], add_special_tokens=False)["input_ids"][0] == 4 + int(item["prompt"][0])
+    assert config["max_position_embeddings"] >= 128
 
 
 def test_long_checkpoint_starts_low_but_writes_the_format():
     """Greedy per-digit score on held-out problems is at most 0.5 (RL has room), but the model has learned
-    the format: digits, then <eos> after about 65 of them."""
+    the format: 14 numbers of 4 digits, each followed by a comma, then <eos>."""
     model, tok = load_builtin(name=LONG)
-    task = LongAdditionTask()
+    task = FibonacciTask()
     items = task.sample(32, seed=2024, split="test")
     ids = torch.tensor([tok(i["prompt"], add_special_tokens=False)["input_ids"] for i in items])
     from transformers import DynamicCache
@@ -66,19 +67,19 @@ def test_long_checkpoint_starts_low_but_writes_the_format():
     score = sum(task.reward(i, t) for i, t in zip(items, texts)) / len(items)
     assert 0.05 <= score <= 0.5, score
     assert sum(ended) / len(ended) > 0.9
-    assert all(60 <= len(t) <= 66 for t, e in zip(texts, ended) if e)
+    assert sum(len(t) == task.max_answer_tokens for t in texts) / len(texts) > 0.9
 
 
-def test_long_addition_preset_is_the_default_config_plus_its_own_keys():
-    config = load_config("long_addition")
+def test_fibonacci_preset_is_the_default_config_plus_its_own_keys():
+    config = load_config("fibonacci")
     default = load_config(None)
-    assert config.model.path == LONG and config.task.name == "long_addition"
+    assert config.model.path == LONG and config.task.name == "fibonacci"
     task = make_task(config.task.name)
     assert config.rollout.max_new_tokens >= task.max_answer_tokens + 1  # the answer and <eos> fit
     assert config.algorithm == default.algorithm and config.model.learner == default.model.learner
-    assert "task.name=long_addition" in preset_overrides("long_addition")
+    assert "task.name=fibonacci" in preset_overrides("fibonacci")
     # overrides on the command line win over the preset
-    assert load_config("long_addition", ["rollout.group_size=2"]).rollout.group_size == 2
+    assert load_config("fibonacci", ["rollout.group_size=2"]).rollout.group_size == 2
     with pytest.raises(ConfigError, match="'nope' does not exist"):
         load_config("nope")
     with pytest.raises(ConfigError, match="does not exist"):
@@ -86,12 +87,12 @@ def test_long_addition_preset_is_the_default_config_plus_its_own_keys():
 
 
 def test_rollcorr_train_two_steps_on_the_long_task(tmp_path, capsys):
-    """``rollcorr train task.name=long_addition model.path=builtin:long_addition`` with tiny settings runs
+    """``rollcorr train task.name=fibonacci model.path=builtin:fibonacci`` with tiny settings runs
     two steps, scores long responses and logs the study's mismatch metrics."""
     from rollcorr.cli import main
 
     out = tmp_path / "run"
-    code = main(["train", "task.name=long_addition", f"model.path={LONG}", "rollout.max_new_tokens=68",
+    code = main(["train", "task.name=fibonacci", f"model.path={LONG}", "rollout.max_new_tokens=72",
                  "trainer.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2", "task.eval_prompts=4",
                  "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false",
                  "trainer.checkpoint_every=0", "--out", str(out)])  # fmt: skip
