@@ -61,13 +61,14 @@ ARM_NAMES = ["fp32/ppo", *(f"{s}/{m}" for s in ("bf16", "int8") for m in METHODS
 # the shipped checkpoint, BAND_PROMPTS held-out prompts × BAND_N responses at temperature 1.
 BAND_QUANTILES = (0.025, 0.975)
 BAND_PROMPTS, BAND_N = 32, 4
-KEYS = ("reward/mean", "eval/accuracy", "actor/entropy", "loss/grad_norm", "response/length_mean",
+SCORE = "eval/reward"  # the greedy score: mean partial-credit reward of greedy responses on held-out prompts
+KEYS = ("reward/mean", SCORE, "eval/accuracy", "actor/entropy", "loss/grad_norm", "response/length_mean",
         "rollout_corr/k3_kl", "rollout_corr/chi2_seq", "rollout_corr/chi2_token",
         "rollout_corr/rollout_is_eff_sample_size", "rollout_corr/prob_diff_seq_max_mean",
         "rollout_corr/prob_diff_max", "rollout_corr/rollout_rs_seq_masked_fraction",
         "rollout_corr/rollout_is_seq_fraction_high", "rollout_corr/rollout_is_oob_ratio",
         "actor/ppo_kl")  # fmt: skip
-PANELS = ("reward/mean", "eval/accuracy", "actor/entropy", "rollout_corr/k3_kl",
+PANELS = ("reward/mean", SCORE, "actor/entropy", "rollout_corr/k3_kl",
           "rollout_corr/prob_diff_seq_max_mean", "response/length_mean")  # fmt: skip
 WARNING_KEYS = ("rollout_corr/k3_kl", "rollout_corr/prob_diff_seq_max_mean")
 COLLAPSE_DROP = 0.10  # a run collapses at the first evaluation ≥ 10 points below its best so far
@@ -124,7 +125,7 @@ def geo_rs_overrides(sampler: str, out: Path, quick: bool) -> tuple[list[str], d
 def collapse_step(records: list[dict[str, Any]], drop: float = COLLAPSE_DROP) -> int | None:
     """The first evaluation step whose greedy score is ≥ ``drop`` below the best score before it."""
     best = -math.inf
-    for step, score in zip(*curve(records, "eval/accuracy")):
+    for step, score in zip(*curve(records, SCORE)):
         if score <= best - drop:
             return step
         best = max(best, score)
@@ -179,7 +180,7 @@ def summary_block(results: dict[str, Any], final: dict[str, Any], seeds: int) ->
     lengths = [x for x in lengths if x is not None]
     arms = {}
     for arm, cells in final.items():
-        score = next(iter(cells.values()))["eval/accuracy"]
+        score = next(iter(cells.values()))[SCORE]
         arms[arm] = {"final_score_mean": score["mean"], "final_score_std": score["std"]}
     return {"mean_response_length": sum(lengths) / len(lengths) if lengths else None, "seeds": seeds,
             "arms": arms}  # fmt: skip
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run_arms(arms, base_overrides(steps), out, seeds=range(args.seeds), quick=args.quick,
                        grid={"optim.lr": [LR]}, keep=KEYS)  # fmt: skip
     final = summarize_arms(results, KEYS)
-    acc = {arm: next(iter(cells.values()))["eval/accuracy"] for arm, cells in final.items()}
+    acc = {arm: next(iter(cells.values()))[SCORE] for arm, cells in final.items()}
     warnings = {arm: early_warning(next(iter(cells.values()))["runs"])
                 for arm, cells in results.items() if arm.endswith("/ppo")}  # fmt: skip
     figures = {}

@@ -145,7 +145,7 @@ def long_mismatch(r: dict[str, Any]) -> str:
             )
         ]
         rejected = next((x for x in rejected if x["mean"] is not None), None)
-        rows.append([arm, cell(m["eval/accuracy"]), cell(m["reward/mean"]), cell(m.get("actor/entropy")),
+        rows.append([arm, cell(m["eval/reward"]), cell(m["reward/mean"]), cell(m.get("actor/entropy")),
                      cell(run_mean(r, arm, label, "rollout_corr/k3_kl"), ".1e"),
                      cell(run_mean(r, arm, label, "rollout_corr/prob_diff_seq_max_mean"), ".3f"),
                      cell(run_mean(r, arm, label, "rollout_corr/rollout_is_eff_sample_size"), ".3f"),
@@ -154,7 +154,7 @@ def long_mismatch(r: dict[str, Any]) -> str:
               "max \\|Δp\\| per seq. (run mean)", "ESS (run mean)", "rejected share (run mean)",
               "response length"]  # fmt: skip
     out = f"last step of {r['steps']}, lr {r['lr']}\n\n" + table(header, rows)
-    return out + "\n\n" + separations({a: m["eval/accuracy"] for a, m in final.items()})
+    return out + "\n\n" + separations({a: m["eval/reward"] for a, m in final.items()})
 
 
 STUDIES = {"quantised_rollouts": quantised_rollouts, "staleness": staleness, "oapl_lag": oapl_lag,

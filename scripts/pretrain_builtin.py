@@ -25,16 +25,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rollcorr.models.builtin import BUILTIN, BUILTIN_MODELS, build_tokenizer, builtin_config
+from rollcorr.models.builtin import BUILTIN, BUILTIN_MODELS, build_tokenizer, builtin_config, builtin_path
 from rollcorr.tasks import make_task
 
 # Per model: the training mix (task name → weight; evaluation is on the model's own task) and the option
 # defaults it shipped with. 3-digit addition learns from a mix with shorter problems; the Fibonacci chains
 # train on their own task only.
 PRETRAIN = {
-    BUILTIN: dict(mix={"addition:1": 1, "addition:2": 2, "addition:3": 7}, batch_size=128, lr=3e-3,
+    BUILTIN: dict(init=None, mix={"addition:1": 1, "addition:2": 2, "addition:3": 7}, batch_size=128, lr=3e-3,
                   min_acc=0.15, max_acc=0.40, eval_every=50, eval_every_close=10, close_at=0.05),
-    f"{BUILTIN}:fibonacci": dict(mix={"fibonacci": 1}, batch_size=64, lr=3e-3, min_acc=0.25, max_acc=0.40,
+    f"{BUILTIN}:fibonacci": dict(init=BUILTIN, mix={"fibonacci": 1}, batch_size=64, lr=1e-3, min_acc=0.25, max_acc=0.40,
                                  eval_every=20, eval_every_close=5, close_at=0.15),
 }  # fmt: skip
 
@@ -60,8 +60,9 @@ def make_batch(tokenizer, items: list[dict], device: str) -> tuple[torch.Tensor,
 
 @torch.no_grad()
 def greedy_accuracy(model, tokenizer, task, items: list[dict], max_new_tokens: int) -> float:
-    """Mean task reward of greedy decoding, 0 for a response without <eos> (for addition: exact-match
-    accuracy). Prompts of one task have equal length: no padding needed."""
+    """Mean task reward of greedy decoding, as the trainer's ``eval/reward`` (for addition: exact-match
+    accuracy; a response cut off without <eos> is scored on its text). Prompts of one task have equal
+    length: no padding needed."""
     model.eval()
     ids = torch.tensor([tokenizer(it["prompt"], add_special_tokens=False)["input_ids"] for it in items])
     from transformers import DynamicCache
@@ -75,10 +76,7 @@ def greedy_accuracy(model, tokenizer, task, items: list[dict], max_new_tokens: i
     for item, row in zip(items, gen):
         if tokenizer.eos_token_id in row:
             row = row[: row.index(tokenizer.eos_token_id)]
-        else:
-            row = row + [-1]  # never finished: wrong
-        text = tokenizer.decode([t for t in row if t >= 0], skip_special_tokens=True)
-        correct += task.reward(item, text) if -1 not in row else 0.0
+        correct += task.reward(item, tokenizer.decode(row, skip_special_tokens=True))
     model.train()
     return correct / len(items)
 
@@ -104,6 +102,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(BUILTIN_MODELS), default=BUILTIN, help="which built-in model")
     p.add_argument("--out", type=Path, default=None, help="default: the model's directory in BUILTIN_MODELS")
+    p.add_argument(
+        "--init",
+        default=None,
+        help="built-in checkpoint to start from, or 'scratch' (default: the model's recipe)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (results depend on it)")
     p.add_argument("--batch-size", type=int, default=None)
@@ -133,6 +136,7 @@ def main() -> int:
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     args.out = args.out or spec.directory
+    args.init = None if args.init == "scratch" else args.init
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -142,9 +146,14 @@ def main() -> int:
     tokenizer = build_tokenizer()
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_config(
-        builtin_config(len(tokenizer), **spec.architecture), attn_implementation="eager"
-    )
+    if args.init is None:  # from scratch
+        model = AutoModelForCausalLM.from_config(
+            builtin_config(len(tokenizer), **spec.architecture), attn_implementation="eager"
+        )
+    else:  # fine-tune another built-in checkpoint (same tokenizer); its architecture must fit the task
+        model = AutoModelForCausalLM.from_pretrained(
+            builtin_path(args.init), local_files_only=True, dtype=torch.float32, attn_implementation="eager"
+        )
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -216,6 +225,7 @@ def main() -> int:
         "lr": args.lr,
         "parameters": n_params,
         "model": args.model,
+        "init": args.init,
         "task": spec.task,
         "mix": args.mix,
         "final_greedy_score_test": final_acc,

@@ -180,7 +180,7 @@ def test_long_mismatch_collapse_and_early_warning_rules():
     def run(seed, scores, kl):
         records = [{"step": s, "rollout_corr/k3_kl": v, "rollout_corr/prob_diff_seq_max_mean": 0.1}
                    for s, v in enumerate(kl, start=1)]  # fmt: skip
-        records += [{"step": s, "eval/accuracy": a} for s, a in scores]
+        records += [{"step": s, "eval/reward": a} for s, a in scores]
         return {"seed": seed, "records": sorted(records, key=lambda r: r["step"])}
 
     steady = run(0, [(0, 0.3), (10, 0.5), (20, 0.55)], [1e-3] * 20)
@@ -211,6 +211,13 @@ def test_long_mismatch_arms_and_one_learning_rate():
         lm.main(["--quick", "--lr", "0.0002"])
 
 
+def _has_fibonacci_checkpoint() -> bool:
+    from rollcorr.models.builtin import BUILTIN_MODELS
+
+    return (BUILTIN_MODELS["builtin:fibonacci"].directory / "model.safetensors").exists()
+
+
+@pytest.mark.skipif(not _has_fibonacci_checkpoint(), reason="no builtin:fibonacci checkpoint")
 def test_long_mismatch_quick(tmp_path, capsys):
     """--quick on the reference arm: 2 steps, the summary object of the issue, curves, and the run is read
     back (not retrained) by a second invocation."""

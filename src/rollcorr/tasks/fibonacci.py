@@ -1,21 +1,24 @@
-"""The long-response task: a Fibonacci-style chain of running sums, written out number by number.
+"""The long-response task: a chain of running sums, written out number by number.
 
-Given two 4-digit numbers x₀ and x₁, write x₂ … x₁₅ where each is the sum of the two before it modulo 10⁴:
-``x_{n+1} = (x_n + x_{n−1}) mod 10⁴``. Every number is zero-padded to 4 digits, written least significant digit
-first and followed by a comma, in the prompt and in the response:
+Given ``order`` starting numbers, write the next ``terms`` numbers, each the sum of the ``order`` before it
+modulo 10^digits (order 2 is the Fibonacci rule). Every number is zero-padded to ``digits`` digits, written
+least significant digit first and followed by a comma, in the prompt and in the response. The shipped task
+(``make_task("fibonacci")``, the ``builtin:fibonacci`` model) is digits 1, order 3, 35 terms:
 
-    prompt    "8127,3341,"            x₀ = 7218, x₁ = 1433
-    response  "1469,9...,...,"        x₂ = 8651 → "1568", ... 14 numbers = 70 tokens, then <eos>
+    prompt    "5,5,7,"
+    response  "7,9,3,9,1,3,3,7,...,"      5+5+7 = 17 → 7, 5+7+7 = 19 → 9, 7+7+9 = 23 → 3, ...
+              35 numbers = 70 tokens, then <eos>
 
-Each answer digit sits a fixed distance after the digits it is computed from (5 and 10 tokens back), and its
-carry is decided by the digits just before them, so a ~1 M-parameter model can learn the rule; but every
-number feeds the next two, so one wrong digit makes most later digits wrong: the reward depends on the whole
-70-token response and per-token errors compound over it.
+Each number is computed from the few tokens just before it, so a ~1 M-parameter model can learn the rule; but
+every number feeds the next ``order``, so one wrong digit makes most later digits wrong: the reward depends
+on the whole 70-token response and per-token errors compound over it. (Wider numbers, e.g. 4-digit Fibonacci
+``FibonacciTask(14, digits=4, order=2)``, make the model read digits 5 and 10 tokens back; the built-in
+model did not start learning that within 240 pretraining steps.)
 
 Reward, in [0, 1] with partial credit: the share of the ``terms × digits`` answer digits that are right, read
 number by number (split at commas) and digit by digit; missing numbers and characters score 0 and each extra
-number adds ``digits`` to the denominator. Train and test problems are disjoint: a pair is a test pair iff the
-first byte of md5 of its prompt is below 26 (about 10 %).
+number adds ``digits`` to the denominator. Train and test problems are disjoint: a problem is a test problem
+iff the first byte of md5 of its prompt is below 26 (about 10 %).
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from typing import Any
 from rollcorr.tasks.base import check_count, check_split
 
 NAME = "fibonacci"
-DIGITS = 4  # width of every number
-TERMS = 14  # numbers in the answer: 14 × (4 digits + comma) = 70 tokens, then <eos>
+DIGITS = 1  # width of every number
+ORDER = 2  # each number is the sum of the ORDER before it (2: Fibonacci, 3: "tribonacci")
+TERMS = 35  # numbers in the answer: 35 × (1 digit + comma) = 70 tokens, then <eos>
 
 
 def write(x: int, digits: int) -> str:
@@ -46,27 +50,32 @@ def digit_score(response: str, answer: str, digits: int) -> float:
 
 
 class FibonacciTask:
-    """x₀, x₁ → x₂ … x_{terms+1} with ``x_{n+1} = (x_n + x_{n−1}) mod 10^digits``; reward ``digit_score``.
+    """x₀ … x_{order−1} → the next ``terms`` numbers, each the sum of the ``order`` before it modulo
+    10^digits (order 2: Fibonacci); reward ``digit_score``.
 
     ``max_answer_tokens`` = terms × (digits + 1): the answer without <eos>.
     """
 
-    def __init__(self, terms: int = TERMS, digits: int = DIGITS) -> None:
-        if not isinstance(terms, int) or not 1 <= terms <= 100:
-            raise ValueError(f"terms must be an int in [1, 100], got {terms!r}")
+    def __init__(self, terms: int = TERMS, digits: int = DIGITS, order: int = ORDER) -> None:
+        if not isinstance(terms, int) or not 1 <= terms <= 200:
+            raise ValueError(f"terms must be an int in [1, 200], got {terms!r}")
         if not isinstance(digits, int) or not 1 <= digits <= 18:
             raise ValueError(f"digits must be an int in [1, 18], got {digits!r}")
-        self.terms, self.digits = terms, digits
+        if not isinstance(order, int) or not 2 <= order <= 8:
+            raise ValueError(f"order must be an int in [2, 8], got {order!r}")
+        self.terms, self.digits, self.order = terms, digits, order
         self.name = NAME if terms == TERMS else f"{NAME}:{terms}"
         self.max_answer_tokens = terms * (digits + 1)
 
-    def item(self, x0: int, x1: int) -> dict[str, Any]:
-        modulus, xs = 10**self.digits, [x0, x1]
+    def item(self, *seeds: int) -> dict[str, Any]:
+        if len(seeds) != self.order:
+            raise ValueError(f"{self.name} needs {self.order} starting numbers, got {len(seeds)}")
+        modulus, xs = 10**self.digits, list(seeds)
         for _ in range(self.terms):
-            xs.append((xs[-1] + xs[-2]) % modulus)
-        prompt = write(x0, self.digits) + write(x1, self.digits)
-        answer = "".join(write(x, self.digits) for x in xs[2:])
-        return {"prompt": prompt, "answer": answer, "x0": x0, "x1": x1}
+            xs.append(sum(xs[-self.order :]) % modulus)
+        prompt = "".join(write(x, self.digits) for x in seeds)
+        answer = "".join(write(x, self.digits) for x in xs[self.order :])
+        return {"prompt": prompt, "answer": answer, "seeds": list(seeds)}
 
     def sample(self, n: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
         """n problems drawn uniformly from the split (rejection sampling on the test-pair rule)."""
@@ -77,7 +86,7 @@ class FibonacciTask:
         want_test = split == "test"
         items = []
         while len(items) < n:
-            item = self.item(rng.randint(0, high), rng.randint(0, high))
+            item = self.item(*(rng.randint(0, high) for _ in range(self.order)))
             if (hashlib.md5(item["prompt"].encode()).digest()[0] < 26) == want_test:
                 items.append(item)
         return items
