@@ -5,8 +5,8 @@ which correction repairs it?
     python -m experiments.long_mismatch --arms fp32/ppo --seeds 1    # one part (finished runs are read back)
     python -m experiments.long_mismatch --quick                      # 2 steps, 1 seed (smoke test)
 
-The long-response task and model (``rollcorr train --config fibonacci``: chains of running sums, 70-token
-answers, per-digit partial credit, ``builtin:fibonacci``) with its shipped settings; fp32
+The long-response task and model (``rollcorr train --config chain``: a chain of 14 numbers, 70-token
+answers, per-digit partial credit, ``builtin:chain``) with its shipped settings; fp32
 learner, one learning rate (``LR``, chosen on the fp32 arm only) for every arm. Samplers (``model.sampler``):
 fp32, bf16, int8. Methods (``algorithm.correction``):
   ppo          PPO, π_old recomputed by the learner, no correction                 (preset disabled)
@@ -44,7 +44,7 @@ from experiments.common import (
     write_json,
 )
 
-PRESET = "fibonacci"  # the task, model and rollout settings: src/rollcorr/train/configs/fibonacci.yaml
+PRESET = "chain"  # the task, model and rollout settings: src/rollcorr/train/configs/chain.yaml
 LR = 3e-4  # chosen on the fp32 arm only (docs/results.md, study 6 protocol)
 STEPS = 200
 SAMPLERS = {"fp32": "hf:fp32", "bf16": "hf:bf16", "int8": "hf:int8"}

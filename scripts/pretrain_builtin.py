@@ -8,7 +8,7 @@ architecture and directory); the defaults of the other options are the ones it s
 Deterministic given --seed and --threads.
 
     .venv/bin/python scripts/pretrain_builtin.py                                # "builtin": 3-digit addition
-    .venv/bin/python scripts/pretrain_builtin.py --model builtin:fibonacci      # chains of running sums
+    .venv/bin/python scripts/pretrain_builtin.py --model builtin:chain      # chains of running sums
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from rollcorr.models.builtin import BUILTIN, BUILTIN_MODELS, build_tokenizer, bu
 from rollcorr.tasks import make_task
 
 # Per model: the training mix (task name → weight; evaluation is on the model's own task) and the option
-# defaults it shipped with. 3-digit addition learns from a mix with shorter problems; the Fibonacci chains
+# defaults it shipped with. 3-digit addition learns from a mix with shorter problems; the chain
 # train on their own task only.
 PRETRAIN = {
     BUILTIN: dict(init=None, mix={"addition:1": 1, "addition:2": 2, "addition:3": 7}, batch_size=128, lr=3e-3,
                   min_acc=0.15, max_acc=0.40, eval_every=50, eval_every_close=10, close_at=0.05),
-    f"{BUILTIN}:fibonacci": dict(init=BUILTIN, mix={"fibonacci": 1}, batch_size=64, lr=1e-3, min_acc=0.25, max_acc=0.40,
+    f"{BUILTIN}:chain": dict(init=BUILTIN, mix={"chain": 1}, batch_size=64, lr=1e-3, min_acc=0.25, max_acc=0.40,
                                  eval_every=20, eval_every_close=5, close_at=0.15),
 }  # fmt: skip
 

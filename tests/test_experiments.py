@@ -211,13 +211,13 @@ def test_long_mismatch_arms_and_one_learning_rate():
         lm.main(["--quick", "--lr", "0.0002"])
 
 
-def _has_fibonacci_checkpoint() -> bool:
+def _has_chain_checkpoint() -> bool:
     from rollcorr.models.builtin import BUILTIN_MODELS
 
-    return (BUILTIN_MODELS["builtin:fibonacci"].directory / "model.safetensors").exists()
+    return (BUILTIN_MODELS["builtin:chain"].directory / "model.safetensors").exists()
 
 
-@pytest.mark.skipif(not _has_fibonacci_checkpoint(), reason="no builtin:fibonacci checkpoint")
+@pytest.mark.skipif(not _has_chain_checkpoint(), reason="no builtin:chain checkpoint")
 def test_long_mismatch_quick(tmp_path, capsys):
     """--quick on the reference arm: 2 steps, the summary object of the issue, curves, and the run is read
     back (not retrained) by a second invocation."""

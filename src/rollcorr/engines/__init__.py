@@ -81,7 +81,7 @@ def parse_spec(spec: str) -> EngineSpec:
 
 
 def _check_model_path(model_path: str | Path | None) -> str | Path:
-    """None → "builtin"; a built-in spelling ("builtin:fibonacci") stays as is; else an existing path."""
+    """None → "builtin"; a built-in spelling ("builtin:chain") stays as is; else an existing path."""
     if model_path is None:
         return BUILTIN
     if is_builtin(model_path):

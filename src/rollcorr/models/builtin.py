@@ -4,8 +4,8 @@ Each ships as a Hugging Face directory (config.json, model.safetensors, tokenize
 generation_config.json), trained by ``scripts/pretrain_builtin.py`` on one built-in task:
 
     "builtin"                  assets/                  3-digit reversed addition (rollcorr.tasks.addition)
-    "builtin:fibonacci"        assets_fibonacci/        chains of running sums, 70-token answers
-                                                        (rollcorr.tasks.fibonacci)
+    "builtin:chain"            assets_chain/            a chain of 14 numbers, 70-token answers
+                                                        (rollcorr.tasks.chain)
 
 ``BUILTIN_MODELS`` is the one table of them (directory, task, architecture changes); ``builtin_path`` turns a
 spelling into its directory. ``load_model`` loads them or any other local HF directory.
@@ -37,7 +37,7 @@ class BuiltinModel:
 # model.path spelling → checkpoint. "builtin" stays today's addition model; "builtin:<task>" names the others.
 BUILTIN_MODELS = {
     BUILTIN: BuiltinModel(BUILTIN_DIR, "addition"),
-    f"{BUILTIN}:fibonacci": BuiltinModel(BUILTIN_DIR.with_name("assets_fibonacci"), "fibonacci"),
+    f"{BUILTIN}:chain": BuiltinModel(BUILTIN_DIR.with_name("assets_chain"), "chain"),
 }
 
 
@@ -47,7 +47,7 @@ def is_builtin(path: str | Path | None) -> bool:
 
 
 def builtin_path(path: str | Path | None) -> Path | str | None:
-    """The directory of a built-in spelling ("builtin", "builtin:fibonacci", None = "builtin"); any
+    """The directory of a built-in spelling ("builtin", "builtin:chain", None = "builtin"); any
     other path is returned unchanged. An unknown "builtin:<name>" is a ValueError listing the known ones."""
     if path is None:
         return BUILTIN_DIR

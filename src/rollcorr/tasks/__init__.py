@@ -1,6 +1,6 @@
 """Tasks: prompts plus a verifiable reward.
 
-``make_task("addition" | "addition:4" | "fibonacci" | "fibonacci:20" | "data.jsonl")``.
+``make_task("addition" | "addition:4" | "chain" | "chain:20" | "data.jsonl")``.
 """
 
 from __future__ import annotations
@@ -9,17 +9,17 @@ from pathlib import Path
 
 from rollcorr.tasks.addition import AdditionTask
 from rollcorr.tasks.base import Task, rewards
-from rollcorr.tasks.fibonacci import FibonacciTask
+from rollcorr.tasks.chain import ChainTask
 from rollcorr.tasks.jsonl import JsonlTask
 
-__all__ = ["AdditionTask", "FibonacciTask", "JsonlTask", "Task", "make_task", "rewards"]
+__all__ = ["AdditionTask", "ChainTask", "JsonlTask", "Task", "make_task", "rewards"]
 
 
 def make_task(name_or_path: str, reward: str = "exact") -> Task:
-    """ "addition" (3 digits), "addition:<digits>", "fibonacci" (14 terms), "fibonacci:<terms>",
+    """ "addition" (3 digits), "addition:<digits>", "chain" (14 terms), "chain:<terms>",
     or a path to a .jsonl file (scored by ``reward``)."""
     name, _, arg = name_or_path.partition(":")
-    builtin_tasks = {"addition": AdditionTask, "fibonacci": FibonacciTask}
+    builtin_tasks = {"addition": AdditionTask, "chain": ChainTask}
     if name in builtin_tasks:
         if not arg:
             return builtin_tasks[name]()
@@ -32,5 +32,5 @@ def make_task(name_or_path: str, reward: str = "exact") -> Task:
         return JsonlTask(name_or_path, reward=reward)
     raise ValueError(
         f"unknown task {name_or_path!r}; use 'addition', 'addition:<digits>', "
-        "'fibonacci', 'fibonacci:<terms>' or a .jsonl path"
+        "'chain', 'chain:<terms>' or a .jsonl path"
     )

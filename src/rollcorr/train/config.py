@@ -287,7 +287,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def preset_overrides(name: str) -> list[str]:
     """The dotted ``key=value`` overrides of a shipped preset (``configs/<name>.yaml``, a partial config
-    that changes the default one), e.g. "fibonacci": the long-response task, its model and settings."""
+    that changes the default one), e.g. "chain": the long-response task, its model and settings."""
     path = DEFAULT_CONFIG.parent / f"{name}.yaml"
     if name == DEFAULT_CONFIG.stem or not path.is_file():
         presets = sorted(p.stem for p in DEFAULT_CONFIG.parent.glob("*.yaml") if p != DEFAULT_CONFIG)
@@ -308,7 +308,7 @@ def preset_overrides(name: str) -> list[str]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """Read YAML (default: the shipped default.yaml; a bare name such as "fibonacci" is a shipped
+    """Read YAML (default: the shipped default.yaml; a bare name such as "chain" is a shipped
     preset applied over it), apply overrides, build and validate."""
     presets = []
     if path is not None and not Path(path).is_file() and not Path(path).suffix and "/" not in str(path):

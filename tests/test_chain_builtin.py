@@ -1,4 +1,4 @@
-"""The long-response built-in: ``builtin:<name>`` spellings, its checkpoint, the ``fibonacci`` config
+"""The long-response built-in: ``builtin:<name>`` spellings, its checkpoint, the ``chain`` config
 preset, and a two-step ``rollcorr train`` on it (the task's reward is tested in test_tasks.py)."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from rollcorr.models.builtin import BUILTIN_DIR, BUILTIN_MODELS, builtin_path, is_builtin, load_builtin
-from rollcorr.tasks import FibonacciTask, make_task
+from rollcorr.tasks import ChainTask, make_task
 from rollcorr.train.config import ConfigError, load_config, preset_overrides
 
-LONG = "builtin:fibonacci"
+LONG = "builtin:chain"
 LONG_DIR = BUILTIN_MODELS[LONG].directory
 needs_checkpoint = pytest.mark.skipif(
-    not (LONG_DIR / "model.safetensors").exists(), reason="no builtin:fibonacci checkpoint"
+    not (LONG_DIR / "model.safetensors").exists(), reason="no builtin:chain checkpoint"
 )
 
 
@@ -56,7 +56,7 @@ def test_long_checkpoint_starts_low_but_writes_the_format():
     """Greedy per-digit score on held-out problems is at most 0.5 (RL has room), but the model has learned
     the format: 14 numbers of 4 digits, each followed by a comma, then <eos>."""
     model, tok = load_builtin(name=LONG)
-    task = FibonacciTask()
+    task = ChainTask()
     items = task.sample(32, seed=2024, split="test")
     ids = torch.tensor([tok(i["prompt"], add_special_tokens=False)["input_ids"] for i in items])
     from transformers import DynamicCache
@@ -75,16 +75,16 @@ def test_long_checkpoint_starts_low_but_writes_the_format():
     assert sum(len(t) == task.max_answer_tokens for t in texts) / len(texts) > 0.9
 
 
-def test_fibonacci_preset_is_the_default_config_plus_its_own_keys():
-    config = load_config("fibonacci")
+def test_chain_preset_is_the_default_config_plus_its_own_keys():
+    config = load_config("chain")
     default = load_config(None)
-    assert config.model.path == LONG and config.task.name == "fibonacci"
+    assert config.model.path == LONG and config.task.name == "chain"
     task = make_task(config.task.name)
     assert config.rollout.max_new_tokens >= task.max_answer_tokens + 1  # the answer and <eos> fit
     assert config.algorithm == default.algorithm and config.model.learner == default.model.learner
-    assert "task.name=fibonacci" in preset_overrides("fibonacci")
+    assert "task.name=chain" in preset_overrides("chain")
     # overrides on the command line win over the preset
-    assert load_config("fibonacci", ["rollout.group_size=2"]).rollout.group_size == 2
+    assert load_config("chain", ["rollout.group_size=2"]).rollout.group_size == 2
     with pytest.raises(ConfigError, match="'nope' does not exist"):
         load_config("nope")
     with pytest.raises(ConfigError, match="does not exist"):
@@ -93,12 +93,12 @@ def test_fibonacci_preset_is_the_default_config_plus_its_own_keys():
 
 @needs_checkpoint
 def test_rollcorr_train_two_steps_on_the_long_task(tmp_path, capsys):
-    """``rollcorr train task.name=fibonacci model.path=builtin:fibonacci`` with tiny settings runs
+    """``rollcorr train task.name=chain model.path=builtin:chain`` with tiny settings runs
     two steps, scores long responses and logs the study's mismatch metrics."""
     from rollcorr.cli import main
 
     out = tmp_path / "run"
-    code = main(["train", "task.name=fibonacci", f"model.path={LONG}", "rollout.max_new_tokens=72",
+    code = main(["train", "task.name=chain", f"model.path={LONG}", "rollout.max_new_tokens=72",
                  "trainer.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2", "task.eval_prompts=4",
                  "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false",
                  "trainer.checkpoint_every=0", "--out", str(out)])  # fmt: skip

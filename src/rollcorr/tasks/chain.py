@@ -1,19 +1,20 @@
-"""The long-response task: a chain of running sums, written out number by number.
+"""The long-response task: a chain of numbers, each computed from the one(s) before it, written out in full.
 
-Given ``order`` starting numbers, write the next ``terms`` numbers, each the sum of the ``order`` before it
-modulo 10^digits (order 2 is the Fibonacci rule). Every number is zero-padded to ``digits`` digits, written
-least significant digit first and followed by a comma, in the prompt and in the response. The shipped task
-(``make_task("fibonacci")``, the ``builtin:fibonacci`` model) is digits 1, order 3, 35 terms:
+Given ``order`` starting numbers, write the next ``terms`` numbers modulo 10^digits. Rule: with ``order`` ≥ 2,
+each number is the sum of the ``order`` before it (order 2: Fibonacci); with ``order`` 1 (the shipped task),
+each number is the one before plus its own last digit plus one, x_{n+1} = x_n + (x_n mod 10) + 1. Every number
+is zero-padded to ``digits`` digits, written least significant digit first and followed by a comma, in the
+prompt and in the response. The shipped task (``make_task("chain")``, the ``builtin:chain`` model) is
+order 1, 4 digits, 14 terms:
 
-    prompt    "5,5,7,"
-    response  "7,9,3,9,1,3,3,7,...,"      5+5+7 = 17 → 7, 5+7+7 = 19 → 9, 7+7+9 = 23 → 3, ...
-              35 numbers = 70 tokens, then <eos>
+    prompt    "7730,"                  x₀ = 377
+    response  "5830,1930,3930,...,"    385 = 377 + 7 + 1, 391 = 385 + 5 + 1, 393, ...
+              14 numbers × 5 characters = 70 tokens, then <eos>
 
-Each number is computed from the few tokens just before it, so a ~1 M-parameter model can learn the rule; but
-every number feeds the next ``order``, so one wrong digit makes most later digits wrong: the reward depends
-on the whole 70-token response and per-token errors compound over it. (Wider numbers, e.g. 4-digit Fibonacci
-``FibonacciTask(14, digits=4, order=2)``, make the model read digits 5 and 10 tokens back; the built-in
-model did not start learning that within 240 pretraining steps.)
+Every digit of a number is computed from the digits 5 and 6 tokens back (the same and the previous digit of the
+number before it: the last digit doubles plus one, the others copy or take the carry), so a ~1 M-parameter
+model can learn the rule; but every number feeds the next one, so one wrong digit makes most later digits
+wrong: the reward depends on the whole 70-token response and per-token errors compound over it.
 
 Reward, in [0, 1] with partial credit: the share of the ``terms × digits`` answer digits that are right, read
 number by number (split at commas) and digit by digit; missing numbers and characters score 0 and each extra
@@ -29,10 +30,10 @@ from typing import Any
 
 from rollcorr.tasks.base import check_count, check_split
 
-NAME = "fibonacci"
-DIGITS = 1  # width of every number
-ORDER = 2  # each number is the sum of the ORDER before it (2: Fibonacci, 3: "tribonacci")
-TERMS = 35  # numbers in the answer: 35 × (1 digit + comma) = 70 tokens, then <eos>
+NAME = "chain"
+DIGITS = 4  # width of every number
+ORDER = 1  # each number is the sum of the ORDER before it (2: Fibonacci); 1: x + (x mod 10) + 1
+TERMS = 14  # numbers in the answer: 14 × (4 digits + comma) = 70 tokens, then <eos>
 
 
 def write(x: int, digits: int) -> str:
@@ -49,9 +50,9 @@ def digit_score(response: str, answer: str, digits: int) -> float:
     return hits / (max(len(got), len(want)) * digits)
 
 
-class FibonacciTask:
-    """x₀ … x_{order−1} → the next ``terms`` numbers, each the sum of the ``order`` before it modulo
-    10^digits (order 2: Fibonacci); reward ``digit_score``.
+class ChainTask:
+    """x₀ … x_{order−1} → the next ``terms`` numbers modulo 10^digits: the sum of the ``order`` before it
+    (order ≥ 2; 2 is Fibonacci) or x + (x mod 10) + 1 (order 1); reward ``digit_score``.
 
     ``max_answer_tokens`` = terms × (digits + 1): the answer without <eos>.
     """
@@ -61,8 +62,8 @@ class FibonacciTask:
             raise ValueError(f"terms must be an int in [1, 200], got {terms!r}")
         if not isinstance(digits, int) or not 1 <= digits <= 18:
             raise ValueError(f"digits must be an int in [1, 18], got {digits!r}")
-        if not isinstance(order, int) or not 2 <= order <= 8:
-            raise ValueError(f"order must be an int in [2, 8], got {order!r}")
+        if not isinstance(order, int) or not 1 <= order <= 8:
+            raise ValueError(f"order must be an int in [1, 8], got {order!r}")
         self.terms, self.digits, self.order = terms, digits, order
         self.name = NAME if terms == TERMS else f"{NAME}:{terms}"
         self.max_answer_tokens = terms * (digits + 1)
@@ -72,7 +73,10 @@ class FibonacciTask:
             raise ValueError(f"{self.name} needs {self.order} starting numbers, got {len(seeds)}")
         modulus, xs = 10**self.digits, list(seeds)
         for _ in range(self.terms):
-            xs.append(sum(xs[-self.order :]) % modulus)
+            if self.order == 1:  # one number: add its own last digit and 1
+                xs.append((xs[-1] + xs[-1] % 10 + 1) % modulus)
+            else:
+                xs.append(sum(xs[-self.order :]) % modulus)
         prompt = "".join(write(x, self.digits) for x in seeds)
         answer = "".join(write(x, self.digits) for x in xs[self.order :])
         return {"prompt": prompt, "answer": answer, "seeds": list(seeds)}
