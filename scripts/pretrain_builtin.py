@@ -34,7 +34,7 @@ from rollcorr.tasks import make_task
 PRETRAIN = {
     BUILTIN: dict(init=None, mix={"addition:1": 1, "addition:2": 2, "addition:3": 7}, batch_size=128, lr=3e-3,
                   min_acc=0.15, max_acc=0.40, eval_every=50, eval_every_close=10, close_at=0.05),
-    f"{BUILTIN}:chain": dict(init=BUILTIN, mix={"chain": 1}, batch_size=64, lr=1e-3, min_acc=0.25, max_acc=0.40,
+    f"{BUILTIN}:chain": dict(init=None, mix={"chain": 1}, batch_size=64, lr=3e-3, min_acc=0.25, max_acc=0.40,
                                  eval_every=20, eval_every_close=5, close_at=0.15),
 }  # fmt: skip
 
