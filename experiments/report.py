@@ -132,8 +132,33 @@ def throughput(r: dict[str, Any]) -> str:
     return table(header, rows)
 
 
+def long_mismatch(r: dict[str, Any]) -> str:
+    final = {arm: next(iter(cells.values())) for arm, cells in r["final"].items()}
+    rows = []
+    for arm, m in final.items():
+        label = next(iter(r["runs"][arm]))
+        rejected = [
+            run_mean(r, arm, label, k)
+            for k in (
+                "rollout_corr/rollout_rs_seq_masked_fraction",
+                "rollout_corr/rollout_is_seq_fraction_high",
+            )
+        ]
+        rejected = next((x for x in rejected if x["mean"] is not None), None)
+        rows.append([arm, cell(m["eval/reward"]), cell(m["reward/mean"]), cell(m.get("actor/entropy")),
+                     cell(run_mean(r, arm, label, "rollout_corr/k3_kl"), ".1e"),
+                     cell(run_mean(r, arm, label, "rollout_corr/prob_diff_seq_max_mean"), ".3f"),
+                     cell(run_mean(r, arm, label, "rollout_corr/rollout_is_eff_sample_size"), ".3f"),
+                     cell(rejected), cell(run_mean(r, arm, label, "response/length_mean"), ".1f")])  # fmt: skip
+    header = ["arm", "greedy score", "sampled reward", "entropy", "k3 KL (run mean)",
+              "max \\|Δp\\| per seq. (run mean)", "ESS (run mean)", "rejected share (run mean)",
+              "response length"]  # fmt: skip
+    out = f"last step of {r['steps']}, lr {r['lr']}\n\n" + table(header, rows)
+    return out + "\n\n" + separations({a: m["eval/reward"] for a, m in final.items()})
+
+
 STUDIES = {"quantised_rollouts": quantised_rollouts, "staleness": staleness, "oapl_lag": oapl_lag,
-           "throughput": throughput}  # fmt: skip
+           "throughput": throughput, "long_mismatch": long_mismatch}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

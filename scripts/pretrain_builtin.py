@@ -1,11 +1,14 @@
-"""Pretrain the built-in model from scratch (supervised) to a PARTLY competent addition checkpoint.
+"""Pretrain a built-in model from scratch (supervised) to a PARTLY competent checkpoint of its task.
 
-Trains a ~1 M-parameter Qwen2 with the character tokenizer on "a+b=" → reversed sum + <eos> (loss on the
-response tokens only), evaluates greedy accuracy on held-out 3-digit problems every few steps, and stops as
-soon as the accuracy is inside [--min-acc, --max-acc], so RL has room to improve. Deterministic given
---seed and --threads.
+Trains a ~1 M-parameter Qwen2 with the character tokenizer on its task's prompt → answer + <eos> (loss on the
+response tokens only), evaluates the greedy score (mean task reward, 0 for a response that never ends) on
+held-out problems every few steps, and stops as soon as the score is inside [--min-acc, --max-acc], so RL has
+room to improve. ``--model`` picks the checkpoint of ``rollcorr.models.builtin.BUILTIN_MODELS`` (its task,
+architecture and directory); the defaults of the other options are the ones it shipped with (PRETRAIN below).
+Deterministic given --seed and --threads.
 
-    .venv/bin/python scripts/pretrain_builtin.py --out src/rollcorr/models/assets
+    .venv/bin/python scripts/pretrain_builtin.py                                # "builtin": 3-digit addition
+    .venv/bin/python scripts/pretrain_builtin.py --model builtin:chain      # chains of running sums
 """
 
 from __future__ import annotations
@@ -22,8 +25,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rollcorr.models.builtin import BUILTIN_DIR, build_tokenizer, builtin_config
-from rollcorr.tasks.addition import AdditionTask
+from rollcorr.models.builtin import BUILTIN, BUILTIN_MODELS, build_tokenizer, builtin_config, builtin_path
+from rollcorr.tasks import make_task
+
+# Per model: the training mix (task name → weight; evaluation is on the model's own task) and the option
+# defaults it shipped with. 3-digit addition learns from a mix with shorter problems; the chain
+# train on their own task only.
+PRETRAIN = {
+    BUILTIN: dict(init=None, mix={"addition:1": 1, "addition:2": 2, "addition:3": 7}, batch_size=128, lr=3e-3,
+                  min_acc=0.15, max_acc=0.40, eval_every=50, eval_every_close=10, close_at=0.05),
+    f"{BUILTIN}:chain": dict(init=None, mix={"chain": 1}, batch_size=64, lr=3e-3, min_acc=0.25, max_acc=0.40,
+                                 eval_every=20, eval_every_close=5, close_at=0.15),
+}  # fmt: skip
 
 
 def make_batch(tokenizer, items: list[dict], device: str) -> tuple[torch.Tensor, ...]:
@@ -46,25 +59,24 @@ def make_batch(tokenizer, items: list[dict], device: str) -> tuple[torch.Tensor,
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, task: AdditionTask, items: list[dict], max_new_tokens: int) -> float:
-    """Exact-match accuracy of greedy decoding. Prompts of one task have equal length: no padding needed."""
+def greedy_accuracy(model, tokenizer, task, items: list[dict], max_new_tokens: int) -> float:
+    """Mean task reward of greedy decoding, as the trainer's ``eval/reward`` (for addition: exact-match
+    accuracy; a response cut off without <eos> is scored on its text). Prompts of one task have equal
+    length: no padding needed."""
     model.eval()
     ids = torch.tensor([tokenizer(it["prompt"], add_special_tokens=False)["input_ids"] for it in items])
-    out = []
-    for _ in range(max_new_tokens):
-        logits = model(input_ids=ids).logits[:, -1]
-        nxt = logits.argmax(-1, keepdim=True)
-        ids = torch.cat([ids, nxt], dim=1)
-        out.append(nxt)
+    from transformers import DynamicCache
+
+    out, cache = [], DynamicCache(config=model.config)
+    for _ in range(max_new_tokens):  # with the KV cache: one new position per forward
+        ids = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        out.append(ids)
     gen = torch.cat(out, dim=1).tolist()
     correct = 0
     for item, row in zip(items, gen):
         if tokenizer.eos_token_id in row:
             row = row[: row.index(tokenizer.eos_token_id)]
-        else:
-            row = row + [-1]  # never finished: wrong
-        text = tokenizer.decode([t for t in row if t >= 0], skip_special_tokens=True)
-        correct += task.reward(item, text) == 1.0 and -1 not in row
+        correct += task.reward(item, tokenizer.decode(row, skip_special_tokens=True))
     model.train()
     return correct / len(items)
 
@@ -88,31 +100,43 @@ def save_atomic(model, tokenizer, out: Path, info: dict) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=BUILTIN_DIR)
+    p.add_argument("--model", choices=sorted(BUILTIN_MODELS), default=BUILTIN, help="which built-in model")
+    p.add_argument("--out", type=Path, default=None, help="default: the model's directory in BUILTIN_MODELS")
+    p.add_argument(
+        "--init",
+        default=None,
+        help="built-in checkpoint to start from, or 'scratch' (default: the model's recipe)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (results depend on it)")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--max-steps", type=int, default=6000)
     p.add_argument(
-        "--eval-every", type=int, default=50, help="steps between evaluations while acc < --close-at"
+        "--eval-every", type=int, default=None, help="steps between evaluations while acc < --close-at"
     )
     p.add_argument(
-        "--eval-every-close", type=int, default=10, help="steps between evaluations once acc ≥ --close-at"
+        "--eval-every-close", type=int, default=None, help="steps between evaluations once acc ≥ --close-at"
     )
     p.add_argument(
         "--close-at",
         type=float,
-        default=0.05,
+        default=None,
         help="accuracy from which to evaluate every --eval-every-close steps",
     )
     p.add_argument("--eval-size", type=int, default=500)
     p.add_argument("--final-eval-size", type=int, default=2000)
-    p.add_argument("--min-acc", type=float, default=0.15)
-    p.add_argument("--max-acc", type=float, default=0.40)
+    p.add_argument("--min-acc", type=float, default=None)
+    p.add_argument("--max-acc", type=float, default=None)
     p.add_argument("--max-minutes", type=float, default=40.0)
     args = p.parse_args()
+    spec, recipe = BUILTIN_MODELS[args.model], PRETRAIN[args.model]
+    for key, value in recipe.items():  # the model's shipped recipe fills every option not given
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.out = args.out or spec.directory
+    args.init = None if args.init == "scratch" else args.init
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -122,7 +146,14 @@ def main() -> int:
     tokenizer = build_tokenizer()
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_config(builtin_config(len(tokenizer)), attn_implementation="eager")
+    if args.init is None:  # from scratch
+        model = AutoModelForCausalLM.from_config(
+            builtin_config(len(tokenizer), **spec.architecture), attn_implementation="eager"
+        )
+    else:  # fine-tune another built-in checkpoint (same tokenizer); its architecture must fit the task
+        model = AutoModelForCausalLM.from_pretrained(
+            builtin_path(args.init), local_files_only=True, dtype=torch.float32, attn_implementation="eager"
+        )
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -132,8 +163,11 @@ def main() -> int:
     print(f"parameters: {n_params:,}")
     model.train()
 
-    tasks = {d: AdditionTask(digits=d) for d in (1, 2, 3)}
-    eval_items = tasks[3].sample(args.eval_size, seed=12345, split="test")
+    mix = {name: make_task(name) for name in args.mix}
+    task = make_task(spec.task)
+    answer_tokens = getattr(task, "max_answer_tokens", getattr(task, "digits", 0) + 1)
+    eval_tokens = answer_tokens + 2  # room for <eos> and one extra token
+    eval_items = task.sample(args.eval_size, seed=12345, split="test")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
 
     def lr_at(step: int) -> float:
@@ -142,11 +176,10 @@ def main() -> int:
     history, acc, prev_state, prev_acc = [], 0.0, None, 0.0
     step = 0
     for step in range(1, args.max_steps + 1):
-        # mostly 3-digit problems, some 1- and 2-digit ones
         items = []
         for _ in range(args.batch_size):
-            d = rng.choices((1, 2, 3), weights=(1, 2, 7))[0]
-            items.extend(tasks[d].sample(1, seed=rng.getrandbits(62), split="train"))
+            name = rng.choices(list(args.mix), weights=list(args.mix.values()))[0]
+            items.extend(mix[name].sample(1, seed=rng.getrandbits(62), split="train"))
         ids, mask, labels = make_batch(tokenizer, items, "cpu")
         logits = model(input_ids=ids, attention_mask=mask).logits
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
@@ -159,7 +192,7 @@ def main() -> int:
 
         every = args.eval_every if acc < args.close_at else args.eval_every_close
         if step % every == 0:
-            acc = greedy_accuracy(model, tokenizer, tasks[3], eval_items, max_new_tokens=6)
+            acc = greedy_accuracy(model, tokenizer, task, eval_items, max_new_tokens=eval_tokens)
             elapsed = time.time() - start
             history.append(
                 {"step": step, "loss": round(loss.item(), 4), "acc": acc, "seconds": round(elapsed, 1)}
@@ -181,8 +214,8 @@ def main() -> int:
             prev_acc = acc
 
     model.eval()
-    final_items = tasks[3].sample(args.final_eval_size, seed=999, split="test")
-    final_acc = greedy_accuracy(model, tokenizer, tasks[3], final_items, max_new_tokens=6)
+    final_items = task.sample(args.final_eval_size, seed=999, split="test")
+    final_acc = greedy_accuracy(model, tokenizer, task, final_items, max_new_tokens=eval_tokens)
     wall = time.time() - start
     info = {
         "seed": args.seed,
@@ -191,13 +224,17 @@ def main() -> int:
         "batch_size": args.batch_size,
         "lr": args.lr,
         "parameters": n_params,
-        "final_greedy_accuracy_3digit_test": final_acc,
+        "model": args.model,
+        "init": args.init,
+        "task": spec.task,
+        "mix": args.mix,
+        "final_greedy_score_test": final_acc,
         "final_eval_size": args.final_eval_size,
         "wall_seconds": round(wall, 1),
         "history": history,
     }
     save_atomic(model, tokenizer, args.out, info)
-    print(f"final greedy accuracy on {args.final_eval_size} held-out 3-digit problems: {final_acc:.3f}")
+    print(f"final greedy score on {args.final_eval_size} held-out {spec.task} problems: {final_acc:.3f}")
     print(f"wall time {wall:.0f}s, {step} steps; saved to {args.out}")
     return 0 if args.min_acc - 0.05 <= final_acc <= args.max_acc + 0.05 else 1
 

@@ -170,3 +170,75 @@ def test_finished_run_is_reused_only_for_the_same_config():
     assert not common._same(saved, {**current, "trainer": {"steps": 30, "seed": 1}})
     changed = {**current, "algorithm": {"correction": {"preset": "tis", "is_upper": None}}}
     assert not common._same(saved, changed)  # the correction dict is compared whole
+
+
+def test_long_mismatch_collapse_and_early_warning_rules():
+    """Collapse = first evaluation ≥ 10 points below the best before it; a warning metric fires at 3× its
+    median over the first 10 steps; the verdict needs every collapsed run warned strictly before."""
+    from experiments import long_mismatch as lm
+
+    def run(seed, scores, kl):
+        records = [{"step": s, "rollout_corr/k3_kl": v, "rollout_corr/prob_diff_seq_max_mean": 0.1}
+                   for s, v in enumerate(kl, start=1)]  # fmt: skip
+        records += [{"step": s, "eval/reward": a} for s, a in scores]
+        return {"seed": seed, "records": sorted(records, key=lambda r: r["step"])}
+
+    steady = run(0, [(0, 0.3), (10, 0.5), (20, 0.55)], [1e-3] * 20)
+    assert lm.collapse_step(steady["records"]) is None
+    falls = run(1, [(0, 0.3), (10, 0.5), (20, 0.45), (30, 0.2)], [1e-3] * 12 + [5e-3] * 18)
+    assert lm.collapse_step(falls["records"]) == 30
+    assert lm.warning_step(falls["records"], "rollout_corr/k3_kl") == 13
+    verdict = lm.early_warning([steady, falls])
+    assert verdict["collapsed"] == 1
+    assert verdict["warned_first"] == {
+        "rollout_corr/k3_kl": True,
+        "rollout_corr/prob_diff_seq_max_mean": False,
+    }
+    assert lm.early_warning([steady])["warned_first"]["rollout_corr/k3_kl"] is False  # nothing collapsed
+
+
+def test_long_mismatch_arms_and_one_learning_rate():
+    """Every arm of the protocol exists, the Geo-RS band is not verl's default, and --lr is refused."""
+    from experiments import long_mismatch as lm
+
+    assert "fp32/ppo" in lm.ARM_NAMES and len(lm.ARM_NAMES) == 13
+    for s in ("bf16", "int8"):
+        assert {f"{s}/{m}" for m in ("ppo", "tis", "seq_mis", "icepop", "geo_rs", "seq_mis_mean")} <= set(
+            lm.ARM_NAMES
+        )
+    assert "preset: trl_sequence_mask" in lm.METHODS["seq_mis"][0]
+    with pytest.raises(SystemExit):
+        lm.main(["--quick", "--lr", "0.0002"])
+
+
+def _has_chain_checkpoint() -> bool:
+    from rollcorr.models.builtin import BUILTIN_MODELS
+
+    return (BUILTIN_MODELS["builtin:chain"].directory / "model.safetensors").exists()
+
+
+@pytest.mark.skipif(not _has_chain_checkpoint(), reason="no builtin:chain checkpoint")
+def test_long_mismatch_quick(tmp_path, capsys):
+    """--quick on the reference arm: 2 steps, the summary object of the issue, curves, and the run is read
+    back (not retrained) by a second invocation."""
+    from experiments import long_mismatch as lm
+
+    assert lm.main(["--quick", "--arms", "fp32/ppo", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "results.json").read_text())
+    summary = report["summary"]
+    assert summary["seeds"] == 1 and summary["mean_response_length"] > 10
+    assert set(summary["arms"]) == {"fp32/ppo"}
+    assert set(summary["arms"]["fp32/ppo"]) == {"final_score_mean", "final_score_std"}
+    runs = next(iter(report["runs"]["fp32/ppo"].values()))["runs"]
+    assert len(runs) == 1 and runs[0]["steps"] == 2 and not runs[0]["reused"]
+    assert any("rollout_corr/k3_kl" in r for r in runs[0]["records"])
+    for name in report["figures"].values():
+        assert (tmp_path / name).stat().st_size > 1000
+    assert "wall time" in capsys.readouterr().out
+    from experiments import report as tables
+
+    table = tables.STUDIES["long_mismatch"](report)  # the markdown docs/results.md shows
+    assert "| fp32/ppo |" in table and "±" in table
+    assert lm.main(["--quick", "--arms", "fp32/ppo", "--out", str(tmp_path)]) == 0
+    again = json.loads((tmp_path / "results.json").read_text())
+    assert next(iter(again["runs"]["fp32/ppo"].values()))["runs"][0]["reused"]

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollcorr.tasks import AdditionTask, JsonlTask, Task, make_task, rewards
+from rollcorr.tasks import AdditionTask, ChainTask, JsonlTask, Task, make_task, rewards
 from rollcorr.tasks.addition import is_test_pair, reversed_sum
 
 
@@ -139,3 +139,64 @@ def test_make_task(tmp_path):
         make_task("addition:x")
     with pytest.raises(FileNotFoundError):
         make_task(str(tmp_path / "missing.jsonl"))
+
+
+# ---------------------------------------------------------------- the long-response task
+
+
+def test_chain_items_are_running_sums_written_reversed():
+    task = ChainTask(terms=35, digits=1, order=3)  # each digit the sum of the three before it, mod 10
+    item = task.item(5, 5, 7)
+    assert item["prompt"] == "5,5,7,"
+    assert item["answer"].startswith("7,9,3,9,")  # 5+5+7 = 17 → 7; 5+7+7 = 19 → 9; 7+7+9 = 23 → 3; ...
+    assert len(item["answer"]) == task.max_answer_tokens == 70
+    wide = ChainTask(terms=14, digits=4, order=2)  # 4-digit Fibonacci, least significant digit first
+    assert wide.item(7218, 1433)["prompt"] == "8127,3341,"
+    assert wide.item(7218, 1433)["answer"].startswith("1568,4800,")  # 8651; (1433 + 8651) mod 10^4 = 0084
+    # 99 + 1 = 100 → 00; 1 + 0 = 1 → "01" reversed; 0 + 1 = 1
+    assert ChainTask(terms=3, digits=2, order=2).item(99, 1)["answer"] == "00,10,10,"
+    for item in task.sample(20, seed=1):
+        xs = [int(x[::-1]) for x in (item["prompt"] + item["answer"]).rstrip(",").split(",")]
+        assert len(xs) == 38 and all(d == (a + b + c) % 10 for a, b, c, d in zip(xs, xs[1:], xs[2:], xs[3:]))
+    with pytest.raises(ValueError, match="needs 3 starting numbers"):
+        task.item(1, 2)
+    shipped = ChainTask()  # order 1: x + (x mod 10) + 1, 4 digits
+    assert shipped.item(377)["prompt"] == "7730,"
+    assert shipped.item(377)["answer"].startswith("5830,1930,3930,")  # 385, 391, 393
+    assert shipped.item(9999)["answer"].startswith("9000,")  # 9999 + 9 + 1 = 10009 → 0009
+    assert shipped.max_answer_tokens == 70 and len(shipped.sample(1, seed=0)[0]["answer"]) == 70
+
+
+def test_chain_reward_gives_partial_credit_per_digit():
+    task = ChainTask(terms=3, digits=2, order=2)
+    item = {"answer": "12,34,56,"}
+    assert task.reward(item, "12,34,56,") == 1.0
+    assert task.reward(item, " 12,34,56\n") == 1.0  # surrounding whitespace and the last comma optional
+    assert task.reward(item, "12,34,50,") == 5 / 6  # one digit wrong
+    assert task.reward(item, "02,34,56,") == 5 / 6
+    assert task.reward(item, "12,34,") == 4 / 6  # a number missing
+    assert task.reward(item, "12,3,56,") == 5 / 6  # a digit missing inside a number: the others still count
+    assert task.reward(item, "12,34,56,78,") == 6 / 8  # an extra number adds to the denominator
+    assert task.reward(item, "1x,34,56,") == 5 / 6  # a non-digit scores 0 at its position
+    assert task.reward(item, "21,43,65,") == 0.0  # written most significant first
+    assert task.reward(item, "") == 0.0
+
+
+def test_chain_splits_are_disjoint_and_deterministic():
+    task = ChainTask(terms=35, digits=1, order=3)
+    train = {i["prompt"] for i in task.sample(300, seed=0)}
+    test = {i["prompt"] for i in task.sample(100, seed=0, split="test")}
+    assert not train & test
+    assert task.sample(5, seed=3) == task.sample(5, seed=3) != task.sample(5, seed=4)
+
+
+def test_make_task_chain():
+    assert make_task("chain").terms == 14 and make_task("chain").name == "chain"
+    assert make_task("chain:20").terms == 20 and make_task("chain:20").name == "chain:20"
+    assert isinstance(make_task("chain"), Task)
+    with pytest.raises(ValueError, match="chain: the number after ':' must be an integer"):
+        make_task("chain:x")
+    with pytest.raises(ValueError, match="terms must be an int"):
+        ChainTask(terms=0)
+    with pytest.raises(ValueError, match="order must be an int"):
+        ChainTask(order=0)

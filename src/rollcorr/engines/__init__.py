@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rollcorr.engines.base import Learner, Sampler, SamplingParams, process_logits
-from rollcorr.models.builtin import BUILTIN, BUILTIN_DIR
+from rollcorr.models.builtin import BUILTIN, builtin_path, is_builtin
 
 __all__ = [
     "EngineSpec",
@@ -81,9 +81,12 @@ def parse_spec(spec: str) -> EngineSpec:
 
 
 def _check_model_path(model_path: str | Path | None) -> str | Path:
-    if model_path is None or str(model_path) == BUILTIN:
+    """None → "builtin"; a built-in spelling ("builtin:chain") stays as is; else an existing path."""
+    if model_path is None:
         return BUILTIN
-    if not Path(model_path).exists():
+    if is_builtin(model_path):
+        return str(model_path)
+    if not Path(builtin_path(model_path)).exists():  # builtin_path: ValueError for an unknown "builtin:<x>"
         raise FileNotFoundError(f"model path {str(model_path)!r} does not exist")
     return model_path
 
@@ -104,12 +107,12 @@ def make_sampler(spec: str, model_path: str | Path | None = None, **kwargs: Any)
 
         if parsed.quant is not None:
             kwargs["quant"] = parsed.quant
-        return LlamaCppSampler(BUILTIN_DIR if path == BUILTIN else path, **kwargs)
+        return LlamaCppSampler(builtin_path(path), **kwargs)
     from rollcorr.engines.vllm import VLLMSampler
 
     if parsed.dtype is not None:
         kwargs["dtype"] = LONG_DTYPE[parsed.dtype]
-    return VLLMSampler(BUILTIN_DIR if path == BUILTIN else path, **kwargs)
+    return VLLMSampler(builtin_path(path), **kwargs)
 
 
 def make_learner(spec: str = "hf", model_path: str | Path | None = None, **kwargs: Any) -> Learner:

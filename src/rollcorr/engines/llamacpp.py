@@ -37,7 +37,7 @@ from rollcorr.engines.base import SamplingParams, process_logits
 from rollcorr.engines.decoding import DecodingSampler
 from rollcorr.engines.gguf import QUANT_TYPES, mapped_safetensors, write_gguf
 from rollcorr.engines.preflight import install_hint
-from rollcorr.models.builtin import BUILTIN, BUILTIN_DIR
+from rollcorr.models.builtin import BUILTIN, builtin_path
 
 INSTALL_HINT = f"llama-cpp-python is not installed; {install_hint('llamacpp')}"
 
@@ -75,7 +75,7 @@ def cpu_has_amx() -> bool:
 
 
 def _resolve_model_dir(model_path: str | os.PathLike) -> Path:
-    path = BUILTIN_DIR if str(model_path) == BUILTIN else Path(model_path)
+    path = Path(builtin_path(model_path))
     if not path.is_dir():
         raise FileNotFoundError(f"model path {str(path)!r} is not a Hugging Face model directory")
     for required in ("config.json", "tokenizer.json"):

@@ -1,13 +1,20 @@
-"""The built-in model: a ~1 M-parameter Qwen2 causal LM with a character-level tokenizer.
+"""The built-in models: ~1 M-parameter Qwen2 causal LMs with a character-level tokenizer.
 
-It ships as a Hugging Face directory in ``assets/`` (config.json, model.safetensors, tokenizer.json,
-tokenizer_config.json, generation_config.json), trained by ``scripts/pretrain_builtin.py`` on the addition
-task of ``rollcorr.tasks.addition``. ``load_model`` loads it or any other local HF directory.
+Each ships as a Hugging Face directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
+generation_config.json), trained by ``scripts/pretrain_builtin.py`` on one built-in task:
+
+    "builtin"                  assets/                  3-digit reversed addition (rollcorr.tasks.addition)
+    "builtin:chain"            assets_chain/            a chain of 14 numbers, 70-token answers
+                                                        (rollcorr.tasks.chain)
+
+``BUILTIN_MODELS`` is the one table of them (directory, task, architecture changes); ``builtin_path`` turns a
+spelling into its directory. ``load_model`` loads them or any other local HF directory.
 """
 
 from __future__ import annotations
 
 import string
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -15,6 +22,42 @@ from torch import nn
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "assets"
 BUILTIN = "builtin"
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """One shipped checkpoint: its directory, the task it was pretrained on (a ``make_task`` name) and the
+    changes to ``builtin_config``'s architecture it was built with."""
+
+    directory: Path
+    task: str
+    architecture: dict = field(default_factory=dict)
+
+
+# model.path spelling → checkpoint. "builtin" stays today's addition model; "builtin:<task>" names the others.
+BUILTIN_MODELS = {
+    BUILTIN: BuiltinModel(BUILTIN_DIR, "addition"),
+    f"{BUILTIN}:chain": BuiltinModel(BUILTIN_DIR.with_name("assets_chain"), "chain"),
+}
+
+
+def is_builtin(path: str | Path | None) -> bool:
+    """True for None (the default model) and for the spellings of ``BUILTIN_MODELS``."""
+    return path is None or str(path) in BUILTIN_MODELS
+
+
+def builtin_path(path: str | Path | None) -> Path | str | None:
+    """The directory of a built-in spelling ("builtin", "builtin:chain", None = "builtin"); any
+    other path is returned unchanged. An unknown "builtin:<name>" is a ValueError listing the known ones."""
+    if path is None:
+        return BUILTIN_DIR
+    text = str(path)
+    if text in BUILTIN_MODELS:
+        return BUILTIN_MODELS[text].directory
+    if text.startswith(f"{BUILTIN}:"):
+        raise ValueError(f"unknown built-in model {text!r}; use one of {sorted(BUILTIN_MODELS)}")
+    return path
+
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
@@ -98,7 +141,7 @@ def load_model(
     attn: str = "eager",
     gguf_file: str | None = None,
 ) -> tuple[nn.Module, object]:
-    """Load (model, tokenizer) from a local HF directory ("builtin" = the shipped model), eval mode.
+    """Load (model, tokenizer) from a local HF directory or a ``BUILTIN_MODELS`` spelling, eval mode.
 
     Local files only: nothing is downloaded. Raises FileNotFoundError for a missing path and ValueError
     when the tokenizer's vocabulary does not fit the model's embedding matrix, or for an unknown dtype /
@@ -109,7 +152,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype)
     if attn not in ATTN_IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {attn!r}; use one of {ATTN_IMPLEMENTATIONS}")
-    path = BUILTIN_DIR if str(path_or_builtin) == BUILTIN else Path(path_or_builtin)
+    path = Path(builtin_path(path_or_builtin))
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
     if not path.is_dir():
@@ -141,10 +184,15 @@ def check_tokenizer_matches(model: nn.Module, tokenizer) -> None:
         raise ValueError("tokenizer has no eos_token: generation could never stop")
 
 
-def load_builtin(dtype: torch.dtype | str = torch.float32, attn: str = "eager") -> tuple[nn.Module, object]:
-    """(model, tokenizer) of the shipped built-in checkpoint."""
-    if not (BUILTIN_DIR / "model.safetensors").exists():
+def load_builtin(
+    dtype: torch.dtype | str = torch.float32, attn: str = "eager", name: str = BUILTIN
+) -> tuple[nn.Module, object]:
+    """(model, tokenizer) of a shipped built-in checkpoint (``name``: a ``BUILTIN_MODELS`` spelling)."""
+    directory = builtin_path(name)
+    if not is_builtin(name):
+        raise ValueError(f"unknown built-in model {name!r}; use one of {sorted(BUILTIN_MODELS)}")
+    if not (directory / "model.safetensors").exists():
         raise FileNotFoundError(
-            f"built-in checkpoint missing in {BUILTIN_DIR}; run scripts/pretrain_builtin.py to create it"
+            f"built-in checkpoint missing in {directory}; run scripts/pretrain_builtin.py to create it"
         )
-    return load_model(BUILTIN, dtype=dtype, attn=attn)
+    return load_model(name, dtype=dtype, attn=attn)

@@ -288,8 +288,34 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def preset_overrides(name: str) -> list[str]:
+    """The dotted ``key=value`` overrides of a shipped preset (``configs/<name>.yaml``, a partial config
+    that changes the default one), e.g. "chain": the long-response task, its model and settings."""
+    path = DEFAULT_CONFIG.parent / f"{name}.yaml"
+    if name == DEFAULT_CONFIG.stem or not path.is_file():
+        presets = sorted(p.stem for p in DEFAULT_CONFIG.parent.glob("*.yaml") if p != DEFAULT_CONFIG)
+        raise ConfigError(f"config file {name!r} does not exist (shipped presets: {presets})")
+
+    def leaves(node: dict[str, Any], prefix: str) -> list[str]:
+        out = []
+        for key, value in node.items():
+            if isinstance(value, dict) and value:
+                out += leaves(value, f"{prefix}{key}.")
+            else:
+                out.append(
+                    f"{prefix}{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
+                )
+        return out
+
+    return leaves(yaml.safe_load(path.read_text()) or {}, "")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """Read YAML (default: the shipped default.yaml), apply overrides, build and validate."""
+    """Read YAML (default: the shipped default.yaml; a bare name such as "chain" is a shipped
+    preset applied over it), apply overrides, build and validate."""
+    presets = []
+    if path is not None and not Path(path).is_file() and not Path(path).suffix and "/" not in str(path):
+        presets, path = preset_overrides(str(path)), None
     path = Path(path) if path is not None else DEFAULT_CONFIG
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
@@ -303,7 +329,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(
             f"config file {str(path)!r}: expected a mapping of sections, got {type(data).__name__}"
         )
-    data = apply_overrides(data, list(overrides or []))
+    data = apply_overrides(data, presets + list(overrides or []))
     config = _from_dict(TrainConfig, data, "")
     validate(config)
     return config
