@@ -69,7 +69,7 @@ def greedy_accuracy(model, tokenizer, task, items: list[dict], max_new_tokens: i
 
     out, cache = [], DynamicCache(config=model.config)
     for _ in range(max_new_tokens):  # with the KV cache: one new position per forward
-        ids = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        ids = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         out.append(ids)
     gen = torch.cat(out, dim=1).tolist()
     correct = 0

@@ -67,7 +67,7 @@ def test_long_checkpoint_starts_low_but_writes_the_format():
     out, cache = [], DynamicCache(config=model.config)
     with torch.no_grad():
         for _ in range(task.max_answer_tokens + 2):
-            ids = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            ids = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
             out.append(ids)
     rows = torch.cat(out, 1).tolist()
     texts = [tok.decode(r, skip_special_tokens=False).split("<eos>")[0] for r in rows]

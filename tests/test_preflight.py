@@ -176,3 +176,13 @@ def test_a_valid_model_folder_passes(tmp_path):
     preflight("hf:bf16", tmp_path / "m", role="sampler")
     preflight("hf", tmp_path / "m", role="learner")
     check_components(load_config(None, [f"model.path={tmp_path / 'm'}"]))
+
+
+def test_builtin_spellings_pass_and_an_unknown_one_is_named():
+    from rollcorr.engines.preflight import PreflightError, check_model_dir
+    from rollcorr.models.builtin import BUILTIN_MODELS
+
+    for name in BUILTIN_MODELS:
+        check_model_dir(name)  # each shipped checkpoint is a loadable folder
+    with pytest.raises(PreflightError, match="unknown built-in model 'builtin:nope'"):
+        check_model_dir("builtin:nope")

