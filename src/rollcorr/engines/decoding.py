@@ -52,6 +52,23 @@ def finished_rows(rollout: Rollout) -> Tensor:
     return torch.tensor([bool(m.get("finished", True)) for m in rollout.meta], dtype=torch.bool)
 
 
+def encode_prompts(tokenizer, prompts: Sequence[str] | Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
+    """Prompts (strings or token id lists) → token id lists with the tokenizer's own special-token rule (BOS
+    for Llama-style models; nothing for the built-in), each checked non-empty and inside [0, vocab_size)."""
+    if len(prompts) == 0:
+        raise ValueError("no prompts given")
+    rows = []
+    for i, p in enumerate(prompts):
+        ids = [int(t) for t in (tokenizer(p)["input_ids"] if isinstance(p, str) else p)]
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+        rows.append(ids)
+    return rows
+
+
 class DecodingSampler:
     """``generate`` / ``_resume`` on top of a backend's ``_decode``; see the module docstring."""
 

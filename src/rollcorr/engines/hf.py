@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from rollcorr.engines.base import SamplingParams, process_logits
-from rollcorr.engines.decoding import DecodingSampler, finished_rows, left_pad, right_pad  # noqa: F401
+from rollcorr.engines.decoding import DecodingSampler, encode_prompts, finished_rows, left_pad, right_pad  # noqa: F401
 from rollcorr.models.builtin import BUILTIN, load_model, resolve_dtype
 from rollcorr.rollout import Rollout
 
@@ -123,22 +123,7 @@ class HFSampler(DecodingSampler):
 
     def encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
         """Prompts (strings or token id lists) → token id lists, checked against the vocabulary."""
-        if len(prompts) == 0:
-            raise ValueError("no prompts given")
-        rows = []
-        for i, p in enumerate(prompts):
-            # the tokenizer's own special-token rule (BOS for Llama-style models; nothing for the built-in)
-            ids = self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p)
-            if not ids:
-                raise ValueError(f"prompt {i} is empty")
-            rows.append([int(t) for t in ids])
-        vocab = self.float_model.get_input_embeddings().weight.shape[0]
-        bad = [(i, t) for i, r in enumerate(rows) for t in r if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"prompt {bad[0][0]} has token id {bad[0][1]} outside the vocabulary [0, {vocab})"
-            )
-        return rows
+        return encode_prompts(self.tokenizer, prompts, self.float_model.get_input_embeddings().weight.shape[0])
 
     @torch.no_grad()
     def _decode(

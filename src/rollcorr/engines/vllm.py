@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from rollcorr.engines.base import SamplingParams
-from rollcorr.engines.decoding import DecodingSampler
+from rollcorr.engines.decoding import DecodingSampler, encode_prompts
 from rollcorr.rollout import Rollout
 
 WORKER_EXTENSION = "rollcorr.engines.vllm.RollcorrWorkerExtension"
@@ -274,22 +274,8 @@ class VLLMSampler(DecodingSampler):
     # ---- sampling -----------------------------------------------------------------------------------
 
     def encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
-        """Prompts (strings or token id lists) → token id lists, with the tokenizer's own special-token rule
-        (as the hf sampler encodes them), checked against the vocabulary."""
-        if len(prompts) == 0:
-            raise ValueError("no prompts given")
-        rows = []
-        for i, p in enumerate(prompts):
-            ids = self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p)
-            if not ids:
-                raise ValueError(f"prompt {i} is empty")
-            bad = [t for t in ids if not 0 <= int(t) < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
-                )
-            rows.append([int(t) for t in ids])
-        return rows
+        """Prompts → token id lists, encoded as the hf sampler encodes them (``decoding.encode_prompts``)."""
+        return encode_prompts(self.tokenizer, prompts, self.vocab_size)
 
     def generate(self, prompts, params: SamplingParams, **kwargs: Any) -> Rollout:
         """``DecodingSampler.generate``; ``log_kept_mass`` is None under top-k / top-p (vLLM does not report it)."""
