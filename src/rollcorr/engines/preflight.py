@@ -90,9 +90,9 @@ def check_model_dir(model_path: str | Path | None, gguf_file: str | None = None)
 
     With ``gguf_file`` the folder only has to hold that file (the weights, config and tokenizer are in it).
     """
-    if model_path is None or str(model_path) == BUILTIN:
+    if model_path is None:
         return
-    if str(model_path).startswith(f"{BUILTIN}:"):  # a shipped checkpoint: known name, and present
+    if str(model_path) == BUILTIN or str(model_path).startswith(f"{BUILTIN}:"):  # shipped: known and present
         try:
             directory = Path(builtin_path(model_path))
         except ValueError as err:

@@ -516,8 +516,9 @@ class Trainer:
                 self.proximal.wait()
         self.save()
         seconds = time.perf_counter() - start
-        if self.alerts.summary():
-            self.logger.message(self.alerts.summary())
+        summary = self.alerts.summary()
+        if summary:
+            self.logger.message(summary)
         if t.plot:
             from rollcorr.train.logging import read_metrics
             from rollcorr.train.plots import plot_run
