@@ -7,7 +7,7 @@ from torch import Tensor
 
 from rollcorr.correction.ratios import check_binary_mask
 from rollcorr.losses.aggregation import aggregate
-from rollcorr.losses.common import clamped_ratio, masked_mean
+from rollcorr.losses.is_weighted import IS_WEIGHTED, is_loss_weights
 from rollcorr.losses.oapl import oapl_loss
 from rollcorr.losses.ppo import clip_cov_loss, kl_cov_loss, ppo_clip_loss
 from rollcorr.losses.registry import LossConfig
@@ -124,19 +124,8 @@ def policy_loss(
     if name in ("ppo_clip", "ppo_is", "vanilla_is", "tis", "areal"):
         anchor = rollout_log_prob if name == "ppo_is" else old_log_prob
         w = weights
-        if name in ("vanilla_is", "tis", "areal"):
-            with torch.no_grad():
-                _, rho = clamped_ratio(old_log_prob, rollout_log_prob)
-                if name == "tis":
-                    w = rho.clamp(min=config.tis_floor, max=config.tis_cap)
-                elif name == "areal":
-                    w = torch.where(rho <= config.areal_cap, rho, torch.zeros_like(rho))
-                    metrics["actor/areal_capped_fraction"] = masked_mean(
-                        (rho > config.areal_cap).to(rho.dtype), response_mask
-                    )
-                else:
-                    w = rho
-                metrics["actor/is_weight_mean"] = masked_mean(w, response_mask)
+        if name in IS_WEIGHTED:
+            w, metrics = is_loss_weights(config, old_log_prob, rollout_log_prob, response_mask)
         loss, m = ppo_clip_loss(
             log_prob,
             anchor,
