@@ -1,8 +1,8 @@
 """Apply a correction config to a dump and explain it: diagnostics, what is rejected and why, bad rows.
 
-``analyze(dump, config)`` runs ``compute_correction`` once for the weights, mask and metrics, then re-runs each
-rule of the config on its own through the correction library's rule functions (``rollcorr.correction.
-rejection``) to say which rule removed which sequence or token, with the statistic and the threshold. The
+``analyze(dump, config)`` runs ``compute_correction`` once for the weights, mask and metrics, then takes the
+config's rules one by one from the list ``compute_correction`` ANDs (``rollcorr.correction.rejection.
+rejection_rules``) to say which rule removed which sequence or token, with the statistic and the threshold. The
 union of the findings is checked against the mask ``compute_correction`` returned.
 """
 
@@ -26,7 +26,7 @@ from rollcorr.analyze.dumps import Dump
 from rollcorr.config.correction import CorrectionConfig
 from rollcorr.correction import compute_correction, metrics_to_floats
 from rollcorr.correction.ratios import kl_stats, make_tokens
-from rollcorr.correction.rejection import opsm_keep, rs_option, rs_statistic, trm_keep, veto_keep
+from rollcorr.correction.rejection import rejection_rules
 from rollcorr.correction.weights import apply_threshold, raw_weights
 
 PREFIX = "rollout_corr/"
@@ -294,83 +294,32 @@ def explain(
         observed = _spread(values, tok.mask)
         rules.append(RuleSummary(rule, statistic, threshold, "token", effect, hit_rows, len(idx), observed))
 
-    for option, threshold in zip(config.rs, config.rs_thresholds):
-        r = rs_option(option, threshold, rs_statistic(option, tok), tok)
-        if option.endswith("k1"):  # statistic space k1 = −log ρ → show ratios
-            lo, hi = _exp(-r.upper), _exp(-r.lower)
-            convert = lambda x: torch.exp(-x)  # noqa: E731
+    for rule in rejection_rules(config, tok, k3=k3, advantages=dump.advantages):
+        name, drop = rule.rule, ~rule.row_keep if rule.row_keep is not None else ~rule.token_keep
+        if rule.rs is not None:
+            r = rule.rs
+            if name.endswith("k1"):  # statistic space k1 = −log ρ → show ratios
+                lo, hi = _exp(-r.upper), _exp(-r.lower)
+                shown = torch.exp(-rule.stat)
+            else:
+                lo, hi, shown = None, r.upper, rule.stat
+            if r.token_keep is not None:
+                add_tokens(name, STATISTICS[name], _window(lo, hi), drop, shown, lo, hi)
+            else:
+                add_rows(name, STATISTICS[name], _window(lo, hi), drop, shown, lo, hi)
+        elif rule.flags is not None:  # veto: the row's smallest (floor) or largest (ceiling) ρ_t
+            floor = rule.lower is not None
+            ell = rule.stat.masked_fill(~tok.mask, math.inf if floor else -math.inf)
+            value, pos = ell.min(dim=-1) if floor else ell.max(dim=-1)
+            lo, hi = (rule.threshold, None) if floor else (None, rule.threshold)
+            statistic, window = ("min ρ_t", f"≥ {_fmt(lo)}") if floor else ("max ρ_t", f"≤ {_fmt(hi)}")
+            add_rows(name, statistic, window, drop, value.exp(), lo, hi, positions=pos.tolist())
+        elif name == "trm_max_k2":
+            pos = k2.masked_fill(~tok.mask, -1.0).argmax(dim=-1).tolist()
+            add_rows(name, "max ½ℓ²", f"≤ {_fmt(rule.upper)}", drop, rule.stat, None, rule.upper, positions=pos)
         else:
-            lo, hi = None, r.upper
-            convert = lambda x: x  # noqa: E731
-        window = _window(lo, hi)
-        if r.token_keep is not None:
-            add_tokens(option, STATISTICS[option], window, ~r.token_keep, convert(r.token_stat), lo, hi)
-        else:
-            add_rows(option, STATISTICS[option], window, ~r.row_keep, convert(r.row_stat), lo, hi)
-
-    lr_min = tok.log_ratio.masked_fill(~tok.mask, math.inf)
-    lr_max = tok.log_ratio.masked_fill(~tok.mask, -math.inf)
-    if config.veto_threshold is not None:
-        keep, _ = veto_keep(tok, config.veto_threshold, None)
-        value, pos = lr_min.min(dim=-1)
-        add_rows(
-            "veto",
-            "min ρ_t",
-            f"≥ {_fmt(config.veto_threshold)}",
-            ~keep,
-            value.exp(),
-            config.veto_threshold,
-            None,
-            positions=pos.tolist(),
-        )
-    if config.veto_upper is not None:
-        keep, _ = veto_keep(tok, None, config.veto_upper)
-        value, pos = lr_max.max(dim=-1)
-        add_rows(
-            "veto_upper",
-            "max ρ_t",
-            f"≤ {_fmt(config.veto_upper)}",
-            ~keep,
-            value.exp(),
-            None,
-            config.veto_upper,
-            positions=pos.tolist(),
-        )
-    if config.trm_max_k2 is not None:
-        keep, row_max_k2, _ = trm_keep(k2, k3, tok, config.trm_max_k2, None)
-        pos = k2.masked_fill(~tok.mask, -1.0).argmax(dim=-1).tolist()
-        add_rows(
-            "trm_max_k2",
-            "max ½ℓ²",
-            f"≤ {_fmt(config.trm_max_k2)}",
-            ~keep,
-            row_max_k2,
-            None,
-            config.trm_max_k2,
-            positions=pos,
-        )
-    if config.trm_mean_k3 is not None:
-        keep, _, row_mean_k3 = trm_keep(k2, k3, tok, None, config.trm_mean_k3)
-        add_rows(
-            "trm_mean_k3",
-            "mean k3",
-            f"≤ {_fmt(config.trm_mean_k3)}",
-            ~keep,
-            row_mean_k3,
-            None,
-            config.trm_mean_k3,
-        )
-    if config.opsm_delta is not None:
-        keep, div = opsm_keep(tok.rollout, tok.old, dump.advantages, tok, config.opsm_delta)
-        add_rows(
-            "opsm",
-            "mean(log μ − log π_θ), A<0",
-            f"≤ {_fmt(config.opsm_delta)}",
-            ~keep,
-            div,
-            None,
-            config.opsm_delta,
-        )
+            statistic = "mean k3" if name == "trm_mean_k3" else "mean(log μ − log π_θ), A<0"
+            add_rows(name, statistic, f"≤ {_fmt(rule.upper)}", drop, rule.stat, None, rule.upper)
 
     if config.is_level is not None and config.is_mode == "mask" and weights is not None:
         raw, row_log = raw_weights(tok, config.is_level, config.safety_bound)
