@@ -19,7 +19,7 @@ from rollcorr.engines import SamplingParams, make_sampler
 from rollcorr.tasks import make_task
 from rollcorr.train.checkpoint import latest_checkpoint, load_checkpoint
 from rollcorr.train.config import load_config
-from rollcorr.train.executors import RolloutSource
+from rollcorr.train.executors import RolloutSource, finished
 from rollcorr.train.loop import Trainer, run
 
 pytestmark = pytest.mark.usefixtures("alternating_rewards")
@@ -135,12 +135,12 @@ def test_partial_rollout_resumes_with_new_weights_and_keeps_token_versions(addit
     task = make_task("addition:2")
     params = SamplingParams(max_new_tokens=6, temperature=1.0)
     source = RolloutSource(sampler, task, sampler.tokenizer, params, prompts_per_step=3, group_size=2, seed=0)
-    part = source.generate(0, max_steps=1)  # one token each, then a weight update
-    assert not source.finished(part)
+    part = source.sample(0, max_steps=1)  # one token each, then a weight update
+    assert not finished(part) and part.rewards is None
     new = {k: v.float() * 1.01 for k, v in sampler.float_model.state_dict().items()}
     source.load_weights(new, 1)
-    done = source.resume(0, part)
-    assert source.finished(done)
+    done = source.sample(0, part)
+    assert finished(done) and done.rewards is not None
     mask = done.response_mask.bool()
     assert torch.equal(done.response_ids[:, :1], part.response_ids[:, :1])  # the prefix is kept
     assert bool((done.version[:, 0] == 0).all())  # first token: version 0

@@ -339,10 +339,10 @@ class Trainer:
         self, config: TrainConfig, state: dict[str, Any] | None, resumed: bool, notes: list[str]
     ) -> None:
         """Models, optimizer, executor, evaluator, logger; then the checkpoint's state when resuming."""
-        from rollcorr.engines import SamplingParams, make_learner, make_sampler
+        from rollcorr.engines import make_learner, make_sampler
         from rollcorr.tasks import make_task
         from rollcorr.train.eval import GreedyEvaluator
-        from rollcorr.train.executors import RolloutSource, make_executor
+        from rollcorr.train.executors import make_executor
         from rollcorr.train.logging import RunLogger
 
         t, r = config.trainer, config.rollout
@@ -351,32 +351,23 @@ class Trainer:
 
         self.learner = make_learner(config.model.learner, model_path)
         self.learner.model.train(False)  # no dropout: the learner scores exactly what it trains
-        sampler = make_sampler(config.model.sampler, model_path)
         o = config.optim
         self.optimizer = torch.optim.AdamW(
             [p for p in self.learner.model.parameters() if p.requires_grad],
             lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
         )  # fmt: skip
         self.task = make_task(config.task.name)
-        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
-                                top_p=r.top_p, seed=t.seed)  # fmt: skip
-        source = RolloutSource(sampler, self.task, self.learner.tokenizer, params, r.prompts_per_step,
-                               r.group_size, t.seed)  # fmt: skip
-        if t.executor == "ray":  # sampler workers in Ray actors, same executor surface
-            from rollcorr.train.ray_executor import make_ray_executor
-
-            self.executor = make_ray_executor(config)
-        else:
-            self.executor = make_executor(t.mode, source, lag=t.lag, max_staleness=t.max_staleness,
-                                          queue_size=t.queue_size, partial_rollouts=t.partial_rollouts,
-                                          chunk_tokens=t.partial_chunk_tokens)  # fmt: skip
+        # the sampler is built where it runs: here (sync, simulated_async), in a sampler process (async) or in
+        # Ray actors (trainer.executor=ray)
+        self.executor = make_executor(config)
         # old_logit_model follows the *sampler's* weights (which lag the learner's in the async modes): it gets
         # each version when the sampler loads it, and scores every chunk as soon as it is generated
         self.follows_sampler = hasattr(self.proximal, "submit")
         if self.follows_sampler:
             scratch = copy.deepcopy(self.learner.model)
+            source = self.executor.source  # a local executor (check_components refuses Ray)
 
-            def sampler_loaded(version: int, weights) -> None:
+            def sampler_loaded(weights, version: int) -> None:
                 scratch.load_state_dict(weights)
                 self.proximal.on_publish(version, scratch)
 
@@ -452,11 +443,14 @@ class Trainer:
             return {}
         return self.evaluator(self.learner.model.state_dict(), self.version)
 
-    def _publish(self) -> None:
+    def _publish(self) -> float:
+        """Weights of the new version to the π_old strategy and the executor; returns the seconds it took."""
+        start = time.perf_counter()
         if publishes(self.config, self.version):
             if not self.follows_sampler:
                 self.proximal.on_publish(self.version, self.learner.model)
-            self.executor.publish(self.version, self.learner.model.state_dict())
+            self.executor.publish(self.learner.model.state_dict(), self.version)
+        return time.perf_counter() - start
 
     def _on_signal(self, signum: int, _frame) -> None:
         """First SIGINT/SIGTERM: finish the current step, save a checkpoint, stop. A second one: stop now."""
@@ -486,7 +480,7 @@ class Trainer:
             if self.step == 0:
                 if not self.follows_sampler:
                     self.proximal.on_publish(0, self.learner.model)
-                self.executor.start(0, self.learner.model.state_dict())
+                self.executor.start(self.learner.model.state_dict(), 0)
                 ev = self._evaluate()
                 self.initial_accuracy = ev.get("eval/accuracy")
                 self.logger.log(0, ev, advance=False)
@@ -547,7 +541,7 @@ class Trainer:
         metrics["proximal/stall_s"] = float(stall or 0.0)
         self.step += 1
         self.version += 1
-        self._publish()
+        metrics["time/publish_s"] = self._publish()
         self.executor.resume()
 
         if result.skipped_updates:

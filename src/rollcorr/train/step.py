@@ -329,9 +329,12 @@ def train_step(
     metrics = {**reward_metrics(rollout), **version_lag(rollout, version)}
 
     # π_old by the chosen strategy (timed, with its memory cost and, when measurable, its error)
+    start = time.perf_counter()
     prox = proximal.old_log_prob(rollout, learner, version)
     rollout = rollout.replace(old_log_prob=prox.old_log_prob)
     metrics.update(prox.to_metrics("proximal/"))
+    metrics["time/old_log_prob_s"] = time.perf_counter() - start
+    start = time.perf_counter()  # time/correction_s: log π_θ if needed, the correction, the advantages
 
     # log π_θ before the update, when the correction or the factor metrics need it (free under recompute)
     bypass = algo.correction.mode == "bypass"
@@ -369,6 +372,7 @@ def train_step(
             rollout.rollout_log_prob, rollout.old_log_prob, current, rollout.response_mask
         )
         metrics.update({f"factors/{k}": v for k, v in factors.items()})
+    metrics["time/correction_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
     opt_metrics, applied, skipped = optimize(
