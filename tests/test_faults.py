@@ -181,20 +181,26 @@ def test_huge_learning_rate_is_a_bad_step_and_no_nan_is_saved(tmp_path, addition
     assert lines(result.run_dir)[-1]["train/nonfinite_weight_steps"] == 1.0
 
 
-def test_finite_step_restores_weights_and_optimizer_state():
-    from rollcorr.train.step import finite_step
+def test_guarded_step_restores_weights_and_optimizer_state():
+    from rollcorr.train.step import GuardedStep
 
-    p = torch.nn.Parameter(torch.ones(3))
-    opt = torch.optim.AdamW([p], lr=1e-2)
+    p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([p, q], lr=1e-2)
+    step = GuardedStep(opt, [p, q])
     p.grad = torch.ones(3)
-    assert finite_step(opt, [p])
+    assert step()  # q has no gradient: no optimizer state yet
     saved_p, saved_state = p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}
+    for _ in range(2):  # the buffers are reused: a second undone step restores the same state again
+        for group in opt.param_groups:
+            group["lr"] = float("inf")
+        p.grad, q.grad = torch.ones(3), torch.ones(2)
+        assert not step()
+        assert torch.equal(p.detach(), saved_p) and torch.equal(q.detach(), torch.ones(2))
+        assert all(torch.equal(opt.state[p][k], v) for k, v in saved_state.items())
+        assert q not in opt.state or not opt.state[q]  # its first step was undone: no state again
     for group in opt.param_groups:
-        group["lr"] = float("inf")
-    p.grad = torch.ones(3)
-    assert not finite_step(opt, [p])
-    assert torch.equal(p.detach(), saved_p)
-    assert all(torch.equal(opt.state[p][k], v) for k, v in saved_state.items())
+        group["lr"] = 1e-2
+    assert step() and torch.isfinite(q).all() and not torch.equal(q.detach(), torch.ones(2))
 
 
 # ---------------------------------------------------------------- resume: checked first, never worse

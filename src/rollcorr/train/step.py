@@ -12,7 +12,6 @@ The learner's weight version does not change inside ``train_step``: the caller p
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -221,6 +220,7 @@ def optimize(
     token_level = algo.loss.agg_mode in ("token-mean", "token-sum") and not per_sequence
     sums: dict[str, float] = {}
     applied = skipped = zero_grad_skips = zero_grads = nonfinite_weights = 0
+    guarded_step = GuardedStep(optimizer, params)
     for _epoch in range(algo.ppo_epochs):
         for rows in _mini_batch_indices(rollout, algo.mini_batches):
             mini = renormalize(rollout.select(rows), algo, "mini_batch")
@@ -259,7 +259,7 @@ def optimize(
                 # momentum m/√v (and v keeps decaying, which inflates the next real step): skip it entirely.
                 zero_grad_skips += 1
                 continue
-            if not finite_step(optimizer, params):  # weights would turn NaN/inf: undone, a bad step
+            if not guarded_step():  # weights would turn NaN/inf: undone, a bad step
                 skipped += 1
                 nonfinite_weights += 1
                 continue
@@ -277,27 +277,64 @@ def optimize(
     return metrics, applied, skipped
 
 
-def finite_step(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> bool:
+class GuardedStep:
     """``optimizer.step()``, undone (weights and optimizer state restored) if a weight became unusable.
 
     A finite loss and gradient can still give unusable weights (lr = 1e30; fp16 AdamW, whose eps rounds to 0),
     and those must never be published or checkpointed. Unusable: NaN/inf, or so large that its square
     overflows the dtype (|w| > √max, 1.8e19 in fp32), since every norm or dot product with it is then inf.
-    Costs one copy of the weights and optimizer state and one max-abs pass (one sync) per optimizer step.
+    Before each step the weights and the optimizer's state tensors are copied (``copy_``) into buffers
+    allocated once, then one max-abs pass (one sync) checks the result; no deep copy, no state_dict.
     """
-    before = [p.detach().clone() for p in params]
-    state = copy.deepcopy(optimizer.state_dict())
-    optimizer.step()
-    with torch.no_grad():
-        largest = torch.stack(
-            [p.detach().abs().amax().float() / math.sqrt(torch.finfo(p.dtype).max) for p in params]
-        )
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[Tensor]) -> None:
+        self.optimizer, self.params = optimizer, params
+        self._weights = [torch.empty_like(p) for p in params]
+        self._state: dict[tuple[int, str], Tensor] = {}  # (param index, state key) → buffer
+        self._limits = [math.sqrt(torch.finfo(p.dtype).max) for p in params]
+
+    def _save_state(self) -> list[dict | None]:
+        """Per param: its optimizer state with every tensor copied into its buffer (None: no state yet)."""
+        saved: list[dict | None] = []
+        for i, p in enumerate(self.params):
+            state = self.optimizer.state.get(p)
+            if not state:
+                saved.append(None)
+                continue
+            entry = {}
+            for key, value in state.items():
+                if isinstance(value, Tensor):
+                    buf = self._state.get((i, key))
+                    if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
+                        buf = self._state[(i, key)] = torch.empty_like(value)
+                    buf.copy_(value)
+                    value = buf
+                entry[key] = value
+            saved.append(entry)
+        return saved
+
+    @torch.no_grad()
+    def __call__(self) -> bool:
+        """Take the step; False (and nothing changed) if a weight became unusable."""
+        for buf, p in zip(self._weights, self.params):
+            buf.copy_(p)
+        saved = self._save_state()
+        self.optimizer.step()
+        largest = torch.stack([p.abs().amax().float() / lim for p, lim in zip(self.params, self._limits)])
         if bool(largest.max() <= 1.0):  # NaN compares False
             return True
-        for p, saved in zip(params, before):
-            p.copy_(saved)
-    optimizer.load_state_dict(state)
-    return False
+        for p, buf, entry in zip(self.params, self._weights, saved):
+            p.copy_(buf)
+            if entry is None:
+                self.optimizer.state.pop(p, None)
+                continue
+            state = self.optimizer.state[p]
+            for key, value in entry.items():
+                if isinstance(value, Tensor):
+                    state[key].copy_(value)
+                else:
+                    state[key] = value
+        return False
 
 
 def _grad_norm(params: list[Tensor], max_norm: float) -> float:
