@@ -1,7 +1,8 @@
 """The ``hf`` backend: transformers models as sampler (own KV-cache decode loop) and learner.
 
-Sampler: left-padded prompts, position ids from the attention mask, a ``DynamicCache``; at each step the
-last logits go through ``process_logits`` (temperature → top-k → top-p, docs/spec.md §8), a token is drawn from the
+Sampler: left-padded prompts, position ids from the attention mask, a KV cache (``engines/kvdecode.py``: a
+static pre-allocated one with each distinct prompt prefilled once for Llama-family models, else transformers'
+``DynamicCache``; ``fast_decode=False`` forces the latter); at each step the last logits go through ``process_logits`` (temperature → top-k → top-p, docs/spec.md §8), a token is drawn from the
 processed distribution with a seeded ``torch.Generator``, and log μ of that token plus the log kept mass are
 recorded. Rows stop at EOS. Dtype float32 / bfloat16 / float16, attention eager / sdpa, or int8 dynamic
 quantisation of every ``nn.Linear`` (float32 activations, int8 weights).
@@ -22,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rollcorr.engines.base import SamplingParams, process_logits
 from rollcorr.engines.decoding import DecodingSampler, encode_prompts, finished_rows, left_pad, right_pad  # noqa: F401
+from rollcorr.engines.kvdecode import make_decoder, positions_from_mask
 from rollcorr.models.builtin import BUILTIN, load_model, resolve_dtype
 from rollcorr.rollout import Rollout
 
@@ -46,11 +48,6 @@ def quantize_int8(model: nn.Module) -> nn.Module:
         return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=False)
 
 
-def positions_from_mask(mask: Tensor) -> Tensor:
-    """Position ids for a left-padded batch: 0 at each row's first real token, (B, L) int64."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
 class HFSampler(DecodingSampler):
     """Sampler on a transformers causal LM. ``version`` is the weight version it holds (starts at 0)."""
 
@@ -62,6 +59,7 @@ class HFSampler(DecodingSampler):
         quant: str | None = None,
         device: str | torch.device | None = None,
         version: int = 0,
+        fast_decode: bool = True,
     ) -> None:
         if quant not in QUANTIZATIONS:
             raise ValueError(f"unknown quantisation {quant!r}; use one of {QUANTIZATIONS}")
@@ -84,6 +82,7 @@ class HFSampler(DecodingSampler):
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id
         self.version = int(version)
+        self.fast_decode = fast_decode  # False: decode through model(...) with a DynamicCache (the reference)
 
     def __repr__(self) -> str:
         kind = self.quant or str(self.dtype).removeprefix("torch.")
@@ -138,34 +137,21 @@ class HFSampler(DecodingSampler):
         A row finishes at EOS (kept as its last token) or when it has ``budgets[i]`` new tokens. The
         generator is seeded with ``params.seed`` (None = nondeterministic).
         """
-        from transformers import DynamicCache
-
-        model, dev = self.model, self.device
+        dev = self.device
         gen = torch.Generator(device=dev)
         if params.seed is not None:
             gen.manual_seed(params.seed)
         else:
             gen.seed()
 
-        ids, mask = left_pad(contexts, self.pad_id, dev)
-        b = ids.shape[0]
+        b = len(contexts)
         budget = torch.as_tensor(budgets, device=dev)
-        cache = DynamicCache(config=model.config)
-        pos = positions_from_mask(mask)
-        out = model(
-            input_ids=ids,
-            attention_mask=mask.long(),
-            position_ids=pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        logits = out.logits[:, -1]
-        last_pos = pos[:, -1]
+        limit = max(budgets) if max_steps is None else min(max(budgets), max_steps)
+        decoder = make_decoder(self.model, dev, fast=self.fast_decode)
+        logits = decoder.start(contexts, self.pad_id, limit)
 
         active = torch.ones(b, dtype=torch.bool, device=dev)  # still generating
         steps_tok, steps_lp, steps_lk, steps_valid = [], [], [], []
-        limit = max(budgets) if max_steps is None else min(max(budgets), max_steps)
         for step in range(limit):
             log_mu, log_kept = process_logits(logits, params)
             if params.greedy:
@@ -180,16 +166,7 @@ class HFSampler(DecodingSampler):
             active = active & (tok != self.eos_id) & (step + 1 < budget)
             if not bool(active.any()) or step + 1 == limit:
                 break
-            mask = torch.cat([mask, active[:, None]], dim=1)
-            last_pos = last_pos + 1
-            out = model(
-                input_ids=tok[:, None],
-                attention_mask=mask.long(),
-                position_ids=last_pos[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            )
-            logits = out.logits[:, -1]
+            logits = decoder.step(tok, active)
 
         tok = torch.stack(steps_tok, 1).cpu()
         valid = torch.stack(steps_valid, 1).cpu()
