@@ -213,6 +213,22 @@ def test_static_kv_decode_matches_the_transformers_path(spec):
     assert not isinstance(make_decoder(make_sampler("hf:fp32:sdpa").model, s.device), StaticKVDecoder)
 
 
+def test_shared_prompt_scoring_matches_one_full_forward(sampler):
+    """The learner's prompt-sharing path (each distinct prompt once) gives the log-probs, entropies and
+    gradients of one full forward through the transformers model, for prompts of two lengths."""
+    r = sampler.generate(["7+5="] + PROMPTS[:5], SamplingParams(max_new_tokens=6, seed=9), n=4)
+    results = {}
+    for share in (False, True):
+        scorer = make_learner("hf")
+        scorer.share_prompts = share
+        lp, ent = scorer.log_prob(r, grad=True, with_entropy=True, temperature=0.8)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        results[share] = lp.detach(), ent.detach(), [p.grad for p in scorer.parameters()]
+    (lp0, ent0, g0), (lp1, ent1, g1) = results[False], results[True]
+    assert torch.allclose(lp0, lp1, atol=1e-5, rtol=0) and torch.allclose(ent0, ent1, atol=1e-5, rtol=0)
+    assert all(torch.allclose(a, b, atol=1e-5 * float(a.abs().max()), rtol=0) for a, b in zip(g0, g1))
+
+
 def test_learner_entropy_chunks_and_grad(learner, sampler):
     r = sampler.generate(PROMPTS[:4], SamplingParams(max_new_tokens=6, seed=4), n=2)
     lp, ent = learner.log_prob(r, with_entropy=True)

@@ -7,7 +7,8 @@ processed distribution with a seeded ``torch.Generator``, and log μ of that tok
 recorded. Rows stop at EOS. Dtype float32 / bfloat16 / float16, attention eager / sdpa, or int8 dynamic
 quantisation of every ``nn.Linear`` (float32 activations, int8 weights).
 
-Learner: full-sequence forwards over prompt + response, log-softmax at the response tokens (logits / the
+Learner: full-sequence forwards over prompt + response (Llama-family models: each distinct prompt run once
+and its keys/values shared by the responses to it, ``kvdecode.prefix_shared_hidden``), log-softmax at the response tokens (logits / the
 sampling temperature), optional entropy, lm-head applied in chunks of response positions.
 """
 
@@ -23,7 +24,13 @@ from torch.utils.checkpoint import checkpoint
 
 from rollcorr.engines.base import SamplingParams, process_logits
 from rollcorr.engines.decoding import DecodingSampler, encode_prompts, finished_rows, left_pad, right_pad  # noqa: F401
-from rollcorr.engines.kvdecode import make_decoder, positions_from_mask
+from rollcorr.engines.kvdecode import (
+    LlamaBlocks,
+    make_decoder,
+    positions_from_mask,
+    prefix_shared_hidden,
+    static_kv_supported,
+)
 from rollcorr.models.builtin import BUILTIN, load_model, resolve_dtype
 from rollcorr.rollout import Rollout
 
@@ -192,6 +199,7 @@ class HFLearner:
         attn: str = "eager",
         device: str | torch.device | None = None,
         chunk_size: int = 1024,
+        share_prompts: bool = True,
     ) -> None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be ≥ 1, got {chunk_size}")
@@ -201,6 +209,9 @@ class HFLearner:
         model, self.tokenizer = load_model(model_path, dtype=self.dtype, attn=attn)
         self.model = model.to(self.device)
         self.chunk_size = chunk_size
+        # Llama-family models with eager attention: score through LlamaBlocks with shared prompts
+        # (share_prompts=False: one full forward through the transformers model, the reference)
+        self.share_prompts = share_prompts
 
     def __repr__(self) -> str:
         return f"HFLearner({self.model_path!r}, {str(self.dtype).removeprefix('torch.')})"
@@ -225,7 +236,7 @@ class HFLearner:
         """log π(y_t) (B, T) float32 of the response tokens, 0 on padding [, entropy (B, T)].
 
         Input: a Rollout or (prompt_ids (B, P) left-padded, prompt_mask, response_ids (B, T) right-padded,
-        response_mask). One forward over prompt + response; the logits predicting y_t sit at position
+        response_mask). One forward over prompt + response (shared prompts: see the module docstring); the logits predicting y_t sit at position
         P − 1 + t. log π = log_softmax(logits / temperature) (temperature 0 = greedy sampling, scored at 1).
         The lm-head and softmax run over ``chunk_size`` response positions at a time (recomputed in the
         backward pass when ``grad``), so the (B, T, V) logits never exist at once.
@@ -242,14 +253,17 @@ class HFLearner:
             raise ValueError("empty prompt: the first response token has no context to be scored from")
 
         with torch.set_grad_enabled(grad):
-            body = self.model.get_decoder()
-            hidden = body(
-                input_ids=ids,
-                attention_mask=mask.long(),
-                position_ids=positions_from_mask(mask),
-                use_cache=False,
-            ).last_hidden_state
-            hidden = hidden[:, p - 1 : p - 1 + t]  # (B, T, H): the states that predict the response tokens
+            if self.share_prompts and static_kv_supported(self.model):  # (self.model may be swapped in)
+                hidden = prefix_shared_hidden(LlamaBlocks(self.model), ids, mask, p)
+            else:
+                body = self.model.get_decoder()
+                hidden = body(
+                    input_ids=ids,
+                    attention_mask=mask.long(),
+                    position_ids=positions_from_mask(mask),
+                    use_cache=False,
+                ).last_hidden_state
+                hidden = hidden[:, p - 1 : p - 1 + t]  # (B, T, H): the states that predict the response tokens
             head = self.model.get_output_embeddings()
             targets = response_ids.to(dev)
 

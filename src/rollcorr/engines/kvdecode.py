@@ -65,15 +65,15 @@ def static_kv_supported(model: nn.Module) -> bool:
     return "dynamic" not in rope and "longrope" not in rope
 
 
-class StaticKVDecoder:
-    """Llama-family decode with a pre-allocated KV cache; see the module docstring.
+class LlamaBlocks:
+    """The layers of a Llama-family causal LM (qwen2, llama; eager attention) run by hand.
 
-    Cache per layer: keys and values (B, kv_heads, P + max_new_tokens, head_dim) in the model's dtype, filled
-    column by column; ``mask`` (B, P + max_new_tokens) marks the columns a row may attend to.
+    ``forward`` runs tokens through every layer; ``kv(layer index, k, v)`` decides which keys and values they
+    attend to (a static cache, or a shared prompt prefix + their own), so the decoder and the learner share one
+    layer rule. The attention is transformers' eager one (see the module docstring).
     """
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
-        self.model, self.device = model, device
+    def __init__(self, model: nn.Module) -> None:
         body = model.model
         self.embed, self.layers, self.norm, self.head = body.embed_tokens, list(body.layers), body.norm, model.lm_head
         self.rotary = body.rotary_emb
@@ -81,14 +81,14 @@ class StaticKVDecoder:
         self.head_dim, self.groups, self.scaling = attn.head_dim, attn.num_key_value_groups, attn.scaling
         self.kv_heads = model.config.num_key_value_heads
         self.dtype = self.embed.weight.dtype
+        self.cos = self.sin = torch.empty(0)
 
-    # ---- pieces ------------------------------------------------------------------------------------
-
-    def _rope_tables(self, length: int) -> None:
+    def rope(self, length: int, device: torch.device) -> None:
         """cos/sin (length, head_dim) for positions 0 … length − 1, from the model's own rotary module."""
-        positions = torch.arange(length, device=self.device)[None]
-        probe = torch.empty(0, dtype=self.dtype, device=self.device)
-        cos, sin = self.rotary(probe, positions)
+        if self.cos.shape[0] >= length and self.cos.device == device:
+            return
+        positions = torch.arange(length, device=device)[None]
+        cos, sin = self.rotary(torch.empty(0, dtype=self.dtype, device=device), positions)
         self.cos, self.sin = cos[0], sin[0]
 
     @staticmethod
@@ -97,26 +97,29 @@ class StaticKVDecoder:
         half = x.shape[-1] // 2
         return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
-    def _forward(self, ids: Tensor, pos: Tensor, col: int, bias: Tensor) -> Tensor:
-        """Run tokens ``ids`` (B, L) at positions ``pos`` (B, L) into cache columns col … col + L − 1.
+    def bias(self, allowed: Tensor) -> Tensor:
+        """Boolean (…, L_q, L_k) → the additive attention mask: 0 where allowed, the dtype's min elsewhere."""
+        zero = torch.zeros((), dtype=self.dtype, device=allowed.device)
+        return torch.where(allowed, zero, torch.finfo(self.dtype).min)
 
-        ``bias`` (B, 1, L, col + L): the additive attention mask (0 allowed, dtype min masked). Returns the
-        final-norm hidden state of the last position (B, H).
+    def forward(self, ids: Tensor, pos: Tensor, bias: Tensor, kv) -> Tensor:
+        """Tokens ``ids`` (B, L) at positions ``pos`` (B, L) → final-norm hidden states (B, L, H).
+
+        ``bias`` (B, 1, L, K) masks the K keys that ``kv(i, k, v)`` returns for layer i from the new keys and
+        values k, v (B, kv_heads, L, head_dim).
         """
         b, length = ids.shape
+        self.rope(int(pos.max()) + 1, ids.device)
         h = self.embed(ids)
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
-        end = col + length
-        for layer, (k_cache, v_cache) in zip(self.layers, self.cache):
+        for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q = attn.q_proj(x).view(b, length, -1, self.head_dim).transpose(1, 2)
             k = attn.k_proj(x).view(b, length, -1, self.head_dim).transpose(1, 2)
             v = attn.v_proj(x).view(b, length, -1, self.head_dim).transpose(1, 2)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            k_cache[:, :, col:end] = k
-            v_cache[:, :, col:end] = v
-            keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
+            keys, values = kv(i, k, v)
             if self.groups > 1:
                 keys = keys.repeat_interleave(self.groups, dim=1)
                 values = values.repeat_interleave(self.groups, dim=1)
@@ -125,49 +128,108 @@ class StaticKVDecoder:
             out = torch.matmul(weights, values).transpose(1, 2).reshape(b, length, -1)
             h = h + attn.o_proj(out)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h[:, -1])
+        return self.norm(h)
 
-    # ---- the decoder surface -----------------------------------------------------------------------
+
+def distinct_rows(rows: Sequence[Sequence[int]] | Tensor) -> tuple[list[int], Tensor]:
+    """(index of each distinct row's first occurrence, (B,) index of every row's distinct row)."""
+    first: dict[tuple, int] = {}
+    keys = [tuple(r.tolist() if isinstance(r, Tensor) else r) for r in rows]
+    order = []
+    for i, key in enumerate(keys):
+        if key not in first:
+            first[key] = len(first)
+            order.append(i)
+    return order, torch.tensor([first[key] for key in keys])
+
+
+def prefix_shared_hidden(blocks: LlamaBlocks, ids: Tensor, mask: Tensor, p: int) -> Tensor:
+    """Final-norm hidden states (B, T, H) predicting tokens p … p + T − 1 of ``ids`` (B, p + T), with each
+    distinct prompt (``ids[:, :p]`` and its mask) run once and its keys/values shared by the rows that have it.
+
+    Equal, up to float rounding, to a full forward's states at positions p − 1 … p + T − 2 (gradients flow
+    into the shared prompt through the row copies).
+    """
+    order, rows = distinct_rows(torch.cat([ids[:, :p], mask[:, :p].long()], 1))
+    rows = rows.to(ids.device)
+    pos = positions_from_mask(mask)
+    prompt_ids, prompt_mask, prompt_pos = ids[order, :p], mask[order, :p], pos[order, :p]
+    causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
+    prefix_kv: list[tuple[Tensor, Tensor]] = []
+
+    def keep(_i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        prefix_kv.append((k, v))
+        return k, v
+
+    prompt_h = blocks.forward(prompt_ids, prompt_pos, blocks.bias((prompt_mask[:, None, :] & causal)[:, None]), keep)
+    t = ids.shape[1] - p
+    if t <= 1:
+        return prompt_h[rows, -1:][:, :t]
+    full = ids.shape[1]
+    allowed = mask[:, None, :] & torch.ones(full, full, dtype=torch.bool, device=ids.device).tril()[p : full - 1]
+
+    def extend(i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        pk, pv = prefix_kv[i]
+        return torch.cat([pk.index_select(0, rows), k], 2), torch.cat([pv.index_select(0, rows), v], 2)
+
+    resp_h = blocks.forward(ids[:, p : full - 1], pos[:, p : full - 1], blocks.bias(allowed[:, None, :, : full - 1]),
+                            extend)  # fmt: skip
+    return torch.cat([prompt_h[rows, -1:], resp_h], 1)
+
+
+class StaticKVDecoder:
+    """Llama-family decode with a pre-allocated KV cache; see the module docstring.
+
+    Cache per layer: keys and values (B, kv_heads, P + max_new_tokens, head_dim) in the model's dtype, filled
+    column by column; ``mask`` (B, P + max_new_tokens) marks the columns a row may attend to.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.blocks, self.device = LlamaBlocks(model), device
+
+    def _store(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write the new keys/values into cache columns ``col`` …; return every column so far."""
+        k_cache, v_cache = self.cache[i]
+        end = self.col + k.shape[2]
+        k_cache[:, :, self.col : end] = k
+        v_cache[:, :, self.col : end] = v
+        return k_cache[:, :, :end], v_cache[:, :, :end]
 
     @torch.no_grad()
     def start(self, contexts: Sequence[Sequence[int]], pad_id: int, max_new_tokens: int) -> Tensor:
         """Prefill each distinct context once, copy its cache rows to every row that has it; (B, V) logits."""
-        keys = [tuple(c) for c in contexts]
-        first = {}
-        for key in keys:
-            first.setdefault(key, len(first))
-        rows = torch.tensor([first[key] for key in keys], device=self.device)
-        ids, mask = left_pad([list(k) for k in first], pad_id, self.device)
+        bl, dev = self.blocks, self.device
+        order, rows = distinct_rows(contexts)
+        rows = rows.to(dev)
+        ids, mask = left_pad([contexts[i] for i in order], pad_id, dev)
         u, p = ids.shape
         b, width = len(contexts), p + max_new_tokens
-        self._rope_tables(width)
-        shape = (u, self.kv_heads, width, self.head_dim)
-        self.cache = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                       torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.layers]  # fmt: skip
+        bl.rope(width, dev)
+        shape = (u, bl.kv_heads, width, bl.head_dim)
+        self.cache = [(torch.zeros(shape, dtype=bl.dtype, device=dev), torch.zeros(shape, dtype=bl.dtype, device=dev))
+                      for _ in bl.layers]  # fmt: skip
+        self.col = 0
         pos = positions_from_mask(mask)
-        allowed = mask[:, None, :] & torch.ones(p, p, dtype=torch.bool, device=self.device).tril()
-        hidden = self._forward(ids, pos, 0, self._bias(allowed[:, None]))
+        allowed = mask[:, None, :] & torch.ones(p, p, dtype=torch.bool, device=dev).tril()
+        hidden = bl.forward(ids, pos, bl.bias(allowed[:, None]), self._store)[:, -1]
         if u < b:  # expand the distinct rows to all rows
             self.cache = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.cache]
             mask, pos, hidden = mask[rows], pos[rows], hidden[rows]
-        self.mask = torch.zeros(b, width, dtype=torch.bool, device=self.device)
+        self.mask = torch.zeros(b, width, dtype=torch.bool, device=dev)
         self.mask[:, :p] = mask
         self.col, self.last_pos = p, pos[:, -1]
-        return self.head(hidden)
-
-    def _bias(self, allowed: Tensor) -> Tensor:
-        zero = torch.zeros((), dtype=self.dtype, device=self.device)
-        return torch.where(allowed, zero, torch.finfo(self.dtype).min)
+        return bl.head(hidden)
 
     @torch.no_grad()
     def step(self, tok: Tensor, active: Tensor) -> Tensor:
         """Feed one token per row (``active`` False: a finished row, its token masked out); (B, V) logits."""
+        bl = self.blocks
         self.mask[:, self.col] = active
         self.last_pos = self.last_pos + 1
-        bias = self._bias(self.mask[:, None, None, : self.col + 1])
-        hidden = self._forward(tok[:, None], self.last_pos[:, None], self.col, bias)
+        bias = bl.bias(self.mask[:, None, None, : self.col + 1])
+        hidden = bl.forward(tok[:, None], self.last_pos[:, None], bias, self._store)[:, -1]
         self.col += 1
-        return self.head(hidden)
+        return bl.head(hidden)
 
 
 def make_decoder(model: nn.Module, device: torch.device, fast: bool = True) -> HFDecoder | StaticKVDecoder:
