@@ -2,14 +2,16 @@
 
 Sampler: left-padded prompts, position ids from the attention mask, a KV cache (``engines/kvdecode.py``: a
 static pre-allocated one with each distinct prompt prefilled once for Llama-family models, else transformers'
-``DynamicCache``; ``fast_decode=False`` forces the latter); at each step the last logits go through ``process_logits`` (temperature → top-k → top-p, docs/spec.md §8), a token is drawn from the
-processed distribution with a seeded ``torch.Generator``, and log μ of that token plus the log kept mass are
+``DynamicCache``; ``fast_decode=False`` forces the latter); at each step the last logits go through
+``process_logits`` (temperature → top-k → top-p, docs/spec.md §8), a token is drawn from the processed
+distribution with a seeded ``torch.Generator``, and log μ of that token plus the log kept mass are
 recorded. Rows stop at EOS. Dtype float32 / bfloat16 / float16, attention eager / sdpa, or int8 dynamic
 quantisation of every ``nn.Linear`` (float32 activations, int8 weights).
 
 Learner: full-sequence forwards over prompt + response (Llama-family models: each distinct prompt run once
-and its keys/values shared by the responses to it, ``kvdecode.prefix_shared_hidden``), log-softmax at the response tokens (logits / the
-sampling temperature), optional entropy, lm-head applied in chunks of response positions.
+and its keys/values shared by the responses to it, ``kvdecode.prefix_shared_hidden``), log-softmax at the
+response tokens (logits / the sampling temperature), optional entropy, lm-head applied in chunks of response
+positions.
 """
 
 from __future__ import annotations
@@ -236,8 +238,8 @@ class HFLearner:
         """log π(y_t) (B, T) float32 of the response tokens, 0 on padding [, entropy (B, T)].
 
         Input: a Rollout or (prompt_ids (B, P) left-padded, prompt_mask, response_ids (B, T) right-padded,
-        response_mask). One forward over prompt + response (shared prompts: see the module docstring); the logits predicting y_t sit at position
-        P − 1 + t. log π = log_softmax(logits / temperature) (temperature 0 = greedy sampling, scored at 1).
+        response_mask). One forward over prompt + response (shared prompts: see the module docstring); the
+        logits predicting y_t sit at position P − 1 + t. log π = log_softmax(logits / temperature) (temperature 0 = greedy sampling, scored at 1).
         The lm-head and softmax run over ``chunk_size`` response positions at a time (recomputed in the
         backward pass when ``grad``), so the (B, T, V) logits never exist at once.
         """
