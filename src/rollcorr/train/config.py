@@ -102,7 +102,7 @@ class TaskConfig:
 class RolloutConfig:
     prompts_per_step: int = 16
     group_size: int = 8  # G responses per prompt
-    max_new_tokens: int = 6
+    max_new_tokens: int = 5
     temperature: float = 1.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
@@ -171,7 +171,7 @@ class TrainerConfig:
     ppo_epochs: int = 1
     seed: int = 0
     threads: int = 1  # torch intra-op threads (1 is fastest for the built-in model; 0 = torch's default)
-    eval_every: int = 25  # greedy evaluation every N steps (and at start and end), 0 = only start/end
+    eval_every: int = 50  # greedy evaluation every N steps (and at start and end), 0 = only start/end
     checkpoint_every: int = 50  # 0 = only at the end
     keep_checkpoints: int = 2
     max_bad_steps: int = 3  # consecutive non-finite steps before the run stops
