@@ -160,13 +160,13 @@ def test_default_yaml_and_dataclass_defaults_agree_key_by_key():
 
 def test_loss_names_and_aggregations_have_one_home():
     """The trainer's validation and the loss registry read the names from rollcorr.config.loss."""
-    import rollcorr.losses as registry
+    import rollcorr.losses as losses
     from rollcorr.config import loss as home
+    from rollcorr.losses import registry
     from rollcorr.train import config as train_config
 
-    assert tuple(registry.LOSS_NAMES) == home.LOSS_NAMES
-    assert tuple(registry.AGG_MODES) == home.AGG_MODES
-    assert registry._DEFAULTS == home.LOSS_DEFAULTS
+    assert losses.LOSS_NAMES is home.LOSS_NAMES and losses.AGG_MODES is home.AGG_MODES
+    assert losses.LossConfig is home.LossConfig and registry.LOSS_DEFAULTS is home.LOSS_DEFAULTS
     assert set(train_config.LOSSES) | set(train_config.REFUSED_LOSSES) == set(home.LOSS_NAMES)
     assert set(train_config.REFUSED_LOSSES) == set(home.IS_LOSSES)
     for name, table in train_config.ALGORITHMS.items():
