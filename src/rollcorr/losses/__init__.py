@@ -30,8 +30,9 @@ OAPL — plus detached scalar metrics; `aggregate` reduces it; `policy_loss(Loss
 
 Layout: registry.py (names, defaults, LossConfig — defined in rollcorr.config.loss) · aggregation.py
 (aggregate) · common.py (clamped ratio, masked mean) · ppo.py (ppo_clip, clip_cov, kl_cov) · reinforce.py
-(reinforce / gpg, cispo, dro) · sequence.py (gspo, gmpo) · trust_region.py (dppo_tv, dppo_kl, sapo) · oapl.py · is_weighted.py (the weights of vanilla_is /
-tis / areal, from correction/weights.py) · dispatch.py (policy_loss).
+(reinforce / gpg, cispo, dro) · sequence.py (gspo, gmpo) · trust_region.py (dppo_tv, dppo_kl, sapo) · oapl.py
+· is_weighted.py (the weights of vanilla_is / tis / areal, from correction/weights.py) · dispatch.py
+(policy_loss).
 """
 
 from rollcorr.losses.aggregation import aggregate
