@@ -264,9 +264,9 @@ def test_ewma_resets_when_the_default_preset_keeps_fewer_tokens(tmp_path, additi
         calls.append(1)
         if len(calls) < 3:
             return res
-        keep = torch.zeros_like(res.mask)
+        keep = torch.zeros_like(res.kept_mask)
         keep[:2] = 1  # rows 0 and 1: one group, rewards 1 and 0, so the gradient is not zero
-        return dataclasses.replace(res, mask=res.mask * keep)
+        return dataclasses.replace(res, kept_mask=res.kept_mask * keep)
 
     monkeypatch.setattr(correction, "compute_correction", rejecting)
     config = tiny_config(tmp_path, addition_model_dir, "trainer.steps=4", "task.eval_prompts=0",

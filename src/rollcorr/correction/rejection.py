@@ -85,8 +85,8 @@ def rs_statistic(option: str, tok: Tokens) -> Tensor:
     stat = split_option(option)[1]
     if stat != "binary_kl":
         return kl_stats(tok, stat)
-    # tok.old / tok.rollout are 0 on padding: p = q there, so the statistic is exactly 0
-    return torch.maximum(binary_kl(tok.old, tok.rollout), binary_kl(tok.rollout, tok.old))
+    # tok.anchor / tok.rollout are 0 on padding: p = q there, so the statistic is exactly 0
+    return torch.maximum(binary_kl(tok.anchor, tok.rollout), binary_kl(tok.rollout, tok.anchor))
 
 
 def _row_max(x: Tensor, tok: Tokens) -> Tensor:

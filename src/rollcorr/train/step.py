@@ -115,8 +115,8 @@ def correct(
         current_version=version,
         warn=False,  # the trainer says it in words through train/alerts.py
     )
-    kept = res.mask.bool() & rollout.response_mask.bool()
-    weights = None if res.weights is None else res.weights.detach()
+    kept = res.kept_mask.bool() & rollout.response_mask.bool()
+    weights = None if res.is_weights is None else res.is_weights.detach()
     return rollout.replace(is_weights=weights, kept_mask=kept), metrics_to_floats(res.metrics)
 
 
