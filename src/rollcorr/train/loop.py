@@ -192,9 +192,10 @@ def check_components(config: TrainConfig) -> tuple[Algorithm, Any]:
 
     algo = build_algorithm(config)
     proximal = build_proximal(config)
-    for key in ("sampler", "learner"):  # specs, optional packages, the model folder: before any run folder
+    # specs, optional packages, the model folder: before any run folder
+    for key, spec in (("sampler", config.model.sampler), ("learner", config.model.learner)):
         try:
-            preflight(getattr(config.model, key), config.model.path, role=key)
+            preflight(spec, config.model.path, role=key)
         except PreflightError as err:
             raise ConfigError(f"model.{'path' if err.field == 'path' else key}: {err}") from None
     check_trainable_learner(config)
