@@ -138,6 +138,8 @@ NOT_HERE = {
         "a sample of the task's text",
     ("docs/results.md", "OMP_NUM_THREADS=1 rollcorr train --config chain model.sampler=hf:fp32 algorithm.correction.preset=disabled optim.lr=<lr> rollout.temperature=<T> trainer.steps=100"):
         "a template with placeholders (the protocol's tuning runs)",
+    ("docs/results.md", "# tuning, second round: a checkpoint stopped later in pretraining, more steps, temperature"):
+        "templates with placeholders (study 6's second round of fp32 tuning runs, minutes each)",
     ("docs/results.md", "PYTHONPATH=. .venv/bin/python -m experiments.long_mismatch --arms fp32/ppo int8/ppo int8/tis int8/seq_mis"):
         "a study (hours); tests/test_experiments.py runs its --quick mode",
 }  # fmt: skip
