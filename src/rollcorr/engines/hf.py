@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from rollcorr.engines.base import SamplingParams, process_logits
 from rollcorr.engines.decoding import DecodingSampler, encode_prompts, finished_rows, left_pad, right_pad  # noqa: F401
-from rollcorr.logprobs import logprobs_from_hidden
+from rollcorr.logprobs import logprobs_from_hidden, logprobs_from_logits
 from rollcorr.models.builtin import BUILTIN, load_model, resolve_dtype
 from rollcorr.rollout import Rollout
 
@@ -223,9 +223,6 @@ class HFLearner:
         self.model_path = str(model_path)
         model, self.tokenizer = load_model(model_path, dtype=self.dtype, attn=attn)
         self.model = model.to(self.device)
-        head = self.model.get_output_embeddings()
-        if not (isinstance(head, nn.Linear) and head.bias is None):
-            raise ValueError(f"{self.model_path!r}: the learner needs a bias-free linear lm-head, got {head!r}")
         self.chunk_size = chunk_size  # vocabulary rows per lm-head chunk (rollcorr.logprobs)
 
     def __repr__(self) -> str:
@@ -255,7 +252,8 @@ class HFLearner:
         P − 1 + t. log π = log_softmax(logits / temperature) (temperature 0 = greedy sampling, scored at 1).
         The lm-head and softmax are ``rollcorr.logprobs.logprobs_from_hidden``: ``chunk_size`` vocabulary rows
         at a time with an online log-sum-exp (recomputed in the backward pass), so the (B, T, V) logits never
-        exist.
+        exist. A head that is not a bias-free ``nn.Linear`` (e.g. int8-quantised) gives its logits to
+        ``logprobs_from_logits`` instead.
         """
         prompt_ids, prompt_mask, response_ids, response_mask = unpack(rollout_or_input)
         if not (temperature >= 0):
@@ -278,14 +276,15 @@ class HFLearner:
             ).last_hidden_state
             hidden = hidden[:, p - 1 : p - 1 + t]  # (B, T, H): the states that predict the response tokens
             b = hidden.shape[0]
-            log_prob, entropy = logprobs_from_hidden(
-                hidden.reshape(b * t, -1),
-                self.model.get_output_embeddings().weight,
-                response_ids.to(dev).reshape(-1),
-                temperature=temp,
-                chunk_size=self.chunk_size,
-                with_entropy=with_entropy,
-            )
+            flat, targets = hidden.reshape(b * t, -1), response_ids.to(dev).reshape(-1)
+            head = self.model.get_output_embeddings()
+            if isinstance(head, nn.Linear) and head.bias is None:  # fused: the (B·T, V) logits never exist
+                log_prob, entropy = logprobs_from_hidden(
+                    flat, head.weight, targets, temperature=temp, chunk_size=self.chunk_size,
+                    with_entropy=with_entropy,
+                )  # fmt: skip
+            else:  # another head (biased, or int8-quantised by an experiment): its logits, softmax row-chunked
+                log_prob, entropy = logprobs_from_logits(head(flat), targets, temperature=temp)
             valid = response_mask.bool().to(dev)
             log_prob = log_prob.reshape(b, t).masked_fill(~valid, 0.0)
             if not with_entropy:
