@@ -81,7 +81,8 @@ def alternating_rewards(monkeypatch):
     and the default build, so the same seed samples different tokens, and a tiny model's real reward can be
     uniform over a whole mini-batch). The reward depends on the row only, so a resumed run sees the same
     rewards. For tests of the training mechanics, not of learning; greedy evaluation keeps the task's real
-    reward; in-process only (Ray workers score with the real reward).
+    reward; in-process only (the sampler process of trainer.mode=async and Ray workers score with the real
+    reward).
     """
     from rollcorr.train.executors import RolloutSource
 

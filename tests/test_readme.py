@@ -32,7 +32,7 @@ def test_readme_library_example_runs_on_its_own_data_and_gives_a_loss():
     # the value printed is the one the comment shows, and "it keeps all four" holds
     shown = float(re.search(r"# loss (-?[0-9.]+)", code).group(1))
     assert printed.getvalue().splitlines()[0] == f"loss {shown:.4f}"
-    assert torch.equal(scope["corr"].mask.bool(), scope["response_mask"].bool())
+    assert torch.equal(scope["corr"].kept_mask.bool(), scope["response_mask"].bool())
 
 
 def test_readme_geo_rs_remark_holds_on_the_example_data():
@@ -47,7 +47,7 @@ def test_readme_geo_rs_remark_holds_on_the_example_data():
         with pytest.warns(AllRejectedWarning):
             corr = compute_correction(scope["old_log_prob"], scope["rollout_log_prob"], scope["response_mask"],
                                       preset(name))  # fmt: skip
-        assert not corr.mask.any(), name
+        assert not corr.kept_mask.any(), name
 
 
 # ---------------------------------------------------------------- every fenced block of README.md and docs/

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from rollcorr.engines import SamplingParams
-from rollcorr.train.executors import LaggedExecutor
-from rollcorr.train.ray_executor import RayExecutor, SourceSpec, lag_of, make_ray_executor
+from rollcorr.train.executors import LaggedExecutor, make_executor
+from rollcorr.train.ray_executor import RayExecutor, SourceSpec, lag_of
 
 ray = pytest.importorskip("ray")
 
@@ -37,13 +37,13 @@ def batch_index(rollout) -> int:
 
 def drive(executor, weights, steps: int, after_publish=None):
     """The trainer's calls: next_rollout at version == step, then publish version step + 1."""
-    executor.start(0, weights(0))
+    executor.start(weights(0), 0)
     out = []
     try:
         for step in range(steps):
             rollout, metrics = executor.next_rollout(step, step)
             out.append((rollout, metrics))
-            executor.publish(step + 1, weights(step + 1))
+            executor.publish(weights(step + 1), step + 1)
             if after_publish is not None:
                 after_publish(step)
     finally:
@@ -112,10 +112,10 @@ def test_freshest_weights_keep_the_staleness_bound_through_a_worker_death(ray_cl
 @pytest.mark.slow
 def test_pause_returns_untrained_batches_and_checkpoint_resumes(ray_cluster, versions):
     executor = RayExecutor(SPEC, workers=2, max_staleness=2, lag=1)
-    executor.start(0, versions(0))
+    executor.start(versions(0), 0)
     try:
         first, _ = executor.next_rollout(0, 0)
-        executor.publish(1, versions(1))
+        executor.publish(versions(1), 1)
         in_flight = executor.pause()
         assert not executor.pending and [batch_index(r) for r in in_flight] == sorted(executor.done)
         assert in_flight and batch_index(in_flight[0]) == 1
@@ -130,7 +130,7 @@ def test_pause_returns_untrained_batches_and_checkpoint_resumes(ray_cluster, ver
     resumed.load_state_dict(state)
     try:
         again, _ = resumed.next_rollout(1, 1)
-        resumed.publish(2, versions(2))
+        resumed.publish(versions(2), 2)
         third, _ = resumed.next_rollout(2, 2)
     finally:
         resumed.close()
@@ -144,15 +144,15 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="lag"):
         RayExecutor(SPEC, max_staleness=1, lag=2)
     with pytest.raises(RuntimeError, match="before start"):
-        RayExecutor(SPEC).publish(0, {})
+        RayExecutor(SPEC).publish({}, 0)
 
 
-def test_make_ray_executor_maps_trainer_modes():
+def test_make_executor_maps_trainer_modes_to_ray_lags():
     from rollcorr.train.config import load_config
 
     def build(*overrides):
-        fixed = ["rollout.max_new_tokens=5", "model.sampler=hf:fp32", "trainer.max_staleness=4"]
-        return make_ray_executor(load_config(None, [*fixed, *overrides]), workers=3)
+        fixed = ["trainer.executor=ray", "rollout.max_new_tokens=5", "model.sampler=hf:fp32", "trainer.max_staleness=4"]
+        return make_executor(load_config(None, [*fixed, *overrides]), workers=3)
 
     assert build("trainer.mode=sync").lag == 0
     ex = build("trainer.mode=simulated_async", "trainer.lag=2", "trainer.max_staleness=3")
@@ -164,7 +164,7 @@ def test_make_ray_executor_maps_trainer_modes():
 
 @pytest.mark.slow
 def test_trainer_runs_end_to_end_on_ray_workers(ray_cluster, tmp_path):
-    """The real training loop with its executor replaced by the Ray one (what trainer.executor=ray wires)."""
+    """The real training loop with trainer.executor=ray (on the module's cluster: Ray is already initialised)."""
     import json
 
     from rollcorr.train.checkpoint import latest_checkpoint, load_checkpoint
@@ -175,9 +175,10 @@ def test_trainer_runs_end_to_end_on_ray_workers(ray_cluster, tmp_path):
         "task.name=addition:1", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=4",
         "task.eval_prompts=0", "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false",
         "trainer.mode=async", "trainer.max_staleness=2", "trainer.steps=4", f"trainer.out={tmp_path / 'run'}",
+        "trainer.executor=ray", "trainer.ray_workers=2",
     ])  # fmt: skip
     trainer = Trainer(config)
-    trainer.executor = make_ray_executor(config, workers=2)
+    assert trainer.executor.num_workers == 2 and not trainer.executor.actors  # built, no worker started yet
     result = trainer.run()
 
     assert result.steps == 4 and result.stopped is None
@@ -213,7 +214,7 @@ def test_worker_construction_error_reaches_the_driver(ray_cluster):
     bad = SourceSpec("hf:fp32", None, "no_such_task", SPEC.params, 1, 2, 0)
     executor = RayExecutor(bad, workers=1)
     with pytest.raises(ray.exceptions.RayActorError, match="unknown task"):
-        executor.start(0, {})
+        executor.start({}, 0)
     executor.close()
 
 
@@ -231,14 +232,16 @@ def test_joins_an_existing_cluster_by_address(ray_cluster, tmp_path):
         "from test_train_ray import SPEC\n"
         "from rollcorr.train.ray_executor import RayExecutor\n"
         "ex = RayExecutor(SPEC, workers=1, address=sys.argv[1])\n"
-        "ex.start(0, make_sampler('hf:fp32').float_model.state_dict())\n"
+        "ex.start(make_sampler('hf:fp32').float_model.state_dict(), 0)\n"
         "r0, _ = ex.next_rollout(0, 0)\n"
-        "ex.publish(1, make_sampler('hf:fp32').float_model.state_dict())\n"
+        "ex.publish(make_sampler('hf:fp32').float_model.state_dict(), 1)\n"
         "r1, _ = ex.next_rollout(1, 1)\n"
         "ex.close()\n"
         "print('batches', int(r0.group_ids[0]), int(r1.group_ids[0]))\n"
     )
-    env = {**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).parent)}
+    os = __import__("os")
+    paths = [str(__import__("pathlib").Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}  # this checkout's rollcorr, and SPEC
     out = subprocess.run([sys.executable, str(script), address], capture_output=True, text=True, env=env,
                          timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]

@@ -11,7 +11,7 @@ import pytest
 
 import rollcorr
 from rollcorr.engines import SamplingParams
-from rollcorr.train.ray_executor import RayExecutor, SourceSpec, lag_of, make_ray_executor
+from rollcorr.train.ray_executor import RayExecutor, SourceSpec, lag_of
 
 ray = pytest.importorskip("ray")
 
@@ -68,7 +68,7 @@ def test_responses_span_versions_within_the_bound_through_a_worker_death(ray_clu
     steps, max_staleness = 8, 2
     executor = RayExecutor(SPEC, workers=2, max_staleness=max_staleness, queue_size=1, partial_rollouts=True,
                            chunk_tokens=1)  # fmt: skip
-    executor.start(0, versions(0))
+    executor.start(versions(0), 0)
     pids = ray.get([actor.ready.remote() for actor in executor.actors])
     where = ray.get(executor.actors[0].__ray_call__.remote(lambda _: rollcorr.__file__))
     killed: list[tuple[int, int, bool]] = []  # (batch index, newest version at the kill, whether it was lost)
@@ -77,7 +77,7 @@ def test_responses_span_versions_within_the_bound_through_a_worker_death(ray_clu
         for step in range(steps):
             rollout, metrics = executor.next_rollout(step, step)
             got.append((rollout, metrics))
-            executor.publish(step + 1, versions(step + 1))
+            executor.publish(versions(step + 1), step + 1)
             if step >= 3 and not killed and executor.pending:
                 ref, (index, slot) = next(iter(executor.pending.items()))
                 ray.kill(executor.actors[slot])
@@ -107,7 +107,7 @@ def test_pause_stops_at_a_chunk_boundary_and_resume_continues_with_new_weights(r
     executor = RayExecutor(
         SPEC, workers=1, max_staleness=2, queue_size=1, partial_rollouts=True, chunk_tokens=1
     )
-    executor.start(0, versions(0))
+    executor.start(versions(0), 0)
     try:
         in_flight = executor.pause()
         assert not executor.pending and in_flight
@@ -115,7 +115,7 @@ def test_pause_stops_at_a_chunk_boundary_and_resume_continues_with_new_weights(r
         assert unfinished, "the pause did not stop the worker between chunks"
         assert all(r.rewards is None for r in unfinished)
         assert all(int(r.version[r.response_mask.bool()].max()) == 0 for r in in_flight)
-        executor.publish(1, versions(1))
+        executor.publish(versions(1), 1)
         executor.resume()
         got = [executor.next_rollout(step, step + 1)[0] for step in range(2)]
     finally:
@@ -137,12 +137,13 @@ def test_pause_stops_at_a_chunk_boundary_and_resume_continues_with_new_weights(r
             assert row_new[:n] == row_old and all(v == 1 for v in row_new[n:])
 
 
-def test_make_ray_executor_takes_partial_rollouts_from_the_config():
+def test_make_executor_takes_partial_rollouts_from_the_config():
     from rollcorr.train.config import load_config
+    from rollcorr.train.executors import make_executor
 
-    config = load_config(None, ["trainer.mode=async", "trainer.partial_rollouts=true",
+    config = load_config(None, ["trainer.executor=ray", "trainer.mode=async", "trainer.partial_rollouts=true",
                                 "trainer.partial_chunk_tokens=3", "model.sampler=hf:fp32"])  # fmt: skip
-    executor = make_ray_executor(config, workers=1)
+    executor = make_executor(config, workers=1)
     assert executor.partial_rollouts and executor.chunk_tokens == 3 and executor.lag is None
     with pytest.raises(ValueError, match="lag=None"):
         RayExecutor(SPEC, max_staleness=2, lag=1, partial_rollouts=True)

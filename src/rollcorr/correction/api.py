@@ -60,12 +60,12 @@ def warn_all_rejected(num_tokens: int, num_seqs: int, stacklevel: int = 4) -> No
 
 @dataclass(frozen=True)
 class CorrectionResult:
-    """weights: (B, T) detached IS weights, 0 on padding (float32; float64 for float64 inputs) or None.
-    mask: (B, T) ``response_mask`` after rejection, same dtype as the input mask.
+    """is_weights: (B, T) detached IS weights, 0 on padding (float32; float64 for float64 inputs) or None.
+    kept_mask: (B, T) ``response_mask`` after rejection, same dtype as the input mask.
     metrics: ``rollout_corr/*`` 0-d tensors (read them with ``metrics_to_floats``)."""
 
-    weights: Tensor | None
-    mask: Tensor
+    is_weights: Tensor | None
+    kept_mask: Tensor
     metrics: dict[str, Tensor]
 
 
@@ -244,7 +244,7 @@ def compute_correction(
         late.update(M.decomposition_metrics(log_prob, tok))
     # Last reads of the masked log-probs (tok is local): exponentiate them in place for the
     # probability-space metrics, then reuse both buffers as the divergence metrics' scratch.
-    p_old, p_rollout = tok.old.exp_(), tok.rollout.exp_()
+    p_old, p_rollout = tok.anchor.exp_(), tok.rollout.exp_()
     prob = M.prob_mismatch(p_old, p_rollout, tok, overwrite=True)
     metrics.update(M.divergence_metrics(tok, k3, scratch=(p_old, p_rollout)))
     metrics.update(prob)

@@ -198,7 +198,7 @@ def offpolicy_metrics(tok: Tokens | Tensor, k3: Tensor | None = None, *legacy: T
         tok, k3 = legacy[0], None
     if k3 is None:
         k3 = tok.ratio - 1.0 - tok.log_ratio_safe
-    mean_old = tok.row_mean(tok.old)
+    mean_old = tok.row_mean(tok.anchor)
     mean_roll = tok.row_mean(tok.rollout)
     lr = tok.log_ratio
     if tok.verl:
@@ -358,7 +358,7 @@ def staleness_metrics(version: Tensor, current_version: int | Tensor, tok: Token
 def decomposition_metrics(log_prob: Tensor, tok: Tokens) -> Metrics:
     """docs/spec.md §1 split of π_θ/μ into discrepancy π_old/μ and staleness π_θ/π_old: k3 (e^x − 1 − x, mean over
     valid tokens, x clamped to ±20) of each log-ratio and of the total."""
-    theta = torch.where(tok.mask, log_prob.to(tok.old.dtype), 0.0)
+    theta = torch.where(tok.mask, log_prob.to(tok.anchor.dtype), 0.0)
 
     def k3(x: Tensor) -> Tensor:
         x = x.clamp(-20.0, 20.0)
@@ -366,7 +366,7 @@ def decomposition_metrics(log_prob: Tensor, tok: Tokens) -> Metrics:
 
     return {
         "discrepancy_k3": k3(tok.log_ratio),
-        "staleness_k3": k3(theta - tok.old),
+        "staleness_k3": k3(theta - tok.anchor),
         "total_k3": k3(theta - tok.rollout),
     }
 

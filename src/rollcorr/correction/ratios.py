@@ -102,7 +102,7 @@ class Tokens:
     num_tokens: Tensor  # () total valid tokens
     num_rows: Tensor  # () rows with >= 1 valid token
     num_pad: Tensor  # () padding positions (B·T − num_tokens)
-    old: Tensor  # anchor log-probs (π_old, or π_θ in bypass), 0 on padding; a fresh buffer, never an input
+    anchor: Tensor  # the ratio's anchor log-probs (π_old, or π_θ in bypass), 0 on padding; a fresh buffer
     rollout: Tensor  # log μ, 0 on padding; a fresh buffer, never an input
     log_ratio: Tensor  # ℓ, unclamped, 0 on padding
     log_ratio_safe: Tensor  # clamp(ℓ, ±bound); the same tensor as log_ratio when no entry reaches ±bound
@@ -224,7 +224,7 @@ def make_tokens(
         num_tokens=num_tokens,
         num_rows=valid.sum().to(dtype),
         num_pad=mask_bool.numel() - num_tokens,
-        old=old,
+        anchor=old,
         rollout=rollout,
         log_ratio=log_ratio,
         log_ratio_safe=log_ratio_safe,

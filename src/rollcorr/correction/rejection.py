@@ -85,8 +85,8 @@ def rs_statistic(option: str, tok: Tokens) -> Tensor:
     stat = split_option(option)[1]
     if stat != "binary_kl":
         return kl_stats(tok, stat)
-    # tok.old / tok.rollout are 0 on padding: p = q there, so the statistic is exactly 0
-    return torch.maximum(binary_kl(tok.old, tok.rollout), binary_kl(tok.rollout, tok.old))
+    # tok.anchor / tok.rollout are 0 on padding: p = q there, so the statistic is exactly 0
+    return torch.maximum(binary_kl(tok.anchor, tok.rollout), binary_kl(tok.rollout, tok.anchor))
 
 
 def _row_max(x: Tensor, tok: Tokens) -> Tensor:
@@ -209,7 +209,7 @@ def rejection_rules(
     """Every rejection rule ``config`` sets, each applied alone, in order: the RS options, veto floor, veto
     ceiling, TRM max k2, TRM mean k3, OPSM. ``compute_correction`` ANDs their keeps into the mask; ``analyze``
     explains each. k3: ``kl_stats(tok, "k3")`` if already built. log_prob: π_θ for OPSM (default: the anchor
-    ``tok.old``). advantages: (B,) or (B, T), needed by OPSM."""
+    ``tok.anchor``). advantages: (B,) or (B, T), needed by OPSM."""
     rules: list[RuleOutcome] = []
     for option, threshold in zip(config.rs, config.rs_thresholds):
         if option in ("seq_sum_k1", "seq_mean_k1"):  # Σ_t k1 = −Σ_t ℓ: no (B, T) statistic needed
@@ -241,7 +241,7 @@ def rejection_rules(
     if config.opsm_delta is not None:
         if advantages is None:
             raise ValueError("opsm_delta is set: OPSM needs advantages")
-        pi_theta = log_prob if log_prob is not None else tok.old
+        pi_theta = log_prob if log_prob is not None else tok.anchor
         keep, row_div = opsm_keep(tok.rollout, pi_theta, advantages, tok, config.opsm_delta)
         rules.append(RuleOutcome("opsm", None, keep, row_div, None, config.opsm_delta, config.opsm_delta))
     return rules

@@ -4,10 +4,11 @@
 ``publish``, ``pause`` / ``resume``, ``state_dict`` / ``load_state_dict``, ``close``):
 
     driver (learner)                                    Ray actors (SamplerWorker × W)
-    publish(v, weights) ──ray.put once──▶ object ref ──▶ run(index, v, [ref]): load_weights if v is new,
+    publish(weights, v) ──ray.put once──▶ object ref ──▶ run(index, [ref], v): load_weights if v is new,
     next_rollout(step)  ◀──reorder buffer by index◀───   generate batch `index`, reward it
 
-Every batch ``index`` is produced by ``RolloutSource.generate(index)`` on some worker, so its prompts and
+The driver builds no sampler: each worker builds its own ``RolloutSource`` from a ``SourceSpec``. Every batch
+``index`` is produced by ``sample_batch(source, index)`` on some worker, so its prompts and
 sampling seed depend only on (seed, index); the driver hands batches to the learner strictly in index order.
 Which weights a batch is sampled with:
 
@@ -22,8 +23,9 @@ batch per step, version == step), so it is dispatched only with weights of versi
 learner's real version and drops (and counts) a batch that would break the bound.
 
 Partial rollouts (lag=None only): a worker decodes ``chunk_tokens`` tokens at a time. ``publish`` offers the
-new version to every busy worker (``offer``, a second thread of the actor); between chunks the worker loads the
-newest offered weights and continues the unfinished responses with them, so each token keeps the version that
+new version to every busy worker (``offer``, a second thread of the actor); between chunks (the ``sample_batch``
+loop every executor shares) the worker loads the newest offered weights and continues the unfinished responses
+with them, so each token keeps the version that
 produced it. Tokens only get newer than the version the batch was admitted with, so the bound holds. ``pause``
 asks busy workers to stop at their next chunk boundary (``interrupt``) and returns their unfinished batches;
 ``resume`` continues them, with the newest weights, before anything else.
@@ -39,16 +41,20 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from rollcorr.engines import SamplingParams
 from rollcorr.rollout import Rollout
-from rollcorr.train.executors import RolloutSource, admissible, lag_of, trained_version
+from rollcorr.train.executors import (  # noqa: F401  (SourceSpec: importable from here as before)
+    SourceSpec,
+    admissible,
+    finished,
+    lag_of,
+    sample_batch,
+    trained_version,
+)
 
 StateDict = dict[str, Tensor]
 
@@ -58,48 +64,6 @@ LOCAL_RAY_ENV = {
     "RAY_prestart_worker_first_driver": "0",  # no idle Python workers competing for the CPUs at start-up
     "RAY_memory_monitor_refresh_ms": "0",  # other tenants' memory must not get our workers OOM-killed
 }
-
-
-@dataclass(frozen=True)
-class SourceSpec:
-    """Everything a worker needs to build its ``RolloutSource`` (picklable; paths absolute)."""
-
-    sampler: str  # engine spec for make_sampler, e.g. "hf:bf16"
-    model_path: str | None  # None = the built-in model
-    task: str  # make_task name or .jsonl path
-    params: SamplingParams
-    prompts_per_step: int
-    group_size: int
-    seed: int
-    threads: int = 1  # torch intra-op threads in the worker (0 = torch's default)
-    sampler_kwargs: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_config(cls, config) -> SourceSpec:
-        """The sampler side of a ``TrainConfig``."""
-        r, t = config.rollout, config.trainer
-        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
-                                top_p=r.top_p, seed=t.seed)  # fmt: skip
-        model_path = None if config.model.path == "builtin" else _absolute(config.model.path)
-        return cls(config.model.sampler, model_path, _absolute(config.task.name), params, r.prompts_per_step,
-                   r.group_size, t.seed, t.threads)  # fmt: skip
-
-    def build(self) -> RolloutSource:
-        from rollcorr.engines import make_sampler
-        from rollcorr.tasks import make_task
-
-        sampler = make_sampler(self.sampler, self.model_path, **self.sampler_kwargs)
-        tokenizer = getattr(sampler, "tokenizer", None)
-        if tokenizer is None:
-            raise ValueError(f"sampler {self.sampler!r} exposes no tokenizer to decode responses for rewards")
-        task = make_task(self.task)
-        return RolloutSource(sampler, task, tokenizer, self.params, self.prompts_per_step, self.group_size,
-                             self.seed)  # fmt: skip
-
-
-def _absolute(path: str) -> str:
-    """Ray workers may run in another directory: make existing local paths absolute."""
-    return str(Path(path).resolve()) if Path(path).exists() else path
 
 
 class SamplerWorker:
@@ -117,24 +81,24 @@ class SamplerWorker:
         self.threads, self.chunk_tokens = spec.threads, chunk_tokens
         self.loaded: int | None = None  # version of the weights in the sampler (None: the checkpoint file's)
         self.lock = threading.Lock()
-        self.mailbox: tuple[int, list] | None = None  # newest offered (version, [object ref]) not yet loaded
+        self.mailbox: tuple[list, int] | None = None  # newest offered ([object ref], version) not yet loaded
         self.stop: int | None = None  # index of the batch asked to stop at its next chunk boundary
 
     def ready(self) -> int:
         return os.getpid()
 
-    def offer(self, version: int, weights: list) -> None:
+    def offer(self, weights: list, version: int) -> None:
         """Newer weights published while ``run`` decodes: loaded at its next chunk boundary."""
         with self.lock:
-            if self.mailbox is None or version > self.mailbox[0]:
-                self.mailbox = (version, weights)
+            if self.mailbox is None or version > self.mailbox[1]:
+                self.mailbox = (weights, version)
 
     def interrupt(self, index: int) -> None:
         """Make ``run(index, ...)`` return its unfinished batch at the next chunk boundary (a pause). Keyed by
         index, so a request that arrives after the batch finished cannot stop another one."""
         self.stop = index
 
-    def _load(self, version: int, weights: list) -> float:
+    def _load(self, weights: list, version: int) -> float:
         """Load ``version`` (``weights`` = [object ref]) unless the sampler holds it; returns the seconds spent."""
         import ray
 
@@ -149,12 +113,12 @@ class SamplerWorker:
         """Load the mailbox's weights if they are newer than the sampler's; returns the seconds spent."""
         with self.lock:
             offered, self.mailbox = self.mailbox, None
-        if offered is None or (self.loaded is not None and offered[0] <= self.loaded):
+        if offered is None or (self.loaded is not None and offered[1] <= self.loaded):
             return 0.0
         return self._load(*offered)
 
     def run(
-        self, index: int, version: int, weights: list, partial: Rollout | None = None
+        self, index: int, weights: list, version: int, partial: Rollout | None = None
     ) -> tuple[Rollout, dict[str, float]]:
         """Batch ``index`` with weights ``version`` (``weights`` = [object ref], fetched only if new).
 
@@ -163,24 +127,22 @@ class SamplerWorker:
         without rewards, if interrupted. A finished batch is rewarded.
         """
         start = time.perf_counter()
-        load_s = self._load(version, weights)
-        if self.chunk_tokens is None:
-            rollout = self.source.generate(index)
-        else:
+        load_s = self._load(weights, version)
+        if self.chunk_tokens is not None:
             if self.threads > 0:
                 torch.set_num_threads(self.threads)  # run may execute in a thread of the actor's pool
             load_s += self._load_offered()
-            if partial is None:
-                rollout = self.source.generate(index, max_steps=self.chunk_tokens)
-            else:
-                rollout = self.source.resume(index, partial, max_steps=self.chunk_tokens)
-            while not self.source.finished(rollout) and self.stop != index:
-                load_s += self._load_offered()  # between chunks: newer weights continue the responses
-                rollout = self.source.resume(index, rollout, max_steps=self.chunk_tokens)
+
+        def between_chunks(_rollout: Rollout) -> bool:  # newer weights continue the responses
+            nonlocal load_s
             if self.stop == index:
-                self.stop = None
-        if self.source.finished(rollout):
-            rollout = self.source.reward(rollout)
+                return False
+            load_s += self._load_offered()
+            return True
+
+        rollout = sample_batch(self.source, index, self.chunk_tokens, partial, between_chunks)
+        if self.stop == index:
+            self.stop = None
         return rollout, {"load_s": load_s, "generate_s": time.perf_counter() - start - load_s,
                          "pid": float(os.getpid())}  # fmt: skip
 
@@ -345,7 +307,7 @@ class RayExecutor:
             version = self.latest if partial is not None else self._weights_for(index)
             if version is None:
                 return
-            ref = self.actors[slot].run.remote(index, version, [self.published[version]], partial)
+            ref = self.actors[slot].run.remote(index, [self.published[version]], version, partial)
             self.pending[ref] = (index, slot)
             self.busy.add(slot)
             self._next_slot = (slot + 1) % self.num_workers
@@ -373,7 +335,7 @@ class RayExecutor:
                 continue
             except ray.exceptions.RayTaskError as err:
                 raise RuntimeError(f"sampler worker failed on batch {index}: {err}") from err
-            if RolloutSource.finished(rollout):
+            if finished(rollout):
                 self.done[index] = (rollout, info)
             else:  # interrupted by a pause
                 self.partial[index] = rollout
@@ -388,12 +350,12 @@ class RayExecutor:
         self.published = {v: ref for v, ref in self.published.items() if v >= keep}
 
     # ---- learner side --------------------------------------------------------------------------------
-    def start(self, version: int, weights: StateDict) -> None:
+    def start(self, weights: StateDict, version: int) -> None:
         self._start_workers()
         self.learner_version = version
-        self.publish(version, weights)
+        self.publish(weights, version)
 
-    def publish(self, version: int, weights: StateDict) -> None:
+    def publish(self, weights: StateDict, version: int) -> None:
         """One ``ray.put`` per version (serialised now, so the learner may keep training its tensors)."""
         if self._ray is None:
             raise RuntimeError("RayExecutor.publish before start() / load_state_dict()")
@@ -402,7 +364,7 @@ class RayExecutor:
         self.learner_version = max(self.learner_version, version)
         if self.partial_rollouts and version == self.latest:  # busy workers load it at their next chunk
             for slot in self.busy:
-                self.actors[slot].offer.remote(version, [self.published[version]])
+                self.actors[slot].offer.remote([self.published[version]], version)
         self._prune()
         self._pump()
 
@@ -433,7 +395,7 @@ class RayExecutor:
         self._prune()
         self._pump()
         return rollout, {
-            "time/queue_wait_s": time.perf_counter() - start,
+            "time/wait_s": time.perf_counter() - start,
             "time/generate_s": info["generate_s"],
             "sampler/version": float(version - lag_of(rollout, version)),  # oldest weights in the batch
             "async/queue_size": float(len(self.done)),
@@ -510,25 +472,3 @@ class RayExecutor:
         self.published = {int(v): self._ray.put(w) for v, w in state["published"].items()}
         self._pump()
 
-
-def make_ray_executor(config, spec: SourceSpec | None = None, *, address: str | None = None,
-                      workers: int | None = None, **kwargs: Any) -> RayExecutor:  # fmt: skip
-    """A RayExecutor for a ``TrainConfig``: trainer.mode picks the weights rule, trainer.ray_* the cluster.
-
-    sync → lag 0, simulated_async → lag ``trainer.lag`` (both deterministic), async → freshest weights.
-    """
-    t = config.trainer
-    lag = {"sync": 0, "simulated_async": t.lag, "async": None}.get(t.mode, "?")
-    if lag == "?":
-        raise ValueError(f"trainer.mode: unknown mode {t.mode!r}")
-    return RayExecutor(
-        spec or SourceSpec.from_config(config),
-        workers=workers if workers is not None else getattr(t, "ray_workers", 2),
-        max_staleness=t.max_staleness,
-        queue_size=t.queue_size,
-        lag=lag,
-        address=address if address is not None else getattr(t, "ray_address", None),
-        partial_rollouts=t.partial_rollouts,
-        chunk_tokens=t.partial_chunk_tokens,
-        **kwargs,
-    )

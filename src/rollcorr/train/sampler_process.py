@@ -1,0 +1,276 @@
+"""The sampler in its own process: ``ProcessSource`` is a ``RolloutSource`` whose sampler computes elsewhere.
+
+    trainer process                                     sampler process (one per executor)
+    ───────────────                                     ──────────────────────────────────
+    ProcessSource.load_weights(w, v)                    SourceSpec.build() once: sampler, tokenizer, task
+      copy w into the shared weights buffer ─────────▶  ("load", v): sampler.load_weights(shared, v)
+    ProcessSource.sample(index, partial, steps) ─────▶  ("sample", ...): RolloutSource.sample → Rollout
+      ◀──────────────────────────────────────────────   ("ok", rollout) or ("error", traceback)
+
+Why a process: a sampler thread shares the interpreter lock with the learner, so the two never really run
+in parallel; a process computes on its own core while the trainer's thread waits on the pipe.
+
+- **Start.** A fresh interpreter (``python -c "...serve(...)"``, importing this rollcorr) that builds the
+  sampler from the ``SourceSpec`` — nothing heavy is built in the trainer. Unlike ``multiprocessing``'s spawn,
+  it does not re-run the trainer's main script, so a script without an ``if __name__ == "__main__"`` guard
+  is safe.
+- **Weights.** One anonymous shared-memory buffer (``memfd``) holds a copy of the state dict; both processes
+  map it. Each load copies the new weights into it and sends ``("load", version)``, so weights and version
+  travel as one request. Only the thread that drives the source writes the buffer, and only between requests,
+  so the sampler never reads half-written weights.
+- **Everything else** (requests, Rollouts, errors) is pickled over one socket pair.
+- **Errors.** An exception in the sampler process (a construction error, a bad weight load, a failing
+  sample) comes back with its traceback and is raised here as ``SamplerProcessError``, its own line first; a
+  process that dies is reported with its exit code.
+- **Shutdown.** ``close()`` asks the process to exit and waits; one that does not is terminated, then killed.
+  The process exits by itself as soon as the trainer goes away (its end of the socket closes, also on
+  ``kill -9``), and runs in its own session, so a Ctrl-C at the terminal reaches only the trainer (which
+  finishes its step, saves a checkpoint and closes the sampler).
+
+Listeners (``listeners`` for generated chunks, ``load_listeners`` for loaded weights) run in the trainer, in
+the thread that drives the source, exactly as with an in-process ``RolloutSource``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollcorr.rollout import Rollout
+from rollcorr.train.executors import SourceSpec, StateDict
+
+Layout = list[tuple[str, torch.dtype, tuple[int, ...], int]]  # (name, dtype, shape, byte offset)
+ALIGN = 64
+
+
+class SamplerProcessError(RuntimeError):
+    """The sampler process failed (its exception and traceback are in the message) or died."""
+
+
+def _send(conn: Connection, message: Any) -> None:
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _receive(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+def layout_of(weights: StateDict) -> tuple[Layout, int]:
+    """Where each tensor lives in the flat buffer (offsets aligned to 64 bytes), and the buffer's size."""
+    layout, offset = [], 0
+    for name, value in weights.items():
+        layout.append((name, value.dtype, tuple(value.shape), offset))
+        offset += -(-value.numel() * value.element_size() // ALIGN) * ALIGN
+    return layout, max(offset, ALIGN)
+
+
+def map_weights(fd: int, layout: Layout, size: int) -> tuple[mmap.mmap, StateDict]:
+    """The buffer behind ``fd`` mapped here, as tensors that view it (writes are seen by both processes)."""
+    buffer = mmap.mmap(fd, size)
+    flat = torch.frombuffer(buffer, dtype=torch.uint8)
+    tensors = {}
+    for name, dtype, shape, offset in layout:
+        numel = 1
+        for n in shape:
+            numel *= n
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        tensors[name] = flat[offset : offset + nbytes].view(dtype).view(shape)
+    return buffer, tensors
+
+
+def _describe(err: BaseException) -> str:
+    return "".join(traceback.format_exception(err)).rstrip()
+
+
+def _answer(conn: Connection, message: tuple[str, Any]) -> bool:
+    """Send ``message``; False when the trainer is gone."""
+    try:
+        _send(conn, message)
+        return True
+    except OSError:
+        return False
+
+
+def serve(conn_fd: int, weights_fd: int) -> None:
+    """The sampler process: build the source with the shared weights, then answer requests until ``close``
+    or until the trainer's end of the socket closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    conn = Connection(conn_fd)
+    try:
+        spec, layout, size, version = _receive(conn)
+        _buffer, shared = map_weights(weights_fd, layout, size)
+        if spec.threads > 0:
+            torch.set_num_threads(spec.threads)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # the trainer's output is not the place for the sampler's loading bar
+        source = spec.build()
+        source.load_weights(shared, version)
+    except BaseException as err:  # noqa: BLE001 — every failure goes back to the trainer
+        _answer(conn, ("error", _describe(err)))
+        return
+    message: tuple[str, Any] = ("ok", os.getpid())
+    while _answer(conn, message):
+        try:
+            op, args = _receive(conn)
+        except (EOFError, OSError):
+            return  # the trainer is gone
+        if op == "close":
+            return
+        try:
+            result = source.load_weights(shared, *args) if op == "load" else source.sample(*args)
+            message = ("ok", result)
+        except BaseException as err:  # noqa: BLE001
+            message = ("error", _describe(err))
+
+
+class ProcessSource:
+    """A ``RolloutSource`` built from ``spec`` in a sampler process; see the module docstring.
+
+    The process starts with the first ``load_weights`` (an executor's ``start``), so a source that is never
+    started costs nothing. One thread drives it at a time (the executor's producer); ``close()`` may come
+    from another.
+    """
+
+    def __init__(self, spec: SourceSpec, start_timeout_s: float = 300.0):
+        self.spec, self.start_timeout_s = spec, start_timeout_s
+        self.listeners: list[Callable[[Rollout], Any]] = []
+        self.load_listeners: list[Callable[[StateDict, int], Any]] = []
+        self.pid: int | None = None
+        self._version: int | None = None
+        self._process: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._buffer: mmap.mmap | None = None
+        self._shared: StateDict = {}
+        self._lock = threading.Lock()  # one request on the socket at a time
+
+    @property
+    def alive(self) -> bool:
+        """Whether the sampler process runs."""
+        return self._process is not None and self._process.poll() is None
+
+    @property
+    def version(self) -> int:
+        if self._version is None:
+            raise RuntimeError("the sampler process holds no weights yet: load_weights first")
+        return self._version
+
+    def _start(self, weights: StateDict, version: int) -> None:
+        layout, size = layout_of(weights)
+        weights_fd = os.memfd_create("rollcorr-weights")
+        ours, theirs = socket.socketpair()
+        try:
+            os.ftruncate(weights_fd, size)
+            self._buffer, self._shared = map_weights(weights_fd, layout, size)
+            self._copy_in(weights)
+            root = str(Path(__file__).resolve().parents[2])  # the rollcorr this process imported
+            paths = [root, *filter(None, [os.environ.get("PYTHONPATH")])]
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+            code = f"from rollcorr.train.sampler_process import serve; serve({theirs.fileno()}, {weights_fd})"
+            self._process = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(), weights_fd),
+                                             env=env, stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+            self.pid = self._process.pid
+        finally:
+            theirs.close()
+            os.close(weights_fd)  # both mappings keep the buffer alive
+        self._conn = Connection(ours.detach())
+        _send(self._conn, (self.spec, layout, size, int(version)))
+        if not self._conn.poll(self.start_timeout_s):
+            self.close()
+            raise SamplerProcessError(f"the sampler process did not start in {self.start_timeout_s:.0f} s")
+        self._reply(self._process, self._conn, "start")
+
+    def _copy_in(self, weights: StateDict) -> None:
+        """Write ``weights`` into the shared buffer (same names and shapes as the first weights loaded)."""
+        missing, unexpected = sorted(set(self._shared) - set(weights)), sorted(set(weights) - set(self._shared))
+        bad = [k for k in set(weights) & set(self._shared) if weights[k].shape != self._shared[k].shape]
+        if missing or unexpected or bad:
+            raise ValueError(f"weights do not fit the sampler's model: missing {missing[:3]}, unexpected "
+                             f"{unexpected[:3]}, other shapes {sorted(bad)[:3]}")  # fmt: skip
+        with torch.no_grad():
+            for name, value in weights.items():
+                self._shared[name].copy_(value)
+
+    @staticmethod
+    def _reply(process: subprocess.Popen, conn: Connection, op: str) -> Any:
+        try:
+            status, value = _receive(conn)
+        except (EOFError, OSError):
+            try:
+                code = process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                code = None
+            raise SamplerProcessError(
+                f"the sampler process (pid {process.pid}) died during {op!r} (exit code {code})"
+            ) from None
+        if status == "error":  # the exception's own line first, then where it happened
+            raise SamplerProcessError(f"{value.splitlines()[-1]} (in the sampler process, during {op!r}; its "
+                                      f"traceback:)\n{value}")  # fmt: skip
+        return value
+
+    def _call(self, op: str, *args: Any) -> Any:
+        with self._lock:
+            process, conn = self._process, self._conn
+            if conn is None:
+                raise SamplerProcessError("the sampler process was closed")
+            try:
+                _send(conn, (op, args))
+            except OSError:
+                pass  # a dead process: _reply says so
+            return self._reply(process, conn, op)
+
+    def load_weights(self, weights: StateDict, version: int) -> None:
+        if self._process is None:
+            self._start(weights, version)
+        else:
+            self._copy_in(weights)
+            self._call("load", version)
+        self._version = int(version)
+        for listener in self.load_listeners:
+            listener(weights, version)
+
+    def sample(self, index: int, partial: Rollout | None = None, max_steps: int | None = None) -> Rollout:
+        rollout = self._call("sample", index, partial, max_steps)
+        for listener in self.listeners:
+            listener(rollout)
+        return rollout
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Ask the process to exit (after the request it is answering); terminate or kill it if it does not."""
+        process, conn = self._process, self._conn
+        if process is None:
+            return
+        if conn is not None and self._lock.acquire(timeout=timeout_s):
+            try:
+                _send(conn, ("close", ()))
+            except OSError:
+                pass
+            finally:
+                self._lock.release()
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if conn is not None:
+            conn.close()
+        self._process = self._conn = None
+        self._shared = {}  # the tensors view the buffer; the mapping goes with the last of them
+        self._buffer = None
