@@ -92,23 +92,21 @@ def _locate(name: str, x: Tensor, mask_bool: Tensor, upper_ok: float) -> str:
 
 
 @dataclass(frozen=True)
-class Tokens:
-    """The masked batch every correction step reads. Shapes: (B, T) unless noted."""
+class Rows:
+    """Per-row counts of a masked (B, T) batch: all the sequence-level statistics need. Shapes: () unless noted."""
 
-    mask: Tensor  # bool, valid tokens
-    mask_f: Tensor  # same in the compute dtype
-    n: Tensor  # (B,) valid tokens per row
+    n: Tensor  # (B,) valid tokens per row, in the compute dtype
     valid: Tensor  # (B,) bool, rows with >= 1 valid token
-    num_tokens: Tensor  # () total valid tokens
-    num_rows: Tensor  # () rows with >= 1 valid token
-    num_pad: Tensor  # () padding positions (B·T − num_tokens)
-    old: Tensor  # anchor log-probs (π_old, or π_θ in bypass), 0 on padding; a fresh buffer, never an input
-    rollout: Tensor  # log μ, 0 on padding; a fresh buffer, never an input
-    log_ratio: Tensor  # ℓ, unclamped, 0 on padding
-    log_ratio_safe: Tensor  # clamp(ℓ, ±bound); the same tensor as log_ratio when no entry reaches ±bound
-    ratio: Tensor  # ρ = exp(clamp(ℓ)), 1 on padding
+    num_tokens: Tensor  # total valid tokens
+    num_rows: Tensor  # rows with >= 1 valid token
+    num_pad: Tensor  # padding positions (B·T − num_tokens)
     verl: bool  # reproduce verl's formulas (masked means with +1e-8, all rows in seq metrics)
-    count_dtype: torch.dtype = torch.float32  # dtype of verl's ``mask.sum()`` (the +1e-8 is added in it)
+    count_dtype: torch.dtype  # dtype of verl's ``mask.sum()`` (the +1e-8 is added in it)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (float32, or float64 for float64 inputs)."""
+        return self.n.dtype
 
     def den(self, count: Tensor) -> Tensor:
         """Denominator of a masked mean over ``count`` valid entries. verl's ``masked_mean`` divides by
@@ -118,20 +116,8 @@ class Tokens:
             return count
         return (count.to(self.count_dtype) + 1e-8).to(count.dtype)
 
-    def token_mean(self, x: Tensor) -> Tensor:
-        """Masked mean over valid tokens of a (B, T) tensor that is already 0 on padding."""
-        return x.sum() / self.den(self.num_tokens)
-
-    def token_share(self, flag: Tensor) -> Tensor:
-        """Share of valid tokens where a bool (B, T) flag holds (the flag must be False on padding)."""
-        return torch.count_nonzero(flag).to(self.mask_f.dtype) / self.den(self.num_tokens)
-
-    def row_mean(self, x: Tensor) -> Tensor:
-        """(B,) per-row masked mean of a tensor that is 0 on padding (0 for all-padding rows)."""
-        return self.row_mean_of_sum(x.sum(dim=-1))
-
     def row_mean_of_sum(self, row_sum: Tensor) -> Tensor:
-        """``row_mean`` from the (B,) row sums Σ_t x."""
+        """(B,) per-row masked mean from the (B,) row sums Σ_t x (0 for all-padding rows)."""
         return row_sum / (self.den(self.n) if self.verl else self.n.clamp_min(1))
 
     def over_rows(self, x: Tensor) -> Tensor:
@@ -139,6 +125,37 @@ class Tokens:
         if self.verl:
             return x.mean()
         return torch.where(self.valid, x, 0).sum() / self.num_rows
+
+    def rows_max(self, x: Tensor) -> Tensor:
+        return (x if self.verl else x.masked_fill(~self.valid, float("-inf"))).max()
+
+    def rows_min(self, x: Tensor) -> Tensor:
+        return (x if self.verl else x.masked_fill(~self.valid, float("inf"))).min()
+
+
+@dataclass(frozen=True)
+class Tokens(Rows):
+    """The masked batch every correction step reads: ``Rows`` plus the (B, T) tensors."""
+
+    mask: Tensor  # bool, valid tokens
+    mask_f: Tensor  # same in the compute dtype
+    old: Tensor  # anchor log-probs (π_old, or π_θ in bypass), 0 on padding; a fresh buffer, never an input
+    rollout: Tensor  # log μ, 0 on padding; a fresh buffer, never an input
+    log_ratio: Tensor  # ℓ, unclamped, 0 on padding
+    log_ratio_safe: Tensor  # clamp(ℓ, ±bound); the same tensor as log_ratio when no entry reaches ±bound
+    ratio: Tensor  # ρ = exp(clamp(ℓ)), 1 on padding
+
+    def token_mean(self, x: Tensor) -> Tensor:
+        """Masked mean over valid tokens of a (B, T) tensor that is already 0 on padding."""
+        return x.sum() / self.den(self.num_tokens)
+
+    def token_share(self, flag: Tensor) -> Tensor:
+        """Share of valid tokens where a bool (B, T) flag holds (the flag must be False on padding)."""
+        return torch.count_nonzero(flag).to(self.dtype) / self.den(self.num_tokens)
+
+    def row_mean(self, x: Tensor) -> Tensor:
+        """(B,) per-row masked mean of a tensor that is 0 on padding (0 for all-padding rows)."""
+        return self.row_mean_of_sum(x.sum(dim=-1))
 
     def valid_max(self, x: Tensor, dim: int | None = None) -> Tensor:
         """Max of a (B, T) tensor over valid tokens: over the batch (0-d) or per row (``dim=-1``, (B,);
@@ -149,12 +166,6 @@ class Tokens:
     def valid_min(self, x: Tensor) -> Tensor:
         """Min of a (B, T) tensor over valid tokens (0-d)."""
         return torch.where(self.mask, x, math.inf).min()
-
-    def rows_max(self, x: Tensor) -> Tensor:
-        return (x if self.verl else x.masked_fill(~self.valid, float("-inf"))).max()
-
-    def rows_min(self, x: Tensor) -> Tensor:
-        return (x if self.verl else x.masked_fill(~self.valid, float("inf"))).min()
 
 
 def make_tokens(
