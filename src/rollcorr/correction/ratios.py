@@ -23,7 +23,10 @@ def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
     )
 
 
-def _positive_tolerance(dtype: torch.dtype) -> float:
+NO_VALID_TOKEN = "response_mask has no valid token: nothing to correct (every row is padding)"
+
+
+def positive_tolerance(dtype: torch.dtype) -> float:
     # A log-prob rounded in low precision can land just above 0; anything beyond a few ulps of 1 is a bug.
     return max(1e-6, 4 * torch.finfo(dtype).eps)
 
@@ -81,7 +84,7 @@ def _where(bad: Tensor) -> str:
     return ", ".join(f"(row {i}, pos {j})" for i, j in idx)
 
 
-def _locate(name: str, x: Tensor, mask_bool: Tensor, upper_ok: float) -> str:
+def locate(name: str, x: Tensor, mask_bool: Tensor, upper_ok: float) -> str:
     """Error path only: say what is wrong with ``x`` on valid tokens and where."""
     nonfinite = mask_bool & ~torch.isfinite(x)
     if nonfinite.any():
@@ -204,12 +207,12 @@ def make_tokens(
             flags.append(((mask != 0) & (mask != 1)).any())
         values = torch.stack([f.to(dtype) for f in flags]).tolist()
         if values[0] == 0:
-            raise ValueError("response_mask has no valid token: nothing to correct (every row is padding)")
+            raise ValueError(NO_VALID_TOKEN)
         if len(values) > 5 and values[5]:
             check_binary_mask("response_mask", mask)
         ranges = (values[1:3], values[3:5])
         clean = all(
-            lo > float("-inf") and hi <= _positive_tolerance(x.dtype) for (lo, hi), x in zip(ranges, inputs)
+            lo > float("-inf") and hi <= positive_tolerance(x.dtype) for (lo, hi), x in zip(ranges, inputs)
         )  # NaN fails both comparisons
         if clean:  # every entry (padding too) is a finite log-prob: multiply, and clamp only if needed
             old, rollout = (x * mask_f for x in inputs)
@@ -219,9 +222,9 @@ def make_tokens(
             old, rollout = (torch.where(mask_bool, x.to(dtype), 0.0) for x in inputs)
             masked = torch.stack([v.to(dtype) for x in (old, rollout) for v in torch.aminmax(x)]).tolist()
             for lo, hi, name, x in zip(masked[0::2], masked[1::2], names, inputs):
-                tol = _positive_tolerance(x.dtype)
+                tol = positive_tolerance(x.dtype)
                 if not (lo > float("-inf") and hi <= tol):
-                    raise ValueError(_locate(name, x, mask_bool, tol))
+                    raise ValueError(locate(name, x, mask_bool, tol))
     else:
         old, rollout = (torch.where(mask_bool, x.to(dtype), 0.0) for x in inputs)
     log_ratio = old - rollout
@@ -254,7 +257,7 @@ def check_extra(
     (log_prob, log_kept_mass); ``finite_rows`` finite on valid rows / tokens (advantages, (B,) or (B, T))."""
     checks: list[tuple[str, Tensor, Tensor, float | None]] = []
     for name, x in (non_positive or {}).items():
-        checks.append((name, x, torch.where(mask_bool, x, 0), _positive_tolerance(x.dtype)))
+        checks.append((name, x, torch.where(mask_bool, x, 0), positive_tolerance(x.dtype)))
     row_valid = mask_bool.any(dim=-1)
     for name, x in (finite_rows or {}).items():
         checks.append((name, x, torch.where(row_valid if x.dim() == 1 else mask_bool, x, 0), None))
@@ -267,7 +270,7 @@ def check_extra(
             if not (lo > float("-inf") and hi < float("inf")):
                 raise ValueError(f"{name} is NaN/inf on valid rows/tokens")
         elif not (lo > float("-inf") and hi <= tol):
-            raise ValueError(_locate(name, x, mask_bool, tol))
+            raise ValueError(locate(name, x, mask_bool, tol))
 
 
 def kl_stats(tok: Tokens, k: str) -> Tensor:
