@@ -24,7 +24,6 @@ import statistics
 import sys
 
 import torch
-
 from benchmarks.bench_train import bench
 
 SWEEPS = {
@@ -51,7 +50,9 @@ def main() -> int:
         print(f"\n{key:<28}{'s/step':>9}{'tokens/step':>13}{'ms/token':>10}{'growth/linear':>15}{'load':>6}")
         first = None
         for value in values:
-            rows = bench(["trainer.mode=sync", *fixed, f"{key}={value}", *args.overrides], args.steps, args.warmup)
+            rows = bench(
+                ["trainer.mode=sync", *fixed, f"{key}={value}", *args.overrides], args.steps, args.warmup
+            )
             step = statistics.median(r["time/step_s"] for r in rows)
             tokens = statistics.median(r["response/tokens"] for r in rows)
             first = first or (tokens, step)
