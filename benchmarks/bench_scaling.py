@@ -3,10 +3,12 @@
     python benchmarks/bench_scaling.py [--steps 6] [--warmup 2] [--sweeps batch length group] [overrides ...]
 
 Each row is one ``rollcorr train`` run on the built-in model and task (``trainer.mode=sync``), timed from the
-trainer's own ``time/step_s`` over the steps after ``--warmup``: median seconds per step, the median number of
-response tokens per step (responses may stop before ``max_new_tokens``) and the time per response token.
-The column ``growth/linear`` is the step time relative to the sweep's first row divided by the growth of the
-response tokens per step: 1.0 everywhere is linear scaling, < 1 sub-linear (fixed costs dominate), > 1
+trainer's own ``time/step_s`` over the steps after ``--warmup`` (median wall seconds per step), with the median
+number of response tokens per step (responses may stop before ``max_new_tokens``), and the CPU seconds per
+step: the process CPU time of that run minus that of a run of only the ``--warmup`` steps, over ``--steps``
+(setup, model load and warm-up cancel out; on a loaded machine CPU time is the steadier of the two).
+The column ``growth/linear`` is the CPU time per step relative to the sweep's first row divided by the growth
+of the response tokens per step: 1.0 everywhere is linear scaling, < 1 sub-linear (fixed costs dominate), > 1
 super-linear.
 
 Sweeps: ``batch`` (rollout.prompts_per_step at group size 8, the addition task), ``length``
@@ -22,6 +24,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 import torch
 from benchmarks.bench_train import bench
@@ -47,17 +50,21 @@ def main() -> int:
     print(f"# {' '.join(sys.argv)}")
     for sweep in args.sweeps:
         key, values, fixed = SWEEPS[sweep]
-        print(f"\n{key:<28}{'s/step':>9}{'tokens/step':>13}{'ms/token':>10}{'growth/linear':>15}{'load':>6}")
+        print(f"\n{key:<28}{'wall s/step':>12}{'CPU s/step':>11}{'tokens/step':>12}{'CPU ms/token':>13}"
+              f"{'growth/linear':>14}{'load':>6}")  # fmt: skip
         first = None
         for value in values:
-            rows = bench(
-                ["trainer.mode=sync", *fixed, f"{key}={value}", *args.overrides], args.steps, args.warmup
-            )
+            overrides = ["trainer.mode=sync", *fixed, f"{key}={value}", *args.overrides]
+            start = time.process_time()
+            bench(overrides, 0, args.warmup)
+            mid = time.process_time()
+            rows = bench(overrides, args.steps, args.warmup)
+            cpu = (time.process_time() - mid - (mid - start)) / args.steps
             step = statistics.median(r["time/step_s"] for r in rows)
             tokens = statistics.median(r["response/tokens"] for r in rows)
-            first = first or (tokens, step)
-            rel = (step / first[1]) / (tokens / first[0])
-            print(f"{value:<28}{step:>9.3f}{tokens:>13.0f}{1000 * step / tokens:>10.2f}{rel:>15.2f}"
+            first = first or (tokens, cpu)
+            rel = (cpu / first[1]) / (tokens / first[0])
+            print(f"{value:<28}{step:>12.3f}{cpu:>11.3f}{tokens:>12.0f}{1000 * cpu / tokens:>13.2f}{rel:>14.2f}"
                   f"{os.getloadavg()[0]:>6.1f}", flush=True)  # fmt: skip
     return 0
 
