@@ -6,7 +6,8 @@ Each row is one ``rollcorr train`` run on the built-in model and task (``trainer
 trainer's own ``time/step_s`` over the steps after ``--warmup`` (median wall seconds per step), with the median
 number of response tokens per step (responses may stop before ``max_new_tokens``), and the CPU seconds per
 step: the process CPU time of that run minus that of a run of only the ``--warmup`` steps, over ``--steps``
-(setup, model load and warm-up cancel out; on a loaded machine CPU time is the steadier of the two).
+(setup, model load and warm-up cancel out, after one untimed run has paid the process's one-time costs; on a
+loaded machine CPU time is the steadier of the two).
 The column ``growth/linear`` is the CPU time per step relative to the sweep's first row divided by the growth
 of the response tokens per step: 1.0 everywhere is linear scaling, < 1 sub-linear (fixed costs dominate), > 1
 super-linear.
@@ -48,6 +49,7 @@ def main() -> int:
 
     hf_logging.disable_progress_bar()
     print(f"# {' '.join(sys.argv)}")
+    bench(["trainer.mode=sync"], 0, 1)  # untimed: the process's one-time costs (imports, first model load)
     for sweep in args.sweeps:
         key, values, fixed = SWEEPS[sweep]
         print(f"\n{key:<28}{'wall s/step':>12}{'CPU s/step':>11}{'tokens/step':>12}{'CPU ms/token':>13}"
