@@ -10,10 +10,12 @@ for the optional inputs log_prob / advantages / log_kept_mass when given), which
 when the caller has already checked the tensors, and, when a rejection rule is set, the check for a batch that
 lost every token (``AllRejectedWarning``), which ``warn=False`` skips.
 
-Cost (CPU, B×T = 256×8192 float32; benchmarks/bench_correction.py): every (B, T) pass costs ~0.5–2 ms and
-every fresh (B, T) buffer as much again in page faults, so the hot path makes few of either: statistics
-come from sums over tensors already 0 on padding, sequence rules from per-row sums, and each (B, T)
-temporary is freed (or reused in place) as soon as it has been read. Results are bit-identical to the
+Cost (CPU, B×T = 256×8192 float32; benchmarks/bench_correction.py, docs/performance.md): batches of ≥ 256 K
+positions whose configuration needs only per-row reductions take the fused path (fused.py: one compiled
+pass over (B, T), results equal to float rounding). Otherwise every (B, T) pass costs ~0.5–2 ms and every
+fresh (B, T) buffer as much again in page faults, so the eager path makes few of either: statistics come
+from sums over tensors already 0 on padding, sequence rules from per-row sums, and each (B, T) temporary is
+freed (or reused in place) as soon as it has been read. Its fast paths are bit-identical to the
 straightforward formulas (tests/test_correction_perf_equivalence.py).
 """
 
