@@ -19,8 +19,9 @@ than the eager path's, and e^x is computed as 2^(x·log2 e) (see ``_exp``; relat
 
 Used by ``compute_correction`` when B·T ≥ ``MIN_POSITIONS`` and the configuration needs nothing beyond these
 reductions (``supports``): no token-level rejection, veto, TRM, OPSM, staleness, decomposition metrics or
-verl-compatible rounding. The first call compiles (~30 s on a cold cache, a few seconds once Inductor's
-on-disk cache holds the kernel; again per input dtype and configuration); if compiling fails (no C++
+verl-compatible rounding. The first call compiles (13–35 s measured on a loaded 2-core machine with a cold
+cache, less once Inductor's on-disk cache holds the kernel; again per input dtype and kernel variant: token IS
+or not, the statistics the sequence rules read); if compiling fails (no C++
 compiler, an unsupported platform) a ``FusedUnavailableWarning`` says so once and every call takes the eager
 path. ``ROLLCORR_FUSED=0`` in the environment turns the fused path off.
 """
@@ -54,7 +55,8 @@ COMPILE_OPTIONS = {"cpp.max_horizontal_fusion_size": 64}
 
 
 class FusedUnavailableWarning(UserWarning):
-    """The fused correction kernel could not be compiled: compute_correction runs eagerly (slower, same results)."""
+    """The fused correction kernel could not be compiled: compute_correction runs eagerly (slower; results equal
+    to float rounding)."""
 
 
 def supports(config: CorrectionConfig, numel: int, *, decomposition: bool, staleness: bool) -> bool:
@@ -71,7 +73,7 @@ def supports(config: CorrectionConfig, numel: int, *, decomposition: bool, stale
 
 def _exp(x: Tensor) -> Tensor:
     """e^x as 2^(x·log2 e): Inductor stores an ``exp`` read by several reductions to a (B, T) buffer and
-    reads it back (a CPU heuristic, not configurable); ``exp2`` stays in registers. Within ~|x|·1e-7 relative."""
+    reads it back (a CPU heuristic, not configurable); ``exp2`` stays in registers. Relative error ≲ |x|·6e-8."""
     return torch.special.exp2(x * math.log2(math.e))
 
 
@@ -175,7 +177,7 @@ def run_row_pass(*args: object) -> dict[str, Tensor] | None:
         _state["failed"] = True
         warnings.warn(
             f"the fused correction kernel could not be compiled ({type(err).__name__}: {str(err)[:200]}); "
-            f"compute_correction runs eagerly from now on (same results, slower on large batches). "
+            f"compute_correction runs eagerly from now on (slower on large batches). "
             f"Set {ENV}=0 to skip the attempt.",
             FusedUnavailableWarning,
             stacklevel=5,  # the caller of compute_correction
