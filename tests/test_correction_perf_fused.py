@@ -174,6 +174,11 @@ def test_compiled_kernel_matches_eager_path(name, monkeypatch):
         pytest.skip("the fused kernel could not be compiled on this machine")
     config = preset(name)
     args = (config, *_batch(b=64, t=fused.MIN_POSITIONS // 64, noise=0.05))
-    got = _call(*args)
-    assert not fused._state["failed"] and fused._state["compiled"] is not None
-    _assert_close(got, _eager(monkeypatch, *args), rel=1e-4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", fused.FusedUnavailableWarning)
+        got = _call(*args)
+    _assert_close(got, _eager(monkeypatch, *args), rel=1e-4)  # compiled, or the eager fallback
+    if fused._state["failed"]:  # e.g. Inductor's C++ under ATEN_CPU_CAPABILITY=default
+        assert any(issubclass(w.category, fused.FusedUnavailableWarning) for w in caught)
+        pytest.skip("the fused kernel could not be compiled here; the eager fallback gave the same results")
+    assert fused._state["compiled"] is not None
