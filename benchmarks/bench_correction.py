@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/bench_correction.py [--batch 256] [--length 8192] [--repeat 7]
         [--threads 1 2] [--presets NAME ...] [--dtype float32|bfloat16] [--impl MODULE] [--compile]
+    .venv/bin/python benchmarks/bench_correction.py --against verl [--batch 256] [--length 8192] [--repeat 7]
+    .venv/bin/python benchmarks/bench_correction.py --sweep [--repeat 5]
 
 Per preset and thread count it prints the median over ``--repeat`` calls of: wall time and tokens/s (B·T
 positions per second), CPU time of the process (all threads; user + system) and the system part of it,
@@ -12,7 +14,17 @@ On a shared machine wall time is noisy: compare CPU times, and report the load p
 System time is mostly first-touch page faults on fresh (B, T) buffers; how many happen depends on how much
 freed memory glibc keeps between calls (``MALLOC_TRIM_THRESHOLD_`` changes it), hence the column.
 ``--impl`` benchmarks another module exposing ``compute_correction`` / ``metrics_to_floats`` (e.g. a copy of
-an older version on PYTHONPATH). Prints numbers; asserts nothing.
+an older version on PYTHONPATH).
+
+``--against verl`` (verl installed) times ``compute_correction`` + ``metrics_to_floats`` against verl's
+``rollout_corr_helper.compute_rollout_correction_and_rejection_mask`` (which returns Python floats too) on the
+same inputs, one thread, interleaved call by call, for token TIS, Seq-MIS (verl's sequence IS + seq_sum_k1
+rejection) and token TIS + Geo-RS, and prints the median CPU time of each and their ratio.
+
+``--sweep`` prints how the correction's time grows with B (T fixed) and with T (B fixed), one thread.
+
+The first call of a batch of ≥ 256 K positions compiles the fused kernel (correction/fused.py): it is in the
+warm-up call, never in the timed ones. Prints numbers; asserts nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ import os
 import resource
 import statistics
 import time
+import warnings
 
 import torch
 
@@ -72,6 +85,90 @@ def _inputs(b: int, t: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Ten
     return old.to(dtype), rollout.to(dtype), mask
 
 
+# rollcorr preset → the same correction in verl's helper (verl 0.9.1 keyword arguments)
+AGAINST_VERL = {
+    "token TIS": ("decoupled_token_is", dict(rollout_is="token", rollout_is_threshold=2.0)),
+    "Seq-MIS": (
+        "decoupled_seq_is_rs",
+        dict(
+            rollout_is="sequence",
+            rollout_is_threshold=2.0,
+            rollout_rs="seq_sum_k1",
+            rollout_rs_threshold="0.5_2.0",
+        ),
+    ),
+    "token TIS + Geo-RS": (
+        "decoupled_geo_rs_token_tis",
+        dict(
+            rollout_is="token",
+            rollout_is_threshold=2.0,
+            rollout_rs="seq_mean_k1",
+            rollout_rs_threshold="0.999_1.001",
+        ),
+    ),
+}
+
+
+def _cpu_ms(call) -> float:
+    start = time.process_time()
+    call()
+    return (time.process_time() - start) * 1e3
+
+
+def against_verl(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, repeat: int) -> None:
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask as helper
+
+    from rollcorr.correction import compute_correction, fused, metrics_to_floats
+
+    torch.set_num_threads(1)
+    b, t = mask.shape
+    print(f"{'case (rollcorr preset)':44s} {'rollcorr CPU ms':>15s} {'eager CPU ms':>12s} {'verl CPU ms':>12s} "
+          f"{'M tok/s':>8s} {'verl M tok/s':>12s} {'speed-up':>8s} {'load':>5s}")  # fmt: skip
+    for label, (name, kwargs) in AGAINST_VERL.items():
+        config = preset(name)
+
+        def ours(config=config) -> None:
+            metrics_to_floats(compute_correction(old, rollout, mask, config).metrics)
+
+        def eager(ours=ours) -> None:  # rollcorr without the fused kernel
+            os.environ[fused.ENV] = "0"
+            try:
+                ours()
+            finally:
+                del os.environ[fused.ENV]
+
+        def theirs(kwargs=kwargs) -> None:
+            helper(old, rollout, mask, **kwargs)
+
+        ours(), eager(), theirs()  # warm up (the first call compiles the fused kernel)
+        times = [(_cpu_ms(ours), _cpu_ms(eager), _cpu_ms(theirs)) for _ in range(repeat)]  # interleaved
+        a, e, v = (statistics.median(x) for x in zip(*times))
+        print(f"{label + ' (' + name + ')':44s} {a:15.1f} {e:12.1f} {v:12.1f} {b * t / a / 1e3:8.1f} "
+              f"{b * t / v / 1e3:12.1f} {v / a:8.2f} {os.getloadavg()[0]:5.1f}")  # fmt: skip
+
+
+def sweep(presets: list[str], repeat: int) -> None:
+    from rollcorr.correction import compute_correction, metrics_to_floats
+
+    torch.set_num_threads(1)
+    print(
+        f"{'preset':28s} {'B':>5s} {'T':>6s} {'CPU ms':>8s} {'ns/position':>12s} {'M tok/s':>8s} {'load':>5s}"
+    )
+    shapes = [(b, 8192) for b in (16, 32, 64, 128, 256)] + [(256, t) for t in (512, 1024, 2048, 4096)]
+    for name in presets:
+        config = preset(name)
+        for b, t in shapes:
+            old, rollout, mask = _inputs(b, t, torch.float32)
+
+            def call(old=old, rollout=rollout, mask=mask, config=config) -> None:
+                metrics_to_floats(compute_correction(old, rollout, mask, config).metrics)
+
+            call()
+            ms = statistics.median(_cpu_ms(call) for _ in range(repeat))
+            print(f"{name:28s} {b:5d} {t:6d} {ms:8.2f} {ms * 1e6 / (b * t):12.2f} {b * t / ms / 1e3:8.1f} "
+                  f"{os.getloadavg()[0]:5.1f}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=256)
@@ -86,7 +183,20 @@ def main() -> None:
         action="store_true",
         help="torch.compile the correction (validate=False); compile time is reported separately",
     )
+    ap.add_argument("--against", choices=["verl"], help="time against verl's helper, interleaved")
+    ap.add_argument("--sweep", action="store_true", help="time vs B and vs T (presets: --presets)")
     args = ap.parse_args()
+    warnings.simplefilter("ignore")  # AllRejectedWarning: the Geo-RS window rejects these batches every call
+    if args.against or args.sweep:
+        print(f"B×T = {args.batch}×{args.length}, float32, 1 thread, load avg {os.getloadavg()[0]:.1f}, "
+              f"torch {torch.__version__}")  # fmt: skip
+        if args.sweep:
+            sweep(
+                args.presets if args.presets != PRESETS else ["disabled", "decoupled_token_is"], args.repeat
+            )
+        else:
+            against_verl(*_inputs(args.batch, args.length, torch.float32), args.repeat)
+        return
     impl = importlib.import_module(args.impl)
     b, t = args.batch, args.length
     old, rollout, mask = _inputs(b, t, getattr(torch, args.dtype))

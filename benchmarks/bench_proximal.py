@@ -11,7 +11,7 @@ against the exact old logits π_train(v_gen) is measured. The sampler runs in ``
 default) so μ ≠ π_train even at v_gen: the discrepancy factor is not zero.
 
 EWMA's auto-reset is driven by a train/infer mask computed here: the share of tokens with
-π_ewma/μ ∈ [1/2, 2] (``--keep-band``), passed as ``rollout_corr/keep_ratio``.
+π_old/μ ∈ [1/2, 2] (``--keep-band``), handed to every strategy as ``kept_mask`` (``after_correction``).
 """
 
 from __future__ import annotations
@@ -121,10 +121,9 @@ def run(
         optimizer.step()
 
         for name, s in strategies.items():
+            d = results[name].old_log_prob - batch.rollout_log_prob  # the train/infer mask: π_old/μ in the band
+            s.after_correction(batch.replace(kept_mask=mask & (d.abs() <= log_band)), version)
             s.after_optimizer_step(learner.model)
-            if name == "ewma":
-                d = (results[name].old_log_prob - batch.rollout_log_prob)[mask]
-                s.observe({"rollout_corr/keep_ratio": float((d.abs() <= log_band).float().mean())})
         version += 1
         for s in strategies.values():
             s.on_publish(version, learner.model)

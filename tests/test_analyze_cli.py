@@ -158,7 +158,7 @@ def test_every_rejection_is_explained(dump_path, name, rule):
     config = preset(name)
     analysis = analyze(read_dump(dump_path), config, name)
     assert not any(n.startswith("warning") for n in analysis.notes), analysis.notes
-    rejected = analysis.dump.response_mask & ~analysis.mask
+    rejected = analysis.dump.response_mask & ~analysis.kept_mask
     assert analysis.rejected_tokens == int(rejected.sum())
     assert analysis.rejected_tokens > 0, "the fixture should trip every rule listed here"
     assert rule in {f.rule for f in analysis.findings}
@@ -187,7 +187,7 @@ def test_icepop_zeroed_weights_are_listed_not_rejected(dump_path):
     _, rho = _ratios(dump_path)
     want = dump.response_mask & ((rho < 0.5) | (rho > 5.0))
     assert {(f.row, f.position) for f in zeroed} == {tuple(x) for x in want.nonzero().tolist()}
-    assert all(float(analysis.weights[f.row, f.position]) == 0.0 for f in zeroed)
+    assert all(float(analysis.is_weights[f.row, f.position]) == 0.0 for f in zeroed)
 
 
 def test_config_yaml_with_preset_and_overrides(capsys, dump_path, tmp_path):

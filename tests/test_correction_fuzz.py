@@ -112,5 +112,5 @@ def test_garbage_in_padding_never_leaks(config, seed, garbage):
     old = torch.where(mask, old, garbage)
     roll = torch.where(mask, roll, garbage)
     res = compute_correction(old, roll, mask, config)
-    assert res.weights is None or torch.isfinite(res.weights).all()
+    assert res.is_weights is None or torch.isfinite(res.is_weights).all()
     assert all(math.isfinite(v) for v in metrics_to_floats(res.metrics).values())

@@ -37,44 +37,44 @@ RHO = [0.3, 0.9, 1.2, 4.0, 7.0]  # the worked example of docs/importance-samplin
 # ---- IS --------------------------------------------------------------------------------------------
 def test_token_tis_icepop_and_batch_norm_worked_example():
     res, _ = run(RHO, is_level="token", is_upper=2.0)
-    close(res.weights[0], [0.3, 0.9, 1.2, 2.0, 2.0])
+    close(res.is_weights[0], [0.3, 0.9, 1.2, 2.0, 2.0])
     res, m = run(RHO, is_level="token", is_mode="mask", is_lower=0.5, is_upper=5.0)
-    close(res.weights[0], [0.0, 0.9, 1.2, 4.0, 0.0])  # IcePop keeps ρ inside the band
+    close(res.is_weights[0], [0.0, 0.9, 1.2, 4.0, 0.0])  # IcePop keeps ρ inside the band
     assert m["rollout_corr/rollout_is_oob_ratio"] == pytest.approx(0.4)
-    assert res.mask.sum() == 5  # IcePop zeroes weights, not the mask
+    assert res.kept_mask.sum() == 5  # IcePop zeroes weights, not the mask
     res, m = run(RHO, is_level="token", is_upper=2.0, batch_normalize=True)
     assert m["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(1.28)
-    close(res.weights[0], torch.tensor([0.3, 0.9, 1.2, 2.0, 2.0], dtype=torch.float64) / 1.28)
+    close(res.is_weights[0], torch.tensor([0.3, 0.9, 1.2, 2.0, 2.0], dtype=torch.float64) / 1.28)
 
 
 def test_truncation_lower_bound_keeps_padding_zero():
     res, _ = run(RHO, mask=[1, 1, 1, 1, 0], is_level="token", is_upper=2.0, is_lower=0.5)
-    close(res.weights[0], [0.5, 0.9, 1.2, 2.0, 0.0])
+    close(res.is_weights[0], [0.5, 0.9, 1.2, 2.0, 0.0])
 
 
 def test_untruncated_token_is():
     res, _ = run(RHO, is_level="token", is_upper=None)
-    close(res.weights[0], RHO)
+    close(res.is_weights[0], RHO)
 
 
 def test_sequence_and_geometric_levels():
     prod = math.prod(RHO)  # 9.07
     res, m = run(RHO, is_level="sequence", is_upper=2.0)
-    close(res.weights[0], [2.0] * 5)
+    close(res.is_weights[0], [2.0] * 5)
     assert m["rollout_corr/rollout_is_max"] == pytest.approx(prod)  # verl: the unclamped row weight
     res, _ = run(RHO, is_level="sequence", is_upper=None)
-    close(res.weights[0], [prod] * 5)
+    close(res.is_weights[0], [prod] * 5)
     res, _ = run(RHO, mask=[1, 1, 1, 0, 0], is_level="geometric", is_upper=None)
     geo = (0.3 * 0.9 * 1.2) ** (1 / 3)
-    close(res.weights[0], [geo, geo, geo, 0, 0])
+    close(res.is_weights[0], [geo, geo, geo, 0, 0])
 
 
 def test_seq_mis_keeps_rho_below_c_zeroes_above():
     rho = [[1.1, 1.2, 1.0], [2.0, 1.5, 1.0], [0.1, 0.2, 1.0]]
     res, _ = run(rho, is_level="sequence", is_mode="mask", is_upper=2.0)
-    close(res.weights[:, 0], [1.32, 0.0, 0.02])  # no lower bound: tiny ρ(y) is kept, as written
+    close(res.is_weights[:, 0], [1.32, 0.0, 0.02])  # no lower bound: tiny ρ(y) is kept, as written
     res, _ = run(rho, is_level="sequence", is_mode="mask", is_upper=2.0, is_lower=0.5)
-    close(res.weights[:, 0], [1.32, 0.0, 0.0])
+    close(res.is_weights[:, 0], [1.32, 0.0, 0.0])
 
 
 def test_sequence_batch_norm_averages_rows_not_tokens():
@@ -83,7 +83,7 @@ def test_sequence_batch_norm_averages_rows_not_tokens():
         rho, mask=[[1, 1, 1, 1], [1, 0, 0, 0]], is_level="sequence", is_upper=None, batch_normalize=True
     )
     assert m["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(1.25)  # (2 + 0.5) / 2 rows
-    close(res.weights, [[1.6, 1.6, 1.6, 1.6], [0.4, 0, 0, 0]])
+    close(res.is_weights, [[1.6, 1.6, 1.6, 1.6], [0.4, 0, 0, 0]])
 
 
 def test_bypass_ppo_clip_measures_but_applies_no_weights():
@@ -91,9 +91,9 @@ def test_bypass_ppo_clip_measures_but_applies_no_weights():
     with pytest.raises(ValueError, match="log_prob"):
         compute_correction(None, roll, m, preset("bypass_pg_is"))
     res = compute_correction(None, roll, m, CorrectionConfig(mode="bypass", is_level="token"), log_prob=old)
-    assert res.weights is None and "rollout_corr/rollout_is_mean" in res.metrics
+    assert res.is_weights is None and "rollout_corr/rollout_is_mean" in res.metrics
     res = compute_correction(roll, roll, m, preset("bypass_pg_token_icepop"), log_prob=old)
-    close(res.weights[0], [0.0, 0.9, 1.2, 4.0, 0.0])  # ratio π_θ/μ from log_prob, old_log_prob ignored
+    close(res.is_weights[0], [0.0, 0.9, 1.2, 4.0, 0.0])  # ratio π_θ/μ from log_prob, old_log_prob ignored
 
 
 def test_weights_are_detached_and_mask_dtype_kept():
@@ -101,11 +101,11 @@ def test_weights_are_detached_and_mask_dtype_kept():
     old.requires_grad_(True)
     for mask in (m.bool(), m.long(), m):
         res = compute_correction(old, roll, mask, preset("decoupled_seq_is_rs", rs_threshold="0.1_2.0"))
-        assert not res.weights.requires_grad and res.weights.dtype == torch.float32
-        assert res.mask.dtype == mask.dtype
+        assert not res.is_weights.requires_grad and res.is_weights.dtype == torch.float32
+        assert res.kept_mask.dtype == mask.dtype
         assert all(not v.requires_grad and v.dim() == 0 for v in res.metrics.values())
     res = compute_correction(old.detach().bfloat16(), roll.bfloat16(), m, preset("tis"))
-    assert res.weights.dtype == torch.float32
+    assert res.is_weights.dtype == torch.float32
 
 
 def test_padding_values_are_ignored_even_nan():
@@ -114,7 +114,7 @@ def test_padding_values_are_ignored_even_nan():
     res = compute_correction(old, roll, m, preset("decoupled_seq_is", threshold=10.0))
     f = metrics_to_floats(res.metrics)
     assert all(math.isfinite(v) for v in f.values())
-    close(res.weights[0], [0.75, 0.75, 0.0])
+    close(res.is_weights[0], [0.75, 0.75, 0.0])
 
 
 # ---- rejection --------------------------------------------------------------------------------------
@@ -153,7 +153,7 @@ def test_every_rs_option_matches_reference(option, threshold):
         roll + LR, roll, LR_MASK, CorrectionConfig(rs=(option,), rs_thresholds=(threshold,))
     )
     expected = _reference_keep(option, threshold)
-    assert torch.equal(res.mask.bool(), expected), option
+    assert torch.equal(res.kept_mask.bool(), expected), option
     f = metrics_to_floats(res.metrics)
     assert f["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(
         1 - expected.sum().item() / LR_MASK.sum().item()
@@ -168,29 +168,29 @@ def test_rs_options_combine_with_and():
     expected = _reference_keep(*zip(options, thresholds).__next__()) & _reference_keep(
         options[1], thresholds[1]
     )
-    assert torch.equal(res.mask.bool(), expected)
+    assert torch.equal(res.kept_mask.bool(), expected)
 
 
 def test_veto_drops_whole_sequence_and_outlier_ceiling():
     rho = [[1.0, 5e-5, 1.0], [1.0, 1.0, 1.0], [1.0, 150.0, 1.0]]
     res, m = run(rho, veto_threshold=1e-4)
-    assert res.mask.sum(-1).tolist() == [0, 3, 3]
+    assert res.kept_mask.sum(-1).tolist() == [0, 3, 3]
     assert m["rollout_corr/veto_seq_fraction"] == pytest.approx(1 / 3)
     res, _ = run(rho, veto_threshold=1e-4, veto_upper=100.0)
-    assert res.mask.sum(-1).tolist() == [0, 3, 0]
+    assert res.kept_mask.sum(-1).tolist() == [0, 3, 0]
     res, _ = run(rho, mask=[[1, 0, 1], [1, 1, 1], [1, 1, 1]], veto_threshold=1e-4)  # vetoed token is padding
-    assert res.mask.sum(-1).tolist() == [2, 3, 3]
+    assert res.kept_mask.sum(-1).tolist() == [2, 3, 3]
 
 
 def test_trm_max_k2_and_mean_k3():
     # row 0: one spike (max k2 = 0.5·0.4² = 0.08) but small mean; row 1: moderate everywhere
     lr = torch.tensor([[0.4, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], [0.15] * 8], dtype=torch.float64)
     res, m = run(lr.exp(), trm_max_k2=0.05)
-    assert res.mask.sum(-1).tolist() == [0, 8]
+    assert res.kept_mask.sum(-1).tolist() == [0, 8]
     res, _ = run(lr.exp(), trm_mean_k3=0.0116)
-    assert res.mask.sum(-1).tolist() == [8, 0]  # mean k3: row 0 = 0.0918/8 = 0.01148, row 1 = 0.01183
+    assert res.kept_mask.sum(-1).tolist() == [8, 0]  # mean k3: row 0 = 0.0918/8 = 0.01148, row 1 = 0.01183
     res, m = run(lr.exp(), trm_max_k2=0.05, trm_mean_k3=0.0116)
-    assert res.mask.sum().item() == 0 and m["rollout_corr/all_rejected"] == 1.0
+    assert res.kept_mask.sum().item() == 0 and m["rollout_corr/all_rejected"] == 1.0
 
 
 def test_opsm_drops_negative_advantage_divergent_rows():
@@ -201,9 +201,9 @@ def test_opsm_drops_negative_advantage_divergent_rows():
         compute_correction(old, roll, m, cfg, log_prob=log_prob)
     adv = torch.tensor([-1.0, 1.0, -1.0], dtype=torch.float64)
     res = compute_correction(old, roll, m, cfg, log_prob=log_prob, advantages=adv)
-    assert res.mask.sum(-1).tolist() == [0, 2, 2]
+    assert res.kept_mask.sum(-1).tolist() == [0, 2, 2]
     res = compute_correction(old, roll, m, cfg, advantages=adv[:, None].expand(3, 2))  # (B, T), π_θ := π_old
-    assert res.mask.sum(-1).tolist() == [0, 2, 2]
+    assert res.kept_mask.sum(-1).tolist() == [0, 2, 2]
 
 
 def test_counts_for_the_denominator_and_all_rejected_is_not_nan():
@@ -217,7 +217,7 @@ def test_counts_for_the_denominator_and_all_rejected_is_not_nan():
     ) == (2, 2, 2)
     assert m["rollout_corr/all_rejected"] == 0.0
     res, m = run([[5.0, 5.0]], is_level="token", rs=("token_k1",), rs_thresholds=(2.0,))
-    assert res.mask.sum() == 0 and m["rollout_corr/all_rejected"] == 1.0
+    assert res.kept_mask.sum() == 0 and m["rollout_corr/all_rejected"] == 1.0
     assert all(math.isfinite(v) for v in m.values())
 
 
@@ -228,7 +228,7 @@ def test_full_sampler_distribution_uses_kept_mass():
     with pytest.raises(ValueError, match="log_kept_mass"):
         compute_correction(old, roll, m, cfg)
     res = compute_correction(old, roll, m, cfg, log_kept_mass=kept)
-    close(res.weights, [[1.25, 1.25]])  # π_old / μ_full = π_old / (0.8 μ_truncated)
+    close(res.is_weights, [[1.25, 1.25]])  # π_old / μ_full = π_old / (0.8 μ_truncated)
     with pytest.raises(ValueError, match="log_kept_mass"):
         compute_correction(old, roll, m, cfg, log_kept_mass=-kept)
 
@@ -287,7 +287,7 @@ def test_validate_false_skips_the_check_but_keeps_padding_safe():
     old, roll, m = batch([[1.5, 0.5, 1.0]], mask=[[1, 1, 0]])
     old[0, 2] = math.nan
     res = compute_correction(old, roll, m, preset("tis"), validate=False)
-    close(res.weights[0], [1.5, 0.5, 0.0])
+    close(res.is_weights[0], [1.5, 0.5, 0.0])
 
 
 def test_metrics_to_floats():
@@ -318,8 +318,8 @@ def test_every_preset_runs_end_to_end(name):
     res = compute_correction(
         old, roll, mask, config, log_prob=old - 0.01, advantages=torch.randn(6, generator=g)
     )
-    assert (res.weights is not None) == config.applies_weights
-    if res.weights is not None:
-        assert torch.isfinite(res.weights).all() and (res.weights[~mask] == 0).all()
-    assert not (res.mask & ~mask).any()  # rejection only removes tokens
+    assert (res.is_weights is not None) == config.applies_weights
+    if res.is_weights is not None:
+        assert torch.isfinite(res.is_weights).all() and (res.is_weights[~mask] == 0).all()
+    assert not (res.kept_mask & ~mask).any()  # rejection only removes tokens
     assert all(math.isfinite(v) for v in metrics_to_floats(res.metrics).values())

@@ -70,10 +70,10 @@ def _call(config, old, roll, mask, extra, **kw):
 
 
 def _assert_identical(a, b):
-    assert torch.equal(a.mask, b.mask) and a.mask.dtype == b.mask.dtype
-    assert (a.weights is None) == (b.weights is None)
-    if a.weights is not None:
-        assert a.weights.dtype == b.weights.dtype and torch.equal(a.weights, b.weights)
+    assert torch.equal(a.kept_mask, b.kept_mask) and a.kept_mask.dtype == b.kept_mask.dtype
+    assert (a.is_weights is None) == (b.is_weights is None)
+    if a.is_weights is not None:
+        assert a.is_weights.dtype == b.is_weights.dtype and torch.equal(a.is_weights, b.is_weights)
     assert list(a.metrics) == list(b.metrics)
     for key in a.metrics:
         x, y = a.metrics[key], b.metrics[key]
@@ -129,7 +129,7 @@ def test_scratch_and_overwrite_do_not_change_metrics():
     plain = M.divergence_metrics(tok)
     reused = M.divergence_metrics(tok, scratch=scratch)
     assert all(torch.equal(plain[k], reused[k]) for k in plain)
-    a, b = tok.old.exp(), tok.rollout.exp()
+    a, b = tok.anchor.exp(), tok.rollout.exp()
     kept = M.prob_mismatch(a, b, tok)
     assert torch.equal(b, tok.rollout.exp())  # not overwritten unless asked
     overwritten = M.prob_mismatch(a, b.clone(), tok, overwrite=True)
@@ -146,7 +146,7 @@ def test_diagnostics_match_the_standalone_metric_functions(config):
     want = {
         **M.offpolicy_metrics(tok),
         **M.divergence_metrics(tok),
-        **M.prob_mismatch(tok.old.exp(), tok.rollout.exp(), tok),
+        **M.prob_mismatch(tok.anchor.exp(), tok.rollout.exp(), tok),
         **M.decomposition_metrics(extra["log_prob"], tok),
     }
     for key, value in want.items():

@@ -48,8 +48,8 @@ def test_identical_log_probs_mean_no_correction(data, level, mode, normalise):
         rs=rs, rs_thresholds=thresholds, veto_threshold=1e-4, veto_upper=100.0, trm_max_k2=1e-6, trm_mean_k3=1e-6,
     )  # fmt: skip
     res = compute_correction(roll.clone(), roll, mask, cfg)
-    assert torch.equal(res.weights, mask.to(res.weights.dtype))
-    assert torch.equal(res.mask, mask)
+    assert torch.equal(res.is_weights, mask.to(res.is_weights.dtype))
+    assert torch.equal(res.kept_mask, mask)
     m = metrics_to_floats(res.metrics)
     for key in ("kl", "k3_kl", "gen_kl", "policy_kl", "js_divergence", "chi2_token", "chi2_seq", "log_ppl_diff",
                 "log_ppl_abs_diff", "prob_diff_max", "log_ratio_abs_mean", "rollout_rs_masked_fraction"):  # fmt: skip
@@ -63,8 +63,8 @@ def test_identical_log_probs_mean_no_correction(data, level, mode, normalise):
 @given(batches())
 def test_sequence_weight_is_product_of_token_weights(data):
     old, roll, mask = data
-    token = compute_correction(old, roll, mask, CorrectionConfig(is_level="token", is_upper=None)).weights
-    seq = compute_correction(old, roll, mask, CorrectionConfig(is_level="sequence", is_upper=None)).weights
+    token = compute_correction(old, roll, mask, CorrectionConfig(is_level="token", is_upper=None)).is_weights
+    seq = compute_correction(old, roll, mask, CorrectionConfig(is_level="sequence", is_upper=None)).is_weights
     prod = torch.where(mask, token, 1.0).prod(dim=-1, keepdim=True)
     expected = torch.where(mask, prod.expand_as(token), 0.0)
     torch.testing.assert_close(seq, expected, rtol=1e-9, atol=0)
@@ -81,7 +81,7 @@ def test_batch_normalised_weights_have_mean_one(data, level, bounds):
     lower, upper, mode = bounds
     cfg = CorrectionConfig(is_level=level, is_mode=mode, is_lower=lower, is_upper=upper, batch_normalize=True)
     res = compute_correction(old, roll, mask, cfg)
-    w = res.weights
+    w = res.is_weights
     factor = metrics_to_floats(res.metrics)["rollout_corr/rollout_is_batch_norm_factor"]
     if level == "token":
         mean = w[mask].mean().item()
@@ -107,6 +107,6 @@ def test_extreme_log_ratios_stay_finite(data, extreme, level):
     cfg = CorrectionConfig(is_level=level, is_upper=None, rs=("seq_sum_k3", "token_k1"), rs_thresholds=(1.0, 2.0),
                            veto_threshold=1e-4, trm_mean_k3=0.1)  # fmt: skip
     res = compute_correction(old, roll, mask, cfg)
-    assert torch.isfinite(res.weights).all()
+    assert torch.isfinite(res.is_weights).all()
     for key, value in metrics_to_floats(res.metrics).items():
         assert math.isfinite(value), key

@@ -38,7 +38,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     try:
         old, roll, mask = _batch()
         rows = slice(rank * 3, rank * 3 + 3)
-        out = [compute_correction(old[rows], roll[rows], mask[rows], c).weights for c in _configs()]
+        out = [compute_correction(old[rows], roll[rows], mask[rows], c).is_weights for c in _configs()]
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -51,9 +51,9 @@ def test_batch_norm_all_reduces_across_ranks():
         parts = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
     old, roll, mask = _batch()
     for i, config in enumerate(_configs()):
-        full = compute_correction(old, roll, mask, config).weights
+        full = compute_correction(old, roll, mask, config).is_weights
         distributed = torch.cat([parts[0][i], parts[1][i]])
         torch.testing.assert_close(distributed, full, rtol=1e-12, atol=1e-12)
         # and the local-only normalisation would differ (the test can fail)
-        local = compute_correction(old[:3], roll[:3], mask[:3], config).weights
+        local = compute_correction(old[:3], roll[:3], mask[:3], config).is_weights
         assert not torch.allclose(local, full[:3])

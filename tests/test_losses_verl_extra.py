@@ -418,7 +418,7 @@ def test_binary_kl_rejection_matches_areal(level):
     expected = mask & keep
     assert (mask & ~expected).any() and expected.any()
     res = compute_correction(old, roll, mask, CorrectionConfig(rs=(f"{level}_binary_kl",), rs_thresholds=u))
-    assert torch.equal(res.mask.bool(), expected)
+    assert torch.equal(res.kept_mask.bool(), expected)
     m = res.metrics
     key = f"rollout_rs_{level}_binary_kl"
     assert m[f"rollout_corr/{key}_masked_fraction"].item() == pytest.approx(
@@ -434,11 +434,11 @@ def test_binary_kl_is_zero_for_equal_policies_and_finite_near_probability_one():
     res = compute_correction(
         old, old.clone(), mask, CorrectionConfig(rs=("token_binary_kl",), rs_thresholds=1e-12)
     )
-    assert torch.equal(res.mask, mask)
+    assert torch.equal(res.kept_mask, mask)
     roll = old - 0.3 * mask  # a token of probability 1 under π_old, 0.74 under μ: finite statistic
     res = compute_correction(old, roll, mask, CorrectionConfig(rs=("seq_max_binary_kl",), rs_thresholds=10.0))
     assert all(math.isfinite(v.item()) for v in res.metrics.values())
-    assert torch.equal(res.mask, mask)
+    assert torch.equal(res.kept_mask, mask)
 
 
 def test_binary_kl_config():
@@ -459,4 +459,4 @@ def test_binary_kl_rejects_if_either_direction_exceeds_the_bound():
     mask = torch.ones_like(old, dtype=torch.bool)
     assert ref_binary_kl(old, roll)[0, 0] < 1.0 < ref_binary_kl(roll, old)[0, 0]
     res = compute_correction(old, roll, mask, CorrectionConfig(rs=("token_binary_kl",), rs_thresholds=1.0))
-    assert res.mask.tolist() == [[False, False, True]]
+    assert res.kept_mask.tolist() == [[False, False, True]]

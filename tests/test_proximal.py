@@ -12,13 +12,15 @@ from transformers import Qwen2ForCausalLM
 from rollcorr.models.builtin import builtin_config
 from rollcorr.proximal import (
     EWMA,
+    STRATEGIES,
     ProximalResult,
+    ProximalStrategy,
     SnapshotStore,
     discrepancy_staleness,
     interpolation_alpha,
+    lag_beta,
     make_proximal,
     old_logit_error,
-    window_beta,
 )
 from rollcorr.proximal.scoring import model_bytes
 from rollcorr.rollout import Rollout
@@ -168,6 +170,11 @@ def run(make_learner):
         for s in strategies.values():
             s.on_publish(v, model)
         if v < 3:
+            # a trained batch with lags 0..3 (mean 1.5: EWMA's β = 1.5 / 2.5 = 0.6), every token kept
+            lags = torch.tensor([0, 1, 2, 3])[:, None].expand(4, T)
+            trained = kept(make_rollout(v - lags, lengths=[T] * 4), v, 1.0)
+            for s in strategies.values():
+                s.after_correction(trained, v)
             sgd_step(learner, v)
             for s in strategies.values():
                 s.after_optimizer_step(model)
@@ -359,39 +366,60 @@ def test_ewma_closed_form_matches_weighted_average(make_learner):
     )  # not just the live weights
 
 
-def test_window_beta_puts_centre_of_mass_mid_window():
-    for k, s in [(1, 1), (4, 1), (8, 2)]:
-        beta = window_beta(k, s)
-        assert beta / (1 - beta) == pytest.approx(k * s / 2)
-    assert window_beta(0) == 0.0
-    assert EWMA(max_staleness=4).beta == pytest.approx(2 / 3)
+def kept(rollout, version, keep_share):
+    """``rollout`` after a correction that kept the first ``keep_share`` of each row's valid tokens."""
+    n = rollout.response_mask.sum(1, keepdim=True)
+    first = torch.arange(T)[None, :] < (n * keep_share).ceil()
+    return rollout.replace(kept_mask=rollout.response_mask & first)
+
+
+def test_lag_beta_puts_centre_of_mass_at_the_mean_lag():
+    for lag, s in [(1, 1), (2, 1), (0.5, 4), (4, 2)]:
+        beta = lag_beta(lag, s)
+        assert beta / (1 - beta) == pytest.approx(lag * s)
+    assert lag_beta(0.0) == 0.0
     with pytest.raises(ValueError, match="beta"):
         EWMA(beta=1.0)
+    with pytest.raises(ValueError, match="mean_lag"):
+        lag_beta(-1.0)
 
 
-def test_ewma_auto_reset_fires_and_counts(make_learner):
+def test_ewma_beta_follows_the_measured_lag_not_the_configured_window():
+    strat = EWMA(max_staleness=8, steps_per_version=2, reset_keep_ratio=None)
+    assert strat.beta == 0.0  # nothing measured yet: the live weights
+    for lags, expected in [([0, 0, 0, 0], 0.0), ([1, 1, 1, 1], 2 / 3), ([0, 2, 1, 3], lag_beta(1.5, 2))]:
+        version = torch.tensor(lags)[:, None].expand(4, T).clone()
+        r = kept(make_rollout(5 - version, lengths=[T] * 4), 5, 1.0)  # generated at 5 − lag, learner at 5
+        strat.after_correction(r, 5)
+        assert strat.beta == pytest.approx(expected)
+        assert strat.metrics()["ewma_lag"] == pytest.approx(sum(lags) / 4)
+    fixed = EWMA(beta=0.5, max_staleness=8)
+    fixed.after_correction(kept(make_rollout(torch.zeros(4, T, dtype=torch.long)), 3, 1.0), 3)
+    assert fixed.beta == 0.5
+
+
+def test_ewma_auto_reset_fires_on_the_correction_keep_share(make_learner):
     learner = make_learner(4)
     model = learner.model
     strat = make_proximal("ewma", max_staleness=8, reset_keep_ratio=0.9)
     strat.on_publish(0, model)
+    stale = make_rollout(torch.zeros(4, T, dtype=torch.long))  # every token 2 versions old at version 2
+    strat.after_correction(kept(stale, 2, 1.0), 2)
     for step in range(2):
         sgd_step(learner, 40 + step)
         strat.after_optimizer_step(model)
-    assert strat.resets == 0
-    strat.observe({"rollout_corr/keep_ratio": 0.97})
-    sgd_step(learner, 42)
-    strat.after_optimizer_step(model)
     assert strat.resets == 0 and strat.weight > 1
-    strat.observe({"rollout_corr/keep_ratio": 0.5})
+    strat.after_correction(kept(stale, 2, 0.5), 2)
+    assert strat.last_keep_ratio < 0.9
     sgd_step(learner, 43)
     strat.after_optimizer_step(model)
     assert strat.resets == 1 and strat.weight == 1.0
     for name, value in strat.model.state_dict().items():
         torch.testing.assert_close(value, model.state_dict()[name], atol=0, rtol=0)
-    # the verl masked-fraction metric works too, and the reset may apply at the next old_log_prob
-    strat.observe({"rollout_corr/rollout_rs_masked_fraction": 0.3})
-    res = strat.old_log_prob(make_rollout(torch.zeros(3, T, dtype=torch.long)), learner, 0)
-    assert res.metrics["ewma_resets"] == 2.0 and res.metrics["ewma_keep_ratio"] == pytest.approx(0.7)
+    # the reset may also apply at the next old_log_prob
+    strat.after_correction(kept(stale, 2, 0.25), 2)
+    res = strat.old_log_prob(make_rollout(torch.zeros(3, T, dtype=torch.long)), learner, 2)
+    assert res.metrics["ewma_resets"] == 2.0 and res.metrics["ewma_keep_ratio"] < 0.9
 
 
 def test_snapshot_eviction_and_memory_accounting(make_learner):
@@ -509,3 +537,48 @@ def test_ewma_error_is_reported_and_bounded(run):
     # the scale of the versions' spread rather than drifting off
     assert 0 < ewma.error["logp_abs_err_mean"] < 2 * recompute.error["logp_abs_err_mean"]
     assert ewma.extra_bytes == model_bytes(run["model"]) and ewma.metrics["ewma_beta"] == pytest.approx(0.6)
+
+
+class _Minimal(ProximalStrategy):
+    """The smallest strategy: only ``_old_log_prob``; every hook and question comes from the protocol."""
+
+    name = "minimal"
+
+    def _old_log_prob(self, rollout, learner, current_version):
+        return torch.zeros(rollout.response_ids.shape)
+
+
+def test_protocol_defaults_cover_every_hook(make_learner):
+    learner = make_learner(9)
+    strat = _Minimal(measure_error=True)
+    r = make_rollout(torch.zeros(3, T, dtype=torch.long))
+    assert not (strat.exact or strat.follows_sampler or strat.pauses_sampler or strat.old_is_rollout)
+    assert not strat.needs_rollout_log_prob and strat.is_exact(r, 0) is False
+    assert _Minimal.run_defaults(temperature=0.7, max_staleness=3, steps_per_version=2) == {
+        "temperature": 0.7, "max_staleness": 3
+    }
+    strat.on_sampler_load(0, learner.model)  # default: the same as on_publish (the reference stores it)
+    assert strat.reference.versions == [0]
+    assert strat.before_publish(learner, [r]) == 0.0
+    assert strat.submit(r, learner) is None
+    strat.after_correction(r.replace(kept_mask=r.response_mask), 0)
+    strat.after_optimizer_step(learner.model)
+    strat.wait()
+    res = strat.old_log_prob(r, learner, 0)
+    assert strat.current_log_prob(res) is None and res.error is not None
+
+
+def test_strategies_answer_the_trainer_through_the_protocol(run):
+    r, learner = run["rollout"], run["learner"]
+    strategies = run["strategies"]
+    assert {n for n, s in strategies.items() if s.follows_sampler} == {"old_logit_model"}
+    assert {n for n, s in strategies.items() if s.pauses_sampler} == {"interrupt"}
+    assert {n for n, s in strategies.items() if s.old_is_rollout} == {"bypass"}
+    assert {n for n, s in strategies.items() if s.exact} == {"snapshot", "old_logit_model", "interrupt"}
+    recompute = strategies["recompute"]
+    assert not recompute.is_exact(r, 3)  # stale tokens
+    current = r.replace(version=torch.full_like(r.version, 3))
+    assert recompute.is_exact(current, 3)
+    res = recompute.old_log_prob(current, learner, 3)
+    assert recompute.current_log_prob(res) is res.old_log_prob  # log π_θ for free
+    assert "steps_per_version" in STRATEGIES["ewma"].run_defaults(1.0, 4, 2)

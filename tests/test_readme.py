@@ -32,7 +32,7 @@ def test_readme_library_example_runs_on_its_own_data_and_gives_a_loss():
     # the value printed is the one the comment shows, and "it keeps all four" holds
     shown = float(re.search(r"# loss (-?[0-9.]+)", code).group(1))
     assert printed.getvalue().splitlines()[0] == f"loss {shown:.4f}"
-    assert torch.equal(scope["corr"].mask.bool(), scope["response_mask"].bool())
+    assert torch.equal(scope["corr"].kept_mask.bool(), scope["response_mask"].bool())
 
 
 def test_readme_geo_rs_remark_holds_on_the_example_data():
@@ -47,7 +47,7 @@ def test_readme_geo_rs_remark_holds_on_the_example_data():
         with pytest.warns(AllRejectedWarning):
             corr = compute_correction(scope["old_log_prob"], scope["rollout_log_prob"], scope["response_mask"],
                                       preset(name))  # fmt: skip
-        assert not corr.mask.any(), name
+        assert not corr.kept_mask.any(), name
 
 
 # ---------------------------------------------------------------- every fenced block of README.md and docs/
@@ -92,7 +92,6 @@ NOT_HERE = {
     ("docs/llamacpp.md", ".venv/bin/python -m rollcorr.engines.llamacpp --model builtin --threads 1"):
         "a benchmark (needs the llamacpp extra; minutes)",
     ("docs/losses.md", ".venv/bin/python -m pytest -q tests/test_verl_parity_losses.py"): "part of the test suite",
-    ("docs/metrics.md", "import functools, torch"): "torch.compile: minutes of compilation",
     ("docs/proximal.md", ".venv/bin/python benchmarks/bench_proximal.py --steps 12 --lr 1e-4 --json /tmp/h7_bench_builtin_lr1e-4.json"):
         "a benchmark; tests/test_proximal_bench.py runs it on a tiny model",
     ("docs/ray.md", "driver process (learner)                                 Ray actors: SamplerWorker × W"): "a diagram",
@@ -140,6 +139,8 @@ NOT_HERE = {
         "a sample of the task's text",
     ("docs/results.md", "OMP_NUM_THREADS=1 rollcorr train --config chain model.sampler=hf:fp32 algorithm.correction.preset=disabled optim.lr=<lr> rollout.temperature=<T> trainer.steps=100"):
         "a template with placeholders (the protocol's tuning runs)",
+    ("docs/results.md", "# tuning, second round: a checkpoint stopped later in pretraining, more steps, temperature"):
+        "templates with placeholders (study 6's second round of fp32 tuning runs, minutes each)",
     ("docs/results.md", "PYTHONPATH=. .venv/bin/python -m experiments.long_mismatch --arms fp32/ppo int8/ppo int8/tis int8/seq_mis"):
         "a study (hours); tests/test_experiments.py runs its --quick mode",
 }  # fmt: skip

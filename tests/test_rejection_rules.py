@@ -34,5 +34,5 @@ def test_mask_is_the_and_of_the_rule_list():
     for r in rules:
         keep &= r.token_keep if r.token_keep is not None else r.row_keep[:, None]
     result = compute_correction(old, roll, mask, config, advantages=adv, warn=False)
-    assert torch.equal(result.mask, keep)
+    assert torch.equal(result.kept_mask, keep)
     assert 0 < int(keep.sum()) < int(mask.sum())  # the case rejects something and keeps something

@@ -196,7 +196,7 @@ def test_compute_correction_warns_when_everything_is_rejected():
         AllRejectedWarning, match=r"rejected every token of this batch \(21 tokens in 4 sequences\)"
     ):
         res = compute_correction(old, rollout, mask, reject_all)
-    assert not res.mask.any() and float(res.metrics["rollout_corr/all_rejected"]) == 1.0
+    assert not res.kept_mask.any() and float(res.metrics["rollout_corr/all_rejected"]) == 1.0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         compute_correction(old, rollout, mask, reject_all, warn=False)  # asked not to

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from rollcorr.train.config import ConfigError, TrainConfig, config_from_dict, load_config, save_config
-from rollcorr.train.loop import check_components, missing_log_probs_error, publishes
+from rollcorr.train.loop import build_algorithm, check_components, missing_log_probs_error, publishes
 
 
 def test_default_config_loads_and_resolves_algorithm_defaults():
@@ -125,11 +125,62 @@ def test_saved_config_round_trips(tmp_path):
 
 def test_oapl_publishes_every_n_versions():
     c = load_config(None, ["algorithm.name=oapl", "algorithm.oapl_sync_every=3", "trainer.max_staleness=2"])
-    assert [v for v in range(10) if publishes(c, v)] == [0, 3, 6, 9]
-    assert all(publishes(load_config(), v) for v in range(5))
+    assert [v for v in range(10) if publishes(build_algorithm(c), v)] == [0, 3, 6, 9]
+    assert all(publishes(build_algorithm(load_config()), v) for v in range(5))
 
 
 def test_every_algorithm_builds():
     for name in ("grpo", "dapo", "drgrpo", "rloo", "cispo", "gspo", "oapl"):
         algo, _ = check_components(load_config(None, [f"algorithm.name={name}"]))
         assert algo.loss.name in ("ppo_clip", "cispo", "gspo", "oapl")
+
+
+def test_default_yaml_and_dataclass_defaults_agree_key_by_key():
+    """configs/default.yaml and the dataclass defaults cannot drift apart: same keys, same values."""
+    import dataclasses
+
+    from rollcorr.train.config import DEFAULT_CONFIG
+
+    yaml_data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    defaults = dataclasses.asdict(TrainConfig())
+
+    def walk(a, b, prefix):
+        assert sorted(a) == sorted(b), f"{prefix or 'config'}: yaml keys {sorted(a)} vs dataclass {sorted(b)}"
+        for key in a:
+            dotted = f"{prefix}.{key}" if prefix else key
+            if isinstance(b[key], dict) and key in ("algorithm", "model", "task", "rollout", "optim", "trainer"):
+                walk(a[key], b[key], dotted)
+            else:
+                same = a[key] == b[key] and type(a[key]) is type(b[key])
+                assert same, f"{dotted}: yaml {a[key]!r} vs dataclass {b[key]!r}"
+
+    walk(yaml_data, defaults, "")
+    assert load_config() == TrainConfig()
+
+
+def test_loss_names_and_aggregations_have_one_home():
+    """The trainer's validation and the loss registry read the names from rollcorr.config.loss."""
+    import rollcorr.losses as losses
+    from rollcorr.config import loss as home
+    from rollcorr.losses import registry
+    from rollcorr.train import config as train_config
+
+    assert losses.LOSS_NAMES is home.LOSS_NAMES and losses.AGG_MODES is home.AGG_MODES
+    assert losses.LossConfig is home.LossConfig and registry.LOSS_DEFAULTS is home.LOSS_DEFAULTS
+    assert set(train_config.LOSSES) | set(train_config.REFUSED_LOSSES) == set(home.LOSS_NAMES)
+    assert set(train_config.REFUSED_LOSSES) == set(home.IS_LOSSES)
+    for name, table in train_config.ALGORITHMS.items():
+        assert table["loss"] in train_config.LOSSES and table["aggregation"] in home.AGG_MODES, name
+
+
+def test_another_loss_brings_its_own_clip_and_aggregation():
+    """algorithm.loss=gspo under grpo takes GSPO's own ε and aggregation, not GRPO's (set explicitly: kept)."""
+    from rollcorr.config.loss import LOSS_DEFAULTS
+
+    algo = build_algorithm(load_config(None, ["algorithm.loss=gspo"]))
+    assert (algo.loss.eps_low, algo.loss.eps_high, algo.loss.agg_mode) == LOSS_DEFAULTS["gspo"]
+    algo = build_algorithm(load_config(None, ["algorithm.name=gspo"]))
+    assert algo.loss.agg_mode == "seq-mean-token-mean"
+    algo = build_algorithm(load_config(None, ["algorithm.loss=gspo", "algorithm.aggregation=token-mean"]))
+    assert algo.loss.agg_mode == "token-mean"
+    assert build_algorithm(load_config()).loss.agg_mode == "token-mean"  # GRPO: verl's token-mean

@@ -245,3 +245,39 @@ def test_zero_gradient_mini_batches_take_no_optimizer_step_when_asked(tmp_path, 
         start = make_sampler("hf:fp32", addition_model_dir).float_model.state_dict()
         end = final_weights(result.run_dir)
         assert all(torch.equal(start[k].float(), end[k]) for k in end)
+
+
+def test_ewma_resets_when_the_default_preset_keeps_fewer_tokens(tmp_path, addition_model_dir, monkeypatch):
+    """The default correction preset (token TIS) rejects nothing; from step 3 on the correction here keeps only
+    the first group's rows (a deterministic stand-in for a correction that rejects), so the keep share falls
+    to at most 8/22 whatever this CPU samples. EWMA hears it from the correction itself (``after_correction``)
+    and resets; β follows the measured lag (simulated_async, lag 1: 0 at step 1, then 1), not max_staleness."""
+    import dataclasses
+
+    import rollcorr.correction as correction
+    from rollcorr.proximal import lag_beta
+
+    real, calls = correction.compute_correction, []
+
+    def rejecting(*args, **kwargs):
+        res = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) < 3:
+            return res
+        keep = torch.zeros_like(res.kept_mask)
+        keep[:2] = 1  # rows 0 and 1: one group, rewards 1 and 0, so the gradient is not zero
+        return dataclasses.replace(res, kept_mask=res.kept_mask * keep)
+
+    monkeypatch.setattr(correction, "compute_correction", rejecting)
+    config = tiny_config(tmp_path, addition_model_dir, "trainer.steps=4", "task.eval_prompts=0",
+                         "trainer.mode=simulated_async", "trainer.lag=1", "algorithm.proximal.name=ewma")  # fmt: skip
+    assert config.algorithm.correction == {"preset": "decoupled_token_is"}  # the default preset
+    run(config)
+    steps = step_records(tmp_path / "run")
+    # the strategy's metrics at step n come from its state after step n − 1's correction
+    assert [r["proximal/ewma_resets"] for r in steps] == [0.0, 0.0, 0.0, 1.0]
+    assert steps[1]["proximal/ewma_keep_ratio"] == 1.0 and steps[2]["proximal/ewma_keep_ratio"] == 1.0
+    assert steps[3]["proximal/ewma_keep_ratio"] <= 8 / 22
+    assert [r["staleness/lag_mean"] for r in steps] == [0.0, 1.0, 1.0, 1.0]
+    assert steps[1]["proximal/ewma_beta"] == 0.0  # step 1 had lag 0: the live weights
+    assert steps[2]["proximal/ewma_beta"] == pytest.approx(lag_beta(1.0, 1)) == 0.5  # not max_staleness's 2/3

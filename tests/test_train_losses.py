@@ -193,7 +193,7 @@ def test_refused_losses_equal_ppo_clip_with_the_advised_correction():
         "areal": preset("areal_decoupled_cap"),
     }
     for name, correction in corrections.items():
-        weights = compute_correction(old, rollout, mask, correction).weights
+        weights = compute_correction(old, rollout, mask, correction).is_weights
         rho = (old - rollout).exp()
         assert (rho[mask] > {"vanilla_is": 0, "tis": 2, "areal": 5}[name]).any()  # the cap (if any) bites
         expected = loss_and_grad(LossConfig(name=name), old, rollout_log_prob=rollout)

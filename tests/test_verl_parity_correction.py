@@ -79,7 +79,7 @@ def test_k1_window_direction():
     )
     assert verl_mask.tolist() == [[0.0, 0.0, 1.0, 1.0, 0.0]]
     ours = compute_correction(old, roll, mask, CorrectionConfig(rs=("token_k1",), rs_thresholds=("0.6_1.5",)))
-    assert ours.mask.tolist() == [[0.0, 1.0, 1.0, 0.0, 0.0]]
+    assert ours.kept_mask.tolist() == [[0.0, 1.0, 1.0, 0.0, 0.0]]
 
 
 def test_geo_rs_recipe_window():
@@ -93,7 +93,7 @@ def test_geo_rs_recipe_window():
     _, verl_mask, _ = compute_rollout_correction_and_rejection_mask(old, roll, mask, **cfg)
     assert verl_mask[:, 0].tolist() == [0.0, 0.0, 1.0, 1.0, 0.0]
     ours = compute_correction(old, roll, mask, from_verl(cfg))
-    assert ours.mask[:, 0].tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert ours.kept_mask[:, 0].tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
 
 
 def test_all_padding_rows_excluded_from_sequence_metrics():

@@ -32,8 +32,9 @@ class Rollout:
     Added later:
       rewards           (B,) float32                      (task)
       old_log_prob      (B, T) float32                    (proximal strategy)
-      is_weights        (B, T) float32 or None            (correction)
-      correction_mask   (B, T) bool                       (correction: response_mask after rejection)
+      is_weights        (B, T) float32 or None            (correction: the IS weights w)
+      kept_mask         (B, T) bool                       (correction: response_mask after rejection; the
+                                                           trainer also drops dynamic sampling's groups)
       advantages        (B, T) float32                    (advantages)
     """
 
@@ -49,7 +50,7 @@ class Rollout:
     rewards: Tensor | None = None
     old_log_prob: Tensor | None = None
     is_weights: Tensor | None = None
-    correction_mask: Tensor | None = None
+    kept_mask: Tensor | None = None
     advantages: Tensor | None = None
 
     def __post_init__(self) -> None:
@@ -79,6 +80,22 @@ class Rollout:
     def attention_mask(self) -> Tensor:
         """(B, P + T) bool, True on real tokens."""
         return torch.cat([self.prompt_mask.bool(), self.response_mask.bool()], dim=1)
+
+    def lag(self, version: int) -> Tensor:
+        """(B, T) int64 version lag ``version`` − v_gen of every token (meaningful on valid tokens only)."""
+        return version - self.version
+
+    def mean_lag(self, version: int) -> float:
+        """Mean version lag over valid tokens (0.0 without any)."""
+        mask = self.response_mask.bool()
+        return float(self.lag(version)[mask].float().mean()) if mask.any() else 0.0
+
+    def keep_share(self) -> float:
+        """Share of valid tokens the correction kept (``kept_mask`` / ``response_mask``; 1.0 without any)."""
+        if self.kept_mask is None:
+            raise ValueError("keep_share needs kept_mask: run the correction first")
+        valid = int(self.response_mask.bool().sum())
+        return float((self.kept_mask.bool() & self.response_mask.bool()).sum()) / valid if valid else 1.0
 
     def select(self, index: Tensor | list[int]) -> Rollout:
         """A new Rollout holding the rows in ``index`` (tensors indexed, ``meta`` picked)."""

@@ -95,19 +95,19 @@ class Analysis:
     config: CorrectionConfig
     source: str
     metrics: dict[str, float]
-    weights: Tensor | None  # (B, T) or None
-    mask: Tensor  # (B, T) bool after rejection
+    is_weights: Tensor | None  # (B, T) or None
+    kept_mask: Tensor  # (B, T) bool after rejection
     findings: list[Finding]
     rules: list[RuleSummary]
     notes: list[str] = field(default_factory=list)
 
     @property
     def rejected_tokens(self) -> int:
-        return int((self.dump.response_mask & ~self.mask).sum())
+        return int((self.dump.response_mask & ~self.kept_mask).sum())
 
     @property
     def rejected_sequences(self) -> int:
-        return int((self.dump.response_mask & ~self.mask).any(dim=-1).sum())
+        return int((self.dump.response_mask & ~self.kept_mask).any(dim=-1).sum())
 
 
 ALL_REJECTED = (
@@ -154,10 +154,10 @@ def analyze(dump: Dump, config: CorrectionConfig, source: str = "") -> Analysis:
         current_version=current_version,
         warn=False,  # said below, in the report's words
     )
-    mask = res.mask.bool()
+    mask = res.kept_mask.bool()
     if config.rejects and dump.num_tokens > 0 and not mask.any():
         notes.insert(0, f"warning: {ALL_REJECTED.format(tokens=dump.num_tokens, seqs=len(dump))}")
-    findings, rules = explain(dump, config, res.weights)
+    findings, rules = explain(dump, config, res.is_weights)
     explained = torch.zeros_like(mask)
     for f in findings:
         if f.effect != "rejected":
@@ -172,7 +172,7 @@ def analyze(dump: Dump, config: CorrectionConfig, source: str = "") -> Analysis:
             f"({int(explained.sum())} vs {int((dump.response_mask & ~mask).sum())} rejected tokens)"
         )
     return Analysis(
-        dump, config, source, metrics_to_floats(res.metrics), res.weights, mask, findings, rules, notes
+        dump, config, source, metrics_to_floats(res.metrics), res.is_weights, mask, findings, rules, notes
     )
 
 

@@ -214,8 +214,8 @@ def _token_fate(analysis: Analysis, hits: list[Finding], b: int, t: int) -> str:
         by_effect.setdefault(f.effect, []).append(f.rule if f.level == "token" else f"{f.rule} (sequence)")
     if by_effect:
         return "; ".join(f"{effect} by {', '.join(rules)}" for effect, rules in sorted(by_effect.items()))
-    if analysis.weights is not None:
-        return f"kept, w = {fmt(float(analysis.weights[b, t]))}"
+    if analysis.is_weights is not None:
+        return f"kept, w = {fmt(float(analysis.is_weights[b, t]))}"
     return "kept"
 
 
@@ -296,8 +296,8 @@ def _config_effect(analysis: Analysis) -> list[Any]:
     dump, config, metrics = analysis.dump, analysis.config, analysis.metrics
     n_rows, n_tokens = len(dump), dump.num_tokens
     out: list[Any] = [""]
-    if analysis.weights is not None:
-        w = analysis.weights[dump.response_mask]
+    if analysis.is_weights is not None:
+        w = analysis.is_weights[dump.response_mask]
         spread = f"applied weights mean {fmt(float(w.mean()))}, range [{fmt(float(w.min()))}, {fmt(float(w.max()))}]"
         head = ""
         if config.is_mode == "mask":  # rollout_is_oob_ratio is a share of tokens at every level
@@ -436,7 +436,7 @@ def summary(analysis: Analysis) -> str:
         f"({100 * get('prob_diff_frac_ge_0.01'):.2g}% of tokens with |Δp| ≥ 0.01, max |Δp| {fmt(get('prob_diff_max'))})."
     ]
     stat = {"token": "ρ_t", "sequence": "Π ρ_t", "geometric": "geo-mean ρ"}.get(config.is_level or "", "ρ")
-    if analysis.weights is not None and config.is_mode == "mask":
+    if analysis.is_weights is not None and config.is_mode == "mask":
         share = get("rollout_is_oob_ratio")
         band = (
             f"outside {kept_range(config.is_lower, config.is_upper)}"
@@ -444,7 +444,7 @@ def summary(analysis: Analysis) -> str:
             else f"> {fmt(config.is_upper)}"
         )
         out.append(f"IS zeroes {100 * share:.2g}% of the token weights ({stat} {band}).")
-    elif analysis.weights is not None and config.is_upper is not None:
+    elif analysis.is_weights is not None and config.is_upper is not None:
         share = get("rollout_is_ratio_fraction_high")
         out.append(f"IS truncates {100 * share:.2g}% of the weights ({stat} > {fmt(config.is_upper)}).")
     if config.rejects:

@@ -46,9 +46,9 @@ def correct_trl_batch(
         torch.isnan(sampling_per_token_logps), old_per_token_logps, sampling_per_token_logps
     )
     result = compute_correction(old_per_token_logps, sampling, completion_mask, config)
-    keep = result.mask.bool()
+    keep = result.kept_mask.bool()
     valid = completion_mask.bool()
-    weights = torch.ones_like(old_per_token_logps) if result.weights is None else result.weights
+    weights = torch.ones_like(old_per_token_logps) if result.is_weights is None else result.is_weights
     weights = weights.to(old_per_token_logps.dtype)
     if config.denominator == "original":
         weights = torch.where(keep, weights, 0.0)

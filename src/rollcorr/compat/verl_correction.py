@@ -106,7 +106,7 @@ def compute_rollout_correction_and_rejection_mask(
     )
     result = _correct(old_log_prob, rollout_log_prob, response_mask, config, strict_verl)
     metrics = {k: v for k, v in result.metrics.items() if _is_verl_key(k)}
-    return _wrap(result.weights), result.mask, metrics_to_floats(metrics)
+    return _wrap(result.is_weights), result.kept_mask, metrics_to_floats(metrics)
 
 
 def _unprefixed(metrics: dict[str, Tensor], start: tuple[str, ...]) -> dict[str, float]:
@@ -135,7 +135,7 @@ def compute_rollout_correction_weights(
     )
     # ℓ is passed as "old" against a zero rollout, unchecked (ℓ may be positive)
     result = _correct(log_ratio, torch.zeros_like(log_ratio), response_mask, config, True)
-    return result.weights, _unprefixed(result.metrics, ("rollout_is_",))
+    return result.is_weights, _unprefixed(result.metrics, ("rollout_is_",))
 
 
 def compute_rollout_rejection_mask(
@@ -155,7 +155,7 @@ def compute_rollout_rejection_mask(
         exact=True,
     )
     result = _correct(log_ratio, torch.zeros_like(log_ratio), response_mask, config, True)
-    return result.mask, _unprefixed(result.metrics, ("rollout_rs_",))
+    return result.kept_mask, _unprefixed(result.metrics, ("rollout_rs_",))
 
 
 def compute_offpolicy_metrics(

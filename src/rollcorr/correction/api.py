@@ -10,10 +10,12 @@ for the optional inputs log_prob / advantages / log_kept_mass when given), which
 when the caller has already checked the tensors, and, when a rejection rule is set, the check for a batch that
 lost every token (``AllRejectedWarning``), which ``warn=False`` skips.
 
-Cost (CPU, B×T = 256×8192 float32; benchmarks/bench_correction.py): every (B, T) pass costs ~0.5–2 ms and
-every fresh (B, T) buffer as much again in page faults, so the hot path makes few of either: statistics
-come from sums over tensors already 0 on padding, sequence rules from per-row sums, and each (B, T)
-temporary is freed (or reused in place) as soon as it has been read. Results are bit-identical to the
+Cost (CPU, B×T = 256×8192 float32; benchmarks/bench_correction.py, docs/performance.md): batches of ≥ 256 K
+positions whose configuration needs only per-row reductions take the fused path (fused.py: one compiled
+pass over (B, T), results equal to float rounding). Otherwise every (B, T) pass costs ~0.5–2 ms and every
+fresh (B, T) buffer as much again in page faults, so the eager path makes few of either: statistics come
+from sums over tensors already 0 on padding, sequence rules from per-row sums, and each (B, T) temporary is
+freed (or reused in place) as soon as it has been read. Its fast paths are bit-identical to the
 straightforward formulas (tests/test_correction_perf_equivalence.py).
 """
 
@@ -26,8 +28,10 @@ import torch
 from torch import Tensor
 
 from rollcorr.config.correction import CorrectionConfig
+from rollcorr.correction import fused
 from rollcorr.correction import metrics as M
 from rollcorr.correction.ratios import (
+    Rows,
     any_per_row,
     check_extra,
     check_mask,
@@ -60,13 +64,46 @@ def warn_all_rejected(num_tokens: int, num_seqs: int, stacklevel: int = 4) -> No
 
 @dataclass(frozen=True)
 class CorrectionResult:
-    """weights: (B, T) detached IS weights, 0 on padding (float32; float64 for float64 inputs) or None.
-    mask: (B, T) ``response_mask`` after rejection, same dtype as the input mask.
+    """is_weights: (B, T) detached IS weights, 0 on padding (float32; float64 for float64 inputs) or None.
+    kept_mask: (B, T) ``response_mask`` after rejection, same dtype as the input mask.
     metrics: ``rollout_corr/*`` 0-d tensors (read them with ``metrics_to_floats``)."""
 
-    weights: Tensor | None
-    mask: Tensor
+    is_weights: Tensor | None
+    kept_mask: Tensor
     metrics: dict[str, Tensor]
+
+
+def _masked(mask: Tensor, keep: Tensor) -> Tensor:
+    """``response_mask`` ∧ keep (keep: (B, T) or (B, 1) bool), in the mask's dtype."""
+    return mask & keep if mask.dtype == torch.bool else (mask * keep).to(mask.dtype)
+
+
+def _apply_row_rules(
+    mask: Tensor, rows: Rows, row_keep: Tensor | None, metrics: dict[str, Tensor]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(output mask, kept tokens (0-d), (B,) kept rows) when only sequence rules (``row_keep``, or None for
+    no rule) reject; adds the rejection totals to ``metrics``."""
+    if row_keep is None:
+        return mask.clone(), rows.num_tokens, rows.valid
+    kept_tokens = (rows.n * row_keep).sum()
+    metrics.update(M.rs_total_from_counts(rows.num_tokens - kept_tokens, rows.valid & ~row_keep, rows))
+    return _masked(mask, row_keep[:, None]), kept_tokens, rows.valid & row_keep
+
+
+def _count_metrics(
+    metrics: dict[str, Tensor], rows: Rows, num_seqs: int, kept_tokens: Tensor, kept_rows: Tensor, warn: bool
+) -> None:
+    """The counts for the loss denominator (docs/spec.md §3); ``warn``: check for a batch that lost every token
+    (one sync) and say so with ``AllRejectedWarning``."""
+    if warn and bool((kept_tokens == 0) & (rows.num_tokens > 0)):
+        warn_all_rejected(int(rows.num_tokens), int(rows.num_rows), stacklevel=5)
+    dtype = rows.dtype
+    metrics["num_tokens"] = rows.num_tokens
+    metrics["num_kept_tokens"] = kept_tokens
+    metrics["num_seqs"] = torch.tensor(float(num_seqs), dtype=dtype, device=rows.n.device)
+    metrics["num_valid_seqs"] = rows.num_rows
+    metrics["num_kept_seqs"] = torch.count_nonzero(kept_rows).to(dtype)
+    metrics["all_rejected"] = (kept_tokens == 0).to(dtype)
 
 
 @torch.no_grad()
@@ -148,6 +185,24 @@ def compute_correction(
             rollout.to(torch.promote_types(rollout.dtype, torch.float32)) + non_positive["log_kept_mass"]
         )
 
+    decomposition = config.mode == "decoupled" and log_prob is not None
+    if fused.supports(config, mask.numel(), decomposition=decomposition, staleness=version is not None):
+        got = fused.correct(
+            anchor,
+            rollout,
+            mask,
+            config,
+            names=(anchor_name, "rollout_log_prob"),
+            validate=validate,
+            group=group,
+        )
+        if got is not None:  # None: the kernel is unavailable, go on eagerly
+            weights, row_keep, rows, metrics, diagnostics = got
+            out_mask, kept_tokens, kept_rows = _apply_row_rules(mask, rows, row_keep, metrics)
+            _count_metrics(metrics, rows, shape[0], kept_tokens, kept_rows, warn and row_keep is not None)
+            metrics.update(diagnostics)
+            return CorrectionResult(weights, out_mask, {PREFIX + k: v for k, v in metrics.items()})
+
     tok = make_tokens(
         anchor, rollout, mask, bound=config.safety_bound, verl=config.verl_compat,
         names=(anchor_name, "rollout_log_prob"), validate=validate,
@@ -207,44 +262,30 @@ def compute_correction(
         metrics["trm_max_k2_max"] = tok.rows_max(row_max_k2)
         metrics["trm_mean_k3_max"] = tok.rows_max(row_mean_k3)
     # kept = response_mask ∧ token rules ∧ row rules; counts are exact integers in float
-    dtype = tok.mask_f.dtype
-    if keep is None and row_keep is None:
-        out_mask = mask.clone()
-        kept_tokens, kept_rows = torch.count_nonzero(tok.mask).to(dtype), tok.valid
+    if keep is None:  # no rule, or sequence rules only: everything follows from the per-row counts n
+        out_mask, kept_tokens, kept_rows = _apply_row_rules(mask, tok, row_keep, metrics)
     else:
-        if keep is None:  # sequence rules only: everything follows from the per-row counts n
-            keep = row_keep[:, None]
-            kept_tokens = (tok.n * row_keep).sum()
-            kept_rows, rejected_rows = tok.valid & row_keep, tok.valid & ~row_keep
-        else:
-            if row_keep is not None:
-                keep = keep & row_keep[:, None]
-            kept = tok.mask & keep
-            kept_tokens = torch.count_nonzero(kept).to(dtype)
-            kept_rows, rejected_rows = any_per_row(kept), any_per_row(tok.mask & ~kept)
+        if row_keep is not None:
+            keep = keep & row_keep[:, None]
+        kept = tok.mask & keep
+        kept_tokens = torch.count_nonzero(kept).to(tok.dtype)
+        kept_rows, rejected_rows = any_per_row(kept), any_per_row(tok.mask & ~kept)
         metrics.update(M.rs_total_from_counts(tok.num_tokens - kept_tokens, rejected_rows, tok))
-        if warn and bool((kept_tokens == 0) & (tok.num_tokens > 0)):
-            warn_all_rejected(int(tok.num_tokens), int(tok.num_rows))
-        out_mask = mask & keep if mask.dtype == torch.bool else (mask * keep).to(mask.dtype)
-
-    # ---- counts for the loss denominator (docs/spec.md §3) -----------------------------------------
-    metrics["num_tokens"] = tok.num_tokens
-    metrics["num_kept_tokens"] = kept_tokens
-    metrics["num_seqs"] = torch.tensor(float(shape[0]), dtype=dtype, device=mask.device)
-    metrics["num_valid_seqs"] = tok.num_rows
-    metrics["num_kept_seqs"] = torch.count_nonzero(kept_rows).to(dtype)
-    metrics["all_rejected"] = (kept_tokens == 0).to(dtype)
+        out_mask = _masked(mask, keep)
+    _count_metrics(
+        metrics, tok, shape[0], kept_tokens, kept_rows, warn and (keep is not None or row_keep is not None)
+    )
 
     # ---- diagnostics ------------------------------------------------------------------------------
     metrics.update(M.offpolicy_metrics(tok, k3))
     late: dict[str, Tensor] = {}
     if version is not None:
         late.update(M.staleness_metrics(version, current_version, tok))
-    if config.mode == "decoupled" and log_prob is not None:
+    if decomposition:
         late.update(M.decomposition_metrics(log_prob, tok))
     # Last reads of the masked log-probs (tok is local): exponentiate them in place for the
     # probability-space metrics, then reuse both buffers as the divergence metrics' scratch.
-    p_old, p_rollout = tok.old.exp_(), tok.rollout.exp_()
+    p_old, p_rollout = tok.anchor.exp_(), tok.rollout.exp_()
     prob = M.prob_mismatch(p_old, p_rollout, tok, overwrite=True)
     metrics.update(M.divergence_metrics(tok, k3, scratch=(p_old, p_rollout)))
     metrics.update(prob)

@@ -15,7 +15,7 @@ import math
 import torch
 from torch import Tensor
 
-from rollcorr.correction.ratios import Tokens, any_per_row, check_mask, check_tensor
+from rollcorr.correction.ratios import Rows, Tokens, any_per_row, check_mask, check_tensor
 from rollcorr.correction.rejection import RSOutcome
 
 Metrics = dict[str, Tensor]
@@ -39,7 +39,7 @@ def _std(values: Tensor, weight: Tensor, total: Tensor) -> Tensor:
     return var.clamp_min(0).sqrt()
 
 
-def _row_std_unbiased(x: Tensor, tok: Tokens) -> Tensor:
+def _row_std_unbiased(x: Tensor, tok: Rows) -> Tensor:
     """Unbiased std of a (B,) row value over the rows that count (all in verl mode, valid otherwise);
     0 when fewer than two rows count."""
     w = torch.ones_like(x) if tok.verl else tok.valid.to(x.dtype)
@@ -50,6 +50,14 @@ def _row_std_unbiased(x: Tensor, tok: Tokens) -> Tensor:
 
 
 # ---- IS ---------------------------------------------------------------------------------------
+def is_band(upper: float | None, lower: float | None) -> tuple[float, float]:
+    """(lo, hi) of the IS metrics' fraction_low / fraction_high: hi = upper (inf if None), lo = lower or,
+    as in verl, 1/upper when no lower bound is given."""
+    hi = math.inf if upper is None else upper
+    lo = (1.0 / hi if hi != math.inf else 0.0) if not lower else lower
+    return lo, hi
+
+
 def is_metrics(
     w: Tensor,
     raw: Tensor,
@@ -62,57 +70,90 @@ def is_metrics(
 ) -> Metrics:
     """verl ``compute_is_metrics`` (verl ``rollout_corr_helper.py``) on the thresholded weights ``w`` and the raw ones.
     For sequence / geometric levels ``row_log`` is the per-row log weight (unclamped)."""
-    out: Metrics = {}
     dtype = w.dtype
-    hi = math.inf if upper is None else upper
-    lo = (1.0 / hi if hi != math.inf else 0.0) if not lower else lower  # verl: lower defaults to 1/upper
+    lo, hi = is_band(upper, lower)
+    extra: dict[str, Tensor] = {}
+    if row_log is None:
+        # raw is 0 on padding: "> hi" never fires there, "< lo" always does (subtract the padding count)
+        extra["high"] = _count(raw > hi, dtype)
+        extra["low"] = _count(raw < lo, dtype) - tok.num_pad if lo > 0 else torch.zeros((), dtype=dtype)
+        extra["w_max"] = w.max()  # w ≥ 0 and 0 on padding: the max over valid tokens
+        extra["w_min"] = tok.valid_min(w)
+    elif mode == "mask":
+        extra["oob"] = _count(((raw > hi) | (raw < (lower or 0.0))) & tok.mask, dtype)
+    w_sq = w.square().sum() if tok.verl else _dot(w, w)  # verl's sum order
+    return is_metrics_from_sums(
+        tok, upper, lower, mode, row_log=row_log, w_sum=w.sum(), w_sq=w_sq, w_row_sum=w.sum(dim=-1),
+        raw_row_sum=raw.sum(dim=-1), **extra,
+    )  # fmt: skip
+
+
+def is_metrics_from_sums(
+    rows: Rows,
+    upper: float | None,
+    lower: float | None,
+    mode: str,
+    *,
+    row_log: Tensor | None,
+    w_sum: Tensor,
+    w_sq: Tensor,
+    w_row_sum: Tensor,
+    raw_row_sum: Tensor,
+    high: Tensor | None = None,
+    low: Tensor | None = None,
+    w_max: Tensor | None = None,
+    w_min: Tensor | None = None,
+    oob: Tensor | None = None,
+) -> Metrics:
+    """The IS metrics from reductions of the thresholded weights w and the raw ones (valid tokens):
+    Σ w, Σ w², (B,) row sums Σ_t w and Σ_t raw; token level: the counts of raw > hi and raw < lo, max and
+    min of w; sequence / geometric level: ``row_log`` (B,) and, in mask mode, the count ``oob`` of tokens
+    whose raw weight is outside [lower or 0, hi]."""
+    out: Metrics = {}
+    dtype = rows.dtype
+    lo, hi = is_band(upper, lower)
+    total = rows.den(rows.num_tokens)
     if row_log is not None:
         log_hi = math.log(hi) if hi != math.inf else math.inf
         log_lo = math.log(lo) if lo > 0 else -math.inf
-        out["rollout_is_max"] = tok.rows_max(row_log).clamp(max=20.0).exp()
-        row_min = tok.rows_min(row_log)  # verl leaves the minimum unclamped (inf for ℓ ≫ 0)
-        out["rollout_is_min"] = (row_min if tok.verl else row_min.clamp(-20.0, 20.0)).exp()
-        out["rollout_is_ratio_fraction_high"] = tok.over_rows((row_log > log_hi).to(dtype))
-        out["rollout_is_ratio_fraction_low"] = tok.over_rows((row_log < log_lo).to(dtype))
+        out["rollout_is_max"] = rows.rows_max(row_log).clamp(max=20.0).exp()
+        row_min = rows.rows_min(row_log)  # verl leaves the minimum unclamped (inf for ℓ ≫ 0)
+        out["rollout_is_min"] = (row_min if rows.verl else row_min.clamp(-20.0, 20.0)).exp()
+        out["rollout_is_ratio_fraction_high"] = rows.over_rows((row_log > log_hi).to(dtype))
+        out["rollout_is_ratio_fraction_low"] = rows.over_rows((row_log < log_lo).to(dtype))
     else:
-        # raw is 0 on padding: "> hi" never fires there, "< lo" always does (subtract the padding count)
-        high = _count(raw > hi, dtype)
-        low = _count(raw < lo, dtype) - tok.num_pad if lo > 0 else torch.zeros((), dtype=dtype)
-        out["rollout_is_ratio_fraction_high"] = high / tok.den(tok.num_tokens)
-        out["rollout_is_ratio_fraction_low"] = low / tok.den(tok.num_tokens)
-        out["rollout_is_max"] = w.max()  # w ≥ 0 and 0 on padding: the max over valid tokens
-        out["rollout_is_min"] = tok.valid_min(w)
+        out["rollout_is_ratio_fraction_high"] = high / total
+        out["rollout_is_ratio_fraction_low"] = low / total
+        out["rollout_is_max"] = w_max
+        out["rollout_is_min"] = w_min
         if mode == "mask":  # IcePop out-of-band share; the band's lower edge is 0 when none is given
-            oob = high + (low if lower else 0.0)
-            out["rollout_is_oob_ratio"] = oob / tok.den(tok.num_tokens)
+            out["rollout_is_oob_ratio"] = (high + (low if lower else 0.0)) / total
     # std / ESS on the applied weights clamped to [0, upper] (verl); thresholded weights already lie there
-    total = tok.den(tok.num_tokens)
-    mean, sq = w.sum() / total, (w.square().sum() if tok.verl else _dot(w, w)) / total  # verl's sum order
+    mean, sq = w_sum / total, w_sq / total
     out["rollout_is_mean"] = mean
     std = (sq - mean.square()).clamp_min(0).sqrt()
-    out["rollout_is_std"] = torch.where(tok.num_tokens > 1, std, torch.zeros_like(std))
+    out["rollout_is_std"] = torch.where(rows.num_tokens > 1, std, torch.zeros_like(std))
     # 1 / mean((w / (mean + 1e-8))²); 0 (not inf) when every weight is 0 (all tokens masked out)
     out["rollout_is_eff_sample_size"] = torch.where(sq > 0, (mean + 1e-8).square() / sq, 0.0)
-    row_w = tok.row_mean(w)
-    out["rollout_is_seq_mean"] = tok.over_rows(row_w)
-    out["rollout_is_seq_std"] = _row_std_unbiased(row_w, tok)
-    out["rollout_is_seq_max"] = tok.rows_max(row_w)
-    out["rollout_is_seq_min"] = tok.rows_min(row_w)
-    out["rollout_is_seq_max_deviation"] = tok.rows_max((row_w - 1.0).abs())
-    raw_row = tok.row_mean(raw)
-    out["rollout_is_seq_fraction_high"] = tok.over_rows((raw_row > hi).to(dtype))
-    out["rollout_is_seq_fraction_low"] = tok.over_rows((raw_row < lo).to(dtype))
+    row_w = rows.row_mean_of_sum(w_row_sum)
+    out["rollout_is_seq_mean"] = rows.over_rows(row_w)
+    out["rollout_is_seq_std"] = _row_std_unbiased(row_w, rows)
+    out["rollout_is_seq_max"] = rows.rows_max(row_w)
+    out["rollout_is_seq_min"] = rows.rows_min(row_w)
+    out["rollout_is_seq_max_deviation"] = rows.rows_max((row_w - 1.0).abs())
+    raw_row = rows.row_mean_of_sum(raw_row_sum)
+    out["rollout_is_seq_fraction_high"] = rows.over_rows((raw_row > hi).to(dtype))
+    out["rollout_is_seq_fraction_low"] = rows.over_rows((raw_row < lo).to(dtype))
     if mode == "mask" and row_log is not None:
-        oob = (raw > hi) | (raw < (lower or 0.0))
-        out["rollout_is_oob_ratio"] = tok.token_share(oob & tok.mask)
+        out["rollout_is_oob_ratio"] = oob / total
     return out
 
 
 # ---- RS ---------------------------------------------------------------------------------------
-def rs_option_metrics(r: RSOutcome, tok: Tokens) -> Metrics:
+def rs_option_metrics(r: RSOutcome, tok: Rows) -> Metrics:
     """verl ``compute_rs_metrics`` for one option (verl ``rollout_corr_helper.py``), keys ``rollout_rs_{option}_*``."""
     p = f"rollout_rs_{r.option}"
-    dtype = tok.mask_f.dtype
+    dtype = tok.dtype
     out: Metrics = {}
     is_k1 = r.lower is not None
     lower = r.lower if is_k1 else 0.0
@@ -176,15 +217,15 @@ def rs_total_metrics(keep: Tensor, tok: Tokens) -> Metrics:
     """``rollout_rs_masked_fraction`` (tokens) and ``rollout_rs_seq_masked_fraction`` (rows with any valid
     token rejected; over all rows in verl mode, over valid rows otherwise)."""
     rejected = ~keep & tok.mask
-    return rs_total_from_counts(_count(rejected, tok.mask_f.dtype), any_per_row(rejected), tok)
+    return rs_total_from_counts(_count(rejected, tok.dtype), any_per_row(rejected), tok)
 
 
-def rs_total_from_counts(rejected_tokens: Tensor, rejected_rows: Tensor, tok: Tokens) -> Metrics:
+def rs_total_from_counts(rejected_tokens: Tensor, rejected_rows: Tensor, tok: Rows) -> Metrics:
     """``rs_total_metrics`` from the number of rejected valid tokens (0-d) and the (B,) bool rows with a
     rejected valid token."""
     return {
         "rollout_rs_masked_fraction": rejected_tokens / tok.den(tok.num_tokens),
-        "rollout_rs_seq_masked_fraction": tok.over_rows(rejected_rows.to(tok.mask_f.dtype)),
+        "rollout_rs_seq_masked_fraction": tok.over_rows(rejected_rows.to(tok.dtype)),
     }
 
 
@@ -198,38 +239,55 @@ def offpolicy_metrics(tok: Tokens | Tensor, k3: Tensor | None = None, *legacy: T
         tok, k3 = legacy[0], None
     if k3 is None:
         k3 = tok.ratio - 1.0 - tok.log_ratio_safe
-    mean_old = tok.row_mean(tok.old)
-    mean_roll = tok.row_mean(tok.rollout)
     lr = tok.log_ratio
     if tok.verl:
         k3 = lr.exp().sub_(lr).sub_(1.0)
-    diff = mean_roll - mean_old
-    row_sum = lr.sum(dim=-1).clamp(-20.0, 20.0)
-    # rollcorr keeps these finite: PPL saturates at e^80, ppl_ratio's exponent is clamped to ±20 like ρ
-    ppl_cap, ratio_cap = (math.inf, math.inf) if tok.verl else (PPL_LOG_CAP, 20.0)
-    return {
-        "training_ppl": tok.over_rows((-mean_old).clamp(max=ppl_cap).exp()),
-        "training_log_ppl": tok.over_rows(-mean_old),
-        "kl": -tok.token_mean(lr),
-        "k3_kl": tok.token_mean(k3),
-        "rollout_ppl": tok.over_rows((-mean_roll).clamp(max=ppl_cap).exp()),
-        "rollout_log_ppl": tok.over_rows(-mean_roll),
-        "log_ppl_diff": tok.over_rows(diff),
-        "log_ppl_abs_diff": tok.over_rows(diff.abs()),
-        "log_ppl_diff_max": tok.rows_max(diff),
-        "log_ppl_diff_min": tok.rows_min(diff),
-        "ppl_ratio": tok.over_rows(diff.clamp(-ratio_cap, ratio_cap).exp()),
-        "chi2_token": _chi2_token(tok),
-        "chi2_seq": tok.over_rows((2.0 * row_sum).exp()) - 1.0,
-    }
-
-
-def _chi2_token(tok: Tokens) -> Tensor:
-    """E_valid[ρ²] − 1. ρ = 1 on padding: Σ ρ² − #pad is one fused pass; verl mode sums the masked ρ² as
-    verl does, so float32 rounding matches too."""
+    # ρ = 1 on padding: Σ ρ² − #pad is one fused pass; verl mode sums the masked ρ² as verl does, so float32
+    # rounding matches too
     if tok.verl:
-        return torch.where(tok.mask, tok.ratio.square(), 0.0).sum() / tok.den(tok.num_tokens) - 1.0
-    return (_dot(tok.ratio, tok.ratio) - tok.num_pad) / tok.num_tokens - 1.0
+        rho2 = torch.where(tok.mask, tok.ratio.square(), 0.0).sum()
+    else:
+        rho2 = _dot(tok.ratio, tok.ratio) - tok.num_pad
+    return offpolicy_from_sums(
+        tok, old_row=tok.anchor.sum(dim=-1), roll_row=tok.rollout.sum(dim=-1), lr_row=lr.sum(dim=-1),
+        lr_sum=lr.sum(), k3_sum=k3.sum(), rho2_sum=rho2,
+    )  # fmt: skip
+
+
+def offpolicy_from_sums(
+    rows: Rows,
+    *,
+    old_row: Tensor,
+    roll_row: Tensor,
+    lr_row: Tensor,
+    lr_sum: Tensor,
+    k3_sum: Tensor,
+    rho2_sum: Tensor,
+) -> Metrics:
+    """``offpolicy_metrics`` from its reductions over valid tokens: (B,) row sums of log π_old, log μ and
+    ℓ (unclamped), and the totals Σ ℓ, Σ k3 (clamped ℓ; unclamped in verl mode) and Σ ρ²."""
+    mean_old = rows.row_mean_of_sum(old_row)
+    mean_roll = rows.row_mean_of_sum(roll_row)
+    diff = mean_roll - mean_old
+    row_sum = lr_row.clamp(-20.0, 20.0)
+    total = rows.den(rows.num_tokens)
+    # rollcorr keeps these finite: PPL saturates at e^80, ppl_ratio's exponent is clamped to ±20 like ρ
+    ppl_cap, ratio_cap = (math.inf, math.inf) if rows.verl else (PPL_LOG_CAP, 20.0)
+    return {
+        "training_ppl": rows.over_rows((-mean_old).clamp(max=ppl_cap).exp()),
+        "training_log_ppl": rows.over_rows(-mean_old),
+        "kl": -(lr_sum / total),
+        "k3_kl": k3_sum / total,
+        "rollout_ppl": rows.over_rows((-mean_roll).clamp(max=ppl_cap).exp()),
+        "rollout_log_ppl": rows.over_rows(-mean_roll),
+        "log_ppl_diff": rows.over_rows(diff),
+        "log_ppl_abs_diff": rows.over_rows(diff.abs()),
+        "log_ppl_diff_max": rows.rows_max(diff),
+        "log_ppl_diff_min": rows.rows_min(diff),
+        "ppl_ratio": rows.over_rows(diff.clamp(-ratio_cap, ratio_cap).exp()),
+        "chi2_token": rho2_sum / total - 1.0,
+        "chi2_seq": rows.over_rows((2.0 * row_sum).exp()) - 1.0,
+    }
 
 
 # ---- beyond verl -------------------------------------------------------------------------------
@@ -253,19 +311,37 @@ def divergence_metrics(
     # (B, T) buffers are reused in place: a fresh (B, T) allocation costs as much as the arithmetic
     a, b = scratch if scratch is not None else (torch.empty_like(lr), torch.empty_like(lr))
     rho_lr = torch.mul(rho, lr, out=a)
-    policy_kl = tok.token_mean(torch.sub(rho_lr, rho, out=b).add_(1.0))  # ρℓ − ρ + 1 ≥ 0 per token
+    policy_kl = torch.sub(rho_lr, rho, out=b).add_(1.0).sum()  # ρℓ − ρ + 1 ≥ 0 per token
     # js = ½[ρℓ − (1 + ρ)·(softplus(ℓ) − log 2)]
     js = torch.nn.functional.softplus(lr).sub_(math.log(2.0)).mul_(torch.add(rho, 1.0, out=b))
-    js = torch.sub(rho_lr, js, out=js).mul_(0.5)
-    e_abs = torch.maximum(rho, torch.reciprocal(rho, out=a), out=a).sub_(1.0)  # e^|ℓ| − 1
-    token_mult_prob_error = 1.0 + tok.token_mean(e_abs)
+    js = torch.sub(rho_lr, js, out=js).mul_(0.5).sum()
+    e_abs = torch.maximum(rho, torch.reciprocal(rho, out=a), out=a).sub_(1.0).sum()  # e^|ℓ| − 1
+    return divergence_from_sums(
+        tok, k3_sum=k3.sum(), policy_kl_sum=policy_kl, js_sum=js, e_abs_sum=e_abs,
+        lr_sum=tok.log_ratio.sum(), abs_sum=torch.abs(lr, out=b).sum(),
+    )  # fmt: skip
+
+
+def divergence_from_sums(
+    rows: Rows,
+    *,
+    k3_sum: Tensor,
+    policy_kl_sum: Tensor,
+    js_sum: Tensor,
+    e_abs_sum: Tensor,
+    lr_sum: Tensor,
+    abs_sum: Tensor,
+) -> Metrics:
+    """``divergence_metrics`` from the sums over valid tokens of k3, ρℓ − ρ + 1, the JS term, e^|ℓ| − 1,
+    ℓ (unclamped) and |ℓ| (clamped)."""
+    total = rows.den(rows.num_tokens)
     return {
-        "gen_kl": tok.token_mean(k3),
-        "policy_kl": policy_kl,
-        "js_divergence": tok.token_mean(js),
-        "token_mult_prob_error": token_mult_prob_error,
-        "log_ratio_mean": tok.token_mean(tok.log_ratio),
-        "log_ratio_abs_mean": tok.token_mean(torch.abs(lr, out=b)),
+        "gen_kl": k3_sum / total,
+        "policy_kl": policy_kl_sum / total,
+        "js_divergence": js_sum / total,
+        "token_mult_prob_error": 1.0 + e_abs_sum / total,
+        "log_ratio_mean": lr_sum / total,
+        "log_ratio_abs_mean": abs_sum / total,
     }
 
 
@@ -306,48 +382,70 @@ def _prob_mismatch(
 ) -> Metrics:
     """a, b: (B, T) probabilities equal to ``pad`` on padding (so |Δp| = 0 there); ``overwrite``: b may be
     reused for |Δp|."""
-    valid = n > 0
-    rows = valid.sum().clamp_min(1)
-    count = count.clamp_min(1)
-    # Pearson over valid tokens from raw moments, removing the padding's known contribution
+    # moments over valid tokens, removing the padding's known contribution
     pad_a, pad_aa = pad * num_pad, pad * pad * num_pad
     sa, sb = a.sum() - pad_a, b.sum() - pad_a
     saa, sbb, sab = _dot(a, a) - pad_aa, _dot(b, b) - pad_aa, _dot(a, b) - pad_aa
     d = torch.sub(a, b, out=b if overwrite else None).abs_()
-    row_max = d.amax(dim=-1)
-    row_sum = d.sum(dim=-1)
+    dtype = a.dtype
+    flag = torch.empty(d.shape, dtype=torch.bool, device=d.device)  # one (B, T) bool buffer for the shares
+    counts = [_count(torch.ge(d, threshold, out=flag), dtype) for threshold in PROB_SHARES]
+    return prob_from_sums(
+        n, count, sa=sa, sb=sb, saa=saa, sbb=sbb, sab=sab, d_row_max=d.amax(dim=-1), d_row_sum=d.sum(dim=-1),
+        lt=_count(torch.lt(d, 1e-3, out=flag), dtype) - num_pad, ge=counts,  # padding has d = 0
+    )  # fmt: skip
+
+
+PROB_SHARES = (0.01, 0.05, 0.1)  # |Δp| thresholds of the prob_diff_frac_ge_* shares
+
+
+def prob_from_sums(
+    n: Tensor,
+    count: Tensor,
+    *,
+    sa: Tensor,
+    sb: Tensor,
+    saa: Tensor,
+    sbb: Tensor,
+    sab: Tensor,
+    d_row_max: Tensor,
+    d_row_sum: Tensor,
+    lt: Tensor,
+    ge: list[Tensor],
+) -> Metrics:
+    """The probability-mismatch metrics from reductions over valid tokens: n (B,) and ``count`` valid tokens,
+    the moments Σa, Σb, Σa², Σb², Σab of a = p_old and b = p_μ, the (B,) row max and row sum of
+    d = |a − b| (rows without a valid token: 0), the number of tokens with d < 1e-3 and those with
+    d ≥ each of ``PROB_SHARES``."""
+    valid = n > 0
+    rows = valid.sum().clamp_min(1)
+    count = count.clamp_min(1)
+    # Pearson over valid tokens from raw moments
     f64 = torch.float64
     cnt = count.to(f64)
     cov = sab.to(f64) - sa.to(f64) * sb.to(f64) / cnt
     var_a = (saa.to(f64) - sa.to(f64).square() / cnt).clamp_min(0)
     var_b = (sbb.to(f64) - sb.to(f64).square() / cnt).clamp_min(0)
     denom = (var_a * var_b).sqrt()
-    same = row_max.max() == 0
+    same = d_row_max.max() == 0
     scale = 1e-12 * cnt  # variance below rounding noise of the moment sums counts as constant
     pearson = torch.where(denom > scale, cov / denom.clamp_min(1e-300), torch.where(same, 1.0, 0.0).to(f64))
-    dtype = a.dtype
-    flag = torch.empty(d.shape, dtype=torch.bool, device=d.device)  # one (B, T) bool buffer for the shares
-
-    def share(threshold: float) -> Tensor:
-        return _count(torch.ge(d, threshold, out=flag), dtype) / count
-
-    return {
-        "prob_diff_seq_max_mean": torch.where(valid, row_max, 0).sum() / rows,
-        "prob_diff_seq_mean_mean": torch.where(valid, row_sum / n.clamp_min(1), 0).sum() / rows,
-        "prob_diff_mean": row_sum.sum() / count,
-        "prob_diff_max": row_max.max(),  # |Δp| ≥ 0 and 0 on padding
-        "prob_diff_frac_lt_1e-3": (_count(torch.lt(d, 1e-3, out=flag), dtype) - num_pad)
-        / count,  # padding has d = 0
-        "prob_diff_frac_ge_0.01": share(0.01),
-        "prob_diff_frac_ge_0.05": share(0.05),
-        "prob_diff_frac_ge_0.1": share(0.1),
-        "prob_pearson": pearson.clamp(-1.0, 1.0).to(dtype),
+    out = {
+        "prob_diff_seq_max_mean": torch.where(valid, d_row_max, 0).sum() / rows,
+        "prob_diff_seq_mean_mean": torch.where(valid, d_row_sum / n.clamp_min(1), 0).sum() / rows,
+        "prob_diff_mean": d_row_sum.sum() / count,
+        "prob_diff_max": d_row_max.max(),  # |Δp| ≥ 0 and 0 on padding
+        "prob_diff_frac_lt_1e-3": lt / count,
     }
+    for threshold, c in zip(PROB_SHARES, ge):
+        out[f"prob_diff_frac_ge_{threshold}"] = c / count
+    out["prob_pearson"] = pearson.clamp(-1.0, 1.0).to(d_row_max.dtype)
+    return out
 
 
 def staleness_metrics(version: Tensor, current_version: int | Tensor, tok: Tokens) -> Metrics:
     """Per-token version lag (current − version that produced the token): mean and max over valid tokens."""
-    lag = (torch.as_tensor(current_version, device=version.device) - version).to(tok.mask_f.dtype)
+    lag = (torch.as_tensor(current_version, device=version.device) - version).to(tok.dtype)
     lag = torch.where(tok.mask, lag, 0.0)
     return {
         "staleness_mean": tok.token_mean(lag),
@@ -358,7 +456,7 @@ def staleness_metrics(version: Tensor, current_version: int | Tensor, tok: Token
 def decomposition_metrics(log_prob: Tensor, tok: Tokens) -> Metrics:
     """docs/spec.md §1 split of π_θ/μ into discrepancy π_old/μ and staleness π_θ/π_old: k3 (e^x − 1 − x, mean over
     valid tokens, x clamped to ±20) of each log-ratio and of the total."""
-    theta = torch.where(tok.mask, log_prob.to(tok.old.dtype), 0.0)
+    theta = torch.where(tok.mask, log_prob.to(tok.anchor.dtype), 0.0)
 
     def k3(x: Tensor) -> Tensor:
         x = x.clamp(-20.0, 20.0)
@@ -366,7 +464,7 @@ def decomposition_metrics(log_prob: Tensor, tok: Tokens) -> Metrics:
 
     return {
         "discrepancy_k3": k3(tok.log_ratio),
-        "staleness_k3": k3(theta - tok.old),
+        "staleness_k3": k3(theta - tok.anchor),
         "total_k3": k3(theta - tok.rollout),
     }
 

@@ -23,7 +23,10 @@ def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
     )
 
 
-def _positive_tolerance(dtype: torch.dtype) -> float:
+NO_VALID_TOKEN = "response_mask has no valid token: nothing to correct (every row is padding)"
+
+
+def positive_tolerance(dtype: torch.dtype) -> float:
     # A log-prob rounded in low precision can land just above 0; anything beyond a few ulps of 1 is a bug.
     return max(1e-6, 4 * torch.finfo(dtype).eps)
 
@@ -81,7 +84,7 @@ def _where(bad: Tensor) -> str:
     return ", ".join(f"(row {i}, pos {j})" for i, j in idx)
 
 
-def _locate(name: str, x: Tensor, mask_bool: Tensor, upper_ok: float) -> str:
+def locate(name: str, x: Tensor, mask_bool: Tensor, upper_ok: float) -> str:
     """Error path only: say what is wrong with ``x`` on valid tokens and where."""
     nonfinite = mask_bool & ~torch.isfinite(x)
     if nonfinite.any():
@@ -92,23 +95,21 @@ def _locate(name: str, x: Tensor, mask_bool: Tensor, upper_ok: float) -> str:
 
 
 @dataclass(frozen=True)
-class Tokens:
-    """The masked batch every correction step reads. Shapes: (B, T) unless noted."""
+class Rows:
+    """Per-row counts of a masked (B, T) batch: all the sequence-level statistics need. Shapes: () unless noted."""
 
-    mask: Tensor  # bool, valid tokens
-    mask_f: Tensor  # same in the compute dtype
-    n: Tensor  # (B,) valid tokens per row
+    n: Tensor  # (B,) valid tokens per row, in the compute dtype
     valid: Tensor  # (B,) bool, rows with >= 1 valid token
-    num_tokens: Tensor  # () total valid tokens
-    num_rows: Tensor  # () rows with >= 1 valid token
-    num_pad: Tensor  # () padding positions (B·T − num_tokens)
-    old: Tensor  # anchor log-probs (π_old, or π_θ in bypass), 0 on padding; a fresh buffer, never an input
-    rollout: Tensor  # log μ, 0 on padding; a fresh buffer, never an input
-    log_ratio: Tensor  # ℓ, unclamped, 0 on padding
-    log_ratio_safe: Tensor  # clamp(ℓ, ±bound); the same tensor as log_ratio when no entry reaches ±bound
-    ratio: Tensor  # ρ = exp(clamp(ℓ)), 1 on padding
+    num_tokens: Tensor  # total valid tokens
+    num_rows: Tensor  # rows with >= 1 valid token
+    num_pad: Tensor  # padding positions (B·T − num_tokens)
     verl: bool  # reproduce verl's formulas (masked means with +1e-8, all rows in seq metrics)
-    count_dtype: torch.dtype = torch.float32  # dtype of verl's ``mask.sum()`` (the +1e-8 is added in it)
+    count_dtype: torch.dtype  # dtype of verl's ``mask.sum()`` (the +1e-8 is added in it)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (float32, or float64 for float64 inputs)."""
+        return self.n.dtype
 
     def den(self, count: Tensor) -> Tensor:
         """Denominator of a masked mean over ``count`` valid entries. verl's ``masked_mean`` divides by
@@ -118,20 +119,8 @@ class Tokens:
             return count
         return (count.to(self.count_dtype) + 1e-8).to(count.dtype)
 
-    def token_mean(self, x: Tensor) -> Tensor:
-        """Masked mean over valid tokens of a (B, T) tensor that is already 0 on padding."""
-        return x.sum() / self.den(self.num_tokens)
-
-    def token_share(self, flag: Tensor) -> Tensor:
-        """Share of valid tokens where a bool (B, T) flag holds (the flag must be False on padding)."""
-        return torch.count_nonzero(flag).to(self.mask_f.dtype) / self.den(self.num_tokens)
-
-    def row_mean(self, x: Tensor) -> Tensor:
-        """(B,) per-row masked mean of a tensor that is 0 on padding (0 for all-padding rows)."""
-        return self.row_mean_of_sum(x.sum(dim=-1))
-
     def row_mean_of_sum(self, row_sum: Tensor) -> Tensor:
-        """``row_mean`` from the (B,) row sums Σ_t x."""
+        """(B,) per-row masked mean from the (B,) row sums Σ_t x (0 for all-padding rows)."""
         return row_sum / (self.den(self.n) if self.verl else self.n.clamp_min(1))
 
     def over_rows(self, x: Tensor) -> Tensor:
@@ -139,6 +128,37 @@ class Tokens:
         if self.verl:
             return x.mean()
         return torch.where(self.valid, x, 0).sum() / self.num_rows
+
+    def rows_max(self, x: Tensor) -> Tensor:
+        return (x if self.verl else x.masked_fill(~self.valid, float("-inf"))).max()
+
+    def rows_min(self, x: Tensor) -> Tensor:
+        return (x if self.verl else x.masked_fill(~self.valid, float("inf"))).min()
+
+
+@dataclass(frozen=True)
+class Tokens(Rows):
+    """The masked batch every correction step reads: ``Rows`` plus the (B, T) tensors."""
+
+    mask: Tensor  # bool, valid tokens
+    mask_f: Tensor  # same in the compute dtype
+    anchor: Tensor  # the ratio's anchor log-probs (π_old, or π_θ in bypass), 0 on padding; a fresh buffer, never an input
+    rollout: Tensor  # log μ, 0 on padding; a fresh buffer, never an input
+    log_ratio: Tensor  # ℓ, unclamped, 0 on padding
+    log_ratio_safe: Tensor  # clamp(ℓ, ±bound); the same tensor as log_ratio when no entry reaches ±bound
+    ratio: Tensor  # ρ = exp(clamp(ℓ)), 1 on padding
+
+    def token_mean(self, x: Tensor) -> Tensor:
+        """Masked mean over valid tokens of a (B, T) tensor that is already 0 on padding."""
+        return x.sum() / self.den(self.num_tokens)
+
+    def token_share(self, flag: Tensor) -> Tensor:
+        """Share of valid tokens where a bool (B, T) flag holds (the flag must be False on padding)."""
+        return torch.count_nonzero(flag).to(self.dtype) / self.den(self.num_tokens)
+
+    def row_mean(self, x: Tensor) -> Tensor:
+        """(B,) per-row masked mean of a tensor that is 0 on padding (0 for all-padding rows)."""
+        return self.row_mean_of_sum(x.sum(dim=-1))
 
     def valid_max(self, x: Tensor, dim: int | None = None) -> Tensor:
         """Max of a (B, T) tensor over valid tokens: over the batch (0-d) or per row (``dim=-1``, (B,);
@@ -149,12 +169,6 @@ class Tokens:
     def valid_min(self, x: Tensor) -> Tensor:
         """Min of a (B, T) tensor over valid tokens (0-d)."""
         return torch.where(self.mask, x, math.inf).min()
-
-    def rows_max(self, x: Tensor) -> Tensor:
-        return (x if self.verl else x.masked_fill(~self.valid, float("-inf"))).max()
-
-    def rows_min(self, x: Tensor) -> Tensor:
-        return (x if self.verl else x.masked_fill(~self.valid, float("inf"))).min()
 
 
 def make_tokens(
@@ -193,12 +207,12 @@ def make_tokens(
             flags.append(((mask != 0) & (mask != 1)).any())
         values = torch.stack([f.to(dtype) for f in flags]).tolist()
         if values[0] == 0:
-            raise ValueError("response_mask has no valid token: nothing to correct (every row is padding)")
+            raise ValueError(NO_VALID_TOKEN)
         if len(values) > 5 and values[5]:
             check_binary_mask("response_mask", mask)
         ranges = (values[1:3], values[3:5])
         clean = all(
-            lo > float("-inf") and hi <= _positive_tolerance(x.dtype) for (lo, hi), x in zip(ranges, inputs)
+            lo > float("-inf") and hi <= positive_tolerance(x.dtype) for (lo, hi), x in zip(ranges, inputs)
         )  # NaN fails both comparisons
         if clean:  # every entry (padding too) is a finite log-prob: multiply, and clamp only if needed
             old, rollout = (x * mask_f for x in inputs)
@@ -208,9 +222,9 @@ def make_tokens(
             old, rollout = (torch.where(mask_bool, x.to(dtype), 0.0) for x in inputs)
             masked = torch.stack([v.to(dtype) for x in (old, rollout) for v in torch.aminmax(x)]).tolist()
             for lo, hi, name, x in zip(masked[0::2], masked[1::2], names, inputs):
-                tol = _positive_tolerance(x.dtype)
+                tol = positive_tolerance(x.dtype)
                 if not (lo > float("-inf") and hi <= tol):
-                    raise ValueError(_locate(name, x, mask_bool, tol))
+                    raise ValueError(locate(name, x, mask_bool, tol))
     else:
         old, rollout = (torch.where(mask_bool, x.to(dtype), 0.0) for x in inputs)
     log_ratio = old - rollout
@@ -224,7 +238,7 @@ def make_tokens(
         num_tokens=num_tokens,
         num_rows=valid.sum().to(dtype),
         num_pad=mask_bool.numel() - num_tokens,
-        old=old,
+        anchor=old,
         rollout=rollout,
         log_ratio=log_ratio,
         log_ratio_safe=log_ratio_safe,
@@ -243,7 +257,7 @@ def check_extra(
     (log_prob, log_kept_mass); ``finite_rows`` finite on valid rows / tokens (advantages, (B,) or (B, T))."""
     checks: list[tuple[str, Tensor, Tensor, float | None]] = []
     for name, x in (non_positive or {}).items():
-        checks.append((name, x, torch.where(mask_bool, x, 0), _positive_tolerance(x.dtype)))
+        checks.append((name, x, torch.where(mask_bool, x, 0), positive_tolerance(x.dtype)))
     row_valid = mask_bool.any(dim=-1)
     for name, x in (finite_rows or {}).items():
         checks.append((name, x, torch.where(row_valid if x.dim() == 1 else mask_bool, x, 0), None))
@@ -256,7 +270,7 @@ def check_extra(
             if not (lo > float("-inf") and hi < float("inf")):
                 raise ValueError(f"{name} is NaN/inf on valid rows/tokens")
         elif not (lo > float("-inf") and hi <= tol):
-            raise ValueError(_locate(name, x, mask_bool, tol))
+            raise ValueError(locate(name, x, mask_bool, tol))
 
 
 def kl_stats(tok: Tokens, k: str) -> Tensor:

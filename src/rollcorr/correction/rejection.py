@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from rollcorr.correction.ratios import Tokens, any_per_row, kl_stats
+from rollcorr.correction.ratios import Rows, Tokens, any_per_row, kl_stats
 
 if TYPE_CHECKING:
     from rollcorr.config.correction import CorrectionConfig
@@ -85,8 +85,8 @@ def rs_statistic(option: str, tok: Tokens) -> Tensor:
     stat = split_option(option)[1]
     if stat != "binary_kl":
         return kl_stats(tok, stat)
-    # tok.old / tok.rollout are 0 on padding: p = q there, so the statistic is exactly 0
-    return torch.maximum(binary_kl(tok.old, tok.rollout), binary_kl(tok.rollout, tok.old))
+    # tok.anchor / tok.rollout are 0 on padding: p = q there, so the statistic is exactly 0
+    return torch.maximum(binary_kl(tok.anchor, tok.rollout), binary_kl(tok.rollout, tok.anchor))
 
 
 def _row_max(x: Tensor, tok: Tokens) -> Tensor:
@@ -99,13 +99,16 @@ def rs_option(
     option: str,
     threshold: float | tuple[float, float],
     x: Tensor | None,
-    tok: Tokens,
+    tok: Rows,
     *,
     row_sum: Tensor | None = None,
+    row_max: Tensor | None = None,
 ) -> RSOutcome:
     """Apply one RS option to its per-token statistic ``x`` (k1, k2, k3 or binary KL; 0 on padding).
     ``seq_sum`` / ``seq_mean`` options need only Σ_t x: pass it as ``row_sum`` (B,) and ``x=None`` to skip
-    building x (e.g. Σ_t k1 = −Σ_t ℓ, bit-identical since negation is exact)."""
+    building x (e.g. Σ_t k1 = −Σ_t ℓ, bit-identical since negation is exact); ``seq_max`` options likewise
+    take the (B,) masked row max as ``row_max``. Sequence options then need only ``Rows``; token options
+    need the ``Tokens``."""
     kind, k = split_option(option)
     if k == "k1":
         lower, upper = k1_bounds(threshold, tok.verl)  # type: ignore[arg-type]
@@ -125,7 +128,7 @@ def rs_option(
     elif kind == "seq_mean":
         row = tok.row_mean_of_sum(row_sum)
     elif kind == "seq_max":
-        row = _row_max(x, tok)
+        row = _row_max(x, tok) if row_max is None else torch.where(tok.valid, row_max, 0.0)
     else:  # config validation makes this unreachable
         raise ValueError(f"unknown rs option {option!r}")
     return RSOutcome(option, None, inside(row), None, row, lower, upper)
@@ -163,9 +166,9 @@ def opsm_keep(
     """OPSM (DeepSeek-V3.2): drop a row iff A < 0 and mean_t(log μ − log π_θ) > δ.
     ``advantages`` is (B,) or (B, T) (then its masked row mean is the row's advantage).
     Returns (row keep, row divergence)."""
-    diff = torch.where(tok.mask, rollout_log_prob.to(tok.mask_f.dtype) - log_prob.to(tok.mask_f.dtype), 0.0)
+    diff = torch.where(tok.mask, rollout_log_prob.to(tok.dtype) - log_prob.to(tok.dtype), 0.0)
     row_div = tok.row_mean(diff)
-    adv = advantages.to(tok.mask_f.dtype)
+    adv = advantages.to(tok.dtype)
     if adv.dim() == 2:
         adv = tok.row_mean(torch.where(tok.mask, adv, 0.0))
     return (adv >= 0) | (row_div <= delta), row_div
@@ -209,7 +212,7 @@ def rejection_rules(
     """Every rejection rule ``config`` sets, each applied alone, in order: the RS options, veto floor, veto
     ceiling, TRM max k2, TRM mean k3, OPSM. ``compute_correction`` ANDs their keeps into the mask; ``analyze``
     explains each. k3: ``kl_stats(tok, "k3")`` if already built. log_prob: π_θ for OPSM (default: the anchor
-    ``tok.old``). advantages: (B,) or (B, T), needed by OPSM."""
+    ``tok.anchor``). advantages: (B,) or (B, T), needed by OPSM."""
     rules: list[RuleOutcome] = []
     for option, threshold in zip(config.rs, config.rs_thresholds):
         if option in ("seq_sum_k1", "seq_mean_k1"):  # Σ_t k1 = −Σ_t ℓ: no (B, T) statistic needed
@@ -241,7 +244,7 @@ def rejection_rules(
     if config.opsm_delta is not None:
         if advantages is None:
             raise ValueError("opsm_delta is set: OPSM needs advantages")
-        pi_theta = log_prob if log_prob is not None else tok.old
+        pi_theta = log_prob if log_prob is not None else tok.anchor
         keep, row_div = opsm_keep(tok.rollout, pi_theta, advantages, tok, config.opsm_delta)
         rules.append(RuleOutcome("opsm", None, keep, row_div, None, config.opsm_delta, config.opsm_delta))
     return rules

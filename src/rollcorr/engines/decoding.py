@@ -187,6 +187,6 @@ class DecodingSampler:
             rewards=None,
             old_log_prob=None,
             is_weights=None,
-            correction_mask=None,
+            kept_mask=None,
             advantages=None,
         )

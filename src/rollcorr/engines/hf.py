@@ -10,8 +10,8 @@ quantisation of every ``nn.Linear`` (float32 activations, int8 weights).
 
 Learner: full-sequence forwards over prompt + response (Llama-family models: each distinct prompt run once
 and its keys/values shared by the responses to it, ``kvdecode.prefix_shared_hidden``), log-softmax at the
-response tokens (logits / the sampling temperature), optional entropy, lm-head applied in chunks of response
-positions.
+response tokens (logits / the sampling temperature), optional entropy, lm-head applied in vocabulary chunks
+(rollcorr.logprobs).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from rollcorr.engines.base import SamplingParams, process_logits
 from rollcorr.engines.decoding import DecodingSampler, encode_prompts, finished_rows, left_pad, right_pad  # noqa: F401
@@ -33,6 +32,7 @@ from rollcorr.engines.kvdecode import (
     prefix_shared_hidden,
     static_kv_supported,
 )
+from rollcorr.logprobs import logprobs_from_hidden, logprobs_from_logits
 from rollcorr.models.builtin import BUILTIN, load_model, resolve_dtype
 from rollcorr.rollout import Rollout
 
@@ -200,7 +200,7 @@ class HFLearner:
         dtype: torch.dtype | str = torch.float32,
         attn: str = "eager",
         device: str | torch.device | None = None,
-        chunk_size: int = 1024,
+        chunk_size: int = 4096,
         share_prompts: bool = True,
     ) -> None:
         if chunk_size < 1:
@@ -210,7 +210,7 @@ class HFLearner:
         self.model_path = str(model_path)
         model, self.tokenizer = load_model(model_path, dtype=self.dtype, attn=attn)
         self.model = model.to(self.device)
-        self.chunk_size = chunk_size
+        self.chunk_size = chunk_size  # vocabulary rows per lm-head chunk (rollcorr.logprobs)
         # Llama-family models with eager attention: score through LlamaBlocks with shared prompts
         # (share_prompts=False: one full forward through the transformers model, the reference)
         self.share_prompts = share_prompts
@@ -240,8 +240,10 @@ class HFLearner:
         Input: a Rollout or (prompt_ids (B, P) left-padded, prompt_mask, response_ids (B, T) right-padded,
         response_mask). One forward over prompt + response (shared prompts: see the module docstring); the
         logits predicting y_t sit at position P − 1 + t. log π = log_softmax(logits / temperature) (temperature 0 = greedy sampling, scored at 1).
-        The lm-head and softmax run over ``chunk_size`` response positions at a time (recomputed in the
-        backward pass when ``grad``), so the (B, T, V) logits never exist at once.
+        The lm-head and softmax are ``rollcorr.logprobs.logprobs_from_hidden``: ``chunk_size`` vocabulary rows
+        at a time with an online log-sum-exp (recomputed in the backward pass), so the (B, T, V) logits never
+        exist. A head that is not a bias-free ``nn.Linear`` (e.g. int8-quantised) gives its logits to
+        ``logprobs_from_logits`` instead.
         """
         prompt_ids, prompt_mask, response_ids, response_mask = unpack(rollout_or_input)
         if not (temperature >= 0):
@@ -266,31 +268,21 @@ class HFLearner:
                     use_cache=False,
                 ).last_hidden_state
                 hidden = hidden[:, p - 1 : p - 1 + t]  # (B, T, H): the states that predict the response tokens
+            b = hidden.shape[0]
+            flat, targets = hidden.reshape(b * t, -1), response_ids.to(dev).reshape(-1)
             head = self.model.get_output_embeddings()
-            targets = response_ids.to(dev)
-
-            def score(h: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-                logits = head(h).float() / temp
-                logp = torch.log_softmax(logits, dim=-1)
-                tok = logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
-                ent = -(logp.exp() * logp).sum(-1) if with_entropy else tok.new_zeros(())
-                return tok, ent
-
-            lps, ents = [], []
-            for start in range(0, t, self.chunk_size):
-                h, y = hidden[:, start : start + self.chunk_size], targets[:, start : start + self.chunk_size]
-                lp, ent = checkpoint(score, h, y, use_reentrant=False) if grad else score(h, y)
-                lps.append(lp)
-                ents.append(ent)
+            if isinstance(head, nn.Linear) and head.bias is None:  # fused: the (B·T, V) logits never exist
+                log_prob, entropy = logprobs_from_hidden(
+                    flat, head.weight, targets, temperature=temp, chunk_size=self.chunk_size,
+                    with_entropy=with_entropy,
+                )  # fmt: skip
+            else:  # another head (biased, or int8-quantised by an experiment): its logits, softmax row-chunked
+                log_prob, entropy = logprobs_from_logits(head(flat), targets, temperature=temp)
             valid = response_mask.bool().to(dev)
-            log_prob = (
-                torch.cat(lps, 1) if lps else hidden.new_zeros((hidden.shape[0], 0), dtype=torch.float32)
-            )
-            log_prob = log_prob.masked_fill(~valid, 0.0)
+            log_prob = log_prob.reshape(b, t).masked_fill(~valid, 0.0)
             if not with_entropy:
                 return log_prob
-            entropy = torch.cat(ents, 1) if ents else torch.zeros_like(log_prob)
-            return log_prob, entropy.masked_fill(~valid, 0.0)
+            return log_prob, entropy.reshape(b, t).masked_fill(~valid, 0.0)
 
 
 def unpack(x: Rollout | tuple[Tensor, Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:

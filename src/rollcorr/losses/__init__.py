@@ -28,10 +28,11 @@ OAPL — plus detached scalar metrics; `aggregate` reduces it; `policy_loss(Loss
   dro          L = −(A · log π_θ − ½β·Δ²) · w
   oapl         ℓ_b = (β · Σ_t (log π_θ − log μ) − (r_b − V̂(x)))²
 
-Layout: registry.py (names, defaults, LossConfig) · aggregation.py (aggregate) · common.py (clamped ratio,
-masked mean) · ppo.py (ppo_clip, clip_cov, kl_cov) · reinforce.py (reinforce / gpg, cispo, dro) · sequence.py
-(gspo, gmpo) · trust_region.py (dppo_tv, dppo_kl, sapo) · oapl.py · is_weighted.py (the weights of vanilla_is /
-tis / areal, from correction/weights.py) · dispatch.py (policy_loss).
+Layout: registry.py (names, defaults, LossConfig — defined in rollcorr.config.loss) · aggregation.py
+(aggregate) · common.py (clamped ratio, masked mean) · ppo.py (ppo_clip, clip_cov, kl_cov) · reinforce.py
+(reinforce / gpg, cispo, dro) · sequence.py (gspo, gmpo) · trust_region.py (dppo_tv, dppo_kl, sapo) · oapl.py
+· is_weighted.py (the weights of vanilla_is / tis / areal, from correction/weights.py) · dispatch.py
+(policy_loss).
 """
 
 from rollcorr.losses.aggregation import aggregate

@@ -20,6 +20,13 @@ def clamped_ratio(log_prob: Tensor, ref_log_prob: Tensor) -> tuple[Tensor, Tenso
     return delta, torch.exp(delta)
 
 
+def ppo_surrogates(
+    advantages: Tensor, ratio: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """PPO's two surrogates (B, T): L1 = −A·r, L2 = −A·clip(r, 1−ε_lo, 1+ε_hi); the clipped loss is max(L1, L2)."""
+    return -advantages * ratio, -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+
+
 def detached(metrics: dict[str, Tensor]) -> dict[str, Tensor]:
     """The metrics with their autograd history dropped (they are logged, never differentiated)."""
     return {k: v.detach() for k, v in metrics.items()}

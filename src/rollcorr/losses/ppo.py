@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from rollcorr.losses.common import clamped_ratio, detached, masked_mean
+from rollcorr.losses.common import clamped_ratio, detached, masked_mean, ppo_surrogates
 
 
 def ppo_clip_loss(
@@ -31,8 +31,7 @@ def ppo_clip_loss(
     L1 = −A·r, L2 = −A·clip(r, 1−ε_lo, 1+ε_hi), L = max(L1, L2); for A<0 and c given: min(L, −A·c).
     """
     delta, ratio = clamped_ratio(log_prob, old_log_prob)
-    loss1 = -advantages * ratio
-    loss2 = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    loss1, loss2 = ppo_surrogates(advantages, ratio, clip_low, clip_high)
     clipped = torch.maximum(loss1, loss2)
     loss = clipped
     lower = torch.zeros_like(clipped, dtype=torch.bool)
@@ -98,8 +97,7 @@ def clip_cov_loss(
     """
     mask = response_mask.bool()
     delta, r = clamped_ratio(log_prob, old_log_prob)
-    loss1 = -advantages * r
-    loss2 = -advantages * torch.clamp(r, 1 - clip_low, 1 + clip_high)
+    loss1, loss2 = ppo_surrogates(advantages, r, clip_low, clip_high)
     with torch.no_grad():
         cov = _covariance(advantages, log_prob, mask)
         candidate = mask & ~(loss2 > loss1) & (cov > cov_lb) & (cov < cov_ub)

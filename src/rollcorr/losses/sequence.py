@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rollcorr.losses.common import LOG_RATIO_CLAMP, detached, masked_mean
+from rollcorr.losses.common import LOG_RATIO_CLAMP, detached, masked_mean, ppo_surrogates
 
 
 def gspo_loss(
@@ -35,8 +35,7 @@ def gspo_loss(
     seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach()[:, None]
     ratio = torch.exp(torch.clamp(log_ratio, max=10.0))
-    loss1 = -advantages * ratio
-    loss2 = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    loss1, loss2 = ppo_surrogates(advantages, ratio, clip_low, clip_high)
     loss = torch.maximum(loss1, loss2)
     if weights is not None:
         loss = loss * weights.detach()

@@ -1,7 +1,8 @@
 """Where π_old comes from when training is asynchronous (docs/spec.md §7).
 
 ``make_proximal(name, **kw)`` builds one of: recompute, bypass, snapshot, old_logit_model, interrupt,
-loglinear, linear, ewma. Each is a ``ProximalStrategy`` returning a ``ProximalResult``; see docs/proximal.md.
+loglinear, linear, ewma. Each is a ``ProximalStrategy`` (the protocol and its hooks: ``base.py``) returning a
+``ProximalResult``; see docs/proximal.md.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from rollcorr.proximal.base import (
     discrepancy_staleness,
     old_logit_error,
 )
-from rollcorr.proximal.ewma import EWMA, window_beta
+from rollcorr.proximal.ewma import EWMA, lag_beta
 from rollcorr.proximal.interpolate import (
     Linear,
     LogLinear,
@@ -33,7 +34,7 @@ STRATEGIES: dict[str, type[ProximalStrategy]] = {
 
 def make_proximal(name: str, **kw) -> ProximalStrategy:
     """Build the strategy ``name`` with keyword options (e.g. ``max_staleness``, ``temperature``,
-    ``measure_error``; ewma: ``beta``, ``steps_per_version``, ``reset_keep_ratio``, ``keep_ratio_key``)."""
+    ``measure_error``; ewma: ``beta``, ``steps_per_version``, ``reset_keep_ratio``)."""
     if name not in STRATEGIES:
         raise ValueError(f"unknown proximal strategy {name!r}; choose one of {sorted(STRATEGIES)}")
     try:
@@ -59,10 +60,10 @@ __all__ = [
     "prefix_keys",
     "discrepancy_staleness",
     "interpolation_alpha",
+    "lag_beta",
     "linear_prox",
     "loglinear_prox",
     "make_proximal",
     "old_logit_error",
     "score_by_version",
-    "window_beta",
 ]

@@ -1,17 +1,21 @@
-"""The proximal-policy interface (docs/spec.md §7): where π_old comes from when training is asynchronous.
+"""The proximal-policy protocol (docs/spec.md §7): where π_old comes from when training is asynchronous.
 
-A strategy is told when the learner publishes weights (``on_publish``) and when it takes an optimizer step
-(``after_optimizer_step``), receives the trainer's metrics (``observe``) and, for a batch whose tokens carry
-the weight version that generated them, returns old log-probs with what they cost::
+Every hook a strategy may need is a method of ``ProximalStrategy`` with a no-op default, and every question the
+trainer asks is a class attribute with a default, so the trainer calls the same surface for every strategy
+and never probes for methods or compares names. Once per training step, in this order::
 
     strategy.on_publish(0, learner.model)                       # weights the sampler starts with
     for step ...:
         rollout = sampler.generate(...)                         # rollout.version: (B, T) v_gen per token
+        # follows_sampler: on_sampler_load(v, weights) at every sampler load, submit(chunk) per chunk
+        stall = strategy.before_publish(learner, in_flight)     # pauses_sampler: exact logits of in-flight tokens
         res = strategy.old_log_prob(rollout, learner, current_version)
         rollout.old_log_prob = res.old_log_prob                 # (B, T) detached, 0 on padding
+        corr = compute_correction(...)                          # rollout.kept_mask: response_mask after rejection
+        strategy.after_correction(rollout, current_version)     # e.g. EWMA: keep share and measured lag
         ... loss, learner.step ...; strategy.after_optimizer_step(learner.model)
-        strategy.observe(metrics)                               # e.g. rollout_corr/keep_ratio
         version += 1; strategy.on_publish(version, learner.model); sampler.load(...)
+    strategy.wait()                                             # background work done (before a checkpoint)
 
 With ``measure_error=True`` every strategy also keeps a snapshot store of the published weights as a
 reference and reports how far its π_old is from the exact one, π_train(v_gen) (``ProximalResult.error``).
@@ -63,15 +67,28 @@ class ProximalResult:
 class ProximalStrategy:
     """Base class: timing, input checks and error measurement; subclasses implement ``_old_log_prob``.
 
-    Class attributes:
+    Class attributes (the questions the trainer asks):
       name                    the ``make_proximal`` name
       needs_rollout_log_prob  True when the strategy reads μ (``rollout.rollout_log_prob``)
-      exact                   True when π_old is the learner at v_gen
+      exact                   True when π_old is the learner at v_gen for every token (see ``is_exact``)
+      follows_sampler         True when the strategy takes its weights from the sampler's loads
+                              (``on_sampler_load``) and scores chunks as they are generated (``submit``)
+                              instead of being told about the learner's publishes (``on_publish``)
+      pauses_sampler          True when ``before_publish`` needs the sampler paused and its in-flight rollouts
+      old_is_rollout          True when π_old := μ (bypass: the correction's bypass mode needs it)
     """
 
     name = "base"
     needs_rollout_log_prob = False
     exact = False
+    follows_sampler = False
+    pauses_sampler = False
+    old_is_rollout = False
+
+    @classmethod
+    def run_defaults(cls, temperature: float, max_staleness: int, steps_per_version: int) -> dict:
+        """Constructor options the trainer fills from the run's settings (an explicit option wins)."""
+        return {"temperature": temperature, "max_staleness": max_staleness}
 
     def __init__(self, temperature: float = 1.0, max_staleness: int = 1, measure_error: bool = False):
         if temperature <= 0:
@@ -83,17 +100,44 @@ class ProximalStrategy:
         self.reference: SnapshotStore | None = SnapshotStore(max_staleness) if measure_error else None
         self._reference_model: nn.Module | None = None
 
-    # ---- hooks the trainer calls -------------------------------------------------------------------
+    # ---- what the trainer asks -----------------------------------------------------------------------
+    def is_exact(self, rollout: Rollout, current_version: int) -> bool:
+        """Whether π_old of this batch is π_train(v_gen) for every valid token (default: ``exact``)."""
+        return self.exact
+
+    def current_log_prob(self, result: ProximalResult) -> Tensor | None:
+        """log π_θ before the update (B, T) when π_old already *is* it (recompute), so the caller saves a
+        forward; None otherwise (the default)."""
+        return None
+
+    # ---- hooks the trainer calls (no-op defaults) ----------------------------------------------------
     def on_publish(self, version: int, model: nn.Module) -> None:
         """The learner just published weights ``version`` (the sampler will generate with them)."""
         if self.reference is not None:
             self.reference.put(version, model)
 
+    def on_sampler_load(self, version: int, model: nn.Module) -> None:
+        """The sampler just loaded weights ``version`` (``model`` holds them). Called instead of ``on_publish``
+        for strategies that follow the sampler; the default forwards to ``on_publish``."""
+        self.on_publish(version, model)
+
+    def submit(self, rollout: Rollout, learner) -> None:
+        """A chunk (finished or partial) the sampler just generated; default: nothing."""
+
+    def before_publish(self, learner, in_flight: list[Rollout], version: int | None = None) -> float:
+        """The learner still holds the sampler's weights and the sampler is paused (``pauses_sampler``) with
+        ``in_flight`` rollouts not yet trained on. Returns the stall in seconds; default: nothing, 0.0."""
+        return 0.0
+
+    def after_correction(self, rollout: Rollout, current_version: int) -> None:
+        """The correction just ran: ``rollout.kept_mask`` is its train/infer mask (``response_mask`` after
+        rejection) and ``current_version − rollout.version`` the measured version lag. Default: nothing."""
+
     def after_optimizer_step(self, model: nn.Module) -> None:
         """The learner's weights just changed (one optimizer step)."""
 
-    def observe(self, metrics: dict[str, float]) -> None:
-        """Metrics of the last train step (e.g. the train/infer mask keep ratio)."""
+    def wait(self) -> None:
+        """Block until background work is done (before a checkpoint or the end of the run); default: nothing."""
 
     def old_log_prob(self, rollout: Rollout, learner, current_version: int) -> ProximalResult:
         """π_old for every response token of ``rollout``; the learner holds weights ``current_version``."""

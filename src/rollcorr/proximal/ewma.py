@@ -10,16 +10,21 @@ Hilton, Cobbe, Schulman (arXiv 2110.00641), ``EwmaModel`` in openai/ppo-ewma, af
 Guan et al. (arXiv 2605.12070) revise it for asynchronous RL in two ways, both implemented here:
 
 1. β tied to the asynchronous window. The EWMA's centre of mass (mean age of the averaged weights, in
-   optimizer steps) is β/(1−β). With a window of k versions and s optimizer steps per published version we
-   put it in the middle of the window, β/(1−β) = k·s/2, i.e. β = (k·s/2) / (1 + k·s/2). (k = 0 → β = 0, the
-   live weights.) ``beta=`` overrides the rule.
-2. Auto-reset. The trainer passes the share of tokens kept by the train/infer mask to ``observe``; when it
-   falls below ``reset_keep_ratio`` the average is reset to the live weights at the next optimizer step (or
-   the next ``old_log_prob``, whichever comes first). Resets are counted (metric ``ewma_resets``).
+   optimizer steps) is β/(1−β). The paper puts it in the middle of a window of k versions, k·s/2 optimizer
+   steps with s steps per published version — the mean age of tokens whose lags spread evenly over the
+   window. rollcorr measures the window instead of assuming it: after each correction the trainer hands over
+   the batch (``after_correction``) and β is set from its mean version lag l̄ over valid tokens::
 
-The keep share is read from ``metrics[keep_ratio_key]`` (default ``"rollout_corr/keep_ratio"``); if that key
-is absent and ``"rollout_corr/rollout_rs_masked_fraction"`` is present, keep = 1 − masked fraction.
-The threshold default (0.9) is rollcorr's choice: the paper gives no number.
+       β/(1−β) = l̄·s     →     β = l̄·s / (1 + l̄·s)                  (``lag_beta``)
+
+   so the average's centre sits at the mean age of the weights that generated the batch (l̄ = k/2 for
+   lags spread evenly over k versions: the paper's rule). Sync training has l̄ = 0 → β = 0, the live
+   weights (π_old = recompute). Until a batch is seen β = 0. ``beta=`` fixes β instead.
+2. Auto-reset. ``after_correction`` also reads the share of valid tokens kept by the train/infer mask
+   (``rollout.kept_mask``, the correction's own result); when it falls below ``reset_keep_ratio`` the
+   average is reset to the live weights at the next optimizer step (or the next ``old_log_prob``, whichever
+   comes first). Resets are counted (metric ``ewma_resets``). The threshold default (0.9) is rollcorr's
+   choice: the paper gives no number.
 """
 
 from __future__ import annotations
@@ -31,29 +36,30 @@ from rollcorr.proximal.base import ProximalStrategy
 from rollcorr.proximal.scoring import clone_model, model_bytes, score, unique_tensors
 from rollcorr.rollout import Rollout
 
-KEEP_RATIO_KEY = "rollout_corr/keep_ratio"
-MASKED_FRACTION_KEY = "rollout_corr/rollout_rs_masked_fraction"
 
-
-def window_beta(max_staleness: int, steps_per_version: int = 1) -> float:
-    """β whose centre of mass β/(1−β) is half the window: k·s/2 optimizer steps."""
-    if max_staleness < 0 or steps_per_version < 1:
-        raise ValueError(
-            f"need max_staleness >= 0 and steps_per_version >= 1, got {max_staleness}, {steps_per_version}"
-        )
-    com = max_staleness * steps_per_version / 2
+def lag_beta(mean_lag: float, steps_per_version: int = 1) -> float:
+    """β whose centre of mass β/(1−β) is the measured mean lag in optimizer steps: l̄·s (0 → β = 0)."""
+    if not mean_lag >= 0 or steps_per_version < 1:
+        raise ValueError(f"need mean_lag >= 0 and steps_per_version >= 1, got {mean_lag}, {steps_per_version}")
+    com = mean_lag * steps_per_version
     return com / (1 + com)
 
 
 class EWMA(ProximalStrategy):
     """π_old = forward of θ̄, the bias-corrected EWMA of the learner's weights (see module docstring).
 
-    θ̄ lives in a dedicated copy of the learner's model (one weight copy: ``extra_bytes``), initialised from
+    β follows the measured lag (``after_correction``) unless ``beta`` fixes it. θ̄ lives in a dedicated copy of the learner's model (one weight copy: ``extra_bytes``), initialised from
     the first model it sees (``on_publish`` or ``after_optimizer_step``), updated in place after every
     optimizer step. Floating-point parameters and buffers are averaged; other buffers are copied.
     """
 
     name = "ewma"
+
+    @classmethod
+    def run_defaults(cls, temperature: float, max_staleness: int, steps_per_version: int) -> dict:
+        """The base options plus ``steps_per_version``: the lag is counted in optimizer steps."""
+        return {**super().run_defaults(temperature, max_staleness, steps_per_version),
+                "steps_per_version": steps_per_version}  # fmt: skip
 
     def __init__(
         self,
@@ -61,18 +67,21 @@ class EWMA(ProximalStrategy):
         steps_per_version: int = 1,
         beta: float | None = None,
         reset_keep_ratio: float | None = 0.9,
-        keep_ratio_key: str = KEEP_RATIO_KEY,
         temperature: float = 1.0,
         measure_error: bool = False,
     ):
         super().__init__(temperature=temperature, max_staleness=max_staleness, measure_error=measure_error)
-        self.beta = window_beta(max_staleness, steps_per_version) if beta is None else float(beta)
-        if not 0.0 <= self.beta < 1.0:
-            raise ValueError(f"EWMA beta must be in [0, 1), got {self.beta}")
+        if steps_per_version < 1:
+            raise ValueError(f"steps_per_version must be >= 1, got {steps_per_version}")
+        if beta is not None and not 0.0 <= beta < 1.0:
+            raise ValueError(f"EWMA beta must be in [0, 1), got {beta}")
+        self.steps_per_version = int(steps_per_version)
+        self.fixed_beta = None if beta is None else float(beta)
+        self.beta = 0.0 if beta is None else float(beta)  # the live weights until a lag is measured
+        self.last_lag: float | None = None  # mean version lag of the last batch
         if reset_keep_ratio is not None and not 0.0 <= reset_keep_ratio <= 1.0:
             raise ValueError(f"reset_keep_ratio must be in [0, 1] or None, got {reset_keep_ratio}")
         self.reset_keep_ratio = reset_keep_ratio
-        self.keep_ratio_key = keep_ratio_key
         self.model: nn.Module | None = None  # holds θ̄
         self.weight = 1.0  # w
         self.resets = 0
@@ -131,12 +140,17 @@ class EWMA(ProximalStrategy):
         else:
             self.update(model)
 
-    def observe(self, metrics: dict[str, float]) -> None:
-        keep = metrics.get(self.keep_ratio_key)
-        if keep is None and MASKED_FRACTION_KEY in metrics:
-            keep = 1.0 - float(metrics[MASKED_FRACTION_KEY])
-        if keep is None:
+    def after_correction(self, rollout: Rollout, current_version: int) -> None:
+        """β from the batch's measured mean lag; a reset when the correction kept too few tokens."""
+        if not rollout.response_mask.any():
             return
+        self.last_lag = rollout.mean_lag(current_version)
+        if self.fixed_beta is None:
+            self.beta = lag_beta(self.last_lag, self.steps_per_version)
+        self.observe_keep_share(rollout.keep_share())
+
+    def observe_keep_share(self, keep: float) -> None:
+        """Share of valid tokens the train/infer mask kept; below ``reset_keep_ratio`` → reset pending."""
         self.last_keep_ratio = float(keep)
         if self.reset_keep_ratio is not None and self.last_keep_ratio < self.reset_keep_ratio:
             self.pending_reset = True
@@ -157,12 +171,15 @@ class EWMA(ProximalStrategy):
         out = {"ewma_resets": float(self.resets), "ewma_beta": self.beta, "ewma_weight": self.weight}
         if self.last_keep_ratio is not None:
             out["ewma_keep_ratio"] = self.last_keep_ratio
+        if self.last_lag is not None:
+            out["ewma_lag"] = self.last_lag
         return out
 
     def state_dict(self) -> dict:
         d = super().state_dict()
         d.update(
             beta=self.beta,
+            last_lag=self.last_lag,
             weight=self.weight,
             resets=self.resets,
             updates=self.updates,
@@ -177,6 +194,7 @@ class EWMA(ProximalStrategy):
         """Restore; the averaged weights need a module to live in: ``model`` (or the one already held)."""
         super().load_state_dict(d)
         self.beta, self.weight = float(d["beta"]), float(d["weight"])
+        self.last_lag = d.get("last_lag")  # absent in checkpoints written before β was measured
         self.resets, self.updates, self.pending_reset = (
             int(d["resets"]),
             int(d["updates"]),

@@ -43,6 +43,7 @@ def linear_prox(rollout_log_prob: Tensor, log_prob: Tensor, alpha: Tensor) -> Te
 
 class _Interpolate(ProximalStrategy):
     needs_rollout_log_prob = True
+    _alpha_mean = 0.0
     _combine = staticmethod(loglinear_prox)
 
     def _old_log_prob(self, rollout: Rollout, learner, current_version: int) -> Tensor:
@@ -54,7 +55,7 @@ class _Interpolate(ProximalStrategy):
         return self._combine(mu, log_prob, alpha)
 
     def metrics(self) -> dict[str, float]:
-        return {"alpha_mean": getattr(self, "_alpha_mean", 0.0)}
+        return {"alpha_mean": self._alpha_mean}
 
 
 class LogLinear(_Interpolate):

@@ -52,6 +52,7 @@ class Interrupt(ProximalStrategy):
 
     name = "interrupt"
     exact = True
+    pauses_sampler = True
 
     def __init__(self, max_staleness: int = 1, temperature: float = 1.0, measure_error: bool = False):
         super().__init__(temperature=temperature, max_staleness=max_staleness, measure_error=measure_error)

@@ -39,6 +39,7 @@ class OldLogitModel(ProximalStrategy):
 
     name = "old_logit_model"
     exact = True
+    follows_sampler = True
 
     def __init__(
         self,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from rollcorr.proximal.base import ProximalStrategy
+from rollcorr.proximal.base import ProximalResult, ProximalStrategy
 from rollcorr.proximal.scoring import score
 from rollcorr.rollout import Rollout
 
@@ -24,13 +24,22 @@ class Recompute(ProximalStrategy):
     """
 
     name = "recompute"
+    _exact_share = 0.0
+
+    def is_exact(self, rollout: Rollout, current_version: int) -> bool:
+        """Exact when every valid token was generated at the current version (sync mode)."""
+        return bool((rollout.version[rollout.response_mask.bool()] == current_version).all())
+
+    def current_log_prob(self, result: ProximalResult) -> Tensor:
+        """π_old is the learner before the update: log π_θ comes for free."""
+        return result.old_log_prob
 
     def _old_log_prob(self, rollout: Rollout, learner, current_version: int) -> Tensor:
         self._exact_share = _share_at(rollout, current_version)
         return score(learner, rollout, self.temperature)
 
     def metrics(self) -> dict[str, float]:
-        return {"exact_token_fraction": getattr(self, "_exact_share", 0.0)}
+        return {"exact_token_fraction": self._exact_share}
 
 
 class Bypass(ProximalStrategy):
@@ -42,6 +51,7 @@ class Bypass(ProximalStrategy):
 
     name = "bypass"
     needs_rollout_log_prob = True
+    old_is_rollout = True
 
     def _old_log_prob(self, rollout: Rollout, learner, current_version: int) -> Tensor:
         return rollout.rollout_log_prob.detach().float().clone()

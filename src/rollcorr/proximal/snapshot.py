@@ -29,6 +29,7 @@ class Snapshot(ProximalStrategy):
         self.store = SnapshotStore(max_staleness)
         self._scratch: nn.Module | None = None
         self._measure = measure_error
+        self._distinct = 0
 
     def on_publish(self, version: int, model: nn.Module) -> None:
         self.store.put(version, model)
@@ -54,7 +55,7 @@ class Snapshot(ProximalStrategy):
         return {
             "stored_versions": float(len(self.store)),
             "store_bytes": float(self.store.nbytes),
-            "versions_scored": float(getattr(self, "_distinct", 0)),
+            "versions_scored": float(self._distinct),
         }
 
     def state_dict(self) -> dict:

@@ -16,24 +16,25 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from rollcorr.config.loss import (
+    AGG_MODES,
+    IS_LOSSES,
+    LOSS_DEFAULTS,
+    LOSS_NAMES,
+    REGRESSION_LOSSES,
+    LossConfig,
+)
+
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 
 MODES = ("sync", "simulated_async", "async")
 SCHEDULES = ("constant", "cosine")
 EXECUTORS = ("local", "ray")
 ADVANTAGES = ("grpo", "rloo", "drgrpo", "oapl")
-AGGREGATIONS = (
-    "token-mean",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-    "token-sum",
-)
-# The losses of rollcorr.losses.LOSS_NAMES that algorithm.loss accepts; all but oapl take the correction's w.
-LOSSES = ("ppo_clip", "reinforce", "cispo", "gspo", "gmpo", "dppo_tv", "dppo_kl", "sapo", "gpg", "clip_cov",
-          "kl_cov", "dro", "oapl")  # fmt: skip
+# The losses algorithm.loss accepts: every loss but the IS ones; all but oapl take the correction's w.
+LOSSES = tuple(name for name in LOSS_NAMES if name not in IS_LOSSES)
 # The IS losses build their own train/infer weight; in the trainer that weight is the correction's job, so each
-# is refused with the settings that give the same loss (ppo_clip times the correction's w).
+# is refused with the settings that give the same loss (ppo_clip times the correction's w). Keys: IS_LOSSES.
 REFUSED_LOSSES: dict[str, str] = {
     "ppo_is": "algorithm.loss=ppo_clip algorithm.correction.preset=bypass_ppo_clip algorithm.proximal.name=bypass "
               "(the PPO ratio is π_θ/μ)",
@@ -59,7 +60,9 @@ LOSS_ARGS: dict[str, tuple[str, ...]] = {
     "dro_beta": ("dro",),
 }
 
-# Per-algorithm defaults; a field left at None in AlgorithmConfig takes the value from this table.
+# Per-algorithm defaults; a field left at None in AlgorithmConfig takes the value from this table. The loss's
+# own settings (LOSS_SETTINGS) go with the algorithm's loss only: with another algorithm.loss, an unset clip or
+# aggregation is that loss's own default (rollcorr.config.loss.LOSS_DEFAULTS), never the algorithm's.
 ALGORITHMS: dict[str, dict[str, Any]] = {
     # GRPO aggregates token-mean, verl's default loss_agg_mode (the GRPO paper's per-sequence mean is
     # algorithm.aggregation=seq-mean-token-mean; token-mean learned faster on the built-in task, docs/training.md)
@@ -78,6 +81,8 @@ ALGORITHMS: dict[str, dict[str, Any]] = {
     "oapl": dict(loss="oapl", advantage="oapl", norm_std=False, aggregation="seq-mean-token-mean",
                  clip_low=0.2, clip_high=0.2, dynamic_sampling=False),
 }  # fmt: skip
+# AlgorithmConfig keys that are the loss's own settings → their index in LOSS_DEFAULTS' (ε_lo, ε_hi, agg).
+LOSS_SETTINGS = {"clip_low": 0, "clip_high": 1, "aggregation": 2}
 
 
 class ConfigError(ValueError):
@@ -131,9 +136,16 @@ class AlgorithmConfig:
     proximal: dict[str, Any] = field(default_factory=lambda: {"name": "recompute"})
 
     def resolved(self, key: str) -> Any:
-        """The value of ``key`` after filling None from the algorithm's defaults."""
+        """The value of ``key`` after filling None from the algorithm's defaults (for the loss's own settings:
+        from the loss's defaults when ``loss`` is not the algorithm's own)."""
         value = getattr(self, key)
-        return ALGORITHMS[self.name][key] if value is None else value
+        if value is not None:
+            return value
+        table = ALGORITHMS[self.name]
+        loss = self.resolved("loss") if key != "loss" else None
+        if key in LOSS_SETTINGS and loss != table["loss"] and loss in LOSS_DEFAULTS:
+            return LOSS_DEFAULTS[loss][LOSS_SETTINGS[key]]
+        return table[key]
 
 
 @dataclass
@@ -370,8 +382,6 @@ def _positive(value: float, key: str, allow_zero: bool = False) -> None:
 
 def _validate_loss_args(loss: str, loss_args: dict[str, Any]) -> None:
     """Each key a LOSS_ARGS field read by ``loss``, each value a number LossConfig accepts."""
-    from rollcorr.losses import LossConfig
-
     values = {}
     for key, value in loss_args.items():
         dotted = f"algorithm.loss_args.{key}"
@@ -415,8 +425,8 @@ def validate(c: TrainConfig) -> None:
     _validate_loss_args(loss, a.loss_args)
     _check(a.resolved("advantage") in ADVANTAGES, "algorithm.advantage",
            f"unknown advantage estimator {a.advantage!r}; use one of {ADVANTAGES}")  # fmt: skip
-    _check(a.resolved("aggregation") in AGGREGATIONS, "algorithm.aggregation",
-           f"unknown aggregation {a.aggregation!r}; use one of {AGGREGATIONS}")  # fmt: skip
+    _check(a.resolved("aggregation") in AGG_MODES, "algorithm.aggregation",
+           f"unknown aggregation {a.aggregation!r}; use one of {AGG_MODES}")  # fmt: skip
     _positive(a.resolved("clip_low"), "algorithm.clip_low", allow_zero=True)
     _positive(a.resolved("clip_high"), "algorithm.clip_high", allow_zero=True)
     if a.dual_clip is not None:
@@ -425,7 +435,7 @@ def validate(c: TrainConfig) -> None:
     if a.oapl_beta1 is not None:
         _positive(a.oapl_beta1, "algorithm.oapl_beta1")
     _positive(a.oapl_sync_every, "algorithm.oapl_sync_every")
-    if (a.resolved("loss") == "oapl") != (a.resolved("advantage") == "oapl"):
+    if (loss in REGRESSION_LOSSES) != (a.resolved("advantage") == "oapl"):
         raise ConfigError("algorithm.loss: the oapl loss and the oapl advantage go together")
     if r.group_size < 2 and a.resolved("advantage") in ("grpo", "rloo", "drgrpo", "oapl"):
         raise ConfigError(
@@ -459,7 +469,7 @@ def validate(c: TrainConfig) -> None:
     if t.mode == "simulated_async":
         _check(t.lag <= t.max_staleness, "trainer.lag",
                f"lag {t.lag} exceeds trainer.max_staleness {t.max_staleness}")  # fmt: skip
-    if a.resolved("loss") == "oapl" and t.mode != "async":
+    if loss in REGRESSION_LOSSES and t.mode != "async":
         # the sampler lags by up to sync_every - 1 versions on top of the executor's own lag
         own = t.lag if t.mode == "simulated_async" else 0
         _check(own + a.oapl_sync_every - 1 <= t.max_staleness, "algorithm.oapl_sync_every",

@@ -102,6 +102,8 @@ def resolve_loss(config: TrainConfig, correction) -> str:
     so the loss must be REINFORCE (−A·sg(w)·log π_θ): a PPO ratio on top would count π_θ/μ twice. An unset
     ``algorithm.loss`` follows the preset; an explicit one that disagrees is refused.
     """
+    from rollcorr.config.loss import RATIO_FREE_LOSSES
+
     loss = config.algorithm.resolved("loss")
     explicit = config.algorithm.loss is not None
     if correction.loss_type == "reinforce":
@@ -110,11 +112,11 @@ def resolve_loss(config: TrainConfig, correction) -> str:
                               "π_θ/μ replaces the PPO ratio); decoupled corrections use loss_type=ppo_clip")  # fmt: skip
         if not explicit:
             return "reinforce"
-        if loss not in ("reinforce", "gpg"):  # gpg = REINFORCE without its metric
+        if loss not in RATIO_FREE_LOSSES:  # gpg = REINFORCE without its metric
             raise ConfigError(f"algorithm.loss: {loss!r} has its own ratio, but the correction has loss_type=reinforce "
                               "(its weight min(π_θ/μ, C) is already the ratio, so it would count twice); leave "
                               "algorithm.loss unset or use a bypass_ppo_clip* preset")  # fmt: skip
-    elif correction.mode == "bypass" and loss in ("reinforce", "gpg"):
+    elif correction.mode == "bypass" and loss in RATIO_FREE_LOSSES:
         raise ConfigError(f"algorithm.loss: {loss!r} has no ratio and a bypass_ppo_clip* correction applies no weight, "
                           "so nothing would correct for μ ≠ π_θ; use a bypass_pg_* preset")  # fmt: skip
     return loss
@@ -122,7 +124,7 @@ def resolve_loss(config: TrainConfig, correction) -> str:
 
 def build_algorithm(config: TrainConfig) -> Algorithm:
     """Resolve the algorithm's defaults into the ``Algorithm`` the step uses."""
-    from rollcorr.losses import LossConfig
+    from rollcorr.config.loss import LossConfig
 
     a = config.algorithm
     correction = build_correction(config)
@@ -157,6 +159,7 @@ def build_algorithm(config: TrainConfig) -> Algorithm:
         ppo_epochs=config.trainer.ppo_epochs,
         grad_clip=config.optim.grad_clip,
         skip_zero_grad=config.optim.skip_zero_grad,
+        publish_every=a.oapl_sync_every if loss.regresses_on_rollout else 1,
     )
 
 
@@ -169,10 +172,12 @@ def build_proximal(config: TrainConfig):
         raise ConfigError(
             f"algorithm.proximal.name: unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}"
         )
-    spec.setdefault("temperature", config.rollout.temperature)
-    spec.setdefault("max_staleness", max(config.trainer.max_staleness, 1))
-    if name == "ewma":  # the EWMA window is counted in optimizer steps
-        spec.setdefault("steps_per_version", config.trainer.mini_batches * config.trainer.ppo_epochs)
+    run = STRATEGIES[name].run_defaults(
+        temperature=config.rollout.temperature,
+        max_staleness=max(config.trainer.max_staleness, 1),
+        steps_per_version=config.trainer.mini_batches * config.trainer.ppo_epochs,
+    )
+    spec = {**run, **spec}
     try:
         return make_proximal(name, **spec)
     except (TypeError, ValueError) as err:
@@ -187,9 +192,10 @@ def check_components(config: TrainConfig) -> tuple[Algorithm, Any]:
 
     algo = build_algorithm(config)
     proximal = build_proximal(config)
-    for key in ("sampler", "learner"):  # specs, optional packages, the model folder: before any run folder
+    # specs, optional packages, the model folder: before any run folder
+    for key, spec in (("sampler", config.model.sampler), ("learner", config.model.learner)):
         try:
-            preflight(getattr(config.model, key), config.model.path, role=key)
+            preflight(spec, config.model.path, role=key)
         except PreflightError as err:
             raise ConfigError(f"model.{'path' if err.field == 'path' else key}: {err}") from None
     check_trainable_learner(config)
@@ -201,13 +207,13 @@ def check_components(config: TrainConfig) -> tuple[Algorithm, Any]:
         raise ConfigError(
             f"trainer.partial_rollouts: sampler {config.model.sampler!r} cannot resume responses"
         )
-    if config.trainer.executor == "ray" and hasattr(proximal, "submit"):
+    if config.trainer.executor == "ray" and proximal.follows_sampler:
         raise ConfigError(f"algorithm.proximal.name: {proximal.name!r} scores chunks as the sampler makes them; "
                           "that needs trainer.executor=local")  # fmt: skip
-    if algo.correction.mode == "bypass" and proximal.name != "bypass":
+    if algo.correction.mode == "bypass" and not proximal.old_is_rollout:
         raise ConfigError(f"algorithm.proximal.name: a bypass correction preset means π_old := μ; use "
                           f"algorithm.proximal.name=bypass, not {proximal.name!r}")  # fmt: skip
-    if algo.loss.name == "oapl" and algo.correction.mode == "bypass":
+    if algo.loss.regresses_on_rollout and algo.correction.mode == "bypass":
         raise ConfigError(
             "algorithm.correction: OAPL regresses on log μ itself; use a decoupled preset or 'disabled'"
         )
@@ -237,11 +243,9 @@ def missing_log_probs_error(proximal, config: TrainConfig) -> ConfigError:
     )
 
 
-def publishes(config: TrainConfig, version: int) -> bool:
+def publishes(algo: Algorithm, version: int) -> bool:
     """Whether weights of ``version`` go to the sampler (OAPL: only every ``oapl_sync_every`` versions)."""
-    if config.algorithm.resolved("loss") == "oapl":
-        return version % config.algorithm.oapl_sync_every == 0
-    return True
+    return version % algo.publish_every == 0
 
 
 def seed_everything(seed: int) -> None:
@@ -360,16 +364,15 @@ class Trainer:
         # the sampler is built where it runs: here (sync, simulated_async), in a sampler process (async) or in
         # Ray actors (trainer.executor=ray)
         self.executor = make_executor(config)
-        # old_logit_model follows the *sampler's* weights (which lag the learner's in the async modes): it gets
-        # each version when the sampler loads it, and scores every chunk as soon as it is generated
-        self.follows_sampler = hasattr(self.proximal, "submit")
-        if self.follows_sampler:
+        # a strategy that follows the *sampler's* weights (old_logit_model; they lag the learner's in the async
+        # modes) gets each version when the sampler loads it, and every chunk as soon as it is generated
+        if self.proximal.follows_sampler:
             scratch = copy.deepcopy(self.learner.model)
             source = self.executor.source  # a local executor (check_components refuses Ray)
 
             def sampler_loaded(weights, version: int) -> None:
                 scratch.load_state_dict(weights)
-                self.proximal.on_publish(version, scratch)
+                self.proximal.on_sampler_load(version, scratch)
 
             source.load_listeners.append(sampler_loaded)
             source.listeners.append(lambda rollout: self.proximal.submit(rollout, self.learner))
@@ -446,8 +449,8 @@ class Trainer:
     def _publish(self) -> float:
         """Weights of the new version to the π_old strategy and the executor; returns the seconds it took."""
         start = time.perf_counter()
-        if publishes(self.config, self.version):
-            if not self.follows_sampler:
+        if publishes(self.algo, self.version):
+            if not self.proximal.follows_sampler:
                 self.proximal.on_publish(self.version, self.learner.model)
             self.executor.publish(self.learner.model.state_dict(), self.version)
         return time.perf_counter() - start
@@ -478,7 +481,7 @@ class Trainer:
         self.alerts = RunAlerts.of_run(self.run_dir)  # a resumed run keeps its counts
         try:
             if self.step == 0:
-                if not self.follows_sampler:
+                if not self.proximal.follows_sampler:
                     self.proximal.on_publish(0, self.learner.model)
                 self.executor.start(self.learner.model.state_dict(), 0)
                 ev = self._evaluate()
@@ -503,8 +506,7 @@ class Trainer:
             self.logger.message(f"[red]stopped:[/red] {err}")
         finally:
             self.executor.close()
-            if hasattr(self.proximal, "wait"):
-                self.proximal.wait()
+            self.proximal.wait()
         self.save()
         seconds = time.perf_counter() - start
         summary = self.alerts.summary()
@@ -526,19 +528,17 @@ class Trainer:
         if rollout.rollout_log_prob is None:
             raise missing_log_probs_error(self.proximal, self.config)
 
-        # interrupt strategy: exact old logits of in-flight tokens while the learner still holds `version`
-        stall = 0.0
-        before_publish = getattr(self.proximal, "before_publish", None)
-        in_flight = self.executor.pause() if before_publish is not None else []
-        if before_publish is not None:
-            stall = before_publish(self.learner, in_flight)
+        # a strategy that pauses the sampler (interrupt): exact old logits of in-flight tokens while the learner
+        # still holds `version`
+        in_flight = self.executor.pause() if self.proximal.pauses_sampler else []
+        stall = self.proximal.before_publish(self.learner, in_flight)
         for group in self.optimizer.param_groups:
             group["lr"] = self._lr(self.step)
 
         result = train_step(rollout, self.learner, self.optimizer, self.proximal, self.algo, self.version,
                             generator=self.loss_generator)  # fmt: skip
         metrics.update(result.metrics)
-        metrics["proximal/stall_s"] = float(stall or 0.0)
+        metrics["proximal/stall_s"] = float(stall)
         self.step += 1
         self.version += 1
         metrics["time/publish_s"] = self._publish()

@@ -2,8 +2,9 @@
 
     rollout (tokens, μ, per-token versions, rewards)           ← executor
     rollout.old_log_prob = proximal.old_log_prob(...)           ← π_old by the chosen strategy
-    corr = compute_correction(old, μ, mask, config)             ← IS weights, rejection mask, metrics
-    rollout.advantages = advantages(rewards, groups, keep)      ← rejected rows out of the baselines
+    corr = compute_correction(old, μ, mask, config)             ← is_weights, kept_mask, metrics
+    proximal.after_correction(rollout, version)                 ← the strategy sees the keep share and lag
+    rollout.advantages = advantages(rewards, groups, kept)      ← rejected rows out of the baselines
     for epoch, mini-batch, micro-batch: policy_loss → backward   ← π_θ with gradient
     optimizer step (skipped when the loss or a gradient is not finite; undone when a weight becomes non-finite)
 
@@ -21,7 +22,8 @@ from torch import Tensor
 
 from rollcorr.advantages import compute_advantages
 from rollcorr.config.correction import CorrectionConfig
-from rollcorr.losses import LossConfig, masked_mean, policy_loss
+from rollcorr.config.loss import LossConfig
+from rollcorr.losses import masked_mean, policy_loss
 from rollcorr.rollout import Rollout
 
 
@@ -42,6 +44,7 @@ class Algorithm:
     ppo_epochs: int = 1
     grad_clip: float = 1.0
     skip_zero_grad: bool = True  # no optimizer step when the gradient is exactly zero (see optimize)
+    publish_every: int = 1  # weights go to the sampler every N versions (OAPL: algorithm.oapl_sync_every)
 
 
 @dataclass
@@ -63,7 +66,7 @@ def version_lag(rollout: Rollout, version: int) -> dict[str, float]:
     mask = rollout.response_mask.bool()
     if not mask.any():
         return {"staleness/lag_mean": 0.0, "staleness/lag_max": 0.0, "staleness/mixed_version_fraction": 0.0}
-    lag = (version - rollout.version)[mask].float()
+    lag = rollout.lag(version)[mask].float()
     big = torch.iinfo(torch.int64).max
     newest = torch.where(mask, rollout.version, torch.full_like(rollout.version, -1)).max(1).values
     oldest = torch.where(mask, rollout.version, torch.full_like(rollout.version, big)).min(1).values
@@ -90,7 +93,7 @@ def reward_metrics(rollout: Rollout) -> dict[str, float]:
 def correct(
     rollout: Rollout, algo: Algorithm, version: int, log_prob: Tensor | None, advantages: Tensor | None = None
 ) -> tuple[Rollout, dict]:
-    """Attach ``is_weights`` and ``correction_mask`` (docs/spec.md §2–3); returns the rollout and the metrics.
+    """Attach ``is_weights`` and ``kept_mask`` (docs/spec.md §2–3); returns the rollout and the metrics.
 
     ``log_prob``: detached log π_θ before the update when available (required in bypass mode, where the
     ratio is π_θ/μ); it also enables the correction's discrepancy/staleness metrics.
@@ -111,9 +114,9 @@ def correct(
         current_version=version,
         warn=False,  # the trainer says it in words through train/alerts.py
     )
-    mask = res.mask.bool() & rollout.response_mask.bool()
-    weights = None if res.weights is None else res.weights.detach()
-    return rollout.replace(is_weights=weights, correction_mask=mask), metrics_to_floats(res.metrics)
+    kept = res.kept_mask.bool() & rollout.response_mask.bool()
+    weights = None if res.is_weights is None else res.is_weights.detach()
+    return rollout.replace(is_weights=weights, kept_mask=kept), metrics_to_floats(res.metrics)
 
 
 def attach_advantages(rollout: Rollout, algo: Algorithm) -> tuple[Rollout, Tensor, dict[str, float]]:
@@ -123,36 +126,36 @@ def attach_advantages(rollout: Rollout, algo: Algorithm) -> tuple[Rollout, Tenso
     ``dynamic_sampling`` groups whose rewards are all equal are dropped (DAPO).
     """
     valid = rollout.response_mask.bool().any(1)
-    kept = rollout.correction_mask.any(1) if algo.baseline_excludes_rejected else valid
+    kept = rollout.kept_mask.any(1) if algo.baseline_excludes_rejected else valid
     adv, used = compute_advantages(
         algo.advantage,
         rollout.rewards.float(),
         rollout.group_ids,
-        rollout.correction_mask,
+        rollout.kept_mask,
         keep=kept & valid,
         norm_std=algo.norm_std,
         beta1=algo.oapl_beta1,
         filter_uniform_groups=algo.dynamic_sampling,
     )
     metrics = {
-        "advantage/abs_mean": float(adv.abs().sum() / rollout.correction_mask.sum().clamp_min(1)),
+        "advantage/abs_mean": float(adv.abs().sum() / rollout.kept_mask.sum().clamp_min(1)),
         "advantage/used_fraction": float(used.float().mean()),
     }
     return rollout.replace(advantages=adv), used, metrics
 
 
-def _loss(
-    algo: Algorithm, part: Rollout, log_prob: Tensor, loss_mask: Tensor, generator: torch.Generator | None
-) -> tuple[Tensor, dict]:
-    """``algo.loss`` on one micro-batch: OAPL regresses on log μ and the rewards, every other loss takes
-    π_old, the advantages and the correction's weights (clip_cov also the run's generator for its draw)."""
-    if algo.loss.name == "oapl":
+def _loss(algo: Algorithm, part: Rollout, log_prob: Tensor, generator: torch.Generator | None
+          ) -> tuple[Tensor, dict]:  # fmt: skip
+    """``algo.loss`` on one micro-batch's kept tokens: a regression loss (OAPL) regresses on log μ and the
+    rewards, every other loss takes π_old, the advantages and the correction's weights (clip_cov also the
+    run's generator for its draw)."""
+    if algo.loss.regresses_on_rollout:
         return policy_loss(
             algo.loss,
             log_prob,
             None,
             None,
-            loss_mask,
+            part.kept_mask,
             rollout_log_prob=part.rollout_log_prob,
             rewards=part.rewards.float(),
             group_ids=part.group_ids,
@@ -163,7 +166,7 @@ def _loss(
         log_prob,
         part.old_log_prob,
         part.advantages,
-        loss_mask,
+        part.kept_mask,
         weights=part.is_weights,
         denominator_mask=part.response_mask,
         generator=generator,
@@ -198,14 +201,13 @@ def _mini_batch_indices(rollout: Rollout, mini_batches: int) -> list[list[int]]:
 
 def optimize(
     rollout: Rollout,
-    loss_mask: Tensor,
     learner,
     optimizer: torch.optim.Optimizer,
     algo: Algorithm,
     after_optimizer_step=None,
     generator: torch.Generator | None = None,
 ) -> tuple[dict[str, float], int, int]:
-    """PPO epochs × mini-batches of optimizer steps over ``rollout``.
+    """PPO epochs × mini-batches of optimizer steps over ``rollout``'s kept tokens (``kept_mask``).
 
     Micro-batches accumulate gradients; each micro loss is scaled by its share of the mini-batch (tokens for
     token-level aggregations, sequences otherwise and for the per-sequence losses gmpo and oapl), so the
@@ -216,28 +218,25 @@ def optimize(
     ``generator`` feeds the loss's random draw (clip_cov).
     """
     params = [p for p in learner.model.parameters() if p.requires_grad]
-    per_sequence = algo.loss.name in ("gmpo", "oapl")  # a mean over sequences, whatever the aggregation
-    token_level = algo.loss.agg_mode in ("token-mean", "token-sum") and not per_sequence
+    token_level = algo.loss.token_level  # per-sequence losses (gmpo, oapl) average over sequences
     sums: dict[str, float] = {}
     applied = skipped = zero_grad_skips = zero_grads = nonfinite_weights = 0
     guarded_step = GuardedStep(optimizer, params)
     for _epoch in range(algo.ppo_epochs):
         for rows in _mini_batch_indices(rollout, algo.mini_batches):
             mini = renormalize(rollout.select(rows), algo, "mini_batch")
-            mini_mask = loss_mask[rows]
-            total = float(mini_mask.sum()) if token_level else float(len(rows))
+            total = float(mini.kept_mask.sum()) if token_level else float(len(rows))
             optimizer.zero_grad(set_to_none=True)
             finite = True
             step_metrics: dict[str, float] = {}
             for micro_rows in _micro_batches(len(rows), algo.micro_batch_size):
                 part = mini.select(micro_rows) if len(micro_rows) < len(rows) else mini
                 part = renormalize(part, algo, "micro_batch")
-                part_mask = mini_mask[micro_rows]
-                share = (float(part_mask.sum()) if token_level else float(len(micro_rows))) / max(total, 1.0)
+                share = (float(part.kept_mask.sum()) if token_level else float(len(micro_rows))) / max(total, 1.0)
                 log_prob, entropy = learner.log_prob(
                     part, temperature=algo.temperature, grad=True, with_entropy=True
                 )
-                loss, metrics = _loss(algo, part, log_prob, part_mask, generator)
+                loss, metrics = _loss(algo, part, log_prob, generator)
                 metrics["actor/entropy"] = masked_mean(entropy.detach(), part.response_mask)
                 if not torch.isfinite(loss):
                     finite = False
@@ -375,13 +374,9 @@ def train_step(
 
     # log π_θ before the update, when the correction or the factor metrics need it (free under recompute)
     bypass = algo.correction.mode == "bypass"
-    recompute = getattr(proximal, "name", "") == "recompute"
-    all_current = bool((rollout.version[rollout.response_mask.bool()] == version).all())
-    exact = getattr(proximal, "exact", False) or (recompute and all_current)  # π_old is π_train(v_gen)
-    current = None
-    if recompute:
-        current = rollout.old_log_prob
-    elif bypass or exact:
+    exact = proximal.is_exact(rollout, version)  # π_old is π_train(v_gen) for every token
+    current = proximal.current_log_prob(prox)
+    if current is None and (bypass or exact):
         with torch.no_grad():
             current = learner.log_prob(rollout, temperature=algo.temperature, grad=False)
             current = current[0] if isinstance(current, tuple) else current
@@ -389,17 +384,19 @@ def train_step(
     # correction: IS weights, rejection mask, the verl-named diagnostics (OPSM also reads the advantages)
     advantages = None
     if algo.correction.opsm_delta is not None:
-        unrejected = rollout.replace(correction_mask=rollout.response_mask.bool())
+        unrejected = rollout.replace(kept_mask=rollout.response_mask.bool())
         advantages = attach_advantages(unrejected, algo)[0].advantages
     rollout, corr_metrics = correct(
         rollout, algo, version, current if (bypass or exact) else None, advantages
     )
     metrics.update(corr_metrics)
+    proximal.after_correction(rollout, version)  # the strategy sees the keep share and the measured lag
 
-    # advantages, with rejected sequences (and uniform groups under dynamic sampling) out of the baselines
+    # advantages, with rejected sequences (and uniform groups under dynamic sampling) out of the baselines;
+    # the loss sees the kept tokens of the rows the advantages use
     rollout, used, adv_metrics = attach_advantages(rollout, algo)
     metrics.update(adv_metrics)
-    loss_mask = rollout.correction_mask & used[:, None]
+    rollout = rollout.replace(kept_mask=rollout.kept_mask & used[:, None])
 
     # discrepancy × staleness (docs/spec.md §1): exact when π_old is π_train(v_gen)
     if exact and current is not None and rollout.response_mask.any():
@@ -413,12 +410,11 @@ def train_step(
 
     start = time.perf_counter()
     opt_metrics, applied, skipped = optimize(
-        rollout, loss_mask, learner, optimizer, algo,
+        rollout, learner, optimizer, algo,
         after_optimizer_step=proximal.after_optimizer_step, generator=generator,
     )  # fmt: skip
     metrics.update(opt_metrics)
     metrics["time/optimize_s"] = time.perf_counter() - start
     metrics["train/skipped_updates"] = float(skipped)
     metrics["train/applied_updates"] = float(applied)
-    proximal.observe(metrics)
     return StepResult(metrics=metrics, applied=skipped == 0 and applied > 0, skipped_updates=skipped)

@@ -1,0 +1,184 @@
+"""The fused path of compute_correction (correction/fused.py) agrees with the eager path to float rounding.
+
+Most cases run the fused path's kernel function eagerly (``row_pass`` is a pure function; compiling it changes
+the summation order, not the formulas), on small batches with holes, all-padding rows and every supported
+rule; two cases compile it for real on a batch above ``MIN_POSITIONS``. Nothing here measures time.
+"""
+
+import dataclasses
+import math
+import warnings
+
+import pytest
+import torch
+
+from rollcorr.config import CorrectionConfig, preset
+from rollcorr.correction import compute_correction, fused
+
+CONFIGS = [
+    preset("disabled"),
+    preset("decoupled_token_is"),
+    preset("decoupled_token_icepop"),
+    preset("decoupled_seq_is"),
+    preset("decoupled_seq_is_rs"),
+    preset("decoupled_geo_rs_token_tis"),
+    preset("decoupled_k3_rs_seq_tis"),
+    preset("seq_mis"),
+    preset("geo_is"),
+    preset("tis"),
+    preset("bypass_pg_is"),
+    CorrectionConfig(is_level="token", is_upper=2.0, is_lower=0.5, batch_normalize=True),
+    CorrectionConfig(
+        is_level="geometric",
+        is_mode="mask",
+        is_upper=1.05,
+        is_lower=0.95,
+        batch_normalize=True,
+        rs=("seq_max_k2", "seq_sum_k2", "seq_mean_k3", "seq_sum_k1"),
+        rs_thresholds=(0.5, 3.0, 0.01, "0.2_5.0"),
+    ),
+    CorrectionConfig(is_level="sequence", is_lower=0.5, sampler_distribution="full"),
+]
+
+
+def _batch(b=7, t=40, noise=0.3, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    roll = -torch.rand(b, t, generator=g, dtype=torch.float64) * 4 - 1e-3
+    old = (roll + noise * torch.randn(b, t, generator=g, dtype=torch.float64)).clamp(max=-1e-4)
+    lengths = torch.randint(1, t + 1, (b,), generator=g)
+    lengths[0], lengths[-1] = t, 0  # a full row and an all-padding row
+    mask = torch.arange(t)[None] < lengths[:, None]
+    mask[1, 0] = False  # a hole inside a response
+    log_prob = (old + 0.05 * torch.randn(b, t, generator=g, dtype=torch.float64)).clamp(max=-1e-5)
+    kept = -0.1 * torch.rand(b, t, generator=g, dtype=torch.float64)
+    return old.to(dtype), roll.to(dtype), mask, log_prob.to(dtype), kept.to(dtype)
+
+
+def _call(config, old, roll, mask, log_prob, kept, **kw):
+    return compute_correction(
+        old, roll, mask, config, log_prob if config.mode == "bypass" else None,
+        log_kept_mass=kept if config.sampler_distribution == "full" else None, **kw,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def eager_kernel(monkeypatch):
+    """Take the fused path on any batch size, with the kernel function run eagerly."""
+    monkeypatch.setattr(fused, "MIN_POSITIONS", 0)
+    monkeypatch.setitem(fused._state, "compiled", fused.row_pass)
+    monkeypatch.setitem(fused._state, "failed", False)
+
+
+def _assert_close(got, want, rel=2e-5):
+    assert torch.equal(got.mask, want.mask) and got.mask.dtype == want.mask.dtype
+    assert (got.weights is None) == (want.weights is None)
+    if want.weights is not None:
+        assert got.weights.dtype == want.weights.dtype
+        torch.testing.assert_close(got.weights, want.weights, rtol=rel, atol=1e-7)
+    assert list(got.metrics) == list(want.metrics)
+    for key, w in want.metrics.items():
+        g, w = got.metrics[key].item(), w.item()
+        if math.isnan(w) or math.isinf(w):
+            assert g == w or (math.isnan(g) and math.isnan(w)), key
+            continue
+        # a std is sqrt(E[x²] − E[x]²): a rounding δ of the variance moves it by ~sqrt(δ)
+        tol = 1e-3 if key.endswith("_std") else 1e-6
+        assert g == pytest.approx(w, rel=rel, abs=tol), key
+
+
+def _eager(monkeypatch, *args, **kw):
+    with monkeypatch.context() as m:
+        m.setenv(fused.ENV, "0")
+        return _call(*args, **kw)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.mode}-{c.is_level}-{c.is_mode}-{c.rs}")
+@pytest.mark.parametrize("noise", [0.3, 30.0])  # 30: |ℓ| exceeds the ±20 bound, the clamp matters
+def test_fused_path_matches_eager_path(config, noise, eager_kernel, monkeypatch):
+    args = (config, *_batch(noise=noise))
+    assert fused.supports(config, 1, decomposition=False, staleness=False)
+    _assert_close(_call(*args), _eager(monkeypatch, *args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_fused_path_other_dtypes(dtype, eager_kernel, monkeypatch):
+    for config in (preset("decoupled_token_is"), preset("decoupled_seq_is_rs")):
+        args = (config, *_batch(dtype=dtype))
+        _assert_close(_call(*args), _eager(monkeypatch, *args), rel=1e-12 if dtype == torch.float64 else 2e-5)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.int64, torch.float32])
+def test_fused_path_non_bool_masks(mask_dtype, eager_kernel, monkeypatch):
+    config = preset("decoupled_seq_is_rs")
+    old, roll, mask, lp, kept = _batch()
+    args = (config, old, roll, mask.to(mask_dtype), lp, kept)
+    _assert_close(_call(*args), _eager(monkeypatch, *args))
+    with pytest.raises(ValueError, match="response_mask has values other than 0 and 1"):
+        _call(config, old, roll, mask.to(mask_dtype) * 2, lp, kept)
+
+
+def test_fused_path_checks_its_inputs(eager_kernel):
+    config = preset("decoupled_token_is")
+    old, roll, mask, lp, kept = _batch()
+    bad = old.clone()
+    bad[0, 3] = math.nan
+    with pytest.raises(ValueError, match=r"old_log_prob is NaN/inf on valid tokens at \(row 0, pos 3\)"):
+        _call(config, bad, roll, mask, lp, kept)
+    bad = roll.clone()
+    bad[0, 2] = 0.5
+    with pytest.raises(ValueError, match=r"rollout_log_prob is positive .* \(row 0, pos 2\)"):
+        _call(config, old, bad, mask, lp, kept)
+    with pytest.raises(ValueError, match="response_mask has no valid token"):
+        _call(config, old, roll, torch.zeros_like(mask), lp, kept)
+    # garbage in the padding is ignored, as on the eager path
+    dirty = _call(config, torch.where(mask, old, math.nan), torch.where(mask, roll, 5.0), mask, lp, kept)
+    _assert_close(dirty, _call(config, old, roll, mask, lp, kept), rel=0)
+
+
+def test_unsupported_configurations_stay_eager():
+    big = fused.MIN_POSITIONS
+    assert fused.supports(preset("disabled"), big, decomposition=False, staleness=False)
+    assert not fused.supports(preset("disabled"), big - 1, decomposition=False, staleness=False)
+    assert not fused.supports(preset("disabled"), big, decomposition=True, staleness=False)
+    assert not fused.supports(preset("disabled"), big, decomposition=False, staleness=True)
+    for name in ("trm_max_k2_mean_k3", "slime_veto"):
+        assert not fused.supports(preset(name), big, decomposition=False, staleness=False)
+    token_rule = CorrectionConfig(rs=("token_k1",), rs_thresholds=("0.5_2.0",))
+    assert not fused.supports(token_rule, big, decomposition=False, staleness=False)
+    verl = dataclasses.replace(preset("decoupled_token_is"), verl_compat=True)
+    assert not fused.supports(verl, big, decomposition=False, staleness=False)
+
+
+def test_compile_failure_falls_back_to_the_eager_path(monkeypatch):
+    def broken(*args):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(fused, "MIN_POSITIONS", 0)
+    monkeypatch.setitem(fused._state, "compiled", broken)
+    monkeypatch.setitem(fused._state, "failed", False)
+    args = (preset("decoupled_token_is"), *_batch())
+    with pytest.warns(fused.FusedUnavailableWarning, match=r"no C\+\+ compiler"):
+        got = _call(*args)
+    want = _eager(monkeypatch, *args)
+    assert torch.equal(got.weights, want.weights)
+    assert all(torch.equal(got.metrics[k], v) for k, v in want.metrics.items())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: later calls go eager without a word
+        _call(*args)
+
+
+@pytest.mark.parametrize("name", ["disabled", "decoupled_geo_rs_token_tis"])
+def test_compiled_kernel_matches_eager_path(name, monkeypatch):
+    """The real torch.compile'd kernel, on a batch large enough to take the fused path by itself."""
+    if fused._state["failed"]:
+        pytest.skip("the fused kernel could not be compiled on this machine")
+    config = preset(name)
+    args = (config, *_batch(b=64, t=fused.MIN_POSITIONS // 64, noise=0.05))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", fused.FusedUnavailableWarning)
+        got = _call(*args)
+    _assert_close(got, _eager(monkeypatch, *args), rel=1e-4)  # compiled, or the eager fallback
+    if fused._state["failed"]:  # e.g. Inductor's C++ under ATEN_CPU_CAPABILITY=default
+        assert any(issubclass(w.category, fused.FusedUnavailableWarning) for w in caught)
+        pytest.skip("the fused kernel could not be compiled here; the eager fallback gave the same results")
+    assert fused._state["compiled"] is not None
