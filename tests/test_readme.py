@@ -96,9 +96,9 @@ NOT_HERE = {
     ("docs/proximal.md", ".venv/bin/python -m rollcorr.proximal.bench --steps 12 --lr 1e-4 --json /tmp/h7_bench_builtin_lr1e-4.json"):
         "a benchmark; tests/test_proximal_bench.py runs it on a tiny model",
     ("docs/ray.md", "driver process (learner)                                 Ray actors: SamplerWorker × W"): "a diagram",
-    ("docs/ray.md", "run(index, v, [ref])   generate(index, max_steps=chunk)"): "a diagram",
+    ("docs/ray.md", "run(index, [ref], v)   sample(index, max_steps=chunk)"): "a diagram",
     ("docs/ray.md", 'PIN="trainer.mini_batches=1 optim.schedule=constant optim.lr=0.0002"'): "a benchmark (minutes)",
-    ("docs/ray.md", '"""Steps/s of rollcorr train with the Ray executor (real Trainer, executor swapped in before run())."""'):
+    ("docs/ray.md", '"""Steps/s of rollcorr train with the Ray executor (real Trainer, trainer.executor=ray)."""'):
         "the benchmark script of the block above",
     ("docs/results.md", ".venv/bin/python -m experiments.mismatch_anatomy        # study 1"):
         "the studies (hours); tests/test_experiments.py runs each with --quick",
