@@ -118,6 +118,10 @@ def modes_table(overrides: list[str], steps: int, warmup: int, repeats: int) -> 
         print(f"{name:<24}{m['time/wait_s']:>7.3f}{m['time/old_log_prob_s']:>7.3f}{m['time/correction_s']:>8.3f}"
               f"{m['time/optimize_s']:>9.3f}{m['time/publish_s']:>8.3f}{m['other']:>7.3f}{m['s/step']:>8.3f}"
               f"{m['generate']:>10.3f}")  # fmt: skip
+    sync = median["sync"]
+    print(f"overlap bound: sync s/step ÷ its learner time (s/step − wait) = {sync['s/step']:.3f} / "
+          f"{sync['s/step'] - sync['time/wait_s']:.3f} = {sync['s/step'] / (sync['s/step'] - sync['time/wait_s']):.2f}x "
+          "(async cannot beat it: the learner's own work is not overlapped)")  # fmt: skip
 
 
 def main() -> int:
