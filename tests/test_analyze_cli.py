@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
+from rollcorr.analyze.analysis import analyze
 from rollcorr.analyze.cli import DEFAULT_PRESET, load_config, parse_value, sample_dump_path
 from rollcorr.analyze.dumps import read_dump
-from rollcorr.analyze.report import analyze
 from rollcorr.cli import main
 from rollcorr.config.presets import PRESETS, preset
 

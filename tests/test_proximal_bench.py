@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-from rollcorr.proximal.bench import run, table
+
+def _load_bench():
+    """benchmarks/bench_proximal.py is a script, not a package module: load it from its path."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_proximal.py"
+    spec = importlib.util.spec_from_file_location("bench_proximal", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_proximal"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_bench()
+run, table = bench.run, bench.table
 
 
 @pytest.mark.slow

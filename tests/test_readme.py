@@ -93,7 +93,7 @@ NOT_HERE = {
         "a benchmark (needs the llamacpp extra; minutes)",
     ("docs/losses.md", ".venv/bin/python -m pytest -q tests/test_verl_parity_losses.py"): "part of the test suite",
     ("docs/metrics.md", "import functools, torch"): "torch.compile: minutes of compilation",
-    ("docs/proximal.md", ".venv/bin/python -m rollcorr.proximal.bench --steps 12 --lr 1e-4 --json /tmp/h7_bench_builtin_lr1e-4.json"):
+    ("docs/proximal.md", ".venv/bin/python benchmarks/bench_proximal.py --steps 12 --lr 1e-4 --json /tmp/h7_bench_builtin_lr1e-4.json"):
         "a benchmark; tests/test_proximal_bench.py runs it on a tiny model",
     ("docs/ray.md", "driver process (learner)                                 Ray actors: SamplerWorker × W"): "a diagram",
     ("docs/ray.md", "run(index, [ref], v)   sample(index, max_steps=chunk)"): "a diagram",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
 from rollcorr.train.config import ConfigError, TrainConfig, config_from_dict, load_config, save_config
-from rollcorr.train.loop import check_components, check_sampler_log_probs, publishes
+from rollcorr.train.loop import check_components, missing_log_probs_error, publishes
 
 
 def test_default_config_loads_and_resolves_algorithm_defaults():
@@ -101,19 +103,14 @@ def test_component_errors_name_the_key(overrides, key):
     assert str(err.value).startswith(key), str(err.value)
 
 
-class _SamplerWithoutLogProbs:
-    gives_log_probs = False
-
-
-def test_strategy_needing_log_probs_rejects_sampler_without_them():
+def test_rollout_without_log_probs_names_the_key():
     config = load_config(None, ["algorithm.proximal.name=bypass"])
     _, proximal = check_components(config)
-    with pytest.raises(ConfigError, match=r"^algorithm\.proximal\.name: 'bypass' needs rollout log-probs"):
-        check_sampler_log_probs(_SamplerWithoutLogProbs(), proximal, config)
+    err = missing_log_probs_error(proximal, config)
+    assert re.match(r"^algorithm\.proximal\.name: 'bypass' needs rollout log-probs", str(err)), str(err)
     config = load_config()
     _, proximal = check_components(config)
-    with pytest.raises(ConfigError, match=r"^model\.sampler"):
-        check_sampler_log_probs(_SamplerWithoutLogProbs(), proximal, config)
+    assert str(missing_log_probs_error(proximal, config)).startswith("model.sampler"), config.model.sampler
 
 
 def test_saved_config_round_trips(tmp_path):

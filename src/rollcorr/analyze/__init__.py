@@ -1,5 +1,6 @@
 """``rollcorr analyze``: read rollout dumps (``rollcorr.analyze.dumps.read_dump``) and explain what a
-correction config does to them (``rollcorr.analyze.report``: ``analyze``, ``render``, ``to_json``).
+correction config does to them (``rollcorr.analyze.analysis.analyze``), and show it
+(``rollcorr.analyze.render``: ``render``, ``to_json``).
 
 Nothing is imported here: ``rollcorr.cli`` imports ``rollcorr.analyze.cli`` to build its parser, and that
 must not pull in torch.

@@ -148,8 +148,9 @@ def run(args: argparse.Namespace) -> int:
         for name in sorted(PRESETS):
             console.print(name)
         return 0
+    from rollcorr.analyze.analysis import analyze
     from rollcorr.analyze.dumps import read_dump
-    from rollcorr.analyze.report import analyze, render, write_json
+    from rollcorr.analyze.render import render, write_json
 
     path = args.file if args.file is not None else sample_dump_path()
     try:

@@ -36,7 +36,7 @@ from rollcorr.correction.ratios import (
     kl_stats,
     make_tokens,
 )
-from rollcorr.correction.rejection import opsm_keep, rs_option, rs_statistic, trm_keep, veto_keep
+from rollcorr.correction.rejection import rejection_rules
 from rollcorr.correction.weights import apply_threshold, batch_norm_factor, raw_weights
 
 PREFIX = "rollout_corr/"
@@ -177,36 +177,35 @@ def compute_correction(
     # ---- rejection -------------------------------------------------------------------------------
     keep = None  # (B, T) bool, None while no token rule rejects
     row_keep = None  # (B,) bool, None while no sequence rule rejects
-    for option, threshold in zip(config.rs, config.rs_thresholds):
-        if option in ("seq_sum_k1", "seq_mean_k1"):  # Σ_t k1 = −Σ_t ℓ: no (B, T) statistic needed
-            r = rs_option(option, threshold, None, tok, row_sum=-tok.log_ratio_safe.sum(dim=-1))
+    # the veto floor and ceiling are reported together, as are TRM's max k2 and mean k3
+    veto = veto_flags = trm = row_max_k2 = row_mean_k3 = None
+    for rule in rejection_rules(
+        config, tok, k3=k3, log_prob=log_prob, advantages=finite_rows.get("advantages")
+    ):
+        if rule.token_keep is not None:
+            keep = rule.token_keep if keep is None else keep & rule.token_keep
         else:
-            stat = k3 if option.endswith("k3") else rs_statistic(option, tok)
-            r = rs_option(option, threshold, stat, tok)
-        metrics.update(M.rs_option_metrics(r, tok))
-        if r.token_keep is not None:
-            keep = r.token_keep if keep is None else keep & r.token_keep
-        else:
-            row_keep = r.row_keep if row_keep is None else row_keep & r.row_keep
-    if config.veto_threshold is not None or config.veto_upper is not None:
-        vk, bad = veto_keep(tok, config.veto_threshold, config.veto_upper)
-        metrics["veto_token_fraction"] = tok.token_share(bad)
-        metrics["veto_seq_fraction"] = tok.over_rows((~vk & tok.valid).to(tok.mask_f.dtype))
-        row_keep = vk if row_keep is None else row_keep & vk
-    if config.trm_max_k2 is not None or config.trm_mean_k3 is not None:
-        tk, row_max_k2, row_mean_k3 = trm_keep(
-            kl_stats(tok, "k2"), k3, tok, config.trm_max_k2, config.trm_mean_k3
-        )
-        metrics["trm_seq_masked_fraction"] = tok.over_rows((~tk & tok.valid).to(tok.mask_f.dtype))
+            row_keep = rule.row_keep if row_keep is None else row_keep & rule.row_keep
+        if rule.rs is not None:
+            metrics.update(M.rs_option_metrics(rule.rs, tok))
+        elif rule.flags is not None:
+            veto = rule.row_keep if veto is None else veto & rule.row_keep
+            veto_flags = rule.flags if veto_flags is None else veto_flags | rule.flags
+        elif rule.trm is not None:
+            trm = rule.row_keep if trm is None else trm & rule.row_keep
+            row_max_k2, row_mean_k3 = rule.trm
+        else:  # opsm
+            metrics["opsm_seq_masked_fraction"] = tok.over_rows(
+                (~rule.row_keep & tok.valid).to(tok.mask_f.dtype)
+            )
+            metrics["opsm_divergence_mean"] = tok.over_rows(rule.stat)
+    if veto is not None:
+        metrics["veto_token_fraction"] = tok.token_share(veto_flags)
+        metrics["veto_seq_fraction"] = tok.over_rows((~veto & tok.valid).to(tok.mask_f.dtype))
+    if trm is not None:
+        metrics["trm_seq_masked_fraction"] = tok.over_rows((~trm & tok.valid).to(tok.mask_f.dtype))
         metrics["trm_max_k2_max"] = tok.rows_max(row_max_k2)
         metrics["trm_mean_k3_max"] = tok.rows_max(row_mean_k3)
-        row_keep = tk if row_keep is None else row_keep & tk
-    if config.opsm_delta is not None:
-        pi_theta = log_prob if log_prob is not None else anchor
-        ok, row_div = opsm_keep(tok.rollout, pi_theta, finite_rows["advantages"], tok, config.opsm_delta)
-        metrics["opsm_seq_masked_fraction"] = tok.over_rows((~ok & tok.valid).to(tok.mask_f.dtype))
-        metrics["opsm_divergence_mean"] = tok.over_rows(row_div)
-        row_keep = ok if row_keep is None else row_keep & ok
     # kept = response_mask ∧ token rules ∧ row rules; counts are exact integers in float
     dtype = tok.mask_f.dtype
     if keep is None and row_keep is None:

@@ -28,11 +28,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from rollcorr.correction.ratios import Tokens, any_per_row, kl_stats
+
+if TYPE_CHECKING:
+    from rollcorr.config.correction import CorrectionConfig
 
 
 @dataclass(frozen=True)
@@ -165,3 +169,79 @@ def opsm_keep(
     if adv.dim() == 2:
         adv = tok.row_mean(torch.where(tok.mask, adv, 0.0))
     return (adv >= 0) | (row_div <= delta), row_div
+
+
+# ----------------------------------------------------------------------------------------------- the rule list
+
+
+@dataclass(frozen=True)
+class RuleOutcome:
+    """One rejection rule of a config applied alone. Exactly one of ``token_keep`` / ``row_keep`` is set.
+
+    rule: the RS option name, ``veto`` (ρ floor), ``veto_upper`` (ρ ceiling), ``trm_max_k2``, ``trm_mean_k3``
+    or ``opsm``. stat: what the rule compares, (B, T) for token rules and (B,) for sequence rules, in the
+    statistic's own space (RS: k1/k2/k3/binary KL; veto: ℓ; TRM: row max k2 / row mean k3; OPSM: row mean of
+    log μ − log π_θ). lower / upper: its bounds there (None = unbounded). threshold: the configured value
+    (RS: as in ``rs_thresholds``; veto: the ρ floor / ceiling; TRM, OPSM: δ). rs: the RS outcome (RS rules).
+    flags: (B, T) tokens that trip a veto. trm: (row max k2, row mean k3) for the TRM metrics.
+    """
+
+    rule: str
+    token_keep: Tensor | None
+    row_keep: Tensor | None
+    stat: Tensor
+    lower: float | None
+    upper: float | None
+    threshold: float | tuple[float, float]
+    rs: RSOutcome | None = None
+    flags: Tensor | None = None
+    trm: tuple[Tensor, Tensor] | None = None
+
+
+def rejection_rules(
+    config: CorrectionConfig,
+    tok: Tokens,
+    *,
+    k3: Tensor | None = None,
+    log_prob: Tensor | None = None,
+    advantages: Tensor | None = None,
+) -> list[RuleOutcome]:
+    """Every rejection rule ``config`` sets, each applied alone, in order: the RS options, veto floor, veto
+    ceiling, TRM max k2, TRM mean k3, OPSM. ``compute_correction`` ANDs their keeps into the mask; ``analyze``
+    explains each. k3: ``kl_stats(tok, "k3")`` if already built. log_prob: π_θ for OPSM (default: the anchor
+    ``tok.old``). advantages: (B,) or (B, T), needed by OPSM."""
+    rules: list[RuleOutcome] = []
+    for option, threshold in zip(config.rs, config.rs_thresholds):
+        if option in ("seq_sum_k1", "seq_mean_k1"):  # Σ_t k1 = −Σ_t ℓ: no (B, T) statistic needed
+            r = rs_option(option, threshold, None, tok, row_sum=-tok.log_ratio_safe.sum(dim=-1))
+        else:
+            stat = k3 if k3 is not None and option.endswith("k3") else rs_statistic(option, tok)
+            r = rs_option(option, threshold, stat, tok)
+        stat = r.token_stat if r.token_keep is not None else r.row_stat
+        rules.append(RuleOutcome(option, r.token_keep, r.row_keep, stat, r.lower, r.upper, threshold, rs=r))
+    for name, floor, ceiling in (
+        ("veto", config.veto_threshold, None),
+        ("veto_upper", None, config.veto_upper),
+    ):
+        if floor is not None or ceiling is not None:
+            keep, bad = veto_keep(tok, floor, ceiling)
+            limit = floor if floor is not None else ceiling
+            bound = math.log(limit)
+            lower, upper = (bound, None) if floor is not None else (None, bound)
+            rules.append(RuleOutcome(name, None, keep, tok.log_ratio, lower, upper, limit, flags=bad))
+    if config.trm_max_k2 is not None or config.trm_mean_k3 is not None:
+        k2, k3 = kl_stats(tok, "k2"), (k3 if k3 is not None else kl_stats(tok, "k3"))
+        for name, max_k2, mean_k3 in (("trm_max_k2", config.trm_max_k2, None), ("trm_mean_k3", None, config.trm_mean_k3)):  # fmt: skip
+            if max_k2 is not None or mean_k3 is not None:
+                keep, row_max_k2, row_mean_k3 = trm_keep(k2, k3, tok, max_k2, mean_k3)
+                stat = row_max_k2 if max_k2 is not None else row_mean_k3
+                trm = (row_max_k2, row_mean_k3)
+                upper = max_k2 if max_k2 is not None else mean_k3
+                rules.append(RuleOutcome(name, None, keep, stat, None, upper, upper, trm=trm))
+    if config.opsm_delta is not None:
+        if advantages is None:
+            raise ValueError("opsm_delta is set: OPSM needs advantages")
+        pi_theta = log_prob if log_prob is not None else tok.old
+        keep, row_div = opsm_keep(tok.rollout, pi_theta, advantages, tok, config.opsm_delta)
+        rules.append(RuleOutcome("opsm", None, keep, row_div, None, config.opsm_delta, config.opsm_delta))
+    return rules

@@ -410,24 +410,6 @@ def write_gguf(
     return path
 
 
-def export_hf_dir(model_dir: str | os.PathLike, path: str | os.PathLike, quant: str = "f32") -> Path:
-    """Export a local HF model directory (config.json, *.safetensors, tokenizer.json) to a GGUF file."""
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
-
-    model_dir = Path(model_dir)
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not (model_dir / "config.json").exists() or not files:
-        raise FileNotFoundError(f"{str(model_dir)!r} needs config.json and *.safetensors to export to GGUF")
-    if not (model_dir / "tokenizer.json").exists():
-        raise FileNotFoundError(f"{str(model_dir)!r} has no tokenizer.json (a fast tokenizer is needed)")
-    state_dict: dict[str, torch.Tensor] = {}
-    for file in files:
-        state_dict.update(load_file(str(file)))
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    return write_gguf(path, state_dict, config, model_dir / "tokenizer.json", quant)
-
-
 # --------------------------------------------------------------------------- the reader: GGUF → HF folder
 
 
@@ -565,7 +547,7 @@ def gguf_to_hf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Path
 
     Memory: tensors are read from the memory-mapped file, dequantised and written one at a time, so no
     full float32 copy of the weights is ever held. The config comes from the GGUF metadata and the
-    tokenizer from transformers' GGUF reader. The inverse of ``export_hf_dir``/``write_gguf`` up to the
+    tokenizer from transformers' GGUF reader. The inverse of ``write_gguf`` up to the
     quantisation: a file rollcorr wrote as f32 comes back bit for bit.
     """
     from gguf import GGUFReader, dequantize

@@ -227,14 +227,12 @@ def check_trainable_learner(config: TrainConfig) -> None:
         )
 
 
-def check_sampler_log_probs(sampler, proximal, config: TrainConfig) -> None:
-    """A strategy or loss that reads log μ needs a sampler that reports it (checked before training)."""
-    if getattr(sampler, "gives_log_probs", True):
-        return
-    if getattr(proximal, "needs_rollout_log_prob", False):
-        raise ConfigError(f"algorithm.proximal.name: {proximal.name!r} needs rollout log-probs, but sampler "
-                          f"{config.model.sampler!r} gives none")  # fmt: skip
-    raise ConfigError(
+def missing_log_probs_error(proximal, config: TrainConfig) -> ConfigError:
+    """The error for a rollout that came back without log μ: the correction (and some strategies) read it."""
+    if proximal.needs_rollout_log_prob:
+        return ConfigError(f"algorithm.proximal.name: {proximal.name!r} needs rollout log-probs, but sampler "
+                           f"{config.model.sampler!r} gives none")  # fmt: skip
+    return ConfigError(
         f"model.sampler: {config.model.sampler!r} gives no rollout log-probs; the correction needs them"
     )
 
@@ -526,9 +524,7 @@ class Trainer:
         step_start = time.perf_counter()
         rollout, metrics = self.executor.next_rollout(self.step, self.version)
         if rollout.rollout_log_prob is None:
-            check_sampler_log_probs(
-                type("NoLogProbs", (), {"gives_log_probs": False})(), self.proximal, self.config
-            )
+            raise missing_log_probs_error(self.proximal, self.config)
 
         # interrupt strategy: exact old logits of in-flight tokens while the learner still holds `version`
         stall = 0.0

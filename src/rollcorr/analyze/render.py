@@ -1,9 +1,5 @@
-"""Apply a correction config to a dump and explain it: diagnostics, what is rejected and why, bad rows.
-
-``analyze(dump, config)`` runs ``compute_correction`` once for the weights, mask and metrics, then re-runs each
-rule of the config on its own through the correction library's rule functions (``rollcorr.correction.
-rejection``) to say which rule removed which sequence or token, with the statistic and the threshold. The
-union of the findings is checked against the mask ``compute_correction`` returned.
+"""Show an ``Analysis`` (``rollcorr.analyze.analysis``): the terminal report (rich), the one-line summary
+and the JSON file. Nothing is computed here beyond formatting.
 """
 
 from __future__ import annotations
@@ -12,194 +8,18 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.markup import escape
 from rich.rule import Rule
 from rich.table import Table
-from torch import Tensor
 
+from rollcorr.analyze.analysis import STATISTICS, Analysis, Finding, exp_or_inf, fmt, kept_range
 from rollcorr.analyze.dumps import Dump
 from rollcorr.config.correction import CorrectionConfig
-from rollcorr.correction import compute_correction, metrics_to_floats
-from rollcorr.correction.ratios import kl_stats, make_tokens
-from rollcorr.correction.rejection import opsm_keep, rs_option, rs_statistic, trm_keep, veto_keep
-from rollcorr.correction.weights import apply_threshold, raw_weights
-
-PREFIX = "rollout_corr/"
-
-# statistic shown for each RS option; K1 statistics are shown as ratios (ρ = exp(−k1)), k3 = ρ − 1 − ℓ
-STATISTICS = {
-    "token_k1": "ρ_t",
-    "seq_sum_k1": "Π ρ_t",
-    "seq_mean_k1": "geo-mean ρ",
-    "token_k2": "½ℓ_t²",
-    "token_k3": "k3_t",
-    "seq_sum_k2": "Σ ½ℓ²",
-    "seq_sum_k3": "Σ k3",
-    "seq_mean_k2": "mean ½ℓ²",
-    "seq_mean_k3": "mean k3",
-    "seq_max_k2": "max ½ℓ²",
-    "seq_max_k3": "max k3",
-    "token_binary_kl": "bkl_t",
-    "seq_sum_binary_kl": "Σ bkl",
-    "seq_mean_binary_kl": "mean bkl",
-    "seq_max_binary_kl": "max bkl",
-}
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One sequence or token that a rule removes (rejection) or zeroes (IcePop / Seq-MIS weight mask).
-
-    ``position`` is the token for token rules, and the most mismatched token (largest |ℓ|) of the row for
-    sequence rules. ``excess`` ≥ 1 says how far outside the threshold the statistic is (ratio), for ranking.
-    """
-
-    row: int
-    line: int
-    rule: str
-    level: str  # "sequence" | "token"
-    position: int
-    token: str | None
-    statistic: str
-    value: float
-    threshold: str  # the kept range, e.g. "[0.999, 1.001]" or "≤ 0.01"
-    lower: float | None  # its bounds, in the statistic's units (None = unbounded)
-    upper: float | None
-    excess: float
-    tokens: int  # valid tokens removed by this finding
-    effect: str  # "rejected" (mask) | "zero weight" (IS mask)
-
-
-@dataclass(frozen=True)
-class RuleSummary:
-    """One rule on its own: the range it keeps, what it removes, and the statistic's observed spread
-    (5th / 50th / 95th percentile over valid sequences or tokens) to compare the range with."""
-
-    rule: str
-    statistic: str
-    threshold: str
-    level: str
-    effect: str
-    sequences: int
-    tokens: int
-    observed: tuple[float, float, float]
-
-
-def _spread(values: Tensor, valid: Tensor) -> tuple[float, float, float]:
-    x = values[valid].double()
-    return tuple(torch.quantile(x, torch.tensor([0.05, 0.5, 0.95], dtype=x.dtype)).tolist())
-
-
-@dataclass
-class Analysis:
-    """A dump with a config applied: the metrics (floats), applied weights, mask after rejection, the
-    findings and per-rule summaries that explain them, and notes (stand-ins used, warnings)."""
-
-    dump: Dump
-    config: CorrectionConfig
-    source: str
-    metrics: dict[str, float]
-    weights: Tensor | None  # (B, T) or None
-    mask: Tensor  # (B, T) bool after rejection
-    findings: list[Finding]
-    rules: list[RuleSummary]
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def rejected_tokens(self) -> int:
-        return int((self.dump.response_mask & ~self.mask).sum())
-
-    @property
-    def rejected_sequences(self) -> int:
-        return int((self.dump.response_mask & ~self.mask).any(dim=-1).sum())
-
-
-ALL_REJECTED = (
-    "the correction rejects every token of this dump ({tokens} tokens in {seqs} sequences): a training step "
-    "on it would have a zero loss and an exactly-zero gradient. Its thresholds are tighter than this "
-    "mismatch; widen them or choose a looser preset (docs/configuration.md, Presets)."
-)
-
-
-def analyze(dump: Dump, config: CorrectionConfig, source: str = "") -> Analysis:
-    """Run the correction on the dump and explain every rejection and zeroed weight."""
-    notes: list[str] = []
-    # Bypass mode needs π_θ (ratio π_θ/μ); a dump's learner log-probs are the only learner numbers there are,
-    # so they stand in for it (exact on the first mini-batch of a step). OPSM in decoupled mode uses π_old.
-    log_prob = dump.old_log_prob if config.mode == "bypass" else None
-    if log_prob is not None:
-        notes.append(f"bypass mode: the dump's learner log-probs ({dump.fields['learner']}) stand in for π_θ")
-    if config.opsm_delta is not None and dump.advantages is None and "advantages" in dump.partial:
-        missing = dump.partial["advantages"]
-        raise ValueError(
-            f"the config uses OPSM (opsm_delta), which needs advantages in every row, but {len(missing)} of "
-            f"{len(dump)} rows have no {dump.fields.get('advantages', 'advantages')!r} (line "
-            f"{', '.join(map(str, missing[:5]))}{' ...' if len(missing) > 5 else ''})"
-        )
-    if config.opsm_delta is not None and dump.advantages is None:
-        raise ValueError(
-            "the config uses OPSM (opsm_delta), which needs advantages, but the dump has no "
-            f"{dump.fields.get('advantages', 'advantages')!r} field (name it with --advantages-field)"
-        )
-    version = current_version = None
-    if dump.version is not None:
-        version = dump.version
-        current_version = int(dump.version.masked_fill(~dump.response_mask, -(2**62)).max())
-        if int(dump.version.masked_fill(~dump.response_mask, 2**62).min()) != current_version:
-            notes.append(f"staleness is measured against the newest version in the dump ({current_version})")
-    res = compute_correction(
-        dump.old_log_prob,
-        dump.rollout_log_prob,
-        dump.response_mask,
-        config,
-        log_prob=log_prob,
-        advantages=dump.advantages,
-        version=version,
-        current_version=current_version,
-        warn=False,  # said below, in the report's words
-    )
-    mask = res.mask.bool()
-    if config.rejects and dump.num_tokens > 0 and not mask.any():
-        notes.insert(0, f"warning: {ALL_REJECTED.format(tokens=dump.num_tokens, seqs=len(dump))}")
-    findings, rules = explain(dump, config, res.weights)
-    explained = torch.zeros_like(mask)
-    for f in findings:
-        if f.effect != "rejected":
-            continue
-        if f.level == "token":
-            explained[f.row, f.position] = True
-        else:
-            explained[f.row] = dump.response_mask[f.row]
-    if not torch.equal(explained, dump.response_mask & ~mask):
-        notes.append(
-            "warning: the per-rule explanation does not match the correction's mask "
-            f"({int(explained.sum())} vs {int((dump.response_mask & ~mask).sum())} rejected tokens)"
-        )
-    return Analysis(
-        dump, config, source, metrics_to_floats(res.metrics), res.weights, mask, findings, rules, notes
-    )
-
-
-def _fmt(x: float) -> str:
-    return f"{x:.4g}" if isinstance(x, float) else str(x)
-
-
-def _exp(x: float) -> float:
-    """math.exp that gives inf instead of raising for x > 709 (vLLM writes -9999.0 for a -inf log-prob)."""
-    return math.exp(x) if x < 709.0 else math.inf
-
-
-def _window(lo: float | None, hi: float | None) -> str:
-    if lo is None or lo == 0:
-        return f"≤ {_fmt(hi)}"
-    if hi is None or math.isinf(hi):
-        return f"≥ {_fmt(lo)}"
-    return f"[{_fmt(lo)}, {_fmt(hi)}]"
+from rollcorr.correction.api import PREFIX
 
 
 def _fmt_against(value: float, lo: float | None, hi: float | None) -> str:
@@ -209,184 +29,6 @@ def _fmt_against(value: float, lo: float | None, hi: float | None) -> str:
         if all(b is None or f"{b:.{digits}g}" != text for b in (lo, hi)):
             return text if 1e-3 <= abs(value) < 1e5 or value == 0 else f"{value:.{digits - 1}e}"
     return repr(value)
-
-
-def _outside(value: float, lo: float | None, hi: float | None) -> float:
-    """How far ``value`` lies outside [lo, hi] as a ratio (≥ 1 when outside; inf for a zero value)."""
-    out = 1.0
-    if hi is not None and hi > 0 and value > hi:
-        out = value / hi
-    if lo is not None and lo > 0 and value < lo:
-        out = lo / value if value > 0 else math.inf
-    return out
-
-
-def explain(
-    dump: Dump, config: CorrectionConfig, weights: Tensor | None
-) -> tuple[list[Finding], list[RuleSummary]]:
-    """Findings (every rejected / zeroed sequence or token, with its rule) and a per-rule summary.
-
-    Each rule runs alone through the correction library's rule functions on ℓ = log π_old − log μ (in bypass
-    mode the dump's learner log-probs are π_θ, so the same ℓ). ``weights`` are the applied IS weights.
-    """
-    tok = make_tokens(
-        dump.old_log_prob,
-        dump.rollout_log_prob,
-        dump.response_mask,
-        bound=config.safety_bound,
-        verl=config.verl_compat,
-    )
-    k2, k3 = kl_stats(tok, "k2"), kl_stats(tok, "k3")
-    worst = tok.log_ratio.abs().masked_fill(~tok.mask, -1.0).argmax(dim=-1).tolist()
-    lengths = tok.mask.sum(dim=-1).tolist()
-    findings: list[Finding] = []
-    rules: list[RuleSummary] = []
-
-    def token_text(b: int, t: int) -> str | None:
-        if dump.token_text is not None:
-            return dump.token_text[b][t]
-        if dump.tokens is not None:
-            return f"id {int(dump.tokens[b, t])}"
-        return None
-
-    def finding(b, t, level, rule, statistic, value, threshold, lo, hi, tokens, effect) -> Finding:
-        return Finding(
-            row=b,
-            line=dump.line_numbers[b],
-            rule=rule,
-            level=level,
-            position=t,
-            token=token_text(b, t),
-            statistic=statistic,
-            value=value,
-            threshold=threshold,
-            lower=lo,
-            upper=hi,
-            excess=_outside(value, lo, hi),
-            tokens=tokens,
-            effect=effect,
-        )
-
-    def add_rows(rule, statistic, threshold, drop, values, lo, hi, *, positions=None, effect="rejected"):
-        """One finding per valid row in ``drop`` (B,) bool; ``values`` (B,) is the statistic shown;
-        ``positions`` (B,) the token to name (default: the row's largest |ℓ|)."""
-        rows = (drop & tok.valid).nonzero()[:, 0].tolist()
-        shown = values.tolist()
-        for b in rows:
-            t = worst[b] if positions is None else positions[b]
-            findings.append(
-                finding(b, t, "sequence", rule, statistic, shown[b], threshold, lo, hi, lengths[b], effect)
-            )
-        removed = sum(lengths[b] for b in rows)
-        observed = _spread(values, tok.valid)
-        rules.append(
-            RuleSummary(rule, statistic, threshold, "sequence", effect, len(rows), removed, observed)
-        )
-
-    def add_tokens(rule, statistic, threshold, drop, values, lo, hi, *, effect="rejected"):
-        """One finding per valid token in ``drop`` (B, T) bool; ``values`` (B, T) is the statistic shown."""
-        idx = (drop & tok.mask).nonzero().tolist()
-        for b, t in idx:
-            findings.append(
-                finding(b, t, "token", rule, statistic, float(values[b, t]), threshold, lo, hi, 1, effect)
-            )
-        hit_rows = len({b for b, _ in idx})
-        observed = _spread(values, tok.mask)
-        rules.append(RuleSummary(rule, statistic, threshold, "token", effect, hit_rows, len(idx), observed))
-
-    for option, threshold in zip(config.rs, config.rs_thresholds):
-        r = rs_option(option, threshold, rs_statistic(option, tok), tok)
-        if option.endswith("k1"):  # statistic space k1 = −log ρ → show ratios
-            lo, hi = _exp(-r.upper), _exp(-r.lower)
-            convert = lambda x: torch.exp(-x)  # noqa: E731
-        else:
-            lo, hi = None, r.upper
-            convert = lambda x: x  # noqa: E731
-        window = _window(lo, hi)
-        if r.token_keep is not None:
-            add_tokens(option, STATISTICS[option], window, ~r.token_keep, convert(r.token_stat), lo, hi)
-        else:
-            add_rows(option, STATISTICS[option], window, ~r.row_keep, convert(r.row_stat), lo, hi)
-
-    lr_min = tok.log_ratio.masked_fill(~tok.mask, math.inf)
-    lr_max = tok.log_ratio.masked_fill(~tok.mask, -math.inf)
-    if config.veto_threshold is not None:
-        keep, _ = veto_keep(tok, config.veto_threshold, None)
-        value, pos = lr_min.min(dim=-1)
-        add_rows(
-            "veto",
-            "min ρ_t",
-            f"≥ {_fmt(config.veto_threshold)}",
-            ~keep,
-            value.exp(),
-            config.veto_threshold,
-            None,
-            positions=pos.tolist(),
-        )
-    if config.veto_upper is not None:
-        keep, _ = veto_keep(tok, None, config.veto_upper)
-        value, pos = lr_max.max(dim=-1)
-        add_rows(
-            "veto_upper",
-            "max ρ_t",
-            f"≤ {_fmt(config.veto_upper)}",
-            ~keep,
-            value.exp(),
-            None,
-            config.veto_upper,
-            positions=pos.tolist(),
-        )
-    if config.trm_max_k2 is not None:
-        keep, row_max_k2, _ = trm_keep(k2, k3, tok, config.trm_max_k2, None)
-        pos = k2.masked_fill(~tok.mask, -1.0).argmax(dim=-1).tolist()
-        add_rows(
-            "trm_max_k2",
-            "max ½ℓ²",
-            f"≤ {_fmt(config.trm_max_k2)}",
-            ~keep,
-            row_max_k2,
-            None,
-            config.trm_max_k2,
-            positions=pos,
-        )
-    if config.trm_mean_k3 is not None:
-        keep, _, row_mean_k3 = trm_keep(k2, k3, tok, None, config.trm_mean_k3)
-        add_rows(
-            "trm_mean_k3",
-            "mean k3",
-            f"≤ {_fmt(config.trm_mean_k3)}",
-            ~keep,
-            row_mean_k3,
-            None,
-            config.trm_mean_k3,
-        )
-    if config.opsm_delta is not None:
-        keep, div = opsm_keep(tok.rollout, tok.old, dump.advantages, tok, config.opsm_delta)
-        add_rows(
-            "opsm",
-            "mean(log μ − log π_θ), A<0",
-            f"≤ {_fmt(config.opsm_delta)}",
-            ~keep,
-            div,
-            None,
-            config.opsm_delta,
-        )
-
-    if config.is_level is not None and config.is_mode == "mask" and weights is not None:
-        raw, row_log = raw_weights(tok, config.is_level, config.safety_bound)
-        masked = apply_threshold(raw, tok.mask_f, "mask", config.is_upper, config.is_lower)
-        zeroed = (masked == 0) & (raw != 0) & tok.mask
-        lo, hi = config.is_lower, config.is_upper
-        name = {"token": "icepop", "sequence": "seq_mis", "geometric": "geo_mis"}[config.is_level]
-        if config.is_level == "token":
-            add_tokens(name, "ρ_t", _window(lo, hi), zeroed, raw, lo, hi, effect="zero weight")
-        else:
-            stat = "Π ρ_t" if config.is_level == "sequence" else "geo-mean ρ"
-            add_rows(
-                name, stat, _window(lo, hi), zeroed.any(dim=-1), row_log.exp(), lo, hi, effect="zero weight"
-            )
-
-    return findings, rules
 
 
 # ---- JSON -------------------------------------------------------------------------------------------
@@ -508,7 +150,9 @@ def describe(config: CorrectionConfig) -> str:
         parts.append("no IS weights")
     else:
         bound = (
-            _window(config.is_lower, config.is_upper) if config.is_upper or config.is_lower else "untruncated"
+            kept_range(config.is_lower, config.is_upper)
+            if config.is_upper or config.is_lower
+            else "untruncated"
         )
         kind = "truncate" if config.is_mode == "truncate" else "mask"
         applied = "" if config.applies_weights else " (not applied: the PPO ratio already holds π_θ/μ)"
@@ -517,19 +161,19 @@ def describe(config: CorrectionConfig) -> str:
             parts.append(f"batch-normalised per {config.batch_norm_scope}")
     for option, threshold in zip(config.rs, config.rs_thresholds):
         if isinstance(threshold, tuple):
-            parts.append(f"RS {option} {STATISTICS[option]} ∈ {_window(*threshold)}")
+            parts.append(f"RS {option} {STATISTICS[option]} ∈ {kept_range(*threshold)}")
         else:
-            parts.append(f"RS {option} {STATISTICS[option]} ≤ {_fmt(threshold)}")
+            parts.append(f"RS {option} {STATISTICS[option]} ≤ {fmt(threshold)}")
     if config.veto_threshold is not None:
-        parts.append(f"veto ρ_t < {_fmt(config.veto_threshold)}")
+        parts.append(f"veto ρ_t < {fmt(config.veto_threshold)}")
     if config.veto_upper is not None:
-        parts.append(f"veto ρ_t > {_fmt(config.veto_upper)}")
+        parts.append(f"veto ρ_t > {fmt(config.veto_upper)}")
     if config.trm_max_k2 is not None:
-        parts.append(f"TRM max ½ℓ² ≤ {_fmt(config.trm_max_k2)}")
+        parts.append(f"TRM max ½ℓ² ≤ {fmt(config.trm_max_k2)}")
     if config.trm_mean_k3 is not None:
-        parts.append(f"TRM mean k3 ≤ {_fmt(config.trm_mean_k3)}")
+        parts.append(f"TRM mean k3 ≤ {fmt(config.trm_mean_k3)}")
     if config.opsm_delta is not None:
-        parts.append(f"OPSM δ = {_fmt(config.opsm_delta)}")
+        parts.append(f"OPSM δ = {fmt(config.opsm_delta)}")
     if config.rejects:
         parts.append(f"loss denominator: {config.denominator}")
     if config.verl_compat:
@@ -571,7 +215,7 @@ def _token_fate(analysis: Analysis, hits: list[Finding], b: int, t: int) -> str:
     if by_effect:
         return "; ".join(f"{effect} by {', '.join(rules)}" for effect, rules in sorted(by_effect.items()))
     if analysis.weights is not None:
-        return f"kept, w = {_fmt(float(analysis.weights[b, t]))}"
+        return f"kept, w = {fmt(float(analysis.weights[b, t]))}"
     return "kept"
 
 
@@ -633,14 +277,14 @@ def _diagnostics(analysis: Analysis, all_metrics: bool) -> list[Any]:
             continue
         table.add_row(f"[bold]{section}[/]", "", "")
         for key, meaning in present:
-            table.add_row("  " + key, _fmt(metrics[PREFIX + key]), meaning)
+            table.add_row("  " + key, fmt(metrics[PREFIX + key]), meaning)
             shown.add(PREFIX + key)
         table.add_section()
     rest = [key for key in metrics if key not in shown]
     if all_metrics and rest:
         table.add_row("[bold]all other metrics[/]", "", "")
         for key in rest:
-            table.add_row("  " + key.removeprefix(PREFIX), _fmt(metrics[key]), "")
+            table.add_row("  " + key.removeprefix(PREFIX), fmt(metrics[key]), "")
     out: list[Any] = ["", table]
     if rest and not all_metrics:
         out.append(f"[dim]  … {len(rest)} more metrics with --all-metrics (or --json OUT)[/]")
@@ -654,16 +298,16 @@ def _config_effect(analysis: Analysis) -> list[Any]:
     out: list[Any] = [""]
     if analysis.weights is not None:
         w = analysis.weights[dump.response_mask]
-        spread = f"applied weights mean {_fmt(float(w.mean()))}, range [{_fmt(float(w.min()))}, {_fmt(float(w.max()))}]"
+        spread = f"applied weights mean {fmt(float(w.mean()))}, range [{fmt(float(w.min()))}, {fmt(float(w.max()))}]"
         head = ""
         if config.is_mode == "mask":  # rollout_is_oob_ratio is a share of tokens at every level
             share = metrics.get(PREFIX + "rollout_is_oob_ratio", 0.0)
-            band = _window(config.is_lower, config.is_upper)
+            band = kept_range(config.is_lower, config.is_upper)
             head = f"{100 * share:.2g}% of tokens zeroed (outside {band}); "
         elif config.is_upper is not None:  # ..._fraction_high counts tokens, or rows at sequence levels
             share = metrics.get(PREFIX + "rollout_is_ratio_fraction_high", 0.0)
             unit = "tokens" if config.is_level == "token" else "sequences"
-            head = f"{100 * share:.2g}% of {unit} truncated to {_fmt(config.is_upper)}; "
+            head = f"{100 * share:.2g}% of {unit} truncated to {fmt(config.is_upper)}; "
         out.append(f"[bold]IS weights[/]: {head}{spread}")
     elif config.is_level is not None:
         out.append("[bold]IS weights[/]: computed for the metrics but not applied (bypass + ppo_clip)")
@@ -684,7 +328,7 @@ def _config_effect(analysis: Analysis) -> list[Any]:
                 r.rule if r.effect == "rejected" else f"{r.rule} ({r.effect})",
                 r.statistic,
                 r.threshold,
-                " / ".join(_fmt(v) for v in r.observed),
+                " / ".join(fmt(v) for v in r.observed),
                 _pct(r.sequences, n_rows),
                 _pct(r.tokens, n_tokens),
             )
@@ -757,9 +401,9 @@ def _mismatched_tokens(analysis: Analysis, top: int) -> list[Any]:
             str(dump.line_numbers[b]),
             str(t),
             escape(_token_label(dump, b, t)),
-            _fmt(_exp(float(dump.rollout_log_prob[b, t]))),
-            _fmt(_exp(float(dump.old_log_prob[b, t]))),
-            _fmt(_exp(float(lr[b, t]))),
+            fmt(exp_or_inf(float(dump.rollout_log_prob[b, t]))),
+            fmt(exp_or_inf(float(dump.old_log_prob[b, t]))),
+            fmt(exp_or_inf(float(lr[b, t]))),
             _token_fate(analysis, hits.get((b, t), []) + hits.get(b, []), b, t),
         )
     return ["", table]
@@ -788,21 +432,21 @@ def summary(analysis: Analysis) -> str:
     m, config = analysis.metrics, analysis.config
     get = lambda key: m.get(PREFIX + key, math.nan)  # noqa: E731
     out = [
-        f"sampler and learner differ by mean |ℓ| = {_fmt(get('log_ratio_abs_mean'))} per token "
-        f"({100 * get('prob_diff_frac_ge_0.01'):.2g}% of tokens with |Δp| ≥ 0.01, max |Δp| {_fmt(get('prob_diff_max'))})."
+        f"sampler and learner differ by mean |ℓ| = {fmt(get('log_ratio_abs_mean'))} per token "
+        f"({100 * get('prob_diff_frac_ge_0.01'):.2g}% of tokens with |Δp| ≥ 0.01, max |Δp| {fmt(get('prob_diff_max'))})."
     ]
     stat = {"token": "ρ_t", "sequence": "Π ρ_t", "geometric": "geo-mean ρ"}.get(config.is_level or "", "ρ")
     if analysis.weights is not None and config.is_mode == "mask":
         share = get("rollout_is_oob_ratio")
         band = (
-            f"outside {_window(config.is_lower, config.is_upper)}"
+            f"outside {kept_range(config.is_lower, config.is_upper)}"
             if config.is_lower
-            else f"> {_fmt(config.is_upper)}"
+            else f"> {fmt(config.is_upper)}"
         )
         out.append(f"IS zeroes {100 * share:.2g}% of the token weights ({stat} {band}).")
     elif analysis.weights is not None and config.is_upper is not None:
         share = get("rollout_is_ratio_fraction_high")
-        out.append(f"IS truncates {100 * share:.2g}% of the weights ({stat} > {_fmt(config.is_upper)}).")
+        out.append(f"IS truncates {100 * share:.2g}% of the weights ({stat} > {fmt(config.is_upper)}).")
     if config.rejects:
         n_tok, n_seq = analysis.dump.num_tokens, len(analysis.dump)
         out.append(
@@ -818,7 +462,7 @@ def summary(analysis: Analysis) -> str:
             p5, _, p95 = worst.observed
             out.append(
                 f"Most of it is {worst.rule}: it keeps {worst.statistic} {worst.threshold}, "
-                f"while 90% of the observed values lie in [{_fmt(p5)}, {_fmt(p95)}]."
+                f"while 90% of the observed values lie in [{fmt(p5)}, {fmt(p95)}]."
             )
     if analysis.dump.malformed:
         out.append(f"{len(analysis.dump.malformed)} malformed row(s) were skipped.")

@@ -1,6 +1,6 @@
 """Measure every proximal strategy on one partial-rollout run: time per call, extra memory, error vs exact.
 
-    python -m rollcorr.proximal.bench [--model builtin] [--steps 12] [--json out.json]
+    python benchmarks/bench_proximal.py [--model builtin] [--steps 12] [--json out.json]
 
 The run (CPU, the hf engines): the sampler always holds the learner's latest version; each iteration it
 starts a new batch and advances every unfinished batch by ``--chunk`` tokens, so one response spans

@@ -1,0 +1,63 @@
+"""Reduce a per-token (B, T) or per-sequence (B,) loss to a scalar under the denominator policy
+(docs/spec.md §3)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rollcorr.losses.registry import AGG_MODES, DENOMINATORS
+
+
+def aggregate(
+    loss: Tensor,
+    response_mask: Tensor,
+    agg: str = "token-mean",
+    *,
+    denominator: str = "kept",
+    denominator_mask: Tensor | None = None,
+    norm_constant: float | None = None,
+) -> Tensor:
+    """Reduce a per-token loss (B, T) — or a per-sequence loss (B,) — to a scalar.
+
+    m = response_mask (kept tokens), m0 = denominator_mask (tokens before rejection; default m).
+    Counts by denominator policy:          kept          original         batch
+      tokens in the batch  N_tok           Σ m           Σ m0             Σ m0
+      tokens of row b      n_b             Σ_t m_b       Σ_t m0_b         Σ_t m0_b
+      sequences            N_seq           #{n_b(m)>0}   #{n_b(m0)>0}     B
+    Modes (S_b = Σ_t L·m of row b):
+      token-mean               Σ_b S_b / N_tok
+      token-sum                Σ_b S_b
+      seq-mean-token-sum       Σ_b S_b / N_seq
+      seq-mean-token-mean      Σ_b (S_b / n_b) / N_seq
+      seq-mean-token-sum-norm  Σ_b S_b / N_seq / C            (C = norm_constant, default T; verl newest)
+      per-sequence loss (B,)   Σ_b L_b·1[n_b(m)>0] / N_seq    (agg ignored)
+    Masked positions never reach the sum (torch.where), so padding NaN/inf cannot leak; a zero count
+    gives exactly 0 with zero gradient.
+    """
+    if denominator not in DENOMINATORS:
+        raise ValueError(f"unknown denominator {denominator!r}; choose one of {DENOMINATORS}")
+    if agg not in AGG_MODES:
+        raise ValueError(f"unknown aggregation {agg!r}; choose one of {AGG_MODES}")
+    m = response_mask.bool()
+    m0 = m if denominator_mask is None or denominator == "kept" else denominator_mask.bool()
+    dtype = loss.dtype
+    seq_count = {
+        "kept": (m.sum(-1) > 0).sum(),
+        "original": (m0.sum(-1) > 0).sum(),
+        "batch": torch.tensor(m.shape[0], device=m.device),
+    }[denominator].to(dtype)
+    if loss.dim() == 1:
+        rows = torch.where(m.any(-1), loss, torch.zeros_like(loss))
+        return rows.sum() / seq_count.clamp_min(1)
+    row_sum = torch.where(m, loss, torch.zeros_like(loss)).sum(-1)
+    if agg == "token-sum":
+        return row_sum.sum()
+    if agg == "token-mean":
+        return row_sum.sum() / m0.sum().to(dtype).clamp_min(1)
+    if agg == "seq-mean-token-mean":
+        row_sum = row_sum / m0.sum(-1).to(dtype).clamp_min(1)
+    total = row_sum.sum() / seq_count.clamp_min(1)
+    if agg == "seq-mean-token-sum-norm":
+        total = total / (loss.shape[-1] if norm_constant is None else norm_constant)
+    return total

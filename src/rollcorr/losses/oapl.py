@@ -1,0 +1,46 @@
+"""OAPL: a per-sequence squared regression of β·Σ_t log(π_θ/μ) on the reward minus a soft group value.
+
+oapl         ℓ_b = (β · Σ_t (log π_θ − log μ) − (r_b − V̂(x)))²
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rollcorr.advantages import oapl_value
+from rollcorr.losses.common import detached, masked_mean
+
+
+def oapl_loss(
+    log_prob: Tensor,
+    rollout_log_prob: Tensor,
+    rewards: Tensor,
+    group_ids: Tensor,
+    response_mask: Tensor,
+    *,
+    beta: float = 1e-3,
+    beta1: float | None = None,
+    keep: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """OAPL squared regression, per sequence (B,).
+
+    ℓ_b = (β · Σ_t m·(log π_θ − log μ) − (r_b − V̂(x)))²,  V̂(x) = β₁ · log mean_{j∈group} exp(r_j / β₁)
+    β₁ = β when None; β₁ = inf → plain group mean. Token log-ratios are *summed* over the sequence; no IS,
+    no clipping. `keep` (B,) removes rows from V̂ (default: rows with at least one kept token).
+    """
+    mask = response_mask.bool()
+    if keep is None:
+        keep = mask.any(-1)
+    value = oapl_value(rewards, group_ids, beta1=beta if beta1 is None else beta1, keep=keep)
+    target = rewards.to(log_prob.dtype) - value.to(log_prob.dtype)
+    diff = torch.where(mask, log_prob - rollout_log_prob, torch.zeros_like(log_prob))
+    pred = beta * diff.sum(-1)
+    loss = (pred - target) ** 2
+    metrics = {
+        "actor/oapl_value_mean": masked_mean(value.to(log_prob.dtype), keep),
+        "actor/oapl_target_mean": masked_mean(target, keep),
+        "actor/oapl_pred_mean": masked_mean(pred, keep),
+        "actor/ppo_kl": masked_mean(rollout_log_prob - log_prob, mask),
+    }
+    return loss, detached(metrics)

@@ -1,0 +1,148 @@
+"""PPO-style clipped losses: ppo_clip (+ dual clip), clip_cov and kl_cov (covariance-selected tokens).
+
+ppo_clip     L = max(−A·r, −A·clip(r, 1−ε_lo, 1+ε_hi)); dual clip (A<0): min(L, −A·c); times w
+clip_cov     PPO clip (no dual clip) with the loss of a few random high-covariance tokens zeroed; · w
+kl_cov       L = −A·r · w, + ppo_kl_coef·|Δ| on the top-k tokens by covariance
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from rollcorr.losses.common import clamped_ratio, detached, masked_mean
+
+
+def ppo_clip_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_c: float | None = None,
+    weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clip (+ dual clip), times detached weights w. Returns per-token loss (B, T) and metrics.
+
+    L1 = −A·r, L2 = −A·clip(r, 1−ε_lo, 1+ε_hi), L = max(L1, L2); for A<0 and c given: min(L, −A·c).
+    """
+    delta, ratio = clamped_ratio(log_prob, old_log_prob)
+    loss1 = -advantages * ratio
+    loss2 = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    clipped = torch.maximum(loss1, loss2)
+    loss = clipped
+    lower = torch.zeros_like(clipped, dtype=torch.bool)
+    if clip_c is not None:
+        loss3 = -advantages * clip_c
+        loss = torch.where(advantages < 0, torch.minimum(loss3, clipped), clipped)
+        lower = (clipped > loss3) & (advantages < 0)
+    if weights is not None:
+        loss = loss * weights.detach()
+    metrics = {
+        "actor/pg_clipfrac": masked_mean((loss2 > loss1).to(delta.dtype), response_mask),
+        "actor/ppo_kl": masked_mean(-delta, response_mask),
+        "actor/pg_clipfrac_lower": masked_mean(lower.to(delta.dtype), response_mask),
+    }
+    return loss, detached(metrics)
+
+
+def _smallest_k(keys: Tensor, k: Tensor) -> Tensor:
+    """(B, T) bool: the ``k`` (0-d integer tensor) positions with the smallest keys; no host sync."""
+    flat = keys.flatten()
+    order = torch.argsort(flat, stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(flat.numel(), device=flat.device)
+    return (rank < k).view_as(keys)
+
+
+def _covariance(advantages: Tensor, log_prob: Tensor, mask: Tensor) -> Tensor:
+    """cov_t = (A_t − mean A)·(log π_θ,t − mean log π_θ), means over valid tokens; detached (B, T)."""
+    lp = log_prob.detach()
+    return (advantages - masked_mean(advantages, mask)) * (lp - masked_mean(lp, mask))
+
+
+def _count_share(mask: Tensor, share: float) -> Tensor:
+    """max(⌊share · Σ m⌋, 1) as a 0-d int64 tensor (float64 product, as Python's int(share · n))."""
+    n = mask.sum().to(torch.float64)
+    return torch.floor(n * share).clamp_min(1).to(torch.int64)
+
+
+def clip_cov_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    ratio: float = 2e-4,
+    cov_lb: float = 1.0,
+    cov_ub: float = 5.0,
+    generator: torch.Generator | None = None,
+    weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"; verl `clip_cov`).
+
+    L_t = max(−A·r, −A·clip(r, 1−ε_lo, 1+ε_hi))·corr_t·w     (no dual clip)
+    corr_t = 0 for k = max(⌊ratio·N⌋, 1) tokens drawn uniformly without replacement among the valid tokens
+    that PPO did not clip and whose cov_t = (A − mean A)(log π_θ − mean sg(log π_θ)) lies in (lb, ub);
+    all of them when fewer qualify. N = number of valid tokens. corr is detached: those tokens get no gradient.
+    The draw uses ``generator`` (default: torch's global RNG, as verl); it is sync-free (a sort of uniform keys)
+    so it is the same distribution as verl's randperm but not the same stream.
+    Metrics (verl): pg_clipfrac = share of valid tokens zeroed by the draw, ppo_kl.
+    Δ is clamped to ±20 before exp (verl leaves it unclamped).
+    """
+    mask = response_mask.bool()
+    delta, r = clamped_ratio(log_prob, old_log_prob)
+    loss1 = -advantages * r
+    loss2 = -advantages * torch.clamp(r, 1 - clip_low, 1 + clip_high)
+    with torch.no_grad():
+        cov = _covariance(advantages, log_prob, mask)
+        candidate = mask & ~(loss2 > loss1) & (cov > cov_lb) & (cov < cov_ub)
+        device = cov.device if generator is None else generator.device
+        uniform = torch.rand(cov.shape, generator=generator, device=device).to(cov.device)  # float32 keys
+        keys = torch.where(candidate, uniform, 2.0)  # non-candidates sort last
+        zeroed = candidate & _smallest_k(keys, _count_share(mask, ratio))
+    loss = torch.maximum(loss1, loss2) * (~zeroed).to(r.dtype)
+    if weights is not None:
+        loss = loss * weights.detach()
+    metrics = {
+        "actor/pg_clipfrac": masked_mean(zeroed.to(delta.dtype), response_mask),
+        "actor/ppo_kl": masked_mean(-delta, response_mask),
+    }
+    return loss, detached(metrics)
+
+
+def kl_cov_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    ratio: float = 2e-4,
+    kl_coef: float = 0.1,
+    weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """KL-Cov (Cui et al. 2025; verl `kl_cov`). No clipping; a |Δ| penalty on the highest-covariance tokens.
+
+    L_t = (−A·r + kl_coef·|Δ|·1[t ∈ top-k cov])·w,   k = max(⌊ratio·N⌋, 1) valid tokens by
+    cov_t = (A − mean A)(log π_θ − mean log π_θ) (means over valid tokens, detached).
+    Deterministic (ties broken by position). Metric (verl): ppo_kl = mean |Δ| over valid tokens.
+    r uses Δ clamped to ±20 (verl leaves it unclamped); |Δ| is not clamped.
+    """
+    mask = response_mask.bool()
+    raw_delta = log_prob - old_log_prob
+    _, r = clamped_ratio(log_prob, old_log_prob)
+    with torch.no_grad():
+        cov = _covariance(advantages, log_prob, mask)
+        keys = torch.where(mask, -cov, torch.full_like(cov, math.inf))
+        top = mask & _smallest_k(keys, _count_share(mask, ratio))
+    loss = -advantages * r + kl_coef * raw_delta.abs() * top.to(r.dtype)
+    if weights is not None:
+        loss = loss * weights.detach()
+    metrics = {"actor/ppo_kl": masked_mean(raw_delta.abs(), response_mask)}
+    return loss, detached(metrics)

@@ -1,0 +1,79 @@
+"""REINFORCE-family losses: the gradient is −A·(weight)·∇log π_θ with the weight never differentiated.
+
+reinforce    L = −A · sg(w) · log π_θ       (gpg: the same without its metric)
+cispo        L = −sg(clip(r, 1−ε_lo, 1+ε_hi)) · A · log π_θ · w
+dro          L = −(A · log π_θ − ½β·Δ²) · w
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rollcorr.losses.common import clamped_ratio, detached, masked_mean
+
+
+def reinforce_loss(
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    weights: Tensor | None = None,
+    ref_log_prob: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """REINFORCE with detached weights: L = −A·sg(w)·log π_θ (B, T). ∇L = −A·w·∇log π_θ.
+
+    `ref_log_prob` (μ in bypass) only feeds the `actor/ppo_kl` metric = mean(log ref − log π_θ).
+    """
+    loss = -advantages * log_prob
+    if weights is not None:
+        loss = loss * weights.detach()
+    metrics = {}
+    if ref_log_prob is not None:
+        metrics["actor/ppo_kl"] = masked_mean(ref_log_prob - log_prob, response_mask)
+    return loss, detached(metrics)
+
+
+def cispo_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_low: float = 1.0,
+    clip_high: float = 4.0,
+    weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1): L = −sg(clip(r, 1−ε_lo, 1+ε_hi))·A·log π_θ·w. Every token keeps a gradient."""
+    delta, ratio = clamped_ratio(log_prob, old_log_prob)
+    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    loss = -clipped.detach() * advantages * log_prob
+    if weights is not None:
+        loss = loss * weights.detach()
+    metrics = {
+        "actor/pg_clipfrac": masked_mean((ratio != clipped).to(delta.dtype), response_mask),
+        "actor/ppo_kl": masked_mean(-delta, response_mask),
+        "actor/pg_clipfrac_lower": torch.zeros((), dtype=delta.dtype, device=delta.device),
+    }
+    return loss, detached(metrics)
+
+
+def dro_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    beta: float = 0.1,
+    weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DRO (Richemond et al. 2024; Kimi k1.5; verl `dro`): REINFORCE with a quadratic trust region.
+
+    L = −(A·log π_θ − ½β·(log π_θ − log π_old)²)·w,   ∇L = −(A − β·Δ)·∇log π_θ·w.   Δ is not clamped.
+    """
+    delta = log_prob - old_log_prob
+    loss = -(log_prob * advantages - 0.5 * beta * delta.square())
+    if weights is not None:
+        loss = loss * weights.detach()
+    metrics = {"actor/ppo_kl": masked_mean(-delta, response_mask)}
+    return loss, detached(metrics)

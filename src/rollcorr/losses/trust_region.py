@@ -1,0 +1,158 @@
+"""Trust-region losses without the PPO clip: DPPO (a mask on Δp or on the binary KL) and SAPO (a smooth gate).
+
+dppo_tv      L = −A · r̃ · keep,  keep = ¬[(A>0 ∧ p_θ−p_old > ε_hi) ∨ (A≤0 ∧ p_θ−p_old < −ε_lo)]
+             (+ kl_coef · Δ²); r̃ = r, or sg(min(r, c))·exp(Δ − sg(Δ)) with the cap c = clip_c (verl)
+dppo_kl      dppo_tv with keep from the binary KL of (p_old, p_θ) (verl `dppo_kl`)
+sapo         L = −A · (4/τ)·σ(τ(r − 1)) · w,   τ = τ_pos if A > 0 else τ_neg
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rollcorr.losses.common import clamped_ratio, detached, masked_mean
+
+
+def _dppo_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    keep: Tensor,
+    high: Tensor,
+    low: Tensor,
+    *,
+    cap: float | None,
+    kl_coef: float,
+    weights: Tensor | None,
+    verl_value: bool,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Shared tail of the DPPO losses once the trust-region mask ``keep`` (B, T) bool is known."""
+    delta, ratio = clamped_ratio(log_prob, old_log_prob)
+    keep_f = keep.to(ratio.dtype)
+    if cap is None and not verl_value:
+        loss = -advantages * ratio * keep_f  # prime-rl's value; ∇ = −A·r·∇log π_θ
+    else:
+        truncated = ratio.detach() if cap is None else ratio.detach().clamp(max=cap)
+        # verl: −A·sg(min(r, c))·log π_θ; otherwise the same gradient with the value −A·min(r, c)
+        surrogate = log_prob if verl_value else torch.exp(delta - delta.detach())
+        loss = -advantages * truncated * surrogate * keep_f
+    if weights is not None:
+        loss = loss * weights.detach()
+    if kl_coef:
+        loss = loss + kl_coef * delta**2
+    dtype = delta.dtype
+    capped = keep & (ratio > cap) if cap is not None else torch.zeros_like(keep)
+    metrics = {
+        "actor/pg_clipfrac": masked_mean((~keep).to(dtype), response_mask),
+        "actor/ppo_kl": masked_mean(-delta, response_mask),
+        "actor/pg_clipfrac_lower": masked_mean(capped.to(dtype), response_mask),
+        "actor/dppo_masked_fraction": masked_mean((~keep).to(dtype), response_mask),
+        "actor/dppo_masked_high": masked_mean(high.to(dtype), response_mask),
+        "actor/dppo_masked_low": masked_mean(low.to(dtype), response_mask),
+    }
+    return loss, detached(metrics)
+
+
+def dppo_tv_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    cap: float | None = None,
+    kl_coef: float = 0.0,
+    weights: Tensor | None = None,
+    verl_value: bool = False,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPPO-Binary-TV (prime-rl default loss, verl `dppo_tv`): trust region on Δp = p_θ − p_old, p = exp(log-prob)
+    of the sampled token. (B, T) loss and metrics.
+
+    keep = ¬[(A>0 ∧ Δp > ε_hi) ∨ (A≤0 ∧ Δp < −ε_lo)]
+    cap None:  L = −A·r·keep·w (+ kl_coef·Δ²)                       (prime-rl; ∇ = −A·r·∇log π_θ)
+    cap c:     L = −A·sg(min(r, c))·exp(Δ − sg(Δ))·keep·w (+ …)    (∇ = −A·min(r, c)·∇log π_θ, verl's TIS cap)
+    verl_value: L = −A·sg(min(r, c))·log π_θ·keep·w — verl's value (same gradient); used by the verl compat.
+    Metrics as verl: pg_clipfrac = share outside the region, pg_clipfrac_lower = share kept with r > c.
+    """
+    with torch.no_grad():
+        dp = torch.exp(log_prob) - torch.exp(old_log_prob)
+        high = (advantages > 0) & (dp > clip_high)
+        low = (advantages <= 0) & (dp < -clip_low)
+        keep = ~(high | low)
+    return _dppo_loss(
+        log_prob, old_log_prob, advantages, response_mask, keep, high, low,
+        cap=cap, kl_coef=kl_coef, weights=weights, verl_value=verl_value,
+    )  # fmt: skip
+
+
+def dppo_kl_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    cap: float | None = None,
+    kl_coef: float = 0.0,
+    weights: Tensor | None = None,
+    verl_value: bool = False,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPPO-Binary-KL (verl `dppo_kl`): `dppo_tv` with the trust region measured by the KL between the
+    Bernoulli distributions (p_old, 1 − p_old) and (p_θ, 1 − p_θ) of the sampled token:
+
+    D = p_old·(log p_old − log p_θ) + (1 − p_old)·log((1 − p_old + 1e-8) / (1 − p_θ + 1e-8))
+    keep = (A>0 ∧ (D ≤ ε_hi ∨ p_θ ≤ p_old)) ∨ (A≤0 ∧ (D ≤ ε_lo ∨ p_θ ≥ p_old))
+    Loss, cap and metrics exactly as `dppo_tv_loss`. ε are KL thresholds (verl default 0.2; SkyRL
+    recommends 0.05).
+    """
+    with torch.no_grad():
+        prob, old_prob = torch.exp(log_prob), torch.exp(old_log_prob)
+        div = old_prob * (old_log_prob - log_prob) + (1 - old_prob) * torch.log(
+            (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)
+        )
+        high = (advantages > 0) & (div > clip_high) & (prob > old_prob)
+        low = (advantages <= 0) & (div > clip_low) & (prob < old_prob)
+        keep = ~(high | low)
+    return _dppo_loss(
+        log_prob, old_log_prob, advantages, response_mask, keep, high, low,
+        cap=cap, kl_coef=kl_coef, weights=weights, verl_value=verl_value,
+    )  # fmt: skip
+
+
+def sapo_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO (arXiv 2511.20347, verl `sapo`): a smooth gate instead of the PPO clip. (B, T) loss and metrics.
+
+    f(r, τ) = σ(τ·(r − 1))·4/τ,  τ = τ_pos if A > 0 else τ_neg;   L = −f(r, τ)·A·w
+    ∇L = −A·4·σ'(τ(r − 1))·r·∇log π_θ: 1× the PPO gradient at r = 1, decaying smoothly away from it.
+    verl aggregates with seq-mean-token-mean whatever loss_agg_mode says (rollcorr's default agg for sapo).
+    """
+    delta, ratio = clamped_ratio(log_prob, old_log_prob)
+    tau = torch.where(
+        advantages > 0,
+        torch.as_tensor(tau_pos, dtype=ratio.dtype, device=ratio.device),
+        torch.as_tensor(tau_neg, dtype=ratio.dtype, device=ratio.device),
+    )
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    loss = -gate * advantages
+    if weights is not None:
+        loss = loss * weights.detach()
+    zero = torch.zeros((), dtype=delta.dtype, device=delta.device)
+    metrics = {
+        "actor/pg_clipfrac": zero,
+        "actor/ppo_kl": masked_mean(-delta, response_mask),
+        "actor/pg_clipfrac_lower": zero,
+    }
+    return loss, detached(metrics)
