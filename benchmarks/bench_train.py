@@ -107,7 +107,7 @@ def modes_table(overrides: list[str], steps: int, warmup: int, repeats: int) -> 
     median = {name: {k: statistics.median(run[k] for run in rs) for k in rs[0]} for name, rs in runs.items()}
     base = median["sync"]["samples/s"]
     print(f"\n{'mode':<24}{'samples/s':>10}{'vs sync':>9}{'tokens/s':>10}{'s/step':>8}{'lag mean':>10}{'lag max':>9}"
-          f"   (median of {repeats} round{'s' * (repeats > 1)}; samples/s per round: vs sync)")  # fmt: skip
+          f"   (median of {repeats} round{'s' * (repeats > 1)}; [samples/s in each round])")  # fmt: skip
     for name, m in median.items():
         rounds = " ".join(f"{r['samples/s']:.0f}" for r in runs[name])
         print(f"{name:<24}{m['samples/s']:>10.0f}{m['samples/s'] / base:>8.2f}x{m['tokens/s']:>10.0f}"

@@ -111,6 +111,8 @@ NOT_HERE = {
     ("docs/results.md", "PYTHONPATH=. .venv/bin/python -m experiments.throughput --lr 2e-4      # alone on the machine"):
         "a study (12 min)",
     ("docs/training.md", "# benchmarks/bench_train.py"): "output of benchmarks/bench_train.py",
+    ("docs/training.md", "# PYTHONPATH=src:. python benchmarks/bench_train.py --skip-strategies --steps 8 --repeats 3"):
+        "output of benchmarks/bench_train.py",
     ("docs/analyze.md", "import torch"):
         "tests/test_dump_formats.py::test_docs_analyze_write_dump_snippet_runs runs it and reads the dump back",
     ("docs/verl.md", "# rollcorr_plugin.py, on PYTHONPATH; run verl with VERL_USE_EXTERNAL_MODULES=rollcorr_plugin"): "tests/test_verl_live.py::test_docs_verl_snippets_run runs every block of docs/verl.md against the installed verl",
