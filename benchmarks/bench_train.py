@@ -1,26 +1,35 @@
-"""Training throughput per execution mode, and the cost of each π_old strategy, on this machine.
+"""Training throughput per execution mode, where a step's time goes, and the cost of each π_old strategy.
 
     python benchmarks/bench_train.py                       # 12 steps per run, default batch (16 × 8)
-    python benchmarks/bench_train.py --steps 20 --skip-strategies
+    python benchmarks/bench_train.py --steps 20 --repeats 3 --skip-strategies
+    python benchmarks/bench_train.py --skip-strategies rollout.prompts_per_step=8   # overrides for every run
 
 Part 1 — modes: ``sync``, ``simulated_async`` (lag 2) and ``async`` (max_staleness 2, queue 2; and with partial
-rollouts) on the built-in model and task with the default config. Reported: steps/s and response tokens/s
-over the timed steps (the first ``--warmup`` steps are excluded: they include the initial evaluation),
-measured from ``time/step_s`` in metrics.jsonl.
+rollouts; the sampler in its own process) on the built-in model and task with the default config. The modes
+run in turn (``--repeats`` rounds, so a change in the machine's load hits every mode alike); per mode the
+median over rounds of samples/s (responses trained / Σ ``time/step_s`` of the timed steps) and its ratio to
+``sync`` in the same run, then where a step's time goes: the means of ``time/wait_s`` (the learner waits for
+its batch), ``time/old_log_prob_s`` (π_old), ``time/correction_s`` (IS weights, rejection, advantages),
+``time/optimize_s``, ``time/publish_s`` (weights to the sampler and the π_old strategy), the rest of
+``time/step_s`` (logging, metrics), and ``time/generate_s`` (the sampler's time on the batch; in ``async`` it
+overlaps the learner's steps, so it is not part of the step). The first ``--warmup`` steps are excluded (the
+initial evaluation, the sampler process start-up).
 
 Part 2 — π_old strategies in ``simulated_async`` (lag 2, so π_old ≠ π_train(v_gen) for most tokens): the
 strategy's own time per step (``proximal/seconds``, mean), the extra memory it holds (``proximal/extra_bytes``,
 last step) and, with ``measure_error=true``, the mean |log π_old − log π_train(v_gen)| against the exact old
 logits (``proximal/error/logp_abs_err_mean``; 0 for exact strategies).
 
-Every run uses ``trainer.threads`` (default 1) torch threads; no evaluation, checkpoint or plot during the
-timed steps. The machine is shared: numbers vary with its load; the command line is printed with them.
+Every run uses ``trainer.threads`` (default 1) torch threads in each process; no evaluation, checkpoint or plot
+during the timed steps. The machine is shared: numbers vary with its load; the command line and the load
+average (before, after) are printed with them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -66,13 +75,60 @@ def bench(overrides: list[str], steps: int, warmup: int) -> list[dict]:
         )
         result = run(config)
         rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "time/step_s" in r][warmup:]
+    samples = config.rollout.prompts_per_step * config.rollout.group_size  # responses trained per step
+    return [{**r, "samples": samples} for r in rows if "time/step_s" in r][warmup:]
+
+
+PARTS = ("time/wait_s", "time/old_log_prob_s", "time/correction_s", "time/optimize_s", "time/publish_s")
+
+
+def summarize(rows: list[dict]) -> dict[str, float]:
+    """samples/s, s/step, lag and the mean of each part of a step over the timed steps of one run."""
+    seconds = sum(r["time/step_s"] for r in rows)
+    out = {
+        "samples/s": sum(r["samples"] for r in rows) / seconds,
+        "tokens/s": sum(r["response/tokens"] for r in rows) / seconds,
+        "s/step": seconds / len(rows),
+        "lag mean": statistics.mean(r["staleness/lag_mean"] for r in rows),
+        "lag max": max(r["staleness/lag_max"] for r in rows),
+        "generate": statistics.mean(r["time/generate_s"] for r in rows),
+    }
+    for key in PARTS:
+        out[key] = statistics.mean(r[key] for r in rows)
+    out["other"] = out["s/step"] - sum(out[key] for key in PARTS)
+    return out
+
+
+def modes_table(overrides: list[str], steps: int, warmup: int, repeats: int) -> None:
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in MODES}
+    for _ in range(repeats):
+        for name, mode in MODES.items():
+            runs[name].append(summarize(bench([*mode, *overrides], steps, warmup)))
+    median = {name: {k: statistics.median(run[k] for run in rs) for k in rs[0]} for name, rs in runs.items()}
+    base = median["sync"]["samples/s"]
+    print(f"\n{'mode':<24}{'samples/s':>10}{'vs sync':>9}{'tokens/s':>10}{'s/step':>8}{'lag mean':>10}{'lag max':>9}"
+          f"   (median of {repeats} round{'s' * (repeats > 1)}; [samples/s in each round])")  # fmt: skip
+    for name, m in median.items():
+        rounds = " ".join(f"{r['samples/s']:.0f}" for r in runs[name])
+        print(f"{name:<24}{m['samples/s']:>10.0f}{m['samples/s'] / base:>8.2f}x{m['tokens/s']:>10.0f}"
+              f"{m['s/step']:>8.3f}{m['lag mean']:>10.2f}{m['lag max']:>9.0f}   [{rounds}]")  # fmt: skip
+    print(f"\n{'seconds per step (mean)':<24}{'wait':>7}{'π_old':>7}{'correct':>8}{'optimize':>9}{'publish':>8}"
+          f"{'other':>7}{'= step':>8}{'generate':>10}")  # fmt: skip
+    for name, m in median.items():
+        print(f"{name:<24}{m['time/wait_s']:>7.3f}{m['time/old_log_prob_s']:>7.3f}{m['time/correction_s']:>8.3f}"
+              f"{m['time/optimize_s']:>9.3f}{m['time/publish_s']:>8.3f}{m['other']:>7.3f}{m['s/step']:>8.3f}"
+              f"{m['generate']:>10.3f}")  # fmt: skip
+    sync = median["sync"]
+    print(f"overlap bound: sync s/step ÷ its learner time (s/step − wait) = {sync['s/step']:.3f} / "
+          f"{sync['s/step'] - sync['time/wait_s']:.3f} = {sync['s/step'] / (sync['s/step'] - sync['time/wait_s']):.2f}x "
+          "(async cannot beat it: the learner's own work is not overlapped)")  # fmt: skip
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=12, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed first steps")
+    p.add_argument("--repeats", type=int, default=1, help="rounds over the modes (medians are reported)")
     p.add_argument("--skip-modes", action="store_true")
     p.add_argument("--skip-strategies", action="store_true")
     p.add_argument("overrides", nargs="*", help="extra config overrides for every run")
@@ -82,17 +138,10 @@ def main() -> int:
 
     hf_logging.disable_progress_bar()  # model loads and checkpoint writes would flood the table
     print(f"# {' '.join(sys.argv)}")
+    print("# load average before: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
 
     if not args.skip_modes:
-        print(f"\n{'mode':<24}{'steps/s':>10}{'tokens/s':>12}{'s/step':>10}{'lag mean':>10}{'lag max':>9}")
-        for name, overrides in MODES.items():
-            rows = bench([*overrides, *args.overrides], args.steps, args.warmup)
-            seconds = sum(r["time/step_s"] for r in rows)
-            tokens = sum(r["response/tokens"] for r in rows)
-            lag = statistics.mean(r["staleness/lag_mean"] for r in rows)
-            lag_max = max(r["staleness/lag_max"] for r in rows)
-            print(f"{name:<24}{len(rows) / seconds:>10.2f}{tokens / seconds:>12.0f}{seconds / len(rows):>10.3f}"
-                  f"{lag:>10.2f}{lag_max:>9.0f}")  # fmt: skip
+        modes_table(args.overrides, args.steps, args.warmup, args.repeats)
 
     if not args.skip_strategies:
         print(
@@ -116,6 +165,7 @@ def main() -> int:
             )
             err_s = "n/a" if err is None else f"{err:.2e}"
             print(f"{name:<34}{ms:>9.1f}{mb:>10.2f}{err_s:>24}")
+    print("# load average after: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     return 0
 
 

@@ -70,11 +70,11 @@ def eager_kernel(monkeypatch):
 
 
 def _assert_close(got, want, rel=2e-5):
-    assert torch.equal(got.mask, want.mask) and got.mask.dtype == want.mask.dtype
-    assert (got.weights is None) == (want.weights is None)
-    if want.weights is not None:
-        assert got.weights.dtype == want.weights.dtype
-        torch.testing.assert_close(got.weights, want.weights, rtol=rel, atol=1e-7)
+    assert torch.equal(got.kept_mask, want.kept_mask) and got.kept_mask.dtype == want.kept_mask.dtype
+    assert (got.is_weights is None) == (want.is_weights is None)
+    if want.is_weights is not None:
+        assert got.is_weights.dtype == want.is_weights.dtype
+        torch.testing.assert_close(got.is_weights, want.is_weights, rtol=rel, atol=1e-7)
     assert list(got.metrics) == list(want.metrics)
     for key, w in want.metrics.items():
         g, w = got.metrics[key].item(), w.item()
@@ -160,7 +160,7 @@ def test_compile_failure_falls_back_to_the_eager_path(monkeypatch):
     with pytest.warns(fused.FusedUnavailableWarning, match=r"no C\+\+ compiler"):
         got = _call(*args)
     want = _eager(monkeypatch, *args)
-    assert torch.equal(got.weights, want.weights)
+    assert torch.equal(got.is_weights, want.is_weights)
     assert all(torch.equal(got.metrics[k], v) for k, v in want.metrics.items())
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once: later calls go eager without a word

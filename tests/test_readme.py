@@ -95,9 +95,9 @@ NOT_HERE = {
     ("docs/proximal.md", ".venv/bin/python benchmarks/bench_proximal.py --steps 12 --lr 1e-4 --json /tmp/h7_bench_builtin_lr1e-4.json"):
         "a benchmark; tests/test_proximal_bench.py runs it on a tiny model",
     ("docs/ray.md", "driver process (learner)                                 Ray actors: SamplerWorker × W"): "a diagram",
-    ("docs/ray.md", "run(index, v, [ref])   generate(index, max_steps=chunk)"): "a diagram",
+    ("docs/ray.md", "run(index, [ref], v)   sample(index, max_steps=chunk)"): "a diagram",
     ("docs/ray.md", 'PIN="trainer.mini_batches=1 optim.schedule=constant optim.lr=0.0002"'): "a benchmark (minutes)",
-    ("docs/ray.md", '"""Steps/s of rollcorr train with the Ray executor (real Trainer, executor swapped in before run())."""'):
+    ("docs/ray.md", '"""Steps/s of rollcorr train with the Ray executor (real Trainer, trainer.executor=ray)."""'):
         "the benchmark script of the block above",
     ("docs/results.md", ".venv/bin/python -m experiments.mismatch_anatomy        # study 1"):
         "the studies (hours); tests/test_experiments.py runs each with --quick",
@@ -112,6 +112,8 @@ NOT_HERE = {
     ("docs/training.md", "# benchmarks/bench_train.py"): "output of benchmarks/bench_train.py",
     ("docs/training.md", "# benchmarks/bench_decode.py: CPU seconds per call, reference vs fast, one run (load average 11–13)"):
         "output of benchmarks/bench_decode.py",
+    ("docs/training.md", "# PYTHONPATH=src:. python benchmarks/bench_train.py --skip-strategies --steps 8 --repeats 3"):
+        "output of benchmarks/bench_train.py",
     ("docs/analyze.md", "import torch"):
         "tests/test_dump_formats.py::test_docs_analyze_write_dump_snippet_runs runs it and reads the dump back",
     ("docs/verl.md", "# rollcorr_plugin.py, on PYTHONPATH; run verl with VERL_USE_EXTERNAL_MODULES=rollcorr_plugin"): "tests/test_verl_live.py::test_docs_verl_snippets_run runs every block of docs/verl.md against the installed verl",

@@ -168,7 +168,7 @@ class OptimConfig:
 class TrainerConfig:
     mode: str = "sync"  # sync | simulated_async | async
     executor: str = (
-        "local"  # local (in-process; async = a sampler thread) | ray (sampler workers as Ray actors)
+        "local"  # local (in-process; async = a sampler process) | ray (sampler workers as Ray actors)
     )
     ray_workers: int = 2  # executor=ray: sampler actors
     ray_address: str | None = None  # executor=ray: an existing cluster (None = start a local one)

@@ -10,7 +10,7 @@
 Why a process: a sampler thread shares the interpreter lock with the learner, so the two never really run
 in parallel; a process computes on its own core while the trainer's thread waits on the pipe.
 
-- **Start.** A fresh interpreter (``python -c "...serve(...)"``, importing this rollcorr) that builds the
+- **Start.** A fresh interpreter (``python -c "...serve(...)"``, importing the same rollcorr) that builds the
   sampler from the ``SourceSpec`` — nothing heavy is built in the trainer. Unlike ``multiprocessing``'s spawn,
   it does not re-run the trainer's main script, so a script without an ``if __name__ == "__main__"`` guard
   is safe.
@@ -176,12 +176,12 @@ class ProcessSource:
             os.ftruncate(weights_fd, size)
             self._buffer, self._shared = map_weights(weights_fd, layout, size)
             self._copy_in(weights)
-            root = str(Path(__file__).resolve().parents[2])  # the rollcorr this process imported
-            paths = [root, *filter(None, [os.environ.get("PYTHONPATH")])]
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
             code = f"from rollcorr.train.sampler_process import serve; serve({theirs.fileno()}, {weights_fd})"
+            root = Path(__file__).resolve().parents[2]  # where this process imported rollcorr from
+            if root.name not in ("site-packages", "dist-packages"):  # a source tree: make the sampler import it too
+                code = f"import sys; sys.path.insert(0, {str(root)!r}); {code}"
             self._process = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(), weights_fd),
-                                             env=env, stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+                                             stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
             self.pid = self._process.pid
         finally:
             theirs.close()
