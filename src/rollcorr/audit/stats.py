@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rollcorr.config.correction import LOG_RATIO_CLAMP
 from rollcorr.correction.metrics import (
     divergence_metrics,
     metrics_to_floats,
@@ -36,7 +37,6 @@ from rollcorr.correction.metrics import (
 )
 from rollcorr.correction.ratios import make_tokens
 
-LOG_RATIO_CLAMP = 20.0
 # Sampler log-probs computed in low precision can round a certain token to a hair above 0.
 POSITIVE_TOLERANCE = 1e-4
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rollcorr.config.correction import LOG_RATIO_CLAMP
 from rollcorr.losses import (
     AGG_MODES,
     aggregate,
@@ -121,7 +122,7 @@ def policy_loss_by_mode(
         loss, metrics = cispo_loss(log_prob, old_log_prob, advantages, response_mask, **kwargs)
     elif loss_mode == "geo_mean":
         loss, metrics = gmpo_loss(
-            log_prob, old_log_prob, advantages, response_mask, log_ratio_clamp=None if strict_verl else 20.0,
+            log_prob, old_log_prob, advantages, response_mask, log_ratio_clamp=None if strict_verl else LOG_RATIO_CLAMP,
             **kwargs,
         )
         denominator = "batch"

@@ -21,6 +21,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+# |log-ratio| clamp before any exp: e^20 ≈ 4.9e8 stays finite in float32 and bf16. The one value used by
+# the correction (safety_bound), the losses, the audit and the π_old strategies.
+LOG_RATIO_CLAMP = 20.0
+
 MODES = ("decoupled", "bypass")
 LOSS_TYPES = ("ppo_clip", "reinforce")
 IS_LEVELS = ("token", "sequence", "geometric")
@@ -136,7 +140,7 @@ class CorrectionConfig:
     denominator: str = "kept"  # loss denominator after rejection: kept | original | batch
     sampler_distribution: str = "truncated"  # "full": log μ_full = rollout_log_prob + log_kept_mass
     verl_compat: bool = False  # reproduce verl exactly (K1 window on −log ρ, all rows in seq metrics, …)
-    safety_bound: float = 20.0  # |log-ratio| clamp before any exp
+    safety_bound: float = LOG_RATIO_CLAMP  # |log-ratio| clamp before any exp
 
     def __post_init__(self) -> None:
         _choice("mode", self.mode, MODES)

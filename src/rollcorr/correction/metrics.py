@@ -15,6 +15,7 @@ import math
 import torch
 from torch import Tensor
 
+from rollcorr.config.correction import LOG_RATIO_CLAMP
 from rollcorr.correction.ratios import Rows, Tokens, any_per_row, check_mask, check_tensor
 from rollcorr.correction.rejection import RSOutcome
 
@@ -116,9 +117,9 @@ def is_metrics_from_sums(
     if row_log is not None:
         log_hi = math.log(hi) if hi != math.inf else math.inf
         log_lo = math.log(lo) if lo > 0 else -math.inf
-        out["rollout_is_max"] = rows.rows_max(row_log).clamp(max=20.0).exp()
+        out["rollout_is_max"] = rows.rows_max(row_log).clamp(max=LOG_RATIO_CLAMP).exp()
         row_min = rows.rows_min(row_log)  # verl leaves the minimum unclamped (inf for ℓ ≫ 0)
-        out["rollout_is_min"] = (row_min if rows.verl else row_min.clamp(-20.0, 20.0)).exp()
+        out["rollout_is_min"] = (row_min if rows.verl else row_min.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).exp()
         out["rollout_is_ratio_fraction_high"] = rows.over_rows((row_log > log_hi).to(dtype))
         out["rollout_is_ratio_fraction_low"] = rows.over_rows((row_log < log_lo).to(dtype))
     else:
@@ -269,10 +270,10 @@ def offpolicy_from_sums(
     mean_old = rows.row_mean_of_sum(old_row)
     mean_roll = rows.row_mean_of_sum(roll_row)
     diff = mean_roll - mean_old
-    row_sum = lr_row.clamp(-20.0, 20.0)
+    row_sum = lr_row.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     total = rows.den(rows.num_tokens)
     # rollcorr keeps these finite: PPL saturates at e^80, ppl_ratio's exponent is clamped to ±20 like ρ
-    ppl_cap, ratio_cap = (math.inf, math.inf) if rows.verl else (PPL_LOG_CAP, 20.0)
+    ppl_cap, ratio_cap = (math.inf, math.inf) if rows.verl else (PPL_LOG_CAP, LOG_RATIO_CLAMP)
     return {
         "training_ppl": rows.over_rows((-mean_old).clamp(max=ppl_cap).exp()),
         "training_log_ppl": rows.over_rows(-mean_old),
@@ -459,7 +460,7 @@ def decomposition_metrics(log_prob: Tensor, tok: Tokens) -> Metrics:
     theta = torch.where(tok.mask, log_prob.to(tok.anchor.dtype), 0.0)
 
     def k3(x: Tensor) -> Tensor:
-        x = x.clamp(-20.0, 20.0)
+        x = x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         return tok.token_mean(torch.expm1(x).sub_(x))
 
     return {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-LOG_RATIO_CLAMP = 20.0
+from rollcorr.config.correction import LOG_RATIO_CLAMP
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:

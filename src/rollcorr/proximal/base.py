@@ -29,11 +29,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from rollcorr.config.correction import LOG_RATIO_CLAMP
 from rollcorr.proximal.scoring import check_versions, clone_model
 from rollcorr.proximal.store import SnapshotStore, score_by_version
 from rollcorr.rollout import Rollout
-
-LOG_RATIO_CLAMP = 20.0
 
 
 @dataclass
