@@ -29,13 +29,14 @@ from rollcorr.models.builtin import BUILTIN, BUILTIN_MODELS, build_tokenizer, bu
 from rollcorr.tasks import make_task
 
 # Per model: the training mix (task name → weight; evaluation is on the model's own task) and the option
-# defaults it shipped with. 3-digit addition learns from a mix with shorter problems; the chain
-# train on their own task only.
+# defaults it shipped with. 3-digit addition learns from a mix with shorter problems; the chain trains on its
+# own task only. ``eval_tokens``: greedy tokens per evaluation answer (the chain: its 70-token answer, as the
+# trainer's ``rollout.max_new_tokens`` in configs/chain.yaml).
 PRETRAIN = {
     BUILTIN: dict(init=None, mix={"addition:1": 1, "addition:2": 2, "addition:3": 7}, batch_size=128, lr=3e-3,
-                  min_acc=0.15, max_acc=0.40, eval_every=50, eval_every_close=10, close_at=0.05),
+                  min_acc=0.15, max_acc=0.40, eval_every=50, eval_every_close=10, close_at=0.05, eval_tokens=6),
     f"{BUILTIN}:chain": dict(init=None, mix={"chain": 1}, batch_size=64, lr=3e-3, min_acc=0.25, max_acc=0.40,
-                                 eval_every=20, eval_every_close=5, close_at=0.15),
+                                 eval_every=5, eval_every_close=5, close_at=0.0, eval_tokens=70),
 }  # fmt: skip
 
 
@@ -126,6 +127,7 @@ def main() -> int:
         help="accuracy from which to evaluate every --eval-every-close steps",
     )
     p.add_argument("--eval-size", type=int, default=500)
+    p.add_argument("--eval-tokens", type=int, default=None, help="greedy tokens per evaluation answer")
     p.add_argument("--final-eval-size", type=int, default=2000)
     p.add_argument("--min-acc", type=float, default=None)
     p.add_argument("--max-acc", type=float, default=None)
@@ -165,8 +167,6 @@ def main() -> int:
 
     mix = {name: make_task(name) for name in args.mix}
     task = make_task(spec.task)
-    answer_tokens = getattr(task, "max_answer_tokens", getattr(task, "digits", 0) + 1)
-    eval_tokens = answer_tokens + 2  # room for <eos> and one extra token
     eval_items = task.sample(args.eval_size, seed=12345, split="test")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
 
@@ -192,7 +192,7 @@ def main() -> int:
 
         every = args.eval_every if acc < args.close_at else args.eval_every_close
         if step % every == 0:
-            acc = greedy_accuracy(model, tokenizer, task, eval_items, max_new_tokens=eval_tokens)
+            acc = greedy_accuracy(model, tokenizer, task, eval_items, max_new_tokens=args.eval_tokens)
             elapsed = time.time() - start
             history.append(
                 {"step": step, "loss": round(loss.item(), 4), "acc": acc, "seconds": round(elapsed, 1)}
@@ -215,7 +215,7 @@ def main() -> int:
 
     model.eval()
     final_items = task.sample(args.final_eval_size, seed=999, split="test")
-    final_acc = greedy_accuracy(model, tokenizer, task, final_items, max_new_tokens=eval_tokens)
+    final_acc = greedy_accuracy(model, tokenizer, task, final_items, max_new_tokens=args.eval_tokens)
     wall = time.time() - start
     info = {
         "seed": args.seed,

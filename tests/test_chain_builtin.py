@@ -53,9 +53,9 @@ def test_long_checkpoint_is_small_qwen2_fitting_its_task():
 
 @needs_checkpoint
 def test_long_checkpoint_starts_low_but_writes_the_format():
-    """Greedy per-digit score on held-out problems is at most 0.5 (RL has room), but the model has learned
-    the format (most responses: 14 numbers of 4 digits, each followed by a comma; it does not stop: <eos>
-    is not learned yet, and its chains mostly repeat the previous number, which gets the copied digits right)."""
+    """Greedy score (share of the 14 numbers right) on held-out problems is at most 0.5 (RL has room), but the
+    model has learned the format (most responses: 14 numbers of 4 digits, each followed by a comma) and the
+    last digit's cycle; what it gets wrong is the carry into the tens digit, which derails the rest."""
     import re
 
     model, tok = load_builtin(name=LONG)
@@ -66,14 +66,16 @@ def test_long_checkpoint_starts_low_but_writes_the_format():
 
     out, cache = [], DynamicCache(config=model.config)
     with torch.no_grad():
-        for _ in range(task.max_answer_tokens + 2):
+        for _ in range(task.max_answer_tokens):
             ids = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
             out.append(ids)
     rows = torch.cat(out, 1).tolist()
     texts = [tok.decode(r, skip_special_tokens=False).split("<eos>")[0] for r in rows]
     score = sum(task.reward(i, t) for i, t in zip(items, texts)) / len(items)
     assert 0.05 <= score <= 0.5, score
-    assert sum(bool(re.match(r"(\d{4},){14}", t)) for t in texts) / len(texts) > 0.6
+    assert sum(bool(re.fullmatch(r"(\d{4},){14}", t)) for t in texts) / len(texts) > 0.6
+    pairs = [(g[0], w[0]) for i, t in zip(items, texts) for g, w in zip(t.split(","), i["answer"].split(",")) if g]
+    assert sum(g == w for g, w in pairs) / len(pairs) > 0.8  # the last digit (written first) is mostly right
 
 
 def test_chain_preset_is_the_default_config_plus_its_own_keys():
@@ -81,7 +83,7 @@ def test_chain_preset_is_the_default_config_plus_its_own_keys():
     default = load_config(None)
     assert config.model.path == LONG and config.task.name == "chain"
     task = make_task(config.task.name)
-    assert config.rollout.max_new_tokens >= task.max_answer_tokens + 1  # the answer and <eos> fit
+    assert config.rollout.max_new_tokens == task.max_answer_tokens  # the answer exactly; <eos> optional
     assert config.algorithm == default.algorithm and config.model.learner == default.model.learner
     assert "task.name=chain" in preset_overrides("chain")
     # overrides on the command line win over the preset
@@ -99,7 +101,7 @@ def test_rollcorr_train_two_steps_on_the_long_task(tmp_path, capsys):
     from rollcorr.cli import main
 
     out = tmp_path / "run"
-    code = main(["train", "task.name=chain", f"model.path={LONG}", "rollout.max_new_tokens=72",
+    code = main(["train", "task.name=chain", f"model.path={LONG}", "rollout.max_new_tokens=70",
                  "trainer.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2", "task.eval_prompts=4",
                  "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false",
                  "trainer.checkpoint_every=0", "--out", str(out)])  # fmt: skip

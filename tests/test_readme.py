@@ -143,7 +143,7 @@ NOT_HERE = {
         "a template with placeholders (the protocol's tuning runs)",
     ("docs/results.md", "# tuning, second round: a checkpoint stopped later in pretraining, more steps, temperature"):
         "templates with placeholders (study 6's second round of fp32 tuning runs, minutes each)",
-    ("docs/results.md", "PYTHONPATH=. .venv/bin/python -m experiments.long_mismatch --arms fp32/ppo int8/ppo int8/tis int8/seq_mis"):
+    ("docs/results.md", "PYTHONPATH=. .venv/bin/python -m experiments.long_mismatch --arms fp32/ppo int8/ppo int8/tis int8/seq_mis int8/icepop int8/geo_rs &"):
         "a study (hours); tests/test_experiments.py runs its --quick mode",
 }  # fmt: skip
 

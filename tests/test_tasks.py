@@ -167,19 +167,26 @@ def test_chain_items_are_running_sums_written_reversed():
     assert shipped.max_answer_tokens == 70 and len(shipped.sample(1, seed=0)[0]["answer"]) == 70
 
 
-def test_chain_reward_gives_partial_credit_per_digit():
+def test_chain_reward_gives_partial_credit_per_number():
     task = ChainTask(terms=3, digits=2, order=2)
     item = {"answer": "12,34,56,"}
     assert task.reward(item, "12,34,56,") == 1.0
     assert task.reward(item, " 12,34,56\n") == 1.0  # surrounding whitespace and the last comma optional
-    assert task.reward(item, "12,34,50,") == 5 / 6  # one digit wrong
-    assert task.reward(item, "02,34,56,") == 5 / 6
-    assert task.reward(item, "12,34,") == 4 / 6  # a number missing
-    assert task.reward(item, "12,3,56,") == 5 / 6  # a digit missing inside a number: the others still count
-    assert task.reward(item, "12,34,56,78,") == 6 / 8  # an extra number adds to the denominator
-    assert task.reward(item, "1x,34,56,") == 5 / 6  # a non-digit scores 0 at its position
+    assert task.reward(item, "12,34,50,") == 2 / 3  # one digit wrong: that number scores 0
+    assert task.reward(item, "02,34,56,") == 2 / 3  # numbers are compared position by position
+    assert task.reward(item, "12,34,") == 2 / 3  # a number missing
+    assert task.reward(item, "12,3,56,") == 2 / 3  # a digit missing inside a number
+    assert task.reward(item, "12,340,56,") == 2 / 3  # a digit too many inside a number
+    assert task.reward(item, "12,34,56,78,") == 3 / 4  # an extra number adds to the denominator
+    assert task.reward(item, "1x,34,56,") == 2 / 3  # a non-digit
     assert task.reward(item, "21,43,65,") == 0.0  # written most significant first
     assert task.reward(item, "") == 0.0
+    shipped = ChainTask()  # one early slip derails the chain: every later number is wrong too
+    answer = shipped.item(377)["answer"]
+    assert answer.startswith("5830,1930,3930,")
+    slipped = "5830,1940," + shipped.item(491)["answer"][:60]  # rule-following from the slip
+    assert shipped.reward({"answer": answer}, slipped) == 1 / 14
+    assert shipped.reward({"answer": answer}, answer[:-5]) == 13 / 14  # cut before the last number
 
 
 def test_chain_splits_are_disjoint_and_deterministic():

@@ -13,12 +13,14 @@ order 1, 4 digits, 14 terms:
 
 Every digit of a number is computed from the digits 5 and 6 tokens back (the same and the previous digit of the
 number before it: the last digit doubles plus one, the others copy or take the carry), so a ~1 M-parameter
-model can learn the rule; but every number feeds the next one, so one wrong digit makes most later digits
+model can learn the rule; but every number feeds the next one, so one wrong digit makes every later number
 wrong: the reward depends on the whole 70-token response and per-token errors compound over it.
 
-Reward, in [0, 1] with partial credit: the share of the ``terms × digits`` answer digits that are right, read
-number by number (split at commas) and digit by digit; missing numbers and characters score 0 and each extra
-number adds ``digits`` to the denominator. Train and test problems are disjoint: a problem is a test problem
+Reward, in [0, 1] with partial credit: the share of the ``terms`` answer numbers written exactly right, read
+number by number (split at commas); a missing number scores 0 and each extra number adds one to the
+denominator. Since a wrong number derails the rest of the chain, this is in practice the length of the right
+prefix: one slip at token 10 costs every number after it. (A per-digit score would not: a model that only
+copies the previous number gets most upper digits right and scores ~0.4 without knowing the rule.) Train and test problems are disjoint: a problem is a test problem
 iff the first byte of md5 of its prompt is below 26 (about 10 %).
 """
 
@@ -41,18 +43,17 @@ def write(x: int, digits: int) -> str:
     return f"{x:0{digits}d}"[::-1] + ","
 
 
-def digit_score(response: str, answer: str, digits: int) -> float:
-    """Share of the answer's digits matched number by number (comma-separated) and position by position;
-    the denominator is the answer's digit count, plus ``digits`` per extra number in the response."""
+def number_score(response: str, answer: str) -> float:
+    """Share of the answer's numbers written exactly right, compared number by number (split at commas);
+    the denominator is the answer's number count, or the response's if it writes more numbers."""
     want = answer.rstrip(",").split(",")
     got = response.rstrip(",").split(",") if response else []
-    hits = sum(g == w for got_n, want_n in zip(got, want) for g, w in zip(got_n, want_n))
-    return hits / (max(len(got), len(want)) * digits)
+    return sum(g == w for g, w in zip(got, want)) / max(len(got), len(want))
 
 
 class ChainTask:
     """x₀ … x_{order−1} → the next ``terms`` numbers modulo 10^digits: the sum of the ``order`` before it
-    (order ≥ 2; 2 is Fibonacci) or x + (x mod 10) + 1 (order 1); reward ``digit_score``.
+    (order ≥ 2; 2 is Fibonacci) or x + (x mod 10) + 1 (order 1); reward ``number_score``.
 
     ``max_answer_tokens`` = terms × (digits + 1): the answer without <eos>.
     """
@@ -96,4 +97,4 @@ class ChainTask:
         return items
 
     def reward(self, item: dict[str, Any], response_text: str) -> float:
-        return digit_score(response_text.strip(), item["answer"], self.digits)
+        return number_score(response_text.strip(), item["answer"])
