@@ -3,9 +3,11 @@
     python benchmarks/bench_train.py                       # 12 steps per run, default batch (16 × 8)
     python benchmarks/bench_train.py --steps 20 --repeats 3 --skip-strategies
     python benchmarks/bench_train.py --skip-strategies rollout.prompts_per_step=8   # overrides for every run
+    python benchmarks/bench_train.py --skip-strategies --config chain               # the long-response preset
 
 Part 1 — modes: ``sync``, ``simulated_async`` (lag 2) and ``async`` (max_staleness 2, queue 2; and with partial
-rollouts; the sampler in its own process) on the built-in model and task with the default config. The modes
+rollouts; the sampler in its own process) on the built-in model and task with the default config (``--config chain``: the long-response preset,
+70-token answers, where generation is a larger share of a step). The modes
 run in turn (``--repeats`` rounds, so a change in the machine's load hits every mode alike); per mode the
 median over rounds of samples/s (responses trained / Σ ``time/step_s`` of the timed steps) and its ratio to
 ``sync`` in the same run, then where a step's time goes: the means of ``time/wait_s`` (the learner waits for
@@ -57,10 +59,10 @@ STRATEGIES = (
 )
 
 
-def bench(overrides: list[str], steps: int, warmup: int) -> list[dict]:
+def bench(overrides: list[str], steps: int, warmup: int, preset: str | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         config = load_config(
-            None,
+            preset,
             [
                 f"trainer.steps={steps + warmup}",
                 "trainer.eval_every=0",
@@ -99,11 +101,11 @@ def summarize(rows: list[dict]) -> dict[str, float]:
     return out
 
 
-def modes_table(overrides: list[str], steps: int, warmup: int, repeats: int) -> None:
+def modes_table(overrides: list[str], steps: int, warmup: int, repeats: int, preset: str | None) -> None:
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in MODES}
     for _ in range(repeats):
         for name, mode in MODES.items():
-            runs[name].append(summarize(bench([*mode, *overrides], steps, warmup)))
+            runs[name].append(summarize(bench([*mode, *overrides], steps, warmup, preset)))
     median = {name: {k: statistics.median(run[k] for run in rs) for k in rs[0]} for name, rs in runs.items()}
     base = median["sync"]["samples/s"]
     print(f"\n{'mode':<24}{'samples/s':>10}{'vs sync':>9}{'tokens/s':>10}{'s/step':>8}{'lag mean':>10}{'lag max':>9}"
@@ -129,6 +131,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=12, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed first steps")
     p.add_argument("--repeats", type=int, default=1, help="rounds over the modes (medians are reported)")
+    p.add_argument(
+        "--config", default=None, help="a preset of src/rollcorr/train/configs (default: default.yaml)"
+    )
     p.add_argument("--skip-modes", action="store_true")
     p.add_argument("--skip-strategies", action="store_true")
     p.add_argument("overrides", nargs="*", help="extra config overrides for every run")
@@ -141,7 +146,7 @@ def main() -> int:
     print("# load average before: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
 
     if not args.skip_modes:
-        modes_table(args.overrides, args.steps, args.warmup, args.repeats)
+        modes_table(args.overrides, args.steps, args.warmup, args.repeats, args.config)
 
     if not args.skip_strategies:
         print(
@@ -151,7 +156,7 @@ def main() -> int:
             overrides = ["trainer.mode=simulated_async", "trainer.lag=2", f"algorithm.proximal.name={name}",
                          "algorithm.proximal.measure_error=true", *args.overrides]  # fmt: skip
             try:
-                rows = bench(overrides, args.steps, args.warmup)
+                rows = bench(overrides, args.steps, args.warmup, args.config)
             except Exception as err:  # report and go on with the other strategies
                 print(f"{name:<34}failed: {type(err).__name__}: {err}")
                 continue

@@ -1,14 +1,15 @@
 """Study 6 — long responses: does sampler/learner mismatch break RL once responses are 70 tokens long, and
 which correction repairs it?
 
-    python -m experiments.long_mismatch                              # full study: 13 arms × 3 seeds
+    python -m experiments.long_mismatch                              # full study: 13 arms × 3 seeds + follow-up
     python -m experiments.long_mismatch --arms fp32/ppo --seeds 1    # one part (finished runs are read back)
     python -m experiments.long_mismatch --quick                      # 2 steps, 1 seed (smoke test)
 
 The long-response task and model (``rollcorr train --config chain``: a chain of 14 numbers, 70-token
 answers, per-number partial credit, ``builtin:chain``) with its shipped settings; fp32
 learner, one learning rate (``LR``, chosen on the fp32 arm only) for every arm. Samplers (``model.sampler``):
-fp32, bf16, int8. Methods (``algorithm.correction``):
+fp32, bf16, int8 (every method), and the follow-up llama.cpp q4_0 (ppo, tis, seq_mis). Methods
+(``algorithm.correction``):
   ppo          PPO, π_old recomputed by the learner, no correction                 (preset disabled)
   tis          token TIS, w_t = min(ρ_t, 2)                                          (preset tis)
   seq_mis      sequence MIS as TRL's default: w = ∏ρ_t · 1[∏ρ_t ≤ 3]                  (preset trl_sequence_mask)
@@ -47,7 +48,7 @@ from experiments.common import (
 PRESET = "chain"  # the task, model and rollout settings: src/rollcorr/train/configs/chain.yaml
 LR = 1e-4  # from the fp32 arm only (docs/results.md, study 6 protocol), as configs/chain.yaml
 STEPS = 150
-SAMPLERS = {"fp32": "hf:fp32", "bf16": "hf:bf16", "int8": "hf:int8"}
+SAMPLERS = {"fp32": "hf:fp32", "bf16": "hf:bf16", "int8": "hf:int8", "q4_0": "llamacpp:q4_0"}
 METHODS = {
     "ppo": ["algorithm.correction={preset: disabled}"],
     "tis": ["algorithm.correction={preset: tis, is_upper: 2.0}"],
@@ -57,6 +58,10 @@ METHODS = {
     "seq_mis_mean": ["algorithm.correction={preset: trl_sequence_mask, is_level: geometric}"],
 }
 ARM_NAMES = ["fp32/ppo", *(f"{s}/{m}" for s in ("bf16", "int8") for m in METHODS)]
+# The protocol's follow-up when the effect does not appear at int8: a stronger sampler (llama.cpp q4_0, ~10-50×
+# int8's k3 KL on this model), with the uncorrected arm and the two corrections the claims compare.
+FOLLOW_UP = ["q4_0/ppo", "q4_0/tis", "q4_0/seq_mis"]
+MISMATCHED = ("bf16", "int8", "q4_0")  # samplers compared with fp32/ppo
 # Band rule for Geo-RS: the central BAND_QUANTILES of the per-sequence geometric-mean ratio π_old/μ measured on
 # the shipped checkpoint, BAND_PROMPTS held-out prompts × BAND_N responses at the study's temperature.
 BAND_QUANTILES = (0.025, 0.975)
@@ -167,7 +172,7 @@ def above(acc: dict[str, Any], high: str, low: str) -> bool | None:
 
 def claims(acc: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for s in ("bf16", "int8"):
+    for s in MISMATCHED:
         out[f"{s}_ppo_worse_than_fp32_ppo"] = above(acc, "fp32/ppo", f"{s}/ppo")
         for m in ("tis", "seq_mis", "icepop", "geo_rs", "seq_mis_mean"):
             out[f"{s}_{m}_better_than_{s}_ppo"] = above(acc, f"{s}/{m}", f"{s}/ppo")
@@ -189,7 +194,7 @@ def summary_block(results: dict[str, Any], final: dict[str, Any], seeds: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = study_arguments(__doc__.splitlines()[0], ARM_NAMES)
+    parser = study_arguments(__doc__.splitlines()[0], [*ARM_NAMES, *FOLLOW_UP])
     args = parser.parse_args(argv)
     if args.lr is not None:
         parser.error(f"--lr: this study uses one learning rate for every arm (LR = {LR})")
@@ -210,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings = {arm: early_warning(next(iter(cells.values()))["runs"])
                 for arm, cells in results.items() if arm.endswith("/ppo")}  # fmt: skip
     figures = {}
-    for sampler in ("bf16", "int8"):
+    for sampler in MISMATCHED:
         groups = {
             a: r for a, r in curve_groups(results).items() if a.startswith(sampler + "/") or a == "fp32/ppo"
         }

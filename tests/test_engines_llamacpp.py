@@ -324,3 +324,23 @@ def test_serves_a_shipped_gguf_file_as_it_is(model_dir, samplers, reference, tmp
         LlamaCppSampler(path, "file")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LlamaCppSampler(path, "file", gguf_file=tmp_path / "nope.gguf")
+
+
+def test_make_sampler_threads_reach_llamacpp(model_dir):
+    """``make_sampler(..., threads=k)`` (what the trainer passes from ``trainer.threads``) sets llama.cpp's
+    thread count; an explicit ``n_threads`` wins; 0 keeps llama.cpp's default."""
+    import os
+
+    from rollcorr.engines import make_sampler
+
+    path = model_dir[0]
+    for kwargs, want in (
+        ({"threads": 1}, 1),
+        ({"threads": 1, "n_threads": 2}, 2),
+        ({}, min(4, os.cpu_count() or 1)),
+    ):
+        s = make_sampler("llamacpp:q8_0", path, max_batch=2, **kwargs)
+        try:
+            assert s.n_threads == want
+        finally:
+            s.close()

@@ -143,6 +143,8 @@ NOT_HERE = {
         "a template with placeholders (the protocol's tuning runs)",
     ("docs/results.md", "# tuning, second round: a checkpoint stopped later in pretraining, more steps, temperature"):
         "templates with placeholders (study 6's second round of fp32 tuning runs, minutes each)",
+    ("docs/results.md", "PYTHONPATH=. .venv/bin/python -m experiments.long_mismatch --arms q4_0/ppo &"):
+        "a study's follow-up (an hour); tests/test_experiments.py runs the study's --quick mode",
     ("docs/results.md", "PYTHONPATH=. .venv/bin/python -m experiments.long_mismatch --arms fp32/ppo int8/ppo int8/tis int8/seq_mis int8/icepop int8/geo_rs &"):
         "a study (hours); tests/test_experiments.py runs its --quick mode",
 }  # fmt: skip
@@ -353,7 +355,7 @@ RUN = {
     ("docs/training.md", "warning: step 1: the correction rejected every token (412 tokens in 128 sequences), so this step learned"):
         "alert_text",
     ("docs/builtin-model.md", "from rollcorr.models.builtin import load_builtin, load_model"): "python",
-    ("docs/builtin-model.md", "rollcorr train task.name=chain model.path=builtin:chain rollout.max_new_tokens=72"): "train",
+    ("docs/builtin-model.md", "rollcorr train task.name=chain model.path=builtin:chain rollout.max_new_tokens=70"): "train",
 }  # fmt: skip
 
 

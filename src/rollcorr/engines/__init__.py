@@ -91,10 +91,14 @@ def _check_model_path(model_path: str | Path | None) -> str | Path:
     return model_path
 
 
-def make_sampler(spec: str, model_path: str | Path | None = None, **kwargs: Any) -> Sampler:
+def make_sampler(
+    spec: str, model_path: str | Path | None = None, *, threads: int = 0, **kwargs: Any
+) -> Sampler:
     """A sampler for ``spec`` on ``model_path`` (None = the built-in model). Extra kwargs go to the backend.
 
-    The spec and path are checked before anything is loaded.
+    ``threads`` > 0: CPU threads for a backend with its own thread pool (llama.cpp's ``n_threads``); hf
+    samplers run in torch's pool, which the process sets (``torch.set_num_threads``). The spec and path are
+    checked before anything is loaded.
     """
     parsed = parse_spec(spec)
     path = _check_model_path(model_path)
@@ -107,6 +111,8 @@ def make_sampler(spec: str, model_path: str | Path | None = None, **kwargs: Any)
 
         if parsed.quant is not None:
             kwargs["quant"] = parsed.quant
+        if threads > 0:
+            kwargs.setdefault("n_threads", threads)
         return LlamaCppSampler(builtin_path(path), **kwargs)
     from rollcorr.engines.vllm import VLLMSampler
 

@@ -154,7 +154,9 @@ class SourceSpec:
     prompts_per_step: int
     group_size: int
     seed: int
-    threads: int = 1  # torch intra-op threads where the sampler runs (0 = torch's default)
+    threads: int = (
+        1  # CPU threads where the sampler runs: torch's intra-op pool, llama.cpp's (0 = their default)
+    )
     sampler_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -171,7 +173,7 @@ class SourceSpec:
         from rollcorr.engines import make_sampler
         from rollcorr.tasks import make_task
 
-        sampler = make_sampler(self.sampler, self.model_path, **self.sampler_kwargs)
+        sampler = make_sampler(self.sampler, self.model_path, threads=self.threads, **self.sampler_kwargs)
         tokenizer = getattr(sampler, "tokenizer", None)
         if tokenizer is None:
             raise ValueError(f"sampler {self.sampler!r} exposes no tokenizer to decode responses for rewards")
