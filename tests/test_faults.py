@@ -532,3 +532,35 @@ def test_a_new_run_that_cannot_load_its_model_leaves_no_folder(tmp_path):
     with pytest.raises(Exception):  # noqa: B017 (which error is the model loader's business)
         Trainer(config)
     assert not out.exists()
+
+
+def test_diverged_weights_are_named_not_a_bare_torch_error(tmp_path, addition_model_dir, capsys):
+    """A learning rate large enough to blow the logits up (finite but huge weights pass the step guard) ends
+    the run with one line naming the cause: the sampler's NaN distribution, not torch.multinomial's message."""
+    from rollcorr.cli import main
+
+    out = tmp_path / "run"
+    code = main(["train", f"model.path={addition_model_dir}", "model.sampler=hf:fp32", "optim.lr=1e10",
+                 "trainer.steps=4", "task.eval_prompts=0", "trainer.progress=false", "trainer.plot=false",
+                 "trainer.tensorboard=false", "--out", str(out)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 1 and "weights have diverged" in err and "optim.lr" in err and "Traceback" not in err
+
+
+def test_nan_log_probs_in_the_learner_are_a_bad_step(tmp_path, addition_model_dir):
+    """Learner log-probs that are NaN (diverged weights) make a bad step the run counts and stops on, not a
+    ValueError from the loss's input check."""
+    trainer = Trainer(
+        tiny(
+            tmp_path,
+            addition_model_dir,
+            "trainer.steps=3",
+            "trainer.max_bad_steps=1",
+            "algorithm.proximal.name=bypass",
+        )
+    )  # π_old = the sampler's log-probs (finite)
+    nan_out = lambda module, inputs, output: output * float("nan")  # noqa: E731
+    trainer.learner.model.model.norm.register_forward_hook(nan_out)  # the learner's forward only
+    result = trainer.run()
+    assert result.stopped and "non-finite log-prob" in result.stopped and "optim.lr=" in result.stopped
+    assert result.steps == 1 and lines(result.run_dir)[-1]["train/skipped_updates"] == 1.0

@@ -108,6 +108,26 @@ def resume_seed(seed: int | None, tokens_so_far: int) -> int | None:
     return None if seed is None else (seed * 1_000_003 + tokens_so_far) % 2**62
 
 
+def draw(log_mu: Tensor, params: SamplingParams, generator: torch.Generator) -> Tensor:
+    """One token per row (B,) from log μ (B, V): the argmax when greedy, else a draw from μ with ``generator``.
+
+    A μ with NaN (logits that overflowed: the weights have diverged) raises a FloatingPointError saying so
+    instead of torch.multinomial's bare "probability tensor contains either inf, nan or element < 0".
+    """
+    if params.greedy:
+        return log_mu.argmax(dim=-1)
+    try:
+        return torch.multinomial(log_mu.exp(), 1, generator=generator).squeeze(-1)
+    except RuntimeError as err:
+        if torch.isnan(log_mu).any():
+            rows = torch.isnan(log_mu).any(-1).nonzero().flatten().tolist()
+            raise FloatingPointError(
+                f"sampler: the next-token distribution of {len(rows)} row(s) is NaN (rows {rows[:8]}): the model's "
+                "logits are not finite, so its weights have diverged (a learning rate too large, e.g. optim.lr?)"
+            ) from err
+        raise
+
+
 def process_logits(logits: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
     """Logits (B, V) → (log μ over the vocabulary (B, V), log kept mass (B,)).  docs/spec.md §8.
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from rollcorr.engines.base import SamplingParams, process_logits
+from rollcorr.engines.base import SamplingParams, draw, process_logits
 from rollcorr.engines.decoding import DecodingSampler, encode_prompts, finished_rows, left_pad, right_pad  # noqa: F401
 from rollcorr.engines.kvdecode import (
     LlamaBlocks,
@@ -131,7 +131,9 @@ class HFSampler(DecodingSampler):
 
     def encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
         """Prompts (strings or token id lists) → token id lists, checked against the vocabulary."""
-        return encode_prompts(self.tokenizer, prompts, self.float_model.get_input_embeddings().weight.shape[0])
+        return encode_prompts(
+            self.tokenizer, prompts, self.float_model.get_input_embeddings().weight.shape[0]
+        )
 
     @torch.no_grad()
     def _decode(
@@ -163,10 +165,7 @@ class HFSampler(DecodingSampler):
         steps_tok, steps_lp, steps_lk, steps_valid = [], [], [], []
         for step in range(limit):
             log_mu, log_kept = process_logits(logits, params)
-            if params.greedy:
-                tok = log_mu.argmax(dim=-1)
-            else:
-                tok = torch.multinomial(log_mu.exp(), 1, generator=gen).squeeze(-1)
+            tok = draw(log_mu, params, gen)
             tok = torch.where(active, tok, torch.full_like(tok, self.pad_id))
             steps_tok.append(tok)
             steps_lp.append(log_mu.gather(-1, tok[:, None]).squeeze(-1))
@@ -267,7 +266,9 @@ class HFLearner:
                     position_ids=positions_from_mask(mask),
                     use_cache=False,
                 ).last_hidden_state
-                hidden = hidden[:, p - 1 : p - 1 + t]  # (B, T, H): the states that predict the response tokens
+                hidden = hidden[
+                    :, p - 1 : p - 1 + t
+                ]  # (B, T, H): the states that predict the response tokens
             b = hidden.shape[0]
             flat, targets = hidden.reshape(b * t, -1), response_ids.to(dev).reshape(-1)
             head = self.model.get_output_embeddings()

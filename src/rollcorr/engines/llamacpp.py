@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rollcorr.engines.base import SamplingParams, process_logits
+from rollcorr.engines.base import SamplingParams, draw, process_logits
 from rollcorr.engines.decoding import DecodingSampler
 from rollcorr.engines.gguf import QUANT_TYPES, mapped_safetensors, write_gguf
 from rollcorr.engines.preflight import install_hint
@@ -443,10 +443,7 @@ class LlamaCppSampler(DecodingSampler):
         limit = max(budgets) if max_steps is None else min(max(budgets), max_steps)
         for step in range(limit):
             log_mu, log_kept = process_logits(logits, params)
-            if params.greedy:
-                tok = log_mu.argmax(dim=-1)
-            else:
-                tok = torch.multinomial(log_mu.exp(), 1, generator=gen).squeeze(-1)
+            tok = draw(log_mu, params, gen)
             lp = log_mu.gather(-1, tok[:, None]).squeeze(-1)
             still = []
             for j, row in enumerate(rows):

@@ -77,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
     except RunFolderError as err:
         print(f"rollcorr train: {err}", file=sys.stderr)
         return 2
+    except FloatingPointError as err:  # the weights diverged (NaN logits in the sampler): no traceback to read
+        print(f"rollcorr train: {err}", file=sys.stderr)
+        return 1
     acc = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
     print(
         f"run folder: {result.run_dir}\n"

@@ -546,7 +546,7 @@ class Trainer:
 
         if result.skipped_updates:
             self.bad_steps += 1
-            self.logger.message(f"step {self.step}: non-finite loss, gradient or updated weights, update skipped "
+            self.logger.message(f"step {self.step}: non-finite log-prob, loss, gradient or updated weights, update skipped "
                                 f"({self.bad_steps} in a row)")  # fmt: skip
         else:
             self.bad_steps = 0
@@ -563,8 +563,9 @@ class Trainer:
         self.logger.log(self.step, metrics)
         if self.bad_steps >= t.max_bad_steps:
             raise TrainingStopped(
-                f"{self.bad_steps} consecutive steps had a non-finite loss, gradient or updated weights (last at "
-                f"step {self.step}); "
+                f"{self.bad_steps} consecutive steps had a non-finite log-prob, loss, gradient or updated weights "
+                f"(last at step {self.step}; with optim.lr={self.config.optim.lr:g} — a learning rate too large "
+                f"makes the weights diverge); "
                 f"the weights are those from before them, saved in {self.run_dir / 'checkpoints'}"
             )
         if t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < t.steps:

@@ -173,6 +173,12 @@ def _loss(algo: Algorithm, part: Rollout, log_prob: Tensor, generator: torch.Gen
     )
 
 
+def _finite_on(mask: Tensor, *tensors: Tensor | None) -> bool:
+    """Every given (B, T) tensor is finite where ``mask`` is set (None: not used by this loss)."""
+    on = mask.bool()
+    return all(bool(torch.isfinite(t.detach()[on]).all()) for t in tensors if t is not None)
+
+
 def renormalize(part: Rollout, algo: Algorithm, scope: str) -> Rollout:
     """``part`` with its IS weights divided by their mean over ``part`` when the correction normalises them
     per ``scope`` (``batch_norm_scope`` mini_batch | micro_batch; ``compute_correction`` already normalised
@@ -236,6 +242,9 @@ def optimize(
                 log_prob, entropy = learner.log_prob(
                     part, temperature=algo.temperature, grad=True, with_entropy=True
                 )
+                if not _finite_on(part.response_mask, log_prob, part.old_log_prob):
+                    finite = False  # diverged weights give NaN/inf log-probs: a bad step, not a loss error
+                    break
                 loss, metrics = _loss(algo, part, log_prob, generator)
                 metrics["actor/entropy"] = masked_mean(entropy.detach(), part.response_mask)
                 if not torch.isfinite(loss):
