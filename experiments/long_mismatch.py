@@ -8,7 +8,7 @@ which correction repairs it?
 The long-response task and model (``rollcorr train --config chain``: a chain of 14 numbers, 70-token
 answers, per-number partial credit, ``builtin:chain``) with its shipped settings; fp32
 learner, one learning rate (``LR``, chosen on the fp32 arm only) for every arm. Samplers (``model.sampler``):
-fp32, bf16, int8 (every method), and the follow-up llama.cpp q4_0 (ppo, tis, seq_mis). Methods
+fp32, bf16, int8, and the follow-up llama.cpp q4_0 (every method at each). Methods
 (``algorithm.correction``):
   ppo          PPO, π_old recomputed by the learner, no correction                 (preset disabled)
   tis          token TIS, w_t = min(ρ_t, 2)                                          (preset tis)
@@ -59,8 +59,8 @@ METHODS = {
 }
 ARM_NAMES = ["fp32/ppo", *(f"{s}/{m}" for s in ("bf16", "int8") for m in METHODS)]
 # The protocol's follow-up when the effect does not appear at int8: a stronger sampler (llama.cpp q4_0, ~10-50×
-# int8's k3 KL on this model), with the uncorrected arm and the two corrections the claims compare.
-FOLLOW_UP = ["q4_0/ppo", "q4_0/tis", "q4_0/seq_mis"]
+# int8's k3 KL on this model), with every method (the stronger mismatch level keeps every arm).
+FOLLOW_UP = [f"q4_0/{m}" for m in METHODS]
 MISMATCHED = ("bf16", "int8", "q4_0")  # samplers compared with fp32/ppo
 # Band rule for Geo-RS: the central BAND_QUANTILES of the per-sequence geometric-mean ratio π_old/μ measured on
 # the shipped checkpoint, BAND_PROMPTS held-out prompts × BAND_N responses at the study's temperature.

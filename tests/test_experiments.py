@@ -207,7 +207,7 @@ def test_long_mismatch_arms_and_one_learning_rate():
             lm.ARM_NAMES
         )
     assert "preset: trl_sequence_mask" in lm.METHODS["seq_mis"][0]
-    assert lm.FOLLOW_UP == ["q4_0/ppo", "q4_0/tis", "q4_0/seq_mis"] and lm.SAMPLERS["q4_0"] == "llamacpp:q4_0"
+    assert lm.FOLLOW_UP == [f"q4_0/{m}" for m in lm.METHODS] and lm.SAMPLERS["q4_0"] == "llamacpp:q4_0"
     with pytest.raises(SystemExit):
         lm.main(["--quick", "--lr", "0.0002"])
 
