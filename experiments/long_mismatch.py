@@ -151,16 +151,20 @@ def warning_step(records: list[dict[str, Any]], key: str, baseline_steps: int = 
 
 def early_warning(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per run: collapse step and each warning metric's step; ``warned_first`` is True when some run collapsed
-    and every collapsed run was warned (by the metric) strictly before it."""
+    and every collapsed run was warned (by the metric) strictly before it; ``false_alarms`` counts the runs
+    that did not collapse but whose metric fired anyway (a warning that fires everywhere warns of nothing)."""
     per_run = [{"seed": r["seed"], "collapse_step": collapse_step(r["records"]),
                 **{k: warning_step(r["records"], k) for k in WARNING_KEYS}} for r in runs]  # fmt: skip
     collapsed = [p for p in per_run if p["collapse_step"] is not None]
-    verdict = {}
+    steady = [p for p in per_run if p["collapse_step"] is None]
+    verdict, false_alarms = {}, {}
     for k in WARNING_KEYS:
         verdict[k] = bool(collapsed) and all(
             p[k] is not None and p[k] < p["collapse_step"] for p in collapsed
         )
-    return {"runs": per_run, "collapsed": len(collapsed), "warned_first": verdict}
+        false_alarms[k] = sum(p[k] is not None for p in steady)
+    return {"runs": per_run, "collapsed": len(collapsed), "steady": len(steady), "warned_first": verdict,
+            "false_alarms": false_alarms}  # fmt: skip
 
 
 def above(acc: dict[str, Any], high: str, low: str) -> bool | None:
@@ -212,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                        grid={"optim.lr": [LR]}, keep=KEYS)  # fmt: skip
     final = summarize_arms(results, KEYS)
     acc = {arm: next(iter(cells.values()))[SCORE] for arm, cells in final.items()}
-    warnings = {arm: early_warning(next(iter(cells.values()))["runs"])
-                for arm, cells in results.items() if arm.endswith("/ppo")}  # fmt: skip
+    warnings = {arm: early_warning(next(iter(cells.values()))["runs"]) for arm, cells in results.items()}
     figures = {}
     for sampler in MISMATCHED:
         groups = {

@@ -154,7 +154,27 @@ def long_mismatch(r: dict[str, Any]) -> str:
               "max \\|Δp\\| per seq. (run mean)", "ESS (run mean)", "rejected share (run mean)",
               "response length"]  # fmt: skip
     out = f"last step of {r['steps']}, lr {r['lr']}\n\n" + table(header, rows)
-    return out + "\n\n" + separations({a: m["eval/reward"] for a, m in final.items()})
+    out += "\n\n" + separations({a: m["eval/reward"] for a, m in final.items()})
+    return out + "\n\n" + early_warning_table(r.get("early_warning", {}))
+
+
+def early_warning_table(warnings: dict[str, Any]) -> str:
+    """Per arm: which runs collapsed (step), and per warning metric whether it fired before every collapse and
+    in how many runs that did not collapse it fired anyway."""
+    keys = ("rollout_corr/k3_kl", "rollout_corr/prob_diff_seq_max_mean")
+    rows = []
+    for arm, w in warnings.items():
+        steps = [str(p["collapse_step"]) for p in w["runs"] if p["collapse_step"] is not None]
+        collapsed = f"{len(steps)} of {len(w['runs'])}" + (f" (steps {', '.join(steps)})" if steps else "")
+        cells = []
+        for k in keys:
+            first = ("yes" if w["warned_first"][k] else "no") if w["collapsed"] else "–"
+            cells.append(f"{first}; {w['false_alarms'][k]} of {w['steady']}")
+        rows.append([arm, collapsed, *cells])
+    header = ["arm", "collapsed (eval ≥ 10 points below its best)",
+              "k3 KL > 3× its start before every collapse; fired in runs without one",
+              "max \\|Δp\\| per seq.: the same"]  # fmt: skip
+    return table(header, rows)
 
 
 STUDIES = {"quantised_rollouts": quantised_rollouts, "staleness": staleness, "oapl_lag": oapl_lag,

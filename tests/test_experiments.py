@@ -194,7 +194,13 @@ def test_long_mismatch_collapse_and_early_warning_rules():
         "rollout_corr/k3_kl": True,
         "rollout_corr/prob_diff_seq_max_mean": False,
     }
+    assert verdict["steady"] == 1 and verdict["false_alarms"]["rollout_corr/k3_kl"] == 0
     assert lm.early_warning([steady])["warned_first"]["rollout_corr/k3_kl"] is False  # nothing collapsed
+    noisy = run(2, [(0, 0.3), (10, 0.5), (20, 0.55)], [1e-3] * 12 + [9e-3] + [1e-3] * 7)  # fires, no collapse
+    assert lm.early_warning([noisy, falls])["false_alarms"] == {
+        "rollout_corr/k3_kl": 1,
+        "rollout_corr/prob_diff_seq_max_mean": 0,
+    }
 
 
 def test_long_mismatch_arms_and_one_learning_rate():
