@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -17,4 +19,4 @@ def test_bench_cores_prints_the_ratio():
     one = float(re.search(r"one process :\s+([\d.]+) it/s", out).group(1))
     two = float(re.search(r"two at once :\s+([\d.]+) it/s", out).group(1))
     ratio = float(re.search(r"ratio\s+:\s+([\d.]+)x", out).group(1))
-    assert one > 0 and two > 0 and abs(ratio - two / one) < 0.01
+    assert one > 0 and two > 0 and ratio == pytest.approx(two / one, rel=0.05)  # printed rates are rounded
