@@ -145,6 +145,10 @@ NOT_HERE = {
         "templates with placeholders (study 6's second round of fp32 tuning runs, minutes each)",
     ("docs/results.md", "# after the protocol's commands above (two processes, then up to eight side by side), every arm that ran,"):
         "reads the study's 48 finished runs back (each run is hours of CPU in all); tests/test_experiments.py runs --quick",
+    ("docs/training.md", "# PYTHONPATH=src:. python benchmarks/bench_train.py --skip-strategies --steps 8 --repeats 3 --config chain"):
+        "a benchmark's printed output (minutes; timings are never tested)",
+    ("docs/training.md", "# PYTHONPATH=src:. python benchmarks/bench_cores.py"):
+        "a benchmark's printed output; tests/test_bench_cores.py runs the script briefly",
     ("docs/results.md", "PYTHONPATH=. .venv/bin/python -m experiments.long_mismatch --arms q4_0/ppo &"):
         "a study's follow-up (an hour); tests/test_experiments.py runs the study's --quick mode",
     ("docs/results.md", "PYTHONPATH=. .venv/bin/python -m experiments.long_mismatch --arms fp32/ppo int8/ppo int8/tis int8/seq_mis int8/icepop int8/geo_rs &"):
