@@ -2,8 +2,8 @@
 
     python benchmarks/bench_cores.py            # 3 rounds of 4 s
 
-Runs one fixed single-thread torch workload shaped like the learner's (a 1 M-parameter Qwen2-sized matmul
-chain, forward and backward) in one process, then in two processes at once, and prints the work per second of
+Runs one fixed single-thread torch workload of the learner's scale (a 0.5 M-parameter chain of matmuls, forward
+and backward, on 64 × 70 rows) in one process, then in two processes at once, and prints the work per second of
 two against one. On two truly independent cores the ratio is 2.0; vCPUs that share a physical core, its
 caches or memory bandwidth give less. Async training overlaps the sampler (one process) with the learner
 (another), so its speed-up over sync can at best approach min(this ratio, the step's overlap bound printed by

@@ -6,11 +6,11 @@
     python benchmarks/bench_train.py --skip-strategies --config chain               # the long-response preset
 
 Part 1 — modes: ``sync``, ``simulated_async`` (lag 2) and ``async`` (max_staleness 2, queue 2; and with partial
-rollouts; the sampler in its own process) on the built-in model and task with the default config (``--config chain``: the long-response preset,
-70-token answers, where generation is a larger share of a step). The modes
-run in turn (``--repeats`` rounds, so a change in the machine's load hits every mode alike); per mode the
-median over rounds of samples/s (responses trained / Σ ``time/step_s`` of the timed steps) and its ratio to
-``sync`` in the same run, then where a step's time goes: the means of ``time/wait_s`` (the learner waits for
+rollouts; the sampler in its own process) on the built-in model and task with the default config
+(``--config chain``: the long-response preset, 70-token answers, where generation is a larger share of a
+step). The modes run in turn (``--repeats`` rounds, so a change in the machine's load hits every mode alike);
+per mode the median over rounds of samples/s (responses trained / Σ ``time/step_s`` of the timed steps) and
+its ratio to ``sync`` in the same run, then where a step's time goes: the means of ``time/wait_s`` (the learner waits for
 its batch), ``time/old_log_prob_s`` (π_old), ``time/correction_s`` (IS weights, rejection, advantages),
 ``time/optimize_s``, ``time/publish_s`` (weights to the sampler and the π_old strategy), the rest of
 ``time/step_s`` (logging, metrics), and ``time/generate_s`` (the sampler's time on the batch; in ``async`` it

@@ -119,8 +119,8 @@ def draw(log_mu: Tensor, params: SamplingParams, generator: torch.Generator) -> 
     try:
         return torch.multinomial(log_mu.exp(), 1, generator=generator).squeeze(-1)
     except RuntimeError as err:
-        if torch.isnan(log_mu).any():
-            rows = torch.isnan(log_mu).any(-1).nonzero().flatten().tolist()
+        rows = torch.isnan(log_mu).any(-1).nonzero().flatten().tolist()
+        if rows:
             raise FloatingPointError(
                 f"sampler: the next-token distribution of {len(rows)} row(s) is NaN (rows {rows[:8]}): the model's "
                 "logits are not finite, so its weights have diverged (a learning rate too large, e.g. optim.lr?)"

@@ -131,9 +131,7 @@ class HFSampler(DecodingSampler):
 
     def encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
         """Prompts (strings or token id lists) → token id lists, checked against the vocabulary."""
-        return encode_prompts(
-            self.tokenizer, prompts, self.float_model.get_input_embeddings().weight.shape[0]
-        )
+        return encode_prompts(self.tokenizer, prompts, self.float_model.get_input_embeddings().weight.shape[0])
 
     @torch.no_grad()
     def _decode(
@@ -266,9 +264,7 @@ class HFLearner:
                     position_ids=positions_from_mask(mask),
                     use_cache=False,
                 ).last_hidden_state
-                hidden = hidden[
-                    :, p - 1 : p - 1 + t
-                ]  # (B, T, H): the states that predict the response tokens
+                hidden = hidden[:, p - 1 : p - 1 + t]  # (B, T, H): the states that predict the response tokens
             b = hidden.shape[0]
             flat, targets = hidden.reshape(b * t, -1), response_ids.to(dev).reshape(-1)
             head = self.model.get_output_embeddings()

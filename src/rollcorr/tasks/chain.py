@@ -20,8 +20,10 @@ Reward, in [0, 1] with partial credit: the share of the ``terms`` answer numbers
 number by number (split at commas); a missing number scores 0 and each extra number adds one to the
 denominator. Since a wrong number derails the rest of the chain, this is in practice the length of the right
 prefix: one slip at token 10 costs every number after it. (A per-digit score would not: a model that only
-copies the previous number gets most upper digits right and scores ~0.4 without knowing the rule.) Train and test problems are disjoint: a problem is a test problem
-iff the first byte of md5 of its prompt is below 26 (about 10 %).
+copies the previous number gets most upper digits right and scores ~0.4 without knowing the rule.)
+
+Train and test problems are disjoint: a problem is a test problem iff the first byte of md5 of its prompt
+is below 26 (about 10 %).
 """
 
 from __future__ import annotations

@@ -154,9 +154,7 @@ class SourceSpec:
     prompts_per_step: int
     group_size: int
     seed: int
-    threads: int = (
-        1  # CPU threads where the sampler runs: torch's intra-op pool, llama.cpp's (0 = their default)
-    )
+    threads: int = 1  # CPU threads where the sampler runs: torch's pool, llama.cpp's (0 = their default)
     sampler_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
