@@ -10,6 +10,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +33,7 @@ RESULTS = ROOT / "results"
 GRID = {"optim.lr": [2e-4, 4e-4, 1e-3]}  # 1e-3 collapses every arm within 10 steps (docs/results.md)
 RUNS = ROOT.parent / "runs" / "experiments"  # training run folders (checkpoints, metrics); not committed
 SEEDS = (0, 1, 2)
+COMMIT_FILE = "code_commit"  # in a run folder: the commit (``code_commit()``) the run trained on
 
 
 def summary(values: Sequence[float]) -> dict[str, Any]:
@@ -93,6 +95,19 @@ def _clean(x: Any) -> Any:
     return x
 
 
+def code_commit() -> str | None:
+    """The checkout's commit (``git rev-parse HEAD``), with ``+dirty`` when tracked files outside
+    experiments/results differ from it (so a run's figures name the code they ran on); None outside git."""
+    git = ["git", "-C", str(ROOT.parent)]
+    try:
+        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)experiments/results"], capture_output=True, text=True, check=True)  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 class Clock:
     """Wall time of a study, printed at the end."""
 
@@ -139,8 +154,10 @@ def train(overrides: Sequence[str], run_dir: Path) -> dict[str, Any]:
     if saved.is_file() and finished.is_dir() and _same(yaml.safe_load(saved.read_text()), config.to_dict()):
         records = read_metrics(run_dir)
         evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
+        commit_file = run_dir / COMMIT_FILE
         return {
             "run_dir": str(run_dir),
+            "code_commit": commit_file.read_text().strip() if commit_file.is_file() else None,
             "steps": config.trainer.steps,
             "seconds": sum(r.get("time/step_s", 0.0) + r.get("time/eval_s", 0.0) for r in records),
             "initial_accuracy": evals[0] if evals else None,
@@ -152,9 +169,12 @@ def train(overrides: Sequence[str], run_dir: Path) -> dict[str, Any]:
         }
     # an interrupted run of this config continues from its checkpoint; a folder of another config is replaced
     same = saved.is_file() and _same(yaml.safe_load(saved.read_text()), config.to_dict())
+    commit = code_commit()
     result = run(config, resume=run_dir) if same else run(config, run_dir=run_dir, overwrite=True)
+    (Path(result.run_dir) / COMMIT_FILE).write_text(f"{commit}\n")
     return {
         "run_dir": str(result.run_dir),
+        "code_commit": commit,
         "steps": result.steps,
         "seconds": result.seconds,
         "initial_accuracy": result.initial_accuracy,
@@ -315,9 +335,39 @@ def run_study_arms(
     args, arms: dict[str, list[str]], base: list[str], out: Path, keep: Sequence[str], only=None
 ) -> dict[str, Any]:
     """``run_arms`` as a study's command line asks (``study_arguments``): the ``--arms`` chosen, ``--seeds``,
-    ``--quick`` and the ``--lr`` part of the grid."""
-    return run_arms({a: arms[a] for a in args.arms}, base, out, seeds=range(args.seeds), quick=args.quick,
-                    grid=chosen_grid(args), keep=keep, only=only)  # fmt: skip
+    ``--quick`` and the ``--lr`` part of the grid; with ``--keep-other-arms`` the arms of the existing
+    ``out/results.json`` that this invocation does not run are carried over (``carry_over``)."""
+    results = run_arms({a: arms[a] for a in args.arms}, base, out, seeds=range(args.seeds), quick=args.quick,
+                       grid=chosen_grid(args), keep=keep, only=only)  # fmt: skip
+    if args.keep_other_arms is not None:
+        results = carry_over(results, Path(out) / "results.json", args.keep_other_arms or None)
+    return results
+
+
+def carry_over(results: dict[str, Any], previous: Path, recorded_in: str | None = None) -> dict[str, Any]:
+    """``results`` plus every arm of the results file ``previous`` that ``results`` lacks, records and all, so
+    a study rerun in part keeps its other arms' figures. A carried run that predates the ``code_commit``
+    field gets ``recorded_in_commit``: the commit that recorded it (the code it ran on is that or older)."""
+    if not Path(previous).is_file():
+        raise FileNotFoundError(f"--keep-other-arms: no previous results file {previous}")
+    old = json.loads(Path(previous).read_text())["runs"]
+    merged = {arm: cells for arm, cells in old.items() if arm not in results}
+    for cells in merged.values():
+        for cell in cells.values():
+            for run in cell["runs"]:
+                if run.get("code_commit") is None and "recorded_in_commit" not in run:
+                    run["recorded_in_commit"] = recorded_in
+    order = [*old, *(arm for arm in results if arm not in old)]  # the previous file's order, new arms last
+    return {arm: results[arm] if arm in results else merged[arm] for arm in order}
+
+
+def code_commits(results: dict[str, Any]) -> dict[str, list[str | None]]:
+    """{arm: the distinct commits its runs trained on} (``code_commit``, else ``recorded_in_commit``)."""
+    out = {}
+    for arm, cells in results.items():
+        commits = [r.get("code_commit") or r.get("recorded_in_commit") for c in cells.values() for r in c["runs"]]
+        out[arm] = sorted(set(commits), key=str)
+    return out
 
 
 def run_mean(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
@@ -361,6 +411,10 @@ def study_arguments(description: str, arms: Sequence[str]):
     parser.add_argument("--lr", type=float, nargs="+", default=None, choices=GRID["optim.lr"],
                         help="run only these learning rates of the shared grid")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--keep-other-arms", nargs="?", const="", default=None, metavar="RECORDED_IN",
+                        help="carry the arms of the existing results.json that this invocation does not run "
+                             "into the new one; RECORDED_IN names the commit that recorded runs older than "
+                             "the code_commit field")  # fmt: skip
     return parser
 
 

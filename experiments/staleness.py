@@ -18,6 +18,8 @@ from __future__ import annotations
 from experiments.common import (
     RESULTS,
     Clock,
+    code_commit,
+    code_commits,
     curve_groups,
     plot_curves,
     run_mean,
@@ -101,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             figures[block] = name
     report = {"study": "staleness", "steps": steps, "quick": args.quick, "final": final,
               "cost": cost_table(results), "seed_reported_4b": SEED_REPORTED, "figures": figures,
-              "runs": results, "wall_seconds": clock.seconds}  # fmt: skip
+              "runs": results, "wall_seconds": clock.seconds,
+              "code_commit": code_commit(), "arm_code_commits": code_commits(results)}  # fmt: skip
     write_json(report, out / "results.json")
     print(f"staleness: wall time {clock.seconds:.1f} s → {out / 'results.json'}")
     return 0

@@ -20,6 +20,8 @@ from typing import Any
 from experiments.common import (
     RESULTS,
     Clock,
+    code_commit,
+    code_commits,
     curve,
     curve_groups,
     plot_curves,
@@ -76,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                                      title="sync vs async").name}  # fmt: skip
     report = {"study": "throughput", "steps": steps, "quick": args.quick, "target_accuracy": args.target,
               "batch": batch, "speed": table,
-              "figures": figures, "runs": results, "wall_seconds": clock.seconds}  # fmt: skip
+              "figures": figures, "runs": results, "wall_seconds": clock.seconds,
+              "code_commit": code_commit(), "arm_code_commits": code_commits(results)}  # fmt: skip
     write_json(report, out / "results.json")
     print(f"throughput: wall time {clock.seconds:.1f} s → {out / 'results.json'}")
     return 0

@@ -249,3 +249,22 @@ def test_long_mismatch_quick(tmp_path, capsys):
     assert lm.main(["--quick", "--arms", "fp32/ppo", "--out", str(tmp_path)]) == 0
     again = json.loads((tmp_path / "results.json").read_text())
     assert next(iter(again["runs"]["fp32/ppo"].values()))["runs"][0]["reused"]
+
+
+def test_code_commit_names_this_checkout():
+    commit = common.code_commit()
+    assert commit is not None and len(commit.removesuffix("+dirty")) == 40
+
+
+def test_carry_over_keeps_other_arms_in_order_and_names_their_commit(tmp_path):
+    """``--keep-other-arms``: the arms of the previous results file that were not rerun stay, in the file's order;
+    runs older than the code_commit field get the commit that recorded them."""
+    old = {"runs": {"a": {"x": {"runs": [{"seed": 0}]}}, "b": {"x": {"runs": [{"seed": 0, "old": 1}]}}}}
+    common.write_json(old, tmp_path / "results.json")
+    new = {"b": {"x": {"runs": [{"seed": 0, "code_commit": "c" * 40}]}}, "z": {"x": {"runs": []}}}
+    merged = common.carry_over(new, tmp_path / "results.json", "abc1234")
+    assert list(merged) == ["a", "b", "z"]
+    assert merged["b"] is new["b"] and merged["a"]["x"]["runs"][0]["recorded_in_commit"] == "abc1234"
+    assert common.code_commits(merged) == {"a": ["abc1234"], "b": ["c" * 40], "z": []}
+    with pytest.raises(FileNotFoundError, match="no previous results file"):
+        common.carry_over(new, tmp_path / "missing.json")
