@@ -92,7 +92,7 @@ def staleness(r: dict[str, Any]) -> str:
                      f"{cost['time/step_s']['mean']:.3f}", f"{cost['proximal/seconds']['mean']:.3f}",
                      f"{cost['proximal/extra_bytes']['mean'] / 2**20:.2f}"])  # fmt: skip
     header = ["arm", "greedy accuracy", "keep ratio (run mean)", "PPO clip fraction", "EWMA resets", "s / step",
-              "π_old s / step", "extra MB"]  # fmt: skip
+              "π_old s / step", "extra MiB"]  # fmt: skip
     parts = [f"last step of {r['steps']}\n\n" + table(header, rows)]
     blocks = sorted({arm.split("/")[0] for arm in final})
     for block in blocks:
@@ -172,7 +172,7 @@ def early_warning_table(warnings: dict[str, Any]) -> str:
             cells.append(f"{first}; {w['false_alarms'][k]} of {w['steady']}")
         rows.append([arm, collapsed, *cells])
     header = ["arm", "collapsed (eval ≥ 10 points below its best)",
-              "k3 KL > 3× its start before every collapse; fired in runs without one",
+              "k3 KL > 3× its first-10-step median before every collapse; fired in runs without one (post-hoc)",
               "max \\|Δp\\| per seq.: the same"]  # fmt: skip
     return table(header, rows)
 

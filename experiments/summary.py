@@ -1,0 +1,474 @@
+"""The verdict of every study's claims by the study's written rule, computed from its results.json.
+
+    PYTHONPATH=. .venv/bin/python -m experiments.summary           # print the summary table
+    PYTHONPATH=. .venv/bin/python -m experiments.summary --write   # rewrite the generated blocks of the docs
+    PYTHONPATH=. .venv/bin/python -m experiments.summary --check   # exit 1 when a block differs (tests do this)
+
+The rule (docs/results.md, "How to read the numbers"): a claim counts as reproduced only when two means over
+seeds differ by more than the sum of their sample standard deviations (``experiments.common.separated``), in
+the claimed direction; separated the other way is **opposite**; otherwise **not reproduced**. Studies with
+their own protocol (study 6) are read by its verdict list. What no written rule decides is labelled
+"observation, not a verdict of the rule"; arms and criteria added after results were seen say so where the
+claim is made.
+
+One function per study (``STUDIES``) maps its results.json to ``Row``s; the generated blocks (``BLOCKS``) sit
+between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in docs/results.md and README.md. Adding a study is
+one function and one ``STUDIES`` entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from experiments.common import RESULTS, curve, separated
+
+REPO = RESULTS.parents[1]
+REPRODUCED, NOT_REPRODUCED, OPPOSITE = "reproduced", "not reproduced", "opposite"
+POST_HOC = "a comparison picked after the results were seen"  # the note of every "(new)" claim
+OBSERVATION = "observation, not a verdict of the rule"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One claim of one study: what it says, what the rule gives, the numbers the rule compared."""
+
+    study: str  # "6", or "6 (q4_0)" for one part of a study
+    claim: str  # the claim and its source
+    verdict: str  # REPRODUCED | NOT_REPRODUCED | OPPOSITE | OBSERVATION | a qualified form ("… at q4_0")
+    numbers: str  # the means ± std, difference and spread behind the verdict
+    note: str = ""  # post-hoc marks and caveats, shown with the numbers
+
+
+# ---------------------------------------------------------------- the rule
+
+
+def ms(s: dict[str, Any], fmt: str = ".3f") -> str:
+    """'mean ± std' of a ``common.summary``."""
+    return f"{s['mean']:{fmt}} ± {s['std']:{fmt}}"
+
+
+def direction(high: dict[str, Any], low: dict[str, Any]) -> str:
+    """The rule on the claim "``high`` is above ``low``": reproduced, opposite (separated the other way) or not."""
+    if not separated(high, low):
+        return NOT_REPRODUCED
+    return REPRODUCED if high["mean"] > low["mean"] else OPPOSITE
+
+
+def compared(high_name: str, high: dict[str, Any], low_name: str, low: dict[str, Any]) -> str:
+    """'a m ± s vs b m ± s (difference d, spread s)': the numbers the rule reads for "high above low"."""
+    return (f"{high_name} {ms(high)} vs {low_name} {ms(low)} (difference {high['mean'] - low['mean']:+.3f}, "
+            f"spread {high['std'] + low['std']:.3f})")  # fmt: skip
+
+
+def fisher_greater(events_a: int, n_a: int, events_b: int, n_b: int) -> float:
+    """One-sided Fisher exact p that arm a has more events than arm b (hypergeometric upper tail)."""
+    total, events = n_a + n_b, events_a + events_b
+    denom = math.comb(total, n_a)
+    return sum(math.comb(events, k) * math.comb(total - events, n_a - k)
+               for k in range(events_a, min(events, n_a) + 1)) / denom  # fmt: skip
+
+
+def first_cell(cells: dict[str, Any]) -> Any:
+    """The first grid point of an arm (the training studies keep {arm: {grid label: …}})."""
+    return next(iter(cells.values()))
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+# ---------------------------------------------------------------- one function per study
+
+
+def mismatch_anatomy(r: dict[str, Any], vllm: dict[str, Any] | None = None) -> list[Row]:
+    """Study 1: the |Δp| table against ABEJA's numbers, the length claim, batch variance."""
+    samplers = {name: s["table"] for name, s in r["samplers"].items()}
+    low = [n for n in samplers if n != "hf:fp32"]
+    ge01 = {n: samplers[n]["prob_diff_frac_ge_0.01"]["mean"] for n in low}
+    bf16 = samplers["hf:bf16"]
+    vb = (vllm or {}).get("results", {}).get("builtin vllm:bf16")
+    abeja = "ABEJA (Qwen3-4B, vLLM bf16 vs transformers, GPU): < 1e-3 81.1 %, ≥ 0.01 10.9 %, ≥ 0.05 2.0 %, max 0.215"
+    ours = (f"hf bf16 < 1e-3 {pct(bf16['prob_diff_frac_lt_1e-3']['mean'])}, ≥ 0.01 "
+            f"{pct(bf16['prob_diff_frac_ge_0.01']['mean'])}, ≥ 0.05 {pct(bf16['prob_diff_frac_ge_0.05']['mean'])}, "
+            f"max {bf16['prob_diff_max']['mean']:.3f}")  # fmt: skip
+    if vb:
+        ours += (f"; vLLM bf16 {pct(vb['prob_diff_frac_lt_1e-3']['mean'])}, {pct(vb['prob_diff_frac_ge_0.01']['mean'])}, "
+                 f"{pct(vb['prob_diff_frac_ge_0.05']['mean'])}, max {vb['prob_diff_max']['mean']:.3f}")  # fmt: skip
+    rows = [Row("1", "bf16 / quantised samplers disagree with an fp32 learner on a sizeable share of tokens "
+                "(ABEJA's vLLM-vs-transformers measurement)", OBSERVATION,
+                "≥ 0.01 on " + ", ".join(f"{pct(v)} ({n})" for n, v in ge01.items()) + " of tokens; "
+                f"only the ≥ 0.01 share matches ABEJA's picture — {ours}; {abeja}")]  # fmt: skip
+    claims = r["claims"]
+    grows = [n for n in low if claims[n]["max_grows"] and claims[n]["max_ratio_long_over_short"] > 1]
+    mean_up = [n for n in low if claims[n]["mean_changes"] and claims[n]["mean_ratio_long_over_short"] > 1]
+    ok = [n for n in grows if n not in mean_up]
+    ratios = [r["claims"][n]["max_ratio_long_over_short"] for n in ok]
+    c0 = claims[low[0]]
+    verdict = REPRODUCED if len(ok) == len(low) else f"{REPRODUCED} for {', '.join(ok) or 'none'}"
+    rows.append(Row("1", "max mismatch grows with response length, the mean does not (TIS paper)", verdict,
+                    f"max over the first {c0['prefix_long']} vs {c0['prefix_short']} tokens separated upwards for "
+                    f"{len(grows)} of {len(low)} low-precision samplers (×{min(ratios):.1f}–{max(ratios):.1f}); "
+                    f"the mean separated upwards for {len(mean_up)} of them"))  # fmt: skip
+    changes = [c["mean_change_vs_alone"] for name, c in r["batch_composition"]["int8"].items() if name != "alone"]
+    rows.append(Row("1", "— (new) int8 dynamic quantisation is batch-variant", OBSERVATION,
+                    f"one set of targets, no seed spread: μ moves by {min(changes):.3f}–{max(changes):.3f} on "
+                    f"average with batch composition; fp32 by ≤ "
+                    f"{max(c['max_change_vs_alone'] for c in r['batch_composition']['fp32'].values()):.1e}"))  # fmt: skip
+    return rows
+
+
+def quantised_rollouts(r: dict[str, Any]) -> list[Row]:
+    """Study 2: the TIS paper's three claims at 4–5-token answers, per learning rate of the grid."""
+    rows = []
+    claims = [("int8 rollouts without correction learn worse (TIS paper)", "fp32/ppo", "int8/ppo"),
+              ("TIS recovers the uncorrected int8 gap (TIS paper)", "int8/tis", "int8/ppo"),
+              ("untruncated (vanilla) IS is unstable: worse than TIS (TIS paper)", "int8/tis", "int8/vanilla_is"),
+              ("— (new) PPO-IS (π_old := μ) learns worse than decoupled PPO", "fp32/ppo", "int8/ppo_is"),
+              ("— (new) verl's Geo-RS band [0.999, 1.001] collapses int8 runs", "fp32/ppo", "int8/geo_rs")]  # fmt: skip
+    for claim, high, low in claims:
+        verdicts, numbers = {}, []
+        for label, arms in _by_label(r["final"]).items():
+            a, b = arms[high]["eval/accuracy"], arms[low]["eval/accuracy"]
+            lr = label.split("=")[1]
+            if max(a["mean"], b["mean"]) < 0.05:  # every arm collapsed at this lr: nothing to compare
+                numbers.append(f"lr {lr}: every arm collapsed ({a['mean']:.3f}, {b['mean']:.3f})")
+                continue
+            verdicts[lr] = direction(a, b)
+            numbers.append(f"lr {lr}: {compared(high, a, low, b)}")
+        rows.append(Row("2", claim, _joined(verdicts, "lr"), "; ".join(numbers), POST_HOC if "(new)" in claim else ""))
+    return rows
+
+
+def staleness(r: dict[str, Any]) -> list[Row]:
+    """Study 3: old logits under lag with and without a train/infer discrepancy (Guan et al.; Hilton et al.)."""
+    acc = {arm: first_cell(c)["eval/accuracy"] for arm, c in r["final"].items()}
+    resets = {arm: first_cell(c)["proximal/ewma_resets"] for arm, c in r["final"].items()}
+    rows = [Row("3", "with lag *and* a train/infer discrepancy, exact old logits (snapshot) beat recomputed ones "
+                "(Guan et al.)", direction(acc["int8lag4/snapshot"], acc["int8lag4/recompute"]),
+                compared("snapshot", acc["int8lag4/snapshot"], "recompute", acc["int8lag4/recompute"]) +
+                " (int8 sampler, lag 4)")]  # fmt: skip
+    above = direction(acc["int8lag4/ewma"], acc["int8lag4/recompute"])
+    below = direction(acc["int8lag4/snapshot"], acc["int8lag4/ewma"])
+    between = REPRODUCED if above == below == REPRODUCED else (
+        OPPOSITE if OPPOSITE in (above, below) else NOT_REPRODUCED)  # fmt: skip
+    rows.append(Row("3", "EWMA old logits fall between snapshot and recompute (Guan et al.)", between,
+                    f"{compared('EWMA', acc['int8lag4/ewma'], 'recompute', acc['int8lag4/recompute'])}: {above}; "
+                    f"{compared('snapshot', acc['int8lag4/snapshot'], 'EWMA', acc['int8lag4/ewma'])}: {below}"))  # fmt: skip
+    reset_arms = [a for a in acc if a.startswith("int8lag4/ewma_reset")]
+    verdicts = {a.split("/")[1]: direction(acc[a], acc["int8lag4/ewma"]) for a in reset_arms}
+    rows.append(Row("3", "EWMA's auto-reset helps, with few reset events (Guan et al.)", _joined(verdicts, ""),
+                    "; ".join(f"{a.split('/')[1]} {ms(acc[a])} ({resets[a]['mean']:.1f} resets in {r['steps']} steps)"
+                              f" vs ewma {ms(acc['int8lag4/ewma'])}: {verdicts[a.split('/')[1]]}"
+                              for a in reset_arms),
+                    "the 0.5 threshold is one extra arm outside the grid, added after the 0.9 arm was seen"))  # fmt: skip
+    lags = sorted({a.split("/")[0] for a in acc if a.startswith("lag") and a != "lag0/recompute"})
+    verdicts = {lag: direction(acc["lag0/recompute"], acc[f"{lag}/recompute"]) for lag in lags}
+    rows.append(Row("3", "lag alone hurts (async RL folklore)", _joined(verdicts, ""),
+                    "recompute + token IS, fp32 sampler: lag 0 " + ms(acc["lag0/recompute"]) + "; " +
+                    ", ".join(f"{lag} {ms(acc[f'{lag}/recompute'])}" for lag in lags)))  # fmt: skip
+    return rows
+
+
+def oapl_lag(r: dict[str, Any]) -> list[Row]:
+    """Study 4: OAPL with a sampler synced every N learner steps, against GRPO + token TIS."""
+    acc = {arm: first_cell(c)["eval/accuracy"] for arm, c in r["final"].items()}
+    oapl = [a for a in acc if a.startswith("oapl_sync")]
+    runs = {a: first_cell(r["runs"][a])["runs"] for a in oapl}
+    start = first_cell(r["runs"][oapl[0]])["runs"][0]["initial_accuracy"]
+    worst = min(run["final_accuracy"] for a in oapl for run in runs[a])
+    lagged = oapl[-1]
+    rows = [Row("4", "OAPL stays stable with a sampler 100s of steps behind (OAPL, Ritter et al.)", OBSERVATION,
+                f"every run of every sync interval ends above the start ({start:.3f}; lowest final {worst:.3f}); "
+                f"{compared(oapl[0], acc[oapl[0]], lagged, acc[lagged])}: {direction(acc[oapl[0]], acc[lagged])} "
+                "(lag costs accuracy)")]  # fmt: skip
+    verdicts = {a.removeprefix("oapl_sync"): direction(acc[a], acc["grpo_tis"]) for a in oapl}
+    rows.append(Row("4", "OAPL beats GRPO + IS (OAPL)", _joined(verdicts, "sync"),
+                    f"grpo_tis {ms(acc['grpo_tis'])}; " + ", ".join(f"{a} {ms(acc[a])}" for a in oapl)))  # fmt: skip
+    return rows
+
+
+def throughput(r: dict[str, Any]) -> list[Row]:
+    """Study 5: samples per second and time to the target accuracy, sync against async executors."""
+    speed = {arm: first_cell(c) for arm, c in r["speed"].items()}
+    rows = []
+    verdicts = {a: direction(speed[a]["samples_per_s"], speed["sync"]["samples_per_s"])
+                for a in speed if a != "sync"}  # fmt: skip
+    rows.append(Row("5", "async is faster per sample than sync", _joined(verdicts, ""),
+                    "samples/s: " + ", ".join(f"{a} {ms(s['samples_per_s'], '.0f')}" for a, s in speed.items()),
+                    _machine_note(r)))  # fmt: skip
+    verdicts = {a: direction(speed["sync"]["time_to_target_s"], speed[a]["time_to_target_s"])
+                for a in speed if a != "sync"}  # fmt: skip
+    rows.append(Row("5", f"async reaches greedy accuracy {r['target_accuracy']} sooner (wall clock)",
+                    _joined(verdicts, ""),
+                    "seconds: " + ", ".join(f"{a} {ms(s['time_to_target_s'], '.1f')}" for a, s in speed.items())))  # fmt: skip
+    return rows
+
+
+def long_mismatch(r: dict[str, Any]) -> list[Row]:
+    """Study 6: the protocol's verdicts 1–5 (docs/results.md, study 6), per mismatched sampler."""
+    acc = {arm: first_cell(c)["eval/reward"] for arm, c in r["final"].items()}
+    warn = r["early_warning"]
+    samplers = [s for s in ("bf16", "int8", "q4_0") if f"{s}/ppo" in acc]
+    late = {"q4_0/icepop", "q4_0/geo_rs", "q4_0/seq_mis_mean"}  # added after seeds 0–1 of q4_0 were seen
+    late_note = "q4_0's icepop, geo_rs and seq_mis_mean arms were added after seeds 0–1 of its ppo, tis and seq_mis arms had been seen"
+    rows = []
+    # 1: fp32/ppo above <s>/ppo; collapses are counted (the protocol defines them but lets them decide nothing)
+    fp32 = acc["fp32/ppo"]
+    n_fp32 = warn["fp32/ppo"]["collapsed"] + warn["fp32/ppo"]["steady"]
+    for s in samplers:
+        w = warn[f"{s}/ppo"]
+        n = w["collapsed"] + w["steady"]
+        p = fisher_greater(w["collapsed"], n, warn["fp32/ppo"]["collapsed"], n_fp32)
+        dips = "; ".join(_dip(first_cell(r["runs"][f"{s}/ppo"])["runs"], run) for run in w["runs"] if run["collapse_step"])
+        rows.append(Row(f"6 ({s})", "a low-precision sampler makes uncorrected GRPO learn worse on 70-token answers "
+                        "(TIS paper; \"When Speed Kills Stability\")", direction(fp32, acc[f"{s}/ppo"]),
+                        compared("fp32/ppo", fp32, f"{s}/ppo", acc[f"{s}/ppo"]),
+                        f"collapses {w['collapsed']} of {n} vs fp32 {warn['fp32/ppo']['collapsed']} of {n_fp32} "
+                        f"(one-sided Fisher p = {p:.2f}; the protocol defines a collapse but lets it decide no verdict)"
+                        + (f"; the dips: {dips}" if dips else "")))  # fmt: skip
+    # 2: <s>/<m> above <s>/ppo, and not separated below fp32/ppo
+    for s in samplers:
+        verdicts, numbers = {}, []
+        for m in ("tis", "geo_rs", "icepop", "seq_mis", "seq_mis_mean"):
+            arm = f"{s}/{m}"
+            if arm not in acc:
+                continue
+            up = direction(acc[arm], acc[f"{s}/ppo"])
+            not_below = direction(fp32, acc[arm]) != REPRODUCED
+            verdicts[m] = REPRODUCED if up == REPRODUCED and not_below else (OPPOSITE if up == OPPOSITE else NOT_REPRODUCED)
+            numbers.append(f"{m}{'*' if arm in late else ''} {acc[arm]['mean'] - acc[f'{s}/ppo']['mean']:+.3f} "
+                           f"(spread {acc[arm]['std'] + acc[f'{s}/ppo']['std']:.3f})")  # fmt: skip
+        uncorrected_ok = direction(fp32, acc[f"{s}/ppo"]) != REPRODUCED
+        rows.append(Row(f"6 ({s})", "a correction recovers it: above uncorrected, not below fp32 (TIS; IcePop; Geo-RS)",
+                        _joined(verdicts, ""), f"against {s}/ppo {ms(acc[f'{s}/ppo'])}: " + ", ".join(numbers),
+                        ("not separated below fp32/ppo holds for the uncorrected arm too" if uncorrected_ok else "")
+                        + (f"; * {late_note}" if s == "q4_0" else "")))  # fmt: skip
+    # 3: <s>/seq_mis above <s>/tis
+    verdicts = {s: direction(acc[f"{s}/seq_mis"], acc[f"{s}/tis"]) for s in samplers}
+    rows.append(Row("6", "sequence-level MIS repairs it better than token TIS (\"When Speed Kills Stability\")",
+                    _joined(verdicts, ""), "; ".join(compared(f"{s}/seq_mis", acc[f"{s}/seq_mis"], f"{s}/tis",
+                                                              acc[f"{s}/tis"]) for s in samplers)))  # fmt: skip
+    # 4: early warning, by the protocol's rule; false alarms are a criterion added after results were seen
+    collapsed = {a: w for a, w in warn.items() if w["collapsed"] and a.split("/")[1] == "ppo"}
+    steady = sum(w["steady"] for w in warn.values())
+    for key, name in (("rollout_corr/k3_kl", "k3 KL"), ("rollout_corr/prob_diff_seq_max_mean", "max |Δp| per sequence")):
+        ok = bool(collapsed) and all(w["warned_first"][key] for w in collapsed.values())
+        fired = "; ".join(f"{a}: " + ", ".join(f"fired {p[key]} before collapse {p['collapse_step']}"
+                                               for p in w["runs"] if p["collapse_step"]) for a, w in collapsed.items())
+        alarms = sum(w["false_alarms"][key] for w in warn.values())
+        negative = _negative_threshold_alarms(r, key)
+        rows.append(Row("6", f"{name} above 3× its median over the first 10 steps warns before a collapse (early warning)",
+                        REPRODUCED if ok else NOT_REPRODUCED, fired or "no run collapsed",
+                        f"post-hoc criterion (not in the protocol; added after q4_0 runs had been seen): fired in "
+                        f"{alarms} of {steady} runs that did not collapse"
+                        + (f", {negative} of them because the median is ≤ 0 (signed k3 ≈ −1e-9 at fp32)" if negative else "")
+                        + "; the evaluations are 25 steps apart, so \"before\" is on that grid"))  # fmt: skip
+    # 5: sum vs mean (diagnostic: the protocol names what to compare, no rule)
+    parts = []
+    for s in samplers:
+        if f"{s}/seq_mis_mean" in acc:
+            rej = _run_mean(r, f"{s}/seq_mis_mean", "rollout_corr/rollout_is_seq_fraction_high")
+            rej_sum = _run_mean(r, f"{s}/seq_mis", "rollout_corr/rollout_is_seq_fraction_high")
+            parts.append(f"{s}: masked {rej:.3f} vs {rej_sum:.3f}; " + compared(
+                "seq_mis_mean", acc[f"{s}/seq_mis_mean"], "seq_mis", acc[f"{s}/seq_mis"]))  # fmt: skip
+    rows.append(Row("6", "sum vs mean: TRL's sequence mask on the geometric mean instead of the product (diagnostic)",
+                    OBSERVATION, "; ".join(parts),
+                    "q4_0's seq_mis_mean arm was added after seeds 0–1 of q4_0 had been seen"))  # fmt: skip
+    return rows
+
+
+def _by_label(final: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for arm, cells in final.items():
+        for label, metrics in cells.items():
+            out.setdefault(label, {})[arm] = metrics
+    return out
+
+
+def _joined(verdicts: dict[str, str], prefix: str) -> str:
+    """One verdict when every part agrees, else 'opposite at a, b; not reproduced at c'."""
+    if not verdicts:
+        return NOT_REPRODUCED
+    kinds = list(dict.fromkeys(verdicts.values()))
+    if len(kinds) == 1:
+        return kinds[0]
+    name = (lambda k: f"{prefix} {k}".strip()) if prefix else (lambda k: k)
+    return "; ".join(f"{v} at {', '.join(name(k) for k, x in verdicts.items() if x == v)}" for v in kinds)
+
+
+def _dip(runs: list[dict[str, Any]], p: dict[str, Any]) -> str:
+    """'best → dip → final' of one collapsed run's greedy score."""
+    (run,) = [x for x in runs if x["seed"] == p["seed"]]
+    steps, scores = curve(run["records"], "eval/reward")
+    i = steps.index(p["collapse_step"])
+    return f"seed {p['seed']} best {max(scores[:i]):.3f} → {scores[i]:.3f} at step {steps[i]} → final {scores[-1]:.3f}"
+
+
+def _negative_threshold_alarms(r: dict[str, Any], key: str) -> int:
+    """False alarms of runs whose baseline median of ``key`` is ≤ 0 (3× a non-positive median is no threshold)."""
+    n = 0
+    for arm, w in r["early_warning"].items():
+        runs = {x["seed"]: x for x in first_cell(r["runs"][arm])["runs"]}
+        for p in w["runs"]:
+            _, values = curve(runs[p["seed"]]["records"], key)
+            if p["collapse_step"] is None and p[key] is not None and statistics.median(values[:10]) <= 0:
+                n += 1
+    return n
+
+
+def _run_mean(r: dict[str, Any], arm: str, key: str) -> float:
+    from experiments.common import run_mean
+
+    return run_mean(first_cell(r["runs"][arm])["runs"], key)["mean"] or 0.0
+
+
+def _machine_note(r: dict[str, Any]) -> str:
+    load = r.get("machine")
+    return f"machine: {load}" if load else ""
+
+
+# ---------------------------------------------------------------- the generated blocks
+
+# results folder → (the study's rows function, extra results folders it reads)
+STUDIES: dict[str, tuple[Callable[..., list[Row]], tuple[str, ...]]] = {
+    "mismatch_anatomy": (mismatch_anatomy, ("vllm_mismatch",)),
+    "quantised_rollouts": (quantised_rollouts, ()),
+    "staleness": (staleness, ()),
+    "oapl_lag": (oapl_lag, ()),
+    "throughput": (throughput, ()),
+    "long_mismatch": (long_mismatch, ()),
+}
+
+
+def load(name: str, results: Path = RESULTS) -> dict[str, Any]:
+    path = results / name / "results.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{name}: no results file {path} (run its study first)")
+    return json.loads(path.read_text())
+
+
+def rows(study: str, results: Path = RESULTS) -> list[Row]:
+    fn, extra = STUDIES[study]
+    return fn(load(study, results), *(load(e, results) for e in extra))
+
+
+def summary_table(all_rows: list[Row]) -> str:
+    lines = ["| study | claim (source) | verdict by the rule | the numbers |", "|---|---|---|---|"]
+    for row in all_rows:
+        verdict = row.verdict if row.verdict == OBSERVATION else f"**{row.verdict}**"
+        numbers = row.numbers + (f" *({row.note})*" if row.note else "")
+        lines.append(f"| {row.study} | {_cell(row.claim)} | {verdict} | {_cell(numbers)} |")
+    return "\n".join(lines)
+
+
+def verdict_list(study_rows: list[Row]) -> str:
+    """A study section's generated verdicts: one bullet per claim."""
+    out = []
+    for row in study_rows:
+        note = f" *{row.note}.*" if row.note else ""
+        part = f" [{row.study.split('(')[1].rstrip(')')}]" if "(" in row.study else ""
+        out.append(f"- {row.claim}{part}: **{row.verdict}** — {row.numbers}.{note}")
+    return "\n".join(out)
+
+
+def readme_sentence(results: Path = RESULTS) -> str:
+    """The README's verdict on study 6's headline claims: the verdicts of its rows, with the numbers behind them."""
+    r = load("long_mismatch", results)
+    acc = {arm: first_cell(c)["eval/reward"] for arm, c in r["final"].items()}
+    by_claim: dict[str, dict[str, str]] = {}
+    for row in long_mismatch(r):
+        by_claim.setdefault(row.claim, {})[row.study.split("(")[-1].rstrip(")")] = row.verdict
+    worse, recovers, seq = list(by_claim.values())[:3]
+    w = r["early_warning"]["q4_0/ppo"]
+    fp32 = r["early_warning"]["fp32/ppo"]
+    n, n_fp32 = w["collapsed"] + w["steady"], fp32["collapsed"] + fp32["steady"]
+    gap = acc["fp32/ppo"]["mean"] - acc["q4_0/ppo"]["mean"]
+    tis = acc["q4_0/tis"]["mean"] - acc["q4_0/ppo"]["mean"]
+    return (
+        "Study 6 (70-token answers, `rollcorr train --config chain`) read by its protocol's rule (two means differ "
+        "by more than the sum of their standard deviations): \"a low-precision sampler makes uncorrected GRPO learn "
+        f"worse\" is **{_joined(worse, '')}** — with a 4-bit llama.cpp sampler it ends {gap:.3f} below fp32 against a "
+        f"spread of {acc['fp32/ppo']['std'] + acc['q4_0/ppo']['std']:.3f} ({w['collapsed']} of {n} runs fall ≥ 10 "
+        f"points below their best at an evaluation, {fp32['collapsed']} of {n_fp32} at fp32: one-sided Fisher p = "
+        f"{fisher_greater(w['collapsed'], n, fp32['collapsed'], n_fp32):.2f}); \"a correction recovers it\" is "
+        f"**{_joined(recovers, '')}** (token TIS +{tis:.3f} over uncorrected at q4_0, against a spread of "
+        f"{acc['q4_0/tis']['std'] + acc['q4_0/ppo']['std']:.3f}); \"sequence-level MIS beats token TIS\" is "
+        f"**{_joined(seq, '')}** (token TIS above TRL's sequence mask beyond the spread)."
+    )
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
+    "summary": ("docs/results.md", lambda res: summary_table([x for s in STUDIES for x in rows(s, res)])),
+    **{f"verdicts:{s}": ("docs/results.md", (lambda s: lambda res: verdict_list(rows(s, res)))(s)) for s in STUDIES},
+    "verdicts": ("README.md", readme_sentence),
+}
+
+
+def block_pattern(name: str) -> re.Pattern[str]:
+    """``<!-- NAME:begin -->`` newline, the block's text (group 2, ending with a newline unless empty), ``<!-- NAME:end -->``."""
+    return re.compile(rf"(<!-- {re.escape(name)}:begin -->\n)(.*?)(<!-- {re.escape(name)}:end -->)", re.S)
+
+
+def stale_blocks(results: Path = RESULTS, repo: Path = REPO) -> dict[str, tuple[str, str]]:
+    """{block: (in the file, generated)} for every block whose text differs from what the results give."""
+    out = {}
+    for name, (file, make) in BLOCKS.items():
+        text = (repo / file).read_text()
+        found = block_pattern(name).search(text)
+        if found is None:
+            raise ValueError(f"{file}: no <!-- {name}:begin --> … <!-- {name}:end --> block")
+        want = make(results) + "\n"
+        if found.group(2) != want:
+            out[name] = (found.group(2), want)
+    return out
+
+
+def write_blocks(results: Path = RESULTS, repo: Path = REPO) -> list[str]:
+    """Rewrite every stale block in place; returns the names rewritten."""
+    stale = stale_blocks(results, repo)
+    for name, (_, want) in stale.items():
+        path = repo / BLOCKS[name][0]
+        path.write_text(block_pattern(name).sub(lambda m: m.group(1) + want + m.group(3), path.read_text()))
+    return list(stale)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="rewrite the generated blocks of the docs")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a generated block is stale")
+    args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"experiments.summary: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.write:
+        print("rewrote: " + (", ".join(write_blocks()) or "nothing (every block is current)"))
+        return 0
+    if args.check:
+        stale = stale_blocks()
+        for name in stale:
+            print(f"stale: {name} ({BLOCKS[name][0]}); run python -m experiments.summary --write")
+        return 1 if stale else 0
+    print(summary_table([x for s in STUDIES for x in rows(s)]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
