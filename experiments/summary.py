@@ -26,6 +26,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +119,9 @@ def mismatch_anatomy(r: dict[str, Any], vllm: dict[str, Any] | None = None) -> l
                     f"max over the first {c0['prefix_long']} vs {c0['prefix_short']} tokens separated upwards for "
                     f"{len(grows)} of {len(low)} low-precision samplers (×{min(ratios):.1f}–{max(ratios):.1f}); "
                     f"the mean separated upwards for {len(mean_up)} of them"))  # fmt: skip
-    changes = [c["mean_change_vs_alone"] for name, c in r["batch_composition"]["int8"].items() if name != "alone"]
+    changes = [
+        c["mean_change_vs_alone"] for name, c in r["batch_composition"]["int8"].items() if name != "alone"
+    ]
     rows.append(Row("1", "— (new) int8 dynamic quantisation is batch-variant", OBSERVATION,
                     f"one set of targets, no seed spread: μ moves by {min(changes):.3f}–{max(changes):.3f} on "
                     f"average with batch composition; fp32 by ≤ "
@@ -144,7 +147,9 @@ def quantised_rollouts(r: dict[str, Any]) -> list[Row]:
                 continue
             verdicts[lr] = direction(a, b)
             numbers.append(f"lr {lr}: {compared(high, a, low, b)}")
-        rows.append(Row("2", claim, _joined(verdicts, "lr"), "; ".join(numbers), POST_HOC if "(new)" in claim else ""))
+        rows.append(
+            Row("2", claim, _joined(verdicts, "lr"), "; ".join(numbers), POST_HOC if "(new)" in claim else "")
+        )
     return rows
 
 
@@ -203,8 +208,7 @@ def throughput(r: dict[str, Any]) -> list[Row]:
     verdicts = {a: direction(speed[a]["samples_per_s"], speed["sync"]["samples_per_s"])
                 for a in speed if a != "sync"}  # fmt: skip
     rows.append(Row("5", "async is faster per sample than sync", _joined(verdicts, ""),
-                    "samples/s: " + ", ".join(f"{a} {ms(s['samples_per_s'], '.0f')}" for a, s in speed.items()),
-                    _machine_note(r)))  # fmt: skip
+                    "samples/s: " + ", ".join(f"{a} {ms(s['samples_per_s'], '.0f')}" for a, s in speed.items())))  # fmt: skip
     verdicts = {a: direction(speed["sync"]["time_to_target_s"], speed[a]["time_to_target_s"])
                 for a in speed if a != "sync"}  # fmt: skip
     rows.append(Row("5", f"async reaches greedy accuracy {r['target_accuracy']} sooner (wall clock)",
@@ -228,7 +232,9 @@ def long_mismatch(r: dict[str, Any]) -> list[Row]:
         w = warn[f"{s}/ppo"]
         n = w["collapsed"] + w["steady"]
         p = fisher_greater(w["collapsed"], n, warn["fp32/ppo"]["collapsed"], n_fp32)
-        dips = "; ".join(_dip(first_cell(r["runs"][f"{s}/ppo"])["runs"], run) for run in w["runs"] if run["collapse_step"])
+        dips = "; ".join(
+            _dip(first_cell(r["runs"][f"{s}/ppo"])["runs"], run) for run in w["runs"] if run["collapse_step"]
+        )
         rows.append(Row(f"6 ({s})", "a low-precision sampler makes uncorrected GRPO learn worse on 70-token answers "
                         "(TIS paper; \"When Speed Kills Stability\")", direction(fp32, acc[f"{s}/ppo"]),
                         compared("fp32/ppo", fp32, f"{s}/ppo", acc[f"{s}/ppo"]),
@@ -244,7 +250,11 @@ def long_mismatch(r: dict[str, Any]) -> list[Row]:
                 continue
             up = direction(acc[arm], acc[f"{s}/ppo"])
             not_below = direction(fp32, acc[arm]) != REPRODUCED
-            verdicts[m] = REPRODUCED if up == REPRODUCED and not_below else (OPPOSITE if up == OPPOSITE else NOT_REPRODUCED)
+            verdicts[m] = (
+                REPRODUCED
+                if up == REPRODUCED and not_below
+                else (OPPOSITE if up == OPPOSITE else NOT_REPRODUCED)
+            )
             numbers.append(f"{m}{'*' if arm in late else ''} {acc[arm]['mean'] - acc[f'{s}/ppo']['mean']:+.3f} "
                            f"(spread {acc[arm]['std'] + acc[f'{s}/ppo']['std']:.3f})")  # fmt: skip
         uncorrected_ok = direction(fp32, acc[f"{s}/ppo"]) != REPRODUCED
@@ -260,10 +270,20 @@ def long_mismatch(r: dict[str, Any]) -> list[Row]:
     # 4: early warning, by the protocol's rule; false alarms are a criterion added after results were seen
     collapsed = {a: w for a, w in warn.items() if w["collapsed"] and a.split("/")[1] == "ppo"}
     steady = sum(w["steady"] for w in warn.values())
-    for key, name in (("rollout_corr/k3_kl", "k3 KL"), ("rollout_corr/prob_diff_seq_max_mean", "max |Δp| per sequence")):
+    for key, name in (
+        ("rollout_corr/k3_kl", "k3 KL"),
+        ("rollout_corr/prob_diff_seq_max_mean", "max |Δp| per sequence"),
+    ):
         ok = bool(collapsed) and all(w["warned_first"][key] for w in collapsed.values())
-        fired = "; ".join(f"{a}: " + ", ".join(f"fired {p[key]} before collapse {p['collapse_step']}"
-                                               for p in w["runs"] if p["collapse_step"]) for a, w in collapsed.items())
+        fired = "; ".join(
+            f"{a}: "
+            + ", ".join(
+                f"fired {p[key]} before collapse {p['collapse_step']}"
+                for p in w["runs"]
+                if p["collapse_step"]
+            )
+            for a, w in collapsed.items()
+        )
         alarms = sum(w["false_alarms"][key] for w in warn.values())
         negative = _negative_threshold_alarms(r, key)
         rows.append(Row("6", f"{name} above 3× its median over the first 10 steps warns before a collapse (early warning)",
@@ -331,11 +351,6 @@ def _run_mean(r: dict[str, Any], arm: str, key: str) -> float:
     return run_mean(first_cell(r["runs"][arm])["runs"], key)["mean"] or 0.0
 
 
-def _machine_note(r: dict[str, Any]) -> str:
-    load = r.get("machine")
-    return f"machine: {load}" if load else ""
-
-
 # ---------------------------------------------------------------- the generated blocks
 
 # results folder → (the study's rows function, extra results folders it reads)
@@ -395,13 +410,13 @@ def readme_sentence(results: Path = RESULTS) -> str:
     tis = acc["q4_0/tis"]["mean"] - acc["q4_0/ppo"]["mean"]
     return (
         "Study 6 (70-token answers, `rollcorr train --config chain`) read by its protocol's rule (two means differ "
-        "by more than the sum of their standard deviations): \"a low-precision sampler makes uncorrected GRPO learn "
-        f"worse\" is **{_joined(worse, '')}** — with a 4-bit llama.cpp sampler it ends {gap:.3f} below fp32 against a "
+        'by more than the sum of their standard deviations): "a low-precision sampler makes uncorrected GRPO learn '
+        f'worse" is **{_joined(worse, "")}** — with a 4-bit llama.cpp sampler it ends {gap:.3f} below fp32 against a '
         f"spread of {acc['fp32/ppo']['std'] + acc['q4_0/ppo']['std']:.3f} ({w['collapsed']} of {n} runs fall ≥ 10 "
         f"points below their best at an evaluation, {fp32['collapsed']} of {n_fp32} at fp32: one-sided Fisher p = "
-        f"{fisher_greater(w['collapsed'], n, fp32['collapsed'], n_fp32):.2f}); \"a correction recovers it\" is "
+        f'{fisher_greater(w["collapsed"], n, fp32["collapsed"], n_fp32):.2f}); "a correction recovers it" is '
         f"**{_joined(recovers, '')}** (token TIS +{tis:.3f} over uncorrected at q4_0, against a spread of "
-        f"{acc['q4_0/tis']['std'] + acc['q4_0/ppo']['std']:.3f}); \"sequence-level MIS beats token TIS\" is "
+        f'{acc["q4_0/tis"]["std"] + acc["q4_0/ppo"]["std"]:.3f}); "sequence-level MIS beats token TIS" is '
         f"**{_joined(seq, '')}** (token TIS above TRL's sequence mask beyond the spread)."
     )
 
@@ -410,9 +425,13 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def _study_verdicts(study: str, results: Path = RESULTS) -> str:
+    return verdict_list(rows(study, results))
+
+
 BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
     "summary": ("docs/results.md", lambda res: summary_table([x for s in STUDIES for x in rows(s, res)])),
-    **{f"verdicts:{s}": ("docs/results.md", (lambda s: lambda res: verdict_list(rows(s, res)))(s)) for s in STUDIES},
+    **{f"verdicts:{s}": ("docs/results.md", partial(_study_verdicts, s)) for s in STUDIES},
     "verdicts": ("README.md", readme_sentence),
 }
 
@@ -441,7 +460,9 @@ def write_blocks(results: Path = RESULTS, repo: Path = REPO) -> list[str]:
     stale = stale_blocks(results, repo)
     for name, (_, want) in stale.items():
         path = repo / BLOCKS[name][0]
-        path.write_text(block_pattern(name).sub(lambda m: m.group(1) + want + m.group(3), path.read_text()))
+        text = path.read_text()
+        found = block_pattern(name).search(text)
+        path.write_text(text[: found.start(2)] + want + text[found.end(2) :])
     return list(stale)
 
 

@@ -91,7 +91,10 @@ def _final(name: str, arm: str, key: str) -> list[float]:
 def test_study6_verdict1_key_numbers_from_the_raw_records():
     """Independently of the generator: the last greedy score of each q4_0/ppo and fp32/ppo run, mean and std by
     hand; the difference is inside the summed spread, so verdict 1 is "not reproduced" at q4_0."""
-    fp32, q4 = _final("long_mismatch", "fp32/ppo", "eval/reward"), _final("long_mismatch", "q4_0/ppo", "eval/reward")
+    fp32, q4 = (
+        _final("long_mismatch", "fp32/ppo", "eval/reward"),
+        _final("long_mismatch", "q4_0/ppo", "eval/reward"),
+    )
     diff = statistics.fmean(fp32) - statistics.fmean(q4)
     spread = statistics.stdev(fp32) + statistics.stdev(q4)
     assert f"{diff:.3f}" == "0.110" and f"{spread:.3f}" == "0.114" and diff < spread
@@ -102,9 +105,13 @@ def test_study6_verdict1_key_numbers_from_the_raw_records():
 
 
 def test_study6_sequence_mis_against_tis_is_the_opposite_at_q4_0():
-    tis, seq = _final("long_mismatch", "q4_0/tis", "eval/reward"), _final("long_mismatch", "q4_0/seq_mis", "eval/reward")
+    tis, seq = (
+        _final("long_mismatch", "q4_0/tis", "eval/reward"),
+        _final("long_mismatch", "q4_0/seq_mis", "eval/reward"),
+    )
     diff = statistics.fmean(tis) - statistics.fmean(seq)
-    assert diff > statistics.stdev(tis) + statistics.stdev(seq)  # separated, TIS above: the opposite of the claim
+    # separated, TIS above: the opposite of the claim
+    assert diff > statistics.stdev(tis) + statistics.stdev(seq)
     (row,) = [x for x in summary.rows("long_mismatch") if "better than token TIS" in x.claim]
     assert "opposite at" in row.verdict and "q4_0" in row.verdict.split("opposite at")[1]
 
