@@ -100,7 +100,8 @@ NOT_HERE = {
     ("docs/ray.md", '"""Steps/s of rollcorr train with the Ray executor (real Trainer, trainer.executor=ray)."""'):
         "the benchmark script of the block above",
     ("docs/results.md", ".venv/bin/python -m experiments.mismatch_anatomy        # study 1"):
-        "the studies (hours); tests/test_experiments.py runs each with --quick",
+        "the studies (hours); tests/test_experiments.py runs each with --quick, and tests/test_results_docs.py "
+        "checks that experiments.summary's output is what this page shows",
     ("docs/results.md", ".venv/bin/python -m experiments.mismatch_anatomy"): "a study (20 min) and its output line",
     ("docs/results.md", "# 150 steps, 3 seeds, both lanes side by side (one process per core):"): "a study (hours)",
     ("docs/results.md", "# two processes side by side, 150 steps, lr 2e-4, 3 seeds (arm lists split in two)"):

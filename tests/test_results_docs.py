@@ -121,3 +121,15 @@ def test_every_study_has_a_verdict_block_in_its_section():
     order = [page.index(f"<!-- verdicts:{study}:begin -->") for study in summary.STUDIES]
     assert order == sorted(order), "each study's verdict block sits in its own section, in study order"
     assert page.index("<!-- summary:begin -->") < min(order)
+
+
+def test_the_command_prints_the_summary_and_checks(capsys):
+    assert summary.main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| study | claim (source) | verdict by the rule | the numbers |")
+    assert summary.main(["--check"]) == 0
+
+
+def test_a_missing_results_file_is_one_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="long_mismatch: no results file"):
+        summary.load("long_mismatch", tmp_path)
