@@ -84,7 +84,8 @@ def first_cell(cells: dict[str, Any]) -> Any:
 
 
 def pct(x: float) -> str:
-    return f"{100 * x:.1f} %"
+    """A share as a percentage: one decimal, two below 1 %."""
+    return f"{100 * x:.2f} %" if 100 * x < 1 else f"{100 * x:.1f} %"
 
 
 # ---------------------------------------------------------------- one function per study
@@ -97,17 +98,20 @@ def mismatch_anatomy(r: dict[str, Any], vllm: dict[str, Any] | None = None) -> l
     ge01 = {n: samplers[n]["prob_diff_frac_ge_0.01"]["mean"] for n in low}
     bf16 = samplers["hf:bf16"]
     vb = (vllm or {}).get("results", {}).get("builtin vllm:bf16")
-    abeja = "ABEJA (Qwen3-4B, vLLM bf16 vs transformers, GPU): < 1e-3 81.1 %, ≥ 0.01 10.9 %, ≥ 0.05 2.0 %, max 0.215"
-    ours = (f"hf bf16 < 1e-3 {pct(bf16['prob_diff_frac_lt_1e-3']['mean'])}, ≥ 0.01 "
-            f"{pct(bf16['prob_diff_frac_ge_0.01']['mean'])}, ≥ 0.05 {pct(bf16['prob_diff_frac_ge_0.05']['mean'])}, "
-            f"max {bf16['prob_diff_max']['mean']:.3f}")  # fmt: skip
-    if vb:
-        ours += (f"; vLLM bf16 {pct(vb['prob_diff_frac_lt_1e-3']['mean'])}, {pct(vb['prob_diff_frac_ge_0.01']['mean'])}, "
-                 f"{pct(vb['prob_diff_frac_ge_0.05']['mean'])}, max {vb['prob_diff_max']['mean']:.3f}")  # fmt: skip
+    # ABEJA's Qwen3-4B measurement (vLLM bf16 vs transformers, GPU), quoted, not measured here
+    abeja = {"prob_diff_frac_lt_1e-3": 0.811, "prob_diff_frac_ge_0.01": 0.109, "prob_diff_frac_ge_0.05": 0.020,
+             "prob_diff_frac_ge_0.1": 0.003, "prob_diff_max": 0.215}  # fmt: skip
+    names = {"prob_diff_frac_lt_1e-3": "< 1e-3", "prob_diff_frac_ge_0.01": "≥ 0.01", "prob_diff_frac_ge_0.05": "≥ 0.05",
+             "prob_diff_frac_ge_0.1": "≥ 0.1", "prob_diff_max": "max"}  # fmt: skip
+    inside = [names[k] for k, v in abeja.items() if abs(bf16[k]["mean"] - v) <= bf16[k]["std"]]
+    shown = lambda k, x: f"{x:.3f}" if k == "prob_diff_max" else pct(x)  # noqa: E731
+    ours = "; ".join(f"{names[k]} {shown(k, bf16[k]['mean'])}" + (f" (vLLM bf16 {shown(k, vb[k]['mean'])})" if vb else "")
+                     + f" vs ABEJA {shown(k, v)}" for k, v in abeja.items())  # fmt: skip
     rows = [Row("1", "bf16 / quantised samplers disagree with an fp32 learner on a sizeable share of tokens "
                 "(ABEJA's vLLM-vs-transformers measurement)", OBSERVATION,
-                "≥ 0.01 on " + ", ".join(f"{pct(v)} ({n})" for n, v in ge01.items()) + " of tokens; "
-                f"only the ≥ 0.01 share matches ABEJA's picture — {ours}; {abeja}")]  # fmt: skip
+                "≥ 0.01 on " + ", ".join(f"{pct(v)} ({n})" for n, v in ge01.items()) + " of tokens; hf bf16 against "
+                f"ABEJA's bf16 (Qwen3-4B, GPU): {ours} — ABEJA's figure is inside our seed spread for "
+                f"{', '.join(inside) or 'none'} of the five")]  # fmt: skip
     claims = r["claims"]
     grows = [n for n in low if claims[n]["max_grows"] and claims[n]["max_ratio_long_over_short"] > 1]
     mean_up = [n for n in low if claims[n]["mean_changes"] and claims[n]["mean_ratio_long_over_short"] > 1]
@@ -192,9 +196,9 @@ def oapl_lag(r: dict[str, Any]) -> list[Row]:
     worst = min(run["final_accuracy"] for a in oapl for run in runs[a])
     lagged = oapl[-1]
     rows = [Row("4", "OAPL stays stable with a sampler 100s of steps behind (OAPL, Ritter et al.)", OBSERVATION,
-                f"every run of every sync interval ends above the start ({start:.3f}; lowest final {worst:.3f}); "
-                f"{compared(oapl[0], acc[oapl[0]], lagged, acc[lagged])}: {direction(acc[oapl[0]], acc[lagged])} "
-                "(lag costs accuracy)")]  # fmt: skip
+                f"{'every' if worst > start else 'not every'} run of every sync interval ends above the start "
+                f"({start:.3f}; lowest final {worst:.3f}); "
+                f"{compared(oapl[0], acc[oapl[0]], lagged, acc[lagged])}: {direction(acc[oapl[0]], acc[lagged])}")]  # fmt: skip
     verdicts = {a.removeprefix("oapl_sync"): direction(acc[a], acc["grpo_tis"]) for a in oapl}
     rows.append(Row("4", "OAPL beats GRPO + IS (OAPL)", _joined(verdicts, "sync"),
                     f"grpo_tis {ms(acc['grpo_tis'])}; " + ", ".join(f"{a} {ms(acc[a])}" for a in oapl)))  # fmt: skip
