@@ -164,26 +164,29 @@ def staleness(r: dict[str, Any]) -> list[Row]:
     rows = [Row("3", "with lag *and* a train/infer discrepancy, exact old logits (snapshot) beat recomputed ones "
                 "(Guan et al.)", direction(acc["int8lag4/snapshot"], acc["int8lag4/recompute"]),
                 compared("snapshot", acc["int8lag4/snapshot"], "recompute", acc["int8lag4/recompute"]) +
-                " (int8 sampler, lag 4)")]  # fmt: skip
+                " (int8 sampler, lag 4)", code_versions(r, ["int8lag4/snapshot", "int8lag4/recompute"]))]  # fmt: skip
     above = direction(acc["int8lag4/ewma"], acc["int8lag4/recompute"])
     below = direction(acc["int8lag4/snapshot"], acc["int8lag4/ewma"])
     between = REPRODUCED if above == below == REPRODUCED else (
         OPPOSITE if OPPOSITE in (above, below) else NOT_REPRODUCED)  # fmt: skip
     rows.append(Row("3", "EWMA old logits fall between snapshot and recompute (Guan et al.)", between,
                     f"{compared('EWMA', acc['int8lag4/ewma'], 'recompute', acc['int8lag4/recompute'])}: {above}; "
-                    f"{compared('snapshot', acc['int8lag4/snapshot'], 'EWMA', acc['int8lag4/ewma'])}: {below}"))  # fmt: skip
+                    f"{compared('snapshot', acc['int8lag4/snapshot'], 'EWMA', acc['int8lag4/ewma'])}: {below}",
+                    code_versions(r, ["int8lag4/ewma", "int8lag4/recompute", "int8lag4/snapshot"])))  # fmt: skip
     reset_arms = [a for a in acc if a.startswith("int8lag4/ewma_reset")]
     verdicts = {a.split("/")[1]: direction(acc[a], acc["int8lag4/ewma"]) for a in reset_arms}
     rows.append(Row("3", "EWMA's auto-reset helps, with few reset events (Guan et al.)", _joined(verdicts, ""),
                     "; ".join(f"{a.split('/')[1]} {ms(acc[a])} ({resets[a]['mean']:.1f} resets in {r['steps']} steps)"
                               f" vs ewma {ms(acc['int8lag4/ewma'])}: {verdicts[a.split('/')[1]]}"
                               for a in reset_arms),
-                    "the 0.5 threshold is one extra arm outside the grid, added after the 0.9 arm was seen"))  # fmt: skip
+                    _noted("the 0.5 threshold is one extra arm outside the grid, added after the 0.9 arm was seen",
+                           code_versions(r, ["int8lag4/ewma", *reset_arms]))))  # fmt: skip
     lags = sorted({a.split("/")[0] for a in acc if a.startswith("lag") and a != "lag0/recompute"})
     verdicts = {lag: direction(acc["lag0/recompute"], acc[f"{lag}/recompute"]) for lag in lags}
     rows.append(Row("3", "lag alone hurts (async RL folklore)", _joined(verdicts, ""),
                     "recompute + token IS, fp32 sampler: lag 0 " + ms(acc["lag0/recompute"]) + "; " +
-                    ", ".join(f"{lag} {ms(acc[f'{lag}/recompute'])}" for lag in lags)))  # fmt: skip
+                    ", ".join(f"{lag} {ms(acc[f'{lag}/recompute'])}" for lag in lags),
+                    code_versions(r, ["lag0/recompute", *(f"{lag}/recompute" for lag in lags)])))  # fmt: skip
     return rows
 
 
@@ -208,16 +211,22 @@ def oapl_lag(r: dict[str, Any]) -> list[Row]:
 def throughput(r: dict[str, Any]) -> list[Row]:
     """Study 5: samples per second and time to the target accuracy, sync against async executors."""
     speed = {arm: first_cell(c) for arm, c in r["speed"].items()}
+    # results older than the code_commit field came from the executors of their time: async was a sampler thread
+    era = "" if "code_commit" in r else (
+        "measured with the former sampler thread (results recorded in 887b1af); the async executor has been a "
+        "sampler process since 79ebbd1, and these figures were not rerun with it")  # fmt: skip
     rows = []
     verdicts = {a: direction(speed[a]["samples_per_s"], speed["sync"]["samples_per_s"])
                 for a in speed if a != "sync"}  # fmt: skip
     rows.append(Row("5", "async is faster per sample than sync", _joined(verdicts, ""),
-                    "samples/s: " + ", ".join(f"{a} {ms(s['samples_per_s'], '.0f')}" for a, s in speed.items())))  # fmt: skip
+                    "samples/s: " + ", ".join(f"{a} {ms(s['samples_per_s'], '.0f')}" for a, s in speed.items()),
+                    _noted(era, code_versions(r, list(speed)))))  # fmt: skip
     verdicts = {a: direction(speed["sync"]["time_to_target_s"], speed[a]["time_to_target_s"])
                 for a in speed if a != "sync"}  # fmt: skip
     rows.append(Row("5", f"async reaches greedy accuracy {r['target_accuracy']} sooner (wall clock)",
                     _joined(verdicts, ""),
-                    "seconds: " + ", ".join(f"{a} {ms(s['time_to_target_s'], '.1f')}" for a, s in speed.items())))  # fmt: skip
+                    "seconds: " + ", ".join(f"{a} {ms(s['time_to_target_s'], '.1f')}" for a, s in speed.items()),
+                    era))  # fmt: skip
     return rows
 
 
@@ -308,6 +317,26 @@ def long_mismatch(r: dict[str, Any]) -> list[Row]:
                     OBSERVATION, "; ".join(parts),
                     "q4_0's seq_mis_mean arm was added after seeds 0–1 of q4_0 had been seen"))  # fmt: skip
     return rows
+
+
+def code_versions(r: dict[str, Any], arms: list[str]) -> str:
+    """'a, b: code recorded in 887b1af; c: code 0e16377' when the runs behind a row ran on more than one code
+    version (``code_commit`` per run, or ``recorded_in_commit`` for runs older than that field), else ''."""
+    by: dict[str, list[str]] = {}
+    for arm in arms:
+        for run in first_cell(r["runs"][arm])["runs"]:
+            commit, recorded = run.get("code_commit"), run.get("recorded_in_commit")
+            label = (f"code {commit[:7]}{'+dirty' if commit.endswith('+dirty') else ''}" if commit
+                     else f"code recorded in {recorded[:7]}" if recorded else "code unrecorded")  # fmt: skip
+            if arm not in by.setdefault(label, []):
+                by[label].append(arm)
+    if len(by) < 2:
+        return ""
+    return "arms run on different code: " + "; ".join(f"{', '.join(a)}: {label}" for label, a in by.items())
+
+
+def _noted(*notes: str) -> str:
+    return "; ".join(n for n in notes if n)
 
 
 def _by_label(final: dict[str, Any]) -> dict[str, dict[str, Any]]:
