@@ -62,6 +62,20 @@ def run_mean(r: dict[str, Any], arm: str, label: str, key: str) -> dict[str, Any
     return common.run_mean(r["runs"][arm][label]["runs"], key)
 
 
+def code_label(r: dict[str, Any], arm: str) -> str:
+    """The code an arm's runs ran on: short commit(s) of ``code_commit``, "recorded in <c>" for runs older than that
+    field (``recorded_in_commit``), "–" when the results file records neither."""
+    labels = []
+    for cell in r["runs"][arm].values():
+        for run in cell["runs"]:
+            commit, recorded = run.get("code_commit"), run.get("recorded_in_commit")
+            label = commit[:7] + ("+dirty" if commit.endswith("+dirty") else "") if commit else (
+                f"recorded in {recorded[:7]}" if recorded else "–")  # fmt: skip
+            if label not in labels:
+                labels.append(label)
+    return ", ".join(labels)
+
+
 def quantised_rollouts(r: dict[str, Any]) -> str:
     parts = []
     for label, arms in by_label(r["final"]).items():
@@ -90,9 +104,9 @@ def staleness(r: dict[str, Any]) -> str:
         rows.append([arm, cell(m["eval/accuracy"]), keep,
                      cell(m["actor/pg_clipfrac"]), cell(m["proximal/ewma_resets"], ".1f"),
                      f"{cost['time/step_s']['mean']:.3f}", f"{cost['proximal/seconds']['mean']:.3f}",
-                     f"{cost['proximal/extra_bytes']['mean'] / 2**20:.2f}"])  # fmt: skip
+                     f"{cost['proximal/extra_bytes']['mean'] / 2**20:.2f}", code_label(r, arm)])  # fmt: skip
     header = ["arm", "greedy accuracy", "keep ratio (run mean)", "PPO clip fraction", "EWMA resets", "s / step",
-              "π_old s / step", "extra MiB"]  # fmt: skip
+              "π_old s / step", "extra MiB", "code"]  # fmt: skip
     parts = [f"last step of {r['steps']}\n\n" + table(header, rows)]
     blocks = sorted({arm.split("/")[0] for arm in final})
     for block in blocks:

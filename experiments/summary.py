@@ -146,8 +146,8 @@ def quantised_rollouts(r: dict[str, Any]) -> list[Row]:
         for label, arms in _by_label(r["final"]).items():
             a, b = arms[high]["eval/accuracy"], arms[low]["eval/accuracy"]
             lr = label.split("=")[1]
-            if max(a["mean"], b["mean"]) < 0.05:  # every arm collapsed at this lr: nothing to compare
-                numbers.append(f"lr {lr}: every arm collapsed ({a['mean']:.3f}, {b['mean']:.3f})")
+            if max(a["mean"], b["mean"]) < 0.05:  # both collapsed at this lr: a comparison says nothing
+                numbers.append(f"lr {lr}: both collapsed ({high} {a['mean']:.3f}, {low} {b['mean']:.3f}), left out")
                 continue
             verdicts[lr] = direction(a, b)
             numbers.append(f"lr {lr}: {compared(high, a, low, b)}")
