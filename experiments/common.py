@@ -361,11 +361,22 @@ def carry_over(results: dict[str, Any], previous: Path, recorded_in: str | None 
     return {arm: results[arm] if arm in results else merged[arm] for arm in order}
 
 
+def code_label(run: dict[str, Any]) -> str:
+    """A run's code version for tables: its short ``code_commit`` (``+dirty`` kept), "recorded in <c>" for runs
+    older than that field (``recorded_in_commit``), "–" when the results file records neither."""
+    commit, recorded = run.get("code_commit"), run.get("recorded_in_commit")
+    if commit:
+        return commit[:7] + ("+dirty" if commit.endswith("+dirty") else "")
+    return f"recorded in {recorded[:7]}" if recorded else "–"
+
+
 def code_commits(results: dict[str, Any]) -> dict[str, list[str | None]]:
     """{arm: the distinct commits its runs trained on} (``code_commit``, else ``recorded_in_commit``)."""
     out = {}
     for arm, cells in results.items():
-        commits = [r.get("code_commit") or r.get("recorded_in_commit") for c in cells.values() for r in c["runs"]]
+        commits = [
+            r.get("code_commit") or r.get("recorded_in_commit") for c in cells.values() for r in c["runs"]
+        ]
         out[arm] = sorted(set(commits), key=str)
     return out
 

@@ -62,18 +62,10 @@ def run_mean(r: dict[str, Any], arm: str, label: str, key: str) -> dict[str, Any
     return common.run_mean(r["runs"][arm][label]["runs"], key)
 
 
-def code_label(r: dict[str, Any], arm: str) -> str:
-    """The code an arm's runs ran on: short commit(s) of ``code_commit``, "recorded in <c>" for runs older than that
-    field (``recorded_in_commit``), "–" when the results file records neither."""
-    labels = []
-    for cell in r["runs"][arm].values():
-        for run in cell["runs"]:
-            commit, recorded = run.get("code_commit"), run.get("recorded_in_commit")
-            label = commit[:7] + ("+dirty" if commit.endswith("+dirty") else "") if commit else (
-                f"recorded in {recorded[:7]}" if recorded else "–")  # fmt: skip
-            if label not in labels:
-                labels.append(label)
-    return ", ".join(labels)
+def code_labels(r: dict[str, Any], arm: str) -> str:
+    """The code versions (``common.code_label``) of an arm's runs, each once."""
+    runs = [run for cell in r["runs"][arm].values() for run in cell["runs"]]
+    return ", ".join(dict.fromkeys(common.code_label(run) for run in runs))
 
 
 def quantised_rollouts(r: dict[str, Any]) -> str:
@@ -104,7 +96,7 @@ def staleness(r: dict[str, Any]) -> str:
         rows.append([arm, cell(m["eval/accuracy"]), keep,
                      cell(m["actor/pg_clipfrac"]), cell(m["proximal/ewma_resets"], ".1f"),
                      f"{cost['time/step_s']['mean']:.3f}", f"{cost['proximal/seconds']['mean']:.3f}",
-                     f"{cost['proximal/extra_bytes']['mean'] / 2**20:.2f}", code_label(r, arm)])  # fmt: skip
+                     f"{cost['proximal/extra_bytes']['mean'] / 2**20:.2f}", code_labels(r, arm)])  # fmt: skip
     header = ["arm", "greedy accuracy", "keep ratio (run mean)", "PPO clip fraction", "EWMA resets", "s / step",
               "π_old s / step", "extra MiB", "code"]  # fmt: skip
     parts = [f"last step of {r['steps']}\n\n" + table(header, rows)]

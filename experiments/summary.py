@@ -30,7 +30,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from experiments.common import RESULTS, curve, separated
+from experiments.common import RESULTS, code_label, curve, separated
 
 REPO = RESULTS.parents[1]
 REPRODUCED, NOT_REPRODUCED, OPPOSITE = "reproduced", "not reproduced", "opposite"
@@ -147,7 +147,9 @@ def quantised_rollouts(r: dict[str, Any]) -> list[Row]:
             a, b = arms[high]["eval/accuracy"], arms[low]["eval/accuracy"]
             lr = label.split("=")[1]
             if max(a["mean"], b["mean"]) < 0.05:  # both collapsed at this lr: a comparison says nothing
-                numbers.append(f"lr {lr}: both collapsed ({high} {a['mean']:.3f}, {low} {b['mean']:.3f}), left out")
+                numbers.append(
+                    f"lr {lr}: both collapsed ({high} {a['mean']:.3f}, {low} {b['mean']:.3f}), left out"
+                )
                 continue
             verdicts[lr] = direction(a, b)
             numbers.append(f"lr {lr}: {compared(high, a, low, b)}")
@@ -325,9 +327,14 @@ def code_versions(r: dict[str, Any], arms: list[str]) -> str:
     by: dict[str, list[str]] = {}
     for arm in arms:
         for run in first_cell(r["runs"][arm])["runs"]:
-            commit, recorded = run.get("code_commit"), run.get("recorded_in_commit")
-            label = (f"code {commit[:7]}{'+dirty' if commit.endswith('+dirty') else ''}" if commit
-                     else f"code recorded in {recorded[:7]}" if recorded else "code unrecorded")  # fmt: skip
+            label = code_label(run)
+            label = (
+                "code unrecorded"
+                if label == "–"
+                else label
+                if label.startswith("recorded")
+                else f"code {label}"
+            )
             if arm not in by.setdefault(label, []):
                 by[label].append(arm)
     if len(by) < 2:
