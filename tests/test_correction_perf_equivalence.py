@@ -147,7 +147,7 @@ def test_diagnostics_match_the_standalone_metric_functions(config):
         **M.offpolicy_metrics(tok),
         **M.divergence_metrics(tok),
         **M.prob_mismatch(tok.anchor.exp(), tok.rollout.exp(), tok),
-        **M.decomposition_metrics(extra["log_prob"], tok),
+        **M.decomposition_metrics(extra["log_prob"], tok.anchor, tok.rollout, tok.mask, tok),
     }
     for key, value in want.items():
         assert torch.equal(got["rollout_corr/" + key], value), key
