@@ -145,8 +145,8 @@ def test_the_fused_path_applies_when_every_rule_declares_its_reductions():
     assert fused.plan(verl, big) == frozenset()
     for name in ("slime_veto", "opsm", "skyrl_outlier"):  # veto and OPSM read the (B, T) tokens
         assert fused.plan(preset(name), big) is None, name
-    for option in ("token_k1", "seq_mean_binary_kl"):
-        assert fused.plan(CorrectionConfig(rs=(option,), rs_thresholds=("0.5_2.0" if option.endswith("k1") else 0.1,)), big) is None
+    for option, threshold in (("token_k1", "0.5_2.0"), ("seq_mean_binary_kl", 0.1)):
+        assert fused.plan(CorrectionConfig(rs=(option,), rs_thresholds=(threshold,)), big) is None
 
 
 def test_compile_failure_falls_back_to_the_eager_path(monkeypatch):

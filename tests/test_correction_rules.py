@@ -1,8 +1,9 @@
-"""One rule list, two backends: every rejection rule runs through ``rejection.RULES`` on the eager statistics or on
-the fused kernel's, and each entry point (compute_correction, the training step, the verl drop-in, analyze) takes
-the fused path when the rules declare their reductions. The fused path runs its kernel function eagerly here
-(``row_pass`` is pure; compiling changes the summation order, not the formulas; tests/test_correction_perf_fused.py
-compiles it for real), on small batches; the documented tolerance is float rounding (rel 2e-5, std 1e-3)."""
+"""One rule list, two backends: every rejection rule runs through ``rejection.RULES`` on the eager
+statistics or on the fused kernel's, and each entry point (compute_correction, the training step, the verl
+drop-in, analyze) takes the fused path when the rules declare their reductions. The fused path runs its kernel
+function eagerly here (``row_pass`` is pure; compiling changes the summation order, not the formulas;
+tests/test_correction_perf_fused.py compiles it for real), on small batches; the documented tolerance is float
+rounding (rel 2e-5, and 1e-3 absolute on standard deviations)."""
 
 from __future__ import annotations
 
@@ -11,17 +12,16 @@ import math
 
 import pytest
 import torch
+from tests.test_correction_perf_fused import _assert_close, _batch
 
 from rollcorr.config import CorrectionConfig, preset
 from rollcorr.correction import compute_correction, fused
 from rollcorr.correction.rejection import RULES, Rule, RuleOutcome, register_rule, rule_reductions
 
-from tests.test_correction_perf_fused import _assert_close, _batch
-
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Take the fused path on any batch size, with the kernel function run eagerly; counts the kernel's calls."""
+    """Take the fused path on any batch size, the kernel function run eagerly; counts the kernel's calls."""
     calls = []
 
     def counted(*args):
@@ -115,12 +115,12 @@ def test_each_fusable_rule_matches_the_eager_path(name, verl, kernel_calls, monk
     assert len(kernel_calls) == 1
     want = _eager(monkeypatch, compute_correction, old, roll, mask, config)
     _assert_close(got, want)
-    assert not torch.equal(want.kept_mask, mask) and want.kept_mask.any()  # the rule rejects some rows, not all
+    assert not torch.equal(want.kept_mask, mask) and want.kept_mask.any()  # rejects some rows, not all
 
 
 def test_version_lag_and_decomposition_take_the_fused_path(kernel_calls, monkeypatch):
-    """The training step passes version and π_θ: the lag and the discrepancy/staleness split are computed beside
-    the kernel."""
+    """The training step passes version and π_θ: the lag and the discrepancy/staleness split are computed
+    beside the kernel."""
     config = preset("decoupled_geo_rs_token_tis")
     old, roll, mask, lp, kept = _batch(noise=0.3)
     version = torch.randint(0, 4, mask.shape, generator=torch.Generator().manual_seed(1))
@@ -159,7 +159,12 @@ def test_the_verl_drop_in_takes_the_fused_path(kernel_calls, monkeypatch):
     from rollcorr.compat.verl import compute_rollout_correction_and_rejection_mask as helper
 
     old, roll, mask, lp, kept = _batch(noise=0.3)
-    kw = dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k1", rollout_rs_threshold="0.95_1.05")
+    kw = dict(
+        rollout_is="token",
+        rollout_is_threshold=2.0,
+        rollout_rs="seq_mean_k1",
+        rollout_rs_threshold="0.95_1.05",
+    )
     weights, kept_mask, metrics = helper(old, roll, mask.float(), **kw)
     assert len(kernel_calls) == 1
     want_w, want_mask, want = _eager(monkeypatch, helper, old, roll, mask.float(), **kw)
@@ -183,4 +188,6 @@ def test_analyze_takes_the_fused_path(kernel_calls, monkeypatch):
     want = _eager(monkeypatch, analyze, dump, config)
     assert torch.equal(got.kept_mask, want.kept_mask) and got.notes == want.notes
     for key, value in want.metrics.items():
-        assert got.metrics[key] == pytest.approx(value, rel=2e-5, abs=1e-3 if key.endswith("_std") else 1e-6), key
+        assert got.metrics[key] == pytest.approx(
+            value, rel=2e-5, abs=1e-3 if key.endswith("_std") else 1e-6
+        ), key

@@ -1,5 +1,5 @@
-"""The loss catalogue (rollcorr.losses.registry): one declaration per loss, read by policy_loss, LossConfig, the
-trainer's validation and the verl drop-in; a loss registered from outside the package works everywhere."""
+"""The loss catalogue (rollcorr.losses.registry): one declaration per loss, read by policy_loss, LossConfig,
+the trainer's validation and the verl drop-in; a loss registered from outside the package works everywhere."""
 
 from __future__ import annotations
 
@@ -112,7 +112,8 @@ def test_a_loss_registered_outside_trains_two_steps(tmp_path, addition_model_dir
     from rollcorr.train.loop import run
 
     config = load_config(None, [
-        "task.name=addition:1", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=4",
+        "task.name=addition:1", "rollout.prompts_per_step=4", "rollout.group_size=4",
+        "rollout.max_new_tokens=4",
         "task.eval_prompts=0", "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false",
         "optim.lr=1e-3", "trainer.mini_batches=1", "trainer.steps=2", f"algorithm.loss={TOY}",
         f"model.path={addition_model_dir}", f"trainer.out={tmp_path / 'run'}",

@@ -179,7 +179,8 @@ def test_another_loss_brings_its_own_clip_and_aggregation():
 
     gspo = loss_spec("gspo")
     algo = build_algorithm(load_config(None, ["algorithm.loss=gspo"]))
-    assert (algo.loss.eps_low, algo.loss.eps_high, algo.loss.agg_mode) == (gspo.clip_low, gspo.clip_high, gspo.agg)
+    own = (gspo.clip_low, gspo.clip_high, gspo.agg)
+    assert (algo.loss.eps_low, algo.loss.eps_high, algo.loss.agg_mode) == own
     assert (gspo.clip_low, gspo.clip_high, gspo.agg) == (3e-4, 4e-4, "seq-mean-token-mean")
     algo = build_algorithm(load_config(None, ["algorithm.name=gspo"]))
     assert algo.loss.agg_mode == "seq-mean-token-mean"

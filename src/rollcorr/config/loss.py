@@ -14,5 +14,6 @@ AGG_MODES = (
     "seq-mean-token-sum-norm",
     "token-sum",
 )
-# Loss denominator after rejection: kept tokens, the pre-rejection counts, or every sequence of the batch (TRM).
+# Loss denominator after rejection: kept tokens, the pre-rejection counts, or every sequence of the batch
+# (TRM).
 DENOMINATORS = ("kept", "original", "batch")

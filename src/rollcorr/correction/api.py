@@ -29,7 +29,7 @@ from torch import Tensor
 
 from rollcorr.config.correction import CorrectionConfig
 from rollcorr.correction import fused
-from rollcorr.correction import metrics as M
+from rollcorr.correction import metrics as metric_fns
 from rollcorr.correction.ratios import (
     Rows,
     any_per_row,
@@ -86,7 +86,8 @@ def _apply_row_rules(
     if row_keep is None:
         return mask.clone(), rows.num_tokens, rows.valid
     kept_tokens = (rows.n * row_keep).sum()
-    metrics.update(M.rs_total_from_counts(rows.num_tokens - kept_tokens, rows.valid & ~row_keep, rows))
+    rejected_rows = rows.valid & ~row_keep
+    metrics.update(metric_fns.rs_total_from_counts(rows.num_tokens - kept_tokens, rejected_rows, rows))
     return _masked(mask, row_keep[:, None]), kept_tokens, rows.valid & row_keep
 
 
@@ -195,7 +196,9 @@ def compute_correction(
     reductions = fused.plan(config, mask.numel())
     kernel = None
     if reductions is not None:  # None from row_statistics: the kernel is unavailable, go on eagerly
-        kernel = fused.row_statistics(anchor, rollout, mask, config, reductions, names=names, validate=validate)
+        kernel = fused.row_statistics(
+            anchor, rollout, mask, config, reductions, names=names, validate=validate
+        )
     if kernel is not None:
         stats, sums = kernel
         rows, tok, k3 = stats.rows, None, None
@@ -216,7 +219,7 @@ def compute_correction(
             raw, row_log = raw_weights(tok, config.is_level, config.safety_bound)
             w = apply_threshold(raw, tok.mask_f, config.is_mode, config.is_upper, config.is_lower)
             metrics.update(
-                M.is_metrics(
+                metric_fns.is_metrics(
                     w, raw, row_log, tok, config.is_level, config.is_upper, config.is_lower, config.is_mode
                 )
             )
@@ -250,7 +253,7 @@ def compute_correction(
         kept = tok.mask & keep
         kept_tokens = torch.count_nonzero(kept).to(tok.dtype)
         kept_rows, rejected_rows = any_per_row(kept), any_per_row(tok.mask & ~kept)
-        metrics.update(M.rs_total_from_counts(tok.num_tokens - kept_tokens, rejected_rows, tok))
+        metrics.update(metric_fns.rs_total_from_counts(tok.num_tokens - kept_tokens, rejected_rows, tok))
         out_mask = _masked(mask, keep)
     _count_metrics(
         metrics, rows, shape[0], kept_tokens, kept_rows, warn and (keep is not None or row_keep is not None)
@@ -259,23 +262,23 @@ def compute_correction(
     # ---- diagnostics ------------------------------------------------------------------------------
     late: dict[str, Tensor] = {}
     if version is not None:
-        late.update(M.staleness_metrics(version, current_version, mask_bool, rows))
+        late.update(metric_fns.staleness_metrics(version, current_version, mask_bool, rows))
     if tok is None:
         metrics.update(fused.diagnostics(sums, rows))
         if decomposition:
             dtype = rows.dtype
             masked = (torch.where(mask_bool, x.to(dtype), 0.0) for x in (anchor, rollout))
-            late.update(M.decomposition_metrics(log_prob, *masked, mask_bool, rows))
+            late.update(metric_fns.decomposition_metrics(log_prob, *masked, mask_bool, rows))
         metrics.update(late)
         return CorrectionResult(weights, out_mask, {PREFIX + k: v for k, v in metrics.items()})
-    metrics.update(M.offpolicy_metrics(tok, k3))
+    metrics.update(metric_fns.offpolicy_metrics(tok, k3))
     if decomposition:
-        late.update(M.decomposition_metrics(log_prob, tok.anchor, tok.rollout, tok.mask, tok))
+        late.update(metric_fns.decomposition_metrics(log_prob, tok.anchor, tok.rollout, tok.mask, tok))
     # Last reads of the masked log-probs (tok is local): exponentiate them in place for the
     # probability-space metrics, then reuse both buffers as the divergence metrics' scratch.
     p_old, p_rollout = tok.anchor.exp_(), tok.rollout.exp_()
-    prob = M.prob_mismatch(p_old, p_rollout, tok, overwrite=True)
-    metrics.update(M.divergence_metrics(tok, k3, scratch=(p_old, p_rollout)))
+    prob = metric_fns.prob_mismatch(p_old, p_rollout, tok, overwrite=True)
+    metrics.update(metric_fns.divergence_metrics(tok, k3, scratch=(p_old, p_rollout)))
     metrics.update(prob)
     metrics.update(late)
     return CorrectionResult(weights, out_mask, {PREFIX + k: v for k, v in metrics.items()})

@@ -26,8 +26,8 @@ its per-row reductions (``plan``): RS options at sequence level on k1/k2/k3 and 
 binary-KL options, veto and OPSM read the (B, T) tokens and keep the call eager. Staleness and the
 discrepancy/staleness split are computed beside the kernel; verl mode (``verl_compat``) is served with verl's
 conventions from the same sums. The first call compiles (13–35 s measured on a loaded 2-core machine with a
-cold cache, less once Inductor's on-disk cache holds the kernel; again per input dtype and kernel variant: token
-IS or not, the reductions the rules read); if compiling fails (no C++
+cold cache, less once Inductor's on-disk cache holds the kernel; again per input dtype and kernel variant:
+token IS or not, the reductions the rules read); if compiling fails (no C++
 compiler, an unsupported platform) a ``FusedUnavailableWarning`` says so once and every call takes the eager
 path. ``ROLLCORR_FUSED=0`` in the environment turns the fused path off.
 """
@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from rollcorr.config.correction import CorrectionConfig
-from rollcorr.correction import metrics as M
+from rollcorr.correction import metrics as metric_fns
 from rollcorr.correction.ratios import (
     NO_VALID_TOKEN,
     Rows,
@@ -92,8 +92,8 @@ def row_pass(
     verl: bool = False,
 ) -> dict[str, Tensor]:
     """The per-row reductions listed in the module docstring: (B,) tensors in the compute dtype, plus the
-    (B, T) token weights ``w`` when ``token_is`` = (mode, upper, lower) is given. ``reductions``: those the rules
-    declare ("sum_k1": Σ ℓ_c, negated; "sum_k2", "max_k2", "max_k3"; Σ k3 is always there), computed only
+    (B, T) token weights ``w`` when ``token_is`` = (mode, upper, lower) is given. ``reductions``: those the
+    rules declare ("sum_k1": Σ ℓ_c, negated; "sum_k2", "max_k2", "max_k3"; Σ k3 is always there), computed only
     when a rule reads them. ``verl``: also Σ of the unclamped k3 (verl's k3_kl). ``mask``: (B, T) bool. Pure;
     ``torch.compile`` turns it into one loop over the batch."""
     dtype = compute_dtype(old, rollout)
@@ -151,11 +151,11 @@ def row_pass(
         "d_max": d.amax(dim=-1),
         "small_diff_count": rsum(mask & (d < 1e-3)),
     }
-    for i, threshold in enumerate(M.PROB_SHARES):
+    for i, threshold in enumerate(metric_fns.PROB_SHARES):
         out[f"ge{i}"] = rsum(d >= threshold)
     if token_is is not None:
         mode, upper, lower = token_is
-        lo, hi = M.is_band(upper, lower)
+        lo, hi = metric_fns.is_band(upper, lower)
         raw = rho * mf
         w = apply_threshold(raw, mf, mode, upper, lower)
         out |= {
@@ -224,26 +224,31 @@ class KernelStatistics:
         return self.sums[f"max_{stat}"]
 
     def token(self, stat: str) -> Tensor:
-        raise RuntimeError(f"the fused path holds no (B, T) statistic ({stat}); the rule must declare reductions")
+        raise RuntimeError(
+            f"the fused path holds no (B, T) statistic ({stat}); the rule must declare its reductions"
+        )
 
 
-def diagnostics(s: dict[str, Tensor], rows: Rows) -> M.Metrics:
+def diagnostics(s: dict[str, Tensor], rows: Rows) -> metric_fns.Metrics:
     """The off-policy, divergence and probability-mismatch metrics from the kernel's row sums."""
     tot = {k: s[k].sum() for k in ("lr", "sum_k3", "rho2", "policy_kl", "js", "e_abs", "abs")}
     k3_kl = s["k3_unclamped"].sum() if rows.verl else tot["sum_k3"]
-    prob_sums = ("p_old_sum", "p_rollout_sum", "p_old_sq_sum", "p_rollout_sq_sum", "p_cross_sum", "small_diff_count")
+    prob_sums = (
+        "p_old_sum", "p_rollout_sum", "p_old_sq_sum", "p_rollout_sq_sum", "p_cross_sum", "small_diff_count",
+    )  # fmt: skip
     return {
-        **M.offpolicy_from_sums(
+        **metric_fns.offpolicy_from_sums(
             rows, old_row=s["old"], roll_row=s["rollout"], lr_row=s["lr"], lr_sum=tot["lr"], k3_sum=k3_kl,
             rho2_sum=tot["rho2"],
         ),
-        **M.divergence_from_sums(
-            rows, k3_sum=tot["sum_k3"], policy_kl_sum=tot["policy_kl"], js_sum=tot["js"], e_abs_sum=tot["e_abs"],
-            lr_sum=tot["lr"], abs_sum=tot["abs"],
+        **metric_fns.divergence_from_sums(
+            rows, k3_sum=tot["sum_k3"], policy_kl_sum=tot["policy_kl"], js_sum=tot["js"],
+            e_abs_sum=tot["e_abs"], lr_sum=tot["lr"], abs_sum=tot["abs"],
         ),
-        **M.prob_from_sums(
+        **metric_fns.prob_from_sums(
             rows.n, rows.num_tokens, **{k: s[k].sum() for k in prob_sums},
-            d_row_max=s["d_max"], d_row_sum=s["d_sum"], ge=[s[f"ge{i}"].sum() for i in range(len(M.PROB_SHARES))],
+            d_row_max=s["d_max"], d_row_sum=s["d_sum"],
+            ge=[s[f"ge{i}"].sum() for i in range(len(metric_fns.PROB_SHARES))],
         ),
     }  # fmt: skip
 
@@ -284,14 +289,16 @@ def row_statistics(
     return KernelStatistics(s, rows), s
 
 
-def is_weights(s: dict[str, Tensor], rows: Rows, mask: Tensor, config: CorrectionConfig) -> tuple[Tensor, M.Metrics]:
+def is_weights(
+    s: dict[str, Tensor], rows: Rows, mask: Tensor, config: CorrectionConfig
+) -> tuple[Tensor, metric_fns.Metrics]:
     """(B, T) thresholded IS weights (0 on padding) and the IS metrics, from the kernel's reductions.
     Sequence levels threshold the (B,) row weight (``weights.row_weights``), then broadcast it to the row's
     valid tokens."""
     level, mode, upper, lower = config.is_level, config.is_mode, config.is_upper, config.is_lower
     if level == "token":
         w = s["w"]
-        return w, M.is_metrics_from_sums(
+        return w, metric_fns.is_metrics_from_sums(
             rows, upper, lower, mode, row_log=None, w_sum=s["w_sum"].sum(), w_sq=s["w_sq"].sum(),
             w_row_sum=s["w_sum"], raw_row_sum=s["raw"], high=s["high"].sum(), low=s["low"].sum(),
             w_max=s["w_max"].max(), w_min=s["w_min"].min(),
@@ -299,9 +306,9 @@ def is_weights(s: dict[str, Tensor], rows: Rows, mask: Tensor, config: Correctio
     row_log, row_raw, row_w = row_weights(s["lr"], rows, level, config.safety_bound, mode, upper, lower)
     oob = None
     if mode == "mask":
-        out = (row_raw > M.is_band(upper, lower)[1]) | (row_raw < (lower or 0.0))
+        out = (row_raw > metric_fns.is_band(upper, lower)[1]) | (row_raw < (lower or 0.0))
         oob = (rows.n * out).sum()
-    metrics = M.is_metrics_from_sums(
+    metrics = metric_fns.is_metrics_from_sums(
         rows, upper, lower, mode, row_log=row_log, w_sum=(row_w * rows.n).sum(),
         w_sq=(row_w.square() * rows.n).sum(), w_row_sum=row_w * rows.n, raw_row_sum=row_raw * rows.n, oob=oob,
     )  # fmt: skip

@@ -26,8 +26,8 @@ mean k3 ≤ δ_avg) and OPSM (drop iff A < 0 and mean_t(log μ − log π_θ) > 
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -230,7 +230,7 @@ class Statistics:
         return _row_max(self.token(stat), self.tok)
 
 
-# ----------------------------------------------------------------------------------------------- the rule list
+# ------------------------------------------------------------------------------------------ the rule list
 @dataclass(frozen=True)
 class Rule:
     """One kind of rejection rule, declared once: ``rejection_rules`` applies every registered kind, for the
@@ -337,8 +337,8 @@ def _rs_metrics(outcomes: list[RuleOutcome], rows: Rows) -> dict[str, Tensor]:
 
 
 def _veto_active(config: CorrectionConfig) -> list[tuple[str, Any]]:
-    return [(name, limit) for name, limit in (("veto", config.veto_threshold), ("veto_upper", config.veto_upper))
-            if limit is not None]  # fmt: skip
+    limits = (("veto", config.veto_threshold), ("veto_upper", config.veto_upper))
+    return [(name, limit) for name, limit in limits if limit is not None]
 
 
 def _veto_apply(name: str, limit: float, stats: Statistics, context: dict) -> RuleOutcome:

@@ -41,13 +41,13 @@ from rollcorr.config.loss import AGG_MODES, DENOMINATORS
 from rollcorr.losses.aggregation import aggregate
 from rollcorr.losses.common import masked_mean
 from rollcorr.losses.dispatch import policy_loss
-from rollcorr.losses.registry import LOSSES, LossConfig, LossInputs, LossSpec, loss_spec, register_loss
-from rollcorr.losses.ppo import clip_cov_loss, kl_cov_loss, ppo_clip_loss  # noqa: I001 (registration order)
 from rollcorr.losses.is_weighted import is_loss_weights
+from rollcorr.losses.oapl import oapl_loss
+from rollcorr.losses.ppo import clip_cov_loss, kl_cov_loss, ppo_clip_loss
+from rollcorr.losses.registry import LOSSES, LossConfig, LossInputs, LossSpec, loss_spec, register_loss
 from rollcorr.losses.reinforce import cispo_loss, dro_loss, reinforce_loss
 from rollcorr.losses.sequence import gmpo_loss, gspo_loss
 from rollcorr.losses.trust_region import dppo_kl_loss, dppo_tv_loss, sapo_loss
-from rollcorr.losses.oapl import oapl_loss
 
 # The built-in losses, in registration order (a snapshot: ``LOSSES`` also holds losses registered later).
 LOSS_NAMES = tuple(LOSSES)

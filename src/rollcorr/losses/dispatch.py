@@ -55,8 +55,8 @@ def policy_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Compute `config.name`'s loss and aggregate it. Returns (scalar loss, detached metrics).
 
-    kept_mask: the tokens kept after rejection (the correction's ``kept_mask``); denominator_mask: valid tokens
-    before rejection (default kept_mask). advantages: (B, T) or (B,) (broadcast). What else a loss needs is
+    kept_mask: the tokens kept after rejection (the correction's ``kept_mask``); denominator_mask: valid
+    tokens before rejection (default kept_mask). advantages: (B, T) or (B,) (broadcast). What else a loss needs is
     declared by its ``LossSpec``: weights (detached correction weights w (B, T); every loss but ppo_is,
     vanilla_is, tis, areal and oapl takes them), rollout_log_prob (μ: ppo_is, vanilla_is, tis, areal, oapl),
     rewards (B,) and group_ids (B,) (oapl, which reads no advantages). If no token is kept the loss is

@@ -24,7 +24,7 @@ from rollcorr.losses.registry import LossConfig, LossInputs, LossResult, LossSpe
 def is_loss_weights(
     config: LossConfig, old_log_prob: Tensor, rollout_log_prob: Tensor, kept_mask: Tensor
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The detached weight w (B, T) of `config.name` (vanilla_is, tis or areal; 0 off the mask) and its metrics.
+    """The detached weight w (B, T) of `config.name` (vanilla_is, tis or areal; 0 off the mask), its metrics.
 
     vanilla_is: w = ρ;  tis: w = clamp(ρ, tis_floor, tis_cap);  areal: w = ρ·1[ρ ≤ areal_cap].
     """
@@ -41,7 +41,7 @@ def is_loss_weights(
     elif config.name == "vanilla_is":
         w = rho
     else:
-        raise ValueError(f"loss {config.name!r} is not one of the IS-weighted losses (vanilla_is, tis, areal)")
+        raise ValueError(f"loss {config.name!r} is not an IS-weighted loss (vanilla_is, tis, areal)")
     metrics["actor/is_weight_mean"] = masked_mean(w, tok.mask)
     return w, metrics
 

@@ -169,7 +169,8 @@ def _clip_cov(i: LossInputs, c: LossConfig) -> LossResult:
         generator = torch.Generator(device=i.log_prob.device).manual_seed(c.clip_cov_seed)
     return clip_cov_loss(
         i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, clip_low=c.eps_low, clip_high=c.eps_high,
-        ratio=c.clip_cov_ratio, cov_lb=c.clip_cov_lb, cov_ub=c.clip_cov_ub, generator=generator, weights=i.weights,
+        ratio=c.clip_cov_ratio, cov_lb=c.clip_cov_lb, cov_ub=c.clip_cov_ub, generator=generator,
+        weights=i.weights,
     )  # fmt: skip
 
 

@@ -75,7 +75,9 @@ class LossSpec:
         if not self.name.isidentifier():
             raise ValueError(f"LossSpec.name must be an identifier, got {self.name!r}")
         if self.agg not in AGG_MODES:
-            raise ValueError(f"LossSpec {self.name!r}: unknown aggregation {self.agg!r}; choose one of {AGG_MODES}")
+            raise ValueError(
+                f"LossSpec {self.name!r}: unknown aggregation {self.agg!r}; choose one of {AGG_MODES}"
+            )
         unknown = set(self.options) - _OPTION_FIELDS
         if unknown:
             raise ValueError(f"LossSpec {self.name!r}: options {sorted(unknown)} are not LossConfig fields")
@@ -130,7 +132,7 @@ class LossConfig:
     clip_cov_lb: float | None = None  # clip_cov: candidates have lb < cov < ub
     clip_cov_ub: float | None = None
     clip_cov_seed: int | None = None  # clip_cov: seed of the token draw when no generator is passed
-    kl_cov_ratio: float | None = None  # kl_cov: share of tokens (top covariance, at least one) given the KL term
+    kl_cov_ratio: float | None = None  # kl_cov: share of tokens (top covariance, ≥ 1) given the KL term
     kl_cov_coef: float | None = None  # kl_cov: coefficient of |Δ| (verl policy_loss.ppo_kl_coef)
     dro_beta: float | None = None  # dro: β of the quadratic penalty ½β·Δ²
     oapl_beta: float | None = None  # OAPL β
@@ -169,7 +171,9 @@ class LossConfig:
                 raise ValueError(f"LossConfig.{name} must be {what}, got {value}")
 
         check("tis_cap", lambda v: v > 0, "> 0")
-        if self.tis_floor is not None and not 0 <= self.tis_floor <= (math.inf if self.tis_cap is None else self.tis_cap):
+        if self.tis_floor is not None and not 0 <= self.tis_floor <= (
+            math.inf if self.tis_cap is None else self.tis_cap
+        ):
             raise ValueError(f"LossConfig.tis_floor must be in [0, tis_cap], got {self.tis_floor}")
         check("areal_cap", lambda v: v > 0, "> 0")
         check("dppo_kl_coef", lambda v: v >= 0, ">= 0")

@@ -166,13 +166,14 @@ for _name, _fn in (("dppo_tv", dppo_tv_loss), ("dppo_kl", dppo_kl_loss)):
     register_loss(LossSpec(
         _name,
         lambda i, c, fn=_fn: fn(i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, clip_low=c.eps_low,
-                                clip_high=c.eps_high, cap=c.clip_c, kl_coef=c.dppo_kl_coef, weights=i.weights),
+                                clip_high=c.eps_high, cap=c.clip_c, kl_coef=c.dppo_kl_coef,
+                                weights=i.weights),
         options={"dppo_kl_coef": 0.0}, verl_name=_name,
     ))  # fmt: skip
 register_loss(LossSpec(
     "sapo",
     lambda i, c: sapo_loss(i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, tau_pos=c.sapo_tau_pos,
                            tau_neg=c.sapo_tau_neg, weights=i.weights),
-    clip_low=0.0, clip_high=0.0, agg="seq-mean-token-mean", options={"sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05},
-    verl_name="sapo",
+    clip_low=0.0, clip_high=0.0, agg="seq-mean-token-mean",
+    options={"sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05}, verl_name="sapo",
 ))  # fmt: skip

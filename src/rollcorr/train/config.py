@@ -47,7 +47,7 @@ REFUSED_LOSSES: dict[str, str] = {
     "areal": "algorithm.loss=ppo_clip algorithm.correction.preset=areal_decoupled_cap (w = ρ·1[ρ ≤ 5]; set the cap "
              "with algorithm.correction.is_upper)",
 }  # fmt: skip
-# algorithm.loss_args: the losses' own hyper-parameters (their LossSpec.options) and the losses that read them.
+# algorithm.loss_args: the losses' own hyper-parameters (their LossSpec.options), the losses that read them.
 # The other LossConfig fields come from other keys (clip_low → algorithm.clip_low, clip_c → algorithm.dual_clip,
 # agg → algorithm.aggregation, denominator → the correction, oapl_beta → algorithm.oapl_beta, ...).
 OWN_KEYS = ("oapl_beta", "oapl_beta1", "clip_cov_seed")  # set by their own algorithm.* key, or the seed
@@ -429,7 +429,8 @@ def validate(c: TrainConfig) -> None:
         instead = REFUSED_LOSSES.get(loss, "algorithm.loss=ppo_clip with an algorithm.correction preset")
         raise ConfigError(f"algorithm.loss: {loss!r} weights by π_old/μ itself, which the trainer leaves to "
                           f"algorithm.correction; for the same loss use {instead}")  # fmt: skip
-    _check(loss in accepted_losses(), "algorithm.loss", f"unknown loss {loss!r}; use one of {accepted_losses()}")
+    accepted = accepted_losses()
+    _check(loss in accepted, "algorithm.loss", f"unknown loss {loss!r}; use one of {accepted}")
     _validate_loss_args(loss, a.loss_args)
     _check(a.resolved("advantage") in ADVANTAGES, "algorithm.advantage",
            f"unknown advantage estimator {a.advantage!r}; use one of {ADVANTAGES}")  # fmt: skip
