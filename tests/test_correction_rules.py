@@ -89,6 +89,22 @@ def test_a_rule_registered_outside_runs_eager_and_fused_alike(toy_rule, kernel_c
     assert rule_reductions(dataclasses.replace(config, veto_threshold=1e-4)) is None
 
 
+def test_analyze_explains_a_rule_registered_outside(toy_rule):
+    from rollcorr.analyze.analysis import analyze
+    from rollcorr.analyze.cli import sample_dump_path
+    from rollcorr.analyze.dumps import read_dump
+    from rollcorr.analyze.render import describe
+
+    config = CorrectionConfig(is_level="token", is_upper=2.5)
+    assert "toy_max_abs_log_ratio 1.28" in describe(config)
+    dump = read_dump(sample_dump_path())
+    result = analyze(dump, config)
+    (summary,) = [r for r in result.rules if r.rule == "toy_max_abs_log_ratio"]
+    dropped = int((dump.response_mask.any(-1) & ~result.kept_mask.any(-1)).sum())
+    assert summary.level == "sequence" and summary.sequences == dropped
+    assert not any("does not match" in note for note in result.notes)
+
+
 # ---- every fusable rule, per rule --------------------------------------------------------------------------
 PER_RULE = {
     "seq_sum_k1": CorrectionConfig(rs=("seq_sum_k1",), rs_thresholds=("0.2_5.0",)),
