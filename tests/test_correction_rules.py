@@ -12,11 +12,11 @@ import math
 
 import pytest
 import torch
-from tests.test_correction_perf_fused import _assert_close, _batch
 
 from rollcorr.config import CorrectionConfig, preset
 from rollcorr.correction import compute_correction, fused
 from rollcorr.correction.rejection import RULES, Rule, RuleOutcome, register_rule, rule_reductions
+from test_correction_perf_fused import _assert_close, _batch  # tests/ is on sys.path (pytest rootdir)
 
 
 @pytest.fixture
