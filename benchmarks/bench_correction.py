@@ -125,7 +125,7 @@ def against_verl(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, r
 
     torch.set_num_threads(1)
     b, t = mask.shape
-    print(f"{'case (rollcorr preset)':44s} {'rollcorr CPU ms':>15s} {'eager CPU ms':>12s} "
+    print(f"{'case (rollcorr preset)':48s} {'rollcorr CPU ms':>15s} {'eager CPU ms':>12s} "
           f"{'drop-in CPU ms':>14s} {'verl CPU ms':>12s} {'M tok/s':>8s} {'verl M tok/s':>12s} "
           f"{'speed-up':>8s} {'drop-in speed-up':>16s} {'load':>5s}")  # fmt: skip
     for label, (name, kwargs) in AGAINST_VERL.items():
@@ -152,7 +152,7 @@ def against_verl(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, r
         calls = (ours, eager, ours_as_verl, theirs)
         times = [tuple(_cpu_ms(c) for c in calls) for _ in range(repeat)]  # interleaved
         a, e, d, v = (statistics.median(x) for x in zip(*times))
-        print(f"{label + ' (' + name + ')':44s} {a:15.1f} {e:12.1f} {d:14.1f} {v:12.1f} "
+        print(f"{label + ' (' + name + ')':48s} {a:15.1f} {e:12.1f} {d:14.1f} {v:12.1f} "
               f"{b * t / a / 1e3:8.1f} {b * t / v / 1e3:12.1f} {v / a:8.2f} {v / d:16.2f} "
               f"{os.getloadavg()[0]:5.1f}")  # fmt: skip
 
