@@ -1,8 +1,9 @@
 """rollcorr inside TRL's GRPOTrainer (the `.[trl]` extra, TRL 1.16), on CPU with the built-in model.
 
-TRL runs GRPOTrainer without vLLM; a ``rollout_func`` hands it sampling log-probs from a rollcorr sampler
-(the built-in model in bfloat16, weights synced from the trainer's float32 model every batch), which is
-what vLLM's ``sampling_per_token_logps`` are on a GPU. Skipped when TRL is not installed.
+TRL runs GRPOTrainer without vLLM; rollcorr's ``SamplerRollout`` hands it sampling log-probs from a rollcorr
+sampler through TRL's ``rollout_func`` hook (by default the built-in model in bfloat16, weights synced from
+the trainer's float32 model every optimiser step), which is what vLLM's ``sampling_per_token_logps`` are on a
+GPU. Skipped when TRL is not installed.
 """
 
 from __future__ import annotations
@@ -29,30 +30,6 @@ def test_installed_version():
     import trl
 
     assert trl.__version__.startswith("1.16.")
-
-
-def bf16_rollout_func():
-    """A TRL ``rollout_func``: a bfloat16 copy of the trainer's model samples each prompt token by token
-    (one full forward per token) and reports log μ of every sampled token, as vLLM does on a GPU."""
-    sampler, _ = load_builtin(dtype="bfloat16")
-    gen = torch.Generator().manual_seed(0)
-
-    @torch.no_grad()
-    def rollout_func(prompts, trainer):
-        sampler.load_state_dict(trainer.model.state_dict())  # weight sync (cast to bf16)
-        prompt_ids = [trainer.processing_class(p)["input_ids"] for p in prompts]
-        ids = torch.tensor(prompt_ids)  # the test's prompts share one length: no padding needed
-        completions = torch.empty(len(prompts), 0, dtype=torch.long)
-        logprobs = torch.empty(len(prompts), 0)
-        for _ in range(6):
-            logits = sampler(input_ids=torch.cat([ids, completions], 1)).logits[:, -1].float()
-            logp = torch.log_softmax(logits, -1)
-            token = torch.multinomial(logp.exp(), 1, generator=gen)
-            completions = torch.cat([completions, token], 1)
-            logprobs = torch.cat([logprobs, logp.gather(-1, token)], 1)
-        return {"prompt_ids": prompt_ids, "completion_ids": completions.tolist(), "logprobs": logprobs.tolist()}
-
-    return rollout_func
 
 
 def alternating_reward(completions, **kwargs):
@@ -83,7 +60,7 @@ def make_trainer(tmp_path, cls=RollcorrGRPOTrainer, steps=3, rollout_func=None, 
         args=args,
         train_dataset=data,
         processing_class=tokenizer,
-        rollout_func=rollout_func or bf16_rollout_func(),
+        rollout_func=rollout_func or SamplerRollout("hf:bf16"),
         **kwargs,
     )
 
@@ -235,3 +212,19 @@ def test_docs_trl_snippets_run(tmp_path, monkeypatch):
     assert argv[0] == "rollcorr" and main(argv[1:]) == 0
     exec(mapping, scope)
     assert scope["config"].is_mode == "mask" and scope["config"].denominator == "original"
+
+
+@pytest.mark.slow  # starts a vLLM engine (~20 s on 2 cores)
+def test_sampler_rollout_with_the_vllm_sampler(tmp_path):
+    """The route docs/trl.md gives instead of TRL's colocated vLLM: vllm:fp32 through SamplerRollout, fp32
+    learner: sampler and learner agree to rounding, and the engine takes the trainer's weights each step."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'rollcorr[vllm]')")
+    rollout = SamplerRollout("vllm:fp32", block_size=32)
+    try:
+        trainer = make_trainer(tmp_path, steps=2, rollout_func=rollout, dump_path=tmp_path / "v.jsonl")
+        trainer.train()
+        dump = read_dump(tmp_path / "v.jsonl")
+        assert len(dump) == 2 * 4 and rollout.loaded_step == 1
+        assert prob_diff_max(dump) < 1e-3  # after a weight sync too: stale weights would be far off
+    finally:
+        rollout.close()
