@@ -321,6 +321,7 @@ def test_analyze_applies_the_correction_the_dump_records(capsys, tmp_path):
     assert "the dump's own correction (= preset decoupled_token_is)" in out
     report = json.loads(out_json.read_text())
     assert report["config_source"].startswith("the dump's own correction")
+    assert report["config"]["is_level"] == "token" and report["rejected_tokens"] == 0  # TIS rejects nothing
     # told otherwise: --preset wins, and the report says so
     assert main(["analyze", str(path), "--preset", DEFAULT_PRESET]) == 0
     assert f"preset {DEFAULT_PRESET}" in capsys.readouterr().out
