@@ -583,9 +583,16 @@ def test_docs_verl_snippets_run(restore_verl, tmp_path):
     exec(hook, scope)
     batch = _proto(5)
     batch.batch["responses"] = torch.zeros_like(batch.batch["response_mask"], dtype=torch.long)
-    scope["dump_rollouts"](batch, tmp_path / "rollouts.jsonl", step=3)
+    from rollcorr.models.builtin import load_builtin
+
+    _, tokenizer = load_builtin()
+    correction = from_verl({"rollout_is": "token", "rollout_is_threshold": 2.0})
+    scope["dump_rollouts"](batch, tmp_path / "rollouts.jsonl", step=3, tokenizer=tokenizer, correction=correction)
+    from rollcorr.analyze.dumps import read_dump
     from rollcorr.cli import main
 
+    dump = read_dump(tmp_path / "rollouts.jsonl")
+    assert dump.token_text is not None and type(correction).from_dict(dump.correction) == correction
     assert main(["analyze", str(tmp_path / "rollouts.jsonl")]) == 0
 
 
