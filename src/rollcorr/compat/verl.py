@@ -369,8 +369,9 @@ def install(*, strict_verl: bool = False) -> list[str]:
     }
     rebind = {}
     for (module, attr), fn in replacements.items():
-        for previous in (_verl_original(module, attr), getattr(module, attr)):  # verl's, or an earlier install's
-            rebind[id(previous)] = fn
+        for previous in (_verl_original(module, attr), getattr(module, attr, None)):  # verl's, an earlier install's
+            if previous is not None:
+                rebind[id(previous)] = fn
         setattr(module, attr, fn)
     # verl modules imported before install() hold the functions by name (`from ... import agg_loss` in
     # verl/trainer/ppo/ray_trainer.py, v1/trainer_base.py, workers/utils/losses.py): rebind those names too
@@ -388,4 +389,4 @@ _ORIGINALS: dict[tuple[str, str], Any] = {}
 def _verl_original(module: Any, attr: str) -> Any:
     """verl's own function ``module.attr``, remembered the first time install() replaces it (so a second
     install() still finds the names that verl modules bound to it)."""
-    return _ORIGINALS.setdefault((module.__name__, attr), getattr(module, attr))
+    return _ORIGINALS.setdefault((module.__name__, attr), getattr(module, attr, None))
