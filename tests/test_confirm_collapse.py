@@ -8,7 +8,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from experiments import confirm_collapse as cc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,7 +81,9 @@ def test_early_warning_counts_hits_false_alarms_and_refuses_to_judge_few_collaps
     m = result["metrics"][cc.WARNING_KEYS[0]]
     assert (m["hits"], m["collapsed"], m["false_alarms"], m["steady"]) == (1, 1, 0, 1)
     assert m["verdict"].startswith("not judged")
-    many = [run("q4_0/ppo", collapsing, 20)] * 3 + [run("bf16/ppo", steady, 30)] + [run("bf16/ppo", steady)] * 4
+    many = (
+        [run("q4_0/ppo", collapsing, 20)] * 3 + [run("bf16/ppo", steady, 30)] + [run("bf16/ppo", steady)] * 4
+    )
     m = cc.early_warning(many)["metrics"][cc.WARNING_KEYS[0]]
     assert (m["hits"], m["false_alarms"], m["verdict"]) == (3, 1, "useful")  # 1 false alarm of 5 ≤ 20 %
     m = cc.early_warning(many + [run("bf16/ppo", steady, 30)])["metrics"][cc.WARNING_KEYS[0]]
@@ -110,7 +111,9 @@ def test_protocol_unchanged_since_its_commit_and_results_record_it():
     first = cc.protocol_commit()
     if first is None:
         pytest.skip("the protocol is not committed yet (or history is shallow)")
-    assert _git("diff", "--quiet", first, "HEAD", "--", cc.PROTOCOL).returncode == 0, "the protocol was edited"
+    assert _git("diff", "--quiet", first, "HEAD", "--", cc.PROTOCOL).returncode == 0, (
+        "the protocol was edited"
+    )
     results = ROOT / "experiments/results/confirm_collapse/results.json"
     if results.is_file():
         summary = json.loads(results.read_text())["summary"]
