@@ -306,7 +306,9 @@ def _written_dump(tmp_path, correction):
     roll = (old + 0.02 * torch.randn(6, 5, generator=g)).clamp(max=0)
     tokens = torch.randint(0, 300, (6, 5), generator=g)
     path = tmp_path / "written.jsonl"
-    write_dump(path, roll, old, torch.ones(6, 5), tokens=tokens, tokenizer=_Tokenizer(), correction=correction)
+    write_dump(
+        path, roll, old, torch.ones(6, 5), tokens=tokens, tokenizer=_Tokenizer(), correction=correction
+    )
     return path, tokens
 
 

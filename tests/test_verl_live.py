@@ -587,7 +587,9 @@ def test_docs_verl_snippets_run(restore_verl, tmp_path):
 
     _, tokenizer = load_builtin()
     correction = from_verl({"rollout_is": "token", "rollout_is_threshold": 2.0})
-    scope["dump_rollouts"](batch, tmp_path / "rollouts.jsonl", step=3, tokenizer=tokenizer, correction=correction)
+    scope["dump_rollouts"](
+        batch, tmp_path / "rollouts.jsonl", step=3, tokenizer=tokenizer, correction=correction
+    )
     from rollcorr.analyze.dumps import read_dump
     from rollcorr.cli import main
 
@@ -645,7 +647,9 @@ def test_cov_losses_strict_mode_leave_the_log_ratio_unclamped(mode):
     (l_v, m_v), (l_s, m_s) = _verl_and_rollcorr(mode, old, new, adv, mask, "token-mean", config)
     torch.testing.assert_close(l_s, l_v, rtol=1e-12, atol=0)
     assert m_s == pytest.approx(m_v, rel=1e-9)
-    l_d, m_d = R.get_policy_loss_fn(mode)(old, new, adv, mask, "token-mean", config)  # default: clamped at ±20
+    l_d, m_d = R.get_policy_loss_fn(mode)(
+        old, new, adv, mask, "token-mean", config
+    )  # default: clamped at ±20
     # kl_cov's r enters the loss; clip_cov clips it for A > 0, but its ppo_kl metric still sees the clamp
     assert not torch.isclose(l_d, l_v, rtol=1e-3) or m_d["actor/ppo_kl"] != pytest.approx(m_v["actor/ppo_kl"])
 
@@ -704,7 +708,9 @@ def test_offpolicy_metrics_accept_positive_log_probs_after_strict_install(restor
 
 def test_install_reaches_names_verl_modules_imported_before_it(restore_verl):
     """workers/utils/losses.py (and the trainers) import agg_loss & co. by name at import time."""
-    worker_losses = pytest.importorskip("verl.workers.utils.losses", reason="needs verl's worker deps (datasets)")
+    worker_losses = pytest.importorskip(
+        "verl.workers.utils.losses", reason="needs verl's worker deps (datasets)"
+    )
 
     assert worker_losses.agg_loss is V.agg_loss  # verl's, bound before install()
     R.install()

@@ -130,7 +130,9 @@ def load_config(
         try:
             recorded_config = CorrectionConfig.from_dict(recorded)
         except (TypeError, ValueError) as err:
-            raise ValueError(f"the dump's recorded correction is not a valid CorrectionConfig ({err})") from None
+            raise ValueError(
+                f"the dump's recorded correction is not a valid CorrectionConfig ({err})"
+            ) from None
         base = recorded_config.to_dict()
         source.insert(0, f"the dump's own correction ({_preset_name(recorded_config)})")
     elif preset_name is None and config_path is None:
@@ -186,7 +188,9 @@ def run(args: argparse.Namespace) -> int:
                 f"--json {args.json_out}: is a directory; give a file name, e.g. {args.json_out / 'analysis.json'}"
             )
         if args.config is not None or args.preset is not None or args.dialect is not None:
-            load_config(args.preset, args.config, args.overrides, args.dialect)  # bad options fail before reading
+            load_config(
+                args.preset, args.config, args.overrides, args.dialect
+            )  # bad options fail before reading
         dump = read_dump(
             path,
             rollout_field=args.rollout_field,

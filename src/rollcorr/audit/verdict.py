@@ -67,7 +67,10 @@ SEQ_ESS_BROKEN = 0.1  # sequence ESS below this: no reweighting recovers the lea
 
 # The correction to suggest at each level and the evidence it rests on: one table, updated when a study lands.
 SUGGESTIONS: dict[str, dict[str, str]] = {
-    "same": {"preset": "disabled", "evidence": "the engines agree to float noise: there is nothing to correct"},
+    "same": {
+        "preset": "disabled",
+        "evidence": "the engines agree to float noise: there is nothing to correct",
+    },
     "fp16": {
         "preset": "tis",
         "evidence": "no token moves by 0.01; token TIS (w = min(ρ, 2)) is a guard that costs nothing here",
@@ -90,7 +93,9 @@ def references_for(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     model (``summary["source"]["model"]``), the published ones always."""
     model = str(summary.get("source", {}).get("model", ""))
     return {
-        key: ref for key, ref in REFERENCES.items() if ref["model"] is None or model.split(":")[0] == ref["model"]
+        key: ref
+        for key, ref in REFERENCES.items()
+        if ref["model"] is None or model.split(":")[0] == ref["model"]
     }
 
 
@@ -173,7 +178,11 @@ def verdict(summary: dict[str, Any]) -> list[str]:
             "The engines are as close as fp16 numerics put two engines holding the same model — precision alone "
             "keeps the mismatch this small: " + _compare(p, refs)
         )
-        out.append(_suggest(where, f"token ESS/N {ess_tok:.3g}, sequence ESS/N {ess_seq:.3g}: the weights barely spread"))
+        out.append(
+            _suggest(
+                where, f"token ESS/N {ess_tok:.3g}, sequence ESS/N {ess_seq:.3g}: the weights barely spread"
+            )
+        )
     elif where == "bf16":
         out.append(
             "The engines are as far apart as bf16 numerics usually put two engines holding the same model: "

@@ -44,7 +44,11 @@ from rollcorr.correction.metrics import metrics_to_floats
 __all__ = ["LEARNER_PRECISIONS", "RollcorrGRPOTrainer", "SamplerRollout", "correct_trl_batch"]
 
 # learner precision -> (GRPOConfig.bf16, GRPOConfig.fp16, accelerate's mixed_precision)
-LEARNER_PRECISIONS = {"fp32": (False, False, "no"), "bf16": (True, False, "bf16"), "fp16": (False, True, "fp16")}
+LEARNER_PRECISIONS = {
+    "fp32": (False, False, "no"),
+    "bf16": (True, False, "bf16"),
+    "fp16": (False, True, "fp16"),
+}
 
 
 def correct_trl_batch(

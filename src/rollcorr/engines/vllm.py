@@ -59,7 +59,9 @@ MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-2, 2.0  # vLLM clamps below 0.01 (changing
 SEED_SPACE = 2**62
 
 
-VERBOSE_ENV = "ROLLCORR_VLLM_VERBOSE"  # "1": vLLM logs at INFO (engine start-up, config) as it does by default
+VERBOSE_ENV = (
+    "ROLLCORR_VLLM_VERBOSE"  # "1": vLLM logs at INFO (engine start-up, config) as it does by default
+)
 
 
 def import_vllm():
