@@ -95,7 +95,7 @@ def references_for(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {
         key: ref
         for key, ref in REFERENCES.items()
-        if ref["model"] is None or model.split(":")[0] == ref["model"]
+        if ref["model"] is None or model == ref["model"]
     }
 
 
