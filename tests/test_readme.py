@@ -124,7 +124,7 @@ NOT_HERE = {
     ("docs/verl.md", "import torch"): "tests/test_verl_live.py::test_docs_verl_snippets_run runs every block of docs/verl.md against the installed verl",
     ("docs/trl.md", "ROLLCORR_OPTIONAL=trl bash scripts/setup.sh"): "tests/test_trl_live.py::test_docs_trl_snippets_run runs every block of docs/trl.md against the installed TRL (checks the setup line)",
     ("docs/trl.md", "from rollcorr.config import from_trl"): "tests/test_trl_live.py::test_docs_trl_snippets_run runs every block of docs/trl.md against the installed TRL",
-    ("docs/trl.md", "from trl import GRPOConfig"): "tests/test_trl_live.py::test_docs_trl_snippets_run runs every block of docs/trl.md against the installed TRL",
+    ("docs/trl.md", "from datasets import Dataset"): "tests/test_trl_live.py::test_docs_trl_snippets_run runs every block of docs/trl.md against the installed TRL",
     ("docs/trl.md", "rollcorr analyze runs/trl/rollouts.jsonl"): "tests/test_trl_live.py::test_docs_trl_snippets_run runs every block of docs/trl.md against the installed TRL",
     ("docs/vllm.md", "from rollcorr.engines import SamplingParams, make_learner, make_sampler"):
         "tests/test_engines_vllm.py::test_docs_example_runs runs it on the real engine",
@@ -140,6 +140,8 @@ NOT_HERE = {
         "pretrains the shipped long-task checkpoint (tens of minutes)",
     ("docs/builtin-model.md", "prompt   7730,                                                          (x₀ = 377)"):
         "a sample of the task's text",
+    ("docs/confirm-collapse.md", "PYTHONPATH=. .venv/bin/python -m experiments.confirm_collapse --part 1/2 &   # one process per core"):
+        "the confirmatory study (CPU-hours); tests/test_confirm_collapse.py runs its --quick path and its rules",
     ("docs/results.md", "OMP_NUM_THREADS=1 rollcorr train --config chain model.sampler=hf:fp32 algorithm.correction.preset=disabled optim.lr=<lr> rollout.temperature=<T> trainer.steps=100"):
         "a template with placeholders (the protocol's tuning runs)",
     ("docs/results.md", "# tuning, second round: a checkpoint stopped later in pretraining, more steps, temperature"):
@@ -285,10 +287,18 @@ def _tensors(b: int = 3, t: int = 5, seed: int = 0) -> dict:
 def exec_python(body: str, tmp_path: Path, **scope) -> dict:
     """Run a snippet with the names it leaves to the reader (tensors of the right shapes, a learner, …)."""
     from rollcorr.config.correction import CorrectionConfig
+    from rollcorr.correction.rejection import RULES
+    from rollcorr.losses import LOSSES
 
     scope = {"CorrectionConfig": CorrectionConfig, **_tensors(), **scope}
-    with contextlib.chdir(tmp_path), contextlib.redirect_stdout(io.StringIO()):
-        exec(compile(body, "<docs>", "exec"), scope)
+    losses, rules = dict(LOSSES), list(RULES)  # a recipe registers a loss or a rule: never leak it
+    try:
+        with contextlib.chdir(tmp_path), contextlib.redirect_stdout(io.StringIO()):
+            exec(compile(body, "<docs>", "exec"), scope)
+    finally:
+        LOSSES.clear()
+        LOSSES.update(losses)
+        RULES[:] = rules
     return scope
 
 
@@ -315,6 +325,10 @@ def run_library_snippets(name: str, first: str, tmp_path: Path, addition_model_d
     elif first.startswith("from rollcorr.audit"):
         scope = exec_python(body, tmp_path)
         assert (tmp_path / "runs" / "my-audit" / "report.html").is_file()
+    elif name == "docs/architecture.md" and "register_rule" in body:  # the recipe's rule rejected rows
+        scope = exec_python(body, tmp_path)
+        share = scope["corr"].metrics["rollout_corr/max_abs_log_ratio_seq_fraction"].item()
+        assert 0 < share < 1 and not scope["corr"].kept_mask.all()
     else:
         scope = exec_python(body, tmp_path)
         if "loss" in scope and isinstance(scope["loss"], torch.Tensor):
@@ -345,6 +359,8 @@ RUN = {
     ("docs/engines.md", "from rollcorr.engines import make_sampler, make_learner, SamplingParams"): "python",
     ("docs/logprobs.md", "from rollcorr.logprobs import logprobs_from_hidden, logprobs_from_logits"): "python",
     ("docs/losses.md", "from rollcorr.losses import LossConfig, policy_loss"): "python",
+    ("docs/architecture.md", "import torch"): "python",
+    ("docs/architecture.md", "import math"): "python",
     ("docs/metrics.md", "from rollcorr.correction import mismatch_stats"): "python",
     ("docs/proximal.md", "from rollcorr.proximal import make_proximal"): "python",
     ("docs/proximal.md", ".venv/bin/rollcorr train trainer.steps=3 trainer.mode=async trainer.partial_rollouts=true \\"):
