@@ -13,7 +13,9 @@ claim is made.
 
 One function per study (``STUDIES``) maps its results.json to ``Row``s; the generated blocks (``BLOCKS``) sit
 between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in docs/results.md and README.md. Adding a study is
-one function and one ``STUDIES`` entry.
+one function, one ``STUDIES`` entry (``Study(rows, page=...)`` when its verdict list lives on another page)
+and an empty ``<!-- verdicts:<folder>:begin -->`` / ``<!-- verdicts:<folder>:end -->`` pair on that page;
+``--write`` fills it and its summary rows.
 """
 
 from __future__ import annotations
@@ -393,14 +395,25 @@ def _run_mean(r: dict[str, Any], arm: str, key: str) -> float:
 
 # ---------------------------------------------------------------- the generated blocks
 
-# results folder → (the study's rows function, extra results folders it reads)
-STUDIES: dict[str, tuple[Callable[..., list[Row]], tuple[str, ...]]] = {
-    "mismatch_anatomy": (mismatch_anatomy, ("vllm_mismatch",)),
-    "quantised_rollouts": (quantised_rollouts, ()),
-    "staleness": (staleness, ()),
-    "oapl_lag": (oapl_lag, ()),
-    "throughput": (throughput, ()),
-    "long_mismatch": (long_mismatch, ()),
+
+@dataclass(frozen=True)
+class Study:
+    """How one study's verdicts are made: ``rows(results, *extra results)`` and the page holding its
+    ``<!-- verdicts:<folder>:begin -->`` block."""
+
+    rows: Callable[..., list[Row]]
+    extra: tuple[str, ...] = ()  # further results folders ``rows`` reads
+    page: str = "docs/results.md"
+
+
+# results folder → Study, in the summary's order. A new study: its rows function and one entry here.
+STUDIES: dict[str, Study] = {
+    "mismatch_anatomy": Study(mismatch_anatomy, ("vllm_mismatch",)),
+    "quantised_rollouts": Study(quantised_rollouts),
+    "staleness": Study(staleness),
+    "oapl_lag": Study(oapl_lag),
+    "throughput": Study(throughput),
+    "long_mismatch": Study(long_mismatch),
 }
 
 
@@ -412,8 +425,8 @@ def load(name: str, results: Path = RESULTS) -> dict[str, Any]:
 
 
 def rows(study: str, results: Path = RESULTS) -> list[Row]:
-    fn, extra = STUDIES[study]
-    return fn(load(study, results), *(load(e, results) for e in extra))
+    spec = STUDIES[study]
+    return spec.rows(load(study, results), *(load(e, results) for e in spec.extra))
 
 
 def summary_table(all_rows: list[Row]) -> str:
@@ -471,7 +484,7 @@ def _study_verdicts(study: str, results: Path = RESULTS) -> str:
 
 BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
     "summary": ("docs/results.md", lambda res: summary_table([x for s in STUDIES for x in rows(s, res)])),
-    **{f"verdicts:{s}": ("docs/results.md", partial(_study_verdicts, s)) for s in STUDIES},
+    **{f"verdicts:{s}": (spec.page, partial(_study_verdicts, s)) for s, spec in STUDIES.items()},
     "verdicts": ("README.md", readme_sentence),
 }
 
