@@ -45,6 +45,8 @@ PER_SEQUENCE_LOSSES = ("gmpo", "oapl")
 # Losses that regress log π_θ − log μ on the rewards (OAPL): they read μ, the rewards and the group ids, not
 # π_old, the advantages or IS weights, and come with their own advantage estimator.
 REGRESSION_LOSSES = ("oapl",)
+# Losses that clip the ratio π_θ/π_old (or |Δp|) to [1 − ε_lo, 1 + ε_hi]: ε_lo > 1 is a bound that never binds.
+RATIO_CLIP_LOSSES = ("ppo_clip", "ppo_is", "vanilla_is", "tis", "areal", "cispo", "gspo", "clip_cov", "dppo_tv")
 # Losses with no ratio of their own (−A · w · log π_θ): the correction's weight must supply π_θ/μ in bypass mode.
 RATIO_FREE_LOSSES = ("reinforce", "gpg")
 
@@ -122,6 +124,10 @@ class LossConfig:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"LossConfig.{name} must be a finite number >= 0, got {value}")
+        low = LOSS_DEFAULTS[self.name][0] if self.clip_low is None else self.clip_low
+        if self.name in RATIO_CLIP_LOSSES and low > 1:  # 1 − ε_lo < 0: a ratio is never below it
+            raise ValueError(f"LossConfig.clip_low: {low:g} makes the lower clip 1 − ε_lo = {1 - low:g} < 0, which "
+                             f"never binds for {self.name}; use ε_lo in [0, 1] (1 = no lower bound)")  # fmt: skip
         if self.clip_c is not None and not self.clip_c > 1:
             raise ValueError(f"LossConfig.clip_c (dual clip / dppo ratio cap) must be > 1, got {self.clip_c}")
         if self.norm_constant is not None and not self.norm_constant > 0:

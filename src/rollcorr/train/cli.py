@@ -6,6 +6,7 @@ With no arguments: the built-in model learns the built-in addition task with the
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -21,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--config", type=Path, default=None, help="YAML config (default: the shipped default.yaml)"
     )
     parser.add_argument("--out", type=Path, default=None,
-                        help="run folder, new or empty (default: runs/<timestamp>-<random suffix>)")  # fmt: skip
+                        help="run folder, new or empty, taken as a path (never YAML; a leading ~ is your home) "
+                             "(default: runs/<timestamp>-<random suffix>)")  # fmt: skip
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the run already in --out (default: refuse a non-empty folder)")  # fmt: skip
     parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
@@ -34,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import yaml
 
+    from rollcorr.safe_io import UnsafePathError, describe_os_error
+    from rollcorr.train.checkpoint import CheckpointError
     from rollcorr.train.config import ConfigError, load_config
     from rollcorr.train.rundir import RunFinished, RunFolderError
 
@@ -44,9 +48,9 @@ def run(args: argparse.Namespace) -> int:
             if args.out is not None or args.overwrite:
                 raise ConfigError("--resume: the run continues in RUN_DIR; drop --out / --overwrite")
             config_path = args.resume / "config.yaml"
-            if not config_path.is_file():
+            if not os.path.lexists(config_path):
                 raise ConfigError(f"--resume: {str(config_path)!r} does not exist (not a run folder?)")
-            config = load_config(config_path, args.overrides)
+            config = load_config(config_path, args.overrides, inside_run=True)  # a link there is refused
         else:
             overrides = list(args.overrides)
             if args.out is not None:
@@ -68,6 +72,17 @@ def run(args: argparse.Namespace) -> int:
     hf_logging.disable_progress_bar()  # checkpoints call save_pretrained; rollcorr's own bar is the one to read
     try:
         result = run_training(config, resume=args.resume, overwrite=args.overwrite)
+    except (UnsafePathError, CheckpointError) as err:  # a link in the run folder, a checkpoint that cannot be written
+        print(f"rollcorr train: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a full disk, a file-size limit, a read-only folder: nothing lost, one line
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"rollcorr train: {where}{describe_os_error(err)}; the run folder keeps its last checkpoint "
+              f"(continue with rollcorr train --resume RUN_DIR once fixed)", file=sys.stderr)  # fmt: skip
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C while the models load (the run's own handler takes over once it trains)
+        print("rollcorr train: interrupted", file=sys.stderr)
+        return 130
     except RunFinished as done:
         print(f"rollcorr train: {done}")
         return 0

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rollcorr.safe_io import UnsafePathError
 from rollcorr.train.alerts import RunAlerts
 from rollcorr.train.checkpoint import (
     load_latest_intact,
@@ -39,6 +40,7 @@ from rollcorr.train.rundir import (
     RunFolderError,
     RunLock,
     check_new_run_dir,
+    check_restart_from_zero,
     check_resume_config,
     clear_run_dir,
     new_run_dir,
@@ -261,16 +263,17 @@ def open_resume(run_dir: Path, config: TrainConfig) -> tuple[dict[str, Any] | No
     (``rundir.RESUMABLE_KEYS``), ``trainer.steps`` against its step, and a finished run (``RunFinished``).
     Leftovers of a kill during a save are tidied first (``recover_checkpoints``).
     """
-    root = Path(run_dir) / "checkpoints"
-    if root.exists() and not root.is_dir():
-        raise RunFolderError(f"{root}: is not a directory (a damaged run folder); move it aside to restart")
-    messages = recover_checkpoints(run_dir)
-    path, state, skipped = load_latest_intact(run_dir)
+    try:  # a link or a file where checkpoints/ should be: refused, never followed
+        messages = recover_checkpoints(run_dir)
+        path, state, skipped = load_latest_intact(run_dir)
+    except UnsafePathError as err:
+        raise RunFolderError(f"{err} (a damaged run folder); move it aside to restart") from None
     messages += skipped
     if state is None and skipped:  # checkpoints exist but none loads: never silently start over
         raise RunFolderError(f"{run_dir}: no checkpoint can be read ({'; '.join(skipped)}); move "
                              f"{run_dir / 'checkpoints'} aside to restart the run from step 0")  # fmt: skip
     if state is None:
+        check_restart_from_zero(run_dir, config.trainer.checkpoint_every)
         messages.append(f"{run_dir}: no checkpoint yet (killed before the first one); restarting from step 0")
         return None, messages
     step, steps = int(state["step"]), config.trainer.steps
@@ -308,6 +311,7 @@ def open_run_dir(config: TrainConfig, run_dir: Path | None, resume: Path | None,
         check_new_run_dir(folder, overwrite)  # again, now that no one else can write
         if overwrite:
             clear_run_dir(folder)
+        (folder / "checkpoints").mkdir()  # from the start: a resume that finds it gone refuses to restart
     except BaseException:
         lock.release()
         raise
