@@ -207,6 +207,9 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if args.worst < 0:
         return _fail(f"--worst must be >= 0, got {args.worst}")
+    out = _out_dir(args.out)
+    if out.exists() and not out.is_dir():  # e.g. `--from-log F --out F`: checked before any work
+        return _fail(f"--out {out}: exists and is not a folder (the report is a folder of files); choose another")
     try:
         if args.from_log:
             given = [f"--{name.replace('_', '-')}" for name in LIVE_ONLY if getattr(args, name, None)]
@@ -223,8 +226,12 @@ def run(args: argparse.Namespace) -> int:
                 data = _collect_live(args, console, workdir)
     except (ValueError, FileNotFoundError, ImportError, NotImplementedError) as err:
         return _fail(str(err))
-    out = _out_dir(args.out)
-    summary = write_report(data, out, worst_k=args.worst)
+    try:
+        summary = write_report(data, out, worst_k=args.worst)
+    except OSError as err:  # a read-only place (/proc, /sys), a full disk: one line
+        from rollcorr.safe_io import describe_os_error
+
+        return _fail(f"--out {out}: cannot write the report ({describe_os_error(err)})")
     print_summary(summary, console)
     malformed = summary["source"].get("malformed_rows")
     if malformed:

@@ -95,6 +95,18 @@ def run(args: argparse.Namespace) -> int:
     except FloatingPointError as err:  # the weights diverged (NaN logits in the sampler): no traceback to read
         print(f"rollcorr train: {err}", file=sys.stderr)
         return 1
+    except RuntimeError as err:  # the sampler process died, failed or stopped beating: one line, not a chain
+        from rollcorr.train.sampler_process import SamplerProcessError
+
+        cause = err if isinstance(err, SamplerProcessError) else err.__cause__
+        if not isinstance(cause, SamplerProcessError):
+            raise
+        first, _, details = str(cause).partition("\n")
+        print(f"rollcorr train: {first}; the run folder keeps its last checkpoint (continue with rollcorr train "
+              f"--resume RUN_DIR)", file=sys.stderr)  # fmt: skip
+        if details:  # an exception inside the sampler: its own traceback, once
+            print(details, file=sys.stderr)
+        return 1
     acc = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
     print(
         f"run folder: {result.run_dir}\n"

@@ -95,7 +95,14 @@ class RunLogger:
     def message(self, text: str) -> None:
         if self.progress is not None:
             self.progress.console.print(text)
-        else:
+        else:  # plain output (trainer.progress=false): the same text without its rich markup
+            from rich.errors import MarkupError
+            from rich.text import Text
+
+            try:
+                text = Text.from_markup(text).plain
+            except MarkupError:
+                pass
             print(text, flush=True)
 
     def close(self) -> None:
