@@ -112,12 +112,18 @@ def _prepare_prompts(prompts: list[str], args, tokenizer) -> list[str]:
     if args.chat:
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("--chat: the model's tokenizer has no chat template")
-        prompts = [
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-            )
-            for p in prompts
-        ]
+        from jinja2 import TemplateError
+
+        try:  # transformers renders templates in a sandbox: an escape attempt is a SecurityError, not code run
+            prompts = [
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+                )
+                for p in prompts
+            ]
+        except TemplateError as err:
+            raise ValueError(f"--chat: the model's chat template failed ({type(err).__name__}: "
+                             f"{str(err).splitlines()[0][:160] if str(err) else 'no message'})") from None  # fmt: skip
     reps = -(-args.num_responses // len(prompts))  # cycle through the prompts until N responses
     return (prompts * reps)[: args.num_responses]
 
@@ -151,6 +157,10 @@ def _collect_live(args, console, workdir: str):
             model_path = materialise_gguf(model, gguf_file, Path(workdir) / "model")
         learner = make_learner(learner_spec, model_path=model_path)
         prompts = _prepare_prompts(prompts, args, learner.tokenizer)
+        from rollcorr.engines.preflight import check_prompts
+
+        positions = getattr(learner.model.config, "max_position_embeddings", None)
+        check_prompts(learner.tokenizer, list(dict.fromkeys(prompts)), params.max_new_tokens, positions, "prompt")
         sampler_kw = {}
         if parse_spec(sampler_spec).backend == "llamacpp":
             # llama.cpp allocates its KV cache for max_batch rows × n_ctx tokens up front; the model's own

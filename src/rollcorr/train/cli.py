@@ -36,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import yaml
 
+    from rollcorr.engines.preflight import PreflightError
     from rollcorr.safe_io import UnsafePathError, describe_os_error
     from rollcorr.train.checkpoint import CheckpointError
     from rollcorr.train.config import ConfigError, load_config
@@ -74,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
         result = run_training(config, resume=args.resume, overwrite=args.overwrite)
     except (UnsafePathError, CheckpointError) as err:  # a link in the run folder, a checkpoint that cannot be written
         print(f"rollcorr train: {err}", file=sys.stderr)
+        return 2
+    except PreflightError as err:  # prompts the model cannot take (found once the tokenizer is loaded)
+        print(f"rollcorr train: config error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # a full disk, a file-size limit, a read-only folder: nothing lost, one line
         where = f"{err.filename}: " if err.filename else ""

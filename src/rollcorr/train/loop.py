@@ -348,6 +348,7 @@ class Trainer:
     ) -> None:
         """Models, optimizer, executor, evaluator, logger; then the checkpoint's state when resuming."""
         from rollcorr.engines import make_learner, make_sampler
+        from rollcorr.engines.preflight import check_prompts
         from rollcorr.tasks import make_task
         from rollcorr.train.eval import GreedyEvaluator
         from rollcorr.train.executors import make_executor
@@ -365,6 +366,10 @@ class Trainer:
             lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
         )  # fmt: skip
         self.task = make_task(config.task.name)
+        # a user's prompts: encodable, and within the model's positions (the hf sampler would run past them)
+        check_prompts(self.learner.tokenizer, [str(item.get("prompt", "")) for item in getattr(self.task, "items", [])],
+                      r.max_new_tokens, getattr(self.learner.model.config, "max_position_embeddings", None),
+                      f"task.name: {config.task.name} prompt")  # fmt: skip
         # the sampler is built where it runs: here (sync, simulated_async), in a sampler process (async) or in
         # Ray actors (trainer.executor=ray)
         self.executor = make_executor(config)
