@@ -3,6 +3,7 @@ values, a stopped or killed sampler process, plain-text messages (issue: inputs 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -172,3 +173,14 @@ def test_killed_sampler_process_is_one_line(tmp_path, addition_model_dir, capsys
     assert main(["train", "--out", str(tmp_path / "run"), *args]) == 1
     err = capsys.readouterr().err
     assert "died" in err and "--resume" in err and "Traceback" not in err
+
+
+def test_integer_advantage_past_float_range_is_a_malformed_row(tmp_path):
+    from rollcorr.analyze.dumps import read_dump
+
+    row = {"rollout_log_probs": [-1.0, -2.0], "old_log_probs": [-1.1, -2.1]}
+    text = json.dumps(row)[:-1] + ', "advantages": 1' + "0" * 400 + "}\n"  # JSON allows any integer
+    path = tmp_path / "dump.jsonl"
+    path.write_text(text + json.dumps({**row, "advantages": 1.0}) + "\n")
+    dump = read_dump(path)
+    assert len(dump.malformed) == 1 and "too large for a float" in dump.malformed[0].reason

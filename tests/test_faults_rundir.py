@@ -294,3 +294,46 @@ def test_out_given_on_the_command_line_keeps_its_name(tmp_path, addition_model_d
     for name in ("run #2", "2024-01-01", "null"):
         assert main(["train", "--out", name, *TINY, f"model.path={addition_model_dir}", "trainer.steps=1"]) == 0
         assert (tmp_path / name / "checkpoints" / "step_000001").is_dir()
+
+
+def test_file_size_limit_is_one_line_and_keeps_the_last_checkpoint(tmp_path, addition_model_dir):
+    """A real EFBIG: `ulimit -f` below the size of a checkpoint; the run stops with one line, nothing lost."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def limit():  # the shell's `ulimit -f 600` (KiB), with SIGXFSZ ignored so the write fails with EFBIG
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (600 * 1024, 600 * 1024))
+
+    out = tmp_path / "run"
+    args = [*TINY, f"model.path={addition_model_dir}", "trainer.steps=2", "trainer.checkpoint_every=1"]
+    proc = subprocess.run([sys.executable, "-m", "rollcorr.cli", "train", "--out", str(out), *args],
+                          capture_output=True, text=True, preexec_fn=limit, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert proc.returncode in (1, 2), proc.stderr[-2000:]
+    assert ("file too large" in proc.stderr or "file-size limit" in proc.stderr) and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp-")]  # no half-written copy
+
+
+def test_out_that_cannot_be_created_is_one_line(tmp_path, addition_model_dir, capsys):
+    assert main(["train", "--out", "/proc/rollcorr-run", *TINY, f"model.path={addition_model_dir}"]) == 2
+    assert "cannot create the run folder" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert main(["train", "--out", str(tmp_path / "file" / "run"), *TINY, f"model.path={addition_model_dir}"]) == 2
+    assert "cannot create the run folder" in capsys.readouterr().err
+
+
+def test_ctrl_c_during_start_up_is_one_line_and_leaves_no_folder(tmp_path, addition_model_dir, capsys,
+                                                                  monkeypatch):  # fmt: skip
+    import rollcorr.engines
+
+    def interrupted(*args, **kwargs):  # what a Ctrl-C raises while the learner loads
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rollcorr.engines, "make_learner", interrupted)
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), *TINY, f"model.path={addition_model_dir}"]) == 130
+    assert capsys.readouterr().err.strip() == "rollcorr train: interrupted" and not out.exists()

@@ -34,6 +34,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # Ctrl-C while checking or loading (a training run handles its own signals)
+        print("rollcorr train: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     import yaml
 
     from rollcorr.engines.preflight import PreflightError
@@ -84,9 +92,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"rollcorr train: {where}{describe_os_error(err)}; the run folder keeps its last checkpoint "
               f"(continue with rollcorr train --resume RUN_DIR once fixed)", file=sys.stderr)  # fmt: skip
         return 1
-    except KeyboardInterrupt:  # Ctrl-C while the models load (the run's own handler takes over once it trains)
-        print("rollcorr train: interrupted", file=sys.stderr)
-        return 130
     except RunFinished as done:
         print(f"rollcorr train: {done}")
         return 0

@@ -43,6 +43,7 @@ from rollcorr.train.rundir import (
     check_restart_from_zero,
     check_resume_config,
     clear_run_dir,
+    make_run_dir,
     new_run_dir,
     repair_metrics,
 )
@@ -305,7 +306,7 @@ def open_run_dir(config: TrainConfig, run_dir: Path | None, resume: Path | None,
     if (folder / LOCK_FILE).exists():  # a run may be writing there right now: say so, with its pid
         RunLock(folder).release()
     check_new_run_dir(folder, overwrite)
-    folder.mkdir(parents=True, exist_ok=True)
+    make_run_dir(folder)
     lock = RunLock(folder)
     try:
         check_new_run_dir(folder, overwrite)  # again, now that no one else can write

@@ -95,6 +95,15 @@ def check_new_run_dir(run_dir: Path, overwrite: bool = False) -> None:
         )
 
 
+def make_run_dir(run_dir: Path) -> None:
+    """Create the (checked) folder of a new run; ``RunFolderError`` (one line) where that is impossible
+    (``/proc``, a read-only disk, a parent that is a file)."""
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunFolderError(f"--out {run_dir}: cannot create the run folder ({describe_os_error(err)})") from None
+
+
 def clear_run_dir(run_dir: Path) -> None:
     """Delete everything in a (locked, checked) run folder except the lock file."""
     for p in _contents(Path(run_dir)):
