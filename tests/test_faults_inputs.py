@@ -184,3 +184,29 @@ def test_integer_advantage_past_float_range_is_a_malformed_row(tmp_path):
     path.write_text(text + json.dumps({**row, "advantages": 1.0}) + "\n")
     dump = read_dump(path)
     assert len(dump.malformed) == 1 and "too large for a float" in dump.malformed[0].reason
+
+
+def test_first_sigterm_ends_a_step_waiting_on_a_stopped_sampler(tmp_path, addition_model_dir):
+    import threading
+
+    from rollcorr.train.checkpoint import list_checkpoints
+    from rollcorr.train.loop import Trainer
+
+    args = ["task.name=addition:1", "rollout.prompts_per_step=2", "rollout.group_size=2", "trainer.steps=50",
+            "rollout.max_new_tokens=4", "task.eval_prompts=0", "trainer.progress=false", "trainer.plot=false",
+            "trainer.tensorboard=false", "trainer.mini_batches=1", "trainer.mode=async", "trainer.max_staleness=1",
+            f"model.path={addition_model_dir}", f"trainer.out={tmp_path / 'run'}"]  # fmt: skip
+    trainer = Trainer(load_config(None, args))
+    one_step = trainer._one_step
+
+    def step_then_stop_the_sampler():
+        out = one_step()
+        if trainer.step == 2:
+            os.kill(trainer.executor.source.pid, signal.SIGSTOP)  # its queue drains, then the trainer waits
+            threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        return out
+
+    trainer._one_step = step_then_stop_the_sampler
+    result = trainer.run()  # used to wait forever
+    assert "SIGTERM" in result.stopped
+    assert list_checkpoints(result.run_dir)[-1].name == f"step_{result.steps:06d}"

@@ -403,6 +403,7 @@ class Trainer:
         if resumed:  # keep every intact line up to the checkpoint (none of them on a restart from step 0)
             notes.append(repair_metrics(self.run_dir, self.step if state is not None else -1))
         self.stop_signal: int | None = None
+        self._waiting_for_sampler = False
         self.logger = RunLogger(self.run_dir, t.steps, tensorboard=t.tensorboard, wandb=t.wandb, progress=t.progress,
                                 config=config.to_dict(), resume_step=self.step if resumed else None)  # fmt: skip
         for note in notes:
@@ -471,6 +472,9 @@ class Trainer:
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
         self.logger.message(f"[yellow]{signal.Signals(signum).name}:[/yellow] saving a checkpoint after this "
                             "step (send it again to stop at once)")  # fmt: skip
+        if self._waiting_for_sampler:  # async: nothing of this step happened yet; do not wait on the sampler
+            raise TrainingStopped(f"{signal.Signals(signum).name} at step {self.step} (while waiting for the "
+                                  f"sampler); continue with rollcorr train --resume {self.run_dir}")  # fmt: skip
 
     def run(self) -> RunResult:
         """Train to ``trainer.steps``; a SIGINT/SIGTERM stops after the current step with a checkpoint."""
@@ -534,7 +538,16 @@ class Trainer:
     def _one_step(self) -> dict[str, float]:
         t = self.config.trainer
         step_start = time.perf_counter()
-        rollout, metrics = self.executor.next_rollout(self.step, self.version)
+        # async: a signal while the sampler process is awaited ends the step at once (a stopped or slow sampler
+        # cannot hold the first SIGTERM); the flag is set before stop_signal is read, so none slips between
+        self._waiting_for_sampler = self.config.trainer.mode == "async"
+        try:
+            if self._waiting_for_sampler and self.stop_signal is not None:
+                raise TrainingStopped(f"{signal.Signals(self.stop_signal).name} at step {self.step}; continue "
+                                      f"with rollcorr train --resume {self.run_dir}")  # fmt: skip
+            rollout, metrics = self.executor.next_rollout(self.step, self.version)
+        finally:
+            self._waiting_for_sampler = False
         if rollout.rollout_log_prob is None:
             raise missing_log_probs_error(self.proximal, self.config)
 

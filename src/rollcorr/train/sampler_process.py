@@ -295,6 +295,8 @@ class ProcessSource:
         process, conn = self._process, self._conn
         if process is None:
             return
+        if _process_state(process.pid) in ("T", "t"):  # stopped (SIGSTOP): it can answer nothing; end it now
+            process.kill()
         if conn is not None and self._lock.acquire(timeout=timeout_s):
             try:
                 _send(conn, ("close", ()))
