@@ -137,14 +137,18 @@ def test_stopped_sampler_process_is_a_heartbeat_timeout(versions):
     from rollcorr.train.executors import SourceSpec
     from rollcorr.train.sampler_process import ProcessSource, SamplerProcessError
 
-    spec = SourceSpec("hf:fp32", None, "addition:1", SamplingParams(max_new_tokens=4, seed=0), 2, 2, 0, threads=1)
+    spec = SourceSpec(
+        "hf:fp32", None, "addition:1", SamplingParams(max_new_tokens=4, seed=0), 2, 2, 0, threads=1
+    )
     source = ProcessSource(spec)
     source.heartbeat_timeout_s = 5.0
     try:
         source.load_weights(versions(0), 0)
         source.sample(0)
         os.kill(source.pid, signal.SIGSTOP)
-        with pytest.raises(SamplerProcessError, match=r"sent no heartbeat for 5 s during 'sample': it is stopped"):
+        with pytest.raises(
+            SamplerProcessError, match=r"sent no heartbeat for 5 s during 'sample': it is stopped"
+        ):
             source.sample(1)
     finally:
         if source.pid is not None:

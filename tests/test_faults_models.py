@@ -70,7 +70,10 @@ def test_shapes_that_disagree_with_config_are_refused(model, tmp_path, capsys):
 
 def test_index_naming_a_missing_shard_is_refused(model):
     (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
-    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    index = {
+        "metadata": {},
+        "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"},
+    }
     (model / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(PreflightError, match="names 1 shard.*00002"):
         preflight("hf:fp32", model)
@@ -78,7 +81,9 @@ def test_index_naming_a_missing_shard_is_refused(model):
 
 def test_missing_tokenizer_files_are_refused(model, tmp_path, capsys):
     (model / "tokenizer.json").unlink()
-    assert "no tokenizer files" in train_refuses(tmp_path, model, capsys)  # failed in step 1 and left a folder
+    assert "no tokenizer files" in train_refuses(
+        tmp_path, model, capsys
+    )  # failed in step 1 and left a folder
 
 
 def test_tokenizer_larger_than_the_embedding_is_refused(model):
@@ -93,7 +98,9 @@ def test_tokenizer_larger_than_the_embedding_is_refused(model):
 
 
 def test_auto_map_with_an_unknown_model_type_is_refused(model):
-    edit_config(model, model_type="mystery_lm", auto_map={"AutoModelForCausalLM": "modeling_mystery.MysteryLM"})
+    edit_config(
+        model, model_type="mystery_lm", auto_map={"AutoModelForCausalLM": "modeling_mystery.MysteryLM"}
+    )
     with pytest.raises(PreflightError, match="'mystery_lm' is not known.*never runs a model's own code"):
         preflight("hf:fp32", model)
 
@@ -130,7 +137,9 @@ def test_characters_the_builtin_tokenizer_cannot_encode_are_refused(model, tmp_p
 def test_prompts_longer_than_the_model_positions_are_refused(model, tmp_path, capsys):
     positions = json.loads((model / "config.json").read_text())["max_position_embeddings"]
     task = write_task(tmp_path, "1" * positions)  # the hf sampler ran past its positions without a word
-    assert f"past the model's {positions} positions" in train_refuses(tmp_path, model, capsys, f"task.name={task}")
+    assert f"past the model's {positions} positions" in train_refuses(
+        tmp_path, model, capsys, f"task.name={task}"
+    )
 
 
 def test_audit_refuses_long_prompts_and_template_escapes(model, tmp_path, capsys):

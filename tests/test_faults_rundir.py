@@ -81,7 +81,10 @@ def test_lock_file_link_never_touches_its_target(tmp_path, run_copy, addition_mo
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     (fresh / ".lock").symlink_to(target)
-    assert main(["train", "--out", str(fresh), *TINY, f"model.path={addition_model_dir}", "trainer.steps=1"]) == 2
+    assert (
+        main(["train", "--out", str(fresh), *TINY, f"model.path={addition_model_dir}", "trainer.steps=1"])
+        == 2
+    )
     assert "symbolic link" in capsys.readouterr().err
     assert target.read_text() == "precious\n"
 
@@ -175,7 +178,11 @@ def test_outputs_that_are_fifos_or_streams_are_written_in_place(tmp_path):
     write_output(fifo, b'{"a": 1}\n')
     reader.join(timeout=60)
     assert got == [b'{"a": 1}\n'] and stat.S_ISFIFO(os.stat(fifo).st_mode)  # still a FIFO
-    assert writes_in_place("/dev/stdout") and writes_in_place("/dev/null") and not writes_in_place(tmp_path / "x")
+    assert (
+        writes_in_place("/dev/stdout")
+        and writes_in_place("/dev/null")
+        and not writes_in_place(tmp_path / "x")
+    )
 
 
 def test_analyze_json_into_a_fifo_keeps_the_fifo(tmp_path):
@@ -213,7 +220,9 @@ def test_flipped_bit_in_the_newest_checkpoint_falls_back_with_a_line(run_copy, c
     capsys.readouterr()
     assert resume(run_copy, "trainer.steps=3").steps == 3
     out = capsys.readouterr().out
-    assert "skipped checkpoint step_000002" in out and "checksum mismatch" in out and "from step_000001" in out
+    assert (
+        "skipped checkpoint step_000002" in out and "checksum mismatch" in out and "from step_000001" in out
+    )
 
 
 def test_manifest_is_written_with_every_checkpoint(run_copy):
@@ -292,7 +301,9 @@ def test_out_is_a_path_never_yaml(tmp_path):
 def test_out_given_on_the_command_line_keeps_its_name(tmp_path, addition_model_dir, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for name in ("run #2", "2024-01-01", "null"):
-        assert main(["train", "--out", name, *TINY, f"model.path={addition_model_dir}", "trainer.steps=1"]) == 0
+        assert (
+            main(["train", "--out", name, *TINY, f"model.path={addition_model_dir}", "trainer.steps=1"]) == 0
+        )
         assert (tmp_path / name / "checkpoints" / "step_000001").is_dir()
 
 
@@ -313,16 +324,23 @@ def test_file_size_limit_is_one_line_and_keeps_the_last_checkpoint(tmp_path, add
                           capture_output=True, text=True, preexec_fn=limit, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert proc.returncode in (1, 2), proc.stderr[-2000:]
-    assert ("file too large" in proc.stderr or "file-size limit" in proc.stderr) and "Traceback" not in proc.stderr
+    assert (
+        "file too large" in proc.stderr or "file-size limit" in proc.stderr
+    ) and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
-    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp-")]  # no half-written copy
+    assert not [
+        p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp-")
+    ]  # no half-written copy
 
 
 def test_out_that_cannot_be_created_is_one_line(tmp_path, addition_model_dir, capsys):
     assert main(["train", "--out", "/proc/rollcorr-run", *TINY, f"model.path={addition_model_dir}"]) == 2
     assert "cannot create the run folder" in capsys.readouterr().err
     (tmp_path / "file").write_text("")
-    assert main(["train", "--out", str(tmp_path / "file" / "run"), *TINY, f"model.path={addition_model_dir}"]) == 2
+    assert (
+        main(["train", "--out", str(tmp_path / "file" / "run"), *TINY, f"model.path={addition_model_dir}"])
+        == 2
+    )
     assert "cannot create the run folder" in capsys.readouterr().err
 
 

@@ -155,7 +155,7 @@ def save_checkpoint(
         kept = [p.name for p in list_checkpoints(run_dir)]
         raise CheckpointError(f"{final}: cannot write the checkpoint ({reason}); nothing was lost: "
                               f"{', '.join(kept) if kept else 'no older checkpoint'} kept as it was, the "
-                              "temporary copy removed")  # fmt: skip
+                              "temporary copy removed") from None  # fmt: skip
     if final.exists():
         old = final.parent / f".old-{final.name}"
         shutil.rmtree(old, ignore_errors=True)

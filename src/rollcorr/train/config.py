@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
