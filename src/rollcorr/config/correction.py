@@ -270,9 +270,10 @@ class CorrectionConfig:
 
     @classmethod
     def from_yaml(cls, text: str) -> CorrectionConfig:
-        import yaml
+        """Bounded YAML (``rollcorr.config.yaml_io``: aliases, depth, size; a key twice is refused)."""
+        from rollcorr.config.yaml_io import load_yaml
 
-        return cls.from_dict(yaml.safe_load(text) or {})
+        return cls.from_dict(load_yaml(text, "CorrectionConfig YAML") or {})
 
     def replace(self, **changes: Any) -> CorrectionConfig:
         return CorrectionConfig.from_dict({**self.to_dict(), **changes})
