@@ -271,23 +271,30 @@ def check_llamacpp_model(spec: str, quant: str | None, model_path, gguf_file: st
                              f"models; {str(model_path)!r} is {arch!r} (use an hf or vllm sampler)")  # fmt: skip
 
 
-def check_prompts(tokenizer, prompts: list[str], max_new_tokens: int, max_positions: int | None, what: str) -> None:
+def check_prompts(
+    tokenizer, prompts: list[str], max_new_tokens: int, max_positions: int | None, what: str
+) -> None:
     """PreflightError(field="prompts") for a prompt the tokenizer cannot encode (an ``<unk>``, or characters
     it drops) or one whose tokens plus ``max_new_tokens`` exceed the model's ``max_positions``."""
+    from transformers.utils import logging as hf_logging
+
     unk = getattr(tokenizer, "unk_token_id", None)
     vocab = tokenizer.get_vocab() if is_char_tokenizer(tokenizer) else None
-    longest = 0
-    for i, text in enumerate(prompts):
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if vocab is not None:
-            unknown = sorted({c for c in text if c not in vocab})
-            if unknown:
-                raise PreflightError("prompts", f"{what} {i}: characters the tokenizer cannot encode "
-                                     f"({''.join(unknown[:10])!r}); it would drop them")  # fmt: skip
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "sequence length is longer than ..." is what this check says, in one line
+    try:
+        encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in prompts]
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    for i, (text, ids) in enumerate(zip(prompts, encoded)):
+        unknown = sorted({c for c in text if c not in vocab}) if vocab is not None else []
+        if unknown:
+            raise PreflightError("prompts", f"{what} {i}: characters the tokenizer cannot encode "
+                                 f"({''.join(unknown[:10])!r}); it would drop them")  # fmt: skip
         if unk is not None and unk in ids:
             raise PreflightError("prompts", f"{what} {i}: text the tokenizer cannot encode (it becomes its "
                                  "unknown token)")  # fmt: skip
-        longest = max(longest, len(ids))
+    longest = max(map(len, encoded), default=0)
     if max_positions is not None and longest + max_new_tokens > max_positions:
         raise PreflightError("prompts", f"{what}: the longest is {longest} tokens; with {max_new_tokens} new "
                              f"tokens that is past the model's {max_positions} positions")  # fmt: skip
