@@ -95,7 +95,7 @@ def test_values_that_never_bind_or_overflow_are_refused(override, message, capsy
 
 
 def test_cispo_keeps_its_no_lower_bound_default():
-    from rollcorr.config.loss import LossConfig
+    from rollcorr.losses import LossConfig
 
     assert LossConfig(name="cispo", clip_low=1.0).clip_low == 1.0  # 1 − ε_lo = 0: "no lower bound"
     assert LossConfig(name="gmpo", clip_low=1.5).clip_low == 1.5  # log space: exp(−1.5) binds
