@@ -19,7 +19,7 @@ from rollcorr.engines import SamplingParams, make_sampler
 from rollcorr.tasks import make_task
 from rollcorr.train.checkpoint import latest_checkpoint, load_checkpoint
 from rollcorr.train.config import load_config
-from rollcorr.train.executors import RolloutSource, finished
+from rollcorr.train.source import RolloutSource, finished
 from rollcorr.train.loop import Trainer, run
 
 pytestmark = pytest.mark.usefixtures("alternating_rewards")
@@ -215,7 +215,7 @@ def test_every_algorithm_runs_two_steps(tmp_path, addition_model_dir, name):
 
 def test_admission_counts_dropped_batches_against_the_trained_version():
     """Batch i is trained at version i − dropped: a drop makes later batches *older*-tolerant, not fresher."""
-    from rollcorr.train.executors import admissible, trained_version
+    from rollcorr.train.source import admissible, trained_version
 
     assert trained_version(5, dropped=2) == 3
     assert admissible(5, dropped=2, sampler_version=1, max_staleness=2)  # trained at 3, lag 2

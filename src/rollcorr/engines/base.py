@@ -17,6 +17,8 @@ from torch import Tensor, nn
 
 from rollcorr.rollout import Rollout
 
+StateDict = dict[str, Tensor]  # parameter name → tensor: what a learner publishes and a sampler loads
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -76,7 +78,7 @@ class Sampler(Protocol):
         max_steps: int | None = None,
     ) -> Rollout: ...
 
-    def load_weights(self, state_dict: dict[str, Tensor], version: int) -> int: ...
+    def load_weights(self, state_dict: StateDict, version: int) -> int: ...
 
     def close(self) -> None: ...
 
@@ -97,7 +99,7 @@ class Learner(Protocol):
         grad: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]: ...
 
-    def state_dict(self) -> dict[str, Tensor]: ...
+    def state_dict(self) -> StateDict: ...
 
     def parameters(self): ...
 

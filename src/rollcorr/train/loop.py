@@ -346,7 +346,7 @@ class Trainer:
         from rollcorr.engines import make_learner, make_sampler
         from rollcorr.tasks import make_task
         from rollcorr.train.eval import GreedyEvaluator
-        from rollcorr.train.executors import make_executor
+        from rollcorr.train.build import make_executor
         from rollcorr.train.logging import RunLogger
 
         t, r = config.trainer, config.rollout
@@ -368,7 +368,7 @@ class Trainer:
         # modes) gets each version when the sampler loads it, and every chunk as soon as it is generated
         if self.proximal.follows_sampler:
             scratch = copy.deepcopy(self.learner.model)
-            source = self.executor.source  # a local executor (check_components refuses Ray)
+            source = self.executor.source  # local_listeners (check_components refuses an executor without)
 
             def sampler_loaded(weights, version: int) -> None:
                 scratch.load_state_dict(weights)

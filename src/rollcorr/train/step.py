@@ -60,25 +60,6 @@ def _float_metrics(metrics: dict[str, Tensor | float]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
 
-def version_lag(rollout: Rollout, version: int) -> dict[str, float]:
-    """Per-token version lag (learner version − version that generated the token) over valid tokens, and the
-    share of responses whose tokens span several versions (partial rollouts)."""
-    mask = rollout.response_mask.bool()
-    if not mask.any():
-        return {"staleness/lag_mean": 0.0, "staleness/lag_max": 0.0, "staleness/mixed_version_fraction": 0.0}
-    lag = rollout.lag(version)[mask].float()
-    big = torch.iinfo(torch.int64).max
-    newest = torch.where(mask, rollout.version, torch.full_like(rollout.version, -1)).max(1).values
-    oldest = torch.where(mask, rollout.version, torch.full_like(rollout.version, big)).min(1).values
-    mixed = ((newest > oldest) & mask.any(1)).float().mean()
-    return {
-        "staleness/lag_mean": float(lag.mean()),
-        "staleness/lag_max": float(lag.max()),
-        "staleness/oldest_version": float(rollout.version[mask].min()),
-        "staleness/mixed_version_fraction": float(mixed),
-    }
-
-
 def reward_metrics(rollout: Rollout) -> dict[str, float]:
     rewards = rollout.rewards.float()
     lengths = rollout.response_mask.float().sum(1)
@@ -371,7 +352,7 @@ def train_step(
     ``version`` is the learner's current weight version (the rollout's tokens carry their own, ≤ version);
     ``generator`` is the run's stream for the loss's random draw (clip_cov; None = torch's global RNG).
     """
-    metrics = {**reward_metrics(rollout), **version_lag(rollout, version)}
+    metrics = {**reward_metrics(rollout), **rollout.lag_metrics(version)}
 
     # π_old by the chosen strategy (timed, with its memory cost and, when measurable, its error)
     start = time.perf_counter()
