@@ -33,7 +33,16 @@ OVERRIDES = [
     "trainer.plot=false",
 ]
 # metrics renamed since the record was written: {name in the record: name now} (see ``compare``)
-RENAMED: dict[str, str] = {}
+RENAMED: dict[str, str] = {
+    # the version lag is logged once, by the Rollout (the correction no longer repeats it)
+    "rollout_corr/staleness_mean": "staleness/lag_mean",
+    "rollout_corr/staleness_max": "staleness/lag_max",
+    # "staleness" is the version lag only; log π_θ − log π_old is the drift
+    "factors/staleness_log_mean": "factors/drift_log_mean",
+    "factors/staleness_log_std": "factors/drift_log_std",
+    "factors/staleness_log_abs_mean": "factors/drift_log_abs_mean",
+    "factors/staleness_ratio_mean": "factors/drift_ratio_mean",
+}
 # wall-clock measurements: never compared
 TIMING_PREFIXES = ("time/",)
 TIMING_SUFFIXES = ("_s", "/seconds", "_seconds")

@@ -207,7 +207,7 @@ def _train_argv(command: str, tmp_path: Path, steps: int | None = 2) -> list[str
 def run_train_lines(body: str, tmp_path: Path) -> None:
     """Every `rollcorr train` line: its config resolves (`--print-config`), then it trains for 2 steps."""
     from rollcorr.train.config import load_config
-    from rollcorr.train.loop import check_components
+    from rollcorr.train.build import check_components
 
     for i, command in enumerate(command_lines(body)):
         argv = _train_argv(command, tmp_path / f"run{i}")
@@ -413,7 +413,7 @@ def run_block(name: str, first: str, tmp_path: Path, addition_model_dir: Path, t
             run_train_lines(body, tmp_path)
         else:  # the fast suite: every line's config resolves and its components build (no model loads)
             from rollcorr.train.config import load_config
-            from rollcorr.train.loop import check_components
+            from rollcorr.train.build import check_components
 
             for command in command_lines(body):
                 overrides = [a for a in shlex.split(command)[1:] if "=" in a]
@@ -423,7 +423,7 @@ def run_block(name: str, first: str, tmp_path: Path, addition_model_dir: Path, t
         run_audit_lines(audit, tmp_path)
         run_analyze_lines(analyze, tmp_path)
         from rollcorr.train.config import load_config
-        from rollcorr.train.loop import check_components
+        from rollcorr.train.build import check_components
 
         check_components(load_config(None, shlex.split(train)[2:]))  # trained by test_readme_train_example_trains
     elif kind == "readme_library":
@@ -465,7 +465,9 @@ def test_readme_train_example_trains(tmp_path):
     config = load_config(None, [*train, "trainer.steps=40", "trainer.eval_every=0", "trainer.progress=false",
                                 "trainer.plot=false", "trainer.tensorboard=false", "trainer.checkpoint_every=0",
                                 f"trainer.out={tmp_path / 'run'}"])  # fmt: skip
-    assert config.algorithm.correction["preset"] == "decoupled_seq_is_rs"
+    from rollcorr.config.presets import preset
+
+    assert config.algorithm.correction == preset("decoupled_seq_is_rs")
     result = run(config)
     assert result.final_accuracy > result.initial_accuracy + 0.05, (result.initial_accuracy, result.final_accuracy)
 

@@ -20,7 +20,8 @@ from rollcorr.correction import compute_correction
 from rollcorr.losses import LOSS_NAMES, LossConfig, policy_loss
 from rollcorr.train.checkpoint import latest_checkpoint, load_checkpoint
 from rollcorr.train.config import LOSS_ARGS, LOSSES, REFUSED_LOSSES, ConfigError, load_config
-from rollcorr.train.loop import Trainer, build_algorithm, check_components, run
+from rollcorr.train.build import build_step_config, check_components
+from rollcorr.train.loop import Trainer, run
 
 pytestmark = pytest.mark.usefixtures("alternating_rewards")
 
@@ -97,7 +98,7 @@ def test_loss_args_reach_the_loss(tmp_path, addition_model_dir):
     for tau in (1.0, 8.0):
         config = tiny_config(tmp_path, addition_model_dir, "algorithm.loss=sapo", f"algorithm.loss_args.sapo_tau_neg={tau}",
                              f"algorithm.loss_args.sapo_tau_pos={tau}", "trainer.steps=1", name=f"tau{tau}")  # fmt: skip
-        assert build_algorithm(config).loss.sapo_tau_pos == tau  # (a Trainer would take the run folder)
+        assert build_step_config(config).loss.sapo_tau_pos == tau  # (a Trainer would take the run folder)
         losses.append(step_records(run(config).run_dir)[0]["loss/policy"])
     # on-policy the gate (4/τ)·σ(τ(r−1)) is 2/τ at r = 1: the loss value scales as 1/τ
     assert losses[0] == pytest.approx(8 * losses[1], rel=1e-4)

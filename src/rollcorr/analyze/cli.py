@@ -85,8 +85,7 @@ def load_config(
 
     Returns (config, a short description of where it came from). Raises ValueError on any bad input.
     """
-    from rollcorr.config.correction import CorrectionConfig
-    from rollcorr.config.presets import preset
+    from rollcorr.config.presets import resolve
 
     data: dict[str, Any] = {}
     source: list[str] = []
@@ -120,7 +119,6 @@ def load_config(
 
     if preset_name is None and config_path is None:
         preset_name = DEFAULT_PRESET
-    base = preset(preset_name).to_dict() if preset_name is not None else {}
     if preset_name is not None:
         source.insert(0, f"preset {preset_name}")
 
@@ -131,7 +129,8 @@ def load_config(
         data[key.strip()] = parse_value(value)
     if overrides:
         source.append("--set " + " ".join(overrides))
-    return CorrectionConfig.from_dict({**base, **data}), ", ".join(source)
+    spec = data if preset_name is None else {"preset": preset_name, **data}
+    return resolve(spec), ", ".join(source)
 
 
 def run(args: argparse.Namespace) -> int:

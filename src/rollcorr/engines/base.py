@@ -62,9 +62,13 @@ class Sampler(Protocol):
     ``rollout_log_prob`` / ``log_kept_mass`` and per-token ``version``. ``meta[i]["finished"]`` tells whether
     row i ended with EOS or the token cap (False when ``max_steps`` stopped decoding first); ``resume=``
     continues the unfinished rows of such a Rollout with the current weights.
+
+    can_resume  whether ``resume=`` / ``max_steps`` work (partial rollouts, ``trainer.partial_rollouts``); a
+                class attribute, so the trainer asks it before building the sampler
     """
 
     version: int
+    can_resume: bool
 
     def generate(
         self,

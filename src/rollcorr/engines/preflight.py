@@ -20,6 +20,7 @@ import re
 import struct
 from pathlib import Path
 
+from rollcorr.engines.spec import parse_learner_spec, parse_spec
 from rollcorr.models.builtin import BUILTIN, builtin_path
 
 # extra name in pyproject.toml -> (python modules it provides, what the user knows it as)
@@ -144,20 +145,10 @@ def check_model_dir(model_path: str | Path | None, gguf_file: str | None = None)
 
 def check_spec(spec: str, role: str = "sampler"):
     """The parsed spec, or PreflightError(field="spec") — a learner must be hf with float weights."""
-    from rollcorr.engines import parse_spec
-
     try:
-        parsed = parse_spec(spec)
+        parsed = parse_learner_spec(spec) if role == "learner" else parse_spec(spec)
     except ValueError as err:
         raise PreflightError("spec", str(err)) from None
-    if role == "learner":
-        if parsed.backend != "hf":
-            raise PreflightError("spec", f"learners exist for the hf backend only, got {spec!r}")
-        if parsed.quant is not None:
-            raise PreflightError(
-                "spec", f"{spec!r}: int8 quantisation is for samplers; a learner trains float weights "
-                "(use hf, hf:bf16 or hf:fp16)"
-            )  # fmt: skip
     return parsed
 
 
