@@ -90,7 +90,9 @@ def compare(golden: dict[str, Any], new: dict[str, Any], renamed: dict[str, str]
         new_keys = {k for k in new_line if not is_timing(k)}
         for old_key, key in sorted(pairs):
             if key not in new_line:
-                problems.append(f"step {step}: {old_key} missing now" + (f" (as {key})" if key != old_key else ""))
+                problems.append(
+                    f"step {step}: {old_key} missing now" + (f" (as {key})" if key != old_key else "")
+                )
         for key in sorted(new_keys - {k for _, k in pairs}):
             problems.append(f"step {step}: {key} new (not in the record)")
         for old_key, key in sorted(pairs):
@@ -106,15 +108,21 @@ def compare(golden: dict[str, Any], new: dict[str, Any], renamed: dict[str, str]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=RECORD, help="where to write the record")
-    parser.add_argument("--check", action="store_true", help="compare a new run to --out instead of writing it")
+    parser.add_argument(
+        "--check", action="store_true", help="compare a new run to --out instead of writing it"
+    )
     args = parser.parse_args(argv)
     new = record_run()
     if args.check:
         golden = json.loads(args.out.read_text())
         if golden["cpu_capability"] != new["cpu_capability"]:
-            print(f"recorded on {golden['cpu_capability']}, this machine runs {new['cpu_capability']}: not comparable")
+            print(
+                f"recorded on {golden['cpu_capability']}, this machine runs {new['cpu_capability']}: not comparable"
+            )
             return 2
         problems = compare(golden, new, RENAMED)
         for line in problems[:40]:

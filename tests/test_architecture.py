@@ -50,7 +50,9 @@ def imports_of(name: str) -> set[str]:
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
-            submodules = [f"{module}.{alias.name}" for alias in node.names if f"{module}.{alias.name}" in MODULES]
+            submodules = [
+                f"{module}.{alias.name}" for alias in node.names if f"{module}.{alias.name}" in MODULES
+            ]
             # `from pkg import sub` depends on the module sub; any other name comes from pkg itself
             targets = submodules + ([module] if len(submodules) < len(node.names) else [])
         else:

@@ -42,6 +42,8 @@ def test_default_run_matches_the_golden_record():
     record = json.loads(golden.RECORD.read_text())
     capability = torch.backends.cpu.get_cpu_capability()
     if record["cpu_capability"] != capability:
-        pytest.skip(f"the record was written with {record['cpu_capability']} kernels, this run uses {capability}")
+        pytest.skip(
+            f"the record was written with {record['cpu_capability']} kernels, this run uses {capability}"
+        )
     problems = golden.compare(record, golden.record_run(), golden.RENAMED)
     assert not problems, "\n".join(problems[:30])

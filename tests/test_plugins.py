@@ -89,14 +89,18 @@ def test_outside_sampler_engine_trains_two_steps(tmp_path, addition_model_dir):
     result = run(config)
     assert result.steps == 2 and result.stopped is None
     (sampler,) = CountingSampler.built
-    assert sampler.option == "fast" and sampler.batches == 2  # the registered build ran, once, with the option
+    assert (
+        sampler.option == "fast" and sampler.batches == 2
+    )  # the registered build ran, once, with the option
     steps = _steps(tmp_path / "run")
     assert len(steps) == 2 and all(s["train/applied_updates"] >= 0 for s in steps)
     assert all(torch.isfinite(torch.tensor(s["rollout_corr/kl"])) for s in steps)  # it gave log μ
 
 
 def test_outside_sampler_declares_what_it_cannot_do():
-    config = load_config(None, ["model.sampler=counting", "trainer.mode=async", "trainer.partial_rollouts=true"])
+    config = load_config(
+        None, ["model.sampler=counting", "trainer.mode=async", "trainer.partial_rollouts=true"]
+    )
     with pytest.raises(ConfigError, match=r"^trainer.partial_rollouts: sampler 'counting' cannot resume"):
         check_components(config)
     with pytest.raises(ValueError, match="unknown engine backend 'countin'.*counting"):
@@ -109,7 +113,9 @@ def test_outside_proximal_strategy_trains_two_steps(tmp_path, addition_model_dir
     result = run(config)
     assert result.steps == 2 and result.stopped is None
     assert [s["proximal/counting_calls"] for s in _steps(tmp_path / "run")] == [1.0, 2.0]
-    with pytest.raises(ConfigError, match=r"^algorithm.proximal: strategy 'counting_recompute' has no option"):
+    with pytest.raises(
+        ConfigError, match=r"^algorithm.proximal: strategy 'counting_recompute' has no option"
+    ):
         load_config(None, ["algorithm.proximal={name: counting_recompute, beta: 0.5}"])
 
 

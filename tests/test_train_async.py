@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 from rollcorr.engines import SamplingParams
-from rollcorr.train.config import load_config
 from rollcorr.train.build import make_executor
+from rollcorr.train.config import load_config
 from rollcorr.train.executors import AsyncExecutor, LaggedExecutor
-from rollcorr.train.source import SourceSpec
 from rollcorr.train.sampler_process import ProcessSource, SamplerProcessError
+from rollcorr.train.source import SourceSpec
 
 PROMPTS = 2
 SPEC = SourceSpec(

@@ -9,8 +9,8 @@ import torch
 
 from rollcorr.config.presets import preset
 from rollcorr.rollout import Rollout
-from rollcorr.train.config import ALGORITHMS, ConfigError, load_config
 from rollcorr.train.build import check_components
+from rollcorr.train.config import ALGORITHMS, ConfigError, load_config
 from rollcorr.train.step import renormalize
 
 

@@ -18,9 +18,9 @@ import torch
 from rollcorr.config.presets import preset
 from rollcorr.correction import compute_correction
 from rollcorr.losses import LOSS_NAMES, LossConfig, policy_loss
+from rollcorr.train.build import build_step_config, check_components
 from rollcorr.train.checkpoint import latest_checkpoint, load_checkpoint
 from rollcorr.train.config import LOSS_ARGS, LOSSES, REFUSED_LOSSES, ConfigError, load_config
-from rollcorr.train.build import build_step_config, check_components
 from rollcorr.train.loop import Trainer, run
 
 pytestmark = pytest.mark.usefixtures("alternating_rewards")
@@ -76,7 +76,7 @@ def test_every_accepted_loss_trains_two_steps(tmp_path, addition_model_dir, loss
     config = tiny_config(tmp_path, addition_model_dir, *loss_overrides(loss), "trainer.steps=2", "trainer.mini_batches=2",
                          "trainer.micro_batch_size=3")  # fmt: skip
     trainer = Trainer(config)
-    assert trainer.algo.loss.name == loss
+    assert trainer.step_config.loss.name == loss
     before = {k: v.clone() for k, v in trainer.learner.model.state_dict().items()}
     result = trainer.run()
     assert result.steps == 2 and result.stopped is None

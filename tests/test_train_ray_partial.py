@@ -139,8 +139,8 @@ def test_pause_stops_at_a_chunk_boundary_and_resume_continues_with_new_weights(r
 
 
 def test_make_executor_takes_partial_rollouts_from_the_config():
-    from rollcorr.train.config import load_config
     from rollcorr.train.build import make_executor
+    from rollcorr.train.config import load_config
 
     config = load_config(None, ["trainer.executor=ray", "trainer.mode=async", "trainer.partial_rollouts=true",
                                 "trainer.partial_chunk_tokens=3", "model.sampler=hf:fp32"])  # fmt: skip

@@ -35,7 +35,9 @@ def register_sampler(name: str, build: Callable[..., Sampler], cls: type) -> Non
     ``build(EngineSpec(name, quant=option), model_path, threads=t, **kw)``; ``cls`` answers the trainer's
     questions (``can_resume``). ``model_path`` is None for the built-in model. Learners stay hf."""
     if not isinstance(name, str) or not name.isidentifier() or name in BACKENDS:
-        raise ValueError(f"sampler backend name must be a new identifier (not one of {BACKENDS}), got {name!r}")
+        raise ValueError(
+            f"sampler backend name must be a new identifier (not one of {BACKENDS}), got {name!r}"
+        )
     REGISTERED[name.lower()] = RegisteredSampler(build, cls)
 
 

@@ -17,7 +17,6 @@ from typing import Any, get_type_hints
 import yaml
 
 from rollcorr.config.correction import CorrectionConfig
-from rollcorr.config.presets import PresetError, resolve
 from rollcorr.config.loss import (
     AGG_MODES,
     IS_LOSSES,
@@ -27,6 +26,7 @@ from rollcorr.config.loss import (
     REGRESSION_LOSSES,
     LossConfig,
 )
+from rollcorr.config.presets import PresetError, resolve
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 

@@ -22,7 +22,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from rollcorr.tasks import make_task
 from rollcorr.train.alerts import RunAlerts
+from rollcorr.train.build import (
+    build_evaluator,
+    build_learner,
+    check_components,
+    follow_sampler,
+    make_executor,
+)
 from rollcorr.train.checkpoint import (
     load_latest_intact,
     recover_checkpoints,
@@ -42,8 +50,6 @@ from rollcorr.train.rundir import (
     new_run_dir,
     repair_metrics,
 )
-from rollcorr.tasks import make_task
-from rollcorr.train.build import build_evaluator, build_learner, check_components, follow_sampler, make_executor
 from rollcorr.train.step import StepConfig, train_step
 
 

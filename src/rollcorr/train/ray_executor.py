@@ -48,7 +48,14 @@ import torch
 from rollcorr.engines.base import StateDict
 from rollcorr.rollout import Rollout
 from rollcorr.train.executors import Executor
-from rollcorr.train.source import SourceSpec, admissible, finished, lagged_version, sample_batch, trained_version
+from rollcorr.train.source import (
+    SourceSpec,
+    admissible,
+    finished,
+    lagged_version,
+    sample_batch,
+    trained_version,
+)
 
 # sane defaults for a local cluster on a small, shared machine (the user's environment wins)
 LOCAL_RAY_ENV = {
