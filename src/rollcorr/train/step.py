@@ -48,6 +48,11 @@ class StepConfig:
     skip_zero_grad: bool = True  # no optimizer step when the gradient is exactly zero (see optimize)
     publish_every: int = 1  # weights go to the sampler every N versions (OAPL: algorithm.oapl_sync_every)
 
+    @property
+    def advantages_first(self) -> bool:
+        """Whether the correction reads the advantages (OPSM), so they are computed before it."""
+        return self.correction.opsm_delta is not None
+
 
 @dataclass
 class StepResult:
@@ -373,8 +378,7 @@ def train_step(
     # OPSM reads the advantages: then they are computed before the correction, every valid sequence in the
     # baselines (as DeepSeek-V3.2 and slime do), and the loss uses the same ones; otherwise after it, with
     # rejected sequences out of the baselines. One advantages pass either way.
-    advantages_first = config.correction.opsm_delta is not None
-    if advantages_first:
+    if config.advantages_first:
         rollout, used, adv_metrics = attach_advantages(rollout.replace(kept_mask=rollout.response_mask.bool()), config)
 
     # correction: IS weights, rejection mask, the verl-named diagnostics
@@ -383,7 +387,7 @@ def train_step(
     proximal.after_correction(rollout, version)  # the strategy sees the keep share and the measured lag
 
     # advantages (dynamic sampling drops uniform groups); the loss sees the kept tokens of the rows they use
-    if not advantages_first:
+    if not config.advantages_first:
         rollout, used, adv_metrics = attach_advantages(rollout, config)
     metrics.update(adv_metrics)
     rollout = rollout.replace(kept_mask=rollout.kept_mask & used[:, None])
