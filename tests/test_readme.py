@@ -123,7 +123,7 @@ NOT_HERE = {
     ("docs/verl.md", "import torch"): "tests/test_verl_live.py::test_docs_verl_snippets_run runs every block of docs/verl.md against the installed verl",
     ("docs/trl.md", "ROLLCORR_OPTIONAL=trl bash scripts/setup.sh"): "tests/test_trl_live.py::test_docs_trl_snippets_run runs every block of docs/trl.md against the installed TRL (checks the setup line)",
     ("docs/trl.md", "from rollcorr.config import from_trl"): "tests/test_trl_live.py::test_docs_trl_snippets_run runs every block of docs/trl.md against the installed TRL",
-    ("docs/trl.md", "from trl import GRPOConfig"): "tests/test_trl_live.py::test_docs_trl_snippets_run runs every block of docs/trl.md against the installed TRL",
+    ("docs/trl.md", "from datasets import Dataset"): "tests/test_trl_live.py::test_docs_trl_snippets_run runs every block of docs/trl.md against the installed TRL",
     ("docs/trl.md", "rollcorr analyze runs/trl/rollouts.jsonl"): "tests/test_trl_live.py::test_docs_trl_snippets_run runs every block of docs/trl.md against the installed TRL",
     ("docs/vllm.md", "from rollcorr.engines import SamplingParams, make_learner, make_sampler"):
         "tests/test_engines_vllm.py::test_docs_example_runs runs it on the real engine",
@@ -139,6 +139,8 @@ NOT_HERE = {
         "pretrains the shipped long-task checkpoint (tens of minutes)",
     ("docs/builtin-model.md", "prompt   7730,                                                          (x₀ = 377)"):
         "a sample of the task's text",
+    ("docs/confirm-collapse.md", "PYTHONPATH=. .venv/bin/python -m experiments.confirm_collapse --part 1/2 &   # one process per core"):
+        "the confirmatory study (CPU-hours); tests/test_confirm_collapse.py runs its --quick path and its rules",
     ("docs/results.md", "OMP_NUM_THREADS=1 rollcorr train --config chain model.sampler=hf:fp32 algorithm.correction.preset=disabled optim.lr=<lr> rollout.temperature=<T> trainer.steps=100"):
         "a template with placeholders (the protocol's tuning runs)",
     ("docs/results.md", "# tuning, second round: a checkpoint stopped later in pretraining, more steps, temperature"):
@@ -238,7 +240,7 @@ def run_analyze_lines(body: str, tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 
     dump = read_dump(_sample_dump())  # its well-formed rows, as a Parquet file with verl's field names
-    rows = [{"rollout_log_probs": dump.rollout_log_prob[b][m].tolist(), "old_log_probs": dump.old_log_prob[b][m].tolist(),
+    rows = [{"rollout_log_probs": dump.rollout_log_prob[b][m].tolist(), "old_log_probs": dump.learner_log_prob[b][m].tolist(),
              "response_mask": [1] * int(m.sum())} for b, m in enumerate(dump.response_mask)]  # fmt: skip
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "dump.parquet")
     (tmp_path / "corr.yaml").write_text(block("docs/analyze.md", "# corr.yaml"))

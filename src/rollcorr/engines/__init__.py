@@ -4,7 +4,7 @@ Spec grammar ``backend[:option[:option]]``, options in any order:
 
     hf[:fp32|bf16|fp16|int8][:eager|sdpa]     transformers (default fp32, eager)
     llamacpp[:<quant>]                        llama.cpp via GGUF, e.g. llamacpp:q8_0 (rollcorr.engines.llamacpp)
-    vllm[:fp32|bf16|fp16]                     vLLM (rollcorr.engines.vllm)
+    vllm[:fp32|bf16|fp16]                     vLLM (rollcorr.engines.vllm; default bf16)
 
 Learners are ``hf`` only. The llamacpp and vllm backends are imported only when asked for.
 

@@ -16,6 +16,7 @@ HF_DTYPES = ("fp32", "bf16", "fp16", "int8")
 ATTNS = ("eager", "sdpa")
 VLLM_DTYPES = ("fp32", "bf16", "fp16")
 LONG_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+VLLM_DEFAULT_DTYPE = "bf16"  # what a bare "vllm" spec runs: str(parse_spec("vllm")) == "vllm:bf16"
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def parse_spec(spec: str) -> EngineSpec:
             )
     if backend == "hf":
         return EngineSpec("hf", dtype=dtype or "fp32", attn=attn or "eager", quant=quant)
-    return EngineSpec("vllm", dtype=dtype)
+    return EngineSpec("vllm", dtype=dtype or VLLM_DEFAULT_DTYPE)
 
 
 def parse_learner_spec(spec: str) -> EngineSpec:
