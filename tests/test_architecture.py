@@ -1,7 +1,8 @@
 """docs/architecture.md, checked: the layer rule holds for every import of every module under src/rollcorr
 (also imports inside functions), and no modules import each other in a circle.
 
-The imports are read with ``ast`` (nothing is imported). An import of a package is an edge to its
+The imports are read with ``ast`` (nothing is imported); those under ``if TYPE_CHECKING:`` serve annotations
+only and do not count. An import of a package is an edge to its
 ``__init__``; ``from package import name`` is an edge to ``package.name`` when that is a module, else to the
 package.
 """
@@ -41,7 +42,17 @@ def imports_of(name: str) -> set[str]:
     path = MODULES[name]
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {  # imports under `if TYPE_CHECKING:` are for annotations: no dependency when the code runs
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from rollcorr.config.loss import LossConfig
 from rollcorr.engines import make_learner, make_sampler, parse_spec, sampler_class
 from rollcorr.engines.preflight import PreflightError, preflight
+from rollcorr.losses import LossConfig
 from rollcorr.proximal import ProximalStrategy, make_proximal
 from rollcorr.tasks import make_task
 from rollcorr.train.config import ConfigError, TrainConfig
