@@ -99,5 +99,5 @@ def parse_learner_spec(spec: str) -> EngineSpec:
         raise ValueError(f"learners exist for the hf backend only, got {spec!r}")
     if parsed.quant is not None:
         raise ValueError(f"{spec!r}: int8 quantisation is for samplers; a learner trains float weights "
-                         "(use hf, hf:bf16 or hf:fp16)")  # fmt: skip
+                         "(use hf or hf:bf16)")  # fmt: skip
     return parsed
