@@ -19,7 +19,8 @@ PACKAGE = SRC / "rollcorr"
 
 # docs/architecture.md, "Layers": a module imports only from its own floor or the floors above it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("leaf", ("rollcorr.rollout", "rollcorr.config.correction", "rollcorr.config.loss")),
+    ("leaf", ("rollcorr.rollout", "rollcorr.config.correction", "rollcorr.config.loss", "rollcorr.config.yaml_io",
+              "rollcorr.safe_io")),
     ("math", ("rollcorr.correction", "rollcorr.losses", "rollcorr.advantages", "rollcorr.logprobs")),
     ("config", ("rollcorr.config",)),
     ("engines", ("rollcorr.engines", "rollcorr.models", "rollcorr.tasks")),
