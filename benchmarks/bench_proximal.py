@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from rollcorr.proximal import STRATEGIES, discrepancy_staleness, make_proximal
+from rollcorr.proximal import STRATEGIES, discrepancy_drift, make_proximal
 from rollcorr.rollout import Rollout
 
 
@@ -107,7 +107,7 @@ def run(
         with torch.no_grad():
             current = learner.log_prob(batch, temperature=1.0)
         exact = strategies[names[0]]._reference_log_prob(batch, learner, current)
-        factors.append(discrepancy_staleness(batch.rollout_log_prob, exact, current, mask))
+        factors.append(discrepancy_drift(batch.rollout_log_prob, exact, current, mask))
 
         if "interrupt" in strategies:  # the learner still holds `version`: the sampler pauses here
             stalls.append(strategies["interrupt"].before_publish(learner, in_flight + ready, version))

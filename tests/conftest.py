@@ -84,7 +84,7 @@ def alternating_rewards(monkeypatch):
     reward; in-process only (the sampler process of trainer.mode=async and Ray workers score with the real
     reward).
     """
-    from rollcorr.train.executors import RolloutSource
+    from rollcorr.train.source import RolloutSource
 
     def alternate(self, rollout):
         rows = torch.arange(rollout.response_ids.shape[0])

@@ -58,7 +58,7 @@ def _run(capsys, *argv):
 
 def _ratios(path):
     dump = read_dump(path)
-    return dump, torch.exp(dump.old_log_prob - dump.rollout_log_prob)
+    return dump, torch.exp(dump.learner_log_prob - dump.rollout_log_prob)
 
 
 def test_shipped_sample_runs_with_the_default_preset(capsys, tmp_path):
@@ -89,7 +89,7 @@ def test_shipped_sample_runs_with_the_default_preset(capsys, tmp_path):
 def test_shipped_sample_is_a_real_low_precision_mismatch():
     """bf16 sampler vs fp32 learner on the built-in model: small but nonzero |ℓ|, texts match the tokens."""
     dump = read_dump(sample_dump_path())
-    lr = (dump.old_log_prob - dump.rollout_log_prob)[dump.response_mask]
+    lr = (dump.learner_log_prob - dump.rollout_log_prob)[dump.response_mask]
     assert (lr != 0).float().mean() > 0.5  # precision changes almost every token's probability ...
     assert lr.abs().mean() < 0.1  # ... by a little
     for row in range(len(dump)):
@@ -107,7 +107,7 @@ def test_json_metrics_match_the_correction_library(capsys, dump_path, tmp_path):
     data = json.loads(out_path.read_text())
     dump = read_dump(dump_path)
     res = compute_correction(
-        dump.old_log_prob, dump.rollout_log_prob, dump.response_mask, preset("decoupled_token_is")
+        dump.learner_log_prob, dump.rollout_log_prob, dump.response_mask, preset("decoupled_token_is")
     )
     assert data["metrics"] == pytest.approx(metrics_to_floats(res.metrics))
     assert data["config"] == preset("decoupled_token_is").to_dict()
@@ -233,7 +233,7 @@ def test_set_values_parse_like_the_command_line_means():
     [
         (["--preset", "no_such_preset"], "unknown preset 'no_such_preset'"),
         (["--set", "is_upper"], "--set expects KEY=VALUE"),
-        (["--set", "bogus_key=1"], "unknown CorrectionConfig keys ['bogus_key']"),
+        (["--set", "bogus_key=1"], "bogus_key: unknown correction field"),
         (["--set", "rs=token_k9"], "rs option='token_k9' is not allowed"),
         (["--config", "/nonexistent/c.yaml"], "--config file not found"),
         (["--dialect", "verl"], "--dialect needs --config"),

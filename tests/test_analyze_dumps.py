@@ -42,7 +42,7 @@ def test_jsonl_pads_rows_and_keeps_line_numbers(tmp_path):
     assert dump.response_mask.sum(-1).tolist() == [3, 5, 1]
     assert dump.rollout_log_prob[0, :3].tolist() == pytest.approx([-0.5, -0.6, -0.7])
     assert dump.rollout_log_prob[0, 3:].tolist() == [0.0, 0.0]
-    assert dump.old_log_prob[1, 4].item() == pytest.approx(-0.9 - 0.05)
+    assert dump.learner_log_prob[1, 4].item() == pytest.approx(-0.9 - 0.05)
     # advantages only on one row -> not kept as a tensor (padding would masquerade as data)
     assert dump.advantages is None
     assert dump.num_tokens == 9
@@ -156,7 +156,7 @@ def test_custom_field_names_and_fields_mapping(tmp_path):
     b = read_dump(path, fields={"rollout": "mu", "learner": "pi", "mask": "valid", "advantages": "adv"})
     for dump in (a, b):
         assert dump.response_mask.tolist() == [[True, False]]
-        assert dump.old_log_prob.tolist() == [[-0.25, 0.0]]
+        assert dump.learner_log_prob.tolist() == [[-0.25, 0.0]]
         assert dump.advantages.tolist() == [[1.0, 0.0]]
 
 
@@ -171,7 +171,7 @@ def test_peer_field_names_are_auto_detected(tmp_path, rollout, learner, mask):
     path = _write_jsonl(tmp_path / "d.jsonl", [{rollout: [-0.1, -0.2], learner: [-0.1, -0.3], mask: [1, 0]}])
     dump = read_dump(path)
     assert dump.fields == {"rollout": rollout, "learner": learner, "mask": mask}
-    assert dump.old_log_prob.tolist() == [[-0.1, 0.0]]
+    assert dump.learner_log_prob.tolist() == [[-0.1, 0.0]]
 
 
 def test_gzip_jsonl(tmp_path):
@@ -198,7 +198,7 @@ def test_parquet_matches_jsonl(tmp_path):
     assert pdump.line_numbers == jdump.line_numbers == [1, 2]
     assert [m.line for m in pdump.malformed] == [3]
     assert "non-finite" in pdump.malformed[0].reason
-    for name in ("rollout_log_prob", "old_log_prob", "response_mask", "advantages"):
+    for name in ("rollout_log_prob", "learner_log_prob", "response_mask", "advantages"):
         assert torch.equal(getattr(pdump, name), getattr(jdump, name)), name
 
 
@@ -246,4 +246,4 @@ def test_round_trip_of_random_rows(tmp_path_factory, rows):
         for t, m in enumerate(rec["response_mask"]):
             want_r = rec["rollout_log_probs"][t] if m else 0.0
             assert dump.rollout_log_prob[i, t].item() == want_r
-            assert dump.old_log_prob[i, t].item() == (rec["old_log_probs"][t] if m else 0.0)
+            assert dump.learner_log_prob[i, t].item() == (rec["old_log_probs"][t] if m else 0.0)

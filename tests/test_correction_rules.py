@@ -153,9 +153,9 @@ def test_the_training_step_takes_the_fused_path(kernel_calls, monkeypatch):
     from rollcorr.rollout import Rollout
     from rollcorr.train import step
     from rollcorr.train.config import load_config
-    from rollcorr.train.loop import build_algorithm
+    from rollcorr.train.build import build_step_config
 
-    algo = build_algorithm(load_config(None, ["algorithm.correction.preset=decoupled_geo_rs_token_tis"]))
+    algo = build_step_config(load_config(None, ["algorithm.correction.preset=decoupled_geo_rs_token_tis"]))
     old, roll, mask, lp, kept = _batch(noise=0.3)
     b, t = mask.shape
     rollout = Rollout(
@@ -163,12 +163,14 @@ def test_the_training_step_takes_the_fused_path(kernel_calls, monkeypatch):
         response_ids=torch.zeros(b, t, dtype=torch.long), response_mask=mask, rollout_log_prob=roll,
         version=torch.full((b, t), 2), group_ids=torch.arange(b), old_log_prob=old,
     )  # fmt: skip
-    got, metrics = step.correct(rollout, algo, 3, lp)
+    got, metrics = step.attach_correction(rollout, algo, lp)
     assert len(kernel_calls) == 1
-    want, want_metrics = _eager(monkeypatch, step.correct, rollout, algo, 3, lp)
+    want, want_metrics = _eager(monkeypatch, step.attach_correction, rollout, algo, lp)
     assert torch.equal(got.kept_mask, want.kept_mask)
     torch.testing.assert_close(got.is_weights, want.is_weights, rtol=2e-5, atol=1e-7)
-    assert metrics.keys() == want_metrics.keys() and metrics["rollout_corr/staleness_mean"] == 1.0
+    assert metrics.keys() == want_metrics.keys() and "rollout_corr/discrepancy_k3" in metrics
+    # the version lag is the Rollout's to log, once per step, not the correction's
+    assert "rollout_corr/staleness_mean" not in metrics and rollout.lag_metrics(3)["staleness/lag_mean"] == 1.0
 
 
 def test_the_verl_drop_in_takes_the_fused_path(kernel_calls, monkeypatch):

@@ -28,7 +28,7 @@ def test_areal_rows_are_detected(tmp_path):
     assert dump.fields["rollout"] == "logprobs" and dump.fields["learner"] == "prox_logp"
     assert dump.fields["mask"] == "loss_mask" and dump.fields["version"] == "versions"
     assert dump.num_tokens == 4 and not dump.malformed
-    torch.testing.assert_close(dump.old_log_prob[dump.response_mask], torch.tensor([-0.45, -1.3, -0.12, -0.2], dtype=torch.float64))
+    torch.testing.assert_close(dump.learner_log_prob[dump.response_mask], torch.tensor([-0.45, -1.3, -0.12, -0.2], dtype=torch.float64))
 
 
 def test_prime_rl_rows_are_detected(tmp_path):
@@ -58,13 +58,13 @@ def test_write_dump_round_trips(tmp_path):
     dump = read_dump(path, extra_fields=("step",))
     assert len(dump) == 6 and dump.num_tokens == 18
     torch.testing.assert_close(dump.rollout_log_prob[:3][mask], roll[mask])
-    torch.testing.assert_close(dump.old_log_prob[:3][mask], old[mask])
+    torch.testing.assert_close(dump.learner_log_prob[:3][mask], old[mask])
     assert dump.extras["step"][:3] == [7, 7, 7] and dump.tokens is not None
 
 
 def test_write_dump_checks_before_writing(tmp_path):
     path = tmp_path / "d.jsonl"
-    with pytest.raises(ValueError, match="old_log_prob has shape"):
+    with pytest.raises(ValueError, match="learner_log_prob has shape"):
         write_dump(path, torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3))
     with pytest.raises(ValueError, match="extras"):
         write_dump(path, torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), extras={"step": [1]})

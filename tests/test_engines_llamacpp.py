@@ -263,15 +263,22 @@ def test_llama_architecture_matches_hf(tmp_path):
 
 @pytest.mark.slow
 def test_mismatch_report(model_dir, capsys):
-    from rollcorr.engines.llamacpp import main, mismatch_report
+    """benchmarks/bench_llamacpp.py: the audit's statistics per quant type, ordered as the bits go down."""
+    import importlib.util
+    from pathlib import Path
 
-    rows = mismatch_report(model_dir[0], ("f32", "q4_0"), prompts=6, n=2, max_new_tokens=4, n_threads=1)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_llamacpp.py"
+    spec = importlib.util.spec_from_file_location("bench_llamacpp", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.mismatch_report(str(model_dir[0]), ("llamacpp:f32", "llamacpp:q4_0"), prompts=6, n=2,
+                                 max_new_tokens=4, threads=1)  # fmt: skip
     f32, q4 = rows
-    assert f32["quant"] == "f32" and f32["tokens"] > 0
+    assert f32["spec"] == "llamacpp:f32" and f32["tokens"] > 0
     assert f32["mean_abs_log_ratio"] < 1e-4 and f32["max_abs_dp"] < 1e-5
     assert q4["mean_abs_log_ratio"] > 10 * f32["mean_abs_log_ratio"] and q4["gguf_mb"] < f32["gguf_mb"]
-    assert main(["--model", str(model_dir[0]), "--quants", "q8_0", "--prompts", "2", "--n", "1"]) == 0
-    assert "q8_0 |" in capsys.readouterr().out
+    assert bench.main(["--model", str(model_dir[0]), "--specs", "llamacpp:q8_0", "--prompts", "2", "--n", "1"]) == 0
+    assert "llamacpp:q8_0 |" in capsys.readouterr().out
 
 
 def test_builtin_model_prompts():

@@ -16,8 +16,8 @@ import pytest
 from rollcorr.cli import main
 from rollcorr.engines.preflight import PreflightError, preflight
 from rollcorr.models.builtin import BUILTIN_DIR
+from rollcorr.train.build import check_components
 from rollcorr.train.config import ConfigError, load_config
-from rollcorr.train.loop import check_components
 
 HUB_ID = "Qwen/Qwen2.5-0.5B-Instruct"
 

@@ -16,7 +16,7 @@ from rollcorr.proximal import (
     ProximalResult,
     ProximalStrategy,
     SnapshotStore,
-    discrepancy_staleness,
+    discrepancy_drift,
     interpolation_alpha,
     lag_beta,
     make_proximal,
@@ -470,26 +470,26 @@ def test_state_dict_round_trip(run, name):
         fresh.close()
 
 
-def test_discrepancy_staleness_factors():
+def test_discrepancy_drift_factors():
     g = torch.Generator().manual_seed(0)
     mu, old, theta = (-torch.rand(3, 5, generator=g) * 2 for _ in range(3))
     mask = torch.ones(3, 5, dtype=torch.bool)
     mask[2, 3:] = False
-    out = discrepancy_staleness(mu, old, theta, mask)
+    out = discrepancy_drift(mu, old, theta, mask)
     d, s = (old - mu)[mask], (theta - old)[mask]
     assert out["discrepancy_log_mean"] == pytest.approx(float(d.mean()), rel=1e-5)
-    assert out["staleness_log_mean"] == pytest.approx(float(s.mean()), rel=1e-5)
+    assert out["drift_log_mean"] == pytest.approx(float(s.mean()), rel=1e-5)
     assert out["discrepancy_log_std"] == pytest.approx(float(d.std(correction=0)), rel=1e-5)
     assert out["total_log_mean"] == pytest.approx(float((theta - mu)[mask].mean()), rel=1e-5)
-    assert out["staleness_ratio_mean"] == pytest.approx(float(s.exp().mean()), rel=1e-5)
+    assert out["drift_ratio_mean"] == pytest.approx(float(s.exp().mean()), rel=1e-5)
     with pytest.raises(ValueError, match="no token"):
-        discrepancy_staleness(mu, old, theta, torch.zeros_like(mask))
+        discrepancy_drift(mu, old, theta, torch.zeros_like(mask))
     with pytest.raises(ValueError, match="shape"):
-        discrepancy_staleness(mu[:, :4], old, theta, mask)
+        discrepancy_drift(mu[:, :4], old, theta, mask)
     bad = old.clone()
     bad[0, 0] = float("inf")
     with pytest.raises(ValueError, match="non-finite"):
-        discrepancy_staleness(mu, bad, theta, mask)
+        discrepancy_drift(mu, bad, theta, mask)
 
 
 def test_make_proximal_rejects_unknown_names_and_options():

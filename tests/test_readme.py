@@ -89,7 +89,7 @@ NOT_HERE = {
         "an equation",
     ("docs/llamacpp.md", "from rollcorr.engines import make_sampler"):
         "tests/test_engines_llamacpp.py runs these calls (needs the llamacpp extra)",
-    ("docs/llamacpp.md", ".venv/bin/python -m rollcorr.engines.llamacpp --model builtin --threads 1"):
+    ("docs/llamacpp.md", ".venv/bin/python benchmarks/bench_llamacpp.py --model builtin --threads 1"):
         "a benchmark (needs the llamacpp extra; minutes)",
     ("docs/losses.md", ".venv/bin/python -m pytest -q tests/test_verl_parity_losses.py"): "part of the test suite",
     ("docs/proximal.md", ".venv/bin/python benchmarks/bench_proximal.py --steps 12 --lr 1e-4 --json /tmp/h7_bench_builtin_lr1e-4.json"):
@@ -209,8 +209,8 @@ def _train_argv(command: str, tmp_path: Path, steps: int | None = 2) -> list[str
 
 def run_train_lines(body: str, tmp_path: Path) -> None:
     """Every `rollcorr train` line: its config resolves (`--print-config`), then it trains for 2 steps."""
+    from rollcorr.train.build import check_components
     from rollcorr.train.config import load_config
-    from rollcorr.train.loop import check_components
 
     for i, command in enumerate(command_lines(body)):
         argv = _train_argv(command, tmp_path / f"run{i}")
@@ -241,7 +241,7 @@ def run_analyze_lines(body: str, tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 
     dump = read_dump(_sample_dump())  # its well-formed rows, as a Parquet file with verl's field names
-    rows = [{"rollout_log_probs": dump.rollout_log_prob[b][m].tolist(), "old_log_probs": dump.old_log_prob[b][m].tolist(),
+    rows = [{"rollout_log_probs": dump.rollout_log_prob[b][m].tolist(), "old_log_probs": dump.learner_log_prob[b][m].tolist(),
              "response_mask": [1] * int(m.sum())} for b, m in enumerate(dump.response_mask)]  # fmt: skip
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "dump.parquet")
     (tmp_path / "corr.yaml").write_text(block("docs/analyze.md", "# corr.yaml"))
@@ -429,8 +429,8 @@ def run_block(name: str, first: str, tmp_path: Path, addition_model_dir: Path, t
         if train_steps:
             run_train_lines(body, tmp_path)
         else:  # the fast suite: every line's config resolves and its components build (no model loads)
+            from rollcorr.train.build import check_components
             from rollcorr.train.config import load_config
-            from rollcorr.train.loop import check_components
 
             for command in command_lines(body):
                 overrides = [a for a in shlex.split(command)[1:] if "=" in a]
@@ -439,8 +439,8 @@ def run_block(name: str, first: str, tmp_path: Path, addition_model_dir: Path, t
         audit, analyze, train = command_lines(body)
         run_audit_lines(audit, tmp_path)
         run_analyze_lines(analyze, tmp_path)
+        from rollcorr.train.build import check_components
         from rollcorr.train.config import load_config
-        from rollcorr.train.loop import check_components
 
         check_components(load_config(None, shlex.split(train)[2:]))  # trained by test_readme_train_example_trains
     elif kind == "readme_library":
@@ -482,7 +482,9 @@ def test_readme_train_example_trains(tmp_path):
     config = load_config(None, [*train, "trainer.steps=40", "trainer.eval_every=0", "trainer.progress=false",
                                 "trainer.plot=false", "trainer.tensorboard=false", "trainer.checkpoint_every=0",
                                 f"trainer.out={tmp_path / 'run'}"])  # fmt: skip
-    assert config.algorithm.correction["preset"] == "decoupled_seq_is_rs"
+    from rollcorr.config.presets import preset
+
+    assert config.algorithm.correction == preset("decoupled_seq_is_rs")
     result = run(config)
     assert result.final_accuracy > result.initial_accuracy + 0.05, (result.initial_accuracy, result.final_accuracy)
 

@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 
 from rollcorr.engines import SamplingParams
+from rollcorr.train.build import make_executor
 from rollcorr.train.config import load_config
-from rollcorr.train.executors import AsyncExecutor, LaggedExecutor, SourceSpec, lag_of, make_executor
+from rollcorr.train.executors import AsyncExecutor, LaggedExecutor
 from rollcorr.train.sampler_process import ProcessSource, SamplerProcessError
+from rollcorr.train.source import SourceSpec
 
 PROMPTS = 2
 SPEC = SourceSpec(
@@ -109,7 +111,7 @@ def test_process_executor_never_trains_above_max_staleness(versions, partial):
             rollout, metrics = executor.next_rollout(step, step)
             assert int(rollout.group_ids[0]) // PROMPTS == step
             assert rollout.rewards is not None
-            assert lag_of(rollout, step) <= max_staleness
+            assert rollout.max_lag(step) <= max_staleness
             mask = rollout.response_mask.bool()
             for row, keep in zip(rollout.version, mask):
                 tokens = row[keep].tolist()

@@ -9,8 +9,8 @@ import torch
 
 from rollcorr.config.presets import preset
 from rollcorr.rollout import Rollout
+from rollcorr.train.build import check_components
 from rollcorr.train.config import ALGORITHMS, ConfigError, load_config
-from rollcorr.train.loop import check_components
 from rollcorr.train.step import renormalize
 
 
@@ -101,3 +101,41 @@ def test_renormalize_divides_by_the_parts_own_mean(level):
 
 def test_bypass_presets_normalise_per_micro_batch_like_verl():
     assert preset("bypass_pg_is").batch_norm_scope == "micro_batch"
+
+
+
+def test_opsm_takes_one_advantages_pass_and_reads_what_the_loss_uses(monkeypatch, tmp_path, addition_model_dir):
+    """OPSM needs advantages before the correction: one pass per step computes them (every valid sequence in
+    the baselines), OPSM reads them, and the loss gets the same tensor."""
+    from rollcorr import correction
+    from rollcorr.train import step
+    from rollcorr.train.loop import run
+
+    passes, read = [], []
+    real_adv, real_corr, real_optimize = step.attach_advantages, correction.compute_correction, step.optimize
+
+    def counting_advantages(rollout, config):
+        out = real_adv(rollout, config)
+        passes.append(out[0].advantages)
+        return out
+
+    def spying_correction(*args, **kwargs):
+        read.append(kwargs["advantages"])
+        return real_corr(*args, **kwargs)
+
+    def spying_optimize(rollout, *args, **kwargs):
+        read.append(rollout.advantages)
+        return real_optimize(rollout, *args, **kwargs)
+
+    monkeypatch.setattr(step, "attach_advantages", counting_advantages)
+    monkeypatch.setattr(correction, "compute_correction", spying_correction)
+    monkeypatch.setattr(step, "optimize", spying_optimize)
+    config = load_config(None, [
+        "algorithm.correction.preset=opsm", f"model.path={addition_model_dir}", "task.name=addition:1",
+        "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=4", "task.eval_prompts=0",
+        "trainer.steps=2", "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false",
+        "trainer.checkpoint_every=0", f"trainer.out={tmp_path / 'run'}"])  # fmt: skip
+    assert run(config).steps == 2
+    assert len(passes) == 2  # one advantages pass per step
+    for k in range(2):  # OPSM and the loss read the tensor that pass made
+        assert read[2 * k] is passes[k] and read[2 * k + 1] is passes[k]

@@ -19,8 +19,8 @@ from rollcorr.engines import SamplingParams, make_sampler
 from rollcorr.tasks import make_task
 from rollcorr.train.checkpoint import latest_checkpoint, load_checkpoint
 from rollcorr.train.config import load_config
-from rollcorr.train.executors import RolloutSource, finished
 from rollcorr.train.loop import Trainer, run
+from rollcorr.train.source import RolloutSource, finished
 
 pytestmark = pytest.mark.usefixtures("alternating_rewards")
 
@@ -71,7 +71,7 @@ def test_sync_run_writes_run_folder_and_learns_something(tmp_path, addition_mode
     for r in steps:
         assert r["staleness/lag_max"] == 0.0  # synchronous: every token from the current version
         assert r["proximal/exact_token_fraction"] == 1.0
-        assert r["factors/staleness_log_abs_mean"] == 0.0
+        assert r["factors/drift_log_abs_mean"] == 0.0
         assert math.isfinite(r["rollout_corr/kl"]) and "rollout_corr/rollout_is_mean" in r
         assert r["train/applied_updates"] == 1.0
         # the policy entropy over response tokens: 0 < H < log V (the built-in vocabulary has 101 tokens)
@@ -92,7 +92,7 @@ def test_simulated_async_holds_a_fixed_lag(tmp_path, addition_model_dir):
     assert [r["staleness/lag_max"] for r in steps] == [0, 1, 2, 2, 2]
     # the snapshot strategy gives exact old logits, so the two factors are reported separately
     assert all("factors/discrepancy_log_abs_mean" in r for r in steps)
-    assert steps[-1]["factors/staleness_log_abs_mean"] > 0
+    assert steps[-1]["factors/drift_log_abs_mean"] > 0
 
 
 def test_simulated_async_resume_is_bit_identical(tmp_path, addition_model_dir):
@@ -215,7 +215,7 @@ def test_every_algorithm_runs_two_steps(tmp_path, addition_model_dir, name):
 
 def test_admission_counts_dropped_batches_against_the_trained_version():
     """Batch i is trained at version i − dropped: a drop makes later batches *older*-tolerant, not fresher."""
-    from rollcorr.train.executors import admissible, trained_version
+    from rollcorr.train.source import admissible, trained_version
 
     assert trained_version(5, dropped=2) == 3
     assert admissible(5, dropped=2, sampler_version=1, max_staleness=2)  # trained at 3, lag 2
@@ -271,7 +271,9 @@ def test_ewma_resets_when_the_default_preset_keeps_fewer_tokens(tmp_path, additi
     monkeypatch.setattr(correction, "compute_correction", rejecting)
     config = tiny_config(tmp_path, addition_model_dir, "trainer.steps=4", "task.eval_prompts=0",
                          "trainer.mode=simulated_async", "trainer.lag=1", "algorithm.proximal.name=ewma")  # fmt: skip
-    assert config.algorithm.correction == {"preset": "decoupled_token_is"}  # the default preset
+    from rollcorr.config.presets import preset
+
+    assert config.algorithm.correction == preset("decoupled_token_is")  # the default preset
     run(config)
     steps = step_records(tmp_path / "run")
     # the strategy's metrics at step n come from its state after step n − 1's correction

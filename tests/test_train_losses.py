@@ -18,9 +18,10 @@ import torch
 from rollcorr.config.presets import preset
 from rollcorr.correction import compute_correction
 from rollcorr.losses import LOSS_NAMES, LossConfig, policy_loss
+from rollcorr.train.build import build_step_config, check_components
 from rollcorr.train.checkpoint import latest_checkpoint, load_checkpoint
 from rollcorr.train.config import LOSS_ARGS, LOSSES, REFUSED_LOSSES, ConfigError, load_config
-from rollcorr.train.loop import Trainer, build_algorithm, check_components, run
+from rollcorr.train.loop import Trainer, run
 
 pytestmark = pytest.mark.usefixtures("alternating_rewards")
 
@@ -75,7 +76,7 @@ def test_every_accepted_loss_trains_two_steps(tmp_path, addition_model_dir, loss
     config = tiny_config(tmp_path, addition_model_dir, *loss_overrides(loss), "trainer.steps=2", "trainer.mini_batches=2",
                          "trainer.micro_batch_size=3")  # fmt: skip
     trainer = Trainer(config)
-    assert trainer.algo.loss.name == loss
+    assert trainer.step_config.loss.name == loss
     before = {k: v.clone() for k, v in trainer.learner.model.state_dict().items()}
     result = trainer.run()
     assert result.steps == 2 and result.stopped is None
@@ -97,7 +98,7 @@ def test_loss_args_reach_the_loss(tmp_path, addition_model_dir):
     for tau in (1.0, 8.0):
         config = tiny_config(tmp_path, addition_model_dir, "algorithm.loss=sapo", f"algorithm.loss_args.sapo_tau_neg={tau}",
                              f"algorithm.loss_args.sapo_tau_pos={tau}", "trainer.steps=1", name=f"tau{tau}")  # fmt: skip
-        assert build_algorithm(config).loss.sapo_tau_pos == tau  # (a Trainer would take the run folder)
+        assert build_step_config(config).loss.sapo_tau_pos == tau  # (a Trainer would take the run folder)
         losses.append(step_records(run(config).run_dir)[0]["loss/policy"])
     # on-policy the gate (4/τ)·σ(τ(r−1)) is 2/τ at r = 1: the loss value scales as 1/τ
     assert losses[0] == pytest.approx(8 * losses[1], rel=1e-4)

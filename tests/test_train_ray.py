@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from rollcorr.engines import SamplingParams
-from rollcorr.train.executors import LaggedExecutor, make_executor
-from rollcorr.train.ray_executor import RayExecutor, SourceSpec, lag_of
+from rollcorr.train.build import make_executor
+from rollcorr.train.executors import LaggedExecutor
+from rollcorr.train.ray_executor import RayExecutor
+from rollcorr.train.source import SourceSpec
 
 ray = pytest.importorskip("ray")
 
@@ -105,7 +107,7 @@ def test_freshest_weights_keep_the_staleness_bound_through_a_worker_death(ray_cl
     assert got[-1][1]["ray/restarts_total"] == 1.0
     assert all(m["async/dropped_total"] == 0.0 for _, m in got)
     for step, (rollout, _) in enumerate(got):
-        assert lag_of(rollout, step) <= max_staleness
+        assert rollout.max_lag(step) <= max_staleness
         assert rollout.rewards is not None and rollout.rewards.shape == (rollout.batch_size,)
 
 
@@ -192,7 +194,7 @@ def test_trainer_runs_end_to_end_on_ray_workers(ray_cluster, tmp_path):
 
 def test_admission_rule_and_lag():
     from rollcorr.rollout import Rollout
-    from rollcorr.train.ray_executor import admissible
+    from rollcorr.train.source import admissible
 
     assert admissible(5, dropped=0, sampler_version=3, max_staleness=2)
     assert not admissible(5, dropped=0, sampler_version=2, max_staleness=2)
@@ -206,7 +208,7 @@ def test_admission_rule_and_lag():
         version=torch.tensor([[4, 5, 0], [3, 5, 6]]),  # padding holds version 0: ignored
         group_ids=torch.tensor([0, 0]),
     )
-    assert lag_of(rollout, 7) == 4
+    assert rollout.max_lag(7) == 4
 
 
 @pytest.mark.slow

@@ -11,7 +11,8 @@ import pytest
 
 import rollcorr
 from rollcorr.engines import SamplingParams
-from rollcorr.train.ray_executor import RayExecutor, SourceSpec, lag_of
+from rollcorr.train.ray_executor import RayExecutor
+from rollcorr.train.source import SourceSpec
 
 ray = pytest.importorskip("ray")
 
@@ -49,7 +50,7 @@ def assert_trainable(rollout, step: int, max_staleness: int) -> None:
     for row in token_versions(rollout):
         assert row == sorted(row), row
         assert row[-1] <= step, (row, step)
-    assert lag_of(rollout, step) <= max_staleness
+    assert rollout.max_lag(step) <= max_staleness
 
 
 def died(ref) -> bool:
@@ -138,8 +139,8 @@ def test_pause_stops_at_a_chunk_boundary_and_resume_continues_with_new_weights(r
 
 
 def test_make_executor_takes_partial_rollouts_from_the_config():
+    from rollcorr.train.build import make_executor
     from rollcorr.train.config import load_config
-    from rollcorr.train.executors import make_executor
 
     config = load_config(None, ["trainer.executor=ray", "trainer.mode=async", "trainer.partial_rollouts=true",
                                 "trainer.partial_chunk_tokens=3", "model.sampler=hf:fp32"])  # fmt: skip

@@ -67,7 +67,7 @@ def make_trainer(tmp_path, cls=RollcorrGRPOTrainer, steps=3, rollout_func=None, 
 
 def prob_diff_max(dump) -> float:
     """max |μ(y_t) − π_old(y_t)| over the dump's valid tokens."""
-    diff = dump.rollout_log_prob.exp() - dump.old_log_prob.exp()
+    diff = dump.rollout_log_prob.exp() - dump.learner_log_prob.exp()
     return float(diff[dump.response_mask].abs().max())
 
 
@@ -87,7 +87,7 @@ def test_grpo_trainer_trains_with_rollcorr_correction(tmp_path):
     dump = read_dump(tmp_path / "dump.jsonl", extra_fields=("step", "batch"))
     assert len(dump) == 3 * 4 and dump.fields["rollout"] == "rollout_log_probs"
     # bf16 sampler vs fp32 learner (the trainer turns GRPOConfig's bf16 default off): bf16 rounding shows
-    diff = (dump.rollout_log_prob - dump.old_log_prob)[dump.response_mask]
+    diff = (dump.rollout_log_prob - dump.learner_log_prob)[dump.response_mask]
     assert prob_diff_max(dump) > 1e-3 and diff.abs().mean() < 0.5
     # the dump says which correction made it and what its tokens are
     assert dump.correction == {"is_level": "token"}

@@ -81,14 +81,41 @@ class Rollout:
         """(B, P + T) bool, True on real tokens."""
         return torch.cat([self.prompt_mask.bool(), self.response_mask.bool()], dim=1)
 
+    # ---- the version lag: its one home ---------------------------------------------------------------
+    # lag_t = v_learner − v_gen(t): how many learner versions ago the weights that sampled token t were
+    # published. "staleness" in rollcorr means this and nothing else (log π_θ − log π_old is the "drift").
     def lag(self, version: int) -> Tensor:
         """(B, T) int64 version lag ``version`` − v_gen of every token (meaningful on valid tokens only)."""
         return version - self.version
+
+    def max_lag(self, version: int) -> int:
+        """Largest version lag over valid tokens: learner ``version`` − the oldest valid token's (0 without
+        any). The staleness bound (``trainer.max_staleness``) is checked against it."""
+        mask = self.response_mask.bool()
+        return version - int(self.version[mask].min()) if mask.any() else 0
 
     def mean_lag(self, version: int) -> float:
         """Mean version lag over valid tokens (0.0 without any)."""
         mask = self.response_mask.bool()
         return float(self.lag(version)[mask].float().mean()) if mask.any() else 0.0
+
+    def lag_metrics(self, version: int) -> dict[str, float]:
+        """The version-lag metrics logged once per step (``staleness/…``): mean and max lag over valid tokens,
+        the oldest version in the batch, and the share of responses whose tokens span several versions
+        (partial rollouts)."""
+        mask = self.response_mask.bool()
+        if not mask.any():
+            return {"staleness/lag_mean": 0.0, "staleness/lag_max": 0.0, "staleness/mixed_version_fraction": 0.0}
+        big = torch.iinfo(torch.int64).max
+        newest = torch.where(mask, self.version, torch.full_like(self.version, -1)).max(1).values
+        oldest = torch.where(mask, self.version, torch.full_like(self.version, big)).min(1).values
+        mixed = ((newest > oldest) & mask.any(1)).float().mean()
+        return {
+            "staleness/lag_mean": self.mean_lag(version),
+            "staleness/lag_max": float(self.max_lag(version)),
+            "staleness/oldest_version": float(self.version[mask].min()),
+            "staleness/mixed_version_fraction": float(mixed),
+        }
 
     def keep_share(self) -> float:
         """Share of valid tokens the correction kept (``kept_mask`` / ``response_mask``; 1.0 without any)."""

@@ -122,7 +122,7 @@ def analyze(dump: Dump, config: CorrectionConfig, source: str = "") -> Analysis:
     notes: list[str] = []
     # Bypass mode needs π_θ (ratio π_θ/μ); a dump's learner log-probs are the only learner numbers there are,
     # so they stand in for it (exact on the first mini-batch of a step). OPSM in decoupled mode uses π_old.
-    log_prob = dump.old_log_prob if config.mode == "bypass" else None
+    log_prob = dump.learner_log_prob if config.mode == "bypass" else None
     if log_prob is not None:
         notes.append(f"bypass mode: the dump's learner log-probs ({dump.fields['learner']}) stand in for π_θ")
     if config.opsm_delta is not None and dump.advantages is None and "advantages" in dump.partial:
@@ -144,7 +144,7 @@ def analyze(dump: Dump, config: CorrectionConfig, source: str = "") -> Analysis:
         if int(dump.version.masked_fill(~dump.response_mask, 2**62).min()) != current_version:
             notes.append(f"staleness is measured against the newest version in the dump ({current_version})")
     res = compute_correction(
-        dump.old_log_prob,
+        dump.learner_log_prob,
         dump.rollout_log_prob,
         dump.response_mask,
         config,
@@ -214,7 +214,7 @@ def explain(
     mode the dump's learner log-probs are π_θ, so the same ℓ). ``weights`` are the applied IS weights.
     """
     tok = make_tokens(
-        dump.old_log_prob,
+        dump.learner_log_prob,
         dump.rollout_log_prob,
         dump.response_mask,
         bound=config.safety_bound,

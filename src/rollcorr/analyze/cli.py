@@ -93,7 +93,7 @@ def load_config(
     where it came from). Raises ValueError on any bad input.
     """
     from rollcorr.config.correction import CorrectionConfig
-    from rollcorr.config.presets import preset
+    from rollcorr.config.presets import resolve
 
     data: dict[str, Any] = {}
     source: list[str] = []
@@ -138,8 +138,6 @@ def load_config(
         source.insert(0, f"preset {preset_name} (default: the dump records no correction)")
     elif preset_name is not None:
         source.insert(0, f"preset {preset_name}")
-    if preset_name is not None:
-        base = preset(preset_name).to_dict()
 
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -148,7 +146,8 @@ def load_config(
         data[key.strip()] = parse_value(value)
     if overrides:
         source.append("--set " + " ".join(overrides))
-    return CorrectionConfig.from_dict({**base, **data}), ", ".join(source)
+    spec = {**base, **data} if preset_name is None else {"preset": preset_name, **data}
+    return resolve(spec), ", ".join(source)
 
 
 def _preset_name(config: Any) -> str:

@@ -74,7 +74,8 @@ class Dump:
     """Valid rows of a dump, right-padded to (B, T).
 
     rollout_log_prob  (B, T) float64, log μ of each response token, 0 on padding
-    old_log_prob      (B, T) float64, log π_old (learner) of each response token, 0 on padding
+    learner_log_prob  (B, T) float64, the learner's log-prob of each response token, 0 on padding: π_old in
+                      decoupled mode; in bypass mode it stands in for π_θ (files name it old_log_probs, ...)
     response_mask     (B, T) bool, True on valid tokens (from the mask field, else from list lengths)
     advantages        (B, T) float64 or None (a scalar per row is broadcast over its tokens)
     tokens            (B, T) int64 response token ids or None
@@ -93,7 +94,7 @@ class Dump:
 
     path: Path
     rollout_log_prob: Tensor
-    old_log_prob: Tensor
+    learner_log_prob: Tensor
     response_mask: Tensor
     line_numbers: list[int]
     fields: dict[str, str]
@@ -136,7 +137,7 @@ class Dump:
             version=version,
             group_ids=torch.arange(b),
             meta=meta,
-            old_log_prob=self.old_log_prob.float(),
+            old_log_prob=self.learner_log_prob.float(),
             advantages=None if self.advantages is None else self.advantages.float(),
         )
 
@@ -457,7 +458,7 @@ def _assemble(
         corrections_seen=len(distinct),
         path=path,
         rollout_log_prob=pad("rollout", torch.float64),
-        old_log_prob=pad("learner", torch.float64),
+        learner_log_prob=pad("learner", torch.float64),
         response_mask=pad("mask", torch.bool),
         line_numbers=lines,
         fields={role: name for role, name in names.items() if name is not None},
@@ -478,7 +479,7 @@ def _assemble(
 def write_dump(
     path: str | Path,
     rollout_log_prob: Tensor,
-    old_log_prob: Tensor,
+    learner_log_prob: Tensor,
     response_mask: Tensor,
     *,
     advantages: Tensor | None = None,
@@ -491,7 +492,8 @@ def write_dump(
 ) -> int:
     """Write a (B, T) right-padded batch as JSONL rows that ``read_dump`` / ``rollcorr analyze`` read.
 
-    One row per response, under rollcorr's default field names (``rollout_log_probs``, ``old_log_probs``,
+    One row per response, under rollcorr's default field names (``rollout_log_probs``, ``old_log_probs`` for
+    ``learner_log_prob``,
     ``response_mask`` and, when given, ``advantages`` ((B,) or (B, T)), ``responses`` (token ids),
     ``version``), each list cut after the row's last valid token; ``extras`` maps a field name to one value
     per row (e.g. ``{"step": [3] * B, "reward": rewards}``). With ``tokenizer`` (and ``tokens``) each row also
@@ -506,7 +508,7 @@ def write_dump(
     shape = tuple(rollout_log_prob.shape)
     if len(shape) != 2:
         raise ValueError(f"rollout_log_prob must be (B, T), got shape {shape}")
-    named = {"old_log_prob": old_log_prob, "response_mask": response_mask, "tokens": tokens, "version": version}
+    named = {"learner_log_prob": learner_log_prob, "response_mask": response_mask, "tokens": tokens, "version": version}
     for name, value in named.items():
         if value is not None and tuple(value.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape}")
@@ -526,7 +528,7 @@ def write_dump(
 
     cpu = {k: None if v is None else v.detach().cpu() for k, v in named.items()}
     roll, adv = rollout_log_prob.detach().double().cpu(), None if advantages is None else advantages.detach().cpu()
-    old = cpu["old_log_prob"].double()
+    old = cpu["learner_log_prob"].double()
     lines = []
     for b in range(shape[0]):
         row: dict[str, Any] = {

@@ -386,7 +386,7 @@ def _mismatched_tokens(analysis: Analysis, top: int) -> list[Any]:
     dump = analysis.dump
     if not top:
         return []
-    lr = (dump.old_log_prob - dump.rollout_log_prob).masked_fill(~dump.response_mask, 0.0)
+    lr = (dump.learner_log_prob - dump.rollout_log_prob).masked_fill(~dump.response_mask, 0.0)
     k = min(top, dump.num_tokens)
     hits: dict[tuple[int, int] | int, list[Finding]] = {}
     for f in analysis.findings:
@@ -403,7 +403,7 @@ def _mismatched_tokens(analysis: Analysis, top: int) -> list[Any]:
             str(t),
             escape(_token_label(dump, b, t)),
             fmt(exp_or_inf(float(dump.rollout_log_prob[b, t]))),
-            fmt(exp_or_inf(float(dump.old_log_prob[b, t]))),
+            fmt(exp_or_inf(float(dump.learner_log_prob[b, t]))),
             fmt(exp_or_inf(float(lr[b, t]))),
             _token_fate(analysis, hits.get((b, t), []) + hits.get(b, []), b, t),
         )

@@ -187,7 +187,7 @@ def from_dump(dump, *, path: str | Path, fields: tuple[str, str, str]) -> AuditD
         prompts = None
     return AuditData(
         rollout_log_prob=dump.rollout_log_prob,
-        old_log_prob=dump.old_log_prob,
+        old_log_prob=dump.learner_log_prob,
         response_mask=dump.response_mask,
         tokens=dump.token_text,
         prompts=prompts,

@@ -99,7 +99,8 @@ def from_verl(data: Any, *, exact: bool = False) -> CorrectionConfig:
     ``exact=True`` sets ``verl_compat`` (K1 windows applied to −log ρ as verl's code does, verl's biased
     per-sequence metrics). Where verl silently disables IS (``rollout_is`` set, threshold ``None``) this
     raises instead. Decoupled mode normalises over the whole batch and averages over kept tokens; bypass
-    mode normalises per micro-batch and keeps the original token count (verl #4852).
+    mode normalises per micro-batch and keeps the original token count (the bypass loss divides by the count
+    taken before rejection: verl issue #4852, https://github.com/verl-project/verl/issues/4852).
     """
     d = _check_keys("verl", verl_mapping(data), VERL_KEYS)
     level = d.get("rollout_is")

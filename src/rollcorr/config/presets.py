@@ -8,34 +8,24 @@ such as ``"0.999_1.001"`` are read with their documented meaning (a window on ρ
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rollcorr.config.correction import CorrectionConfig
+from rollcorr.config.dialects import from_nemo_rl, from_openrlhf, from_skyrl, from_trl, from_verl
 
 GEO = "0.999_1.001"  # verl's Geo-RS default window on the geometric-mean ratio
 
 
 def _verl(is_level=None, is_threshold=2.0, rs=None, rs_threshold=None, bypass=False, loss_type="ppo_clip"):
-    """A verl preset. verl's lo_hi IS threshold means IcePop (mask); a number means TIS (truncate)."""
-    is_mode, lower, upper = "truncate", None, is_threshold
+    """A verl preset: verl's own keys, read by the one verl mapping (``dialects.from_verl``). A number as IS
+    threshold means TIS (truncate); a (lo, hi) pair is verl's "lo_hi" string, IcePop (mask)."""
     if isinstance(is_threshold, tuple):
-        is_mode, (lower, upper) = "mask", is_threshold
-    return CorrectionConfig(
-        mode="bypass" if bypass else "decoupled",
-        loss_type=loss_type,
-        is_level=is_level,
-        is_mode=is_mode,
-        is_upper=upper,
-        is_lower=lower,
-        rs=() if rs is None else (rs,),
-        rs_thresholds=() if rs is None else (rs_threshold,),
-        # verl decoupled rejects before the loss (mean over kept); bypass rejects inside the loss after the
-        # engine counted tokens (issue #4852), i.e. the original count.
-        denominator="original" if bypass else "kept",
-        batch_norm_scope="micro_batch" if bypass else "batch",
-    )
+        is_threshold = f"{is_threshold[0]}_{is_threshold[1]}"
+    return from_verl({"rollout_is": is_level, "rollout_is_threshold": is_threshold, "rollout_rs": rs,
+                      "rollout_rs_threshold": rs_threshold, "bypass_mode": bypass, "loss_type": loss_type})  # fmt: skip
 
 
 # ---- verl (RolloutCorrectionConfig classmethods) ------------------------------------------------
@@ -146,50 +136,53 @@ def opsm(delta: float = 1e-4) -> CorrectionConfig:
     return CorrectionConfig(opsm_delta=delta)
 
 
-# ---- other frameworks ---------------------------------------------------------------------------
+# ---- other frameworks: their own keys, read by their mapping in dialects.py ---------------------
+def _nemo_rl(kind: str, ratio: float, ratio_min: float | None) -> CorrectionConfig:
+    return from_nemo_rl({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": kind,
+                         "truncated_importance_sampling_ratio": ratio,
+                         "truncated_importance_sampling_ratio_min": ratio_min})  # fmt: skip
+
+
+def _openrlhf(kind: str, low: float, high: float) -> CorrectionConfig:
+    return from_openrlhf({"is_correction_enable": True, "is_correction_threshold": [low, high],
+                          "is_correction_type": kind})  # fmt: skip
+
+
 def trl_sequence_mask(clip_max: float = 3.0) -> CorrectionConfig:
     """TRL default ``vllm_importance_sampling_mode="sequence_mask"``, clip_max 3.0 (zero weight outside)."""
-    return CorrectionConfig(is_level="sequence", is_mode="mask", is_upper=clip_max, denominator="original")
+    return from_trl({"vllm_importance_sampling_mode": "sequence_mask", "vllm_importance_sampling_clip_max": clip_max})
 
 
 def trl_token_truncate(clip_max: float = 3.0) -> CorrectionConfig:
-    return CorrectionConfig(is_level="token", is_upper=clip_max, denominator="original")
+    return from_trl({"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": clip_max})
 
 
 def nemo_rl_tis(ratio: float = 2.0) -> CorrectionConfig:
-    return CorrectionConfig(is_level="token", is_upper=ratio, denominator="original")
+    return _nemo_rl("tis", ratio, None)
 
 
 def nemo_rl_icepop(ratio: float = 5.0, ratio_min: float = 0.5) -> CorrectionConfig:
-    return CorrectionConfig(
-        is_level="token", is_mode="mask", is_lower=ratio_min, is_upper=ratio, denominator="original"
-    )
+    return _nemo_rl("icepop", ratio, ratio_min)
 
 
 def nemo_rl_seq_mask_tis(ratio: float = 1.002, ratio_min: float = 0.999) -> CorrectionConfig:
     """NeMo-RL / OpenRLHF seq-mask-tis: untruncated token ρ, whole sequence zeroed unless the geometric
     mean ratio is in [min, max]; zeroed tokens stay in the denominator."""
-    return CorrectionConfig(
-        is_level="token",
-        is_upper=None,
-        rs=("seq_mean_k1",),
-        rs_thresholds=((ratio_min, ratio),),
-        denominator="original",
-    )
+    return _nemo_rl("seq-mask-tis", ratio, ratio_min)
 
 
 def skyrl_geo_mask(low: float = 0.99, high: float = 1.01) -> CorrectionConfig:
     """SkyRL ``sequence_mask_metric="geometric"`` (the docs' first recommendation)."""
-    return CorrectionConfig(rs=("seq_mean_k1",), rs_thresholds=((low, high),))
+    return from_skyrl({"sequence_mask_metric": "geometric", "geo_mask_low": low, "geo_mask_high": high})
 
 
 def skyrl_token_tis(clip_high: float = 2.0) -> CorrectionConfig:
-    return CorrectionConfig(is_level="token", is_upper=clip_high)
+    return from_skyrl({"tis_ratio_type": "token", "token_tis_ratio_clip_high": clip_high})
 
 
 def skyrl_outlier(low: float = 1e-4, high: float = 100.0) -> CorrectionConfig:
     """SkyRL outlier sequences: drop the sequence if any token ratio is outside [low, high]."""
-    return CorrectionConfig(veto_threshold=low, veto_upper=high)
+    return from_skyrl({"outlier_token_is_threshold_low": low, "outlier_token_is_threshold_high": high})
 
 
 def slime_tis(clip: float = 2.0) -> CorrectionConfig:
@@ -213,13 +206,11 @@ def areal_decoupled_cap(cap: float = 5.0) -> CorrectionConfig:
 
 def openrlhf_tis(low: float = 0.5, high: float = 5.0) -> CorrectionConfig:
     """OpenRLHF ``is_correction_type=tis``: w = clamp(ρ, low, high) (note the lower clamp)."""
-    return CorrectionConfig(is_level="token", is_lower=low, is_upper=high, denominator="original")
+    return _openrlhf("tis", low, high)
 
 
 def openrlhf_icepop(low: float = 0.5, high: float = 5.0) -> CorrectionConfig:
-    return CorrectionConfig(
-        is_level="token", is_mode="mask", is_lower=low, is_upper=high, denominator="original"
-    )
+    return _openrlhf("icepop", low, high)
 
 
 def openrlhf_seq_mask_tis(low: float = 0.5, high: float = 5.0) -> CorrectionConfig:
@@ -294,3 +285,34 @@ def preset(name: str, **kwargs: Any) -> CorrectionConfig:
     if unknown:
         raise ValueError(f"preset {name!r} has no parameter(s) {unknown}; it takes {list(params)}")
     return factory(**kwargs)
+
+
+class PresetError(ValueError):
+    """A bad correction spec; ``key`` is the spec key at fault ("preset" or a CorrectionConfig field)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}" if key else message)
+        self.key = key
+
+
+def resolve(spec: Mapping[str, Any]) -> CorrectionConfig:
+    """The one resolver of a correction spec ``{"preset": name, <CorrectionConfig field>: value, ...}``: the
+    preset's config with the given fields replaced; without ``"preset"``, the fields alone (CorrectionConfig's
+    defaults for the rest). Used by ``rollcorr train`` (``algorithm.correction``) and ``rollcorr analyze``.
+    Raises ``PresetError`` naming the key at fault."""
+    if not isinstance(spec, Mapping):
+        raise PresetError("", f"expected a mapping such as {{preset: decoupled_token_is}}, got {spec!r}")
+    fields = dict(spec)
+    name = fields.pop("preset", None)
+    known = {f.name for f in dataclasses.fields(CorrectionConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise PresetError(unknown[0], f"unknown correction field; known: {sorted(known)}")
+    if name is not None and name not in PRESETS:
+        raise PresetError("preset", f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    try:
+        if name is None:
+            return CorrectionConfig(**fields)
+        return dataclasses.replace(PRESETS[name](), **fields)
+    except (TypeError, ValueError) as err:
+        raise PresetError("", str(err)) from None

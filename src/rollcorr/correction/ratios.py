@@ -172,7 +172,7 @@ class Tokens(Rows):
 
 
 def make_tokens(
-    old_log_prob: Tensor,
+    anchor_log_prob: Tensor,
     rollout_log_prob: Tensor,
     mask: Tensor,
     *,
@@ -181,8 +181,9 @@ def make_tokens(
     names: tuple[str, str] = ("old_log_prob", "rollout_log_prob"),
     validate: bool = True,
 ) -> Tokens:
-    """Mask the log-probs (0 on padding, whatever padding held), check them, and form ℓ = old − rollout,
-    its clamp to ±bound and ρ = exp(clamp(ℓ)).
+    """Mask the log-probs (0 on padding, whatever padding held), check them, and form ℓ = anchor − rollout,
+    its clamp to ±bound and ρ = exp(clamp(ℓ)). The anchor is log π_old in decoupled mode and log π_θ in bypass
+    mode (``names`` says which, for the error messages).
 
     The check raises ``ValueError`` naming the tensor and the first bad positions when the mask has no
     valid token or a valid log-prob is NaN, ±inf or positive. It costs one min/max pass per tensor and a
@@ -193,16 +194,16 @@ def make_tokens(
     multiplication by the float mask (x·1 = x, x·0 = 0 exactly for finite x) instead of ``torch.where``,
     and when the min/max of the inputs bound |ℓ| below ``bound`` the clamp is the identity and is skipped.
     Both give bit-identical tensors to the general path."""
-    dtype = compute_dtype(old_log_prob, rollout_log_prob)
+    dtype = compute_dtype(anchor_log_prob, rollout_log_prob)
     mask_bool = mask if mask.dtype == torch.bool else mask != 0
     mask_f = mask_bool.to(dtype)
     n = mask_f.sum(dim=-1)  # integer counts: exact in float
     num_tokens = n.sum()
-    inputs = (old_log_prob, rollout_log_prob)
+    inputs = (anchor_log_prob, rollout_log_prob)
     clamp_needed = True
     if validate:
         # one sync: the raw (padding included) min/max of each input
-        flags = [num_tokens, *torch.aminmax(old_log_prob), *torch.aminmax(rollout_log_prob)]
+        flags = [num_tokens, *torch.aminmax(anchor_log_prob), *torch.aminmax(rollout_log_prob)]
         if mask.dtype != torch.bool:
             flags.append(((mask != 0) & (mask != 1)).any())
         values = torch.stack([f.to(dtype) for f in flags]).tolist()

@@ -7,15 +7,26 @@ Spec grammar ``backend[:option[:option]]``, options in any order:
     vllm[:fp32|bf16|fp16]                     vLLM (rollcorr.engines.vllm; default bf16)
 
 Learners are ``hf`` only. The llamacpp and vllm backends are imported only when asked for.
+
+Another sampler backend plugs in from outside the package with ``register_sampler(name, build, cls)``: its spec
+is ``name`` or ``name:<option>`` (the option is passed to ``build``), and the trainer reads what it can do from
+``cls`` (``can_resume``) before building it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rollcorr.engines.base import Learner, Sampler, SamplingParams, process_logits
+from rollcorr.engines.spec import (
+    LONG_DTYPE,
+    REGISTERED,
+    EngineSpec,
+    parse_learner_spec,
+    parse_spec,
+    register_sampler,
+)
 from rollcorr.models.builtin import BUILTIN, builtin_path, is_builtin
 
 __all__ = [
@@ -27,58 +38,26 @@ __all__ = [
     "make_sampler",
     "parse_spec",
     "process_logits",
+    "register_sampler",
+    "sampler_class",
 ]
 
-BACKENDS = ("hf", "llamacpp", "vllm")
-HF_DTYPES = ("fp32", "bf16", "fp16", "int8")
-ATTNS = ("eager", "sdpa")
-VLLM_DTYPES = ("fp32", "bf16", "fp16")
-LONG_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-VLLM_DEFAULT_DTYPE = "bf16"  # what a bare "vllm" spec runs: str(parse_spec("vllm")) == "vllm:bf16"
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """A parsed spec: backend plus the options it understood (None = backend default)."""
-
-    backend: str
-    dtype: str | None = None
-    attn: str | None = None
-    quant: str | None = None
-
-    def __str__(self) -> str:
-        return ":".join([self.backend] + [o for o in (self.quant or self.dtype, self.attn) if o])
-
-
-def parse_spec(spec: str) -> EngineSpec:
-    """ "hf:bf16:sdpa" → EngineSpec("hf", dtype="bf16", attn="sdpa"); ValueError naming anything unknown."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"engine spec must be a non-empty string like 'hf:bf16', got {spec!r}")
-    backend, *options = spec.strip().lower().split(":")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown engine backend {backend!r} in {spec!r}; use one of {BACKENDS}")
-    if backend == "llamacpp":
-        if len(options) > 1:
-            raise ValueError(f"llamacpp takes one option (the GGUF quantisation), got {spec!r}")
-        return EngineSpec("llamacpp", quant=options[0] if options and options[0] else None)
-    dtype = attn = quant = None
-    allowed_dtypes = HF_DTYPES if backend == "hf" else VLLM_DTYPES
-    for opt in options:
-        if opt in allowed_dtypes and dtype is None and quant is None:
-            if opt == "int8":
-                quant, dtype = "int8", "fp32"
-            else:
-                dtype = opt
-        elif backend == "hf" and opt in ATTNS and attn is None:
-            attn = opt
-        else:
-            known = allowed_dtypes + (ATTNS if backend == "hf" else ())
-            raise ValueError(
-                f"unknown or repeated option {opt!r} in engine spec {spec!r}; {backend} accepts {known}"
-            )
+def sampler_class(spec: str) -> type:
+    """The class ``make_sampler(spec)`` builds, without building it (nor importing llama.cpp or vLLM)."""
+    backend = parse_spec(spec).backend
+    if backend in REGISTERED:
+        return REGISTERED[backend].cls
     if backend == "hf":
-        return EngineSpec("hf", dtype=dtype or "fp32", attn=attn or "eager", quant=quant)
-    return EngineSpec("vllm", dtype=dtype or VLLM_DEFAULT_DTYPE)
+        from rollcorr.engines.hf import HFSampler
+
+        return HFSampler
+    if backend == "llamacpp":
+        from rollcorr.engines.llamacpp import LlamaCppSampler
+
+        return LlamaCppSampler
+    from rollcorr.engines.vllm import VLLMSampler
+
+    return VLLMSampler
 
 
 def _check_model_path(model_path: str | Path | None) -> str | Path:
@@ -103,6 +82,8 @@ def make_sampler(
     """
     parsed = parse_spec(spec)
     path = _check_model_path(model_path)
+    if parsed.backend in REGISTERED:
+        return REGISTERED[parsed.backend].build(parsed, None if path == BUILTIN else path, threads=threads, **kwargs)
     if parsed.backend == "hf":
         from rollcorr.engines.hf import HFSampler
 
@@ -124,9 +105,7 @@ def make_sampler(
 
 def make_learner(spec: str = "hf", model_path: str | Path | None = None, **kwargs: Any) -> Learner:
     """A learner for ``spec`` ("hf", "hf:bf16", ...; int8 is sampler-only) on ``model_path``."""
-    from rollcorr.engines.preflight import check_spec
-
-    parsed = check_spec(spec, role="learner")  # hf with float weights (PreflightError is a ValueError)
+    parsed = parse_learner_spec(spec)  # hf with float weights
     path = _check_model_path(model_path)
     from rollcorr.engines.hf import HFLearner
 

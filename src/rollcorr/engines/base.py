@@ -17,6 +17,8 @@ from torch import Tensor, nn
 
 from rollcorr.rollout import Rollout
 
+StateDict = dict[str, Tensor]  # parameter name → tensor: what a learner publishes and a sampler loads
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -60,9 +62,13 @@ class Sampler(Protocol):
     ``rollout_log_prob`` / ``log_kept_mass`` and per-token ``version``. ``meta[i]["finished"]`` tells whether
     row i ended with EOS or the token cap (False when ``max_steps`` stopped decoding first); ``resume=``
     continues the unfinished rows of such a Rollout with the current weights.
+
+    can_resume  whether ``resume=`` / ``max_steps`` work (partial rollouts, ``trainer.partial_rollouts``); a
+                class attribute, so the trainer asks it before building the sampler
     """
 
     version: int
+    can_resume: bool
 
     def generate(
         self,
@@ -76,7 +82,7 @@ class Sampler(Protocol):
         max_steps: int | None = None,
     ) -> Rollout: ...
 
-    def load_weights(self, state_dict: dict[str, Tensor], version: int) -> int: ...
+    def load_weights(self, state_dict: StateDict, version: int) -> int: ...
 
     def close(self) -> None: ...
 
@@ -97,7 +103,7 @@ class Learner(Protocol):
         grad: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]: ...
 
-    def state_dict(self) -> dict[str, Tensor]: ...
+    def state_dict(self) -> StateDict: ...
 
     def parameters(self): ...
 

@@ -72,6 +72,7 @@ def encode_prompts(tokenizer, prompts: Sequence[str] | Sequence[Sequence[int]], 
 class DecodingSampler:
     """``generate`` / ``_resume`` on top of a backend's ``_decode``; see the module docstring."""
 
+    can_resume = True  # max_steps / resume= are implemented here, for every backend built on it
     tokenizer: Any
     pad_id: int
     version: int

@@ -20,6 +20,7 @@ import re
 import struct
 from pathlib import Path
 
+from rollcorr.engines.spec import parse_learner_spec, parse_spec
 from rollcorr.models.builtin import BUILTIN, builtin_path
 
 # extra name in pyproject.toml -> (python modules it provides, what the user knows it as)
@@ -233,10 +234,8 @@ def check_tokenizer_fits(path: Path, data: dict) -> None:
 
 def check_spec(spec: str, role: str = "sampler"):
     """The parsed spec, or PreflightError(field="spec") — a learner must be hf with float weights."""
-    from rollcorr.engines import parse_spec
-
     try:
-        parsed = parse_spec(spec)
+        parsed = parse_learner_spec(spec) if role == "learner" else parse_spec(spec)
     except ValueError as err:
         raise PreflightError("spec", str(err)) from None
     if parsed.backend == "llamacpp" and parsed.quant is not None:
@@ -245,14 +244,6 @@ def check_spec(spec: str, role: str = "sampler"):
         if parsed.quant not in (*QUANT_TYPES, "file"):
             raise PreflightError("spec", f"{spec!r}: rollcorr writes GGUF weights as {', '.join(QUANT_TYPES)} "
                                  "(or llamacpp:file serves a GGUF file as shipped)")  # fmt: skip
-    if role == "learner":
-        if parsed.backend != "hf":
-            raise PreflightError("spec", f"learners exist for the hf backend only, got {spec!r}")
-        if parsed.quant is not None:
-            raise PreflightError(
-                "spec", f"{spec!r}: int8 quantisation is for samplers; a learner trains float weights "
-                "(use hf or hf:bf16)"
-            )  # fmt: skip
     return parsed
 
 

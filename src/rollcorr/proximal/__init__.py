@@ -1,7 +1,7 @@
 """Where π_old comes from when training is asynchronous (docs/spec.md §7).
 
 ``make_proximal(name, **kw)`` builds one of: recompute, bypass, snapshot, old_logit_model, interrupt,
-loglinear, linear, ewma. Each is a ``ProximalStrategy`` (the protocol and its hooks: ``base.py``) returning a
+loglinear, linear, ewma — or a strategy added with ``register(cls)``. Each is a ``ProximalStrategy`` (the protocol and its hooks: ``base.py``) returning a
 ``ProximalResult``; see docs/proximal.md.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from rollcorr.proximal.base import (
     ProximalResult,
     ProximalStrategy,
-    discrepancy_staleness,
+    discrepancy_drift,
     old_logit_error,
 )
 from rollcorr.proximal.ewma import EWMA, lag_beta
@@ -30,6 +30,19 @@ from rollcorr.proximal.store import SnapshotStore, TokenStore, prefix_keys, scor
 STRATEGIES: dict[str, type[ProximalStrategy]] = {
     cls.name: cls for cls in (Recompute, Bypass, Snapshot, OldLogitModel, Interrupt, LogLinear, Linear, EWMA)
 }
+
+
+def register(cls: type[ProximalStrategy]) -> type[ProximalStrategy]:
+    """Make ``cls`` (a ``ProximalStrategy`` subclass) a strategy under ``cls.name``: ``make_proximal`` and the
+    trainer's ``algorithm.proximal.name`` then know it. Usable as a class decorator; returns ``cls``."""
+    if not (isinstance(cls, type) and issubclass(cls, ProximalStrategy)):
+        raise TypeError(f"register needs a ProximalStrategy subclass, got {cls!r}")
+    if not isinstance(cls.name, str) or not cls.name or cls.name == ProximalStrategy.name:
+        raise ValueError(f"{cls.__name__}.name must be the strategy's own name, got {cls.name!r}")
+    if cls.name in STRATEGIES and STRATEGIES[cls.name] is not cls:
+        raise ValueError(f"a strategy named {cls.name!r} exists already ({STRATEGIES[cls.name].__name__})")
+    STRATEGIES[cls.name] = cls
+    return cls
 
 
 def make_proximal(name: str, **kw) -> ProximalStrategy:
@@ -58,7 +71,8 @@ __all__ = [
     "SnapshotStore",
     "TokenStore",
     "prefix_keys",
-    "discrepancy_staleness",
+    "register",
+    "discrepancy_drift",
     "interpolation_alpha",
     "lag_beta",
     "linear_prox",

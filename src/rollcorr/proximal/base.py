@@ -234,15 +234,16 @@ def old_logit_error(old_log_prob: Tensor, exact_old_log_prob: Tensor, mask: Tens
     }
 
 
-def discrepancy_staleness(
+def discrepancy_drift(
     rollout_log_prob: Tensor, exact_old_log_prob: Tensor, log_prob: Tensor, mask: Tensor
 ) -> dict[str, float]:
     """The two factors of docs/spec.md §1, for logging: π_θ/μ = (π_old/μ) · (π_θ/π_old) with π_old = π_train(v_gen).
 
-    Per valid token: discrepancy d_t = log π_old − log μ, staleness s_t = log π_θ − log π_old (both clamped to
-    ±20), total d_t + s_t = log π_θ − log μ. Returns masked means, standard deviations and mean absolute
-    values of d and s, the mean total, and the mean ratios exp(d), exp(s). All inputs (B, T); ``log_prob`` is
-    detached here.
+    Per valid token: discrepancy d_t = log π_old − log μ (sampler vs learner at the same weights), drift
+    s_t = log π_θ − log π_old (how far the learner moved since those weights; its cause is the version lag,
+    "staleness"), both clamped to ±20, total d_t + s_t = log π_θ − log μ. Returns masked means, standard
+    deviations and mean absolute values of d and s, the mean total, and the mean ratios exp(d), exp(s). All
+    inputs (B, T); ``log_prob`` is detached here.
     """
     mask = mask.bool()
     for name, x in (
@@ -252,7 +253,7 @@ def discrepancy_staleness(
     ):
         _check_finite(name, x, mask)
     if not mask.any():
-        raise ValueError("response_mask selects no token: cannot compute discrepancy/staleness")
+        raise ValueError("response_mask selects no token: cannot compute discrepancy/drift")
     mu, old, theta = (
         _masked(x.detach().float(), mask) for x in (rollout_log_prob, exact_old_log_prob, log_prob)
     )
@@ -263,9 +264,9 @@ def discrepancy_staleness(
         "discrepancy_log_std": float(d.std(correction=0)),
         "discrepancy_log_abs_mean": float(d.abs().mean()),
         "discrepancy_ratio_mean": float(d.exp().mean()),
-        "staleness_log_mean": float(s.mean()),
-        "staleness_log_std": float(s.std(correction=0)),
-        "staleness_log_abs_mean": float(s.abs().mean()),
-        "staleness_ratio_mean": float(s.exp().mean()),
+        "drift_log_mean": float(s.mean()),
+        "drift_log_std": float(s.std(correction=0)),
+        "drift_log_abs_mean": float(s.abs().mean()),
+        "drift_ratio_mean": float(s.exp().mean()),
         "total_log_mean": float((d + s).mean()),
     }

@@ -45,7 +45,7 @@ class Recompute(ProximalStrategy):
 class Bypass(ProximalStrategy):
     """π_old := μ, the sampler's own log-probs (``rollout.rollout_log_prob``).
 
-    Free, but the PPO ratio π_θ/μ then carries discrepancy × staleness together (docs/spec.md §1); its error against
+    Free, but the PPO ratio π_θ/μ then carries discrepancy × drift together (docs/spec.md §1); its error against
     the exact old logits is the discrepancy factor log π_train(v_gen) − log μ.
     """
 

@@ -65,7 +65,7 @@ def _run(args: argparse.Namespace) -> int:
             if args.out is not None:
                 overrides.append(f"trainer.out={args.out}")
             config = load_config(args.config, overrides)
-        from rollcorr.train.loop import check_components
+        from rollcorr.train.build import check_components
         from rollcorr.train.loop import run as run_training
 
         check_components(config)

@@ -15,7 +15,9 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from rollcorr.config.correction import CorrectionConfig
 from rollcorr.config.loss import AGG_MODES
+from rollcorr.config.presets import PresetError, resolve
 from rollcorr.config.yaml_io import YamlError, excerpt, load_yaml, load_yaml_file
 from rollcorr.losses import LOSSES as LOSS_CATALOGUE
 from rollcorr.losses import LossConfig, loss_spec
@@ -124,6 +126,68 @@ class RolloutConfig:
 
 
 @dataclass
+class ProximalConfig:
+    """Where π_old comes from: a registered strategy (``rollcorr.proximal.STRATEGIES``) and its options.
+
+    In YAML and overrides it is one mapping, ``{name: ewma, beta: 0.5}``; options the trainer fills from the run
+    (temperature, max_staleness, ...: the strategy's ``run_defaults``) may be left out.
+    """
+
+    name: str = "recompute"
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def strategy(self) -> type:
+        """The strategy class (its class attributes answer the trainer's questions before it is built)."""
+        from rollcorr.proximal import STRATEGIES
+
+        return STRATEGIES[self.name]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **self.options}
+
+
+def _correction(data: Any, key: str) -> CorrectionConfig:
+    """``algorithm.correction`` ({preset: name, <CorrectionConfig field>: value, ...}) → CorrectionConfig."""
+    if isinstance(data, CorrectionConfig):
+        return data
+    try:
+        return resolve(data)
+    except PresetError as err:
+        raise ConfigError(f"{key}.{err}" if err.key else f"{key}: {err}") from None
+
+
+def _proximal(data: Any, key: str) -> ProximalConfig:
+    """``algorithm.proximal`` ({name: strategy, <option>: value, ...}) → ProximalConfig (name and option names
+    checked against the registered strategies; option values when the strategy is built)."""
+    import inspect
+
+    from rollcorr.proximal import STRATEGIES
+
+    if isinstance(data, ProximalConfig):
+        return data
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        raise ConfigError(f"{key}.name: needs a strategy name, e.g. {{name: recompute}}")
+    options = dict(data)
+    name = options.pop("name")
+    if name not in STRATEGIES:
+        raise ConfigError(f"{key}.name: unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}")
+    params = inspect.signature(STRATEGIES[name]).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(set(options) - set(params))
+        if unknown:
+            raise ConfigError(f"{key}: strategy {name!r} has no option {unknown[0]!r}; it takes {sorted(params)}")
+    return ProximalConfig(name, options)
+
+
+# sections held as typed objects but written as one mapping (their own parser and to_dict)
+SECTIONS = {CorrectionConfig: _correction, ProximalConfig: _proximal}
+# the key that selects a section's base: overriding it starts the section afresh ({preset: X} drops the old
+# preset's field overrides, {name: X} the old strategy's options)
+SELECTORS = {("algorithm", "correction"): "preset", ("algorithm", "proximal"): "name"}
+
+
+@dataclass
 class AlgorithmConfig:
     name: str = "grpo"  # one of ALGORITHMS
     loss: str | None = None  # None = the algorithm's default (see ALGORITHMS)
@@ -141,10 +205,10 @@ class AlgorithmConfig:
     oapl_sync_every: int = 4  # OAPL: publish weights to the sampler every N learner steps
     # the loss's own hyper-parameters: {<LossConfig field of LOSS_ARGS>: value}, e.g. {"sapo_tau_pos": 1.0}
     loss_args: dict[str, Any] = field(default_factory=dict)
-    # rollcorr correction config: {"preset": name, <CorrectionConfig field>: value, ...}
-    correction: dict[str, Any] = field(default_factory=lambda: {"preset": "decoupled_token_is"})
-    # π_old strategy: {"name": strategy, <strategy kwarg>: value, ...}
-    proximal: dict[str, Any] = field(default_factory=lambda: {"name": "recompute"})
+    # the correction, resolved when the config is read from {"preset": name, <CorrectionConfig field>: value}
+    correction: CorrectionConfig = field(default_factory=lambda: resolve({"preset": "decoupled_token_is"}))
+    # the π_old strategy, read from {"name": strategy, <option>: value, ...}
+    proximal: ProximalConfig = field(default_factory=ProximalConfig)
 
     def resolved(self, key: str) -> Any:
         """The value of ``key`` after filling None from the algorithm's defaults (for the loss's own settings:
@@ -153,7 +217,9 @@ class AlgorithmConfig:
         if value is not None:
             return value
         table = ALGORITHMS[self.name]
-        loss = self.resolved("loss") if key != "loss" else None
+        if key == "loss":  # bypass_pg_*: the correction's weight min(π_θ/μ, C) is the ratio, so REINFORCE
+            return "reinforce" if self.correction.loss_type == "reinforce" else table["loss"]
+        loss = self.loss if self.loss is not None else table["loss"]
         if key in LOSS_SETTINGS and loss != table["loss"] and loss in LOSS_CATALOGUE:
             return getattr(LOSS_CATALOGUE[loss], LOSS_SETTINGS[key])
         return table[key]
@@ -215,7 +281,11 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain data (YAML / JSON): the correction with every field explicit, the strategy as one mapping."""
+        out = dataclasses.asdict(self)
+        out["algorithm"]["correction"] = self.algorithm.correction.to_dict()
+        out["algorithm"]["proximal"] = self.algorithm.proximal.to_dict()
+        return out
 
     @property
     def batch_size(self) -> int:
@@ -236,7 +306,9 @@ def _from_dict(cls: type, data: dict[str, Any], prefix: str) -> Any:
         if key not in known:
             raise ConfigError(f"{dotted}: unknown key; known keys are {sorted(known)}")
         hint = hints[key]
-        if dataclasses.is_dataclass(hint):
+        if hint in SECTIONS:
+            kwargs[key] = SECTIONS[hint](value, dotted)
+        elif dataclasses.is_dataclass(hint):
             kwargs[key] = _from_dict(hint, value or {}, dotted)
         else:
             kwargs[key] = _coerce(value, hint, dotted)
@@ -301,6 +373,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     """Set each dotted key in a nested dict (new nested keys are checked later against the dataclasses)."""
     for text in overrides:
         path, value = parse_override(text)
+        if len(path) == 3 and SELECTORS.get(tuple(path[:2])) == path[2]:
+            data.setdefault(path[0], {})
+            if isinstance(data[path[0]], dict):
+                data[path[0]][path[1]] = {}  # a new preset / strategy starts its section afresh
         node = data
         for i, part in enumerate(path[:-1]):
             child = node.get(part)
@@ -409,6 +485,36 @@ def _validate_loss_args(loss: str, loss_args: dict[str, Any]) -> None:
         ) from None
 
 
+def _validate_correction(a: AlgorithmConfig, loss: str) -> None:
+    """The correction against the loss and the π_old strategy.
+
+    Bypass mode sets π_old := μ. With ``loss_type=ppo_clip`` the ratio π_θ/μ lives in a ratio-based loss and the
+    correction applies no weight; with ``loss_type=reinforce`` the correction's w = min(π_θ/μ, C) *is* the ratio,
+    so the loss must be REINFORCE (−A·sg(w)·log π_θ): a PPO ratio on top would count π_θ/μ twice. An unset
+    ``algorithm.loss`` follows the correction (``AlgorithmConfig.resolved``); an explicit one that disagrees is
+    refused.
+    """
+    c = a.correction
+    if c.loss_type == "reinforce":
+        if c.mode != "bypass":
+            raise ConfigError("algorithm.correction.loss_type: 'reinforce' applies in bypass mode only (the weight "
+                              "π_θ/μ replaces the PPO ratio); decoupled corrections use loss_type=ppo_clip")  # fmt: skip
+        if loss_spec(loss).has_ratio:  # gpg = REINFORCE without its metric
+            raise ConfigError(f"algorithm.loss: {loss!r} has its own ratio, but the correction has loss_type=reinforce "
+                              "(its weight min(π_θ/μ, C) is already the ratio, so it would count twice); leave "
+                              "algorithm.loss unset or use a bypass_ppo_clip* preset")  # fmt: skip
+    elif c.mode == "bypass" and not loss_spec(loss).has_ratio:
+        raise ConfigError(f"algorithm.loss: {loss!r} has no ratio and a bypass_ppo_clip* correction applies no weight, "
+                          "so nothing would correct for μ ≠ π_θ; use a bypass_pg_* preset")  # fmt: skip
+    if c.mode == "bypass" and not a.proximal.strategy.old_is_rollout:
+        raise ConfigError(f"algorithm.proximal.name: a bypass correction preset means π_old := μ; use "
+                          f"algorithm.proximal.name=bypass, not {a.proximal.name!r}")  # fmt: skip
+    if loss_spec(loss).regresses_on_rollout and c.mode == "bypass":
+        raise ConfigError(
+            "algorithm.correction: OAPL regresses on log μ itself; use a decoupled preset or 'disabled'"
+        )
+
+
 def validate(c: TrainConfig) -> None:
     """Self-consistency checks that need no model. Raises ConfigError naming the key."""
     r, a, o, t = c.rollout, c.algorithm, c.optim, c.trainer
@@ -451,9 +557,7 @@ def validate(c: TrainConfig) -> None:
         raise ConfigError(
             f"rollout.group_size: {a.resolved('advantage')} needs groups of >= 2, got {r.group_size}"
         )
-    _check("preset" in a.correction or "mode" in a.correction, "algorithm.correction",
-           "needs a 'preset' (e.g. decoupled_token_is) or explicit fields")  # fmt: skip
-    _check(isinstance(a.proximal.get("name"), str), "algorithm.proximal.name", "needs a strategy name")
+    _validate_correction(a, loss)
 
     _positive(o.lr, "optim.lr")
     _positive(o.weight_decay, "optim.weight_decay", allow_zero=True)

@@ -1,10 +1,4 @@
-"""Where rollouts come from: a sampler worker behind an executor, and the one factory that builds them.
-
-``RolloutSource`` is the sampler-side worker: for batch ``index`` it draws prompts (deterministic in the
-seed and the index), samples G responses per prompt, and scores them. ``SourceSpec`` says how to build one
-(picklable), so it can be built where the sampler runs: in this process, in a sampler process
-(``rollcorr.train.sampler_process``) or in a Ray actor (``rollcorr.train.ray_executor``). An executor decides
-*when* and *with which weights* the worker runs:
+"""Executors: *when* and *with which weights* the sample source runs, behind one ``Executor`` protocol.
 
   LaggedExecutor(lag=0)   synchronous: generate, train, publish, repeat (sampler in this process)
   LaggedExecutor(lag=k)   simulated asynchronous: the sampler holds the newest published weights at least k
@@ -14,13 +8,10 @@ seed and the index), samples G responses per prompt, and scores them. ``SourceSp
                           admission control (a batch is started only if it cannot be trained on at a lag above
                           ``max_staleness``) and optional partial rollouts (a response interrupted by a weight
                           update resumes with the new weights)
-  RayExecutor             sampler workers as Ray actors, for any mode
+  RayExecutor             sampler workers as Ray actors, for any mode (``rollcorr.train.ray_executor``)
 
-Every executor has the same surface: ``start(weights, version)``, ``next_rollout(step, version) -> (Rollout,
-metrics)``, ``publish(weights, version)``, ``pause() -> in-flight rollouts`` / ``resume()``, ``state_dict()`` /
-``load_state_dict()``, ``close()``. Weights come before their version everywhere, as in
-``Sampler.load_weights(state_dict, version)``. Weight versions count learner steps; batch ``step`` is trained
-on at learner version ``step`` (one batch per step).
+The sampler side they drive — ``RolloutSource``, ``SourceSpec``, ``sample_batch`` and the rules for which
+weights a batch may use — is ``rollcorr.train.source``; ``make_executor`` (``rollcorr.train.build``) picks one.
 
 Timings every executor reports with a batch: ``time/generate_s`` (the sampler's time on this batch; in
 ``async`` it overlaps the learner's previous steps) and ``time/wait_s`` (how long the learner waited for it).
@@ -31,170 +22,66 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
-import torch
-from torch import Tensor
-
-from rollcorr.engines import SamplingParams
+from rollcorr.engines.base import StateDict
 from rollcorr.rollout import Rollout
-
-StateDict = dict[str, Tensor]
-
-
-def copy_weights(state_dict: StateDict) -> StateDict:
-    """A detached CPU copy (the learner keeps training its own tensors)."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}
+from rollcorr.train.source import Source, admissible, copy_weights, finished, lagged_version, sample_batch
 
 
-def finished(rollout: Rollout) -> bool:
-    """Every row complete (EOS or token cap); False for a batch stopped at a chunk boundary."""
-    return all(m.get("finished", True) for m in rollout.meta)
+class Executor(Protocol):
+    """What the training loop drives; every executor implements it (subclass it to inherit the defaults).
 
+    Weights come before their version everywhere, as in ``Sampler.load_weights(state_dict, version)``; weight
+    versions count learner steps and batch ``step`` is trained on at learner version ``step``. In a
+    data-parallel learner one process (rank 0) owns the executor: it calls these methods and hands each rank
+    its share of the rollout; the other ranks never touch it.
 
-class RolloutSource:
-    """The sampler worker: prompts for batch ``index`` → G sampled responses each → rewards.
-
-    Owned by one thread at a time. ``seed`` and ``index`` fix the prompts and the sampling seed, so the same
-    weights give the same batch.
+    local_listeners  True when the sampler's chunk and weight-load listeners run in this process
+                     (``source.listeners`` / ``source.load_listeners``), which strategies that follow the
+                     sampler need (``ProximalStrategy.follows_sampler``); False for remote workers (Ray)
+    source           the sample source the listeners attach to (``local_listeners``), else None
     """
 
-    def __init__(self, sampler, task, tokenizer, params, prompts_per_step: int, group_size: int, seed: int):
-        self.sampler, self.task, self.tokenizer = sampler, task, tokenizer
-        self.params, self.prompts_per_step, self.group_size = params, prompts_per_step, group_size
-        self.seed = seed
-        # called with every generated chunk, before any newer weights are loaded (e.g. the old-logit model)
-        self.listeners: list[Callable[[Rollout], Any]] = []
-        # called as (weights, version) whenever the sampler loads weights, from the thread that loads them
-        self.load_listeners: list[Callable[[StateDict, int], Any]] = []
+    local_listeners: ClassVar[bool] = True
+    source: Source | None
 
-    def _batch_seed(self, index: int) -> int:
-        return (self.seed * 1_000_003 + index) % (2**31 - 1)
+    def start(self, weights: StateDict, version: int) -> None:
+        """Begin sampling with the learner's initial weights (a new run; a resumed one calls
+        ``load_state_dict`` instead)."""
+        ...
 
-    def _request(self, index: int) -> tuple[list[str], Any, list[dict], list[int]]:
-        items = self.task.sample(self.prompts_per_step, seed=self._batch_seed(index), split="train")
-        params = replace(self.params, seed=self._batch_seed(index))
-        group_ids = [index * self.prompts_per_step + j for j in range(self.prompts_per_step)]
-        return [it["prompt"] for it in items], params, items, group_ids
+    def next_rollout(self, step: int, version: int) -> tuple[Rollout, dict[str, float]]:
+        """The rewarded batch for ``step`` — no valid token more than ``max_staleness`` versions behind the
+        learner's ``version`` — and the executor's metrics (``time/generate_s``, ``time/wait_s``, ...)."""
+        ...
 
-    def sample(self, index: int, partial: Rollout | None = None, max_steps: int | None = None) -> Rollout:
-        """Batch ``index`` — started, or ``partial``'s unfinished rows continued with the current weights —
-        for at most ``max_steps`` decode steps (None: to the end); rewarded once every row is finished."""
-        prompts, params, items, group_ids = self._request(index)
-        rollout = self.sampler.generate(
-            prompts, params, n=self.group_size, meta=items, group_ids=group_ids, resume=partial,
-            max_steps=max_steps,
-        )  # fmt: skip
-        for listener in self.listeners:
-            listener(rollout)
-        return self.reward(rollout) if finished(rollout) else rollout
+    def publish(self, weights: StateDict, version: int) -> None:
+        """The learner's new weights; the executor copies what it keeps (the learner goes on training them)."""
+        ...
 
-    def reward(self, rollout: Rollout) -> Rollout:
-        """Decode each response (special tokens removed) and score it with the task."""
-        ids = [row[mask].tolist() for row, mask in zip(rollout.response_ids, rollout.response_mask.bool())]
-        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        rewards = [float(self.task.reward(item, text)) for item, text in zip(rollout.meta, texts)]
-        return rollout.replace(rewards=torch.tensor(rewards, dtype=torch.float32))
+    def pause(self) -> list[Rollout]:
+        """Stop the sampler at its next chunk boundary; returns the rollouts generated but not yet trained
+        (``ProximalStrategy.pauses_sampler``). Default: nothing is in flight between steps."""
+        return []
 
-    def load_weights(self, weights: StateDict, version: int) -> None:
-        self.sampler.load_weights(weights, version)
-        for listener in self.load_listeners:
-            listener(weights, version)
+    def resume(self) -> None:
+        """Undo ``pause``. Default: nothing to do."""
 
-    @property
-    def version(self) -> int:
-        return int(self.sampler.version)
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to continue exactly (queued batches, counters, weights still needed)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``'s output and start sampling (instead of ``start``)."""
+        ...
 
     def close(self) -> None:
-        """Nothing to release: the sampler lives as long as this process."""
+        """Stop the sampler and release it; ``state_dict()`` still works afterwards."""
+        ...
 
 
-class Source(Protocol):
-    """What an executor drives: ``RolloutSource`` here, or ``ProcessSource`` (the same, in a sampler process)."""
-
-    listeners: list[Callable[[Rollout], Any]]
-    load_listeners: list[Callable[[StateDict, int], Any]]
-
-    def sample(self, index: int, partial: Rollout | None = None, max_steps: int | None = None) -> Rollout: ...
-
-    def load_weights(self, weights: StateDict, version: int) -> None: ...
-
-    @property
-    def version(self) -> int: ...
-
-    def close(self) -> None: ...
-
-
-def sample_batch(source: Source, index: int, chunk_tokens: int | None = None, partial: Rollout | None = None,
-                 between_chunks: Callable[[Rollout], bool] | None = None) -> Rollout:  # fmt: skip
-    """Batch ``index`` (or ``partial`` continued): whole when ``chunk_tokens`` is None, else ``chunk_tokens``
-    decode steps at a time — the partial-rollout loop, written once for every executor.
-
-    Between chunks ``between_chunks(rollout)`` runs (load newer weights, so the rest of each response is
-    sampled with them; honour a pause) and returns False to stop early: the batch comes back unfinished and
-    unrewarded, to be continued later with ``partial=``.
-    """
-    rollout = source.sample(index, partial, chunk_tokens)
-    while not finished(rollout) and (between_chunks is None or between_chunks(rollout)):
-        rollout = source.sample(index, rollout, chunk_tokens)
-    return rollout
-
-
-@dataclass(frozen=True)
-class SourceSpec:
-    """Everything needed to build a ``RolloutSource`` where the sampler runs (picklable; paths absolute)."""
-
-    sampler: str  # engine spec for make_sampler, e.g. "hf:bf16"
-    model_path: str | None  # None = the built-in model
-    task: str  # make_task name or .jsonl path
-    params: SamplingParams
-    prompts_per_step: int
-    group_size: int
-    seed: int
-    threads: int = 1  # CPU threads where the sampler runs: torch's pool, llama.cpp's (0 = their default)
-    sampler_kwargs: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_config(cls, config) -> SourceSpec:
-        """The sampler side of a ``TrainConfig`` (the one place its sampling parameters are read)."""
-        r, t = config.rollout, config.trainer
-        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
-                                top_p=r.top_p, seed=t.seed)  # fmt: skip
-        model_path = None if config.model.path == "builtin" else _absolute(config.model.path)
-        return cls(config.model.sampler, model_path, _absolute(config.task.name), params, r.prompts_per_step,
-                   r.group_size, t.seed, t.threads)  # fmt: skip
-
-    def build(self) -> RolloutSource:
-        from rollcorr.engines import make_sampler
-        from rollcorr.tasks import make_task
-
-        sampler = make_sampler(self.sampler, self.model_path, threads=self.threads, **self.sampler_kwargs)
-        tokenizer = getattr(sampler, "tokenizer", None)
-        if tokenizer is None:
-            raise ValueError(f"sampler {self.sampler!r} exposes no tokenizer to decode responses for rewards")
-        task = make_task(self.task)
-        return RolloutSource(sampler, task, tokenizer, self.params, self.prompts_per_step, self.group_size,
-                             self.seed)  # fmt: skip
-
-
-def _absolute(path: str) -> str:
-    """A sampler process may run in another directory: make existing local paths absolute."""
-    return str(Path(path).resolve()) if Path(path).exists() else path
-
-
-def mode_lag(mode: str, lag: int) -> int | None:
-    """``trainer.mode`` → the sampler's version lag: ``sync`` 0, ``simulated_async`` ``lag`` (fixed,
-    deterministic), ``async`` None (the freshest weights the sampler can get, within ``max_staleness``)."""
-    lags = {"sync": 0, "simulated_async": lag, "async": None}
-    if mode not in lags:
-        raise ValueError(f"trainer.mode: unknown mode {mode!r}; use one of {sorted(lags)}")
-    return lags[mode]
-
-
-class LaggedExecutor:
+class LaggedExecutor(Executor):
     """Synchronous (lag 0) or simulated-asynchronous (lag k) execution, fully deterministic.
 
     Batch ``step`` is generated on demand with the newest *published* weights of version ≤ step − lag. Only
@@ -217,8 +104,7 @@ class LaggedExecutor:
 
     def _sync(self, version: int) -> None:
         """Load the newest published weights of version ≤ ``version`` − lag; forget older ones."""
-        eligible = [v for v in self.history if v <= version - self.lag] or [min(self.history)]
-        target = max(eligible)
+        target = lagged_version(self.history, version, self.lag)
         if target != self.sampler_version:
             self.source.load_weights(self.history[target], target)
             self.sampler_version = target
@@ -241,12 +127,6 @@ class LaggedExecutor:
         self._latest = version
         self._sync(version)
 
-    def pause(self) -> list[Rollout]:
-        return []  # nothing is in flight between steps
-
-    def resume(self) -> None:
-        pass
-
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "lagged", "lag": self.lag, "history": self.history, "sampler_version": self.sampler_version,
                 "latest": self._latest}  # fmt: skip
@@ -264,23 +144,7 @@ class LaggedExecutor:
         self.source.close()
 
 
-def trained_version(index: int, dropped: int) -> int:
-    """The learner version batch ``index`` is trained at (one batch per step; dropped batches take none)."""
-    return index - dropped
-
-
-def admissible(index: int, dropped: int, sampler_version: int, max_staleness: int) -> bool:
-    """May batch ``index`` be sampled with weights ``sampler_version``? (no token trained at lag > bound)"""
-    return trained_version(index, dropped) - sampler_version <= max_staleness
-
-
-def lag_of(rollout: Rollout, version: int) -> int:
-    """Versions between the learner (``version``) and the oldest valid token of ``rollout``."""
-    mask = rollout.response_mask.bool()
-    return version - int(rollout.version[mask].min()) if mask.any() else 0
-
-
-class AsyncExecutor:
+class AsyncExecutor(Executor):
     """A producer thread drives the sampler while the learner trains; batches wait in a bounded queue.
 
     With ``ProcessSource`` (what ``make_executor`` builds for ``trainer.mode=async``) the sampler computes in
@@ -354,7 +218,7 @@ class AsyncExecutor:
                     raise RuntimeError(f"the sampler failed: {type(err).__name__}: {err}") from err
                 _index, rollout, generate_s = self.queue.popleft()
                 self.cond.notify_all()
-            if lag_of(rollout, version) <= self.max_staleness:
+            if rollout.max_lag(version) <= self.max_staleness:
                 break
             with self.cond:  # defensive: admission control should make this unreachable
                 self.dropped += 1
@@ -489,34 +353,3 @@ class AsyncExecutor:
         self.published = (weights, int(version))
         self.source.load_weights(*self.published)
         self._launch()
-
-
-def make_executor(config, spec: SourceSpec | None = None, **ray_options: Any):
-    """The one executor factory: ``trainer.executor`` × ``trainer.mode`` of a ``TrainConfig`` → an executor.
-
-    The sampler is built once, where it runs: in this process for ``sync`` / ``simulated_async`` (deterministic,
-    nothing to overlap), in a sampler process for ``async`` (``ProcessSource``), in Ray actors for
-    ``trainer.executor=ray`` — never in the driver for the last two. ``spec`` defaults to
-    ``SourceSpec.from_config(config)``; ``ray_options`` go to ``RayExecutor`` (``workers``, ``address``,
-    ``worker_cpus``, ``num_cpus``, ``max_restarts``, ...; ``workers`` / ``address`` default to
-    ``trainer.ray_workers`` / ``trainer.ray_address``).
-    """
-    t = config.trainer
-    spec = spec or SourceSpec.from_config(config)
-    lag = mode_lag(t.mode, t.lag)
-    if t.executor == "ray":
-        from rollcorr.train.ray_executor import RayExecutor
-
-        ray_options.setdefault("workers", t.ray_workers)
-        ray_options.setdefault("address", t.ray_address)
-        return RayExecutor(spec, max_staleness=t.max_staleness, queue_size=t.queue_size, lag=lag,
-                           partial_rollouts=t.partial_rollouts, chunk_tokens=t.partial_chunk_tokens,
-                           **ray_options)  # fmt: skip
-    if ray_options:
-        raise TypeError(f"{sorted(ray_options)}: options of trainer.executor=ray, not {t.executor!r}")
-    if lag is None:
-        from rollcorr.train.sampler_process import ProcessSource
-
-        return AsyncExecutor(ProcessSource(spec), t.max_staleness, t.queue_size, t.partial_rollouts,
-                             t.partial_chunk_tokens)  # fmt: skip
-    return LaggedExecutor(spec.build(), lag)

@@ -1,4 +1,4 @@
-"""The training run: build the pieces from a ``TrainConfig``, then step, publish, evaluate, checkpoint.
+"""The training run: the parts (``rollcorr.train.build``), then step, publish, evaluate, checkpoint.
 
     executor.next_rollout(step, version)   → rollout with rewards (sampler at some version ≤ version)
     train_step(rollout, ...)                → π_old, correction, advantages, loss, optimizer step
@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import math
 import random
 import signal
@@ -24,8 +22,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from rollcorr.engines.preflight import check_prompts
 from rollcorr.safe_io import UnsafePathError
+from rollcorr.tasks import make_task
 from rollcorr.train.alerts import RunAlerts
+from rollcorr.train.build import (
+    build_evaluator,
+    build_learner,
+    check_components,
+    follow_sampler,
+    make_executor,
+)
 from rollcorr.train.checkpoint import (
     load_latest_intact,
     recover_checkpoints,
@@ -33,7 +40,7 @@ from rollcorr.train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from rollcorr.train.config import ConfigError, TrainConfig, save_config
+from rollcorr.train.config import ConfigError, TrainConfig, config_from_dict, save_config
 from rollcorr.train.rundir import (
     LOCK_FILE,
     RunFinished,
@@ -47,7 +54,7 @@ from rollcorr.train.rundir import (
     new_run_dir,
     repair_metrics,
 )
-from rollcorr.train.step import Algorithm, train_step
+from rollcorr.train.step import StepConfig, train_step
 
 
 class TrainingStopped(RuntimeError):
@@ -65,177 +72,6 @@ class RunResult:
     stopped: str | None = None
 
 
-# ---------------------------------------------------------------- building (all checks before any model loads)
-
-
-def build_correction(config: TrainConfig):
-    """``algorithm.correction`` ({"preset": name, field: value, ...}) → CorrectionConfig."""
-    from rollcorr.config.correction import CorrectionConfig
-
-    spec = dict(config.algorithm.correction)
-    name = spec.pop("preset", None)
-    try:
-        if name is None:
-            return CorrectionConfig(**spec)
-        from rollcorr.config.presets import PRESETS
-
-        if name not in PRESETS:
-            raise ConfigError(
-                f"algorithm.correction.preset: unknown preset {name!r}; choose one of {sorted(PRESETS)}"
-            )
-        base = PRESETS[name]()
-        known = {f.name for f in dataclasses.fields(base)}
-        unknown = sorted(set(spec) - known)
-        if unknown:
-            raise ConfigError(
-                f"algorithm.correction.{unknown[0]}: unknown correction field; known: {sorted(known)}"
-            )
-        return dataclasses.replace(base, **spec)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"algorithm.correction: {err}") from None
-
-
-def resolve_loss(config: TrainConfig, correction) -> str:
-    """The policy loss, checked against the correction's ``loss_type`` (which only means something in bypass).
-
-    Bypass mode sets π_old := μ. With ``loss_type=ppo_clip`` the ratio π_θ/μ lives in a ratio-based loss and the
-    correction applies no weight; with ``loss_type=reinforce`` the correction's w = min(π_θ/μ, C) *is* the ratio,
-    so the loss must be REINFORCE (−A·sg(w)·log π_θ): a PPO ratio on top would count π_θ/μ twice. An unset
-    ``algorithm.loss`` follows the preset; an explicit one that disagrees is refused.
-    """
-    from rollcorr.losses import loss_spec
-
-    loss = config.algorithm.resolved("loss")
-    explicit = config.algorithm.loss is not None
-    if correction.loss_type == "reinforce":
-        if correction.mode != "bypass":
-            raise ConfigError("algorithm.correction.loss_type: 'reinforce' applies in bypass mode only (the weight "
-                              "π_θ/μ replaces the PPO ratio); decoupled corrections use loss_type=ppo_clip")  # fmt: skip
-        if not explicit:
-            return "reinforce"
-        if loss_spec(loss).has_ratio:  # gpg = REINFORCE without its metric
-            raise ConfigError(f"algorithm.loss: {loss!r} has its own ratio, but the correction has loss_type=reinforce "
-                              "(its weight min(π_θ/μ, C) is already the ratio, so it would count twice); leave "
-                              "algorithm.loss unset or use a bypass_ppo_clip* preset")  # fmt: skip
-    elif correction.mode == "bypass" and not loss_spec(loss).has_ratio:
-        raise ConfigError(f"algorithm.loss: {loss!r} has no ratio and a bypass_ppo_clip* correction applies no weight, "
-                          "so nothing would correct for μ ≠ π_θ; use a bypass_pg_* preset")  # fmt: skip
-    return loss
-
-
-def build_algorithm(config: TrainConfig) -> Algorithm:
-    """Resolve the algorithm's defaults into the ``Algorithm`` the step uses."""
-    from rollcorr.losses import LossConfig
-
-    a = config.algorithm
-    correction = build_correction(config)
-    loss_name = resolve_loss(config, correction)
-    try:
-        loss = LossConfig(
-            name=loss_name,
-            clip_low=a.resolved("clip_low"),
-            clip_high=a.resolved("clip_high"),
-            clip_c=a.dual_clip,
-            agg=a.resolved("aggregation"),
-            denominator=correction.denominator,
-            norm_constant=float(config.rollout.max_new_tokens),
-            oapl_beta=a.oapl_beta,
-            oapl_beta1=a.oapl_beta1,
-            check_inputs=True,
-            **{key: float(value) for key, value in a.loss_args.items()},  # checked by config.validate
-        )
-    except ValueError as err:
-        raise ConfigError(f"algorithm.loss: {err}") from None
-    return Algorithm(
-        loss=loss,
-        correction=correction,
-        advantage=a.resolved("advantage"),
-        norm_std=a.resolved("norm_std"),
-        dynamic_sampling=a.resolved("dynamic_sampling"),
-        baseline_excludes_rejected=a.baseline_excludes_rejected,
-        oapl_beta1=a.oapl_beta if a.oapl_beta1 is None else a.oapl_beta1,
-        temperature=config.rollout.temperature,
-        mini_batches=config.trainer.mini_batches,
-        micro_batch_size=config.trainer.micro_batch_size,
-        ppo_epochs=config.trainer.ppo_epochs,
-        grad_clip=config.optim.grad_clip,
-        skip_zero_grad=config.optim.skip_zero_grad,
-        publish_every=a.oapl_sync_every if loss.regresses_on_rollout else 1,
-    )
-
-
-def build_proximal(config: TrainConfig):
-    from rollcorr.proximal import STRATEGIES, make_proximal
-
-    spec = dict(config.algorithm.proximal)
-    name = spec.pop("name")
-    if name not in STRATEGIES:
-        raise ConfigError(
-            f"algorithm.proximal.name: unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}"
-        )
-    run = STRATEGIES[name].run_defaults(
-        temperature=config.rollout.temperature,
-        max_staleness=max(config.trainer.max_staleness, 1),
-        steps_per_version=config.trainer.mini_batches * config.trainer.ppo_epochs,
-    )
-    spec = {**run, **spec}
-    try:
-        return make_proximal(name, **spec)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"algorithm.proximal: {err}") from None
-
-
-def check_components(config: TrainConfig) -> tuple[Algorithm, Any]:
-    """Everything that can be checked without loading a model: presets, losses, strategy, engine specs."""
-    from rollcorr.engines import parse_spec
-    from rollcorr.engines.preflight import PreflightError, preflight
-    from rollcorr.tasks import make_task
-
-    algo = build_algorithm(config)
-    proximal = build_proximal(config)
-    # specs, optional packages, the model folder: before any run folder
-    for key, spec in (("sampler", config.model.sampler), ("learner", config.model.learner)):
-        try:
-            preflight(spec, config.model.path, role=key)
-        except PreflightError as err:
-            raise ConfigError(f"model.{'path' if err.field == 'path' else key}: {err}") from None
-    check_trainable_learner(config)
-    try:
-        make_task(config.task.name)
-    except (ValueError, FileNotFoundError) as err:
-        raise ConfigError(f"task.name: {err}") from None
-    if config.trainer.partial_rollouts and parse_spec(config.model.sampler).backend not in ("hf", "llamacpp"):
-        raise ConfigError(
-            f"trainer.partial_rollouts: sampler {config.model.sampler!r} cannot resume responses"
-        )
-    if config.trainer.executor == "ray" and proximal.follows_sampler:
-        raise ConfigError(f"algorithm.proximal.name: {proximal.name!r} scores chunks as the sampler makes them; "
-                          "that needs trainer.executor=local")  # fmt: skip
-    if algo.correction.mode == "bypass" and not proximal.old_is_rollout:
-        raise ConfigError(f"algorithm.proximal.name: a bypass correction preset means π_old := μ; use "
-                          f"algorithm.proximal.name=bypass, not {proximal.name!r}")  # fmt: skip
-    if algo.loss.regresses_on_rollout and algo.correction.mode == "bypass":
-        raise ConfigError(
-            "algorithm.correction: OAPL regresses on log μ itself; use a decoupled preset or 'disabled'"
-        )
-    return algo, proximal
-
-
-def check_trainable_learner(config: TrainConfig) -> None:
-    """fp16 weights cannot take AdamW steps: eps = 1e-8 rounds to 0 in fp16, so m/(√v + eps) is 0/0 = NaN
-    wherever v underflows, and every weight turns NaN within a step (there are no fp32 master weights)."""
-    from rollcorr.engines import parse_spec
-
-    spec = parse_spec(config.model.learner)
-    if spec.backend == "hf" and spec.dtype == "fp16" and spec.quant is None:
-        raise ConfigError(
-            f"model.learner: {config.model.learner!r} cannot be trained (fp16 weights with no fp32 master copy: "
-            "AdamW's eps rounds to 0 and the weights turn NaN); use hf:fp32 or hf:bf16 (the sampler may stay fp16)"
-        )
-
-
 def missing_log_probs_error(proximal, config: TrainConfig) -> ConfigError:
     """The error for a rollout that came back without log μ: the correction (and some strategies) read it."""
     if proximal.needs_rollout_log_prob:
@@ -246,9 +82,9 @@ def missing_log_probs_error(proximal, config: TrainConfig) -> ConfigError:
     )
 
 
-def publishes(algo: Algorithm, version: int) -> bool:
+def publishes(step_config: StepConfig, version: int) -> bool:
     """Whether weights of ``version`` go to the sampler (OAPL: only every ``oapl_sync_every`` versions)."""
-    return version % algo.publish_every == 0
+    return version % step_config.publish_every == 0
 
 
 def seed_everything(seed: int) -> None:
@@ -278,7 +114,12 @@ def open_resume(run_dir: Path, config: TrainConfig) -> tuple[dict[str, Any] | No
         messages.append(f"{run_dir}: no checkpoint yet (killed before the first one); restarting from step 0")
         return None, messages
     step, steps = int(state["step"]), config.trainer.steps
-    check_resume_config(state["config"], config.to_dict(), step)
+    stored = state["config"]
+    try:  # in today's form: older checkpoints wrote {preset: name} where the resolved correction is now
+        stored = config_from_dict(stored).to_dict()
+    except ConfigError:
+        pass  # compared as written: the first key that differs is named
+    check_resume_config(stored, config.to_dict(), step)
     if step >= steps:
         raise RunFinished(
             f"{run_dir}: already finished (checkpoint at step {step}, trainer.steps={steps}); nothing to do. "
@@ -328,7 +169,7 @@ class Trainer:
     def __init__(self, config: TrainConfig, run_dir: Path | None = None, resume: Path | None = None,
                  overwrite: bool = False):  # fmt: skip
         self.config = config
-        self.algo, self.proximal = check_components(config)
+        self.step_config, self.proximal = check_components(config)
         # the run folder: checked, locked and (on resume) validated against its checkpoint before any write
         self.run_dir, self.lock, state, notes = open_run_dir(config, run_dir, resume, overwrite)
         try:
@@ -348,49 +189,22 @@ class Trainer:
         self, config: TrainConfig, state: dict[str, Any] | None, resumed: bool, notes: list[str]
     ) -> None:
         """Models, optimizer, executor, evaluator, logger; then the checkpoint's state when resuming."""
-        from rollcorr.engines import make_learner, make_sampler
-        from rollcorr.engines.preflight import check_prompts
-        from rollcorr.tasks import make_task
-        from rollcorr.train.eval import GreedyEvaluator
-        from rollcorr.train.executors import make_executor
         from rollcorr.train.logging import RunLogger
 
-        t, r = config.trainer, config.rollout
+        t = config.trainer
         seed_everything(t.seed)
-        model_path = None if config.model.path == "builtin" else config.model.path
-
-        self.learner = make_learner(config.model.learner, model_path)
-        self.learner.model.train(False)  # no dropout: the learner scores exactly what it trains
-        o = config.optim
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.learner.model.parameters() if p.requires_grad],
-            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-        )  # fmt: skip
+        self.learner, self.optimizer = build_learner(config)
         self.task = make_task(config.task.name)
         # a user's prompts: encodable, and within the model's positions (the hf sampler would run past them)
         check_prompts(self.learner.tokenizer, [str(item.get("prompt", "")) for item in getattr(self.task, "items", [])],
-                      r.max_new_tokens, getattr(self.learner.model.config, "max_position_embeddings", None),
+                      config.rollout.max_new_tokens, getattr(self.learner.model.config, "max_position_embeddings", None),
                       f"task.name: {config.task.name} prompt")  # fmt: skip
         # the sampler is built where it runs: here (sync, simulated_async), in a sampler process (async) or in
         # Ray actors (trainer.executor=ray)
         self.executor = make_executor(config)
-        # a strategy that follows the *sampler's* weights (old_logit_model; they lag the learner's in the async
-        # modes) gets each version when the sampler loads it, and every chunk as soon as it is generated
         if self.proximal.follows_sampler:
-            scratch = copy.deepcopy(self.learner.model)
-            source = self.executor.source  # a local executor (check_components refuses Ray)
-
-            def sampler_loaded(weights, version: int) -> None:
-                scratch.load_state_dict(weights)
-                self.proximal.on_sampler_load(version, scratch)
-
-            source.load_listeners.append(sampler_loaded)
-            source.listeners.append(lambda rollout: self.proximal.submit(rollout, self.learner))
-        self.evaluator = None
-        if config.task.eval_prompts > 0:
-            eval_sampler = make_sampler("hf:fp32", model_path)
-            self.evaluator = GreedyEvaluator(eval_sampler, self.task, self.learner.tokenizer,
-                                             config.task.eval_prompts, r.max_new_tokens, config.task.eval_seed)  # fmt: skip
+            follow_sampler(self.proximal, self.executor, self.learner)
+        self.evaluator = build_evaluator(config, self.task, self.learner.tokenizer)
         # the loss's own randomness (clip_cov's token draw): one stream per run, saved in checkpoints
         self.loss_generator = torch.Generator().manual_seed(t.seed)
         self.step = 0
@@ -460,7 +274,7 @@ class Trainer:
     def _publish(self) -> float:
         """Weights of the new version to the π_old strategy and the executor; returns the seconds it took."""
         start = time.perf_counter()
-        if publishes(self.algo, self.version):
+        if publishes(self.step_config, self.version):
             if not self.proximal.follows_sampler:
                 self.proximal.on_publish(self.version, self.learner.model)
             self.executor.publish(self.learner.model.state_dict(), self.version)
@@ -558,7 +372,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self._lr(self.step)
 
-        result = train_step(rollout, self.learner, self.optimizer, self.proximal, self.algo, self.version,
+        result = train_step(rollout, self.learner, self.optimizer, self.proximal, self.step_config, self.version,
                             generator=self.loss_generator)  # fmt: skip
         metrics.update(result.metrics)
         metrics["proximal/stall_s"] = float(stall)

@@ -12,8 +12,8 @@ PANELS = (
     ("version lag (tokens)", ("staleness/lag_mean", "staleness/lag_max")),
     ("mismatch", ("rollout_corr/kl", "rollout_corr/log_ppl_abs_diff")),
     (
-        "discrepancy / staleness (|log| mean)",
-        ("factors/discrepancy_log_abs_mean", "factors/staleness_log_abs_mean"),
+        "discrepancy / drift (|log| mean)",
+        ("factors/discrepancy_log_abs_mean", "factors/drift_log_abs_mean"),
     ),
     (
         "rejected / truncated fraction",

@@ -1,6 +1,6 @@
 """Sampler workers as Ray actors; the learner stays in the driver.
 
-``RayExecutor`` has the executor surface of ``rollcorr.train.executors`` (``start``, ``next_rollout``,
+``RayExecutor`` implements the ``Executor`` protocol of ``rollcorr.train.executors`` (``start``, ``next_rollout``,
 ``publish``, ``pause`` / ``resume``, ``state_dict`` / ``load_state_dict``, ``close``):
 
     driver (learner)                                    Ray actors (SamplerWorker × W)
@@ -44,19 +44,18 @@ import time
 from typing import Any
 
 import torch
-from torch import Tensor
 
+from rollcorr.engines.base import StateDict
 from rollcorr.rollout import Rollout
-from rollcorr.train.executors import (  # noqa: F401  (SourceSpec: importable from here as before)
+from rollcorr.train.executors import Executor
+from rollcorr.train.source import (
     SourceSpec,
     admissible,
     finished,
-    lag_of,
+    lagged_version,
     sample_batch,
     trained_version,
 )
-
-StateDict = dict[str, Tensor]
 
 # sane defaults for a local cluster on a small, shared machine (the user's environment wins)
 LOCAL_RAY_ENV = {
@@ -147,7 +146,7 @@ class SamplerWorker:
                          "pid": float(os.getpid())}  # fmt: skip
 
 
-class RayExecutor:
+class RayExecutor(Executor):
     """``workers`` Ray actors sample batches; the driver orders them by index and enforces the staleness bound.
 
     spec           how each worker builds its RolloutSource
@@ -161,6 +160,9 @@ class RayExecutor:
     partial_rollouts  workers decode ``chunk_tokens`` tokens at a time and continue unfinished responses with
                    weights published meanwhile (freshest-weights mode only, as ``AsyncExecutor``)
     """
+
+    local_listeners = False  # the samplers live in Ray actors: no listener of this process sees their chunks
+    source = None
 
     def __init__(
         self,
@@ -281,8 +283,7 @@ class RayExecutor:
         else:
             if self.learner_version < trained - self.lag:
                 return None  # the version it must use is not trained yet
-            eligible = [v for v in self.published if v <= trained - self.lag]
-            version = max(eligible) if eligible else min(self.published)
+            version = lagged_version(self.published, trained, self.lag)
         return version if admissible(index, self.dropped, version, self.max_staleness) else None
 
     def _pump(self) -> None:
@@ -345,8 +346,7 @@ class RayExecutor:
         if self.lag is None:
             keep = self.latest
         else:
-            floor = trained_version(self.next_train, self.dropped) - self.lag
-            keep = max([v for v in self.published if v <= floor], default=min(self.published))
+            keep = lagged_version(self.published, trained_version(self.next_train, self.dropped), self.lag)
         self.published = {v: ref for v, ref in self.published.items() if v >= keep}
 
     # ---- learner side --------------------------------------------------------------------------------
@@ -388,7 +388,7 @@ class RayExecutor:
                 self._pump()
             rollout, info = self.done.pop(index)
             self.next_train += 1
-            if lag_of(rollout, version) <= self.max_staleness:
+            if rollout.max_lag(version) <= self.max_staleness:
                 break
             self.dropped += 1  # defensive: admission control should make this unreachable
             dropped_now += 1
@@ -397,7 +397,7 @@ class RayExecutor:
         return rollout, {
             "time/wait_s": time.perf_counter() - start,
             "time/generate_s": info["generate_s"],
-            "sampler/version": float(version - lag_of(rollout, version)),  # oldest weights in the batch
+            "sampler/version": float(version - rollout.max_lag(version)),  # oldest weights in the batch
             "async/queue_size": float(len(self.done)),
             "async/dropped_total": float(self.dropped),
             "async/dropped_now": float(dropped_now),

@@ -53,8 +53,9 @@ from typing import Any
 
 import torch
 
+from rollcorr.engines.base import StateDict
 from rollcorr.rollout import Rollout
-from rollcorr.train.executors import SourceSpec, StateDict
+from rollcorr.train.source import SourceSpec
 
 Layout = list[tuple[str, torch.dtype, tuple[int, ...], int]]  # (name, dtype, shape, byte offset)
 ALIGN = 64

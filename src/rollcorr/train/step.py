@@ -2,6 +2,7 @@
 
     rollout (tokens, μ, per-token versions, rewards)           ← executor
     rollout.old_log_prob = proximal.old_log_prob(...)           ← π_old by the chosen strategy
+    (OPSM only: rollout.advantages = advantages(...) here)      ← OPSM reads them; otherwise computed below
     corr = compute_correction(old, μ, mask, config)             ← is_weights, kept_mask, metrics
     proximal.after_correction(rollout, version)                 ← the strategy sees the keep share and lag
     rollout.advantages = advantages(rewards, groups, kept)      ← rejected rows out of the baselines
@@ -27,8 +28,9 @@ from rollcorr.rollout import Rollout
 
 
 @dataclass(frozen=True)
-class Algorithm:
-    """Everything the step needs to know about the algorithm, resolved from ``TrainConfig``."""
+class StepConfig:
+    """Everything one training step needs to know, resolved once from a ``TrainConfig``
+    (``rollcorr.train.build.build_step_config``)."""
 
     loss: LossConfig
     correction: CorrectionConfig
@@ -45,6 +47,11 @@ class Algorithm:
     skip_zero_grad: bool = True  # no optimizer step when the gradient is exactly zero (see optimize)
     publish_every: int = 1  # weights go to the sampler every N versions (OAPL: algorithm.oapl_sync_every)
 
+    @property
+    def advantages_first(self) -> bool:
+        """Whether the correction reads the advantages (OPSM), so they are computed before it."""
+        return self.correction.opsm_delta is not None
+
 
 @dataclass
 class StepResult:
@@ -59,25 +66,6 @@ def _float_metrics(metrics: dict[str, Tensor | float]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
 
-def version_lag(rollout: Rollout, version: int) -> dict[str, float]:
-    """Per-token version lag (learner version − version that generated the token) over valid tokens, and the
-    share of responses whose tokens span several versions (partial rollouts)."""
-    mask = rollout.response_mask.bool()
-    if not mask.any():
-        return {"staleness/lag_mean": 0.0, "staleness/lag_max": 0.0, "staleness/mixed_version_fraction": 0.0}
-    lag = rollout.lag(version)[mask].float()
-    big = torch.iinfo(torch.int64).max
-    newest = torch.where(mask, rollout.version, torch.full_like(rollout.version, -1)).max(1).values
-    oldest = torch.where(mask, rollout.version, torch.full_like(rollout.version, big)).min(1).values
-    mixed = ((newest > oldest) & mask.any(1)).float().mean()
-    return {
-        "staleness/lag_mean": float(lag.mean()),
-        "staleness/lag_max": float(lag.max()),
-        "staleness/oldest_version": float(rollout.version[mask].min()),
-        "staleness/mixed_version_fraction": float(mixed),
-    }
-
-
 def reward_metrics(rollout: Rollout) -> dict[str, float]:
     rewards = rollout.rewards.float()
     lengths = rollout.response_mask.float().sum(1)
@@ -89,13 +77,12 @@ def reward_metrics(rollout: Rollout) -> dict[str, float]:
     }
 
 
-def correct(
-    rollout: Rollout, algo: Algorithm, version: int, log_prob: Tensor | None, advantages: Tensor | None = None
-) -> tuple[Rollout, dict]:
+def attach_correction(rollout: Rollout, config: StepConfig, log_prob: Tensor | None) -> tuple[Rollout, dict]:
     """Attach ``is_weights`` and ``kept_mask`` (docs/spec.md §2–3); returns the rollout and the metrics.
 
     ``log_prob``: detached log π_θ before the update when available (required in bypass mode, where the
-    ratio is π_θ/μ); it also enables the correction's discrepancy/staleness metrics.
+    ratio is π_θ/μ); it also enables the correction's discrepancy/drift metrics. OPSM reads
+    ``rollout.advantages``. The version lag is not the correction's business: ``Rollout.lag_metrics`` logs it.
     """
     from rollcorr.correction import compute_correction, metrics_to_floats
 
@@ -105,12 +92,10 @@ def correct(
         rollout.old_log_prob,
         rollout.rollout_log_prob,
         rollout.response_mask,
-        algo.correction,
+        config.correction,
         log_prob=log_prob,
-        advantages=advantages,
+        advantages=rollout.advantages,
         log_kept_mass=rollout.log_kept_mass,
-        version=rollout.version,
-        current_version=version,
         warn=False,  # the trainer says it in words through train/alerts.py
     )
     kept = res.kept_mask.bool() & rollout.response_mask.bool()
@@ -118,23 +103,23 @@ def correct(
     return rollout.replace(is_weights=weights, kept_mask=kept), metrics_to_floats(res.metrics)
 
 
-def attach_advantages(rollout: Rollout, algo: Algorithm) -> tuple[Rollout, Tensor, dict[str, float]]:
+def attach_advantages(rollout: Rollout, config: StepConfig) -> tuple[Rollout, Tensor, dict[str, float]]:
     """(B, T) advantages from rewards and group ids; returns (rollout, rows used (B,), metrics).
 
     With ``baseline_excludes_rejected`` a sequence with no kept token leaves its group's mean / std; with
     ``dynamic_sampling`` groups whose rewards are all equal are dropped (DAPO).
     """
     valid = rollout.response_mask.bool().any(1)
-    kept = rollout.kept_mask.any(1) if algo.baseline_excludes_rejected else valid
+    kept = rollout.kept_mask.any(1) if config.baseline_excludes_rejected else valid
     adv, used = compute_advantages(
-        algo.advantage,
+        config.advantage,
         rollout.rewards.float(),
         rollout.group_ids,
         rollout.kept_mask,
         keep=kept & valid,
-        norm_std=algo.norm_std,
-        beta1=algo.oapl_beta1,
-        filter_uniform_groups=algo.dynamic_sampling,
+        norm_std=config.norm_std,
+        beta1=config.oapl_beta1,
+        filter_uniform_groups=config.dynamic_sampling,
     )
     metrics = {
         "advantage/abs_mean": float(adv.abs().sum() / rollout.kept_mask.sum().clamp_min(1)),
@@ -143,14 +128,14 @@ def attach_advantages(rollout: Rollout, algo: Algorithm) -> tuple[Rollout, Tenso
     return rollout.replace(advantages=adv), used, metrics
 
 
-def _loss(algo: Algorithm, part: Rollout, log_prob: Tensor, generator: torch.Generator | None
+def _loss(config: StepConfig, part: Rollout, log_prob: Tensor, generator: torch.Generator | None
           ) -> tuple[Tensor, dict]:  # fmt: skip
-    """``algo.loss`` on one micro-batch's kept tokens: a regression loss (OAPL) regresses on log μ and the
+    """``config.loss`` on one micro-batch's kept tokens: a regression loss (OAPL) regresses on log μ and the
     rewards, every other loss takes π_old, the advantages and the correction's weights (clip_cov also the
     run's generator for its draw)."""
-    if algo.loss.regresses_on_rollout:
+    if config.loss.regresses_on_rollout:
         return policy_loss(
-            algo.loss,
+            config.loss,
             log_prob,
             None,
             None,
@@ -161,7 +146,7 @@ def _loss(algo: Algorithm, part: Rollout, log_prob: Tensor, generator: torch.Gen
             denominator_mask=part.response_mask,
         )
     return policy_loss(
-        algo.loss,
+        config.loss,
         log_prob,
         part.old_log_prob,
         part.advantages,
@@ -178,11 +163,11 @@ def _finite_on(mask: Tensor, *tensors: Tensor | None) -> bool:
     return all(bool(torch.isfinite(t.detach()[on]).all()) for t in tensors if t is not None)
 
 
-def renormalize(part: Rollout, algo: Algorithm, scope: str) -> Rollout:
+def renormalize(part: Rollout, config: StepConfig, scope: str) -> Rollout:
     """``part`` with its IS weights divided by their mean over ``part`` when the correction normalises them
     per ``scope`` (``batch_norm_scope`` mini_batch | micro_batch; ``compute_correction`` already normalised
     over the whole batch, and w/mean_part(w/f) = w/mean_part(w), so re-normalising a part is exact)."""
-    c = algo.correction
+    c = config.correction
     if not c.batch_normalize or c.batch_norm_scope != scope or part.is_weights is None:
         return part
     from rollcorr.correction.weights import norm_factor
@@ -208,7 +193,7 @@ def optimize(
     rollout: Rollout,
     learner,
     optimizer: torch.optim.Optimizer,
-    algo: Algorithm,
+    config: StepConfig,
     after_optimizer_step=None,
     generator: torch.Generator | None = None,
 ) -> tuple[dict[str, float], int, int]:
@@ -219,32 +204,32 @@ def optimize(
     accumulated gradient equals the mini-batch one.
     Returns (metrics averaged over optimizer steps, optimizer steps applied, steps skipped as non-finite).
     A mini-batch whose gradient is exactly zero is counted in ``train/zero_grad_minibatches``; with
-    ``algo.skip_zero_grad`` it takes no optimizer step (counted in ``train/zero_grad_skips``; not a bad step).
+    ``config.skip_zero_grad`` it takes no optimizer step (counted in ``train/zero_grad_skips``; not a bad step).
     ``generator`` feeds the loss's random draw (clip_cov).
     """
     params = [p for p in learner.model.parameters() if p.requires_grad]
-    token_level = algo.loss.token_level  # per-sequence losses (gmpo, oapl) average over sequences
+    token_level = config.loss.token_level  # per-sequence losses (gmpo, oapl) average over sequences
     sums: dict[str, float] = {}
     applied = skipped = zero_grad_skips = zero_grads = nonfinite_weights = 0
     guarded_step = GuardedStep(optimizer, params)
-    for _epoch in range(algo.ppo_epochs):
-        for rows in _mini_batch_indices(rollout, algo.mini_batches):
-            mini = renormalize(rollout.select(rows), algo, "mini_batch")
+    for _epoch in range(config.ppo_epochs):
+        for rows in _mini_batch_indices(rollout, config.mini_batches):
+            mini = renormalize(rollout.select(rows), config, "mini_batch")
             total = float(mini.kept_mask.sum()) if token_level else float(len(rows))
             optimizer.zero_grad(set_to_none=True)
             finite = True
             step_metrics: dict[str, float] = {}
-            for micro_rows in _micro_batches(len(rows), algo.micro_batch_size):
+            for micro_rows in _micro_batches(len(rows), config.micro_batch_size):
                 part = mini.select(micro_rows) if len(micro_rows) < len(rows) else mini
-                part = renormalize(part, algo, "micro_batch")
+                part = renormalize(part, config, "micro_batch")
                 share = (float(part.kept_mask.sum()) if token_level else float(len(micro_rows))) / max(total, 1.0)
                 log_prob, entropy = learner.log_prob(
-                    part, temperature=algo.temperature, grad=True, with_entropy=True
+                    part, temperature=config.temperature, grad=True, with_entropy=True
                 )
                 if not _finite_on(part.response_mask, log_prob, part.old_log_prob):
                     finite = False  # diverged weights give NaN/inf log-probs: a bad step, not a loss error
                     break
-                loss, metrics = _loss(algo, part, log_prob, generator)
+                loss, metrics = _loss(config, part, log_prob, generator)
                 metrics["actor/entropy"] = masked_mean(entropy.detach(), part.response_mask)
                 if not torch.isfinite(loss):
                     finite = False
@@ -255,13 +240,13 @@ def optimize(
                 )
                 for k, v in _float_metrics(metrics).items():
                     step_metrics[k] = step_metrics.get(k, 0.0) + v * share
-            grad_norm = _grad_norm(params, algo.grad_clip) if finite else float("nan")
+            grad_norm = _grad_norm(params, config.grad_clip) if finite else float("nan")
             if not math.isfinite(grad_norm):
                 optimizer.zero_grad(set_to_none=True)
                 skipped += 1
                 continue
             zero_grads += grad_norm == 0.0
-            if algo.skip_zero_grad and grad_norm == 0.0:
+            if config.skip_zero_grad and grad_norm == 0.0:
                 # Every token rejected, or every advantage zero. Adam would still move the weights by its
                 # momentum m/√v (and v keeps decaying, which inflates the next real step): skip it entirely.
                 zero_grad_skips += 1
@@ -361,7 +346,7 @@ def train_step(
     learner,
     optimizer: torch.optim.Optimizer,
     proximal,
-    algo: Algorithm,
+    config: StepConfig,
     version: int,
     generator: torch.Generator | None = None,
 ) -> StepResult:
@@ -370,7 +355,7 @@ def train_step(
     ``version`` is the learner's current weight version (the rollout's tokens carry their own, ≤ version);
     ``generator`` is the run's stream for the loss's random draw (clip_cov; None = torch's global RNG).
     """
-    metrics = {**reward_metrics(rollout), **version_lag(rollout, version)}
+    metrics = {**reward_metrics(rollout), **rollout.lag_metrics(version)}
 
     # π_old by the chosen strategy (timed, with its memory cost and, when measurable, its error)
     start = time.perf_counter()
@@ -381,36 +366,36 @@ def train_step(
     start = time.perf_counter()  # time/correction_s: log π_θ if needed, the correction, the advantages
 
     # log π_θ before the update, when the correction or the factor metrics need it (free under recompute)
-    bypass = algo.correction.mode == "bypass"
+    bypass = config.correction.mode == "bypass"
     exact = proximal.is_exact(rollout, version)  # π_old is π_train(v_gen) for every token
     current = proximal.current_log_prob(prox)
     if current is None and (bypass or exact):
         with torch.no_grad():
-            current = learner.log_prob(rollout, temperature=algo.temperature, grad=False)
+            current = learner.log_prob(rollout, temperature=config.temperature, grad=False)
             current = current[0] if isinstance(current, tuple) else current
 
-    # correction: IS weights, rejection mask, the verl-named diagnostics (OPSM also reads the advantages)
-    advantages = None
-    if algo.correction.opsm_delta is not None:
-        unrejected = rollout.replace(kept_mask=rollout.response_mask.bool())
-        advantages = attach_advantages(unrejected, algo)[0].advantages
-    rollout, corr_metrics = correct(
-        rollout, algo, version, current if (bypass or exact) else None, advantages
-    )
+    # OPSM reads the advantages: then they are computed before the correction, every valid sequence in the
+    # baselines (as DeepSeek-V3.2 and slime do), and the loss uses the same ones; otherwise after it, with
+    # rejected sequences out of the baselines. One advantages pass either way.
+    if config.advantages_first:
+        rollout, used, adv_metrics = attach_advantages(rollout.replace(kept_mask=rollout.response_mask.bool()), config)
+
+    # correction: IS weights, rejection mask, the verl-named diagnostics
+    rollout, corr_metrics = attach_correction(rollout, config, current if (bypass or exact) else None)
     metrics.update(corr_metrics)
     proximal.after_correction(rollout, version)  # the strategy sees the keep share and the measured lag
 
-    # advantages, with rejected sequences (and uniform groups under dynamic sampling) out of the baselines;
-    # the loss sees the kept tokens of the rows the advantages use
-    rollout, used, adv_metrics = attach_advantages(rollout, algo)
+    # advantages (dynamic sampling drops uniform groups); the loss sees the kept tokens of the rows they use
+    if not config.advantages_first:
+        rollout, used, adv_metrics = attach_advantages(rollout, config)
     metrics.update(adv_metrics)
     rollout = rollout.replace(kept_mask=rollout.kept_mask & used[:, None])
 
-    # discrepancy × staleness (docs/spec.md §1): exact when π_old is π_train(v_gen)
+    # discrepancy × drift (docs/spec.md §1): exact when π_old is π_train(v_gen)
     if exact and current is not None and rollout.response_mask.any():
-        from rollcorr.proximal.base import discrepancy_staleness
+        from rollcorr.proximal.base import discrepancy_drift
 
-        factors = discrepancy_staleness(
+        factors = discrepancy_drift(
             rollout.rollout_log_prob, rollout.old_log_prob, current, rollout.response_mask
         )
         metrics.update({f"factors/{k}": v for k, v in factors.items()})
@@ -418,7 +403,7 @@ def train_step(
 
     start = time.perf_counter()
     opt_metrics, applied, skipped = optimize(
-        rollout, learner, optimizer, algo,
+        rollout, learner, optimizer, config,
         after_optimizer_step=proximal.after_optimizer_step, generator=generator,
     )  # fmt: skip
     metrics.update(opt_metrics)

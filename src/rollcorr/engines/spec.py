@@ -1,0 +1,103 @@
+"""Engine specs (``backend[:option[:option]]``) and the registry of sampler backends added from outside.
+
+Parsing a spec loads nothing, so ``rollcorr.engines.preflight`` and the trainer's checks read it before any
+backend is imported; ``rollcorr.engines`` builds the engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rollcorr.engines.base import Sampler
+
+BACKENDS = ("hf", "llamacpp", "vllm")
+HF_DTYPES = ("fp32", "bf16", "fp16", "int8")
+ATTNS = ("eager", "sdpa")
+VLLM_DTYPES = ("fp32", "bf16", "fp16")
+LONG_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+VLLM_DEFAULT_DTYPE = "bf16"  # what a bare "vllm" spec runs: str(parse_spec("vllm")) == "vllm:bf16"
+
+
+@dataclass(frozen=True)
+class RegisteredSampler:
+    """A sampler backend registered from outside: ``build(spec, model_path, threads=..., **kwargs)`` makes one,
+    ``cls`` is its class (asked for capabilities such as ``can_resume`` before anything is built)."""
+
+    build: Callable[..., Sampler]
+    cls: type
+
+
+REGISTERED: dict[str, RegisteredSampler] = {}
+
+
+def register_sampler(name: str, build: Callable[..., Sampler], cls: type) -> None:
+    """Make ``name`` a sampler backend: ``make_sampler("name[:option]", model_path, threads=t, **kw)`` calls
+    ``build(EngineSpec(name, quant=option), model_path, threads=t, **kw)``; ``cls`` answers the trainer's
+    questions (``can_resume``). ``model_path`` is None for the built-in model. Learners stay hf."""
+    if not isinstance(name, str) or not name.isidentifier() or name in BACKENDS:
+        raise ValueError(
+            f"sampler backend name must be a new identifier (not one of {BACKENDS}), got {name!r}"
+        )
+    REGISTERED[name.lower()] = RegisteredSampler(build, cls)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """A parsed spec: backend plus the options it understood (None = backend default)."""
+
+    backend: str
+    dtype: str | None = None
+    attn: str | None = None
+    quant: str | None = None
+
+    def __str__(self) -> str:
+        return ":".join([self.backend] + [o for o in (self.quant or self.dtype, self.attn) if o])
+
+
+def parse_spec(spec: str) -> EngineSpec:
+    """ "hf:bf16:sdpa" → EngineSpec("hf", dtype="bf16", attn="sdpa"); ValueError naming anything unknown."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"engine spec must be a non-empty string like 'hf:bf16', got {spec!r}")
+    backend, *options = spec.strip().lower().split(":")
+    if backend in REGISTERED:
+        if len(options) > 1:
+            raise ValueError(f"{backend} takes at most one option, got {spec!r}")
+        return EngineSpec(backend, quant=options[0] if options and options[0] else None)
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"unknown engine backend {backend!r} in {spec!r}; use one of {BACKENDS + tuple(REGISTERED)}"
+        )
+    if backend == "llamacpp":
+        if len(options) > 1:
+            raise ValueError(f"llamacpp takes one option (the GGUF quantisation), got {spec!r}")
+        return EngineSpec("llamacpp", quant=options[0] if options and options[0] else None)
+    dtype = attn = quant = None
+    allowed_dtypes = HF_DTYPES if backend == "hf" else VLLM_DTYPES
+    for opt in options:
+        if opt in allowed_dtypes and dtype is None and quant is None:
+            if opt == "int8":
+                quant, dtype = "int8", "fp32"
+            else:
+                dtype = opt
+        elif backend == "hf" and opt in ATTNS and attn is None:
+            attn = opt
+        else:
+            known = allowed_dtypes + (ATTNS if backend == "hf" else ())
+            raise ValueError(
+                f"unknown or repeated option {opt!r} in engine spec {spec!r}; {backend} accepts {known}"
+            )
+    if backend == "hf":
+        return EngineSpec("hf", dtype=dtype or "fp32", attn=attn or "eager", quant=quant)
+    return EngineSpec("vllm", dtype=dtype or VLLM_DEFAULT_DTYPE)
+
+
+def parse_learner_spec(spec: str) -> EngineSpec:
+    """``parse_spec`` plus the learner's rule: hf with float weights (int8 is for samplers); ValueError else."""
+    parsed = parse_spec(spec)
+    if parsed.backend != "hf":
+        raise ValueError(f"learners exist for the hf backend only, got {spec!r}")
+    if parsed.quant is not None:
+        raise ValueError(f"{spec!r}: int8 quantisation is for samplers; a learner trains float weights "
+                         "(use hf or hf:bf16)")  # fmt: skip
+    return parsed

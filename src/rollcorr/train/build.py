@@ -1,0 +1,198 @@
+"""Building a run's parts from a ``TrainConfig``: the one place that knows which class serves which setting.
+
+    check_components(config)   everything checkable before a model loads (run by ``rollcorr train`` first)
+    build_step_config(config)  the settings of one training step (loss, correction, advantages, batches)
+    build_proximal(config)     the π_old strategy
+    build_learner(config)      the learner and its optimizer
+    make_executor(config)      the executor (``trainer.executor`` × ``trainer.mode``), its sampler built where
+                               it runs; ``follow_sampler`` connects a strategy that follows the sampler to it
+    build_evaluator(config)    greedy evaluation on held-out prompts (None without any)
+
+Nothing here trains: the loop (``rollcorr.train.loop``) receives the parts.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from rollcorr.engines import make_learner, make_sampler, parse_spec, sampler_class
+from rollcorr.engines.preflight import PreflightError, preflight
+from rollcorr.losses import LossConfig
+from rollcorr.proximal import ProximalStrategy, make_proximal
+from rollcorr.tasks import make_task
+from rollcorr.train.config import ConfigError, TrainConfig
+from rollcorr.train.eval import GreedyEvaluator
+from rollcorr.train.executors import AsyncExecutor, Executor, LaggedExecutor
+from rollcorr.train.ray_executor import RayExecutor
+from rollcorr.train.sampler_process import ProcessSource
+from rollcorr.train.source import SourceSpec, mode_lag
+from rollcorr.train.step import StepConfig
+
+
+def check_components(config: TrainConfig) -> tuple[StepConfig, ProximalStrategy]:
+    """What the config names exists and can do what the config asks, checked without loading a model:
+    engine specs, optional packages and the model folder (before any run folder), a trainable learner, the
+    task, the sampler's and the executor's capabilities. Returns the step's settings and the strategy."""
+    step_config = build_step_config(config)
+    proximal = build_proximal(config)
+    for key, spec in (("sampler", config.model.sampler), ("learner", config.model.learner)):
+        try:
+            preflight(spec, config.model.path, role=key)
+        except PreflightError as err:
+            raise ConfigError(f"model.{'path' if err.field == 'path' else key}: {err}") from None
+    check_trainable_learner(config)
+    try:
+        make_task(config.task.name)
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(f"task.name: {err}") from None
+    if config.trainer.partial_rollouts and not sampler_class(config.model.sampler).can_resume:
+        raise ConfigError(
+            f"trainer.partial_rollouts: sampler {config.model.sampler!r} cannot resume responses"
+        )
+    if proximal.follows_sampler and not executor_class(config).local_listeners:
+        raise ConfigError(f"algorithm.proximal.name: {proximal.name!r} scores chunks as the sampler makes them; "
+                          f"that needs trainer.executor=local (an executor whose sampler reports to this process), "
+                          f"not {config.trainer.executor!r}")  # fmt: skip
+    return step_config, proximal
+
+
+def check_trainable_learner(config: TrainConfig) -> None:
+    """fp16 weights cannot take AdamW steps: eps = 1e-8 rounds to 0 in fp16, so m/(√v + eps) is 0/0 = NaN
+    wherever v underflows, and every weight turns NaN within a step (there are no fp32 master weights)."""
+    spec = parse_spec(config.model.learner)
+    if spec.backend == "hf" and spec.dtype == "fp16" and spec.quant is None:
+        raise ConfigError(
+            f"model.learner: {config.model.learner!r} cannot be trained (fp16 weights with no fp32 master copy: "
+            "AdamW's eps rounds to 0 and the weights turn NaN); use hf:fp32 or hf:bf16 (the sampler may stay fp16)"
+        )
+
+
+def build_step_config(config: TrainConfig) -> StepConfig:
+    """The ``StepConfig`` the step uses: the algorithm's defaults filled in, the loss built."""
+    a = config.algorithm
+    correction = a.correction
+    loss_name = a.resolved("loss")
+    try:
+        loss = LossConfig(
+            name=loss_name,
+            clip_low=a.resolved("clip_low"),
+            clip_high=a.resolved("clip_high"),
+            clip_c=a.dual_clip,
+            agg=a.resolved("aggregation"),
+            denominator=correction.denominator,
+            norm_constant=float(config.rollout.max_new_tokens),
+            oapl_beta=a.oapl_beta,
+            oapl_beta1=a.oapl_beta1,
+            check_inputs=True,
+            **{key: float(value) for key, value in a.loss_args.items()},  # checked by config.validate
+        )
+    except ValueError as err:
+        raise ConfigError(f"algorithm.loss: {err}") from None
+    return StepConfig(
+        loss=loss,
+        correction=correction,
+        advantage=a.resolved("advantage"),
+        norm_std=a.resolved("norm_std"),
+        dynamic_sampling=a.resolved("dynamic_sampling"),
+        baseline_excludes_rejected=a.baseline_excludes_rejected,
+        oapl_beta1=a.oapl_beta if a.oapl_beta1 is None else a.oapl_beta1,
+        temperature=config.rollout.temperature,
+        mini_batches=config.trainer.mini_batches,
+        micro_batch_size=config.trainer.micro_batch_size,
+        ppo_epochs=config.trainer.ppo_epochs,
+        grad_clip=config.optim.grad_clip,
+        skip_zero_grad=config.optim.skip_zero_grad,
+        publish_every=a.oapl_sync_every if loss.regresses_on_rollout else 1,
+    )
+
+
+def build_proximal(config: TrainConfig) -> ProximalStrategy:
+    """The π_old strategy of ``algorithm.proximal``: its options over the run's defaults for it."""
+    p = config.algorithm.proximal
+    run = p.strategy.run_defaults(
+        temperature=config.rollout.temperature,
+        max_staleness=max(config.trainer.max_staleness, 1),
+        steps_per_version=config.trainer.mini_batches * config.trainer.ppo_epochs,
+    )
+    try:
+        return make_proximal(p.name, **{**run, **p.options})
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"algorithm.proximal: {err}") from None
+
+
+def executor_class(config) -> type[Executor]:
+    """The executor class ``make_executor`` builds for ``config`` (its capabilities can be asked before any
+    sampler is built, e.g. ``local_listeners``)."""
+    if config.trainer.executor == "ray":
+        return RayExecutor
+    return LaggedExecutor if mode_lag(config.trainer.mode, config.trainer.lag) is not None else AsyncExecutor
+
+
+def make_executor(config, spec: SourceSpec | None = None, **ray_options: Any) -> Executor:
+    """The one executor factory: ``trainer.executor`` × ``trainer.mode`` of a ``TrainConfig`` → an executor.
+
+    The sampler is built once, where it runs: in this process for ``sync`` / ``simulated_async`` (deterministic,
+    nothing to overlap), in a sampler process for ``async`` (``ProcessSource``), in Ray actors for
+    ``trainer.executor=ray`` — never in the driver for the last two. ``spec`` defaults to
+    ``SourceSpec.from_config(config)``; ``ray_options`` go to ``RayExecutor`` (``workers``, ``address``,
+    ``worker_cpus``, ``num_cpus``, ``max_restarts``, ...; ``workers`` / ``address`` default to
+    ``trainer.ray_workers`` / ``trainer.ray_address``).
+    """
+    t = config.trainer
+    spec = spec or SourceSpec.from_config(config)
+    lag = mode_lag(t.mode, t.lag)
+    if t.executor == "ray":
+        ray_options.setdefault("workers", t.ray_workers)
+        ray_options.setdefault("address", t.ray_address)
+        return RayExecutor(spec, max_staleness=t.max_staleness, queue_size=t.queue_size, lag=lag,
+                           partial_rollouts=t.partial_rollouts, chunk_tokens=t.partial_chunk_tokens,
+                           **ray_options)  # fmt: skip
+    if ray_options:
+        raise TypeError(f"{sorted(ray_options)}: options of trainer.executor=ray, not {t.executor!r}")
+    if lag is None:
+        return AsyncExecutor(ProcessSource(spec), t.max_staleness, t.queue_size, t.partial_rollouts,
+                             t.partial_chunk_tokens)  # fmt: skip
+    return LaggedExecutor(spec.build(), lag)
+
+
+def _model_path(config: TrainConfig) -> str | None:
+    return None if config.model.path == "builtin" else config.model.path
+
+
+def build_learner(config: TrainConfig) -> tuple[Any, torch.optim.Optimizer]:
+    """The learner (eval mode: no dropout, it scores exactly what it trains) and its AdamW optimizer."""
+    learner = make_learner(config.model.learner, _model_path(config))
+    learner.model.train(False)
+    o = config.optim
+    optimizer = torch.optim.AdamW(
+        [p for p in learner.model.parameters() if p.requires_grad],
+        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+    )  # fmt: skip
+    return learner, optimizer
+
+
+def follow_sampler(proximal: ProximalStrategy, executor: Executor, learner) -> None:
+    """A strategy that follows the *sampler's* weights (``follows_sampler``: they lag the learner's in the async
+    modes) gets each version when the sampler loads it (in a scratch copy of the learner's model) and every
+    chunk as soon as it is generated. Needs ``executor.local_listeners`` (``check_components`` says so)."""
+    scratch = copy.deepcopy(learner.model)
+    source = executor.source
+
+    def sampler_loaded(weights, version: int) -> None:
+        scratch.load_state_dict(weights)
+        proximal.on_sampler_load(version, scratch)
+
+    source.load_listeners.append(sampler_loaded)
+    source.listeners.append(lambda rollout: proximal.submit(rollout, learner))
+
+
+def build_evaluator(config: TrainConfig, task, tokenizer) -> GreedyEvaluator | None:
+    """Greedy accuracy on ``task.eval_prompts`` held-out prompts with an fp32 hf sampler; None for 0 prompts."""
+    if config.task.eval_prompts <= 0:
+        return None
+    sampler = make_sampler("hf:fp32", _model_path(config))
+    return GreedyEvaluator(sampler, task, tokenizer, config.task.eval_prompts, config.rollout.max_new_tokens,
+                           config.task.eval_seed)  # fmt: skip

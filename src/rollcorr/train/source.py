@@ -1,0 +1,201 @@
+"""The sample source: what the sampler side of training is, wherever it runs.
+
+``RolloutSource`` is the sampler-side worker: for batch ``index`` it draws prompts (deterministic in the seed
+and the index), samples G responses per prompt, and scores them. ``SourceSpec`` says how to build one
+(picklable), so it can be built where the sampler runs: in this process, in a sampler process
+(``rollcorr.train.sampler_process``) or in a Ray actor (``rollcorr.train.ray_executor``). ``sample_batch`` is the
+one loop that produces a batch, whole or chunk by chunk (partial rollouts).
+
+Which weights a batch gets, written once for every executor:
+
+  trained_version(i, dropped) = i − dropped          batch i is trained at this learner version
+  admissible(i, dropped, v, S) ⇔ trained − v ≤ S     may batch i be sampled with weights v (max_staleness S)
+  lagged_version(published, trained, k)               lag k: the newest published v ≤ trained − k
+                                                      (the oldest published one while none is that old)
+
+Weight versions count learner steps; batch ``step`` is trained on at learner version ``step`` (one batch per
+step). The executors (``rollcorr.train.executors``, ``rollcorr.train.ray_executor``) decide *when* the source
+runs; this module decides nothing about time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from rollcorr.engines.base import SamplingParams, StateDict
+from rollcorr.rollout import Rollout
+
+
+def copy_weights(state_dict: StateDict) -> StateDict:
+    """A detached CPU copy (the learner keeps training its own tensors)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}
+
+
+def finished(rollout: Rollout) -> bool:
+    """Every row complete (EOS or token cap); False for a batch stopped at a chunk boundary."""
+    return all(m.get("finished", True) for m in rollout.meta)
+
+
+class RolloutSource:
+    """The sampler worker: prompts for batch ``index`` → G sampled responses each → rewards.
+
+    Owned by one thread at a time. ``seed`` and ``index`` fix the prompts and the sampling seed, so the same
+    weights give the same batch.
+    """
+
+    def __init__(self, sampler, task, tokenizer, params, prompts_per_step: int, group_size: int, seed: int):
+        self.sampler, self.task, self.tokenizer = sampler, task, tokenizer
+        self.params, self.prompts_per_step, self.group_size = params, prompts_per_step, group_size
+        self.seed = seed
+        # called with every generated chunk, before any newer weights are loaded (e.g. the old-logit model)
+        self.listeners: list[Callable[[Rollout], Any]] = []
+        # called as (weights, version) whenever the sampler loads weights, from the thread that loads them
+        self.load_listeners: list[Callable[[StateDict, int], Any]] = []
+
+    def _batch_seed(self, index: int) -> int:
+        return (self.seed * 1_000_003 + index) % (2**31 - 1)
+
+    def _request(self, index: int) -> tuple[list[str], Any, list[dict], list[int]]:
+        items = self.task.sample(self.prompts_per_step, seed=self._batch_seed(index), split="train")
+        params = replace(self.params, seed=self._batch_seed(index))
+        group_ids = [index * self.prompts_per_step + j for j in range(self.prompts_per_step)]
+        return [it["prompt"] for it in items], params, items, group_ids
+
+    def sample(self, index: int, partial: Rollout | None = None, max_steps: int | None = None) -> Rollout:
+        """Batch ``index`` — started, or ``partial``'s unfinished rows continued with the current weights —
+        for at most ``max_steps`` decode steps (None: to the end); rewarded once every row is finished."""
+        prompts, params, items, group_ids = self._request(index)
+        rollout = self.sampler.generate(
+            prompts, params, n=self.group_size, meta=items, group_ids=group_ids, resume=partial,
+            max_steps=max_steps,
+        )  # fmt: skip
+        for listener in self.listeners:
+            listener(rollout)
+        return self.reward(rollout) if finished(rollout) else rollout
+
+    def reward(self, rollout: Rollout) -> Rollout:
+        """Decode each response (special tokens removed) and score it with the task."""
+        ids = [row[mask].tolist() for row, mask in zip(rollout.response_ids, rollout.response_mask.bool())]
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        rewards = [float(self.task.reward(item, text)) for item, text in zip(rollout.meta, texts)]
+        return rollout.replace(rewards=torch.tensor(rewards, dtype=torch.float32))
+
+    def load_weights(self, weights: StateDict, version: int) -> None:
+        self.sampler.load_weights(weights, version)
+        for listener in self.load_listeners:
+            listener(weights, version)
+
+    @property
+    def version(self) -> int:
+        return int(self.sampler.version)
+
+    def close(self) -> None:
+        """Nothing to release: the sampler lives as long as this process."""
+
+
+class Source(Protocol):
+    """What an executor drives: ``RolloutSource`` here, or ``ProcessSource`` (the same, in a sampler process)."""
+
+    listeners: list[Callable[[Rollout], Any]]
+    load_listeners: list[Callable[[StateDict, int], Any]]
+
+    def sample(self, index: int, partial: Rollout | None = None, max_steps: int | None = None) -> Rollout: ...
+
+    def load_weights(self, weights: StateDict, version: int) -> None: ...
+
+    @property
+    def version(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def sample_batch(source: Source, index: int, chunk_tokens: int | None = None, partial: Rollout | None = None,
+                 between_chunks: Callable[[Rollout], bool] | None = None) -> Rollout:  # fmt: skip
+    """Batch ``index`` (or ``partial`` continued): whole when ``chunk_tokens`` is None, else ``chunk_tokens``
+    decode steps at a time — the partial-rollout loop, written once for every executor.
+
+    Between chunks ``between_chunks(rollout)`` runs (load newer weights, so the rest of each response is
+    sampled with them; honour a pause) and returns False to stop early: the batch comes back unfinished and
+    unrewarded, to be continued later with ``partial=``.
+    """
+    rollout = source.sample(index, partial, chunk_tokens)
+    while not finished(rollout) and (between_chunks is None or between_chunks(rollout)):
+        rollout = source.sample(index, rollout, chunk_tokens)
+    return rollout
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """Everything needed to build a ``RolloutSource`` where the sampler runs (picklable; paths absolute)."""
+
+    sampler: str  # engine spec for make_sampler, e.g. "hf:bf16"
+    model_path: str | None  # None = the built-in model
+    task: str  # make_task name or .jsonl path
+    params: SamplingParams
+    prompts_per_step: int
+    group_size: int
+    seed: int
+    threads: int = 1  # CPU threads where the sampler runs: torch's pool, llama.cpp's (0 = their default)
+    sampler_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config) -> SourceSpec:
+        """The sampler side of a ``TrainConfig`` (the one place its sampling parameters are read)."""
+        r, t = config.rollout, config.trainer
+        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
+                                top_p=r.top_p, seed=t.seed)  # fmt: skip
+        model_path = None if config.model.path == "builtin" else _absolute(config.model.path)
+        return cls(config.model.sampler, model_path, _absolute(config.task.name), params, r.prompts_per_step,
+                   r.group_size, t.seed, t.threads)  # fmt: skip
+
+    def build(self) -> RolloutSource:
+        from rollcorr.engines import make_sampler
+        from rollcorr.tasks import make_task
+
+        sampler = make_sampler(self.sampler, self.model_path, threads=self.threads, **self.sampler_kwargs)
+        tokenizer = getattr(sampler, "tokenizer", None)
+        if tokenizer is None:
+            raise ValueError(f"sampler {self.sampler!r} exposes no tokenizer to decode responses for rewards")
+        task = make_task(self.task)
+        return RolloutSource(sampler, task, tokenizer, self.params, self.prompts_per_step, self.group_size,
+                             self.seed)  # fmt: skip
+
+
+def _absolute(path: str) -> str:
+    """A sampler process may run in another directory: make existing local paths absolute."""
+    return str(Path(path).resolve()) if Path(path).exists() else path
+
+
+def mode_lag(mode: str, lag: int) -> int | None:
+    """``trainer.mode`` → the sampler's version lag: ``sync`` 0, ``simulated_async`` ``lag`` (fixed,
+    deterministic), ``async`` None (the freshest weights the sampler can get, within ``max_staleness``)."""
+    lags = {"sync": 0, "simulated_async": lag, "async": None}
+    if mode not in lags:
+        raise ValueError(f"trainer.mode: unknown mode {mode!r}; use one of {sorted(lags)}")
+    return lags[mode]
+
+
+def trained_version(index: int, dropped: int) -> int:
+    """The learner version batch ``index`` is trained at (one batch per step; dropped batches take none)."""
+    return index - dropped
+
+
+def admissible(index: int, dropped: int, sampler_version: int, max_staleness: int) -> bool:
+    """May batch ``index`` be sampled with weights ``sampler_version``? (no token trained at lag > bound)"""
+    return trained_version(index, dropped) - sampler_version <= max_staleness
+
+
+def lagged_version(published: Iterable[int], trained: int, lag: int) -> int:
+    """The weights a batch trained at learner version ``trained`` is sampled with under a fixed lag ``lag``:
+    the newest published version ≤ trained − lag, or the oldest published one while none is that old (the
+    first ``lag`` steps of a run sample with the initial weights)."""
+    versions = list(published)
+    if not versions:
+        raise ValueError("no weights published yet")
+    eligible = [v for v in versions if v <= trained - lag]
+    return max(eligible) if eligible else min(versions)
