@@ -131,6 +131,24 @@ def delta_p_by_flip(delta_p: Tensor, flips: Tensor, mask: Tensor) -> dict[str, f
     return out
 
 
+def routing_summary(
+    sampler_experts: Tensor, learner_experts: Tensor, rollout_log_prob: Tensor, old_log_prob: Tensor, mask: Tensor
+) -> dict[str, float | int | list[float] | None]:
+    """The audit's routing section: ``routing_flip_metrics`` of the sampler's vs the learner's own experts
+    (B, T, L, k), and |Δp| = |exp(log μ) − exp(log π_old)| (B, T) split by tokens with / without a flipped
+    layer (``delta_p_by_flip``), plus ``abs_dp_share_flipped``: the share of Σ|Δp| the flipped tokens carry."""
+    flips = routing_flips(sampler_experts, learner_experts)
+    delta_p = rollout_log_prob.double().exp() - old_log_prob.double().exp()
+    valid = mask.bool()
+    total = float(delta_p.abs()[valid].sum())
+    on_flipped = float(delta_p.abs()[valid & flips.any(-1)].sum())
+    return {
+        **routing_flip_metrics(sampler_experts, learner_experts, valid),
+        **delta_p_by_flip(delta_p, flips, valid),
+        "abs_dp_share_flipped": on_flipped / total if total > 0 else 0.0,
+    }
+
+
 # ---- capture --------------------------------------------------------------------------------------------
 
 
