@@ -206,3 +206,53 @@ def test_rollout_concat_and_select_carry_routing_and_resume_keeps_old_tokens():
     ] == 0.0
     with pytest.raises(ValueError, match="routed_experts has shape"):
         long.replace(routed_experts=long.routed_experts[:, :1])
+
+
+# ---- dumps -----------------------------------------------------------------------------------------------
+
+
+@needs_checkpoint
+def test_dumps_carry_routing_and_analyze_reports_flips(tmp_path):
+    import subprocess
+    import sys
+
+    from rollcorr.analyze.analysis import analyze
+    from rollcorr.analyze.dumps import read_dump, write_dump
+    from rollcorr.config import CorrectionConfig
+
+    prompts = [i["prompt"] for i in AdditionTask(3).sample(16, seed=0, split="test")]
+    r = make_sampler("hf:bf16", MOE).generate(prompts, SamplingParams(max_new_tokens=6, seed=0), n=4)
+    learner = HFLearner(MOE)
+    own = learner.routed_experts(r)
+    path = tmp_path / "dump.jsonl"
+    write_dump(path, r.rollout_log_prob, learner.log_prob(r), r.response_mask, routed_experts=r.routed_experts,
+               learner_routed_experts=own, append=False)  # fmt: skip
+    dump = read_dump(path)
+    assert dump.fields["routed_experts"] == "routed_experts"
+    assert torch.equal(dump.routed_experts, r.routed_experts.long()) and torch.equal(dump.learner_routed_experts, own)
+    assert torch.equal(dump.to_rollout().routed_experts, dump.routed_experts)
+    analysis = analyze(dump, CorrectionConfig())
+    expected = routing_flip_metrics(r.routed_experts, own, r.response_mask)["routing_flip_share"]
+    assert analysis.metrics["routing/routing_flip_share"] == pytest.approx(expected)
+    assert any(note.startswith("routing") or note.startswith("Routing") for note in analysis.notes)
+    out = subprocess.run([sys.executable, "-m", "rollcorr.cli", "analyze", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_dump_reader_takes_skyrl_and_full_sequence_routing(tmp_path):
+    from rollcorr.analyze.dumps import read_dump
+
+    seq = [[[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]], [[1, 2]]]  # 3 prompt positions + 2 response tokens
+    rows = [
+        {"rollout_log_probs": [-0.1, -0.2], "old_log_probs": [-0.1, -0.3], "rollout_expert_indices": seq},
+        {"rollout_log_probs": [-0.5], "old_log_probs": [-0.4], "rollout_expert_indices": [[[3, 4]]]},
+        {"rollout_log_probs": [-0.5], "old_log_probs": [-0.4], "rollout_expert_indices": [[3, 4]]},  # bad shape
+    ]
+    path = tmp_path / "skyrl.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    dump = read_dump(path)
+    assert dump.fields["routed_experts"] == "rollout_expert_indices"
+    # the full sequence: the positions that predict the two response tokens (last prompt token, first response)
+    assert dump.routed_experts[0].tolist() == [[[4, 5]], [[6, 7]]]
+    assert dump.routed_experts[1, 0].tolist() == [[3, 4]]
+    assert [m.line for m in dump.malformed] == [3] and "rollout_expert_indices" in dump.malformed[0].reason
