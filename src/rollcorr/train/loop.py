@@ -353,7 +353,7 @@ class Trainer:
         seed_everything(t.seed)
         model_path = None if config.model.path == "builtin" else config.model.path
 
-        self.learner = make_learner(config.model.learner, model_path)
+        self.learner = make_learner(config.model.learner, model_path, routing_replay=config.model.routing_replay)
         self.learner.model.train(False)  # no dropout: the learner scores exactly what it trains
         o = config.optim
         self.optimizer = torch.optim.AdamW(
