@@ -256,3 +256,50 @@ def test_dump_reader_takes_skyrl_and_full_sequence_routing(tmp_path):
     assert dump.routed_experts[0].tolist() == [[[4, 5]], [[6, 7]]]
     assert dump.routed_experts[1, 0].tolist() == [[3, 4]]
     assert [m.line for m in dump.malformed] == [3] and "rollout_expert_indices" in dump.malformed[0].reason
+
+
+# ---- training: π_θ and every π_old replay the rollout's routing ----------------------------------------
+
+
+@needs_checkpoint
+@pytest.mark.parametrize("name", ["recompute", "snapshot", "old_logit_model", "ewma", "interrupt"])
+def test_every_old_policy_strategy_replays_the_rollout_routing(name):
+    from rollcorr.proximal import make_proximal
+
+    prompts = [i["prompt"] for i in AdditionTask(3).sample(4, seed=2, split="test")]
+    r = make_sampler("hf:fp32", MOE).generate(prompts, SamplingParams(max_new_tokens=5, seed=0), n=2)
+    forced = r.replace(routed_experts=((r.routed_experts.long() + 5) % 8).to(torch.uint8),
+                       version=torch.zeros_like(r.version))  # fmt: skip
+    replaying, plain = HFLearner(MOE, routing_replay="r3"), HFLearner(MOE)
+    strategy = make_proximal(name, max_staleness=2)
+    strategy.on_publish(0, replaying.model)
+    try:
+        old = strategy.old_log_prob(forced, replaying, 0).old_log_prob
+    finally:
+        getattr(strategy, "close", lambda: None)()
+    mask = forced.response_mask
+    torch.testing.assert_close(old[mask], replaying.log_prob(forced)[mask], atol=1e-5, rtol=0)
+    assert (old - plain.log_prob(forced))[mask].abs().max() > 1e-3  # without replay it would differ
+
+
+@needs_checkpoint
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_train_moe_config_with_routing_replay(tmp_path, mode):
+    from rollcorr.train.config import ConfigError, load_config
+    from rollcorr.train.loop import Trainer
+
+    overrides = ["model.routing_replay=r3", f"trainer.mode={mode}", "trainer.steps=2", "rollout.prompts_per_step=2",
+                 "rollout.group_size=2", "task.eval_prompts=4", "trainer.progress=false", "trainer.plot=false",
+                 "trainer.tensorboard=false", "trainer.checkpoint_every=0", f"trainer.out={tmp_path / 'run'}"]  # fmt: skip
+    if mode == "async":
+        overrides.append("algorithm.proximal.name=ewma")
+    config = load_config("moe", overrides)
+    assert config.model.path == MOE and config.model.routing_replay == "r3"
+    trainer = Trainer(config)
+    result = trainer.run()
+    assert result.steps == 2
+    assert trainer.learner.replayed_pairs > 0  # π_θ was scored through the sampler's experts
+    with pytest.raises(ConfigError, match="model.routing_replay"):
+        load_config("moe", ["model.routing_replay=r2"])
+    with pytest.raises(ConfigError, match="model.routing_replay"):
+        load_config("moe", ["model.routing_replay=r3", "model.sampler=llamacpp:q8_0"])

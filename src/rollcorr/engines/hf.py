@@ -254,6 +254,7 @@ class HFLearner:
         if routing_replay is not None and not is_moe(self.model):
             raise ValueError(f"routing_replay={routing_replay!r} needs a mixture-of-experts model; {model_path} is dense")
         self.routing_replay = routing_replay
+        self.replayed_pairs = 0  # token × layer router decisions replaced by the rollout's, over all calls
 
     def __repr__(self) -> str:
         return f"HFLearner({self.model_path!r}, {str(self.dtype).removeprefix('torch.')})"
@@ -312,7 +313,7 @@ class HFLearner:
         if p == 0:
             raise ValueError("empty prompt: the first response token has no context to be scored from")
 
-        with torch.set_grad_enabled(grad), self.replaying(rollout_or_input):
+        with torch.set_grad_enabled(grad), self.replaying(rollout_or_input) as replay:
             if self.share_prompts and static_kv_supported(self.model):  # (self.model may be swapped in)
                 hidden = prefix_shared_hidden(LlamaBlocks(self.model), ids, mask, p)
             else:
@@ -324,6 +325,8 @@ class HFLearner:
                     use_cache=False,
                 ).last_hidden_state
                 hidden = hidden[:, p - 1 : p - 1 + t]  # (B, T, H): the states that predict the response tokens
+            if replay is not None:
+                self.replayed_pairs += replay.forced_tokens
             b = hidden.shape[0]
             flat, targets = hidden.reshape(b * t, -1), response_ids.to(dev).reshape(-1)
             head = self.model.get_output_embeddings()
