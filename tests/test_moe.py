@@ -59,13 +59,15 @@ def test_flips_compare_sets_not_order():
     b = torch.tensor([[[[1, 0], [2, 3]], [[4, 6], [6, 7]]]])  # same set; one layer changed
     assert routing_flips(a, b).tolist() == [[[False, False], [True, False]]]
     m = routing_flip_metrics(a, b, torch.tensor([[True, True]]))
-    assert m["routing_flip_share"] == pytest.approx(0.25) and m["routing_flip_token_share"] == pytest.approx(0.5)
+    assert m["routing_flip_share"] == pytest.approx(0.25)
+    assert m["routing_flip_token_share"] == pytest.approx(0.5)
     assert m["routing_layer_flip_rate"] == [pytest.approx(0.5), 0.0] and m["routing_tokens"] == 2
     masked = routing_flip_metrics(a, b, torch.tensor([[True, False]]))  # the flipped token is padding
     assert masked["routing_flip_share"] == 0.0 and masked["routing_tokens"] == 1
     dp = torch.tensor([[0.01, 0.3]])
     split = delta_p_by_flip(dp, routing_flips(a, b), torch.tensor([[True, True]]))
-    assert split["abs_dp_mean_flipped"] == pytest.approx(0.3) and split["abs_dp_mean_unflipped"] == pytest.approx(0.01)
+    assert split["abs_dp_mean_flipped"] == pytest.approx(0.3)
+    assert split["abs_dp_mean_unflipped"] == pytest.approx(0.01)
     assert split["tokens_flipped"] == 1 and split["tokens_unflipped"] == 1
     with pytest.raises(ValueError, match="cannot be compared"):
         routing_flips(a, b[:, :1])
@@ -162,7 +164,10 @@ def test_sampler_capture_matches_learner_at_fp32_and_replay_forces_sampler_routi
     mask = fp32.response_mask
     learner, replaying = HFLearner(MOE), HFLearner(MOE, routing_replay="r3")
     # the KV decode loop and the full-sequence learner route alike at the same precision
-    assert routing_flip_metrics(fp32.routed_experts, learner.routed_experts(fp32), mask)["routing_flip_share"] == 0
+    assert (
+        routing_flip_metrics(fp32.routed_experts, learner.routed_experts(fp32), mask)["routing_flip_share"]
+        == 0
+    )
     # the prompt routing's last column is the first response token's routing
     assert torch.equal(fp32.prompt_routed_experts[:, -1], fp32.routed_experts[:, 0])
     # a routing the learner would never pick is what it uses under replay, on every valid token
@@ -195,15 +200,20 @@ def test_rollout_concat_and_select_carry_routing_and_resume_keeps_old_tokens():
     both = Rollout.concat([short, long])
     assert both.routed_experts.shape[:2] == both.response_ids.shape
     assert both.prompt_routed_experts.shape[:2] == both.prompt_ids.shape
-    assert torch.equal(both.select([0]).routed_experts[0, : short.response_ids.shape[1]], short.routed_experts[0])
+    assert torch.equal(
+        both.select([0]).routed_experts[0, : short.response_ids.shape[1]], short.routed_experts[0]
+    )
     part = sampler.generate(prompts, params, max_steps=2)
     done = sampler.generate(prompts, params, resume=part)
     assert done.routed_experts.shape[:2] == done.response_ids.shape
     assert torch.equal(done.routed_experts[:, :2], part.routed_experts[:, :2])
     # at fp32 the resumed tokens' routing is what a full-sequence forward picks
-    assert routing_flip_metrics(done.routed_experts, HFLearner(MOE).routed_experts(done), done.response_mask)[
-        "routing_flip_share"
-    ] == 0.0
+    assert (
+        routing_flip_metrics(done.routed_experts, HFLearner(MOE).routed_experts(done), done.response_mask)[
+            "routing_flip_share"
+        ]
+        == 0.0
+    )
     with pytest.raises(ValueError, match="routed_experts has shape"):
         long.replace(routed_experts=long.routed_experts[:, :1])
 
@@ -229,13 +239,17 @@ def test_dumps_carry_routing_and_analyze_reports_flips(tmp_path):
                learner_routed_experts=own, append=False)  # fmt: skip
     dump = read_dump(path)
     assert dump.fields["routed_experts"] == "routed_experts"
-    assert torch.equal(dump.routed_experts, r.routed_experts.long()) and torch.equal(dump.learner_routed_experts, own)
+    assert torch.equal(dump.routed_experts, r.routed_experts.long()) and torch.equal(
+        dump.learner_routed_experts, own
+    )
     assert torch.equal(dump.to_rollout().routed_experts, dump.routed_experts)
     analysis = analyze(dump, CorrectionConfig())
     expected = routing_flip_metrics(r.routed_experts, own, r.response_mask)["routing_flip_share"]
     assert analysis.metrics["routing/routing_flip_share"] == pytest.approx(expected)
     assert any(note.startswith("routing") or note.startswith("Routing") for note in analysis.notes)
-    out = subprocess.run([sys.executable, "-m", "rollcorr.cli", "analyze", str(path)], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "rollcorr.cli", "analyze", str(path)], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
 
 
@@ -246,7 +260,11 @@ def test_dump_reader_takes_skyrl_and_full_sequence_routing(tmp_path):
     rows = [
         {"rollout_log_probs": [-0.1, -0.2], "old_log_probs": [-0.1, -0.3], "rollout_expert_indices": seq},
         {"rollout_log_probs": [-0.5], "old_log_probs": [-0.4], "rollout_expert_indices": [[[3, 4]]]},
-        {"rollout_log_probs": [-0.5], "old_log_probs": [-0.4], "rollout_expert_indices": [[3, 4]]},  # bad shape
+        {
+            "rollout_log_probs": [-0.5],
+            "old_log_probs": [-0.4],
+            "rollout_expert_indices": [[3, 4]],
+        },  # bad shape
     ]
     path = tmp_path / "skyrl.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))

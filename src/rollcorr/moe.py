@@ -61,7 +61,9 @@ def find_routers(model: nn.Module) -> list[nn.Module]:
     cls = _router_class(model)
     if cls is None or not isinstance(cls, type):
         return []
-    return [m for m in model.modules() if isinstance(m, cls) and hasattr(m, "top_k") and hasattr(m, "num_experts")]
+    return [
+        m for m in model.modules() if isinstance(m, cls) and hasattr(m, "top_k") and hasattr(m, "num_experts")
+    ]
 
 
 def is_moe(model: nn.Module) -> bool:
@@ -72,7 +74,9 @@ def routing_shape(model: nn.Module) -> tuple[int, int, int]:
     """(MoE layers L, top-k, experts E) of a model; ValueError for a dense one."""
     routers = find_routers(model)
     if not routers:
-        raise ValueError(f"{type(model).__name__} has no mixture-of-experts router: routing needs an MoE model")
+        raise ValueError(
+            f"{type(model).__name__} has no mixture-of-experts router: routing needs an MoE model"
+        )
     return len(routers), int(routers[0].top_k), int(routers[0].num_experts)
 
 
@@ -132,7 +136,11 @@ def delta_p_by_flip(delta_p: Tensor, flips: Tensor, mask: Tensor) -> dict[str, f
 
 
 def routing_summary(
-    sampler_experts: Tensor, learner_experts: Tensor, rollout_log_prob: Tensor, old_log_prob: Tensor, mask: Tensor
+    sampler_experts: Tensor,
+    learner_experts: Tensor,
+    rollout_log_prob: Tensor,
+    old_log_prob: Tensor,
+    mask: Tensor,
 ) -> dict[str, float | int | list[float] | None]:
     """The audit's routing section: ``routing_flip_metrics`` of the sampler's vs the learner's own experts
     (B, T, L, k), and |Δp| = |exp(log μ) − exp(log π_old)| (B, T) split by tokens with / without a flipped
