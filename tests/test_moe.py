@@ -125,9 +125,19 @@ def test_replay_refuses_wrong_shapes_and_dense_models(addition_model_dir):
     with pytest.raises(ValueError, match="3 layers, the model has 2"):
         with replay_routing(model, torch.zeros(2, 5, 3, 2, dtype=torch.long)):
             pass
-    with pytest.raises(ValueError, match="sees 10"):
+    with pytest.raises(ValueError, match="sees 10 tokens"):
         with replay_routing(model, torch.zeros(2, 4, 2, 2, dtype=torch.long)):
             model(input_ids=ids)
+    # scored in row chunks, in order: each chunk replays its own rows
+    with capture_routing(model) as rec:
+        model(input_ids=ids)
+    other = (rec.take()[0].view(2, 5, 2, 2) + 1) % 6
+    with replay_routing(model, other), capture_routing(model) as rec:
+        whole = model(input_ids=ids).logits
+        parts = torch.cat([model(input_ids=ids[:1]).logits, model(input_ids=ids[1:]).logits])
+    assert torch.allclose(whole, parts, atol=1e-5)
+    calls = rec.take()
+    assert torch.equal(torch.cat([c.view(-1, 5, 2, 2) for c in calls[1:]]), other)
     from transformers import AutoModelForCausalLM
 
     dense = AutoModelForCausalLM.from_pretrained(addition_model_dir)

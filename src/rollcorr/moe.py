@@ -223,23 +223,34 @@ def _gate_rule(logits: Tensor, weights: Tensor, ids: Tensor) -> bool:
 
 class RoutingReplay:
     """The experts to force on the next model call(s): ``expert_ids`` (B, S, L, k) for inputs (B, S), with
-    −1 (any negative id) where the router keeps its own choice (padding, positions nobody recorded)."""
+    −1 (any negative id) where the router keeps its own choice (padding, positions nobody recorded).
 
-    def __init__(self, expert_ids: Tensor | None = None) -> None:
+    A call over b < B rows takes the next b rows (a cursor that wraps at B), so a caller that scores the
+    batch in row chunks, in order, replays each chunk's own routing; a call over all B rows takes them all.
+    """
+
+    def __init__(self, expert_ids: Tensor | None = None, layers: int = 1) -> None:
         self.expert_ids = expert_ids
+        self.layers = layers
         self.forced_tokens = 0  # token × layer pairs whose experts were replaced, for checks and metrics
+        self._cursor = 0
 
     def _replace(self, layer: int, output: tuple) -> tuple:
         logits, weights, own = output[0], output[1], output[2]
         if self.expert_ids is None:
             return output
-        want = self.expert_ids[:, :, layer].reshape(-1, own.shape[-1]).to(own.device, torch.long)
-        if want.shape != own.shape:
+        rows, positions = self.expert_ids.shape[:2]
+        n = own.shape[0] // positions
+        if own.shape[0] % positions or self._cursor + n > rows or own.shape[-1] != self.expert_ids.shape[-1]:
             raise ValueError(
-                f"routing replay holds {want.shape[0]} positions × top-{want.shape[1]} but the router of MoE "
-                f"layer {layer} sees {own.shape[0]} × top-{own.shape[1]}: replay expert ids must be "
-                "(B, S, layers, top_k) for inputs (B, S)"
+                f"routing replay holds {rows} rows × {positions} positions × top-{self.expert_ids.shape[-1]} but "
+                f"the router of MoE layer {layer} sees {own.shape[0]} tokens × top-{own.shape[1]}: replay expert "
+                "ids must be (B, S, layers, top_k) for inputs (B, S), scored whole or in row chunks in order"
             )
+        chunk = self.expert_ids[self._cursor : self._cursor + n, :, layer]
+        want = chunk.reshape(-1, own.shape[-1]).to(own.device, torch.long)
+        if layer == self.layers - 1:
+            self._cursor = (self._cursor + n) % rows
         keep_own = (want < 0).any(-1, keepdim=True)
         ids = torch.where(keep_own, own, want)
         gates = replay_gate_weights(logits, ids, _gate_rule(logits, weights, own)).to(weights.dtype)
@@ -258,7 +269,7 @@ def replay_routing(model: nn.Module, expert_ids: Tensor | None = None) -> Iterat
         raise ValueError(f"{type(model).__name__} has no mixture-of-experts router: nothing to replay")
     if expert_ids is not None and expert_ids.dim() == 4 and expert_ids.shape[2] != len(routers):
         raise ValueError(f"routing replay holds {expert_ids.shape[2]} layers, the model has {len(routers)}")
-    replay = RoutingReplay(expert_ids)
+    replay = RoutingReplay(expert_ids, layers=len(routers))
     handles = [  # prepended: a capture_routing around or inside the block records the replayed experts
         r.register_forward_hook(lambda _m, _i, out, layer=i: replay._replace(layer, out), prepend=True)
         for i, r in enumerate(routers)
