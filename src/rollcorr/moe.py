@@ -234,6 +234,17 @@ class RoutingReplay:
         self.layers = layers
         self.forced_tokens = 0  # token × layer pairs whose experts were replaced, for checks and metrics
         self._cursor = 0
+        self._handles: list = []
+
+    def set(self, expert_ids: Tensor | None) -> None:
+        """Replay ``expert_ids`` from the next call on (None: the routers choose), rows from the first."""
+        self.expert_ids, self._cursor = expert_ids, 0
+
+    def remove(self) -> None:
+        """Take the replay hooks off the routers."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def _replace(self, layer: int, output: tuple) -> tuple:
         logits, weights, own = output[0], output[1], output[2]
@@ -258,27 +269,34 @@ class RoutingReplay:
         return (logits, gates, ids, *output[3:])
 
 
-@contextmanager
-def replay_routing(model: nn.Module, expert_ids: Tensor | None = None) -> Iterator[RoutingReplay]:
-    """Force the experts ``expert_ids`` (B, S, L, k; −1 = the router's own choice) on every model call inside
-    the block, gate weights recomputed from the model's own router logits (module docstring). Works on any
-    transformers MoE whose routers return (logits, gate weights, expert ids); the yielded ``RoutingReplay``'s
-    ``expert_ids`` may be changed between calls (None: no replay)."""
+def attach_replay(model: nn.Module, expert_ids: Tensor | None = None) -> RoutingReplay:
+    """Install routing replay on every router of ``model`` until ``replay.remove()`` (see ``replay_routing``,
+    the scoped form). For a caller whose backward pass re-runs the forward (gradient checkpointing), where the
+    replay must outlive the forward call."""
     routers = find_routers(model)
     if not routers:
         raise ValueError(f"{type(model).__name__} has no mixture-of-experts router: nothing to replay")
     if expert_ids is not None and expert_ids.dim() == 4 and expert_ids.shape[2] != len(routers):
         raise ValueError(f"routing replay holds {expert_ids.shape[2]} layers, the model has {len(routers)}")
     replay = RoutingReplay(expert_ids, layers=len(routers))
-    handles = [  # prepended: a capture_routing around or inside the block records the replayed experts
+    replay._handles = [  # prepended: a capture_routing around or inside records the replayed experts
         r.register_forward_hook(lambda _m, _i, out, layer=i: replay._replace(layer, out), prepend=True)
         for i, r in enumerate(routers)
     ]
+    return replay
+
+
+@contextmanager
+def replay_routing(model: nn.Module, expert_ids: Tensor | None = None) -> Iterator[RoutingReplay]:
+    """Force the experts ``expert_ids`` (B, S, L, k; −1 = the router's own choice) on every model call inside
+    the block, gate weights recomputed from the model's own router logits (module docstring). Works on any
+    transformers MoE whose routers return (logits, gate weights, expert ids); the yielded ``RoutingReplay``'s
+    ``expert_ids`` may be changed between calls (None: no replay)."""
+    replay = attach_replay(model, expert_ids)
     try:
         yield replay
     finally:
-        for h in handles:
-            h.remove()
+        replay.remove()
 
 
 # ---- a rollout's routing over its full sequence ---------------------------------------------------------
