@@ -311,7 +311,7 @@ def test_every_old_policy_strategy_replays_the_rollout_routing(name):
 
 
 @needs_checkpoint
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])  # async: a minute
 def test_train_moe_config_with_routing_replay(tmp_path, mode):
     from rollcorr.train.config import ConfigError, load_config
     from rollcorr.train.loop import Trainer
