@@ -1,6 +1,6 @@
 """Routing replay inside TRL's GRPOTrainer (the `.[trl]` extra): ``RollcorrGRPOTrainer(routing_replay="r3")``
 on the built-in MoE model, with a ``rollout_func`` that samples with rollcorr's bfloat16 hf sampler and returns
-its routed experts. Skipped when TRL is not installed."""
+its routed experts (``SamplerRollout``). Skipped when TRL is not installed."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ pytest.importorskip("trl", reason="trl not installed (pip install the .[trl] ext
 from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
-from rollcorr.compat.trl import RollcorrGRPOTrainer  # noqa: E402
-from rollcorr.engines import SamplingParams, make_sampler  # noqa: E402
+from rollcorr.compat.trl import RollcorrGRPOTrainer, SamplerRollout  # noqa: E402
 from rollcorr.models.builtin import BUILTIN_MODELS, load_builtin  # noqa: E402
 from rollcorr.moe import capture_routing  # noqa: E402
 
@@ -27,29 +26,18 @@ pytestmark = pytest.mark.skipif(
 
 
 def moe_rollout_func(with_routing: bool = True):
-    """A TRL ``rollout_func``: rollcorr's bf16 hf sampler (weights synced from the trainer every batch) returns
-    tokens, log μ and, per completion, the experts of every token (and of the prompt)."""
-    sampler = make_sampler("hf:bf16", MOE)
-    calls = {"n": 0}
+    """A TRL ``rollout_func``: ``SamplerRollout`` on rollcorr's bf16 hf sampler, which returns the routed experts
+    of every completion token (and prompt token) of an MoE model; ``with_routing=False`` drops them."""
+    rollout = SamplerRollout("hf:bf16", seed=0)
+    if with_routing:
+        return rollout
 
-    def rollout_func(prompts, trainer):
-        calls["n"] += 1
-        sampler.load_weights(trainer.model.state_dict(), calls["n"])
-        r = sampler.generate(prompts, SamplingParams(max_new_tokens=6, seed=calls["n"]))
-        valid, prompt_valid = r.response_mask.bool(), r.prompt_mask.bool()
-        out = {
-            "prompt_ids": [r.prompt_ids[i][prompt_valid[i]].tolist() for i in range(r.batch_size)],
-            "completion_ids": [r.response_ids[i][valid[i]].tolist() for i in range(r.batch_size)],
-            "logprobs": [r.rollout_log_prob[i][valid[i]].tolist() for i in range(r.batch_size)],
-        }
-        if with_routing:
-            out["routed_experts"] = [r.routed_experts[i][valid[i]].tolist() for i in range(r.batch_size)]
-            out["prompt_routed_experts"] = [
-                r.prompt_routed_experts[i][prompt_valid[i]].tolist() for i in range(r.batch_size)
-            ]
-        return out
+    def without_routing(prompts, trainer):
+        out = rollout(prompts, trainer)
+        assert "routed_experts" in out  # the sampler gave them: this function is what removes them
+        return {k: v for k, v in out.items() if "routed_experts" not in k}
 
-    return rollout_func
+    return without_routing
 
 
 def alternating_reward(completions, **kwargs):
