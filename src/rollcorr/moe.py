@@ -23,9 +23,10 @@ weights are recomputed from the router's *own* logits over those experts, with t
     g_j = p[e_j]                  (norm_topk_prob False: Qwen3-MoE / Qwen2-MoE / OLMoE default)
     g_j = p[e_j] / Σ_i p[e_i] = softmax(router_logits[e])_j     (norm_topk_prob True; Mixtral always)
 
-The second line is R3's "softmax over the replayed experts' logits". Which rule a router uses is read off its
-own output in the same call (its gate weights either sum to 1 over the top-k or equal the raw probabilities),
-so no per-family table is needed; a router following neither rule (e.g. sigmoid gates) is refused. Gradients
+The second line is R3's "softmax over the replayed experts' logits". A router's rule is its ``norm_topk_prob``
+attribute when it has one; otherwise (Mixtral) it is read off the router's own output in the same call (its
+gate weights either sum to 1 over the top-k or equal the raw probabilities), so no per-family table is needed;
+a router following neither rule (e.g. sigmoid gates) is refused. Gradients
 flow into the router through the logits, as in R3.
 """
 
@@ -246,7 +247,7 @@ class RoutingReplay:
             handle.remove()
         self._handles = []
 
-    def _replace(self, layer: int, output: tuple) -> tuple:
+    def _replace(self, layer: int, output: tuple, router: nn.Module) -> tuple:
         logits, weights, own = output[0], output[1], output[2]
         if self.expert_ids is None:
             return output
@@ -264,7 +265,10 @@ class RoutingReplay:
             self._cursor = (self._cursor + n) % rows
         keep_own = (want < 0).any(-1, keepdim=True)
         ids = torch.where(keep_own, own, want)
-        gates = replay_gate_weights(logits, ids, _gate_rule(logits, weights, own)).to(weights.dtype)
+        normalize = getattr(router, "norm_topk_prob", None)
+        if normalize is None:
+            normalize = _gate_rule(logits, weights, own)
+        gates = replay_gate_weights(logits, ids, bool(normalize)).to(weights.dtype)
         self.forced_tokens += int((~keep_own).sum())
         return (logits, gates, ids, *output[3:])
 
@@ -280,7 +284,7 @@ def attach_replay(model: nn.Module, expert_ids: Tensor | None = None) -> Routing
         raise ValueError(f"routing replay holds {expert_ids.shape[2]} layers, the model has {len(routers)}")
     replay = RoutingReplay(expert_ids, layers=len(routers))
     replay._handles = [  # prepended: a capture_routing around or inside records the replayed experts
-        r.register_forward_hook(lambda _m, _i, out, layer=i: replay._replace(layer, out), prepend=True)
+        r.register_forward_hook(lambda m, _i, out, layer=i: replay._replace(layer, out, m), prepend=True)
         for i, r in enumerate(routers)
     ]
     return replay
