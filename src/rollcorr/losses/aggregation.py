@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rollcorr.losses.registry import AGG_MODES, DENOMINATORS
+from rollcorr.config.loss import AGG_MODES, DENOMINATORS
 
 
 def aggregate(
     loss: Tensor,
-    response_mask: Tensor,
+    kept_mask: Tensor,
     agg: str = "token-mean",
     *,
     denominator: str = "kept",
@@ -20,7 +20,7 @@ def aggregate(
 ) -> Tensor:
     """Reduce a per-token loss (B, T) — or a per-sequence loss (B,) — to a scalar.
 
-    m = response_mask (kept tokens), m0 = denominator_mask (tokens before rejection; default m).
+    m = kept_mask (kept tokens), m0 = denominator_mask (tokens before rejection; default m).
     Counts by denominator policy:          kept          original         batch
       tokens in the batch  N_tok           Σ m           Σ m0             Σ m0
       tokens of row b      n_b             Σ_t m_b       Σ_t m0_b         Σ_t m0_b
@@ -39,7 +39,7 @@ def aggregate(
         raise ValueError(f"unknown denominator {denominator!r}; choose one of {DENOMINATORS}")
     if agg not in AGG_MODES:
         raise ValueError(f"unknown aggregation {agg!r}; choose one of {AGG_MODES}")
-    m = response_mask.bool()
+    m = kept_mask.bool()
     m0 = m if denominator_mask is None or denominator == "kept" else denominator_mask.bool()
     dtype = loss.dtype
     seq_count = {
