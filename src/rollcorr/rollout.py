@@ -29,6 +29,11 @@ class Rollout:
       version           (B, T) int64, weight version that produced each token (partial rollouts span several)
       group_ids         (B,) int64, responses to the same prompt share a group id
       meta              per-response task items (e.g. the prompt text and expected answer), len B
+      routed_experts    (B, T, L, k) compact int (uint8 below 256 experts), mixture-of-experts models only: the
+                        top-k experts each of the L MoE layers chose at the position that predicts y_t (the
+                        last prompt token for t = 0, y_{t-1} after); None for a dense model (rollcorr.moe)
+      prompt_routed_experts  (B, P, L, k) the same for every prompt position (aligned with prompt_ids; its
+                        last column is the routing of routed_experts[:, 0]), so a replay covers the context too
     Added later:
       rewards           (B,) float32                      (task)
       old_log_prob      (B, T) float32                    (proximal strategy)
@@ -46,6 +51,8 @@ class Rollout:
     version: Tensor
     group_ids: Tensor
     log_kept_mass: Tensor | None = None
+    routed_experts: Tensor | None = None
+    prompt_routed_experts: Tensor | None = None
     meta: list[dict[str, Any]] = field(default_factory=list)
     rewards: Tensor | None = None
     old_log_prob: Tensor | None = None
@@ -64,6 +71,10 @@ class Rollout:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (b, t):
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {(b, t)}")
+        for name, width in (("routed_experts", t), ("prompt_routed_experts", self.prompt_ids.shape[1])):
+            value = getattr(self, name)
+            if value is not None and (value.dim() != 4 or tuple(value.shape[:2]) != (b, width)):
+                raise ValueError(f"{name} has shape {tuple(value.shape)}, expected ({b}, {width}, layers, top_k)")
         if tuple(self.group_ids.shape) != (b,):
             raise ValueError(f"group_ids has shape {tuple(self.group_ids.shape)}, expected {(b,)}")
 
@@ -149,11 +160,16 @@ class Rollout:
         p = max(r.prompt_ids.shape[1] for r in parts)
         t = max(r.response_ids.shape[1] for r in parts)
 
+        def pad_dim1(x: Tensor, before: int, after: int, value: float) -> Tensor:
+            """Pad dimension 1 (positions) of a (B, W, ...) tensor."""
+            widths = [0, 0] * (x.dim() - 2) + [before, after]
+            return torch.nn.functional.pad(x, widths, value=value)
+
         def left(x: Tensor | None, width: int, value: float) -> Tensor | None:
-            return None if x is None else torch.nn.functional.pad(x, (width - x.shape[1], 0), value=value)
+            return None if x is None else pad_dim1(x, width - x.shape[1], 0, value)
 
         def right(x: Tensor | None, width: int, value: float) -> Tensor | None:
-            return None if x is None else torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+            return None if x is None else pad_dim1(x, 0, width - x.shape[1], value)
 
         out: dict[str, Any] = {}
         for f in fields(Rollout):
@@ -164,10 +180,10 @@ class Rollout:
                 out[f.name] = None
             elif any(v is None for v in values):
                 raise ValueError(f"cannot concat rollouts where only some have {f.name}")
-            elif f.name in ("prompt_ids", "prompt_mask"):
+            elif f.name in ("prompt_ids", "prompt_mask", "prompt_routed_experts"):
                 pad = pad_token_id if f.name == "prompt_ids" else 0
                 out[f.name] = torch.cat([left(v, p, pad) for v in values])
-            elif values[0].dim() == 2:
+            elif values[0].dim() >= 2:
                 out[f.name] = torch.cat([right(v, t, 0) for v in values])
             else:
                 out[f.name] = torch.cat(values)

@@ -171,9 +171,17 @@ def analyze(dump: Dump, config: CorrectionConfig, source: str = "") -> Analysis:
             "warning: the per-rule explanation does not match the correction's mask "
             f"({int(explained.sum())} vs {int((dump.response_mask & ~mask).sum())} rejected tokens)"
         )
-    return Analysis(
-        dump, config, source, metrics_to_floats(res.metrics), res.is_weights, mask, findings, rules, notes
-    )
+    metrics = metrics_to_floats(res.metrics)
+    if dump.routed_experts is not None and dump.learner_routed_experts is not None:  # mixture of experts
+        from rollcorr.audit.verdict import routing_sentences
+        from rollcorr.moe import routing_summary
+
+        routing = routing_summary(dump.routed_experts, dump.learner_routed_experts, dump.rollout_log_prob,
+                                  dump.learner_log_prob, dump.response_mask)  # fmt: skip
+        metrics.update({f"routing/{k}": float(v) for k, v in routing.items() if isinstance(v, int | float)})
+        notes += routing_sentences({"routing": routing}) or ["routing: the sampler and the learner chose the "
+                                                             "same experts on every token"]  # fmt: skip
+    return Analysis(dump, config, source, metrics, res.is_weights, mask, findings, rules, notes)
 
 
 def fmt(x: float) -> str:

@@ -55,6 +55,12 @@ FIELD_ALIASES: dict[str, tuple[str, ...]] = {
     "token_text": ("token_text", "token_texts", "response_tokens_text"),
     "text": ("response_text", "response", "completion"),
     "version": ("version", "versions", "token_versions"),
+    # mixture of experts: per token, per MoE layer, the top-k expert ids (rollcorr.moe)
+    "routed_experts": (
+        "routed_experts",  # rollcorr, verl (router_replay R3), NeMo-RL, vLLM's enable_return_routed_experts
+        "rollout_expert_indices",  # SkyRL
+    ),
+    "learner_routed_experts": ("learner_routed_experts",),  # rollcorr: the learner's own choice
 }
 
 DEFAULT_FIELDS = {role: names[0] for role, names in FIELD_ALIASES.items()}
@@ -82,6 +88,8 @@ class Dump:
     token_text        per-row lists of per-token strings, or None
     text              per-row response strings, or None
     version           (B, T) int64 weight version per token, or None
+    routed_experts    (B, T, L, k) int64 the sampler's experts per response token and MoE layer, or None
+    learner_routed_experts  (B, T, L, k) int64 the learner's own experts for the same tokens, or None
     line_numbers      source line (JSONL) / row (Parquet) of each of the B rows, 1-based
     extras            extra field name -> per-row values (None where a row lacks it)
     malformed         skipped rows with line numbers and reasons
@@ -104,6 +112,8 @@ class Dump:
     token_text: list[list[str]] | None = None
     text: list[str] | None = None
     version: Tensor | None = None
+    routed_experts: Tensor | None = None
+    learner_routed_experts: Tensor | None = None
     extras: dict[str, list[Any]] = field(default_factory=dict)
     total_rows: int = 0
     partial: dict[str, list[int]] = field(default_factory=dict)
@@ -139,6 +149,7 @@ class Dump:
             meta=meta,
             old_log_prob=self.learner_log_prob.float(),
             advantages=None if self.advantages is None else self.advantages.float(),
+            routed_experts=self.routed_experts,
         )
 
 
@@ -157,6 +168,7 @@ def read_dump(
     token_text_field: str = DEFAULT_FIELDS["token_text"],
     text_field: str = DEFAULT_FIELDS["text"],
     version_field: str = DEFAULT_FIELDS["version"],
+    routed_experts_field: str = DEFAULT_FIELDS["routed_experts"],
     extra_fields: Sequence[str] = ("prompt", "reward"),
     fields: dict[str, str] | None = None,
 ) -> Dump:
@@ -180,6 +192,8 @@ def read_dump(
         "token_text": token_text_field,
         "text": text_field,
         "version": version_field,
+        "routed_experts": routed_experts_field,
+        "learner_routed_experts": DEFAULT_FIELDS["learner_routed_experts"],
     }
     if fields:
         unknown = set(fields) - set(wanted)
@@ -421,12 +435,35 @@ def _parse_row(
         row["token_text"] = same_length(
             present["token_text"], _typed_list(obj, present["token_text"], str, "strings")
         )
+    for role in ("routed_experts", "learner_routed_experts"):
+        if names.get(role) is not None and obj.get(names[role]) is not None:
+            row[role] = _routing_rows(obj, names[role], n)
     if "text" in present and isinstance(obj[present["text"]], str):
         row["text"] = obj[present["text"]]
     row["extras"] = {key: obj.get(key) for key in extra_fields}
     if isinstance(obj.get(CORRECTION_FIELD), dict):
         row["correction"] = obj[CORRECTION_FIELD]
     return row
+
+
+def _routing_rows(obj: dict[str, Any], name: str, n: int) -> list:
+    """A row's routed experts as n entries of (L, k) integer lists, one per response token.
+
+    n entries are taken as they are (rollcorr's layout: entry t is the routing of the position that predicts
+    token t). A longer list is a whole sequence, prompt + response, one entry per input position (as verl and
+    SkyRL batch them): its entries m − n − 1 … m − 2 are the positions predicting the n response tokens.
+    """
+    value = obj[name]
+    try:
+        routes = torch.as_tensor(value, dtype=torch.long)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise _BadRow(f"field {name!r} is not a (tokens, layers, top_k) array of integers") from None
+    if routes.dim() != 3 or routes.shape[0] < n or (routes < 0).any():
+        raise _BadRow(f"field {name!r} must be (tokens, layers, top_k) non-negative integers with ≥ {n} tokens, "
+                      f"got shape {tuple(routes.shape)}")  # fmt: skip
+    if routes.shape[0] > n:
+        routes = routes[routes.shape[0] - n - 1 : routes.shape[0] - 1]
+    return routes.tolist()
 
 
 def _assemble(
@@ -468,11 +505,27 @@ def _assemble(
         token_text=[r["token_text"] for r in parsed] if all("token_text" in r for r in parsed) else None,
         text=[r["text"] for r in parsed] if all("text" in r for r in parsed) else None,
         version=optional("version", torch.long),
+        routed_experts=_routing_tensor(parsed, "routed_experts", t),
+        learner_routed_experts=_routing_tensor(parsed, "learner_routed_experts", t),
         extras={key: [r["extras"][key] for r in parsed] for key in extra_fields},
         total_rows=total_rows,
         partial={role: [line for line, r in zip(lines, parsed) if role not in r]
                  for role in ("advantages", "tokens", "version") if 0 < sum(role in r for r in parsed) < b},
     )  # fmt: skip
+
+
+def _routing_tensor(parsed: list[dict[str, Any]], key: str, t: int) -> Tensor | None:
+    """(B, T, L, k) int64 routed experts when every row has them with one shape, else None."""
+    rows = [r.get(key) for r in parsed]
+    if any(r is None for r in rows):
+        return None
+    shapes = {tuple(torch.as_tensor(r).shape[1:]) for r in rows}
+    if len(shapes) != 1:
+        return None
+    out = torch.zeros(len(rows), t, *shapes.pop(), dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(r)
+    return out
 
 
 # ---- writing ----------------------------------------------------------------------------------------
@@ -485,6 +538,8 @@ def write_dump(
     advantages: Tensor | None = None,
     tokens: Tensor | None = None,
     version: Tensor | None = None,
+    routed_experts: Tensor | None = None,
+    learner_routed_experts: Tensor | None = None,
     extras: dict[str, Sequence[Any]] | None = None,
     tokenizer: Any = None,
     correction: Any = None,
@@ -495,7 +550,8 @@ def write_dump(
     One row per response, under rollcorr's default field names (``rollout_log_probs``, ``old_log_probs`` for
     ``learner_log_prob``,
     ``response_mask`` and, when given, ``advantages`` ((B,) or (B, T)), ``responses`` (token ids),
-    ``version``), each list cut after the row's last valid token; ``extras`` maps a field name to one value
+    ``version``, ``routed_experts`` and ``learner_routed_experts`` ((B, T, L, k), one (L, k) list per token)),
+    each list cut after the row's last valid token; ``extras`` maps a field name to one value
     per row (e.g. ``{"step": [3] * B, "reward": rewards}``). With ``tokenizer`` (and ``tokens``) each row also
     gets ``token_text`` (every token decoded alone) and ``response_text`` (the row decoded), so a reader needs
     no tokenizer; with ``correction`` (a ``CorrectionConfig``) each row records under ``correction`` the keys
@@ -512,6 +568,10 @@ def write_dump(
     for name, value in named.items():
         if value is not None and tuple(value.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape}")
+    routes = {"routed_experts": routed_experts, "learner_routed_experts": learner_routed_experts}
+    for name, value in routes.items():
+        if value is not None and (value.dim() != 4 or tuple(value.shape[:2]) != shape):
+            raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape} × (layers, top_k)")
     if advantages is not None and tuple(advantages.shape) not in (shape, shape[:1]):
         raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected {shape[:1]} or {shape}")
     for name, values in (extras or {}).items():
@@ -548,6 +608,9 @@ def write_dump(
             row[CORRECTION_FIELD] = recorded
         if cpu["version"] is not None:
             row["version"] = cut(cpu["version"], b)
+        for name, value in routes.items():
+            if value is not None:
+                row[name] = value[b, : lengths[b]].detach().long().cpu().tolist()
         for name, values in (extras or {}).items():
             value = values[b]
             row[name] = value.item() if isinstance(value, Tensor) else value

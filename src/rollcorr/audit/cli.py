@@ -18,7 +18,7 @@ from pathlib import Path
 
 DEFAULT_SAMPLER = "hf:bf16"
 DEFAULT_LEARNER = "hf:fp32"
-LIVE_ONLY = ("sampler", "learner", "model", "gguf_file", "prompts", "chat")
+LIVE_ONLY = ("sampler", "learner", "model", "gguf_file", "prompts", "chat", "routing_replay")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     live.add_argument("--prompts", help='prompts: JSONL ({"prompt": ...} per line) or one prompt per line')
     live.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+    live.add_argument(
+        "--routing-replay",
+        choices=("r3",),
+        help="mixture-of-experts models: the learner replays the sampler's routed experts (R3)",
+    )
     live.add_argument("-n", "--num-responses", type=int, default=64, help="responses to sample (default 64)")
     live.add_argument("--max-new-tokens", type=int, default=64, help="response length cap (default 64)")
     live.add_argument("--temperature", type=float, default=1.0)
@@ -141,7 +146,7 @@ def _prepare_prompts(prompts: list[str], args, tokenizer) -> list[str]:
 def _collect_live(args, console, workdir: str):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from rollcorr.audit.collect import builtin_prompts, collect, from_rollout, load_prompts
+    from rollcorr.audit.collect import builtin_prompts, collect, from_rollout, learner_routing, load_prompts
     from rollcorr.engines import SamplingParams, make_learner, make_sampler, parse_spec
 
     if args.num_responses < 1 or args.batch_size < 1:
@@ -165,7 +170,7 @@ def _collect_live(args, console, workdir: str):
         model_path = model
         if gguf_file:
             model_path = materialise_gguf(model, gguf_file, Path(workdir) / "model")
-        learner = make_learner(learner_spec, model_path=model_path)
+        learner = make_learner(learner_spec, model_path=model_path, routing_replay=args.routing_replay)
         prompts = _prepare_prompts(prompts, args, learner.tokenizer)
         from rollcorr.engines.preflight import check_prompts
 
@@ -200,6 +205,9 @@ def _collect_live(args, console, workdir: str):
         close = getattr(sampler, "close", None)
         if close:
             close()
+    if args.routing_replay and rollout.routed_experts is None:
+        raise ValueError(f"--routing-replay: sampler {sampler_spec} returned no routed experts to replay")
+    learner_routes = learner_routing(learner, rollout, args.batch_size)
     source = {
         "sampler": sampler_spec,
         "learner": learner_spec,
@@ -207,6 +215,7 @@ def _collect_live(args, console, workdir: str):
         **({"gguf_file": gguf_file} if gguf_file else {}),
         "prompts": args.prompts or "builtin addition task (test split)",
         "chat_template": args.chat,
+        **({"routing_replay": args.routing_replay} if args.routing_replay else {}),
         "responses": len(prompts),
         "max_new_tokens": params.max_new_tokens,
         "temperature": params.temperature,
@@ -215,7 +224,8 @@ def _collect_live(args, console, workdir: str):
         "seed": params.seed,
         "seconds": round(time.perf_counter() - started, 2),
     }
-    return from_rollout(rollout, learner.tokenizer, sampler_dist=args.sampler_dist, source=source)
+    return from_rollout(rollout, learner.tokenizer, sampler_dist=args.sampler_dist, source=source,
+                        learner_routed_experts=learner_routes)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

@@ -32,6 +32,9 @@ class AuditData:
     tokens            per row, the text of the token at each response position (None when unknown)
     prompts           per row, the prompt text (None when unknown)
     source            how the data was made (engines, model, sampling parameters, or the dump file)
+    routed_experts    (B, T, L, k) the sampler's experts per token and MoE layer (MoE models; else None)
+    learner_routed_experts  (B, T, L, k) the experts the learner's own routers pick for the same tokens
+                      (without replay: the routing mismatch; rollcorr.moe)
     """
 
     rollout_log_prob: Tensor
@@ -40,6 +43,8 @@ class AuditData:
     tokens: list[list[str]] | None = None
     prompts: list[str] | None = None
     source: dict[str, Any] = field(default_factory=dict)
+    routed_experts: Tensor | None = None
+    learner_routed_experts: Tensor | None = None
 
 
 def load_prompts(path: str | Path) -> list[str]:
@@ -125,8 +130,28 @@ def collect(
     return Rollout.concat(parts, pad_token_id=pad)
 
 
+def learner_routing(learner, rollout: Rollout, batch_size: int = 64) -> Tensor | None:
+    """(B, T, L, k) the experts the learner's own routers (no replay) pick for the rollout's response tokens,
+    ``batch_size`` rows per forward; None when the rollout carries no sampler routing or the learner cannot
+    report its own (a dense model, another engine)."""
+    if rollout.routed_experts is None or not hasattr(learner, "routed_experts"):
+        return None
+    mode, learner.routing_replay = learner.routing_replay, None  # the learner's own choice
+    try:
+        parts = [learner.routed_experts(rollout.select(range(i, min(i + batch_size, rollout.batch_size))))
+                 for i in range(0, rollout.batch_size, batch_size)]  # fmt: skip
+    finally:
+        learner.routing_replay = mode
+    return torch.cat(parts)
+
+
 def from_rollout(
-    rollout: Rollout, tokenizer=None, *, sampler_dist: str = "full", source: dict[str, Any] | None = None
+    rollout: Rollout,
+    tokenizer=None,
+    *,
+    sampler_dist: str = "full",
+    source: dict[str, Any] | None = None,
+    learner_routed_experts: Tensor | None = None,
 ) -> AuditData:
     """AuditData from a scored Rollout (``old_log_prob`` set).
 
@@ -160,6 +185,8 @@ def from_rollout(
         tokens=tokens,
         prompts=prompts,
         source=dict(source or {}, sampler_dist=sampler_dist),
+        routed_experts=rollout.routed_experts,
+        learner_routed_experts=learner_routed_experts,
     )
 
 

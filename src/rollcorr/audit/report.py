@@ -55,6 +55,11 @@ def build_summary(data: AuditData, worst_k: int = 10) -> dict[str, Any]:
     for item in stats["worst_tokens"]:
         item.update(token_context(data, item["row"], item["position"]))
     summary = {"source": data.source, **stats}
+    if data.routed_experts is not None and data.learner_routed_experts is not None:
+        from rollcorr.moe import routing_summary
+
+        summary["routing"] = routing_summary(data.routed_experts, data.learner_routed_experts,
+                                             data.rollout_log_prob, data.old_log_prob, data.response_mask)  # fmt: skip
     summary["verdict"] = verdict(summary)
     preset_name = suggestion(summary)
     summary["suggested_preset"] = preset_name
@@ -108,6 +113,17 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
         ("χ²", "token / sequence", f"{_num(d['chi2_token'])} / {_num(d['chi2_seq'])}"),
         ("ESS / N", "token / sequence", f"{_num(d['ess_token'])} / {_num(d['ess_seq'])}"),
     ]
+    r = summary.get("routing")
+    if r:  # mixture of experts: the sampler's vs the learner's own expert choice
+        rows += [
+            ("routing (MoE)", "flip share: token × layer / token",
+             f"{_pct(r['routing_flip_share'])} / {_pct(r['routing_flip_token_share'])}"),
+            ("routing (MoE)", "flip rate per layer", " / ".join(_pct(x) for x in r["routing_layer_flip_rate"])),
+            ("routing (MoE)", "mean |Δp| flipped / unflipped tokens",
+             f"{_num(r['abs_dp_mean_flipped'])} / {_num(r['abs_dp_mean_unflipped'])}"),
+            ("routing (MoE)", "tokens flipped / unflipped", f"{r['tokens_flipped']} / {r['tokens_unflipped']}"),
+            ("routing (MoE)", "share of Σ|Δp| on flipped tokens", _pct(r["abs_dp_share_flipped"])),
+        ]  # fmt: skip
     return rows
 
 

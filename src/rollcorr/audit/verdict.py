@@ -63,6 +63,7 @@ BF16_LEVEL = REFERENCES["abeja_vllm_hf"]  # a gap no larger than this is "two en
 WIDE_FACTOR = 3.0  # ≥ 3× the reference share at ≥ 0.05, or a max |Δp| above 3× its max: beyond bf16 numerics
 SEQ_ESS_GUARD = 0.9  # sequence ESS below this: long responses' weights spread; guard at sequence level
 SEQ_ESS_BROKEN = 0.1  # sequence ESS below this: no reweighting recovers the learner's expectation
+ROUTING_DOMINATES = 0.5  # MoE: flipped tokens carry more than this share of Σ|Δp|: routing is the main gap
 
 
 # The correction to suggest at each level and the evidence it rests on: one table, updated when a study lands.
@@ -214,6 +215,7 @@ def verdict(summary: dict[str, Any]) -> list[str]:
         else:
             out.append(_suggest(where, f"token ESS/N {ess_tok:.3g}, sequence ESS/N {ess_seq:.3g}; capping each "
                                        "token's weight keeps rare large ratios from dominating the gradient"))  # fmt: skip
+    out += routing_sentences(summary)
     negative = [
         name
         for name, key in (
@@ -232,3 +234,23 @@ def verdict(summary: dict[str, Any]) -> list[str]:
             '"about zero"; k3 and JS are non-negative by construction.'
         )
     return out
+
+
+def routing_sentences(summary: dict[str, Any]) -> list[str]:
+    """Mixture of experts (``summary["routing"]``): how often the two sides chose different experts, and,
+    when the flipped tokens carry most of Σ|Δp|, that routing is the gap to fix first (replay, R3)."""
+    r = summary.get("routing")
+    if not r or r["routing_flip_share"] == 0:
+        return []
+    text = (
+        f"Routing: {_pct(r['routing_flip_share'])} of token × layer router decisions differ between the sampler "
+        f"and the learner ({_pct(r['routing_flip_token_share'])} of tokens have at least one flipped layer); "
+        f"those tokens carry {_pct(r['abs_dp_share_flipped'])} of Σ|Δp| (mean |Δp| "
+        f"{r['abs_dp_mean_flipped']:.3g} vs {r['abs_dp_mean_unflipped']:.3g} on the others)."
+    )
+    if r["abs_dp_share_flipped"] > ROUTING_DOMINATES:
+        text += (
+            " Routing flips dominate the mismatch: replay the sampler's experts in the learner "
+            "(model.routing_replay=r3, Rollout Routing Replay) before reweighting."
+        )
+    return [text]

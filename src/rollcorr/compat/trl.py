@@ -22,6 +22,13 @@ the trainer's weights into the sampler whenever the optimiser has stepped. TRL's
 (``use_vllm=True, vllm_mode="colocate"``) fails at its first weight sync on vLLM's CPU build and is refused
 there with a pointer to it.
 
+Mixture-of-experts models: ``routing_replay="r3"`` replays the sampler's experts in every forward of the policy
+(π_old and the loss's π_θ, through the backward pass's recomputation under gradient checkpointing;
+rollcorr.moe.attach_replay). The ``rollout_func`` returns them per completion as ``routed_experts`` (one
+(layers, top_k) list per completion token: the routing of the position that predicts it) and, optionally,
+``prompt_routed_experts`` (one per prompt token), as rollcorr's hf sampler records them; ``SamplerRollout``
+passes them on.
+
 A token whose sampling log-prob is NaN (vLLM reports None) gets ratio 1 (its learner log-prob stands in),
 as TRL does. TRL's ``vespo`` loss reads the ratio its own way and is refused.
 """
@@ -40,6 +47,7 @@ from rollcorr.config.correction import CorrectionConfig
 from rollcorr.config.presets import preset
 from rollcorr.correction.api import compute_correction
 from rollcorr.correction.metrics import metrics_to_floats
+from rollcorr.moe import attach_replay, sequence_routing
 
 __all__ = ["LEARNER_PRECISIONS", "RollcorrGRPOTrainer", "SamplerRollout", "correct_trl_batch"]
 
@@ -83,6 +91,7 @@ class RollcorrGRPOTrainer(GRPOTrainer):
     dump_path          JSONL file that every generated batch is appended to (None: no dump)
     learner_precision  "fp32" (default), "bf16" or "fp16": the learner's autocast; replaces GRPOConfig's
                        bf16 / fp16 flags (TRL defaults to bf16)
+    routing_replay     None, or "r3": replay the rollout_func's ``routed_experts`` (module docstring)
     """
 
     def __init__(
@@ -94,8 +103,12 @@ class RollcorrGRPOTrainer(GRPOTrainer):
         correction: str | CorrectionConfig = "decoupled_token_is",
         dump_path: str | Path | None = None,
         learner_precision: str = "fp32",
+        routing_replay: str | None = None,
         **kwargs: Any,
     ) -> None:
+        if routing_replay not in (None, "r3"):
+            raise ValueError(f"routing_replay must be None or 'r3', got {routing_replay!r}")
+        self.routing_replay, self._replay = routing_replay, None
         self.correction = preset(correction) if isinstance(correction, str) else correction
         if not isinstance(self.correction, CorrectionConfig):
             raise ValueError(f"correction must be a preset name or a CorrectionConfig, got {correction!r}")
@@ -132,7 +145,25 @@ class RollcorrGRPOTrainer(GRPOTrainer):
     def _correction_name(correction: str | CorrectionConfig) -> str:
         return correction if isinstance(correction, str) else "custom CorrectionConfig"
 
+    def _generate(self, prompts: list):
+        result = super()._generate(prompts)
+        if self.routing_replay:  # from here on, TRL's scoring forwards replay the sampler's experts
+            prompt_ids, completion_ids, extra = result[0], result[1], result[5]
+            self._replay.set(trl_routing(prompt_ids, completion_ids, extra.pop("routed_experts", None),
+                                         extra.pop("prompt_routed_experts", None)))  # fmt: skip
+        return result
+
     def _generate_and_score_completions(self, inputs):
+        if not self.routing_replay:
+            return self._score_and_correct(inputs)
+        if self._replay is None:  # installed once, kept for the backward passes' recomputed forwards
+            self._replay = attach_replay(self.accelerator.unwrap_model(self.model))
+        self._replay.set(None)  # generation routes freely; _generate hands the sampler's routing over
+        out = self._score_and_correct(inputs)
+        out["routed_experts"] = self._replay.expert_ids  # (B, P + T, L, k), for the loss's forward
+        return out
+
+    def _score_and_correct(self, inputs):
         out = super()._generate_and_score_completions(inputs)
         sampling = out.get("sampling_per_token_logps")
         if sampling is None:  # no sampler log-probs (plain HF generation): nothing to correct
@@ -174,6 +205,11 @@ class RollcorrGRPOTrainer(GRPOTrainer):
         return logps
 
     def _compute_loss(self, model, inputs):
+        if "routed_experts" in inputs:  # stays set through the backward pass (gradient checkpointing re-runs it)
+            self._replay.set(inputs["routed_experts"])
+        return self._corrected_loss(model, inputs)
+
+    def _corrected_loss(self, model, inputs):
         # TRL multiplies the per-token loss by inputs["importance_sampling_ratio"] only on its vLLM path
         # (use_vllm and vllm_importance_sampling_correction); open that path for rollcorr's weights.
         if "importance_sampling_ratio" not in inputs:
@@ -258,11 +294,18 @@ class SamplerRollout:
         rollout = sampler.generate(prompt_ids, params)
         mask = rollout.response_mask.bool()
         ids, logps = rollout.response_ids, rollout.rollout_log_prob
-        return {
+        out = {
             "prompt_ids": prompt_ids,
             "completion_ids": [ids[b][mask[b]].tolist() for b in range(len(prompt_ids))],
             "logprobs": [logps[b][mask[b]].float().tolist() for b in range(len(prompt_ids))],
         }
+        if rollout.routed_experts is not None:  # a mixture of experts: its routing, for routing_replay="r3"
+            prompt_mask = rollout.prompt_mask.bool()
+            out["routed_experts"] = [rollout.routed_experts[b][mask[b]].tolist() for b in range(len(prompt_ids))]
+            out["prompt_routed_experts"] = [
+                rollout.prompt_routed_experts[b][prompt_mask[b]].tolist() for b in range(len(prompt_ids))
+            ]
+        return out
 
     def close(self) -> None:
         if self.sampler is not None:
@@ -276,3 +319,25 @@ def _prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
         return list(tokenizer(prompt)["input_ids"])
     ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def trl_routing(prompt_ids: list[list[int]], completion_ids: list[list[int]], routed, prompt_routed) -> torch.Tensor:
+    """A ``rollout_func``'s per-completion routing → (B, P + T, L, k) int64 expert ids over TRL's layout
+    (prompts left-padded to P, completions right-padded to T), −1 where the router keeps its own choice."""
+    if routed is None:
+        raise ValueError("routing_replay='r3' needs the rollout_func to return routed_experts per completion")
+    routes = [torch.as_tensor(r, dtype=torch.long) for r in routed]
+    p, t = max(map(len, prompt_ids)), max(map(len, completion_ids))
+    layers, k = routes[0].shape[1:]
+    prompt_mask = torch.tensor([[i >= p - len(ids) for i in range(p)] for ids in prompt_ids])
+    response_mask = torch.tensor([[i < len(ids) for i in range(t)] for ids in completion_ids])
+    response = torch.zeros(len(routes), t, layers, k, dtype=torch.long)
+    for i, r in enumerate(routes):
+        response[i, : len(r)] = r[: t]
+    prompt = None
+    if prompt_routed is not None:
+        prompt = torch.zeros(len(routes), p, layers, k, dtype=torch.long)
+        for i, r in enumerate(prompt_routed):
+            r = torch.as_tensor(r, dtype=torch.long)
+            prompt[i, p - len(r) :] = r
+    return sequence_routing(prompt_mask, response_mask, response, prompt)

@@ -83,6 +83,30 @@ class DecodingSampler:
     def _check_open(self) -> None:
         raise NotImplementedError
 
+    def _take_routing(self) -> tuple[list[Tensor], list[Tensor]] | None:
+        """The last ``_decode``'s mixture-of-experts routing, per row: (context (len, L, k), response tokens
+        (n, L, k)); None for an engine or model without it (the default)."""
+        return None
+
+    def _expert_dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    def _routing_fields(self, routing, width_p: int | None = None, width_t: int | None = None) -> dict:
+        """``prompt_routed_experts`` (left-padded) and ``routed_experts`` (right-padded) from per-row routing."""
+        if routing is None:
+            return {}
+        prompt_rows, response_rows = routing
+        dtype = self._expert_dtype()
+        width_p = width_p or max(r.shape[0] for r in prompt_rows)
+        width_t = width_t if width_t is not None else max([r.shape[0] for r in response_rows] + [0])
+        shape = prompt_rows[0].shape[1:]
+        prompt = torch.zeros((len(prompt_rows), width_p, *shape), dtype=dtype)
+        response = torch.zeros((len(response_rows), width_t, *shape), dtype=dtype)
+        for i, (pr, rr) in enumerate(zip(prompt_rows, response_rows)):
+            prompt[i, width_p - pr.shape[0] :] = pr.to(dtype)
+            response[i, : rr.shape[0]] = rr.to(dtype)
+        return {"prompt_routed_experts": prompt, "routed_experts": response}
+
     def _decode(
         self, contexts: list[list[int]], budgets: list[int], params: SamplingParams, max_steps: int | None
     ) -> tuple[list[list[int]], list[list[float]], list[list[float]], list[bool]]:
@@ -126,6 +150,7 @@ class DecodingSampler:
         tokens, log_mu, log_kept, finished = self._decode(
             rows, [params.max_new_tokens] * len(rows), params, max_steps
         )
+        routing = self._routing_fields(self._take_routing())
         prompt_ids, prompt_mask = left_pad(rows, self.pad_id, torch.device("cpu"))
         metas = [dict(m) for m in meta for _ in range(n)] if meta is not None else [{} for _ in rows]
         for m, tok, done in zip(metas, tokens, finished):
@@ -141,6 +166,7 @@ class DecodingSampler:
             version=right_pad([[self.version] * len(t) for t in tokens], 0, torch.long),
             group_ids=groups.repeat_interleave(n),
             meta=metas,
+            **routing,
         )
 
     def _resume(self, rollout: Rollout, params: SamplingParams, max_steps: int | None) -> Rollout:
@@ -161,6 +187,7 @@ class DecodingSampler:
             raise ValueError("cannot resume a rollout without rollout_log_prob")
         params = replace(params, seed=resume_seed(params.seed, int(resp_mask.sum())))
         tokens, log_mu, log_kept, finished = self._decode(contexts, budgets, params, max_steps)
+        routing = self._take_routing()
         new_version = [[self.version] * len(t) for t in tokens]
         merged = [old[i] + (tokens[todo.index(i)] if i in todo else []) for i in range(rollout.batch_size)]
         width = max(len(r) for r in merged)
@@ -173,6 +200,14 @@ class DecodingSampler:
                 rows[i] = rows[i] + list(new_rows[j])
             return right_pad(rows, value, dtype, width)
 
+        routed = {"routed_experts": None, "prompt_routed_experts": None}
+        if routing is not None and rollout.routed_experts is not None:  # old tokens keep the routing they had
+            old_rows = [rollout.routed_experts[i][resp_mask[i]] for i in range(rollout.batch_size)]
+            for j, i in enumerate(todo):
+                old_rows[i] = torch.cat([old_rows[i], routing[1][j].to(old_rows[i].dtype)])
+            prompt_rows = [rollout.prompt_routed_experts[i][prompt_mask[i]] if rollout.prompt_routed_experts
+                           is not None else rollout.routed_experts[i, :0] for i in range(rollout.batch_size)]  # fmt: skip
+            routed = self._routing_fields((prompt_rows, old_rows), rollout.prompt_ids.shape[1], width)
         metas = [dict(m) for m in rollout.meta] if rollout.meta else [{} for _ in merged]
         for j, i in enumerate(todo):
             metas[i]["finished"] = finished[j]
@@ -184,6 +219,7 @@ class DecodingSampler:
             log_kept_mass=extend(rollout.log_kept_mass, log_kept, 0.0, torch.float32),
             version=extend(rollout.version, new_version, 0, torch.long),
             meta=metas,
+            **routed,
             # anything computed from the unfinished rows is stale now
             rewards=None,
             old_log_prob=None,

@@ -5,19 +5,23 @@ static pre-allocated one with each distinct prompt prefilled once for Llama-fami
 ``DynamicCache``; ``fast_decode=False`` forces the latter); at each step the last logits go through
 ``process_logits`` (temperature → top-k → top-p, docs/spec.md §8), a token is drawn from the processed
 distribution with a seeded ``torch.Generator``, and log μ of that token plus the log kept mass are
-recorded. Rows stop at EOS. Dtype float32 / bfloat16 / float16, attention eager / sdpa, or int8 dynamic
+recorded. Rows stop at EOS. For a mixture-of-experts model the routers' choices are captured through the loop
+(rollcorr.moe): the prefill gives every prompt position's experts, each decode step the experts of the
+position that predicts the next token (``Rollout.routed_experts``, ``prompt_routed_experts``). Dtype float32 / bfloat16 / float16, attention eager / sdpa, or int8 dynamic
 quantisation of every ``nn.Linear`` (float32 activations, int8 weights).
 
 Learner: full-sequence forwards over prompt + response (Llama-family models: each distinct prompt run once
 and its keys/values shared by the responses to it, ``kvdecode.prefix_shared_hidden``), log-softmax at the
 response tokens (logits / the sampling temperature), optional entropy, lm-head applied in vocabulary chunks
-(rollcorr.logprobs).
+(rollcorr.logprobs). ``routing_replay="r3"`` (MoE models): every forward replays the rollout's routed experts
+(rollcorr.moe.replay_routing; the gate weights come from the learner's own router logits).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -34,6 +38,15 @@ from rollcorr.engines.kvdecode import (
 )
 from rollcorr.logprobs import logprobs_from_hidden, logprobs_from_logits
 from rollcorr.models.builtin import BUILTIN, load_model, resolve_dtype
+from rollcorr.moe import (
+    ROUTING_REPLAY_MODES,
+    capture_routing,
+    compact_expert_dtype,
+    is_moe,
+    replay_routing,
+    routing_shape,
+    sequence_routing,
+)
 from rollcorr.rollout import Rollout
 
 QUANTIZATIONS = (None, "int8")
@@ -92,6 +105,13 @@ class HFSampler(DecodingSampler):
         self.pad_id = self.tokenizer.pad_token_id
         self.version = int(version)
         self.fast_decode = fast_decode  # False: decode through model(...) with a DynamicCache (the reference)
+
+    def _take_routing(self) -> tuple[list[Tensor], list[Tensor]] | None:
+        routing, self._routing = getattr(self, "_routing", None), None
+        return routing
+
+    def _expert_dtype(self) -> torch.dtype:
+        return compact_expert_dtype(routing_shape(self.model)[2])
 
     def __repr__(self) -> str:
         kind = self.quant or str(self.dtype).removeprefix("torch.")
@@ -157,25 +177,28 @@ class HFSampler(DecodingSampler):
         budget = torch.as_tensor(budgets, device=dev)
         limit = max(budgets) if max_steps is None else min(max(budgets), max_steps)
         decoder = make_decoder(self.model, dev, fast=self.fast_decode)
-        logits = decoder.start(contexts, self.pad_id, limit)
+        moe = is_moe(self.model)
+        with capture_routing(self.model) if moe else nullcontext() as recorder:
+            logits = decoder.start(contexts, self.pad_id, limit)
 
-        active = torch.ones(b, dtype=torch.bool, device=dev)  # still generating
-        steps_tok, steps_lp, steps_lk, steps_valid = [], [], [], []
-        for step in range(limit):
-            log_mu, log_kept = process_logits(logits, params)
-            tok = draw(log_mu, params, gen)
-            tok = torch.where(active, tok, torch.full_like(tok, self.pad_id))
-            steps_tok.append(tok)
-            steps_lp.append(log_mu.gather(-1, tok[:, None]).squeeze(-1))
-            steps_lk.append(log_kept)
-            steps_valid.append(active.clone())
-            active = active & (tok != self.eos_id) & (step + 1 < budget)
-            if not bool(active.any()) or step + 1 == limit:
-                break
-            logits = decoder.step(tok, active)
+            active = torch.ones(b, dtype=torch.bool, device=dev)  # still generating
+            steps_tok, steps_lp, steps_lk, steps_valid = [], [], [], []
+            for step in range(limit):
+                log_mu, log_kept = process_logits(logits, params)
+                tok = draw(log_mu, params, gen)
+                tok = torch.where(active, tok, torch.full_like(tok, self.pad_id))
+                steps_tok.append(tok)
+                steps_lp.append(log_mu.gather(-1, tok[:, None]).squeeze(-1))
+                steps_lk.append(log_kept)
+                steps_valid.append(active.clone())
+                active = active & (tok != self.eos_id) & (step + 1 < budget)
+                if not bool(active.any()) or step + 1 == limit:
+                    break
+                logits = decoder.step(tok, active)
 
         tok = torch.stack(steps_tok, 1).cpu()
         valid = torch.stack(steps_valid, 1).cpu()
+        self._routing = split_routing(recorder.take(), contexts, valid) if moe else None
         lp = torch.stack(steps_lp, 1).float().cpu()
         lk = torch.stack(steps_lk, 1).float().cpu()
         finished = (~active).cpu().tolist()
@@ -186,6 +209,20 @@ class HFSampler(DecodingSampler):
             [lk[i][valid[i]].tolist() for i in range(b)],
             finished,
         )
+
+
+def split_routing(
+    calls: list[Tensor], contexts: list[list[int]], valid: Tensor
+) -> tuple[list[Tensor], list[Tensor]]:
+    """A decode loop's captured routing → per row (context routing (len(context), L, k), response routing
+    (n_tokens, L, k)). ``calls[0]`` is the prefill over the left-padded contexts (B·P, L, k); ``calls[s]``
+    (B, L, k) the step that fed token s − 1, i.e. the position predicting token s; ``valid`` (B, steps)."""
+    b, width = len(contexts), max(len(c) for c in contexts)
+    prefill = calls[0].view(b, width, *calls[0].shape[1:])
+    predicting = torch.stack([prefill[:, -1]] + [c.view(b, *c.shape[1:]) for c in calls[1:]], 1)
+    prompt_rows = [prefill[i, width - len(c) :] for i, c in enumerate(contexts)]
+    response_rows = [predicting[i, : valid.shape[1]][valid[i]] for i in range(b)]
+    return prompt_rows, response_rows
 
 
 class HFLearner:
@@ -199,9 +236,12 @@ class HFLearner:
         device: str | torch.device | None = None,
         chunk_size: int = 4096,
         share_prompts: bool = True,
+        routing_replay: str | None = None,
     ) -> None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be ≥ 1, got {chunk_size}")
+        if routing_replay not in ROUTING_REPLAY_MODES:
+            raise ValueError(f"unknown routing_replay {routing_replay!r}; use one of {ROUTING_REPLAY_MODES}")
         self.dtype = resolve_dtype(dtype)
         self.device = torch.device(device) if device is not None else default_device()
         self.model_path = str(model_path)
@@ -211,12 +251,32 @@ class HFLearner:
         # Llama-family models with eager attention: score through LlamaBlocks with shared prompts
         # (share_prompts=False: one full forward through the transformers model, the reference)
         self.share_prompts = share_prompts
+        if routing_replay is not None and not is_moe(self.model):
+            raise ValueError(f"routing_replay={routing_replay!r} needs a mixture-of-experts model; {model_path} is dense")
+        self.routing_replay = routing_replay
+        self.replayed_pairs = 0  # token × layer router decisions replaced by the rollout's, over all calls
 
     def __repr__(self) -> str:
         return f"HFLearner({self.model_path!r}, {str(self.dtype).removeprefix('torch.')})"
 
     def state_dict(self) -> dict[str, Tensor]:
         return self.model.state_dict()
+
+    @torch.no_grad()
+    def routed_experts(self, rollout: Rollout) -> Tensor:
+        """(B, T, L, k) int64: the experts this learner's routers use (after its replay, if any) at the
+        positions that predict each response token, from one scoring forward; 0 on padding."""
+        with capture_routing(self.model) as recorder:
+            self.log_prob(rollout)
+        (call,) = recorder.take()
+        p, t = rollout.prompt_ids.shape[1], rollout.response_ids.shape[1]
+        routing = call.view(rollout.batch_size, p + t, *call.shape[1:])[:, p - 1 : p - 1 + t]
+        return routing.masked_fill(~rollout.response_mask.bool()[..., None, None], 0)
+
+    def replaying(self, rollout: Rollout | tuple):
+        """The routing-replay context of this learner for one forward over ``rollout`` (a no-op without
+        ``routing_replay``)."""
+        return replay_context(self.model, self.routing_replay, rollout)
 
     def parameters(self):
         return self.model.parameters()
@@ -253,7 +313,7 @@ class HFLearner:
         if p == 0:
             raise ValueError("empty prompt: the first response token has no context to be scored from")
 
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), self.replaying(rollout_or_input) as replay:
             if self.share_prompts and static_kv_supported(self.model):  # (self.model may be swapped in)
                 hidden = prefix_shared_hidden(LlamaBlocks(self.model), ids, mask, p)
             else:
@@ -265,6 +325,8 @@ class HFLearner:
                     use_cache=False,
                 ).last_hidden_state
                 hidden = hidden[:, p - 1 : p - 1 + t]  # (B, T, H): the states that predict the response tokens
+            if replay is not None:
+                self.replayed_pairs += replay.forced_tokens
             b = hidden.shape[0]
             flat, targets = hidden.reshape(b * t, -1), response_ids.to(dev).reshape(-1)
             head = self.model.get_output_embeddings()
@@ -280,6 +342,21 @@ class HFLearner:
             if not with_entropy:
                 return log_prob
             return log_prob, entropy.reshape(b, t).masked_fill(~valid, 0.0)
+
+
+def replay_context(model: nn.Module, mode: str | None, rollout: Rollout | tuple):
+    """``replay_routing`` of a rollout's routed experts over its prompt + response when ``mode`` is "r3";
+    a no-op context otherwise. ValueError when replay is asked for and the rollout carries no routing."""
+    if mode is None:
+        return nullcontext()
+    if not isinstance(rollout, Rollout) or rollout.routed_experts is None:
+        raise ValueError(
+            "routing_replay='r3' needs the sampler's routed experts: score a Rollout from an MoE sampler "
+            "that captures them (Rollout.routed_experts)"
+        )
+    ids = sequence_routing(rollout.prompt_mask, rollout.response_mask, rollout.routed_experts,
+                           rollout.prompt_routed_experts)  # fmt: skip
+    return replay_routing(model, ids)
 
 
 def unpack(x: Rollout | tuple[Tensor, Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -1,4 +1,4 @@
-"""The built-in models: ~1 M-parameter Qwen2 causal LMs with a character-level tokenizer.
+"""The built-in models: small Hugging Face causal LMs (Qwen2, and one Qwen3-MoE) with a character-level tokenizer.
 
 Each ships as a Hugging Face directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
 generation_config.json), trained by ``scripts/pretrain_builtin.py`` on one built-in task:
@@ -6,6 +6,8 @@ generation_config.json), trained by ``scripts/pretrain_builtin.py`` on one built
     "builtin"                  assets/                  3-digit reversed addition (rollcorr.tasks.addition)
     "builtin:chain"            assets_chain/            a chain of 14 numbers, 70-token answers
                                                         (rollcorr.tasks.chain)
+    "builtin:moe"              assets_moe/              3-digit reversed addition, a 0.18 M-parameter
+                                                        Qwen3-MoE (8 experts, top-2, 2 layers)
 
 ``BUILTIN_MODELS`` is the one table of them (directory, task, architecture changes); ``builtin_path`` turns a
 spelling into its directory. ``load_model`` loads them or any other local HF directory.
@@ -34,10 +36,27 @@ class BuiltinModel:
     architecture: dict = field(default_factory=dict)
 
 
-# model.path spelling → checkpoint. "builtin" stays today's addition model; "builtin:<task>" names the others.
+# The mixture-of-experts architecture of "builtin:moe": a standard transformers Qwen3-MoE, every layer sparse,
+# gate weights renormalised over the top-k (norm_topk_prob, as the released Qwen3-MoE checkpoints).
+MOE_ARCHITECTURE = dict(
+    model_type="qwen3_moe",
+    hidden_size=64,
+    intermediate_size=128,  # dense MLP width; unused (no mlp_only_layers)
+    moe_intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+)
+
+# model.path spelling → checkpoint. "builtin" stays today's addition model; "builtin:<name>" names the others.
 BUILTIN_MODELS = {
     BUILTIN: BuiltinModel(BUILTIN_DIR, "addition"),
     f"{BUILTIN}:chain": BuiltinModel(BUILTIN_DIR.with_name("assets_chain"), "chain"),
+    f"{BUILTIN}:moe": BuiltinModel(BUILTIN_DIR.with_name("assets_moe"), "addition", MOE_ARCHITECTURE),
 }
 
 
@@ -101,9 +120,10 @@ def build_tokenizer():
     )
 
 
-def builtin_config(vocab_size: int, **overrides):
-    """The Qwen2 architecture of the built-in model (~1 M parameters with the default sizes)."""
-    from transformers import Qwen2Config
+def builtin_config(vocab_size: int, model_type: str = "qwen2", **overrides):
+    """The architecture of a built-in model: Qwen2 with ~1 M parameters by default; ``model_type`` and
+    ``overrides`` (a ``BuiltinModel.architecture``) change the family and sizes (e.g. ``MOE_ARCHITECTURE``)."""
+    from transformers import AutoConfig
 
     kwargs = dict(
         vocab_size=vocab_size,
@@ -120,7 +140,7 @@ def builtin_config(vocab_size: int, **overrides):
         eos_token_id=SPECIAL_TOKENS.index(EOS),
     )
     kwargs.update(overrides)
-    return Qwen2Config(**kwargs)
+    return AutoConfig.for_model(model_type, **kwargs)
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:

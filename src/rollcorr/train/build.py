@@ -164,7 +164,7 @@ def _model_path(config: TrainConfig) -> str | None:
 
 def build_learner(config: TrainConfig) -> tuple[Any, torch.optim.Optimizer]:
     """The learner (eval mode: no dropout, it scores exactly what it trains) and its AdamW optimizer."""
-    learner = make_learner(config.model.learner, _model_path(config))
+    learner = make_learner(config.model.learner, _model_path(config), routing_replay=config.model.routing_replay)
     learner.model.train(False)
     o = config.optim
     optimizer = torch.optim.AdamW(

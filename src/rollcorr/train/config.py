@@ -106,6 +106,8 @@ class ModelConfig:
     path: str = "builtin"  # "builtin" or a local Hugging Face directory
     sampler: str = "hf:bf16"  # engine spec for make_sampler
     learner: str = "hf:fp32"  # engine spec for make_learner
+    # mixture-of-experts models: "r3" = the learner (π_θ and every π_old) replays the sampler's routed experts
+    routing_replay: str | None = None
 
 
 @dataclass
@@ -525,6 +527,11 @@ def validate(c: TrainConfig) -> None:
     _positive(r.top_k, "rollout.top_k", allow_zero=True)
     _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     _positive(c.task.eval_prompts, "task.eval_prompts", allow_zero=True)
+    _check(c.model.routing_replay in (None, "r3"), "model.routing_replay",
+           f"unknown routing replay {c.model.routing_replay!r}; use null or r3")  # fmt: skip
+    if c.model.routing_replay is not None:
+        _check(c.model.sampler.split(":")[0] == "hf", "model.routing_replay",
+               f"r3 replays the routing the sampler captures, which the hf sampler does; got {c.model.sampler!r}")  # fmt: skip
 
     _check(
         a.name in ALGORITHMS,

@@ -1,0 +1,329 @@
+"""Mixture-of-experts routing: capture which experts a model chose, compare two choices, replay one.
+
+A routed-experts tensor holds, per token position and MoE layer, the ids of the top-k experts the router
+picked: shape (B, T, L, k), integer (``compact_expert_dtype``: uint8 below 256 experts). The order inside the
+last dimension carries no meaning (a top-k *set*); comparisons sort it first.
+
+Metrics (pure functions, ``mask`` (B, T) bool marks the valid tokens)::
+
+    flipped[b, t, l]          = set(a[b, t, l]) ≠ set(b[b, t, l])
+    routing_flip_share        = Σ_{valid t, l} flipped / (L · #valid)              (token × layer pairs)
+    routing_flip_token_share  = #{valid t : ∃ l flipped} / #valid                  (tokens)
+    layer_flip_rate[l]        = Σ_{valid t} flipped[·, ·, l] / #valid
+
+Capture and replay hook into the router module of every MoE layer. transformers' MoE families (Qwen3-MoE,
+Qwen2-MoE, OLMoE, Mixtral, ...) share one router surface: ``router(hidden (N, H)) → (router_logits (N, E),
+gate_weights (N, k), expert_ids (N, k))`` — the module transformers' own output recorder names as the source of
+``router_logits`` (``model._can_record_outputs``). ``find_routers`` returns them in layer order.
+
+Replay (Rollout Routing Replay, R3): the router's choice is replaced by the given expert ids, and the gate
+weights are recomputed from the router's *own* logits over those experts, with the router's own rule::
+
+    p = softmax(router_logits)                     (over all E experts, float32, as the routers do)
+    g_j = p[e_j]                  (norm_topk_prob False: Qwen3-MoE / Qwen2-MoE / OLMoE default)
+    g_j = p[e_j] / Σ_i p[e_i] = softmax(router_logits[e])_j     (norm_topk_prob True; Mixtral always)
+
+The second line is R3's "softmax over the replayed experts' logits". A router's rule is its ``norm_topk_prob``
+attribute when it has one; otherwise (Mixtral) it is read off the router's own output in the same call (its
+gate weights either sum to 1 over the top-k or equal the raw probabilities), so no per-family table is needed;
+a router following neither rule (e.g. sigmoid gates) is refused. Gradients
+flow into the router through the logits, as in R3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+ROUTING_REPLAY_MODES = (None, "r3")
+
+
+# ---- the routers of a model ---------------------------------------------------------------------------
+
+
+def _router_class(model: nn.Module) -> type | None:
+    """The router module class transformers records ``router_logits`` from, or None for a dense model."""
+    for module in (model, getattr(model, "model", None)):
+        recorder = (getattr(module, "_can_record_outputs", None) or {}).get("router_logits")
+        if recorder is not None:
+            return getattr(recorder, "target_class", recorder)
+    return None
+
+
+def find_routers(model: nn.Module) -> list[nn.Module]:
+    """The router of every MoE layer of a transformers model, in layer order ([] for a dense model).
+
+    A router is a module of the class transformers' output recorder names for ``router_logits`` that also has
+    the top-k surface (``top_k``, ``num_experts``); an int8-quantised copy keeps these modules.
+    """
+    cls = _router_class(model)
+    if cls is None or not isinstance(cls, type):
+        return []
+    return [
+        m for m in model.modules() if isinstance(m, cls) and hasattr(m, "top_k") and hasattr(m, "num_experts")
+    ]
+
+
+def is_moe(model: nn.Module) -> bool:
+    return bool(find_routers(model))
+
+
+def routing_shape(model: nn.Module) -> tuple[int, int, int]:
+    """(MoE layers L, top-k, experts E) of a model; ValueError for a dense one."""
+    routers = find_routers(model)
+    if not routers:
+        raise ValueError(
+            f"{type(model).__name__} has no mixture-of-experts router: routing needs an MoE model"
+        )
+    return len(routers), int(routers[0].top_k), int(routers[0].num_experts)
+
+
+def compact_expert_dtype(num_experts: int) -> torch.dtype:
+    """The smallest integer dtype holding expert ids 0 … num_experts − 1 (uint8 below 256, else int16/int32)."""
+    if num_experts <= 256:
+        return torch.uint8
+    return torch.int16 if num_experts <= 2**15 else torch.int32
+
+
+# ---- metrics ------------------------------------------------------------------------------------------
+
+
+def routing_flips(a: Tensor, b: Tensor) -> Tensor:
+    """(B, T, L) bool: True where the top-k expert *sets* of ``a`` and ``b`` (B, T, L, k) differ."""
+    if a.shape != b.shape:
+        raise ValueError(f"routed experts of shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be compared")
+    if a.dim() != 4:
+        raise ValueError(f"routed experts must be (B, T, layers, top_k), got shape {tuple(a.shape)}")
+    return (a.long().sort(-1).values != b.long().sort(-1).values).any(-1)
+
+
+def routing_flip_metrics(a: Tensor, b: Tensor, mask: Tensor) -> dict[str, float | list[float]]:
+    """Flip shares of two routed-experts tensors (B, T, L, k) over the valid tokens ``mask`` (B, T).
+
+    routing_flip_share (token × layer pairs), routing_flip_token_share (tokens with ≥ 1 flipped layer),
+    routing_layer_flip_rate (list, one per layer), routing_tokens (valid tokens compared); shares are 0.0
+    when no token is valid.
+    """
+    flips = routing_flips(a, b)
+    valid = mask.bool()
+    if tuple(valid.shape) != tuple(flips.shape[:2]):
+        raise ValueError(f"mask has shape {tuple(valid.shape)}, expected {tuple(flips.shape[:2])}")
+    n = int(valid.sum())
+    per_token = flips[valid].float()  # (n, L)
+    per_layer = per_token.mean(0) if n else torch.zeros(flips.shape[-1])
+    return {
+        "routing_flip_share": float(per_token.mean()) if n else 0.0,
+        "routing_flip_token_share": float(per_token.amax(-1).mean()) if n else 0.0,
+        "routing_layer_flip_rate": [float(x) for x in per_layer],
+        "routing_tokens": n,
+    }
+
+
+def delta_p_by_flip(delta_p: Tensor, flips: Tensor, mask: Tensor) -> dict[str, float | int | None]:
+    """Mean and max |Δp| (``delta_p`` (B, T)) on valid tokens with ≥ 1 flipped layer (``flips`` (B, T, L)) and
+    on the others; None where a group is empty, with the token count of each group."""
+    token_flipped = flips.any(-1) & mask.bool()
+    unflipped = ~flips.any(-1) & mask.bool()
+    out: dict[str, float | int | None] = {}
+    for name, group in (("flipped", token_flipped), ("unflipped", unflipped)):
+        d = delta_p[group].abs().double()
+        out[f"abs_dp_mean_{name}"] = float(d.mean()) if d.numel() else None
+        out[f"abs_dp_max_{name}"] = float(d.max()) if d.numel() else None
+        out[f"tokens_{name}"] = int(d.numel())
+    return out
+
+
+def routing_summary(
+    sampler_experts: Tensor,
+    learner_experts: Tensor,
+    rollout_log_prob: Tensor,
+    old_log_prob: Tensor,
+    mask: Tensor,
+) -> dict[str, float | int | list[float] | None]:
+    """The audit's routing section: ``routing_flip_metrics`` of the sampler's vs the learner's own experts
+    (B, T, L, k), and |Δp| = |exp(log μ) − exp(log π_old)| (B, T) split by tokens with / without a flipped
+    layer (``delta_p_by_flip``), plus ``abs_dp_share_flipped``: the share of Σ|Δp| the flipped tokens carry."""
+    flips = routing_flips(sampler_experts, learner_experts)
+    delta_p = rollout_log_prob.double().exp() - old_log_prob.double().exp()
+    valid = mask.bool()
+    total = float(delta_p.abs()[valid].sum())
+    on_flipped = float(delta_p.abs()[valid & flips.any(-1)].sum())
+    return {
+        **routing_flip_metrics(sampler_experts, learner_experts, valid),
+        **delta_p_by_flip(delta_p, flips, valid),
+        "abs_dp_share_flipped": on_flipped / total if total > 0 else 0.0,
+    }
+
+
+# ---- capture --------------------------------------------------------------------------------------------
+
+
+class RoutingRecorder:
+    """What ``capture_routing`` saw: one (N, L, k) int64 tensor per model call, N = tokens of that call
+    (the router's flattened batch × positions, row-major)."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+        self._pending: list[Tensor] = []
+        self.calls: list[Tensor] = []
+
+    def _record(self, expert_ids: Tensor) -> None:
+        self._pending.append(expert_ids.detach().to("cpu", torch.long))
+        if len(self._pending) == self.layers:  # the last MoE layer of one model call
+            self.calls.append(torch.stack(self._pending, 1))
+            self._pending = []
+
+    def take(self) -> list[Tensor]:
+        """The calls recorded so far (then forgotten)."""
+        calls, self.calls = self.calls, []
+        return calls
+
+
+@contextmanager
+def capture_routing(model: nn.Module) -> Iterator[RoutingRecorder]:
+    """Record the experts every MoE router of ``model`` picks, per model call, while inside the block."""
+    routers = find_routers(model)
+    if not routers:
+        raise ValueError(f"{type(model).__name__} has no mixture-of-experts router: nothing to capture")
+    recorder = RoutingRecorder(len(routers))
+    handles = [r.register_forward_hook(lambda _m, _i, out: recorder._record(out[2])) for r in routers]
+    try:
+        yield recorder
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# ---- replay ---------------------------------------------------------------------------------------------
+
+
+def replay_gate_weights(router_logits: Tensor, expert_ids: Tensor, normalize: bool) -> Tensor:
+    """Gate weights (N, k) float32 of the experts ``expert_ids`` (N, k) from ``router_logits`` (N, E): the
+    softmax probabilities of those experts, renormalised over them when ``normalize`` (module docstring)."""
+    probs = torch.softmax(router_logits.float(), dim=-1).gather(-1, expert_ids)
+    return probs / probs.sum(-1, keepdim=True) if normalize else probs
+
+
+def _gate_rule(logits: Tensor, weights: Tensor, ids: Tensor) -> bool:
+    """Whether a router's own gate weights are renormalised over its top-k (True) or raw softmax (False)."""
+    w = weights.float()
+    raw = torch.softmax(logits.float(), dim=-1).gather(-1, ids)
+    tol = dict(atol=1e-2, rtol=1e-2)  # the gate weights may be bf16
+    if torch.allclose(w, raw / raw.sum(-1, keepdim=True), **tol):
+        return True
+    if torch.allclose(w, raw, **tol):
+        return False
+    raise ValueError(
+        "this router's gate weights are neither softmax probabilities nor their top-k renormalisation: "
+        "routing replay supports softmax routers only"
+    )
+
+
+class RoutingReplay:
+    """The experts to force on the next model call(s): ``expert_ids`` (B, S, L, k) for inputs (B, S), with
+    −1 (any negative id) where the router keeps its own choice (padding, positions nobody recorded).
+
+    A call over b < B rows takes the next b rows (a cursor that wraps at B), so a caller that scores the
+    batch in row chunks, in order, replays each chunk's own routing; a call over all B rows takes them all.
+    """
+
+    def __init__(self, expert_ids: Tensor | None = None, layers: int = 1) -> None:
+        self.expert_ids = expert_ids
+        self.layers = layers
+        self.forced_tokens = 0  # token × layer pairs whose experts were replaced, for checks and metrics
+        self._cursor = 0
+        self._handles: list = []
+
+    def set(self, expert_ids: Tensor | None) -> None:
+        """Replay ``expert_ids`` from the next call on (None: the routers choose), rows from the first."""
+        self.expert_ids, self._cursor = expert_ids, 0
+
+    def remove(self) -> None:
+        """Take the replay hooks off the routers."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _replace(self, layer: int, output: tuple, router: nn.Module) -> tuple:
+        logits, weights, own = output[0], output[1], output[2]
+        if self.expert_ids is None:
+            return output
+        rows, positions = self.expert_ids.shape[:2]
+        n = own.shape[0] // positions
+        if own.shape[0] % positions or self._cursor + n > rows or own.shape[-1] != self.expert_ids.shape[-1]:
+            raise ValueError(
+                f"routing replay holds {rows} rows × {positions} positions × top-{self.expert_ids.shape[-1]} but "
+                f"the router of MoE layer {layer} sees {own.shape[0]} tokens × top-{own.shape[1]}: replay expert "
+                "ids must be (B, S, layers, top_k) for inputs (B, S), scored whole or in row chunks in order"
+            )
+        chunk = self.expert_ids[self._cursor : self._cursor + n, :, layer]
+        want = chunk.reshape(-1, own.shape[-1]).to(own.device, torch.long)
+        if layer == self.layers - 1:
+            self._cursor = (self._cursor + n) % rows
+        keep_own = (want < 0).any(-1, keepdim=True)
+        ids = torch.where(keep_own, own, want)
+        normalize = getattr(router, "norm_topk_prob", None)
+        if normalize is None:
+            normalize = _gate_rule(logits, weights, own)
+        gates = replay_gate_weights(logits, ids, bool(normalize)).to(weights.dtype)
+        self.forced_tokens += int((~keep_own).sum())
+        return (logits, gates, ids, *output[3:])
+
+
+def attach_replay(model: nn.Module, expert_ids: Tensor | None = None) -> RoutingReplay:
+    """Install routing replay on every router of ``model`` until ``replay.remove()`` (see ``replay_routing``,
+    the scoped form). For a caller whose backward pass re-runs the forward (gradient checkpointing), where the
+    replay must outlive the forward call."""
+    routers = find_routers(model)
+    if not routers:
+        raise ValueError(f"{type(model).__name__} has no mixture-of-experts router: nothing to replay")
+    if expert_ids is not None and expert_ids.dim() == 4 and expert_ids.shape[2] != len(routers):
+        raise ValueError(f"routing replay holds {expert_ids.shape[2]} layers, the model has {len(routers)}")
+    replay = RoutingReplay(expert_ids, layers=len(routers))
+    replay._handles = [  # prepended: a capture_routing around or inside records the replayed experts
+        r.register_forward_hook(lambda m, _i, out, layer=i: replay._replace(layer, out, m), prepend=True)
+        for i, r in enumerate(routers)
+    ]
+    return replay
+
+
+@contextmanager
+def replay_routing(model: nn.Module, expert_ids: Tensor | None = None) -> Iterator[RoutingReplay]:
+    """Force the experts ``expert_ids`` (B, S, L, k; −1 = the router's own choice) on every model call inside
+    the block, gate weights recomputed from the model's own router logits (module docstring). Works on any
+    transformers MoE whose routers return (logits, gate weights, expert ids); the yielded ``RoutingReplay``'s
+    ``expert_ids`` may be changed between calls (None: no replay)."""
+    replay = attach_replay(model, expert_ids)
+    try:
+        yield replay
+    finally:
+        replay.remove()
+
+
+# ---- a rollout's routing over its full sequence ---------------------------------------------------------
+
+
+def sequence_routing(
+    prompt_mask: Tensor, response_mask: Tensor, routed_experts: Tensor, prompt_routed_experts: Tensor | None
+) -> Tensor:
+    """(B, P + T, L, k) int64 expert ids for a learner forward over prompt + response, −1 where the router
+    keeps its own choice.
+
+    ``routed_experts`` (B, T, L, k): entry t is the routing of the position that predicts y_t (input position
+    P − 1 + t); ``prompt_routed_experts`` (B, P, L, k), optional: the routing of each prompt position. Padding
+    and the last response position (it predicts nothing that is scored) get −1.
+    """
+    b, p = prompt_mask.shape
+    t = response_mask.shape[1]
+    layers, k = routed_experts.shape[2:]
+    out = torch.full((b, p + t, layers, k), -1, dtype=torch.long)
+    if prompt_routed_experts is not None:
+        out[:, :p] = torch.where(prompt_mask.bool()[..., None, None], prompt_routed_experts.long(), -1)
+    # position P − 1 + t predicts y_t: set where y_t is a valid token (the last prompt position for t = 0)
+    predicts = torch.where(response_mask.bool()[..., None, None], routed_experts.long(), -1)
+    window = out[:, p - 1 : p - 1 + t]
+    out[:, p - 1 : p - 1 + t] = torch.where(predicts >= 0, predicts, window)
+    return out
