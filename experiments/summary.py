@@ -323,6 +323,40 @@ def long_mismatch(r: dict[str, Any]) -> list[Row]:
     return rows
 
 
+
+CONFIRM_CLAIMS = {  # the confirmatory study's primary comparisons (docs/confirm-collapse.md), in its words
+    "fp32/ppo vs q4_0/ppo": "a 4-bit sampler makes uncorrected GRPO learn worse on 70-token answers",
+    "q4_0/tis vs q4_0/ppo": "token TIS repairs it",
+    "q4_0/icepop vs q4_0/ppo": "IcePop repairs it",
+    "fp16/ppo vs bf16/ppo": 'an fp16 sampler trains better than a bf16 one ("Defeating the Training-Inference Mismatch via FP16")',
+}
+
+
+def confirm_collapse(r: dict[str, Any]) -> list[Row]:
+    """Study 7 is read by its own protocol (docs/confirm-collapse.md): Holm-adjusted permutation tests over ten
+    seeds per arm, verdicts only once every arm has its ten seeds."""
+    s = r["summary"]
+    if not s["complete"]:
+        from experiments.confirm_collapse import RUNGS, SEEDS
+
+        done, total = sum(a["seeds"] for a in s["arms"].values()), len(RUNGS[1][1]) * len(SEEDS)
+        return [Row("7", f"confirmatory: {claim}", "pending",
+                    f"{done} of {total} rung-1 runs finished; the protocol (docs/confirm-collapse.md) gives a "
+                    "verdict only when every arm has its ten seeds")
+                for claim in CONFIRM_CLAIMS.values()]  # fmt: skip
+    out = []
+    for key, claim in CONFIRM_CLAIMS.items():
+        t = s["tests"][key]
+        hi, lo = key.split(" vs ")
+        a, b = s["arms"][hi], s["arms"][lo]
+        numbers = (f"{hi} {a['final_score_mean']:.3f} vs {lo} {b['final_score_mean']:.3f} (10 seeds each): "
+                   f"difference {t['difference']:+.3f}, 95 % CI [{t['ci95'][0]:+.3f}, {t['ci95'][1]:+.3f}], "
+                   f"permutation p = {t['p_value']:.3g}, Holm p = {t['p_holm']:.3g}; sustained collapses "
+                   f"{t['collapses'][0]} vs {t['collapses'][1]}")  # fmt: skip
+        out.append(Row("7", f"confirmatory: {claim}", t["verdict"], numbers))
+    return out
+
+
 def code_versions(r: dict[str, Any], arms: list[str]) -> str:
     """'a, b: code recorded in 887b1af; c: code 0e16377' when the runs behind a row ran on more than one code
     version (``code_commit`` per run, or ``recorded_in_commit`` for runs older than that field), else ''."""
@@ -414,6 +448,7 @@ STUDIES: dict[str, Study] = {
     "oapl_lag": Study(oapl_lag),
     "throughput": Study(throughput),
     "long_mismatch": Study(long_mismatch),
+    "confirm_collapse": Study(confirm_collapse),
 }
 
 
