@@ -315,4 +315,8 @@ def resolve(spec: Mapping[str, Any]) -> CorrectionConfig:
             return CorrectionConfig(**fields)
         return dataclasses.replace(PRESETS[name](), **fields)
     except (TypeError, ValueError) as err:
-        raise PresetError("", str(err)) from None
+        message = str(err)
+        for field in sorted(known, key=len, reverse=True):  # "loss_type='reinforce' ..." names its field
+            if message.startswith(f"{field}="):
+                raise PresetError(field, message[len(field) + 1 :].lstrip()) from None
+        raise PresetError("", message) from None
