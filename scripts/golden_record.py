@@ -39,6 +39,7 @@ RENAMED: dict[str, str] = {
     "rollout_corr/staleness_max": "staleness/lag_max",
     # "staleness" is the version lag only; log π_θ − log π_old is the drift
     "factors/staleness_log_mean": "factors/drift_log_mean",
+    "rollout_corr/staleness_k3": "rollout_corr/drift_k3",
     "factors/staleness_log_std": "factors/drift_log_std",
     "factors/staleness_log_abs_mean": "factors/drift_log_abs_mean",
     "factors/staleness_ratio_mean": "factors/drift_ratio_mean",

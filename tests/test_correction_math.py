@@ -277,7 +277,7 @@ def test_staleness_and_decomposition():
     )
     f = metrics_to_floats(res.metrics)
     assert (f["rollout_corr/staleness_mean"], f["rollout_corr/staleness_max"]) == (2.0, 3.0)
-    assert f["rollout_corr/staleness_k3"] == pytest.approx(math.exp(0.1) - 1.1)
+    assert f["rollout_corr/drift_k3"] == pytest.approx(math.exp(0.1) - 1.1)
     assert f["rollout_corr/discrepancy_k3"] == pytest.approx(f["rollout_corr/k3_kl"])
     with pytest.raises(ValueError, match="current_version"):
         compute_correction(old, roll, m, CorrectionConfig(), version=version)

@@ -145,7 +145,7 @@ def test_version_lag_and_decomposition_take_the_fused_path(kernel_calls, monkeyp
     assert len(kernel_calls) == 1
     want = _eager(monkeypatch, compute_correction, old, roll, mask, config, **kw)
     _assert_close(got, want)
-    for key in ("staleness_mean", "staleness_max", "discrepancy_k3", "staleness_k3", "total_k3"):
+    for key in ("staleness_mean", "staleness_max", "discrepancy_k3", "drift_k3", "total_k3"):
         assert f"rollout_corr/{key}" in got.metrics
 
 

@@ -24,7 +24,7 @@ than the eager path's, and e^x is computed as 2^(x·log2 e) (see ``_exp``; relat
 Used by ``compute_correction`` when B·T ≥ ``MIN_POSITIONS`` and every rule the configuration sets declares
 its per-row reductions (``plan``): RS options at sequence level on k1/k2/k3 and TRM do, token-level and
 binary-KL options, veto and OPSM read the (B, T) tokens and keep the call eager. Staleness and the
-discrepancy/staleness split are computed beside the kernel; verl mode (``verl_compat``) is served with verl's
+discrepancy/drift split are computed beside the kernel; verl mode (``verl_compat``) is served with verl's
 conventions from the same sums. The first call compiles (13–35 s measured on a loaded 2-core machine with a
 cold cache, less once Inductor's on-disk cache holds the kernel; again per input dtype and kernel variant:
 token IS or not, the reductions the rules read); if compiling fails (no C++

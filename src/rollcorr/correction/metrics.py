@@ -461,7 +461,7 @@ def staleness_metrics(version: Tensor, current_version: int | Tensor, mask: Tens
 def decomposition_metrics(
     log_prob: Tensor, anchor: Tensor, rollout: Tensor, mask: Tensor, rows: Rows
 ) -> Metrics:
-    """docs/spec.md §1 split of π_θ/μ into discrepancy π_old/μ and staleness π_θ/π_old: k3 (e^x − 1 − x, mean
+    """docs/spec.md §1 split of π_θ/μ into discrepancy π_old/μ and drift π_θ/π_old: k3 (e^x − 1 − x, mean
     over valid tokens, x clamped to ±20) of each log-ratio and of the total. anchor / rollout: log π_old and
     log μ already 0 on padding; mask: (B, T) bool."""
     theta = torch.where(mask, log_prob.to(anchor.dtype), 0.0)
@@ -472,7 +472,7 @@ def decomposition_metrics(
 
     return {
         "discrepancy_k3": k3(anchor - rollout),
-        "staleness_k3": k3(theta - anchor),
+        "drift_k3": k3(theta - anchor),
         "total_k3": k3(theta - rollout),
     }
 
