@@ -68,7 +68,7 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(root: Path) -> None:
+def fsync_tree(root: Path) -> None:
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
             fsync_path(Path(dirpath) / name)
@@ -92,10 +92,17 @@ def save_checkpoint(
             model.save_pretrained(tmp / "model")
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp / "model")
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return commit_checkpoint(run_dir, step, tmp, keep)
+
+
+def commit_checkpoint(run_dir: Path, step: int, tmp: Path, keep: int = 2) -> Path:
+    """Rename the complete, fsynced ``tmp`` into ``step_N`` (through ``.old-step_N`` when it exists) and keep
+    the newest ``keep`` checkpoints. Shared by one-process and sharded (``distributed/checkpoint.py``) saves."""
+    final = checkpoint_dir(run_dir, step)
     if final.exists():
         old = final.parent / f".old-{final.name}"
         shutil.rmtree(old, ignore_errors=True)

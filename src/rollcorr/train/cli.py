@@ -63,13 +63,51 @@ def run(args: argparse.Namespace) -> int:
         print(f"rollcorr train: config error: {err}", file=sys.stderr)
         return 2
 
+    from rollcorr.distributed.group import launched
+
+    if config.trainer.ranks > 1 and not launched():  # start the N learner processes (distributed/launch.py)
+        return _launch(args, config)
+    if launched():
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        return record(_train)(args, config)  # a raising rank's error reaches the launcher's one-line report
+    return _train(args, config)
+
+
+def _launch(args: argparse.Namespace, config) -> int:
+    """``rollcorr train`` again as ``trainer.ranks`` processes, in a run folder chosen now."""
+    from rollcorr.distributed.launch import launch
+    from rollcorr.train.rundir import new_run_dir
+
+    argv = [*args.overrides]
+    if args.config is not None:
+        argv += ["--config", str(args.config)]
+    if args.resume is not None:
+        argv += ["--resume", str(args.resume)]
+        run_dir = args.resume
+    else:
+        run_dir = args.out if args.out is not None else new_run_dir(config.trainer.out)
+        argv += ["--out", str(run_dir)] + (["--overwrite"] if args.overwrite else [])
+    return launch(argv, config.trainer.ranks, str(run_dir))
+
+
+def _train(args: argparse.Namespace, config) -> int:
+    """Train in this process (one of several under torchrun: rank 0 prints the summary)."""
+    import os
+
+    from rollcorr.train.config import ConfigError
+    from rollcorr.train.loop import run as run_training
+    from rollcorr.train.rundir import RunFinished, RunFolderError
+
+    main = os.environ.get("RANK", "0") == "0"
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # checkpoints call save_pretrained; rollcorr's own bar is the one to read
     try:
         result = run_training(config, resume=args.resume, overwrite=args.overwrite)
     except RunFinished as done:
-        print(f"rollcorr train: {done}")
+        if main:
+            print(f"rollcorr train: {done}")
         return 0
     except ConfigError as err:  # a resume override the checkpoint cannot take
         print(f"rollcorr train: config error: {err}", file=sys.stderr)
@@ -81,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"rollcorr train: {err}", file=sys.stderr)
         return 1
     acc = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    if not main:
+        return 1 if result.stopped else 0
     print(
         f"run folder: {result.run_dir}\n"
         f"steps: {result.steps}  wall time: {result.seconds:.1f} s  "
