@@ -22,20 +22,20 @@ FAILED_EXIT = 1
 
 
 def _cause(failure) -> str:
-    """A worker's failure in words: its exception (recorded by ``torch.distributed.elastic``'s ``record``), the
-    signal that killed it, or its exit code."""
+    """A worker's failure in words: the signal that killed it, its exception (recorded by
+    ``torch.distributed.elastic``'s ``record``), or its exit code."""
+    import signal
+
+    exitcode = failure.exitcode or 0
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
     message = str(getattr(failure, "message", "") or "")
     if message and "enable traceback" not in message:
         return message.strip().splitlines()[0]
-    if getattr(failure, "signal", None) or (failure.exitcode or 0) < 0:
-        import signal
-
-        number = getattr(failure, "signal", None) or -failure.exitcode
-        try:
-            return f"killed by {signal.Signals(number).name}"
-        except ValueError:
-            return f"killed by signal {number}"
-    return f"exited with code {failure.exitcode} (its own error is printed above)"
+    return f"exited with code {exitcode} (its own error is printed above)"
 
 
 def launch(train_args: list[str], nprocs: int, run_dir: str | None = None) -> int:
