@@ -38,12 +38,12 @@ def _steps(run_dir: Path) -> list[dict]:
 @pytest.mark.timeout(900)
 def test_two_ranks_train_and_resume_at_one_and_back(tmp_path):
     run_dir = tmp_path / "run"
-    done = _train("trainer.ranks=2", "trainer.steps=2", "trainer.checkpoint_every=1", *SMALL, "--out", str(run_dir))
+    done = _train("trainer.ranks=2", "trainer.steps=3", "trainer.checkpoint_every=2", *SMALL, "--out", str(run_dir))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "greedy accuracy" in done.stdout and done.stdout.count("run folder:") == 1  # rank 0 alone prints
-    assert [r["learner/ranks"] for r in _steps(run_dir)] == [2.0, 2.0]
-    step2 = run_dir / "checkpoints" / "step_000002"
-    assert (step2 / "dcp" / ".metadata").is_file() and (step2 / "model" / "config.json").is_file()
+    assert [r["learner/ranks"] for r in _steps(run_dir)] == [2.0, 2.0, 2.0]
+    last = run_dir / "checkpoints" / "step_000003"
+    assert (last / "dcp" / ".metadata").is_file() and (last / "model" / "config.json").is_file()
 
     # the sharded checkpoint read by one process (no group) equals the full weights rank 0 exported
     from safetensors.torch import load_file
@@ -53,20 +53,20 @@ def test_two_ranks_train_and_resume_at_one_and_back(tmp_path):
 
     learner = make_learner("hf:fp32")
     optimizer = torch.optim.AdamW(learner.model.parameters(), lr=1e-3)
-    load_sharded(step2, learner.model, optimizer)
-    exported = load_file(step2 / "model" / "model.safetensors")
+    load_sharded(last, learner.model, optimizer)
+    exported = load_file(last / "model" / "model.safetensors")
     for name, value in learner.model.state_dict().items():
         if name in exported:
             torch.testing.assert_close(value, exported[name], rtol=0, atol=0)
     assert optimizer.state, "the AdamW state was not restored"
 
-    one = _train("--resume", str(run_dir), "trainer.steps=3", "trainer.ranks=1")
+    one = _train("--resume", str(run_dir), "trainer.steps=4", "trainer.ranks=1")
     assert one.returncode == 0, one.stderr[-3000:]
     assert "resuming" in one.stdout + one.stderr
-    back = _train("--resume", str(run_dir), "trainer.steps=4", "trainer.ranks=2")
+    back = _train("--resume", str(run_dir), "trainer.steps=5", "trainer.ranks=2")
     assert back.returncode == 0, back.stderr[-3000:]
-    assert [r["learner/ranks"] for r in _steps(run_dir)] == [2.0, 2.0, 1.0, 2.0]
-    assert [r["step"] for r in _steps(run_dir)] == [1, 2, 3, 4]
+    assert [r["learner/ranks"] for r in _steps(run_dir)] == [2.0, 2.0, 2.0, 1.0, 2.0]
+    assert [r["step"] for r in _steps(run_dir)] == [1, 2, 3, 4, 5]
 
 
 def _workers(launcher: int) -> dict[int, int]:

@@ -98,10 +98,15 @@ class ShardedLearner:
 
     def log_prob(self, rollout_or_input, *, temperature: float = 1.0, with_entropy: bool = False,
                  grad: bool = False) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-        """``HFLearner.log_prob`` through the FSDP root (every rank calls it, with its own rows)."""
+        """``HFLearner.log_prob`` through the FSDP root (every rank calls it, with its own rows). The result
+        comes back on the rollout's device (the correction and loss run where the rollout is; on a GPU the
+        backward crosses back once per micro-batch)."""
         from rollcorr.engines.hf import unpack
 
-        return self.root(*unpack(rollout_or_input), temperature, with_entropy, grad)
+        batch = unpack(rollout_or_input)
+        out = self.root(*batch, temperature, with_entropy, grad)
+        home = batch[2].device
+        return tuple(x.to(home) for x in out) if isinstance(out, tuple) else out.to(home)
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """The full weights on rank 0 (CPU tensors; other ranks get {}): one all-gather per parameter, called

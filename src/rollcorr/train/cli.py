@@ -35,7 +35,6 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     from rollcorr.train.config import ConfigError, load_config
-    from rollcorr.train.rundir import RunFinished, RunFolderError
 
     try:
         if args.resume is not None:
@@ -53,7 +52,6 @@ def run(args: argparse.Namespace) -> int:
                 overrides.append(f"trainer.out={args.out}")
             config = load_config(args.config, overrides)
         from rollcorr.train.loop import check_components
-        from rollcorr.train.loop import run as run_training
 
         check_components(config)
         if args.print_config:
