@@ -25,6 +25,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# How long a collective may wait. Ranks > 0 wait in a broadcast while rank 0 alone samples, evaluates or starts a
+# Ray cluster (minutes for a large model), so this is long; a rank that *dies* does not rely on it: torch's
+# elastic agent stops every worker within seconds, and a peer's closed connection fails a collective at once.
+COLLECTIVE_TIMEOUT_S = 1800.0
 
 
 class DistributedError(RuntimeError):
@@ -83,11 +87,11 @@ def launched() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
-def init_from_env(device: str | None = None, timeout_s: float = 60.0) -> Ranks:
+def init_from_env(device: str | None = None, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Ranks:
     """Join the group torchrun describes in the environment (or return the one already joined).
 
     ``device``: "cpu", "cuda" or None (cuda when available and ``LOCAL_RANK`` < the GPU count, else cpu).
-    ``timeout_s`` bounds every collective: a rank that dies makes the others fail within it, not hang.
+    ``timeout_s`` bounds every collective (a live but stuck peer; see ``COLLECTIVE_TIMEOUT_S``).
     """
     missing = [key for key in ENV_KEYS if key not in os.environ]
     if missing:

@@ -7,9 +7,9 @@ localhost, no restarts) with ``python -m rollcorr train <the same arguments>`` a
 chosen here first, so every worker and the error message name the same one. Multi-node runs call ``torchrun``
 directly (docs/distributed.md); each worker reads its rank from the environment (``group.init_from_env``).
 
-Faults: when a worker exits with an error or is killed, the agent stops the others (SIGTERM, then SIGKILL) —
-a survivor blocked in a collective also fails on its own within the group's timeout (``init_from_env``) —
-and ``launch`` prints one line naming the first rank that failed and why.
+Faults: when a worker exits with an error or is killed, the agent (polling every 0.2 s) stops the others
+(SIGTERM, then SIGKILL) — a survivor blocked in a collective with the dead peer also fails at once on the closed
+connection — and ``launch`` prints one line naming the first rank that failed and why.
 """
 
 from __future__ import annotations

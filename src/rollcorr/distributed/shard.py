@@ -109,12 +109,51 @@ class ShardedLearner:
         return tuple(x.to(home) for x in out) if isinstance(out, tuple) else out.to(home)
 
     def full_state_dict(self) -> dict[str, Tensor]:
-        """The full weights on rank 0 (CPU tensors; other ranks get {}): one all-gather per parameter, called
-        on every rank."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        """The full weights on rank 0 (CPU tensors; other ranks get {}), called on every rank.
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.model, options=options)
+        One ``gather`` of every rank's shards packed into one buffer (FSDP2 shards dim 0 as ``torch.chunk``
+        does: rank r holds rows [r·c, (r+1)·c) with c = ⌈rows / N⌉, the last ranks fewer or none), instead of
+        one collective per parameter (``get_model_state_dict(full_state_dict=True)``: 50 collectives for the
+        built-in model, seconds on a loaded machine). Falls back to that when the weights mix dtypes.
+        """
+        import torch.distributed as dist
+
+        state = self.model.state_dict()
+        world = self.ranks.world
+        dtypes = {v.dtype for v in state.values()}
+        if len(dtypes) != 1:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return get_model_state_dict(self.model, options=options)
+        plan: list[tuple[str, torch.Size, int]] = []  # (name, full shape, rows per rank)
+        parts = []
+        for name, value in state.items():
+            local = local_tensor(value).detach()
+            shape = value.shape
+            rows = -(-shape[0] // world) if local is not value and len(shape) else 0  # 0: not sharded
+            if rows:
+                pad = torch.zeros((rows - local.shape[0], *shape[1:]), dtype=local.dtype, device=local.device)
+                local = torch.cat([local, pad])
+            plan.append((name, shape, rows))
+            parts.append(local.reshape(-1))
+        packed = torch.cat(parts).contiguous()
+        gathered = [torch.empty_like(packed) for _ in range(world)] if self.ranks.is_main else None
+        dist.gather(packed, gathered, dst=0)
+        if not self.ranks.is_main:
+            return {}
+        per_rank = [g.cpu() for g in gathered]
+        out, offset = {}, 0
+        for name, shape, rows in plan:
+            if rows:
+                width = rows * (shape.numel() // shape[0])
+                chunks = [g[offset : offset + width].reshape(rows, *shape[1:]) for g in per_rank]
+                out[name] = torch.cat(chunks)[: shape[0]].clone()
+            else:
+                width = shape.numel()
+                out[name] = per_rank[0][offset : offset + width].reshape(shape).clone()
+            offset += width
+        return out
 
 
 def shard_learner(learner, ranks: Ranks, **kwargs: Any) -> ShardedLearner:

@@ -275,7 +275,8 @@ def optimize(
         for rows, own_rows in batches:
             mini = renormalize(rollout.select(rows), algo, "mini_batch")  # the global mini-batch
             total = count_of(algo, mini)
-            own = mini if own_rows == rows else mini.select([rows.index(r) for r in own_rows])
+            first = rows.index(own_rows[0])  # a rank's share is a contiguous slice of the mini-batch
+            own = mini if own_rows == rows else mini.select(list(range(first, first + len(own_rows))))
             optimizer.zero_grad(set_to_none=True)
             finite = True
             step_metrics: dict[str, float] = {}
