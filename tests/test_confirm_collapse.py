@@ -1,0 +1,136 @@
+"""Study 7 (experiments/confirm_collapse.py): its statistics and rules do what docs/confirm-collapse.md says,
+its protocol is unchanged since the commit that added it, and its --quick path runs."""
+
+import json
+import math
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from experiments import confirm_collapse as cc
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_exact_permutation_p_on_a_hand_case():
+    # a = (1, 2), b = (3, 4): of the 6 splits of {1,2,3,4} into two pairs, |mean difference| ≥ 2 for 2 of them
+    assert cc.permutation_p([1, 2], [3, 4]) == pytest.approx(2 / 6)
+    assert cc.permutation_p([1, 1, 1], [1, 1, 1]) == 1.0
+    # completely separated arms of ten: only the two extreme splits reach the observed difference
+    assert cc.permutation_p(list(range(10, 20)), list(range(10))) == pytest.approx(2 / math.comb(20, 10))
+
+
+def test_holm_is_step_down_and_monotone():
+    assert cc.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert cc.holm([0.5]) == [0.5]
+    assert cc.holm([0.4, 0.4]) == [0.8, 0.8]
+
+
+def test_verdict_follows_the_adjusted_p_and_the_sign():
+    assert cc.verdict(0.1, 0.01) == "reproduced"
+    assert cc.verdict(-0.1, 0.01) == "opposite"
+    assert cc.verdict(0.1, 0.2) == "not reproduced"
+    assert cc.verdict(0.1, 0.05) == "not reproduced"  # strictly below α
+
+
+def test_fisher_one_sided_matches_the_hypergeometric_tail():
+    # 2 of 3 collapse against 0 of 3: P(X ≥ 2) with 2 collapses among 6 runs, 3 drawn = 3/15 = 0.2
+    assert cc.fisher_one_sided(2, 3, 0, 3) == pytest.approx(0.2)
+    assert cc.fisher_one_sided(0, 10, 0, 10) == 1.0
+    assert cc.fisher_one_sided(10, 10, 0, 10) == pytest.approx(1 / math.comb(20, 10))
+
+
+def test_bootstrap_intervals_cover_the_difference_and_are_reproducible():
+    a, b = [0.6, 0.62, 0.65, 0.7, 0.66], [0.5, 0.4, 0.55, 0.6, 0.45]
+    lo, hi = cc.difference_ci(a, b)
+    assert lo < 0.626 - 0.5 < hi and lo > 0
+    assert cc.difference_ci(a, b) == [lo, hi]  # fixed generator seed
+    lo, hi = cc.mean_ci(a)
+    assert lo <= sum(a) / len(a) <= hi
+
+
+def test_sustained_collapse_needs_two_consecutive_drops_or_ending_below_the_start():
+    dip_and_recover = [(0, 0.476), (25, 0.5), (50, 0.345), (75, 0.491), (100, 0.55)]
+    assert cc.sustained_collapse(dip_and_recover) is None  # study 6's one-evaluation dip is not a collapse
+    assert cc.sustained_collapse([(0, 0.4), (25, 0.6), (50, 0.45), (75, 0.49), (100, 0.6)]) == 50
+    assert cc.sustained_collapse([(0, 0.4), (25, 0.42), (50, 0.39)]) == 50  # ends below its start
+    assert cc.sustained_collapse([(0, 0.4), (25, 0.6), (50, 0.65)]) is None
+
+
+def test_warning_uses_absolute_values_so_a_negative_median_does_not_fire_at_once():
+    noise = [-1e-9, -2e-9, -1e-9, -1.5e-9, -1e-9, -1e-9, -2e-9, -1e-9, -1e-9, -1e-9]
+    assert cc.warning_step(noise + [-1.2e-9] * 20) is None  # "3 × a negative median" would fire at step 11
+    assert cc.warning_step(noise + [-1e-9] * 5 + [1e-8] + [0.0] * 5) == 16
+    assert cc.warning_step([1.0] * 5) is None  # shorter than the baseline
+
+
+def test_early_warning_counts_hits_false_alarms_and_refuses_to_judge_few_collapses():
+    def run(arm, evals, metric_jump_at=None, steps=60):
+        values = [0.01] * steps
+        if metric_jump_at:
+            values[metric_jump_at - 1 :] = [0.1] * (steps - metric_jump_at + 1)
+        return {"arm": arm, "seed": 0, "evals": evals,
+                "series": {cc.REWARD: [0.5] * steps, **{k: values for k in cc.WARNING_KEYS}}}  # fmt: skip
+
+    collapsing = [(0, 0.4), (25, 0.6), (50, 0.3), (60, 0.3)]
+    steady = [(0, 0.4), (25, 0.5), (50, 0.6), (60, 0.6)]
+    runs = [run("q4_0/ppo", collapsing, 20), run("q4_0/ppo", steady), run("fp32/ppo", collapsing, 12)]
+    result = cc.early_warning(runs)
+    assert len(result["runs"]) == 2  # the fp32 run is not judged
+    m = result["metrics"][cc.WARNING_KEYS[0]]
+    assert (m["hits"], m["collapsed"], m["false_alarms"], m["steady"]) == (1, 1, 0, 1)
+    assert m["verdict"].startswith("not judged")
+    many = (
+        [run("q4_0/ppo", collapsing, 20)] * 3 + [run("bf16/ppo", steady, 30)] + [run("bf16/ppo", steady)] * 4
+    )
+    m = cc.early_warning(many)["metrics"][cc.WARNING_KEYS[0]]
+    assert (m["hits"], m["false_alarms"], m["verdict"]) == (3, 1, "useful")  # 1 false alarm of 5 ≤ 20 %
+    m = cc.early_warning(many + [run("bf16/ppo", steady, 30)])["metrics"][cc.WARNING_KEYS[0]]
+    assert m["verdict"] == "not useful"  # 2 of 6 > 20 %
+
+
+def test_schedule_is_seed_major_with_ten_fresh_seeds_and_the_ladder_is_fixed():
+    order = cc.schedule(1)
+    assert len(order) == 60 and order[:6] == [(arm, 10) for arm in cc.RUNGS[1][1]]
+    assert set(cc.SEEDS) == set(range(10, 20)) and not set(cc.SEEDS) & {0, 1, 2}
+    assert cc.RUNGS[2] == (300, ("fp32/ppo", "q4_0/ppo", "q4_0/tis"))
+    rung1 = {"complete": True, "tests": {"fp32/ppo vs q4_0/ppo": {"verdict": "not reproduced"}}}
+    assert cc.rung2_called(rung1) is True
+    assert cc.rung2_called({**rung1, "tests": {"fp32/ppo vs q4_0/ppo": {"verdict": "reproduced"}}}) is False
+    assert cc.rung2_called({**rung1, "complete": False}) is None
+
+
+def _git(*args):
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+def test_protocol_unchanged_since_its_commit_and_results_record_it():
+    if shutil.which("git") is None or _git("rev-parse", "HEAD").returncode != 0:
+        pytest.skip("not a git checkout")
+    first = cc.protocol_commit()
+    if first is None:
+        pytest.skip("the protocol is not committed yet (or history is shallow)")
+    assert _git("diff", "--quiet", first, "HEAD", "--", cc.PROTOCOL).returncode == 0, (
+        "the protocol was edited"
+    )
+    results = ROOT / "experiments/results/confirm_collapse/results.json"
+    if results.is_file():
+        summary = json.loads(results.read_text())["summary"]
+        assert summary["protocol_commit"] == first
+        assert _git("merge-base", "--is-ancestor", first, "HEAD").returncode == 0
+        for path in (ROOT / "experiments/results/confirm_collapse/runs").glob("*.json"):
+            commit = json.loads(path.read_text())["code_commit"]
+            assert _git("merge-base", "--is-ancestor", first, commit).returncode == 0, path.name
+
+
+def test_quick_runs_every_rung1_arm_and_assembles(tmp_path, capsys):
+    pytest.importorskip("llama_cpp", reason="the q4_0 arms need llama-cpp-python")
+    assert cc.main(["--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert set(report["summary"]["arms"]) == set(cc.RUNGS[1][1])
+    assert all(a["seeds"] == 1 for a in report["summary"]["arms"].values())
+    assert report["summary"]["complete"] is False and report["summary"]["rung2_called"] is None
+    assert len(list((tmp_path / "runs").glob("*.json"))) == 6
+    cc.main(["--quick", "--out", str(tmp_path)])  # finished runs are read back, not rerun
+    assert "rung 1" not in capsys.readouterr().err
