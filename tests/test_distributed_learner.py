@@ -159,3 +159,45 @@ def test_split_keeps_groups_whole():
     assert shares[1] == [[4, 5, 6, 7], [12, 13, 14, 15]]
     with pytest.raises(SplitError, match="prompts_per_step"):
         rank_rows(torch.arange(3).repeat_interleave(2), 1, 0, 2)  # 3 groups over 2 ranks
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                                 "seq-mean-token-sum-norm"])  # fmt: skip
+@pytest.mark.parametrize("denominator", ["kept", "original", "batch"])
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_loss_count_makes_aggregation_additive_over_parts(agg, denominator, per_sequence):
+    """aggregate(batch) = Σ_parts aggregate(part) · count(part) / count(batch): the global-batch normalisation
+    the ranks (and micro-batches) rely on, for every mode and denominator policy."""
+    from rollcorr.losses.aggregation import aggregate, loss_count
+
+    g = torch.Generator().manual_seed(3)
+    valid = torch.arange(6)[None] < torch.tensor([6, 4, 1, 5, 3, 6, 2, 6])[:, None]
+    kept = valid & (torch.rand(8, 6, generator=g) > 0.3)
+    kept[2] = False  # a row with every token rejected
+    loss = torch.randn(8, 6, generator=g, dtype=torch.float64)
+    if per_sequence:
+        loss = loss.sum(-1)
+    def count(rows):
+        c = loss_count(kept[rows], agg, denominator=denominator, denominator_mask=valid[rows], per_sequence=per_sequence)
+        return None if c is None else float(c)
+
+    whole = aggregate(loss, kept, agg, norm_constant=6.0, denominator=denominator, denominator_mask=valid)
+    parts = [[0, 1, 2], [3, 4], [5, 6, 7]]
+    total = count(list(range(8)))
+    summed = sum(
+        aggregate(loss[rows], kept[rows], agg, norm_constant=6.0, denominator=denominator, denominator_mask=valid[rows])
+        * (1.0 if total is None else count(rows) / total)
+        for rows in parts
+    )
+    assert float(summed) == pytest.approx(float(whole), rel=1e-12, abs=1e-12)
+
+
+def test_ranks_config_is_checked_before_any_process_starts():
+    from rollcorr.train.config import ConfigError, load_config
+    from rollcorr.train.loop import check_components
+
+    with pytest.raises(ConfigError, match=r"trainer\.ranks: .*multiple of trainer\.mini_batches × trainer\.ranks"):
+        load_config(None, ["rollout.prompts_per_step=4", "trainer.mini_batches=2", "trainer.ranks=4"])
+    config = load_config(None, ["trainer.ranks=2", "algorithm.proximal.name=snapshot"])
+    with pytest.raises(ConfigError, match=r"algorithm\.proximal\.name: 'snapshot' is not supported with trainer\.ranks"):
+        check_components(config)

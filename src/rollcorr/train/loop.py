@@ -26,7 +26,7 @@ import torch
 
 from rollcorr.train.alerts import RunAlerts
 from rollcorr.train.checkpoint import (
-    latest_checkpoint,
+    checkpoint_dir,
     load_latest_intact,
     recover_checkpoints,
     rng_state,
@@ -436,7 +436,7 @@ class Trainer:
         self.initial_accuracy: float | None = None
         self.final_accuracy: float | None = None
         if state is not None:
-            self._restore(state, latest_checkpoint(self.run_dir))
+            self._restore(state, checkpoint_dir(self.run_dir, int(state["step"])))  # the one that loaded
         if resumed and self.main:  # keep every intact line up to the checkpoint (none on a restart from step 0)
             notes.append(repair_metrics(self.run_dir, self.step if state is not None else -1))
         self.stop_signal: int | None = None
