@@ -391,7 +391,8 @@ class GuardedStep:
             buf.copy_(_local(p))
         saved = self._save_state()
         self.optimizer.step()
-        largest = torch.stack([_local(p).abs().amax().float() / lim if _local(p).numel() else torch.zeros(())
+        largest = torch.stack([_local(p).abs().amax().float() / lim if _local(p).numel()
+                               else torch.zeros((), device=_local(p).device)  # an empty shard (N > rows)
                                for p, lim in zip(self.params, self._limits)]).max()  # fmt: skip
         if self.agree_max is not None:
             largest = self.agree_max(largest.nan_to_num(nan=math.inf))
