@@ -285,3 +285,71 @@ def test_k1_window_shown_is_the_one_applied(dump_path):
         analysis = analyze(dump, config)
         assert [r.threshold for r in analysis.rules] == [window]
         assert not any(n.startswith("warning") for n in analysis.notes)
+
+
+# ---- dumps that say what they hold ----------------------------------------------------------------------
+class _Tokenizer:
+    """A stand-in tokenizer for writing: token id i decodes to "t<i>" (the real one is tested in test_trl_live)."""
+
+    def batch_decode(self, rows):
+        return ["".join(f"t{i}" for i in row) for row in rows]
+
+    def decode(self, ids):
+        return "".join(f"t{i}" for i in ids)
+
+
+def _written_dump(tmp_path, correction):
+    from rollcorr.analyze.dumps import write_dump
+
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(6, 5, generator=g) * 2
+    roll = (old + 0.02 * torch.randn(6, 5, generator=g)).clamp(max=0)
+    tokens = torch.randint(0, 300, (6, 5), generator=g)
+    path = tmp_path / "written.jsonl"
+    write_dump(
+        path, roll, old, torch.ones(6, 5), tokens=tokens, tokenizer=_Tokenizer(), correction=correction
+    )
+    return path, tokens
+
+
+def test_analyze_applies_the_correction_the_dump_records(capsys, tmp_path):
+    """A token-TIS run's dump used to be analysed with the default Geo-RS preset (rejecting most of it)."""
+    path, _ = _written_dump(tmp_path, preset("decoupled_token_is"))
+    dump = read_dump(path)
+    assert dump.correction == {"is_level": "token"} and dump.corrections_seen == 1
+    out_json = tmp_path / "a.json"
+    assert main(["analyze", str(path), "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "the dump's own correction (= preset decoupled_token_is)" in out
+    report = json.loads(out_json.read_text())
+    assert report["config_source"].startswith("the dump's own correction")
+    assert report["config"]["is_level"] == "token" and report["rejected_tokens"] == 0  # TIS rejects nothing
+    # told otherwise: --preset wins, and the report says so
+    assert main(["analyze", str(path), "--preset", DEFAULT_PRESET]) == 0
+    assert f"preset {DEFAULT_PRESET}" in capsys.readouterr().out
+
+
+def test_analyze_without_a_recorded_correction_says_it_uses_the_default(capsys, tmp_path):
+    path, _ = _written_dump(tmp_path, None)
+    assert read_dump(path).correction is None
+    assert main(["analyze", str(path)]) == 0
+    assert f"preset {DEFAULT_PRESET} (default: the dump records no correction)" in capsys.readouterr().out
+
+
+def test_written_dump_carries_token_texts(tmp_path):
+    path, tokens = _written_dump(tmp_path, None)
+    dump = read_dump(path)
+    assert dump.token_text[0] == [f"t{int(i)}" for i in tokens[0]]
+    assert dump.text[0] == "".join(f"t{int(i)}" for i in tokens[0])
+    analysis = analyze(dump, preset("decoupled_token_icepop"), "test")
+    assert analysis is not None
+
+
+def test_dump_with_two_corrections_asks_which(capsys, tmp_path):
+    path, _ = _written_dump(tmp_path, preset("decoupled_token_is"))
+    from rollcorr.analyze.dumps import write_dump
+
+    write_dump(path, torch.full((1, 2), -0.5), torch.full((1, 2), -0.5), torch.ones(1, 2),
+               correction=preset("icepop"))  # fmt: skip
+    assert main(["analyze", str(path)]) == 2
+    assert "2 different corrections" in capsys.readouterr().err

@@ -87,6 +87,7 @@ def test_prompts_file_formats_and_errors(tmp_path):
         (["--temperature", "-1"], "temperature"),
         (["--top-p", "0"], "top_p"),
         (["-n", "0"], "must be >= 1"),
+        (["--model", "{tmp}/SmolLM2-135M-Instruct.Q4_1.gguf"], "give it with --gguf-file"),
     ],
 )
 def test_bad_input_fails_fast(tmp_path, capsys, argv, message):

@@ -114,19 +114,68 @@ def test_verdict_names_the_level_and_the_correction(tmp_path):
 
     same, _ = _page(tmp_path / "same", _gap(0.0))
     assert level(same) == "same" and "float noise" in same["verdict"][0] and "disabled" in same["verdict"][0]
-    bf16, _ = _page(tmp_path / "bf16", _gap(0.003))  # |Δp| ~ 1e-3: bf16 territory
+    fp16, _ = _page(tmp_path / "fp16", _gap(0.003))  # max |Δp| ~ 5e-3: no token moves by 0.01
+    assert level(fp16) == "fp16" and "fp16 numerics" in fp16["verdict"][0]
+    bf16, _ = _page(tmp_path / "bf16", _gap(0.02))  # |Δp| up to a few 1e-2: bf16 territory
     assert level(bf16) == "bf16" and "preset tis" in " ".join(bf16["verdict"])
     wide, _ = _page(tmp_path / "wide", _gap(0.3))  # |Δp| ~ 0.1 on many tokens: different models
     assert level(wide) == "beyond" and "different weights" in wide["verdict"][0]
-    assert "icepop" in " ".join(wide["verdict"]) or "Fix the sampler" in " ".join(wide["verdict"])
+    assert "preset tis" in " ".join(wide["verdict"]) or "Fix the sampler" in " ".join(wide["verdict"])
     # the levels are ordered by the shares they read
-    assert same["probability"]["prob_diff_max"] < bf16["probability"]["prob_diff_max"] < wide["probability"]["prob_diff_max"]
+    maxima = [s["probability"]["prob_diff_max"] for s in (same, fp16, bf16, wide)]
+    assert maxima == sorted(maxima)
+
+
+def test_verdict_suggests_token_tis_from_study_6_with_its_override(tmp_path):
+    """The project's long-response study found token TIS above TRL-style sequence MIS: the verdict suggests
+    TIS (not seq_mis), names the study, and shows the override that applies it."""
+    from rollcorr.audit.verdict import SUGGESTIONS
+
+    for noise in (0.02, 0.05):  # bf16-level gaps, sequence ESS near 1 and well below it
+        summary, page = _page(tmp_path / str(noise), _gap(noise, t=64))
+        text = " ".join(summary["verdict"])
+        assert "seq_mis" not in text and "study 6" in text
+        assert "rollcorr train algorithm.correction.preset=tis" in text
+        assert summary["suggested_override"] == "rollcorr train algorithm.correction.preset=tis"
+    assert SUGGESTIONS["bf16"]["preset"] == "tis" and "0.661 vs 0.565" in SUGGESTIONS["bf16"]["evidence"]
+
+
+def test_verdict_says_precision_alone_would_remove_a_bf16_gap(tmp_path):
+    data = _gap(0.02)
+    data.source = {"sampler": "vllm:bf16", "learner": "hf:fp32", "model": "builtin"}
+    summary, _ = _page(tmp_path, data)
+    assert "Precision alone would remove" in " ".join(summary["verdict"]) and ":fp16" in " ".join(summary["verdict"])
+    data.source = {"sampler": "hf:fp32", "learner": "hf:fp32", "model": "builtin"}  # not a bf16 sampler
+    summary, _ = _page(tmp_path / "fp32", data)
+    assert "Precision alone" not in " ".join(summary["verdict"])
+
+
+def test_reference_columns_match_the_audited_model(tmp_path):
+    from rollcorr.audit.verdict import REFERENCES
+
+    data = _gap(0.02)
+    data.source = {"sampler": "vllm:bf16", "learner": "hf:fp32", "model": "models/SmolLM2-135M"}
+    summary, page = _page(tmp_path / "smol", data)
+    assert html.escape(REFERENCES["builtin_bf16"]["label"]) not in page
+    assert html.escape(REFERENCES["abeja_vllm_hf"]["label"]) in page
+    assert "built-in model" not in " ".join(summary["verdict"][:2])
+    data.source["model"] = "builtin"
+    _, page = _page(tmp_path / "builtin", data)
+    assert html.escape(REFERENCES["builtin_fp16"]["label"]) in page
+
+
+def test_one_token_is_singular(tmp_path):
+    data = AuditData(torch.tensor([[-0.5]]), torch.tensor([[-0.5]]), torch.ones(1, 1, dtype=torch.bool))
+    summary, _ = _page(tmp_path, data)
+    assert "over 1 token." in summary["verdict"][0] and "1 tokens" not in " ".join(summary["verdict"])
 
 
 def test_verdict_opens_the_page_with_both_reference_levels(tmp_path):
     from rollcorr.audit.verdict import REFERENCES
 
-    summary, page = _page(tmp_path, _gap(0.003))
+    data = _gap(0.003)
+    data.source = {"model": "builtin"}  # the built-in model's own levels are shown for the built-in model
+    summary, page = _page(tmp_path, data)
     assert page.index("In short") < page.index("<h2>Summary</h2>") < page.index("<h2>Plots</h2>")
     for sentence in summary["verdict"]:
         assert html.escape(sentence) in page

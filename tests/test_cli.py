@@ -52,3 +52,18 @@ def test_full_parser_knows_every_command_option():
     parser = build_parser()  # every app's arguments (what documentation tools would read)
     args = parser.parse_args(["train", "--print-config", "trainer.steps=3"])
     assert args.command == "train" and args.print_config
+
+
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        (["train", "--sampler", "vllm"], "rollcorr train model.sampler=vllm"),
+        (["train", "trainer.steps=2", "--model=models/x"], "rollcorr train model.path=models/x"),
+    ],
+)
+def test_train_with_an_audit_flag_points_to_the_dotted_key(capsys, argv, hint):
+    from rollcorr.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert hint in err and len(err.strip().splitlines()) == 1

@@ -63,7 +63,8 @@ def test_parse_spec():
     assert (s.backend, s.dtype, s.attn, s.quant) == ("hf", "bf16", "sdpa", None)
     assert parse_spec("hf:int8").quant == "int8"
     assert parse_spec("llamacpp:q8_0").quant == "q8_0"
-    assert parse_spec("vllm").dtype is None and parse_spec("vllm:bf16").dtype == "bf16"
+    assert parse_spec("vllm").dtype == "bf16" and str(parse_spec("vllm")) == "vllm:bf16"  # the default, said
+    assert parse_spec("vllm:fp16").dtype == "fp16"
     for bad, message in [
         ("tensorrt", "unknown engine backend"),
         ("hf:fp8", "unknown or repeated option 'fp8'"),

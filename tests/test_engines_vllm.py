@@ -8,7 +8,9 @@ with vLLM (which pins transformers). Skipped only where vLLM is not installed.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +91,42 @@ def test_pack_weights_round_trip_keeps_dtype_and_tied_tensors():
 def test_missing_vllm_gives_clear_error():
     with pytest.raises(RuntimeError, match=r"pip install 'rollcorr\[vllm\]'"):
         make_sampler("vllm:fp32")
+
+
+def test_vllm_logging_defaults_to_warnings(monkeypatch):
+    """vLLM's INFO start-up log (50–150 lines) is off unless ROLLCORR_VLLM_VERBOSE=1; a user's own
+    VLLM_LOGGING_LEVEL wins."""
+    for verbose, expected in (("", "WARNING"), ("1", "INFO")):
+        monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+        monkeypatch.setenv(vllm_engine.VERBOSE_ENV, verbose)
+        try:
+            vllm_engine.import_vllm()
+        except RuntimeError:  # not installed: the level is set before the import is tried
+            pass
+        assert os.environ["VLLM_LOGGING_LEVEL"] == expected
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    with contextlib.suppress(RuntimeError):
+        vllm_engine.import_vllm()
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"
+
+
+@needs_vllm
+def test_bf16_weight_sync_prints_no_per_tensor_warning(learner, capfd):
+    """A bare "vllm" spec is vllm:bf16; syncing fp32 weights into it used to print "Attempted to load weight
+    (torch.float32) into parameter (torch.bfloat16)" for every tensor at every step."""
+    from rollcorr.engines import parse_spec
+
+    assert str(parse_spec("vllm")) == "vllm:bf16"
+    sampler = make_sampler("vllm", block_size=32)
+    try:
+        capfd.readouterr()
+        sampler.load_weights(learner.state_dict(), 1)
+        out, err = capfd.readouterr()
+        assert "Attempted to load weight" not in out + err
+        r = sampler.generate(["12+7="], SamplingParams(max_new_tokens=4, seed=0))
+        assert r.response_mask.any() and (r.version[r.response_mask] == 1).all()
+    finally:
+        sampler.close()
 
 
 # ---- the real engine -------------------------------------------------------------------------------------

@@ -133,7 +133,7 @@ NOT_HERE = {
     ("docs/verl.md", "import torch"): "tests/test_verl_live.py::test_docs_verl_snippets_run runs every block of docs/verl.md against the installed verl",
     ("docs/trl.md", "ROLLCORR_OPTIONAL=trl bash scripts/setup.sh"): "tests/test_trl_live.py::test_docs_trl_snippets_run runs every block of docs/trl.md against the installed TRL (checks the setup line)",
     ("docs/trl.md", "from rollcorr.config import from_trl"): "tests/test_trl_live.py::test_docs_trl_snippets_run runs every block of docs/trl.md against the installed TRL",
-    ("docs/trl.md", "from trl import GRPOConfig"): "tests/test_trl_live.py::test_docs_trl_snippets_run runs every block of docs/trl.md against the installed TRL",
+    ("docs/trl.md", "from datasets import Dataset"): "tests/test_trl_live.py::test_docs_trl_snippets_run runs every block of docs/trl.md against the installed TRL",
     ("docs/trl.md", "rollcorr analyze runs/trl/rollouts.jsonl"): "tests/test_trl_live.py::test_docs_trl_snippets_run runs every block of docs/trl.md against the installed TRL",
     ("docs/vllm.md", "from rollcorr.engines import SamplingParams, make_learner, make_sampler"):
         "tests/test_engines_vllm.py::test_docs_example_runs runs it on the real engine",

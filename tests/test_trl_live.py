@@ -1,8 +1,9 @@
 """rollcorr inside TRL's GRPOTrainer (the `.[trl]` extra, TRL 1.16), on CPU with the built-in model.
 
-TRL runs GRPOTrainer without vLLM; a ``rollout_func`` hands it sampling log-probs from a rollcorr sampler
-(the built-in model in bfloat16, weights synced from the trainer's float32 model every batch), which is
-what vLLM's ``sampling_per_token_logps`` are on a GPU. Skipped when TRL is not installed.
+TRL runs GRPOTrainer without vLLM; rollcorr's ``SamplerRollout`` hands it sampling log-probs from a rollcorr
+sampler through TRL's ``rollout_func`` hook (by default the built-in model in bfloat16, weights synced from
+the trainer's float32 model every optimiser step), which is what vLLM's ``sampling_per_token_logps`` are on a
+GPU. Skipped when TRL is not installed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from rollcorr.analyze.dumps import read_dump  # noqa: E402
-from rollcorr.compat.trl import RollcorrGRPOTrainer, correct_trl_batch  # noqa: E402
+from rollcorr.compat.trl import RollcorrGRPOTrainer, SamplerRollout, correct_trl_batch  # noqa: E402
 from rollcorr.config import from_trl  # noqa: E402
 from rollcorr.models.builtin import load_builtin  # noqa: E402
 
@@ -31,38 +32,14 @@ def test_installed_version():
     assert trl.__version__.startswith("1.16.")
 
 
-def bf16_rollout_func():
-    """A TRL ``rollout_func``: a bfloat16 copy of the trainer's model samples each prompt token by token
-    (one full forward per token) and reports log μ of every sampled token, as vLLM does on a GPU."""
-    sampler, _ = load_builtin(dtype="bfloat16")
-    gen = torch.Generator().manual_seed(0)
-
-    @torch.no_grad()
-    def rollout_func(prompts, trainer):
-        sampler.load_state_dict(trainer.model.state_dict())  # weight sync (cast to bf16)
-        prompt_ids = [trainer.processing_class(p)["input_ids"] for p in prompts]
-        ids = torch.tensor(prompt_ids)  # the test's prompts share one length: no padding needed
-        completions = torch.empty(len(prompts), 0, dtype=torch.long)
-        logprobs = torch.empty(len(prompts), 0)
-        for _ in range(6):
-            logits = sampler(input_ids=torch.cat([ids, completions], 1)).logits[:, -1].float()
-            logp = torch.log_softmax(logits, -1)
-            token = torch.multinomial(logp.exp(), 1, generator=gen)
-            completions = torch.cat([completions, token], 1)
-            logprobs = torch.cat([logprobs, logp.gather(-1, token)], 1)
-        return {"prompt_ids": prompt_ids, "completion_ids": completions.tolist(), "logprobs": logprobs.tolist()}
-
-    return rollout_func
-
-
 def alternating_reward(completions, **kwargs):
     """1, 0, 1, 0 … within every group: advantages are non-zero by construction, whatever is sampled."""
     return [float(i % 2) for i in range(len(completions))]
 
 
-def make_trainer(tmp_path, cls=RollcorrGRPOTrainer, steps=3, **kwargs):
+def make_trainer(tmp_path, cls=RollcorrGRPOTrainer, steps=3, rollout_func=None, config=None, **kwargs):
     model, tokenizer = load_builtin()
-    args = GRPOConfig(
+    args = GRPOConfig(**(config or {}),
         output_dir=str(tmp_path / "out"),
         per_device_train_batch_size=4,
         num_generations=4,
@@ -83,9 +60,15 @@ def make_trainer(tmp_path, cls=RollcorrGRPOTrainer, steps=3, **kwargs):
         args=args,
         train_dataset=data,
         processing_class=tokenizer,
-        rollout_func=bf16_rollout_func(),
+        rollout_func=rollout_func or SamplerRollout("hf:bf16"),
         **kwargs,
     )
+
+
+def prob_diff_max(dump) -> float:
+    """max |μ(y_t) − π_old(y_t)| over the dump's valid tokens."""
+    diff = dump.rollout_log_prob.exp() - dump.old_log_prob.exp()
+    return float(diff[dump.response_mask].abs().max())
 
 
 def test_grpo_trainer_trains_with_rollcorr_correction(tmp_path):
@@ -103,9 +86,59 @@ def test_grpo_trainer_trains_with_rollcorr_correction(tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before)  # the weights moved
     dump = read_dump(tmp_path / "dump.jsonl", extra_fields=("step", "batch"))
     assert len(dump) == 3 * 4 and dump.fields["rollout"] == "rollout_log_probs"
-    # bf16 sampler vs fp32 learner: the log-probs differ, but only slightly
+    # bf16 sampler vs fp32 learner (the trainer turns GRPOConfig's bf16 default off): bf16 rounding shows
     diff = (dump.rollout_log_prob - dump.old_log_prob)[dump.response_mask]
-    assert diff.abs().max() > 0 and diff.abs().mean() < 0.5
+    assert prob_diff_max(dump) > 1e-3 and diff.abs().mean() < 0.5
+    # the dump says which correction made it and what its tokens are
+    assert dump.correction == {"is_level": "token"}
+    assert dump.token_text is not None and dump.text[0] == "".join(dump.token_text[0])
+
+
+def test_learner_runs_at_the_precision_asked_for(tmp_path, capsys):
+    """fp32 sampler + fp32 learner agree to float noise; GRPOConfig's bf16 default would put a bf16 gap
+    into π_old (prob_diff_max ~1e-2), so the trainer runs fp32 unless told otherwise, and says so."""
+    assert GRPOConfig(output_dir=str(tmp_path), use_cpu=True).bf16  # TRL's default, which the trainer overrides
+    fp32 = make_trainer(tmp_path / "a", steps=1, rollout_func=SamplerRollout("hf:fp32"), dump_path=tmp_path / "a.jsonl")
+    assert "learner in fp32" in capsys.readouterr().out
+    assert not fp32.args.bf16 and fp32.accelerator.mixed_precision == "no"
+    fp32.train()
+    assert prob_diff_max(read_dump(tmp_path / "a.jsonl")) < 1e-4
+    bf16 = make_trainer(tmp_path / "b", steps=1, rollout_func=SamplerRollout("hf:fp32"), dump_path=tmp_path / "b.jsonl",
+                        learner_precision="bf16")  # fmt: skip
+    assert "learner in bf16" in capsys.readouterr().out
+    bf16.train()
+    assert prob_diff_max(read_dump(tmp_path / "b.jsonl")) > 1e-3
+
+
+def test_sampler_rollout_feeds_trl_and_syncs_weights(tmp_path):
+    """SamplerRollout: one completion per prompt TRL hands it, log μ per token, weights reloaded per step."""
+    rollout = SamplerRollout("hf:bf16", seed=1)
+    trainer = make_trainer(tmp_path, steps=2, rollout_func=rollout, dump_path=tmp_path / "d.jsonl")
+    out = rollout([p for p in PROMPTS for _ in range(4)], trainer)
+    assert len(out["prompt_ids"]) == len(out["completion_ids"]) == len(out["logprobs"]) == 16
+    assert all(len(c) == len(lp) >= 1 for c, lp in zip(out["completion_ids"], out["logprobs"]))
+    assert all(x <= 0 for lp in out["logprobs"] for x in lp)
+    trainer.train()
+    assert rollout.loaded_step == 1  # synced again after the first optimiser step
+    rollout(PROMPTS, trainer)  # after the second step: synced again, to the weights the trainer holds now
+    assert rollout.loaded_step == 2
+    sampler_w = rollout.sampler.model.state_dict()
+    learner_w = trainer.model.state_dict()
+    name = next(k for k in learner_w if k.endswith("q_proj.weight"))
+    torch.testing.assert_close(sampler_w[name].float(), learner_w[name].to(torch.bfloat16).float())
+
+
+def test_bad_sampler_spec_fails_before_trl_starts():
+    with pytest.raises(ValueError, match="unknown engine backend"):
+        SamplerRollout("sglang:bf16")
+
+
+def test_trl_colocated_vllm_on_cpu_is_refused_with_a_pointer(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("TRL's colocated vLLM works on a GPU")
+    config = {"use_vllm": True, "vllm_mode": "colocate"}
+    with pytest.raises(ValueError, match="SamplerRollout"):
+        make_trainer(tmp_path, steps=1, config=config)
 
 
 def test_correction_weights_reach_the_loss(tmp_path):
@@ -169,20 +202,29 @@ def test_docs_trl_snippets_run(tmp_path, monkeypatch):
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert 'trl = ["trl==1.16.0"]' in pyproject
     monkeypatch.chdir(tmp_path)
-    model, tokenizer = load_builtin()
-    scope = {
-        "model": model,
-        "tokenizer": tokenizer,
-        "dataset": Dataset.from_dict({"prompt": PROMPTS * 4}),
-        "reward_funcs": alternating_reward,
-        "rollout_func": bf16_rollout_func(),
-        "print": lambda *a, **k: None,
-    }
-    exec(train, scope)
-    assert len(read_dump("runs/trl/rollouts.jsonl")) == 2 * 4
+    scope: dict = {"__name__": "docs_trl"}
+    exec(train, scope)  # as written: it defines everything it uses
+    dump = read_dump("runs/trl/rollouts.jsonl")
+    assert len(dump) == 2 * 4 and dump.correction == {"is_level": "token"} and dump.token_text is not None
     from rollcorr.cli import main
 
     argv = analyze.strip().split()
     assert argv[0] == "rollcorr" and main(argv[1:]) == 0
     exec(mapping, scope)
     assert scope["config"].is_mode == "mask" and scope["config"].denominator == "original"
+
+
+@pytest.mark.slow  # starts a vLLM engine (~20 s on 2 cores)
+def test_sampler_rollout_with_the_vllm_sampler(tmp_path):
+    """The route docs/trl.md gives instead of TRL's colocated vLLM: vllm:fp32 through SamplerRollout, fp32
+    learner: sampler and learner agree to rounding, and the engine takes the trainer's weights each step."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'rollcorr[vllm]')")
+    rollout = SamplerRollout("vllm:fp32", block_size=32)
+    try:
+        trainer = make_trainer(tmp_path, steps=2, rollout_func=rollout, dump_path=tmp_path / "v.jsonl")
+        trainer.train()
+        dump = read_dump(tmp_path / "v.jsonl")
+        assert len(dump) == 2 * 4 and rollout.loaded_step == 1
+        assert prob_diff_max(dump) < 1e-3  # after a weight sync too: stale weights would be far off
+    finally:
+        rollout.close()

@@ -313,16 +313,19 @@ def test_from_verl_takes_verl_configs():
 # ---- install() -----------------------------------------------------------------------------------------
 @pytest.fixture
 def restore_verl():
+    """Undo install(): verl's registry and every function-valued name of the imported verl modules."""
+    import sys
+
     registry = dict(V.POLICY_LOSS_REGISTRY)
-    names = [n for n in dir(H) if n.startswith(("compute_", "apply_"))]
-    helper = {n: getattr(H, n) for n in names}
-    agg = V.agg_loss
+    modules = [m for name, m in list(sys.modules.items()) if name.startswith("verl") and m is not None]
+    saved = [(m, dict(vars(m))) for m in modules]
     yield
     V.POLICY_LOSS_REGISTRY.clear()
     V.POLICY_LOSS_REGISTRY.update(registry)
-    for n, f in helper.items():
-        setattr(H, n, f)
-    V.agg_loss = agg
+    for module, names in saved:
+        for n, f in names.items():
+            if callable(f) and getattr(module, n, None) is not f:
+                setattr(module, n, f)
 
 
 def test_install_registers_rollcorr_in_verl(restore_verl):
@@ -580,7 +583,170 @@ def test_docs_verl_snippets_run(restore_verl, tmp_path):
     exec(hook, scope)
     batch = _proto(5)
     batch.batch["responses"] = torch.zeros_like(batch.batch["response_mask"], dtype=torch.long)
-    scope["dump_rollouts"](batch, tmp_path / "rollouts.jsonl", step=3)
+    from rollcorr.models.builtin import load_builtin
+
+    _, tokenizer = load_builtin()
+    correction = from_verl({"rollout_is": "token", "rollout_is_threshold": 2.0})
+    scope["dump_rollouts"](
+        batch, tmp_path / "rollouts.jsonl", step=3, tokenizer=tokenizer, correction=correction
+    )
+    from rollcorr.analyze.dumps import read_dump
     from rollcorr.cli import main
 
+    dump = read_dump(tmp_path / "rollouts.jsonl")
+    assert dump.token_text is not None and type(correction).from_dict(dump.correction) == correction
     assert main(["analyze", str(tmp_path / "rollouts.jsonl")]) == 0
+
+
+# ---- edge cases a verl user hits (against verl 0.9.1) ----------------------------------------------------
+def _verl_and_rollcorr(mode: str, *args, strict_verl: bool = True, **kwargs):
+    """(verl's result or exception, rollcorr's result or exception) of ``compute_policy_loss_<mode>``."""
+    out = []
+    for fn in (getattr(V, f"compute_policy_loss_{mode}"), getattr(R, f"compute_policy_loss_{mode}")):
+        extra = {"strict_verl": strict_verl} if fn.__module__.startswith("rollcorr") else {}
+        try:
+            out.append(fn(*args, **kwargs, **extra))
+        except Exception as error:  # noqa: BLE001 - compared below
+            out.append(error)
+    return out
+
+
+def test_dro_without_dro_beta_raises_like_verl():
+    """verl's PolicyLossConfig leaves dro_beta None; verl's dro raises, rollcorr used 0.1."""
+    config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1)
+    assert config.policy_loss.dro_beta is None
+    old, new, adv, mask, _ = _loss_batch(0)
+    for strict_verl in (False, True):
+        v, r = _verl_and_rollcorr("dro", old, new, adv, mask, "token-mean", config, strict_verl=strict_verl)
+        assert isinstance(v, ValueError) and "dro_beta" in str(v)
+        assert isinstance(r, ValueError) and "dro_beta" in str(r)
+
+
+def test_bypass_mode_threshold_none_turns_is_off_like_verl():
+    """rollout_is_threshold=None in bypass mode: verl computes no IS weights (rollcorr read it as 2.0)."""
+    corr = {"rollout_is": "token", "rollout_is_threshold": None, "loss_type": "reinforce"}
+    config = ActorConfig(
+        strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
+        policy_loss=PolicyLossConfig(loss_mode="bypass_mode", rollout_correction=corr),
+    )  # fmt: skip
+    old, new, adv, mask, _ = _loss_batch(3)
+    new = old + 0.5  # ratios e^0.5 ≈ 1.65: inside the [0, 2] truncation, so weights would change the loss
+    l_v, m_v = V.compute_policy_loss_bypass_mode(old, new.clamp(max=0), adv, mask, "token-mean", config)
+    l_r, m_r = R.compute_policy_loss_bypass_mode(old, new.clamp(max=0), adv, mask, "token-mean", config)
+    torch.testing.assert_close(l_r, l_v, rtol=1e-12, atol=1e-15)
+    assert not any(k.startswith("rollout_corr/rollout_is_") for k in m_r)
+    assert set(m_r) == set(m_v)
+
+
+@pytest.mark.parametrize("mode", ["clip_cov", "kl_cov"])
+def test_cov_losses_strict_mode_leave_the_log_ratio_unclamped(mode):
+    old, new, adv, mask, _ = _loss_batch(4)
+    new = new.clone()
+    new[0, 1] = old[0, 1] + 25.0  # beyond rollcorr's ±20 clamp (a positive log-prob: strict input)
+    config = _actor()
+    (l_v, m_v), (l_s, m_s) = _verl_and_rollcorr(mode, old, new, adv, mask, "token-mean", config)
+    torch.testing.assert_close(l_s, l_v, rtol=1e-12, atol=0)
+    assert m_s == pytest.approx(m_v, rel=1e-9)
+    l_d, m_d = R.get_policy_loss_fn(mode)(
+        old, new, adv, mask, "token-mean", config
+    )  # default: clamped at ±20
+    # kl_cov's r enters the loss; clip_cov clips it for A > 0, but its ppo_kl metric still sees the clamp
+    assert not torch.isclose(l_d, l_v, rtol=1e-3) or m_d["actor/ppo_kl"] != pytest.approx(m_v["actor/ppo_kl"])
+
+
+def test_clip_cov_covariance_carries_verls_epsilon():
+    """Two tokens whose covariance sits 2e-8 above clip_cov_lb = 1 without verl's +1e-8 in the means and
+    3e-8 below it with: verl leaves token 0 in, rollcorr zeroed it."""
+    old = torch.tensor([[-9.0 + 2e-8, -11.0 - 2e-8]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.float64)
+    config = _actor()
+    (l_v, m_v), (l_r, m_r) = _verl_and_rollcorr("clip_cov", old, old.clone(), adv, mask, "token-mean", config,
+                                                strict_verl=False)  # fmt: skip
+    torch.testing.assert_close(l_r, l_v, rtol=1e-12, atol=0)
+    assert m_r["actor/pg_clipfrac"] == pytest.approx(m_v["actor/pg_clipfrac"]) == 0.5
+
+
+def test_gspo_sapo_and_reinforce_default_aggregation_is_verls():
+    """Without loss_agg_mode, verl's gspo / sapo aggregate seq-mean-token-mean and reinforce
+    seq-mean-token-sum; rollcorr's drop-ins aggregated token-mean."""
+    old, new, adv, mask, _ = _loss_batch(6)
+    config = _actor()
+    for mode in ("gspo", "sapo"):
+        (l_v, _), (l_r, _) = _verl_and_rollcorr(mode, old, new, adv, mask, config=config)
+        torch.testing.assert_close(l_r, l_v, rtol=1e-12, atol=1e-15)
+    (l_v, m_v), (l_r, m_r) = _verl_and_rollcorr(
+        "reinforce", rollout_log_prob=old, log_prob=new, advantages=adv, response_mask=mask, config=config
+    )
+    torch.testing.assert_close(l_r, l_v, rtol=1e-12, atol=1e-15)
+    assert m_r == pytest.approx(m_v, rel=1e-9)
+
+
+def test_kl_penalty_takes_verls_keyword_names():
+    """verl/workers/utils/losses.py calls kl_penalty(logprob=..., ref_logprob=..., kl_penalty=...)."""
+    g = torch.Generator().manual_seed(1)
+    ref = -torch.rand(2, 4, generator=g, dtype=torch.float64)
+    lp = ref + 0.1 * torch.randn(2, 4, generator=g, dtype=torch.float64)
+    for mode in ("k1", "low_var_kl"):
+        expected = V.kl_penalty(logprob=lp, ref_logprob=ref, kl_penalty=mode)
+        torch.testing.assert_close(R.kl_penalty(logprob=lp, ref_logprob=ref, kl_penalty=mode), expected)
+
+
+def test_offpolicy_metrics_accept_positive_log_probs_after_strict_install(restore_verl, randn_batch):
+    """verl's test_offpolicy_metrics feeds torch.randn "log-probs"; after install(strict_verl=True) verl's
+    own compute_offpolicy_metrics and compute_rollout_corr_metrics_from_logprobs must accept them."""
+    old, roll, mask = randn_batch
+    expected_off = H.compute_offpolicy_metrics(old, roll, mask)
+    expected_actor = H.compute_rollout_corr_metrics_from_logprobs(old, roll, mask)
+    R.install(strict_verl=True)
+    _assert_metrics(H.compute_offpolicy_metrics(old, roll, mask), expected_off, old.dtype)
+    _assert_metrics(H.compute_rollout_corr_metrics_from_logprobs(old, roll, mask), expected_actor, old.dtype)
+    R.install()  # default: positive log-probs raise, also through the actor-side entry point
+    with pytest.raises(ValueError, match="positive"):
+        H.compute_rollout_corr_metrics_from_logprobs(old, roll, mask)
+
+
+def test_install_reaches_names_verl_modules_imported_before_it(restore_verl):
+    """workers/utils/losses.py (and the trainers) import agg_loss & co. by name at import time."""
+    worker_losses = pytest.importorskip(
+        "verl.workers.utils.losses", reason="needs verl's worker deps (datasets)"
+    )
+
+    assert worker_losses.agg_loss is V.agg_loss  # verl's, bound before install()
+    R.install()
+    assert worker_losses.agg_loss is R.agg_loss
+    R.install(strict_verl=True)  # a second install rebinds what the first one bound
+    assert worker_losses.agg_loss is R.agg_loss and V.agg_loss is R.agg_loss
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_every_token_rejected_is_nan_in_strict_mode_for_every_mean(agg):
+    """docs/verl.md: an all-masked micro-batch gives NaN in verl for token-mean and the seq-mean modes."""
+    old, new, adv, _, _ = _loss_batch(2)
+    mask = torch.zeros(4, 6)
+    loss_v, _ = V.compute_policy_loss_vanilla(old, new, adv, mask, agg, _actor())
+    loss_s, _ = R.compute_policy_loss_vanilla(old, new, adv, mask, agg, _actor(), strict_verl=True)
+    loss_d, _ = R.compute_policy_loss_vanilla(old, new, adv, mask, agg, _actor())
+    assert loss_d == 0.0
+    if agg == "token-sum":  # a sum of nothing is 0 everywhere
+        assert loss_v == loss_s == 0.0
+    else:
+        assert math.isnan(loss_v) and math.isnan(loss_s)
+
+
+def test_single_k1_threshold_below_one_raises_in_verl_and_rollcorr():
+    """rollout_rs_threshold=0.5 for a *_k1 option: verl 0.9.1 raises (lower 2 > upper 0.5), as from_verl does."""
+    old, roll, mask = _batch(1)
+    kwargs = {"rollout_rs": "token_k1", "rollout_rs_threshold": 0.5}
+    with pytest.raises(ValueError, match="lower <= upper"):
+        H.compute_rollout_correction_and_rejection_mask(old, roll, mask, **kwargs)
+    with pytest.raises(ValueError):
+        R.compute_rollout_correction_and_rejection_mask(old, roll, mask, **kwargs)
+
+
+def test_list_input_gets_a_clear_type_error():
+    rows = [[-0.5, -1.0], [-0.2, -0.3]]
+    with pytest.raises(AttributeError):  # verl: 'list' object has no attribute 'any'
+        H.compute_rollout_correction_and_rejection_mask(rows, rows, [[1, 1], [1, 1]], rollout_is="token")
+    with pytest.raises(TypeError, match="old_log_prob must be a torch.Tensor"):
+        R.compute_rollout_correction_and_rejection_mask(rows, rows, [[1, 1], [1, 1]], rollout_is="token")

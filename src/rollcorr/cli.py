@@ -38,10 +38,31 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# `rollcorr train` takes dotted keys, not the audit's flags: the key each such flag means there
+TRAIN_KEYS = {"--sampler": "model.sampler", "--learner": "model.learner", "--model": "model.path",
+              "--steps": "trainer.steps", "--seed": "trainer.seed", "--preset": "algorithm.correction.preset"}  # fmt: skip
+
+
+def train_flag_hint(argv: list[str]) -> str | None:
+    """One line for ``rollcorr train --sampler vllm`` and the like: the dotted override it means."""
+    for i, arg in enumerate(argv):
+        flag, _, value = arg.partition("=")
+        if flag in TRAIN_KEYS:
+            value = value or (argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("-") else "...")
+            return (
+                f"rollcorr train: {flag} is not an option of train; settings are dotted keys: "
+                f"rollcorr train {TRAIN_KEYS[flag]}={value}"
+            )
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # the sub-command is the first argument that names one (top-level options take no values)
     command = next((a for a in argv if a in COMMANDS), "")
+    if command == "train" and (hint := train_flag_hint(argv[argv.index("train") + 1 :])):
+        print(hint, file=sys.stderr)
+        return 2
     parser = build_parser(command)
     args = parser.parse_args(argv)
     if args.version:

@@ -1,7 +1,9 @@
 """``rollcorr analyze [FILE]``: apply a correction config to a rollout dump and explain what it does.
 
 Without FILE it runs on the sample dump shipped with rollcorr (bf16 sampler vs fp32 learner on the built-in
-model) with ``DEFAULT_PRESET``.
+model). The correction applied: ``--preset`` / ``--config`` when given, else the one the dump records (a dump
+written by ``RollcorrGRPOTrainer`` or ``write_dump(correction=...)``), else ``DEFAULT_PRESET``; ``--set``
+overrides keys of any of them. The report says which it used.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help="rollout dump (.jsonl, .jsonl.gz or .parquet); default: the shipped sample",
     )
-    src = parser.add_argument_group(f"correction config (default: --preset {DEFAULT_PRESET})")
+    src = parser.add_argument_group(
+        f"correction config (default: the one the dump records, else --preset {DEFAULT_PRESET})"
+    )
     src.add_argument("--preset", help="a named preset (see --list-presets)")
     src.add_argument(
         "--config", type=Path, help="YAML file with CorrectionConfig keys (optionally 'preset: NAME')"
@@ -80,10 +84,13 @@ def load_config(
     config_path: Path | None = None,
     overrides: list[str] = (),
     dialect: str | None = None,
+    recorded: dict[str, Any] | None = None,
 ) -> tuple[Any, str]:
     """Build the CorrectionConfig from a preset, a YAML file and ``KEY=VALUE`` overrides (applied in that order).
 
-    Returns (config, a short description of where it came from). Raises ValueError on any bad input.
+    With neither a preset nor a YAML file the base is ``recorded`` (the dump's own correction, keys that differ
+    from ``CorrectionConfig()``) when given, else ``DEFAULT_PRESET``. Returns (config, a short description of
+    where it came from). Raises ValueError on any bad input.
     """
     from rollcorr.config.correction import CorrectionConfig
     from rollcorr.config.presets import preset
@@ -118,11 +125,23 @@ def load_config(
     elif dialect is not None:
         raise ValueError("--dialect needs --config FILE")
 
-    if preset_name is None and config_path is None:
+    base: dict[str, Any] = {}
+    if preset_name is None and config_path is None and recorded is not None:
+        try:
+            recorded_config = CorrectionConfig.from_dict(recorded)
+        except (TypeError, ValueError) as err:
+            raise ValueError(
+                f"the dump's recorded correction is not a valid CorrectionConfig ({err})"
+            ) from None
+        base = recorded_config.to_dict()
+        source.insert(0, f"the dump's own correction ({_preset_name(recorded_config)})")
+    elif preset_name is None and config_path is None:
         preset_name = DEFAULT_PRESET
-    base = preset(preset_name).to_dict() if preset_name is not None else {}
-    if preset_name is not None:
+        source.insert(0, f"preset {preset_name} (default: the dump records no correction)")
+    elif preset_name is not None:
         source.insert(0, f"preset {preset_name}")
+    if preset_name is not None:
+        base = preset(preset_name).to_dict()
 
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -132,6 +151,14 @@ def load_config(
     if overrides:
         source.append("--set " + " ".join(overrides))
     return CorrectionConfig.from_dict({**base, **data}), ", ".join(source)
+
+
+def _preset_name(config: Any) -> str:
+    """ "= preset NAME" for a config equal to a preset, else "a custom config"."""
+    from rollcorr.config.presets import PRESETS, preset
+
+    same = sorted(name for name in PRESETS if preset(name) == config)
+    return f"= preset {same[0]}" if same else "a custom config"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -160,7 +187,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--json {args.json_out}: is a directory; give a file name, e.g. {args.json_out / 'analysis.json'}"
             )
-        config, source = load_config(args.preset, args.config, args.overrides, args.dialect)
+        if args.config is not None or args.preset is not None or args.dialect is not None:
+            load_config(
+                args.preset, args.config, args.overrides, args.dialect
+            )  # bad options fail before reading
         dump = read_dump(
             path,
             rollout_field=args.rollout_field,
@@ -168,6 +198,12 @@ def run(args: argparse.Namespace) -> int:
             mask_field=args.mask_field,
             advantages_field=args.advantages_field,
         )
+        if dump.corrections_seen > 1 and args.preset is None and args.config is None:
+            raise ValueError(
+                f"{path}: the rows record {dump.corrections_seen} different corrections; name one with --preset "
+                "or --config"
+            )
+        config, source = load_config(args.preset, args.config, args.overrides, args.dialect, dump.correction)
         analysis = analyze(dump, config, source)
     except (ValueError, FileNotFoundError, ImportError) as error:
         err.print(f"[bold red]rollcorr analyze:[/] {escape(str(error))}", highlight=False)

@@ -58,6 +58,7 @@ FIELD_ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 DEFAULT_FIELDS = {role: names[0] for role, names in FIELD_ALIASES.items()}
+CORRECTION_FIELD = "correction"  # the CorrectionConfig that produced the row (keys differing from the default)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,9 @@ class Dump:
     malformed         skipped rows with line numbers and reasons
     fields            role -> field name actually read ("rollout", "learner", "mask", ...)
     partial           role -> lines lacking a per-token field other rows have (that field is then None)
+    correction        the CorrectionConfig keys the writer recorded (``CORRECTION_FIELD``; the keys that differ
+                      from ``CorrectionConfig()``), when every row that records one records the same; else None
+    corrections_seen  how many different correction configs the rows record (0: none recorded)
     """
 
     path: Path
@@ -102,6 +106,8 @@ class Dump:
     extras: dict[str, list[Any]] = field(default_factory=dict)
     total_rows: int = 0
     partial: dict[str, list[int]] = field(default_factory=dict)
+    correction: dict[str, Any] | None = None
+    corrections_seen: int = 0
 
     def __len__(self) -> int:
         return self.rollout_log_prob.shape[0]
@@ -414,6 +420,8 @@ def _parse_row(
     if "text" in present and isinstance(obj[present["text"]], str):
         row["text"] = obj[present["text"]]
     row["extras"] = {key: obj.get(key) for key in extra_fields}
+    if isinstance(obj.get(CORRECTION_FIELD), dict):
+        row["correction"] = obj[CORRECTION_FIELD]
     return row
 
 
@@ -439,7 +447,11 @@ def _assemble(
         # A per-token field is kept only when every valid row has it (otherwise padding would look like data).
         return pad(key, dtype) if all(key in r for r in parsed) else None
 
+    recorded = [r["correction"] for r in parsed if "correction" in r]
+    distinct = {json.dumps(c, sort_keys=True) for c in recorded}
     return Dump(
+        correction=recorded[0] if len(distinct) == 1 else None,
+        corrections_seen=len(distinct),
         path=path,
         rollout_log_prob=pad("rollout", torch.float64),
         old_log_prob=pad("learner", torch.float64),
@@ -470,6 +482,8 @@ def write_dump(
     tokens: Tensor | None = None,
     version: Tensor | None = None,
     extras: dict[str, Sequence[Any]] | None = None,
+    tokenizer: Any = None,
+    correction: Any = None,
     append: bool = True,
 ) -> int:
     """Write a (B, T) right-padded batch as JSONL rows that ``read_dump`` / ``rollcorr analyze`` read.
@@ -477,7 +491,11 @@ def write_dump(
     One row per response, under rollcorr's default field names (``rollout_log_probs``, ``old_log_probs``,
     ``response_mask`` and, when given, ``advantages`` ((B,) or (B, T)), ``responses`` (token ids),
     ``version``), each list cut after the row's last valid token; ``extras`` maps a field name to one value
-    per row (e.g. ``{"step": [3] * B, "reward": rewards}``). ``.gz`` paths are gzip-compressed. With
+    per row (e.g. ``{"step": [3] * B, "reward": rewards}``). With ``tokenizer`` (and ``tokens``) each row also
+    gets ``token_text`` (every token decoded alone) and ``response_text`` (the row decoded), so a reader needs
+    no tokenizer; with ``correction`` (a ``CorrectionConfig``) each row records under ``correction`` the keys
+    that differ from ``CorrectionConfig()``, which ``rollcorr analyze`` applies by default. ``.gz`` paths are
+    gzip-compressed. With
     ``append`` the rows are added to an existing file (one file per run), else the file is replaced. The
     rows are encoded first and written in one call, so a bad input leaves the file untouched. Returns the
     number of rows written."""
@@ -494,6 +512,9 @@ def write_dump(
     for name, values in (extras or {}).items():
         if len(values) != shape[0]:
             raise ValueError(f"extras[{name!r}] has {len(values)} values, expected one per row ({shape[0]})")
+    if tokenizer is not None and tokens is None:
+        raise ValueError("write_dump: tokenizer= decodes the token ids, so tokens= must be given too")
+    recorded = None if correction is None else correction_record(correction)
     mask = response_mask.detach().bool().cpu()
     lengths = torch.where(mask.any(-1), shape[1] - mask.flip(-1).int().argmax(-1), 0).tolist()
 
@@ -514,6 +535,12 @@ def write_dump(
             row["advantages"] = float(adv[b]) if adv.dim() == 1 else cut(adv.double(), b)
         if cpu["tokens"] is not None:
             row["responses"] = cut(cpu["tokens"], b)
+            if tokenizer is not None:
+                ids = row["responses"]
+                row["token_text"] = list(tokenizer.batch_decode([[i] for i in ids])) if ids else []
+                row["response_text"] = tokenizer.decode(ids)
+        if recorded is not None:
+            row[CORRECTION_FIELD] = recorded
         if cpu["version"] is not None:
             row["version"] = cut(cpu["version"], b)
         for name, values in (extras or {}).items():
@@ -527,3 +554,14 @@ def write_dump(
         f.write(text)
     return len(lines)
 
+
+
+def correction_record(config: Any) -> dict[str, Any]:
+    """The keys of a ``CorrectionConfig`` that differ from ``CorrectionConfig()`` (plain JSON data);
+    ``CorrectionConfig.from_dict`` of it rebuilds the config."""
+    from rollcorr.config.correction import CorrectionConfig
+
+    if not isinstance(config, CorrectionConfig):
+        raise ValueError(f"correction must be a CorrectionConfig, got {type(config).__name__}")
+    default = CorrectionConfig().to_dict()
+    return {k: v for k, v in config.to_dict().items() if v != default[k]}

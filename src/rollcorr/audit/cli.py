@@ -76,12 +76,22 @@ def _check_engines(args) -> tuple[str, str, str | None, str | None]:
                 f"--gguf-file {gguf_file!r} does not exist (or pass the folder with --model)"
             )
         model, gguf_file = str(Path(gguf_file).parent), Path(gguf_file).name
+    if model and str(model).lower().endswith(".gguf") and gguf_file is None:
+        raise ValueError(
+            f"--model {model!r} is a GGUF file; give it with --gguf-file {model} (the folder with --model, "
+            "or the file alone)"
+        )
     for role, spec in (("sampler", sampler_spec), ("learner", learner_spec)):
         try:
             preflight(spec, model, role=role, gguf_file=gguf_file)
         except PreflightError as err:
             flag = {"spec": f"--{role}", "extra": f"--{role}", "path": "--model"}.get(err.field, "--gguf-file")
             raise ValueError(f"{flag}: {err}") from None
+    # defaults said out loud: "vllm" runs bf16, so the report and the terminal say "vllm:bf16"
+    from rollcorr.engines import parse_spec
+
+    if parse_spec(sampler_spec).backend == "vllm":
+        sampler_spec = str(parse_spec(sampler_spec))
     if gguf_file and not (Path(model) / gguf_file).is_file():
         found = sorted(p.name for p in Path(model).glob("*.gguf"))
         raise FileNotFoundError(f"--gguf-file {gguf_file!r} not found in {model!r}; GGUF files there: {found}")

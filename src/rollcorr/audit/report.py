@@ -21,7 +21,7 @@ from rich.table import Table
 from rollcorr.audit import plots
 from rollcorr.audit.collect import AuditData
 from rollcorr.audit.stats import audit_stats, check_inputs
-from rollcorr.audit.verdict import REFERENCES, SHARE_KEYS, verdict
+from rollcorr.audit.verdict import SHARE_KEYS, override, references_for, suggestion, verdict
 
 CONTEXT_TOKENS = 12  # tokens shown on each side of a worst token
 PRINT_CONTEXT_CHARS = 24  # characters of that context printed on each side in the terminal
@@ -58,6 +58,9 @@ def build_summary(data: AuditData, worst_k: int = 10) -> dict[str, Any]:
         item.update(token_context(data, item["row"], item["position"]))
     summary = {"source": data.source, **stats}
     summary["verdict"] = verdict(summary)
+    preset_name = suggestion(summary)
+    summary["suggested_preset"] = preset_name
+    summary["suggested_override"] = None if preset_name is None else override(preset_name)
     return summary
 
 
@@ -176,7 +179,7 @@ SHARE_LABELS = ("share |Δp| < 0.001", "share ≥ 0.01", "share ≥ 0.05", "shar
 
 def reference_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:
     """(metric, this audit, each reference level) rows: the |Δp| shares and the max."""
-    p, refs = summary["probability"], list(REFERENCES.values())
+    p, refs = summary["probability"], list(references_for(summary).values())
     rows = [
         (label, _pct(p[key]), *(_pct(r[key]) for r in refs)) for label, key in zip(SHARE_LABELS, SHARE_KEYS)
     ]
@@ -198,16 +201,13 @@ def render_html(summary: dict[str, Any], images: dict[str, Path]) -> str:
     """One self-contained page: inline CSS, PNGs as base64 data URIs, no external resource."""
     esc = html.escape
     verdict_html = "".join(f"<p>{esc(sentence)}</p>" for sentence in summary["verdict"])
-    ref_head = "".join(
-        f"<th title='{esc(r['source'])}'>{esc(r['label'])}</th>" for r in REFERENCES.values()
-    )
+    refs = references_for(summary)
+    ref_head = "".join(f"<th title='{esc(r['source'])}'>{esc(r['label'])}</th>" for r in refs.values())
     ref_rows = "".join(
         "<tr>" + f"<td>{esc(row[0])}</td>" + "".join(f"<td class='num'>{esc(v)}</td>" for v in row[1:]) + "</tr>"
         for row in reference_rows(summary)
     )
-    ref_sources = "".join(
-        f"<li>{esc(r['label'])}: {esc(r['source'])}</li>" for r in REFERENCES.values()
-    )
+    ref_sources = "".join(f"<li>{esc(r['label'])}: {esc(r['source'])}</li>" for r in refs.values())
     source = "".join(
         f"<tr><td>{esc(str(k))}</td><td>{esc(json.dumps(v) if isinstance(v, dict | list) else str(v))}</td></tr>"
         for k, v in summary["source"].items()

@@ -1,17 +1,15 @@
 """The audit's verdict in words: how far apart the engines are against reference levels, and what to do.
 
-Two reference levels, the one place their numbers live (the report, the terminal and docs/audit.md use them):
+Reference levels, the one place their numbers live (the report, the terminal and docs/audit.md use them):
 
-- the built-in model, bf16 sampler vs fp32 learner: pure numerics on a 1 M-parameter model, measured with
-  ``rollcorr audit`` (command and machine below);
+- the built-in model, bf16 and fp16 samplers vs an fp32 learner: pure numerics on a 1 M-parameter model,
+  measured with ``rollcorr audit`` (commands and machine below); shown for audits of the built-in model;
 - ABEJA's measurement of vLLM vs Hugging Face transformers on Qwen3-4B (both bf16, same weights): the
-  published |Δp| shares of what "two engines, same model" looks like at production scale.
+  published |Δp| shares of what "two engines, same model" looks like at production scale; shown always.
 
-The suggestion follows the size of the gap. IS weights ρ = π_old / μ correct a gap whose ratios stay near 1
-(token ESS near 1: truncated token IS costs almost nothing); when sequence products exp(Σℓ) already spread
-(sequence ESS well below 1) a sequence-level mask (geometric mean of ρ) guards the long responses; when many
-tokens move by ≥ 0.05 the two sides hold different models and masking (IcePop) or fixing the sampler beats
-reweighting, whose variance grows like χ².
+Levels: "same" (float noise), "fp16" (no token moves by 0.01: what fp16 numerics leave), "bf16" (up to the
+bf16 reference), "beyond" (different weights). The suggested correction per level lives in ``SUGGESTIONS``,
+each with the evidence it rests on (the project's own studies, docs/results.md).
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ SHARE_KEYS = (
 )
 REFERENCES: dict[str, dict[str, Any]] = {
     "builtin_bf16": {
+        "model": "builtin",
         "label": "built-in model, hf:bf16 vs hf:fp32",
         "source": "rollcorr audit --out runs/audit-builtin  (64 responses, 294 tokens; 2-core x86_64, AVX2)",
         "prob_diff_frac_lt_1e-3": 0.548,
@@ -36,7 +35,19 @@ REFERENCES: dict[str, dict[str, Any]] = {
         "prob_diff_frac_ge_0.1": 0.0,
         "prob_diff_max": 0.0397,
     },
+    "builtin_fp16": {
+        "model": "builtin",
+        "label": "built-in model, hf:fp16 vs hf:fp32",
+        "source": "rollcorr audit --sampler hf:fp16 --out runs/audit-builtin-fp16  (64 responses, 294 tokens; "
+        "2-core x86_64, AVX2)",
+        "prob_diff_frac_lt_1e-3": 0.895,
+        "prob_diff_frac_ge_0.01": 0.0,
+        "prob_diff_frac_ge_0.05": 0.0,
+        "prob_diff_frac_ge_0.1": 0.0,
+        "prob_diff_max": 0.00408,
+    },
     "abeja_vllm_hf": {
+        "model": None,  # a published production-scale level, shown for every model
         "label": "ABEJA: vLLM vs transformers, Qwen3-4B bf16",
         "source": "ABEJA Tech Blog, measurement of vLLM vs Hugging Face token probabilities on Qwen3-4B",
         "prob_diff_frac_lt_1e-3": 0.811,
@@ -47,17 +58,63 @@ REFERENCES: dict[str, dict[str, Any]] = {
     },
 }
 SAME_MODEL_MAX = 1e-4  # max |Δp| below this: the engines compute the same thing up to float noise
+FP16_MAX = 0.01  # max |Δp| below this: fp16-level numerics (built-in model hf:fp16 max 0.0041, none ≥ 0.01)
 BF16_LEVEL = REFERENCES["abeja_vllm_hf"]  # a gap no larger than this is "two engines, same model"
 WIDE_FACTOR = 3.0  # ≥ 3× the reference share at ≥ 0.05, or a max |Δp| above 3× its max: beyond bf16 numerics
 SEQ_ESS_GUARD = 0.9  # sequence ESS below this: long responses' weights spread; guard at sequence level
 SEQ_ESS_BROKEN = 0.1  # sequence ESS below this: no reweighting recovers the learner's expectation
 
 
+# The correction to suggest at each level and the evidence it rests on: one table, updated when a study lands.
+SUGGESTIONS: dict[str, dict[str, str]] = {
+    "same": {
+        "preset": "disabled",
+        "evidence": "the engines agree to float noise: there is nothing to correct",
+    },
+    "fp16": {
+        "preset": "tis",
+        "evidence": "no token moves by 0.01; token TIS (w = min(ρ, 2)) is a guard that costs nothing here",
+    },
+    "bf16": {
+        "preset": "tis",
+        "evidence": "study 6 (docs/results.md, long responses): token TIS ended above TRL-style sequence MIS "
+        "(q4_0: 0.661 vs 0.565; int8: 0.693 vs 0.665, both separated), and bf16 itself showed no gap",
+    },
+    "beyond": {
+        "preset": "tis",
+        "evidence": "study 6 (docs/results.md): at q4_0 token TIS (0.661), Geo-RS (0.652) and IcePop (0.630) "
+        "recovered to the fp32 level (0.674) without collapse, TRL-style sequence MIS did not (0.565)",
+    },
+}
+
+
+def references_for(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The reference levels that apply to the audited model: the built-in model's own only for the built-in
+    model (``summary["source"]["model"]``), the published ones always."""
+    model = str(summary.get("source", {}).get("model", ""))
+    return {
+        key: ref
+        for key, ref in REFERENCES.items()
+        if ref["model"] is None or model == ref["model"]
+    }
+
+
+def override(preset_name: str) -> str:
+    """The command line that applies a preset in rollcorr's trainer."""
+    return f"rollcorr train algorithm.correction.preset={preset_name}"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def level(summary: dict[str, Any]) -> str:
-    """ "same" | "bf16" | "beyond": where this audit's gap sits against the reference levels."""
+    """ "same" | "fp16" | "bf16" | "beyond": where this audit's gap sits against the reference levels."""
     p = summary["probability"]
     if p["prob_diff_max"] < SAME_MODEL_MAX:
         return "same"
+    if p["prob_diff_max"] < FP16_MAX:
+        return "fp16"
     ref = BF16_LEVEL
     wide = p["prob_diff_frac_ge_0.05"] > WIDE_FACTOR * ref["prob_diff_frac_ge_0.05"]
     wide |= p["prob_diff_max"] > min(1.0, WIDE_FACTOR * ref["prob_diff_max"]) - 1e-12
@@ -68,11 +125,11 @@ def _pct(x: float) -> str:
     return f"{100 * x:.2g} %" if x < 0.1 else f"{100 * x:.1f} %"
 
 
-def _compare(p: dict[str, Any]) -> str:
+def _compare(p: dict[str, Any], refs_shown: dict[str, dict[str, Any]]) -> str:
     refs = "; ".join(
         f"{r['label']}: {_pct(r['prob_diff_frac_ge_0.01'])} and {_pct(r['prob_diff_frac_ge_0.05'])}, "
         f"max {r['prob_diff_max']:.3g}"
-        for r in REFERENCES.values()
+        for r in refs_shown.values()
     )
     return (
         f"{_pct(p['prob_diff_frac_ge_0.01'])} of the sampled tokens move by |Δp| ≥ 0.01 and "
@@ -80,43 +137,73 @@ def _compare(p: dict[str, Any]) -> str:
     )
 
 
+def suggestion(summary: dict[str, Any]) -> str | None:
+    """The preset the verdict suggests (``SUGGESTIONS``), or None when it says to fix the sampler first."""
+    where = level(summary)
+    if where == "beyond" and summary["divergence"]["ess_seq"] < SEQ_ESS_BROKEN:
+        return None
+    return SUGGESTIONS[where]["preset"]
+
+
+def _suggest(where: str, why: str) -> str:
+    entry = SUGGESTIONS[where]
+    return (
+        f"Suggested correction: preset {entry['preset']} ({why}). Evidence: {entry['evidence']}. "
+        f"Apply it: {override(entry['preset'])}"
+    )
+
+
+def _sampler_dtype(summary: dict[str, Any]) -> str | None:
+    spec = str(summary.get("source", {}).get("sampler", ""))
+    return next((d for d in ("bf16", "fp16", "fp32") if f":{d}" in spec), None)
+
+
 def verdict(summary: dict[str, Any]) -> list[str]:
-    """A few sentences: how far apart the engines are, the correction the numbers suggest and why, and
-    what a negative Monte-Carlo estimate means when one appears."""
+    """A few sentences: how far apart the engines are, the correction the numbers suggest and why (with the
+    override that applies it), whether precision alone would remove the gap, and what a negative
+    Monte-Carlo estimate means when one appears."""
     p, d = summary["probability"], summary["divergence"]
     ess_tok, ess_seq = d["ess_token"], d["ess_seq"]
     where = level(summary)
+    refs = references_for(summary)
+    n_tokens = _plural(summary["n_tokens"], "token")
     out = []
     if where == "same":
         out.append(
-            f"The engines agree to float noise: max |Δp| {p['prob_diff_max']:.2g} over {summary['n_tokens']} "
-            "tokens. No correction is needed (preset disabled); any mismatch during training comes from "
-            "staleness, not from the engines."
+            f"The engines agree to float noise: max |Δp| {p['prob_diff_max']:.2g} over {n_tokens}. No correction "
+            "is needed (preset disabled); any mismatch during training comes from staleness, not from the engines."
+        )
+    elif where == "fp16":
+        out.append(
+            "The engines are as close as fp16 numerics put two engines holding the same model — precision alone "
+            "keeps the mismatch this small: " + _compare(p, refs)
+        )
+        out.append(
+            _suggest(
+                where, f"token ESS/N {ess_tok:.3g}, sequence ESS/N {ess_seq:.3g}: the weights barely spread"
+            )
         )
     elif where == "bf16":
         out.append(
             "The engines are as far apart as bf16 numerics usually put two engines holding the same model: "
-            + _compare(p)
+            + _compare(p, refs)
         )
-        if ess_seq >= SEQ_ESS_GUARD:
+        out.append(_suggest(where, f"token ESS/N {ess_tok:.3g}, sequence ESS/N {ess_seq:.3g}; per-token "
+                                   "weights capped at 2 keep the variance low even where sequence products spread"))  # fmt: skip
+        if _sampler_dtype(summary) == "bf16":
+            fp16 = REFERENCES["builtin_fp16"]
+            bf16 = REFERENCES["builtin_bf16"]
             out.append(
-                f"Suggested correction: token-level truncated IS (preset tis, C = 2). Token ESS/N "
-                f"{ess_tok:.3g} and sequence ESS/N {ess_seq:.3g} are near 1, so the weights barely spread: "
-                "reweighting removes the bias at almost no variance cost, and nothing needs to be rejected."
-            )
-        else:
-            out.append(
-                f"Suggested correction: sequence-level IS with a mask (preset seq_mis: each response is "
-                f"weighted by ρ(y) = Π ρ_t and dropped when ρ(y) > 2). Per token the weights are tight (ESS/N "
-                f"{ess_tok:.3g}), but over a response they multiply: sequence ESS/N is {ess_seq:.3g}, so the "
-                "token weights miss the bias of the response as a whole, and the few responses whose product drifts "
-                "far are better dropped than reweighted."
+                "Precision alone would remove most of this gap: an fp16 sampler (the same spec with :fp16) left "
+                f"{_pct(fp16['prob_diff_frac_ge_0.01'])} of tokens at |Δp| ≥ 0.01 (max {fp16['prob_diff_max']:.3g}) "
+                f"on the built-in model where bf16 left {_pct(bf16['prob_diff_frac_ge_0.01'])} (max "
+                f"{bf16['prob_diff_max']:.3g}); fp16 keeps 10 mantissa bits to bf16's 7."
             )
     else:
         out.append(
             "The engines are further apart than bf16 numerics put two engines holding the same model — the two "
             "sides most likely hold different weights (quantisation, another checkpoint or tokenizer, a "
-            "temperature applied on one side only): " + _compare(p)
+            "temperature applied on one side only): " + _compare(p, refs)
         )
         if ess_seq < SEQ_ESS_BROKEN:
             out.append(
@@ -125,12 +212,8 @@ def verdict(summary: dict[str, Any]) -> list[str]:
                 "recovers the learner's expectation from this sample."
             )
         else:
-            out.append(
-                f"Suggested correction: mask rather than reweight (preset icepop: tokens with ρ outside "
-                f"[0.5, 5] get weight 0), or seq_mis at sequence level. Token ESS/N is {ess_tok:.3g} and "
-                f"sequence ESS/N {ess_seq:.3g}: reweighting every token would let the rare large ratios "
-                "dominate the gradient (its variance grows like χ²)."
-            )
+            out.append(_suggest(where, f"token ESS/N {ess_tok:.3g}, sequence ESS/N {ess_seq:.3g}; capping each "
+                                       "token's weight keeps rare large ratios from dominating the gradient"))  # fmt: skip
     negative = [
         name
         for name, key in (
@@ -144,7 +227,7 @@ def verdict(summary: dict[str, Any]) -> list[str]:
     if negative:
         out.append(
             f"Some estimates came out negative ({', '.join(negative)}): they are Monte-Carlo estimates over the "
-            f"{summary['n_tokens']} sampled tokens (the engines give one log-prob per token, not the whole "
+            f"{_plural(summary['n_tokens'], 'sampled token')} (the engines give one log-prob per token, not the whole "
             "vocabulary), unbiased but noisy, so a true value near 0 can be estimated below 0. Read it as "
             '"about zero"; k3 and JS are non-negative by construction.'
         )

@@ -12,17 +12,28 @@ TRL's own logger, and with ``dump_path`` every batch is appended to a dump that 
     trainer = RollcorrGRPOTrainer(model, reward_funcs=..., args=GRPOConfig(...), train_dataset=...,
                                   correction="decoupled_token_is", dump_path="runs/trl/rollouts.jsonl")
 
+The learner (π_old and the loss) runs at ``learner_precision``: fp32 unless told otherwise (TRL's
+``GRPOConfig`` turns bf16 autocast on by default, which would put a bf16 gap between π_old and an fp32
+sampler); the trainer prints which precision it uses when it starts.
+
+``SamplerRollout(spec)`` is a TRL ``rollout_func`` backed by any rollcorr sampler (``hf:*``, ``vllm:*``,
+``llamacpp:*``): it samples one completion per prompt TRL hands it, reports log μ of every token, and loads
+the trainer's weights into the sampler whenever the optimiser has stepped. TRL's own colocated vLLM
+(``use_vllm=True, vllm_mode="colocate"``) fails at its first weight sync on vLLM's CPU build and is refused
+there with a pointer to it.
+
 A token whose sampling log-prob is NaN (vLLM reports None) gets ratio 1 (its learner log-prob stands in),
 as TRL does. TRL's ``vespo`` loss reads the ratio its own way and is refused.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
 import torch
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
 
 from rollcorr.analyze.dumps import write_dump
 from rollcorr.config.correction import CorrectionConfig
@@ -30,7 +41,14 @@ from rollcorr.config.presets import preset
 from rollcorr.correction.api import compute_correction
 from rollcorr.correction.metrics import metrics_to_floats
 
-__all__ = ["RollcorrGRPOTrainer", "correct_trl_batch"]
+__all__ = ["LEARNER_PRECISIONS", "RollcorrGRPOTrainer", "SamplerRollout", "correct_trl_batch"]
+
+# learner precision -> (GRPOConfig.bf16, GRPOConfig.fp16, accelerate's mixed_precision)
+LEARNER_PRECISIONS = {
+    "fp32": (False, False, "no"),
+    "bf16": (True, False, "bf16"),
+    "fp16": (False, True, "fp16"),
+}
 
 
 def correct_trl_batch(
@@ -61,15 +79,21 @@ def correct_trl_batch(
 class RollcorrGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` whose off-policy correction is rollcorr's (see the module docstring).
 
-    correction  a preset name (``rollcorr.config.presets``) or a ``CorrectionConfig`` (decoupled mode)
-    dump_path   JSONL file that every generated batch is appended to (None: no dump)
+    correction         a preset name (``rollcorr.config.presets``) or a ``CorrectionConfig`` (decoupled mode)
+    dump_path          JSONL file that every generated batch is appended to (None: no dump)
+    learner_precision  "fp32" (default), "bf16" or "fp16": the learner's autocast; replaces GRPOConfig's
+                       bf16 / fp16 flags (TRL defaults to bf16)
     """
 
     def __init__(
         self,
-        *args: Any,
+        model: Any,
+        reward_funcs: Any,
+        args: GRPOConfig | None = None,
+        *rest: Any,
         correction: str | CorrectionConfig = "decoupled_token_is",
         dump_path: str | Path | None = None,
+        learner_precision: str = "fp32",
         **kwargs: Any,
     ) -> None:
         self.correction = preset(correction) if isinstance(correction, str) else correction
@@ -79,13 +103,34 @@ class RollcorrGRPOTrainer(GRPOTrainer):
             raise ValueError(
                 "RollcorrGRPOTrainer: TRL's old_per_token_logps is π_old; use a decoupled correction"
             )
+        if learner_precision not in LEARNER_PRECISIONS:
+            raise ValueError(
+                f"learner_precision must be one of {sorted(LEARNER_PRECISIONS)}, got {learner_precision!r}"
+            )
+        if args is None:  # TRL's own default config, at the precision asked for
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+            args = GRPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-GRPO")
+        refuse_colocated_vllm_on_cpu(args)
+        args = copy.copy(args)  # the caller's config is left as it was
+        args.bf16, args.fp16, args.mixed_precision = LEARNER_PRECISIONS[learner_precision]
+        self.learner_precision = learner_precision
         self.dump_path = None if dump_path is None else Path(dump_path)
-        super().__init__(*args, **kwargs)
+        super().__init__(model, reward_funcs, args, *rest, **kwargs)
         if self.loss_type == "vespo":
             raise ValueError(
                 "RollcorrGRPOTrainer: loss_type='vespo' reads TRL's own ratio; choose another loss"
             )
+        weights = next(self.model.parameters()).dtype
+        autocast = "no autocast" if learner_precision == "fp32" else f"{learner_precision} autocast"
+        print(
+            f"RollcorrGRPOTrainer: learner in {learner_precision} (weights {str(weights).removeprefix('torch.')}, "
+            f"{autocast}; learner_precision= to change), correction {self._correction_name(correction)}"
+        )
         self._rollcorr_step = 0
+
+    @staticmethod
+    def _correction_name(correction: str | CorrectionConfig) -> str:
+        return correction if isinstance(correction, str) else "custom CorrectionConfig"
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
@@ -111,6 +156,7 @@ class RollcorrGRPOTrainer(GRPOTrainer):
             write_dump(
                 self.dump_path, sampling, old, mask, advantages=out["advantages"], tokens=out["completion_ids"],
                 extras={"step": [self.state.global_step] * b, "batch": [self._rollcorr_step] * b},
+                tokenizer=self.processing_class, correction=self.correction,
             )  # fmt: skip
         self._rollcorr_step += 1
         return out
@@ -138,3 +184,95 @@ class RollcorrGRPOTrainer(GRPOTrainer):
             return super()._compute_loss(model, inputs)
         finally:
             self.use_vllm, self.vllm_importance_sampling_correction = saved
+
+
+def refuse_colocated_vllm_on_cpu(args: Any) -> None:
+    """TRL's colocated vLLM loads weights through ``Parameter.weight_loader``, which vLLM's CPU build does not
+    give its parameters: the run would crash at the first weight sync, after the engine has started."""
+    if getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "TRL's colocated vLLM (use_vllm=True, vllm_mode='colocate') crashes at its first weight sync on "
+                "vLLM's CPU build; use rollout_func=SamplerRollout('vllm:fp32') (rollcorr.compat.trl) instead"
+            )
+
+
+class SamplerRollout:
+    """A TRL ``rollout_func`` backed by a rollcorr sampler (``rollcorr.engines.make_sampler``).
+
+    spec        sampler spec: ``hf[:fp32|bf16|fp16|int8]``, ``vllm[:fp32|bf16|fp16]``, ``llamacpp[:<quant>]``
+    model_path  the sampler's model (None: the trainer model's ``name_or_path``)
+    seed        seed of the first call's draw (call i uses seed + i); None: nondeterministic
+    top_k       sampler top-k (0 = off); temperature, top-p and the length cap come from the GRPOConfig
+
+    Called by TRL as ``rollout_func(prompts, trainer)`` with one prompt per completion (TRL's sampler has
+    already repeated each prompt ``num_generations`` times). Before sampling it loads the trainer's weights
+    into the sampler when the optimiser has stepped since the last load (``trainer.state.global_step``).
+    Returns TRL's ``prompt_ids``, ``completion_ids`` and ``logprobs`` (log μ of each sampled token, after
+    temperature / top-k / top-p: what the sampler drew from)."""
+
+    def __init__(
+        self, spec: str, model_path: str | Path | None = None, *, seed: int | None = 0, top_k: int = 0,
+        **sampler_kwargs: Any,
+    ) -> None:  # fmt: skip
+        from rollcorr.engines import parse_spec
+
+        self.spec = str(parse_spec(spec))  # a bad spec fails here, before TRL starts
+        self.model_path, self.seed, self.top_k, self.sampler_kwargs = model_path, seed, top_k, sampler_kwargs
+        self.sampler: Any = None
+        self.loaded_step: int | None = None
+        self.calls = 0
+
+    def _ensure_sampler(self, trainer: Any) -> Any:
+        if self.sampler is None:
+            from rollcorr.engines import make_sampler
+
+            path = self.model_path
+            if path is None:
+                path = getattr(trainer.model.config, "_name_or_path", None) or None
+            self.sampler = make_sampler(self.spec, path, **self.sampler_kwargs)
+            print(f"SamplerRollout: sampler {self.spec} on {path or 'the built-in model'}")
+        return self.sampler
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list]:
+        from rollcorr.engines import SamplingParams
+
+        sampler = self._ensure_sampler(trainer)
+        step = int(trainer.state.global_step)
+        if step != self.loaded_step:
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            sampler.load_weights({k: v.detach() for k, v in model.state_dict().items()}, version=step)
+            self.loaded_step = step
+        tokenizer = trainer.processing_class
+        prompt_ids = [_prompt_ids(tokenizer, p) for p in prompts]
+        args = trainer.args
+        params = SamplingParams(
+            max_new_tokens=int(args.max_completion_length),
+            temperature=float(args.temperature),
+            top_k=self.top_k,
+            top_p=float(getattr(args, "top_p", 1.0) or 1.0),
+            seed=None if self.seed is None else self.seed + self.calls,
+        )
+        self.calls += 1
+        rollout = sampler.generate(prompt_ids, params)
+        mask = rollout.response_mask.bool()
+        ids, logps = rollout.response_ids, rollout.rollout_log_prob
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": [ids[b][mask[b]].tolist() for b in range(len(prompt_ids))],
+            "logprobs": [logps[b][mask[b]].float().tolist() for b in range(len(prompt_ids))],
+        }
+
+    def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
+            self.sampler = None
+
+
+def _prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
+    """Token ids of a TRL prompt: a string, or a conversation (list of messages) through the chat template."""
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

@@ -2,8 +2,9 @@
 
 Policy losses (``verl.trainer.ppo.core_algos``)::
 
-    compute_policy_loss_<mode>(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+    compute_policy_loss_<mode>(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode=<verl's>,
                                config=None, rollout_is_weights=None)          -> (loss, metrics)
+    compute_policy_loss_reinforce(rollout_log_prob, log_prob, ...)  (verl's names; seq-mean-token-sum)
     POLICY_LOSS_REGISTRY / register_policy_loss / get_policy_loss_fn,  agg_loss,  kl_penalty
     compute_policy_loss = compute_policy_loss_vanilla (verl's registered signature)
 
@@ -19,13 +20,14 @@ dict (a ``_target_`` key is allowed); missing fields take verl's dataclass defau
 these implementations into verl's own registry and helper module, so a verl run uses them by name.
 
 Where rollcorr deliberately differs from verl (docs/verl.md), ``strict_verl=True`` gives verl's result:
-positive log-probs are accepted instead of raising, an all-masked token-mean is NaN instead of 0, and the
-log-ratio is left unclamped where verl leaves it (gspo's ``actor/ppo_kl``, geo_mean).
+positive log-probs are accepted instead of raising, an all-masked mean is NaN instead of 0, and the
+log-ratio is left unclamped where verl leaves it (gspo's ``actor/ppo_kl``, geo_mean, clip_cov, kl_cov).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -34,6 +36,7 @@ from torch import Tensor
 
 from rollcorr.compat.verl_correction import (
     compute_offpolicy_metrics,
+    compute_rollout_corr_metrics_from_logprobs,
     compute_rollout_correction_and_rejection_mask,
     compute_rollout_correction_weights,
     compute_rollout_rejection_mask,
@@ -47,6 +50,7 @@ __all__ = [
     "apply_bypass_mode",
     "compute_offpolicy_metrics",
     "compute_policy_loss",
+    "compute_rollout_corr_metrics_from_logprobs",
     "compute_rollout_correction_and_add_to_batch",
     "compute_rollout_correction_and_rejection_mask",
     "compute_rollout_correction_weights",
@@ -63,10 +67,16 @@ PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Any]]]
 # ---- verl config objects ---------------------------------------------------------------------------
 def cfg_get(config: Any, key: str, default: Any = None) -> Any:
     """``config.key`` for a verl dataclass, an OmegaConf node or a dict; ``default`` when absent or None."""
+    value = cfg_raw(config, key)
+    return default if value is None else value
+
+
+def cfg_raw(config: Any, key: str, default: Any = None) -> Any:
+    """``config.get(key, default)`` as verl reads it: ``default`` only when the key is absent (an explicit
+    None stays None)."""
     if config is None:
         return default
-    value = config.get(key, None) if isinstance(config, Mapping) else getattr(config, key, None)
-    return default if value is None else value
+    return config.get(key, default) if isinstance(config, Mapping) else getattr(config, key, default)
 
 
 def _actor_fields(config: Any) -> dict[str, Any]:
@@ -84,9 +94,13 @@ def _actor_fields(config: Any) -> dict[str, Any]:
         "clip_cov_ub": cfg_get(pl, "clip_cov_ub", 5.0),
         "kl_cov_ratio": cfg_get(pl, "kl_cov_ratio", 2e-4),
         "ppo_kl_coef": cfg_get(pl, "ppo_kl_coef", 1.0),  # verl's kl_cov reads None as 1.0
-        "dro_beta": cfg_get(pl, "dro_beta", 0.1),
+        "dro_beta": cfg_get(pl, "dro_beta"),  # verl's default None: its dro raises, so does rollcorr's
         "global_batch_info": dict(cfg_get(config, "global_batch_info", {})),
     }
+
+
+# verl's default loss_agg_mode where it is not "token-mean"
+DEFAULT_AGG = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "reinforce": "seq-mean-token-sum"}
 
 
 def _registered(mode: str) -> PolicyLossFn:
@@ -95,7 +109,7 @@ def _registered(mode: str) -> PolicyLossFn:
         log_prob: Tensor,
         advantages: Tensor,
         response_mask: Tensor,
-        loss_agg_mode: str = "token-mean",
+        loss_agg_mode: str = DEFAULT_AGG.get(mode, "token-mean"),
         config: Any = None,
         rollout_is_weights: Tensor | None = None,
         *,
@@ -127,8 +141,27 @@ compute_policy_loss_kl_cov = _registered("kl_cov")
 compute_policy_loss_dppo_tv = _registered("dppo_tv")
 compute_policy_loss_dppo_kl = _registered("dppo_kl")
 compute_policy_loss_dro = _registered("dro")
-compute_policy_loss_reinforce = _registered("reinforce")  # first argument: the rollout log-prob
+_reinforce = _registered("reinforce")
 compute_policy_loss = compute_policy_loss_vanilla
+
+
+def compute_policy_loss_reinforce(
+    rollout_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    loss_agg_mode: str = "seq-mean-token-sum",
+    config: Any = None,
+    rollout_is_weights: Tensor | None = None,
+    *,
+    strict_verl: bool = False,
+) -> tuple[Tensor, dict[str, Any]]:
+    """verl's REINFORCE loss −A·w·log π (bypass mode, π_old := μ), under verl's argument names; its
+    ``actor/ppo_kl`` metric is the mean of log μ − log π."""
+    return _reinforce(
+        rollout_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
+        strict_verl=strict_verl,
+    )  # fmt: skip
 
 
 def compute_policy_loss_bypass_mode(
@@ -148,7 +181,9 @@ def compute_policy_loss_bypass_mode(
     corr = cfg_get(cfg_get(config, "policy_loss"), "rollout_correction")
     if corr is None:
         raise ValueError("bypass_mode loss needs config.policy_loss.rollout_correction (verl raises too)")
-    loss_type = cfg_get(corr, "loss_type", "ppo_clip")
+    # read as verl reads it (``corr.get(key, default)``): an explicit None stays None, e.g.
+    # rollout_is_threshold=None turns IS off
+    loss_type = cfg_raw(corr, "loss_type", "ppo_clip")
     if loss_type not in ("ppo_clip", "reinforce"):
         raise ValueError(f"Invalid loss_type: {loss_type}. Must be 'reinforce' or 'ppo_clip'.")
     with torch.no_grad():
@@ -156,11 +191,11 @@ def compute_policy_loss_bypass_mode(
             old_log_prob=log_prob.detach(),
             rollout_log_prob=old_log_prob,
             response_mask=response_mask,
-            rollout_is=cfg_get(corr, "rollout_is"),
-            rollout_is_threshold=cfg_get(corr, "rollout_is_threshold", 2.0),
-            rollout_is_batch_normalize=cfg_get(corr, "rollout_is_batch_normalize", False),
-            rollout_rs=cfg_get(corr, "rollout_rs"),
-            rollout_rs_threshold=cfg_get(corr, "rollout_rs_threshold"),
+            rollout_is=cfg_raw(corr, "rollout_is"),
+            rollout_is_threshold=cfg_raw(corr, "rollout_is_threshold", 2.0),
+            rollout_is_batch_normalize=bool(cfg_raw(corr, "rollout_is_batch_normalize", False)),
+            rollout_rs=cfg_raw(corr, "rollout_rs"),
+            rollout_rs_threshold=cfg_raw(corr, "rollout_rs_threshold"),
             strict_verl=strict_verl,
         )
     if loss_type == "reinforce":
@@ -216,6 +251,7 @@ def _rollcorr_loss(name: str) -> PolicyLossFn:
         rollout_is_weights: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Any]]:
         f = _actor_fields(config)
+        beta = {} if f["dro_beta"] is None else {"dro_beta": f["dro_beta"]}  # None: rollcorr's default β
         loss_config = LossConfig(  # no config: the loss's own defaults (rollcorr.losses)
             name=name,
             clip_low=None if config is None else f["clip_ratio_low"],
@@ -224,7 +260,7 @@ def _rollcorr_loss(name: str) -> PolicyLossFn:
             agg=loss_agg_mode,
             sapo_tau_pos=f["tau_pos"],
             sapo_tau_neg=f["tau_neg"],
-            dro_beta=f["dro_beta"],
+            **beta,
         )
         loss, metrics = policy_loss(
             loss_config, log_prob, old_log_prob, advantages, response_mask, weights=rollout_is_weights
@@ -314,14 +350,43 @@ def install(*, strict_verl: bool = False) -> list[str]:
         wrapped = functools.partial(fn, strict_verl=strict_verl) if name in LOSS_MODES + ("bypass_mode",) else fn
         core_algos.POLICY_LOSS_REGISTRY[name] = wrapped
         names.append(name)
-    helper = functools.partial(compute_rollout_correction_and_rejection_mask, strict_verl=strict_verl)
-    rollout_corr_helper.compute_rollout_correction_and_rejection_mask = helper
-    rollout_corr_helper.compute_rollout_correction_weights = compute_rollout_correction_weights
-    rollout_corr_helper.compute_rollout_rejection_mask = compute_rollout_rejection_mask
-    rollout_corr_helper.compute_offpolicy_metrics = compute_offpolicy_metrics
-    rollout_corr_helper.compute_rollout_correction_and_add_to_batch = functools.partial(
-        compute_rollout_correction_and_add_to_batch, strict_verl=strict_verl
-    )
-    rollout_corr_helper.apply_bypass_mode = apply_bypass_mode
-    core_algos.agg_loss = agg_loss
+    strict = functools.partial(functools.partial, strict_verl=strict_verl)
+    replacements = {
+        (rollout_corr_helper, "compute_rollout_correction_and_rejection_mask"): strict(
+            compute_rollout_correction_and_rejection_mask
+        ),
+        (rollout_corr_helper, "compute_rollout_correction_weights"): compute_rollout_correction_weights,
+        (rollout_corr_helper, "compute_rollout_rejection_mask"): compute_rollout_rejection_mask,
+        (rollout_corr_helper, "compute_offpolicy_metrics"): strict(compute_offpolicy_metrics),
+        (rollout_corr_helper, "compute_rollout_corr_metrics_from_logprobs"): strict(
+            compute_rollout_corr_metrics_from_logprobs
+        ),
+        (rollout_corr_helper, "compute_rollout_correction_and_add_to_batch"): strict(
+            compute_rollout_correction_and_add_to_batch
+        ),
+        (rollout_corr_helper, "apply_bypass_mode"): apply_bypass_mode,
+        (core_algos, "agg_loss"): agg_loss,
+    }
+    rebind = {}
+    for (module, attr), fn in replacements.items():
+        for previous in (_verl_original(module, attr), getattr(module, attr, None)):  # verl's, an earlier install's
+            if previous is not None:
+                rebind[id(previous)] = fn
+        setattr(module, attr, fn)
+    # verl modules imported before install() hold the functions by name (`from ... import agg_loss` in
+    # verl/trainer/ppo/ray_trainer.py, v1/trainer_base.py, workers/utils/losses.py): rebind those names too
+    for mod_name, module in list(sys.modules.items()):
+        if mod_name.startswith("verl.") and module is not None:
+            for attr, value in list(vars(module).items()):
+                if id(value) in rebind and module not in (rollout_corr_helper, core_algos):
+                    setattr(module, attr, rebind[id(value)])
     return names
+
+
+_ORIGINALS: dict[tuple[str, str], Any] = {}
+
+
+def _verl_original(module: Any, attr: str) -> Any:
+    """verl's own function ``module.attr``, remembered the first time install() replaces it (so a second
+    install() still finds the names that verl modules bound to it)."""
+    return _ORIGINALS.setdefault((module.__name__, attr), getattr(module, attr, None))

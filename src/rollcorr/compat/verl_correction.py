@@ -7,8 +7,8 @@ Backed by ``rollcorr.correction.compute_correction`` with ``verl_compat=True``: 
 stored verl outputs (tests/test_verl_parity_correction.py) and the installed verl (tests/test_verl_live.py).
 
 Where verl would silently compute nonsense this raises unless ``strict_verl=True``: positive log-probs on
-valid tokens (verl's own tests draw log-probs from ``torch.randn``), NaN/inf log-probs, and a single K1
-threshold below 1 (verl turns C = 0.5 into the empty window [2, 0.5]). ``rollout_is`` set with
+valid tokens (verl's own tests draw log-probs from ``torch.randn``) and NaN/inf log-probs. A list where a
+tensor belongs is a TypeError naming the argument (verl: AttributeError). ``rollout_is`` set with
 ``rollout_is_threshold=None`` is honoured like verl (no weights).
 """
 
@@ -65,6 +65,13 @@ def _wrap(weights: Tensor | None) -> Any:
     return DataProto.from_dict(tensors={"rollout_is_weights": weights})
 
 
+def _require_tensors(**tensors: Any) -> None:
+    """A clear TypeError for a list or array where verl expects a tensor (verl: AttributeError on ``.any``)."""
+    for name, value in tensors.items():
+        if value is not None and not isinstance(value, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (B, T), got {type(value).__name__}; wrap it in torch.tensor(...)")
+
+
 def _correct(old, rollout, mask, config: CorrectionConfig, strict_verl: bool):
     if not mask.bool().any():  # verl's message, before any work
         raise ValueError("response_mask must contain at least one valid token (1).")
@@ -85,6 +92,7 @@ def compute_rollout_correction_and_rejection_mask(
 ) -> tuple[Any, Tensor, dict[str, float]]:
     """(IS weights wrapped as verl's ``DataProto`` {"rollout_is_weights": (B, T)} or None, response_mask
     after rejection (input dtype), ``rollout_corr/*`` metrics as floats)."""
+    _require_tensors(old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob, response_mask=response_mask)
     if old_log_prob.shape != rollout_log_prob.shape:
         raise ValueError(
             f"old_log_prob shape {old_log_prob.shape} does not match rollout_log_prob shape "
@@ -167,9 +175,23 @@ def compute_offpolicy_metrics(
 ) -> dict[str, float]:
     """verl's off-policy diagnostics (KL, k3 KL, PPLs, χ²) without prefix; only the training PPL when
     ``rollout_log_prob`` is None."""
+    _require_tensors(old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob, response_mask=response_mask)
     config = from_verl({"rollout_is": None}, exact=True)
     rollout = old_log_prob if rollout_log_prob is None else rollout_log_prob
     result = _correct(old_log_prob, rollout, response_mask, config, strict_verl)
     keys = VERL_OFFPOLICY if rollout_log_prob is not None else VERL_OFFPOLICY[:2]
     metrics = {k.removeprefix(PREFIX): v for k, v in result.metrics.items()}
     return metrics_to_floats({k: metrics[k] for k in keys})
+
+
+def compute_rollout_corr_metrics_from_logprobs(
+    log_prob: Tensor,
+    rollout_log_prob: Tensor,
+    response_mask: Tensor,
+    *,
+    strict_verl: bool = False,
+) -> dict[str, float]:
+    """verl's actor-side diagnostics: ``compute_offpolicy_metrics`` of the current policy π_θ against μ,
+    under the ``rollout_corr/`` prefix."""
+    metrics = compute_offpolicy_metrics(log_prob, rollout_log_prob, response_mask, strict_verl=strict_verl)
+    return {PREFIX + k: v for k, v in metrics.items()}

@@ -82,17 +82,17 @@ def policy_loss_by_mode(
     clip_cov_ub: float = 5.0,
     kl_cov_ratio: float = 2e-4,
     ppo_kl_coef: float = 0.1,
-    dro_beta: float = 0.1,
+    dro_beta: float | None = 0.1,
     generator: torch.Generator | None = None,
     global_batch_info: dict[str, Any] | None = None,
     strict_verl: bool = False,
 ) -> tuple[Tensor, dict[str, Any]]:
     """verl's `compute_policy_loss_<mode>(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
     config, rollout_is_weights)` with the config fields passed directly (defaults: verl's ActorConfig /
-    PolicyLossConfig; `dro_beta` 0.1 is rollcorr's choice). `global_batch_info` is verl's
-    ``config.global_batch_info`` for `agg_loss`. ``strict_verl`` drops rollcorr's ±20 clamp of the
-    log-ratio where verl has none (gspo's `actor/ppo_kl`, geo_mean) and lets an all-masked token-mean be
-    NaN as in verl. Returns (scalar loss, metrics)."""
+    PolicyLossConfig; `dro_beta` 0.1 is rollcorr's choice, None raises as verl's dro does). `global_batch_info`
+    is verl's ``config.global_batch_info`` for `agg_loss`. ``strict_verl`` drops rollcorr's ±20 clamp of the
+    log-ratio where verl has none (gspo's `actor/ppo_kl`, geo_mean, clip_cov, kl_cov) and lets an all-masked
+    mean be NaN as in verl. Returns (scalar loss, metrics)."""
     if loss_mode not in LOSS_MODES:
         raise ValueError(f"unsupported loss_mode {loss_mode!r}; choose one of {LOSS_MODES}")
     for name, value in (("old_log_prob", old_log_prob), ("advantages", advantages), ("mask", response_mask)):
@@ -103,11 +103,12 @@ def policy_loss_by_mode(
             f"rollout_is_weights has shape {tuple(rollout_is_weights.shape)}, expected {tuple(log_prob.shape)}"
         )
     positive = {"clip_cov": ("clip_cov_ratio", clip_cov_ratio), "kl_cov": ("kl_cov_ratio", kl_cov_ratio)}
-    positive["dro"] = ("dro_beta", dro_beta)
-    if loss_mode in positive and not positive[loss_mode][1] > 0:  # verl asserts these
-        raise ValueError(f"{positive[loss_mode][0]} must be > 0, got {positive[loss_mode][1]}")
+    positive["dro"] = ("policy_loss.dro_beta", dro_beta)
+    if loss_mode in positive and (positive[loss_mode][1] is None or not positive[loss_mode][1] > 0):
+        raise ValueError(f"{positive[loss_mode][0]} must be > 0, got {positive[loss_mode][1]}")  # verl raises too
     kwargs = {"clip_low": clip_ratio_low, "clip_high": clip_ratio_high, "weights": rollout_is_weights}
     denominator = "kept"
+    clamp = None if strict_verl else LOG_RATIO_CLAMP  # verl leaves these log-ratios unclamped
     if loss_mode == "vanilla":
         if not clip_ratio_c > 1.0:
             raise ValueError(f"clip_ratio_c must be > 1.0 (dual clip), got {clip_ratio_c}")
@@ -122,8 +123,7 @@ def policy_loss_by_mode(
         loss, metrics = cispo_loss(log_prob, old_log_prob, advantages, response_mask, **kwargs)
     elif loss_mode == "geo_mean":
         loss, metrics = gmpo_loss(
-            log_prob, old_log_prob, advantages, response_mask, log_ratio_clamp=None if strict_verl else LOG_RATIO_CLAMP,
-            **kwargs,
+            log_prob, old_log_prob, advantages, response_mask, log_ratio_clamp=clamp, **kwargs,
         )
         denominator = "batch"
     elif loss_mode == "reinforce":
@@ -141,12 +141,13 @@ def policy_loss_by_mode(
     elif loss_mode == "clip_cov":
         loss, metrics = clip_cov_loss(
             log_prob, old_log_prob, advantages, response_mask, ratio=clip_cov_ratio, cov_lb=clip_cov_lb,
-            cov_ub=clip_cov_ub, generator=generator, **kwargs,
+            cov_ub=clip_cov_ub, generator=generator, log_ratio_clamp=clamp, count_eps=1e-8,
+            **kwargs,
         )  # fmt: skip
     elif loss_mode == "kl_cov":
         loss, metrics = kl_cov_loss(
             log_prob, old_log_prob, advantages, response_mask,
-            ratio=kl_cov_ratio, kl_coef=ppo_kl_coef, weights=rollout_is_weights,
+            ratio=kl_cov_ratio, kl_coef=ppo_kl_coef, weights=rollout_is_weights, log_ratio_clamp=clamp,
         )  # fmt: skip
     elif loss_mode in ("dppo_tv", "dppo_kl"):
         fn = dppo_tv_loss if loss_mode == "dppo_tv" else dppo_kl_loss
@@ -220,15 +221,15 @@ def agg_loss(
 KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 
-def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kl_penalty: str) -> Tensor:
+def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kl_penalty: str) -> Tensor:
     """verl's per-token KL estimate of log π − log π_ref (Schulman, "Approximating KL divergence", 2020):
     ``kl``/``k1`` Δ, ``abs`` |Δ|, ``mse``/``k2`` ½Δ², ``low_var_kl``/``k3`` clamp(e^{−Δ'} + Δ' − 1, ±10)
     with Δ' = clamp(Δ, ±20). A trailing ``+`` (``k3+``) keeps the value and takes the gradient of k2
-    (straight-through). (B, T) in, (B, T) out."""
+    (straight-through). (B, T) in, (B, T) out; verl's argument names (``logprob``, ``ref_logprob``)."""
     base = kl_penalty[:-1] if kl_penalty.endswith("+") else kl_penalty
     if base not in KL_PENALTIES:
         raise ValueError(f"unknown kl_penalty {kl_penalty!r}; choose one of {KL_PENALTIES} (optionally with +)")
-    delta = log_prob - ref_log_prob
+    delta = logprob - ref_logprob
     if base in ("kl", "k1"):
         value = delta
     elif base == "abs":

@@ -4,7 +4,7 @@ Spec grammar ``backend[:option[:option]]``, options in any order:
 
     hf[:fp32|bf16|fp16|int8][:eager|sdpa]     transformers (default fp32, eager)
     llamacpp[:<quant>]                        llama.cpp via GGUF, e.g. llamacpp:q8_0 (rollcorr.engines.llamacpp)
-    vllm[:fp32|bf16|fp16]                     vLLM (rollcorr.engines.vllm)
+    vllm[:fp32|bf16|fp16]                     vLLM (rollcorr.engines.vllm; default bf16)
 
 Learners are ``hf`` only. The llamacpp and vllm backends are imported only when asked for.
 """
@@ -34,6 +34,7 @@ HF_DTYPES = ("fp32", "bf16", "fp16", "int8")
 ATTNS = ("eager", "sdpa")
 VLLM_DTYPES = ("fp32", "bf16", "fp16")
 LONG_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+VLLM_DEFAULT_DTYPE = "bf16"  # what a bare "vllm" spec runs: str(parse_spec("vllm")) == "vllm:bf16"
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def parse_spec(spec: str) -> EngineSpec:
             )
     if backend == "hf":
         return EngineSpec("hf", dtype=dtype or "fp32", attn=attn or "eager", quant=quant)
-    return EngineSpec("vllm", dtype=dtype)
+    return EngineSpec("vllm", dtype=dtype or VLLM_DEFAULT_DTYPE)
 
 
 def _check_model_path(model_path: str | Path | None) -> str | Path:

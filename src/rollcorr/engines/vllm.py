@@ -59,8 +59,17 @@ MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-2, 2.0  # vLLM clamps below 0.01 (changing
 SEED_SPACE = 2**62
 
 
+VERBOSE_ENV = (
+    "ROLLCORR_VLLM_VERBOSE"  # "1": vLLM logs at INFO (engine start-up, config) as it does by default
+)
+
+
 def import_vllm():
-    """``import vllm`` or RuntimeError with the install hint."""
+    """``import vllm`` or RuntimeError with the install hint. vLLM's own logging is set to WARNING (its INFO
+    start-up log is 50–150 lines before any result) unless ``ROLLCORR_VLLM_VERBOSE=1`` or the user set
+    ``VLLM_LOGGING_LEVEL``; vLLM reads the level when it is first imported."""
+    verbose = os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
     try:
         import vllm
     except ImportError as err:
@@ -248,11 +257,15 @@ class VLLMSampler(DecodingSampler):
     def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> int:
         """Reload HF-named weights in every worker (no restart), drop cached prefixes, take ``version``."""
         self._check_open()
-        weights = (
-            pack_weights(state_dict)
-            if self.multiprocess
-            else [(name, t.detach()) for name, t in state_dict.items()]
-        )
+        # cast floating tensors to the engine's dtype here (round to nearest, as vLLM's own copy into its
+        # parameters does): vLLM would otherwise warn "Attempted to load weight (torch.float32) into
+        # parameter (torch.bfloat16)" for every tensor at every sync, and the transfer is halved
+        dtype = getattr(torch, str(self.dtype), None)  # None ("auto"): vLLM casts
+        named = {
+            k: t.detach().to(dtype) if dtype is not None and t.is_floating_point() else t.detach()
+            for k, t in state_dict.items()
+        }
+        weights = pack_weights(named) if self.multiprocess else list(named.items())
         self.llm.collective_rpc("rollcorr_load_weights", args=(weights,))
         self.llm.reset_prefix_cache()
         self.version = int(version)

@@ -12,6 +12,7 @@ import math
 import torch
 from torch import Tensor
 
+from rollcorr.config.correction import LOG_RATIO_CLAMP
 from rollcorr.losses.common import clamped_ratio, detached, masked_mean, ppo_surrogates
 
 
@@ -58,10 +59,29 @@ def _smallest_k(keys: Tensor, k: Tensor) -> Tensor:
     return (rank < k).view_as(keys)
 
 
-def _covariance(advantages: Tensor, log_prob: Tensor, mask: Tensor) -> Tensor:
-    """cov_t = (A_t − mean A)·(log π_θ,t − mean log π_θ), means over valid tokens; detached (B, T)."""
+def _covariance(advantages: Tensor, log_prob: Tensor, mask: Tensor, count_eps: float = 0.0) -> Tensor:
+    """cov_t = (A_t − mean A)·(log π_θ,t − mean log π_θ), means Σ v·m / (Σ m + count_eps) over valid
+    tokens, the eps added in the dtype of Σ m (verl's masked_mean: 1e-8); detached (B, T)."""
     lp = log_prob.detach()
-    return (advantages - masked_mean(advantages, mask)) * (lp - masked_mean(lp, mask))
+    if not count_eps:
+        valid = mask.bool()
+        return (advantages - masked_mean(advantages, valid)) * (lp - masked_mean(lp, valid))
+    count = mask.sum()
+    count = (count if count.is_floating_point() else count.to(torch.get_default_dtype())) + count_eps
+
+    def mean(v: Tensor) -> Tensor:
+        return torch.where(mask.bool(), v, torch.zeros_like(v)).sum() / count.to(v.dtype)
+
+    return (advantages - mean(advantages)) * (lp - mean(lp))
+
+
+def _log_ratio(log_prob: Tensor, old_log_prob: Tensor, clamp: float | None) -> tuple[Tensor, Tensor]:
+    """(Δ = log π − log π_old, clamped to ±clamp unless None, exp(Δ))."""
+    if clamp == LOG_RATIO_CLAMP:
+        return clamped_ratio(log_prob, old_log_prob)
+    delta = log_prob - old_log_prob
+    delta = delta if clamp is None else torch.clamp(delta, -clamp, clamp)
+    return delta, torch.exp(delta)
 
 
 def _count_share(mask: Tensor, share: float) -> Tensor:
@@ -83,6 +103,8 @@ def clip_cov_loss(
     cov_ub: float = 5.0,
     generator: torch.Generator | None = None,
     weights: Tensor | None = None,
+    log_ratio_clamp: float | None = LOG_RATIO_CLAMP,
+    count_eps: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"; verl `clip_cov`).
 
@@ -93,13 +115,14 @@ def clip_cov_loss(
     The draw uses ``generator`` (default: torch's global RNG, as verl); it is sync-free (a sort of uniform keys)
     so it is the same distribution as verl's randperm but not the same stream.
     Metrics (verl): pg_clipfrac = share of valid tokens zeroed by the draw, ppo_kl.
-    Δ is clamped to ±20 before exp (verl leaves it unclamped).
+    Δ is clamped to ±``log_ratio_clamp`` before exp (verl: None, unclamped); ``count_eps`` is added to the
+    token count of cov's means (verl: 1e-8).
     """
     mask = response_mask.bool()
-    delta, r = clamped_ratio(log_prob, old_log_prob)
+    delta, r = _log_ratio(log_prob, old_log_prob, log_ratio_clamp)
     loss1, loss2 = ppo_surrogates(advantages, r, clip_low, clip_high)
     with torch.no_grad():
-        cov = _covariance(advantages, log_prob, mask)
+        cov = _covariance(advantages, log_prob, response_mask, count_eps)
         candidate = mask & ~(loss2 > loss1) & (cov > cov_lb) & (cov < cov_ub)
         device = cov.device if generator is None else generator.device
         uniform = torch.rand(cov.shape, generator=generator, device=device).to(cov.device)  # float32 keys
@@ -124,17 +147,18 @@ def kl_cov_loss(
     ratio: float = 2e-4,
     kl_coef: float = 0.1,
     weights: Tensor | None = None,
+    log_ratio_clamp: float | None = LOG_RATIO_CLAMP,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """KL-Cov (Cui et al. 2025; verl `kl_cov`). No clipping; a |Δ| penalty on the highest-covariance tokens.
 
     L_t = (−A·r + kl_coef·|Δ|·1[t ∈ top-k cov])·w,   k = max(⌊ratio·N⌋, 1) valid tokens by
     cov_t = (A − mean A)(log π_θ − mean log π_θ) (means over valid tokens, detached).
     Deterministic (ties broken by position). Metric (verl): ppo_kl = mean |Δ| over valid tokens.
-    r uses Δ clamped to ±20 (verl leaves it unclamped); |Δ| is not clamped.
+    r uses Δ clamped to ±``log_ratio_clamp`` (verl: None, unclamped); |Δ| is not clamped.
     """
     mask = response_mask.bool()
     raw_delta = log_prob - old_log_prob
-    _, r = clamped_ratio(log_prob, old_log_prob)
+    _, r = _log_ratio(log_prob, old_log_prob, log_ratio_clamp)
     with torch.no_grad():
         cov = _covariance(advantages, log_prob, mask)
         keys = torch.where(mask, -cov, torch.full_like(cov, math.inf))
