@@ -118,3 +118,25 @@ def test_killed_rank_stops_every_rank_and_the_run_resumes(tmp_path):
     resumed = _train("--resume", str(run_dir), f"trainer.steps={step + 1}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert max(r["step"] for r in _steps(run_dir)) == step + 1
+
+
+def test_failure_line_names_the_exception_the_signal_or_the_exit_code(tmp_path, monkeypatch):
+    """The launcher's one line reads a raising rank's error file as torch's ``record`` writes it."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure, record
+
+    from rollcorr.distributed.launch import _cause
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+
+    @record
+    def rank_body():
+        raise RuntimeError("rank 1 could not read its shard")
+
+    with pytest.raises(RuntimeError):
+        rank_body()
+    raised = ProcessFailure(local_rank=1, pid=1, exitcode=1, error_file=str(error_file))
+    assert _cause(raised) == "RuntimeError: rank 1 could not read its shard"
+    missing = str(tmp_path / "none.json")
+    assert _cause(ProcessFailure(local_rank=1, pid=1, exitcode=-9, error_file=missing)) == "killed by SIGKILL"
+    assert _cause(ProcessFailure(local_rank=1, pid=1, exitcode=2, error_file=missing)).startswith("exited with code 2")

@@ -32,7 +32,10 @@ def _cause(failure) -> str:
             return f"killed by {signal.Signals(-exitcode).name}"
         except ValueError:
             return f"killed by signal {-exitcode}"
-    message = str(getattr(failure, "message", "") or "")
+    message = getattr(failure, "message", "") or ""
+    if isinstance(message, dict):  # the error file's {"message": "Type: text", "extraInfo": {...}}
+        message = message.get("message", "")
+    message = str(message)
     if message and "enable traceback" not in message:
         return message.strip().splitlines()[0]
     return f"exited with code {exitcode} (its own error is printed above)"
