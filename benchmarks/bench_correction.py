@@ -16,10 +16,12 @@ freed memory glibc keeps between calls (``MALLOC_TRIM_THRESHOLD_`` changes it), 
 ``--impl`` benchmarks another module exposing ``compute_correction`` / ``metrics_to_floats`` (e.g. a copy of
 an older version on PYTHONPATH).
 
-``--against verl`` (verl installed) times ``compute_correction`` + ``metrics_to_floats`` against verl's
-``rollout_corr_helper.compute_rollout_correction_and_rejection_mask`` (which returns Python floats too) on the
-same inputs, one thread, interleaved call by call, for token TIS, Seq-MIS (verl's sequence IS + seq_sum_k1
-rejection) and token TIS + Geo-RS, and prints the median CPU time of each and their ratio.
+``--against verl`` (verl installed) times ``compute_correction`` + ``metrics_to_floats``, the verl drop-in
+``rollcorr.compat.verl.compute_rollout_correction_and_rejection_mask`` (verl's signature and numbers; fused
+path) and verl's own ``rollout_corr_helper.compute_rollout_correction_and_rejection_mask`` (both return Python
+floats) on the same inputs, one thread, interleaved call by call, for token TIS, Seq-MIS (verl's sequence IS
++ seq_sum_k1 rejection) and token TIS + Geo-RS, and prints the median CPU time of each and the ratios
+verl / rollcorr and verl / drop-in.
 
 ``--sweep`` prints how the correction's time grows with B (T fixed) and with T (B fixed), one thread.
 
@@ -118,12 +120,14 @@ def _cpu_ms(call) -> float:
 def against_verl(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, repeat: int) -> None:
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask as helper
 
+    from rollcorr.compat.verl import compute_rollout_correction_and_rejection_mask as drop_in
     from rollcorr.correction import compute_correction, fused, metrics_to_floats
 
     torch.set_num_threads(1)
     b, t = mask.shape
-    print(f"{'case (rollcorr preset)':44s} {'rollcorr CPU ms':>15s} {'eager CPU ms':>12s} {'verl CPU ms':>12s} "
-          f"{'M tok/s':>8s} {'verl M tok/s':>12s} {'speed-up':>8s} {'load':>5s}")  # fmt: skip
+    print(f"{'case (rollcorr preset)':48s} {'rollcorr CPU ms':>15s} {'eager CPU ms':>12s} "
+          f"{'drop-in CPU ms':>14s} {'verl CPU ms':>12s} {'M tok/s':>8s} {'verl M tok/s':>12s} "
+          f"{'speed-up':>8s} {'drop-in speed-up':>16s} {'load':>5s}")  # fmt: skip
     for label, (name, kwargs) in AGAINST_VERL.items():
         config = preset(name)
 
@@ -140,11 +144,17 @@ def against_verl(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, r
         def theirs(kwargs=kwargs) -> None:
             helper(old, rollout, mask, **kwargs)
 
-        ours(), eager(), theirs()  # warm up (the first call compiles the fused kernel)
-        times = [(_cpu_ms(ours), _cpu_ms(eager), _cpu_ms(theirs)) for _ in range(repeat)]  # interleaved
-        a, e, v = (statistics.median(x) for x in zip(*times))
-        print(f"{label + ' (' + name + ')':44s} {a:15.1f} {e:12.1f} {v:12.1f} {b * t / a / 1e3:8.1f} "
-              f"{b * t / v / 1e3:12.1f} {v / a:8.2f} {os.getloadavg()[0]:5.1f}")  # fmt: skip
+        def ours_as_verl(kwargs=kwargs) -> None:  # verl's signature and numbers, rollcorr's kernels
+            drop_in(old, rollout, mask, **kwargs)
+
+        for call in (ours, eager, ours_as_verl, theirs):  # warm up (the first calls compile the fused kernel)
+            call()
+        calls = (ours, eager, ours_as_verl, theirs)
+        times = [tuple(_cpu_ms(c) for c in calls) for _ in range(repeat)]  # interleaved
+        a, e, d, v = (statistics.median(x) for x in zip(*times))
+        print(f"{label + ' (' + name + ')':48s} {a:15.1f} {e:12.1f} {d:14.1f} {v:12.1f} "
+              f"{b * t / a / 1e3:8.1f} {b * t / v / 1e3:12.1f} {v / a:8.2f} {v / d:16.2f} "
+              f"{os.getloadavg()[0]:5.1f}")  # fmt: skip
 
 
 def sweep(presets: list[str], repeat: int) -> None:

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from rollcorr.config import CorrectionConfig, preset
-from rollcorr.correction import compute_correction
-from rollcorr.correction import metrics as M
+from rollcorr.correction import compute_correction, metrics
 from rollcorr.correction.ratios import any_per_row, make_tokens
 
 CONFIGS = [
@@ -126,13 +125,13 @@ def test_scratch_and_overwrite_do_not_change_metrics():
     old, roll, mask, _ = _batch(torch.float32)
     tok = make_tokens(old, roll, mask, bound=20.0, verl=False)
     scratch = (torch.full(mask.shape, math.nan), torch.full(mask.shape, math.nan))
-    plain = M.divergence_metrics(tok)
-    reused = M.divergence_metrics(tok, scratch=scratch)
+    plain = metrics.divergence_metrics(tok)
+    reused = metrics.divergence_metrics(tok, scratch=scratch)
     assert all(torch.equal(plain[k], reused[k]) for k in plain)
     a, b = tok.anchor.exp(), tok.rollout.exp()
-    kept = M.prob_mismatch(a, b, tok)
+    kept = metrics.prob_mismatch(a, b, tok)
     assert torch.equal(b, tok.rollout.exp())  # not overwritten unless asked
-    overwritten = M.prob_mismatch(a, b.clone(), tok, overwrite=True)
+    overwritten = metrics.prob_mismatch(a, b.clone(), tok, overwrite=True)
     assert all(torch.equal(kept[k], overwritten[k]) for k in kept)
 
 
@@ -144,10 +143,10 @@ def test_diagnostics_match_the_standalone_metric_functions(config):
     got = _call(config, old, roll, mask, extra).metrics
     tok = make_tokens(old, roll, mask, bound=config.safety_bound, verl=config.verl_compat)
     want = {
-        **M.offpolicy_metrics(tok),
-        **M.divergence_metrics(tok),
-        **M.prob_mismatch(tok.anchor.exp(), tok.rollout.exp(), tok),
-        **M.decomposition_metrics(extra["log_prob"], tok),
+        **metrics.offpolicy_metrics(tok),
+        **metrics.divergence_metrics(tok),
+        **metrics.prob_mismatch(tok.anchor.exp(), tok.rollout.exp(), tok),
+        **metrics.decomposition_metrics(extra["log_prob"], tok.anchor, tok.rollout, tok.mask, tok),
     }
     for key, value in want.items():
         assert torch.equal(got["rollout_corr/" + key], value), key

@@ -96,7 +96,7 @@ def _eager(monkeypatch, *args, **kw):
 @pytest.mark.parametrize("noise", [0.3, 30.0])  # 30: |ℓ| exceeds the ±20 bound, the clamp matters
 def test_fused_path_matches_eager_path(config, noise, eager_kernel, monkeypatch):
     args = (config, *_batch(noise=noise))
-    assert fused.supports(config, 1, decomposition=False, staleness=False)
+    assert fused.plan(config, 1) is not None
     _assert_close(_call(*args), _eager(monkeypatch, *args))
 
 
@@ -135,18 +135,18 @@ def test_fused_path_checks_its_inputs(eager_kernel):
     _assert_close(dirty, _call(config, old, roll, mask, lp, kept), rel=0)
 
 
-def test_unsupported_configurations_stay_eager():
+def test_the_fused_path_applies_when_every_rule_declares_its_reductions():
     big = fused.MIN_POSITIONS
-    assert fused.supports(preset("disabled"), big, decomposition=False, staleness=False)
-    assert not fused.supports(preset("disabled"), big - 1, decomposition=False, staleness=False)
-    assert not fused.supports(preset("disabled"), big, decomposition=True, staleness=False)
-    assert not fused.supports(preset("disabled"), big, decomposition=False, staleness=True)
-    for name in ("trm_max_k2_mean_k3", "slime_veto"):
-        assert not fused.supports(preset(name), big, decomposition=False, staleness=False)
-    token_rule = CorrectionConfig(rs=("token_k1",), rs_thresholds=("0.5_2.0",))
-    assert not fused.supports(token_rule, big, decomposition=False, staleness=False)
+    assert fused.plan(preset("disabled"), big) == frozenset()
+    assert fused.plan(preset("disabled"), big - 1) is None
+    assert fused.plan(preset("decoupled_geo_rs_token_tis"), big) == {"sum_k1"}
+    assert fused.plan(preset("trm_max_k2_mean_k3"), big) == {"max_k2", "sum_k3"}
     verl = dataclasses.replace(preset("decoupled_token_is"), verl_compat=True)
-    assert not fused.supports(verl, big, decomposition=False, staleness=False)
+    assert fused.plan(verl, big) == frozenset()
+    for name in ("slime_veto", "opsm", "skyrl_outlier"):  # veto and OPSM read the (B, T) tokens
+        assert fused.plan(preset(name), big) is None, name
+    for option, threshold in (("token_k1", "0.5_2.0"), ("seq_mean_binary_kl", 0.1)):
+        assert fused.plan(CorrectionConfig(rs=(option,), rs_thresholds=(threshold,)), big) is None
 
 
 def test_compile_failure_falls_back_to_the_eager_path(monkeypatch):

@@ -496,7 +496,7 @@ def test_fractional_mask_has_one_rule_in_both_entry_points():
     log_prob, old, adv = _loss_batch(torch.float32, 0.0)
     mask = torch.ones(4, 5)
     mask[0, 1] = 0.5
-    with pytest.raises(ValueError, match="response_mask has values other than 0 and 1"):
+    with pytest.raises(ValueError, match="kept_mask has values other than 0 and 1"):  # the loss's argument
         policy_loss(LossConfig(name="ppo_clip"), log_prob, old, adv, mask)
     with pytest.raises(ValueError, match="response_mask has values other than 0 and 1"):
         compute_correction(old, old.detach() - 0.1, mask, preset("decoupled_token_is"))

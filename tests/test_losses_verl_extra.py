@@ -377,7 +377,9 @@ def test_config_defaults_follow_verl():
     assert (LossConfig(name="dppo_kl").eps_low, LossConfig(name="dppo_kl").eps_high) == (0.2, 0.2)
     c = LossConfig(name="clip_cov")
     assert (c.eps_low, c.clip_cov_ratio, c.clip_cov_lb, c.clip_cov_ub) == (0.2, 2e-4, 1.0, 5.0)
-    assert (c.kl_cov_ratio, c.kl_cov_coef, c.sapo_tau_pos, c.sapo_tau_neg) == (2e-4, 0.1, 1.0, 1.05)
+    k, s = LossConfig(name="kl_cov"), LossConfig(name="sapo")  # each loss's own options, from its LossSpec
+    assert (k.kl_cov_ratio, k.kl_cov_coef, s.sapo_tau_pos, s.sapo_tau_neg) == (2e-4, 0.1, 1.0, 1.05)
+    assert LossConfig(name="dro").dro_beta == 0.1 and c.kl_cov_ratio is None  # not a clip_cov option
 
 
 # ---- binary-KL rejection ---------------------------------------------------------------------------------

@@ -296,10 +296,18 @@ def _tensors(b: int = 3, t: int = 5, seed: int = 0) -> dict:
 def exec_python(body: str, tmp_path: Path, **scope) -> dict:
     """Run a snippet with the names it leaves to the reader (tensors of the right shapes, a learner, …)."""
     from rollcorr.config.correction import CorrectionConfig
+    from rollcorr.correction.rejection import RULES
+    from rollcorr.losses import LOSSES
 
     scope = {"CorrectionConfig": CorrectionConfig, **_tensors(), **scope}
-    with contextlib.chdir(tmp_path), contextlib.redirect_stdout(io.StringIO()):
-        exec(compile(body, "<docs>", "exec"), scope)
+    losses, rules = dict(LOSSES), list(RULES)  # a recipe registers a loss or a rule: never leak it
+    try:
+        with contextlib.chdir(tmp_path), contextlib.redirect_stdout(io.StringIO()):
+            exec(compile(body, "<docs>", "exec"), scope)
+    finally:
+        LOSSES.clear()
+        LOSSES.update(losses)
+        RULES[:] = rules
     return scope
 
 
@@ -326,6 +334,10 @@ def run_library_snippets(name: str, first: str, tmp_path: Path, addition_model_d
     elif first.startswith("from rollcorr.audit"):
         scope = exec_python(body, tmp_path)
         assert (tmp_path / "runs" / "my-audit" / "report.html").is_file()
+    elif name == "docs/architecture.md" and "register_rule" in body:  # the recipe's rule rejected rows
+        scope = exec_python(body, tmp_path)
+        share = scope["corr"].metrics["rollout_corr/max_abs_log_ratio_seq_fraction"].item()
+        assert 0 < share < 1 and not scope["corr"].kept_mask.all()
     else:
         scope = exec_python(body, tmp_path)
         if "loss" in scope and isinstance(scope["loss"], torch.Tensor):
@@ -356,6 +368,8 @@ RUN = {
     ("docs/engines.md", "from rollcorr.engines import make_sampler, make_learner, SamplingParams"): "python",
     ("docs/logprobs.md", "from rollcorr.logprobs import logprobs_from_hidden, logprobs_from_logits"): "python",
     ("docs/losses.md", "from rollcorr.losses import LossConfig, policy_loss"): "python",
+    ("docs/architecture.md", "import torch"): "python",
+    ("docs/architecture.md", "import math"): "python",
     ("docs/metrics.md", "from rollcorr.correction import mismatch_stats"): "python",
     ("docs/proximal.md", "from rollcorr.proximal import make_proximal"): "python",
     ("docs/proximal.md", ".venv/bin/rollcorr train trainer.steps=3 trainer.mode=async trainer.partial_rollouts=true \\"):

@@ -159,26 +159,29 @@ def test_default_yaml_and_dataclass_defaults_agree_key_by_key():
 
 
 def test_loss_names_and_aggregations_have_one_home():
-    """The trainer's validation and the loss registry read the names from rollcorr.config.loss."""
+    """The trainer's validation reads the loss catalogue (rollcorr.losses.LOSSES) and the aggregation names
+    from rollcorr.config.loss."""
     import rollcorr.losses as losses
     from rollcorr.config import loss as home
-    from rollcorr.losses import registry
     from rollcorr.train import config as train_config
 
-    assert losses.LOSS_NAMES is home.LOSS_NAMES and losses.AGG_MODES is home.AGG_MODES
-    assert losses.LossConfig is home.LossConfig and registry.LOSS_DEFAULTS is home.LOSS_DEFAULTS
-    assert set(train_config.LOSSES) | set(train_config.REFUSED_LOSSES) == set(home.LOSS_NAMES)
-    assert set(train_config.REFUSED_LOSSES) == set(home.IS_LOSSES)
+    assert losses.AGG_MODES is home.AGG_MODES and train_config.AGG_MODES is home.AGG_MODES
+    assert train_config.LossConfig is losses.LossConfig and train_config.LOSS_CATALOGUE is losses.LOSSES
+    assert set(train_config.LOSSES) | set(train_config.REFUSED_LOSSES) == set(losses.LOSS_NAMES)
+    assert set(train_config.REFUSED_LOSSES) == {n for n, s in losses.LOSSES.items() if s.builds_own_weights}
     for name, table in train_config.ALGORITHMS.items():
         assert table["loss"] in train_config.LOSSES and table["aggregation"] in home.AGG_MODES, name
 
 
 def test_another_loss_brings_its_own_clip_and_aggregation():
     """algorithm.loss=gspo under grpo takes GSPO's own ε and aggregation, not GRPO's (set explicitly: kept)."""
-    from rollcorr.config.loss import LOSS_DEFAULTS
+    from rollcorr.losses import loss_spec
 
+    gspo = loss_spec("gspo")
     algo = build_algorithm(load_config(None, ["algorithm.loss=gspo"]))
-    assert (algo.loss.eps_low, algo.loss.eps_high, algo.loss.agg_mode) == LOSS_DEFAULTS["gspo"]
+    own = (gspo.clip_low, gspo.clip_high, gspo.agg)
+    assert (algo.loss.eps_low, algo.loss.eps_high, algo.loss.agg_mode) == own
+    assert (gspo.clip_low, gspo.clip_high, gspo.agg) == (3e-4, 4e-4, "seq-mean-token-mean")
     algo = build_algorithm(load_config(None, ["algorithm.name=gspo"]))
     assert algo.loss.agg_mode == "seq-mean-token-mean"
     algo = build_algorithm(load_config(None, ["algorithm.loss=gspo", "algorithm.aggregation=token-mean"]))

@@ -304,7 +304,7 @@ def explain(
                 name, "max ½ℓ²", f"≤ {fmt(rule.upper)}", drop, rule.stat, None, rule.upper, positions=pos
             )
         else:
-            statistic = "mean k3" if name == "trm_mean_k3" else "mean(log μ − log π_θ), A<0"
+            statistic = {"trm_mean_k3": "mean k3", "opsm": "mean(log μ − log π_θ), A<0"}.get(name, name)
             add_rows(name, statistic, f"≤ {fmt(rule.upper)}", drop, rule.stat, None, rule.upper)
 
     if config.is_level is not None and config.is_mode == "mask" and weights is not None:

@@ -20,6 +20,7 @@ from rollcorr.analyze.analysis import STATISTICS, Analysis, Finding, exp_or_inf,
 from rollcorr.analyze.dumps import Dump
 from rollcorr.config.correction import CorrectionConfig
 from rollcorr.correction.api import PREFIX
+from rollcorr.correction.rejection import RULES
 
 
 def _fmt_against(value: float, lo: float | None, hi: float | None) -> str:
@@ -159,26 +160,30 @@ def describe(config: CorrectionConfig) -> str:
         parts.append(f"IS {config.is_level} {kind} {bound}{applied}")
         if config.batch_normalize:
             parts.append(f"batch-normalised per {config.batch_norm_scope}")
-    for option, threshold in zip(config.rs, config.rs_thresholds):
-        if isinstance(threshold, tuple):
-            parts.append(f"RS {option} {STATISTICS[option]} ∈ {kept_range(*threshold)}")
-        else:
-            parts.append(f"RS {option} {STATISTICS[option]} ≤ {fmt(threshold)}")
-    if config.veto_threshold is not None:
-        parts.append(f"veto ρ_t < {fmt(config.veto_threshold)}")
-    if config.veto_upper is not None:
-        parts.append(f"veto ρ_t > {fmt(config.veto_upper)}")
-    if config.trm_max_k2 is not None:
-        parts.append(f"TRM max ½ℓ² ≤ {fmt(config.trm_max_k2)}")
-    if config.trm_mean_k3 is not None:
-        parts.append(f"TRM mean k3 ≤ {fmt(config.trm_mean_k3)}")
-    if config.opsm_delta is not None:
-        parts.append(f"OPSM δ = {fmt(config.opsm_delta)}")
+    for rule in RULES:  # the one rule list, in the order compute_correction applies it
+        for name, threshold in rule.active(config):
+            parts.append(_describe_rule(name, threshold))
     if config.rejects:
         parts.append(f"loss denominator: {config.denominator}")
     if config.verl_compat:
         parts.append("verl-compatible formulas")
     return " · ".join(parts)
+
+
+def _describe_rule(name: str, threshold) -> str:
+    """One rejection rule in words (a rule registered later: its name and threshold)."""
+    if name in STATISTICS and isinstance(threshold, tuple):
+        return f"RS {name} {STATISTICS[name]} ∈ {kept_range(*threshold)}"
+    if name in STATISTICS:
+        return f"RS {name} {STATISTICS[name]} ≤ {fmt(threshold)}"
+    words = {
+        "veto": f"veto ρ_t < {fmt(threshold)}",
+        "veto_upper": f"veto ρ_t > {fmt(threshold)}",
+        "trm_max_k2": f"TRM max ½ℓ² ≤ {fmt(threshold)}",
+        "trm_mean_k3": f"TRM mean k3 ≤ {fmt(threshold)}",
+        "opsm": f"OPSM δ = {fmt(threshold)}",
+    }
+    return words.get(name, f"{name} {fmt(threshold) if isinstance(threshold, float) else threshold}")
 
 
 def _pct(part: int, whole: int) -> str:

@@ -152,7 +152,7 @@ def divergences(view: TokenView) -> dict[str, float]:
     ``log_ratio_mean``, ``log_ratio_abs_mean``, PPLs ...), plus the audit's own: ``policy_kl_k1`` = mean(ρ·ℓ),
     ``ess_token``, ``ess_seq`` and the extreme log-ratios. Formulas in the module docstring."""
     tok = make_tokens(view.log_old, view.log_mu, view.mask, bound=LOG_RATIO_CLAMP, verl=False)
-    out = metrics_to_floats({**offpolicy_metrics(view.log_old, view.log_mu, tok), **divergence_metrics(tok)})
+    out = metrics_to_floats({**offpolicy_metrics(tok), **divergence_metrics(tok)})
     lr = view.log_ratio[view.mask]
     rho = lr.exp()
     w = per_response(view)["seq_log_ratio"].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()

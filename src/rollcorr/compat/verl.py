@@ -42,7 +42,7 @@ from rollcorr.compat.verl_correction import (
     compute_rollout_rejection_mask,
 )
 from rollcorr.compat.verl_losses import LOSS_MODES, agg_loss, kl_penalty, policy_loss_by_mode
-from rollcorr.losses import LOSS_NAMES, LossConfig, policy_loss
+from rollcorr.losses import LOSSES, LossConfig, policy_loss
 
 __all__ = [
     "POLICY_LOSS_REGISTRY",
@@ -235,9 +235,12 @@ def get_policy_loss_fn(name: str) -> PolicyLossFn:
     return POLICY_LOSS_REGISTRY[name]
 
 
-# rollcorr losses verl does not have, under verl's signature (registered as "rollcorr_<name>"). ppo_is,
-# vanilla_is, tis and areal need μ and oapl needs rewards and group ids, which verl's signature does not pass.
-EXTRA_LOSSES = tuple(n for n in LOSS_NAMES if n not in ("ppo_is", "vanilla_is", "tis", "areal", "oapl"))
+# rollcorr's losses under verl's signature (registered as "rollcorr_<name>"): every loss of the catalogue but
+# those that need μ or rewards and group ids (ppo_is, vanilla_is, tis, areal, oapl), which verl's signature
+# does not pass.
+EXTRA_LOSSES = tuple(
+    name for name, spec in LOSSES.items() if not (spec.needs_rollout_log_prob or spec.needs_rewards)
+)
 
 
 def _rollcorr_loss(name: str) -> PolicyLossFn:

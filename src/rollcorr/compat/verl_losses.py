@@ -29,6 +29,7 @@ from torch import Tensor
 from rollcorr.config.correction import LOG_RATIO_CLAMP
 from rollcorr.losses import (
     AGG_MODES,
+    LOSSES,
     aggregate,
     cispo_loss,
     clip_cov_loss,
@@ -46,20 +47,8 @@ from rollcorr.losses import (
 
 __all__ = ["LOSS_MODES", "agg_loss", "kl_penalty", "policy_loss_by_mode"]
 
-LOSS_MODES = (
-    "vanilla",
-    "gspo",
-    "cispo",
-    "geo_mean",
-    "reinforce",
-    "sapo",
-    "gpg",
-    "clip_cov",
-    "kl_cov",
-    "dppo_tv",
-    "dppo_kl",
-    "dro",
-)
+# verl's loss modes: the ``verl_name`` of the catalogue's built-in losses (rollcorr.losses.LOSSES)
+LOSS_MODES = tuple(spec.verl_name for spec in LOSSES.values() if spec.verl_name is not None)
 _VERL_METRICS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
 
 

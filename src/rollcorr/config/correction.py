@@ -21,16 +21,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from rollcorr.config.loss import DENOMINATORS
+
 # |log-ratio| clamp before any exp: e^20 ≈ 4.9e8 stays finite in float32 and bf16. The one value used by
 # the correction (safety_bound), the losses, the audit and the π_old strategies.
 LOG_RATIO_CLAMP = 20.0
 
-MODES = ("decoupled", "bypass")
+CORRECTION_MODES = ("decoupled", "bypass")
 LOSS_TYPES = ("ppo_clip", "reinforce")
 IS_LEVELS = ("token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask")
 BATCH_NORM_SCOPES = ("batch", "mini_batch", "micro_batch")
-DENOMINATORS = ("kept", "original", "batch")
 SAMPLER_DISTRIBUTIONS = ("truncated", "full")
 RS_OPTIONS = (
     "token_k1",
@@ -143,7 +144,7 @@ class CorrectionConfig:
     safety_bound: float = LOG_RATIO_CLAMP  # |log-ratio| clamp before any exp
 
     def __post_init__(self) -> None:
-        _choice("mode", self.mode, MODES)
+        _choice("mode", self.mode, CORRECTION_MODES)
         _choice("loss_type", self.loss_type, LOSS_TYPES)
         _choice("is_level", self.is_level, (None, *IS_LEVELS))
         _choice("is_mode", self.is_mode, IS_MODES)

@@ -14,7 +14,6 @@ from typing import Any
 
 from rollcorr.config.correction import CorrectionConfig
 
-C = CorrectionConfig
 GEO = "0.999_1.001"  # verl's Geo-RS default window on the geometric-mean ratio
 
 
@@ -23,7 +22,7 @@ def _verl(is_level=None, is_threshold=2.0, rs=None, rs_threshold=None, bypass=Fa
     is_mode, lower, upper = "truncate", None, is_threshold
     if isinstance(is_threshold, tuple):
         is_mode, (lower, upper) = "mask", is_threshold
-    return C(
+    return CorrectionConfig(
         mode="bypass" if bypass else "decoupled",
         loss_type=loss_type,
         is_level=is_level,
@@ -40,135 +39,137 @@ def _verl(is_level=None, is_threshold=2.0, rs=None, rs_threshold=None, bypass=Fa
 
 
 # ---- verl (RolloutCorrectionConfig classmethods) ------------------------------------------------
-def decoupled_token_is(threshold: float = 2.0) -> C:
+def decoupled_token_is(threshold: float = 2.0) -> CorrectionConfig:
     return _verl("token", threshold)
 
 
-def decoupled_token_icepop(threshold: float = 5.0, threshold_lower: float = 0.5) -> C:
+def decoupled_token_icepop(threshold: float = 5.0, threshold_lower: float = 0.5) -> CorrectionConfig:
     return _verl("token", (threshold_lower, threshold))
 
 
-def decoupled_seq_is(threshold: float = 2.0) -> C:
+def decoupled_seq_is(threshold: float = 2.0) -> CorrectionConfig:
     return _verl("sequence", threshold)
 
 
-def decoupled_seq_is_rs(is_threshold: float = 2.0, rs_threshold: Any = "0.5_2.0") -> C:
+def decoupled_seq_is_rs(is_threshold: float = 2.0, rs_threshold: Any = "0.5_2.0") -> CorrectionConfig:
     return _verl("sequence", is_threshold, "seq_sum_k1", rs_threshold)
 
 
-def decoupled_geo_rs(rs_threshold: Any = GEO) -> C:
+def decoupled_geo_rs(rs_threshold: Any = GEO) -> CorrectionConfig:
     return _verl(None, 2.0, "seq_mean_k1", rs_threshold)
 
 
-def decoupled_geo_rs_seq_tis(is_threshold: float = 2.0, rs_threshold: Any = GEO) -> C:
+def decoupled_geo_rs_seq_tis(is_threshold: float = 2.0, rs_threshold: Any = GEO) -> CorrectionConfig:
     return _verl("sequence", is_threshold, "seq_mean_k1", rs_threshold)
 
 
-def decoupled_geo_rs_token_tis(is_threshold: float = 2.0, rs_threshold: Any = GEO) -> C:
+def decoupled_geo_rs_token_tis(is_threshold: float = 2.0, rs_threshold: Any = GEO) -> CorrectionConfig:
     return _verl("token", is_threshold, "seq_mean_k1", rs_threshold)
 
 
-def decoupled_k3_rs(rs_threshold: float = 0.01) -> C:
+def decoupled_k3_rs(rs_threshold: float = 0.01) -> CorrectionConfig:
     return _verl(None, 2.0, "seq_mean_k3", rs_threshold)
 
 
-def decoupled_k3_rs_seq_tis(is_threshold: float = 2.0, rs_threshold: float = 0.01) -> C:
+def decoupled_k3_rs_seq_tis(is_threshold: float = 2.0, rs_threshold: float = 0.01) -> CorrectionConfig:
     return _verl("sequence", is_threshold, "seq_mean_k3", rs_threshold)
 
 
-def decoupled_k3_rs_token_tis(is_threshold: float = 2.0, rs_threshold: float = 0.01) -> C:
+def decoupled_k3_rs_token_tis(is_threshold: float = 2.0, rs_threshold: float = 0.01) -> CorrectionConfig:
     return _verl("token", is_threshold, "seq_mean_k3", rs_threshold)
 
 
-def bypass_ppo_clip() -> C:
+def bypass_ppo_clip() -> CorrectionConfig:
     return _verl(None, bypass=True)
 
 
-def bypass_ppo_clip_geo_rs(rs_threshold: Any = GEO) -> C:
+def bypass_ppo_clip_geo_rs(rs_threshold: Any = GEO) -> CorrectionConfig:
     return _verl(None, 2.0, "seq_mean_k1", rs_threshold, bypass=True)
 
 
-def bypass_ppo_clip_k3_rs(rs_threshold: float = 0.01) -> C:
+def bypass_ppo_clip_k3_rs(rs_threshold: float = 0.01) -> CorrectionConfig:
     return _verl(None, 2.0, "seq_mean_k3", rs_threshold, bypass=True)
 
 
-def bypass_pg_is(threshold: float = 2.0) -> C:
+def bypass_pg_is(threshold: float = 2.0) -> CorrectionConfig:
     return _verl("sequence", threshold, bypass=True, loss_type="reinforce")
 
 
-def bypass_pg_token_icepop(threshold: float = 5.0, threshold_lower: float = 0.5) -> C:
+def bypass_pg_token_icepop(threshold: float = 5.0, threshold_lower: float = 0.5) -> CorrectionConfig:
     return _verl("token", (threshold_lower, threshold), bypass=True, loss_type="reinforce")
 
 
-def bypass_pg_geo_rs(rs_threshold: Any = GEO) -> C:
+def bypass_pg_geo_rs(rs_threshold: Any = GEO) -> CorrectionConfig:
     return _verl(None, 2.0, "seq_mean_k1", rs_threshold, bypass=True, loss_type="reinforce")
 
 
-def bypass_pg_geo_rs_seq_tis(is_threshold: float = 2.0, rs_threshold: Any = GEO) -> C:
+def bypass_pg_geo_rs_seq_tis(is_threshold: float = 2.0, rs_threshold: Any = GEO) -> CorrectionConfig:
     return _verl("sequence", is_threshold, "seq_mean_k1", rs_threshold, bypass=True, loss_type="reinforce")
 
 
-def bypass_pg_geo_rs_token_tis(is_threshold: float = 2.0, rs_threshold: Any = GEO) -> C:
+def bypass_pg_geo_rs_token_tis(is_threshold: float = 2.0, rs_threshold: Any = GEO) -> CorrectionConfig:
     return _verl("token", is_threshold, "seq_mean_k1", rs_threshold, bypass=True, loss_type="reinforce")
 
 
-def disabled() -> C:
-    return C()
+def disabled() -> CorrectionConfig:
+    return CorrectionConfig()
 
 
 # ---- papers -------------------------------------------------------------------------------------
-def tis(threshold: float = 2.0) -> C:
+def tis(threshold: float = 2.0) -> CorrectionConfig:
     """Token TIS (Yao et al.): w_t = min(ρ_t, C)."""
-    return C(is_level="token", is_upper=threshold)
+    return CorrectionConfig(is_level="token", is_upper=threshold)
 
 
-def icepop(threshold: float = 5.0, threshold_lower: float = 0.5) -> C:
+def icepop(threshold: float = 5.0, threshold_lower: float = 0.5) -> CorrectionConfig:
     """IcePop: w_t = ρ_t·1[α ≤ ρ_t ≤ β], α = 0.5, β = 5 (Ring-1T)."""
-    return C(is_level="token", is_mode="mask", is_lower=threshold_lower, is_upper=threshold)
+    return CorrectionConfig(is_level="token", is_mode="mask", is_lower=threshold_lower, is_upper=threshold)
 
 
-def seq_mis(threshold: float = 2.0) -> C:
+def seq_mis(threshold: float = 2.0) -> CorrectionConfig:
     """Seq-MIS (Liu et al.): w = ρ(y)·1[ρ(y) ≤ C] on the whole sequence."""
-    return C(is_level="sequence", is_mode="mask", is_upper=threshold)
+    return CorrectionConfig(is_level="sequence", is_mode="mask", is_upper=threshold)
 
 
-def geo_is(threshold: float = 1.01) -> C:
+def geo_is(threshold: float = 1.01) -> CorrectionConfig:
     """Geometric (length-normalised) truncated IS weights: w = min(exp(mean_t ℓ_t), C)."""
-    return C(is_level="geometric", is_upper=threshold)
+    return CorrectionConfig(is_level="geometric", is_upper=threshold)
 
 
-def trm_max_k2_mean_k3(max_k2: float = 0.05, mean_k3: float = 0.001) -> C:
+def trm_max_k2_mean_k3(max_k2: float = 0.05, mean_k3: float = 0.001) -> CorrectionConfig:
     """Trust-region masking (Li et al., combined criterion), loss normalised by the whole batch N."""
-    return C(trm_max_k2=max_k2, trm_mean_k3=mean_k3, denominator="batch")
+    return CorrectionConfig(trm_max_k2=max_k2, trm_mean_k3=mean_k3, denominator="batch")
 
 
-def opsm(delta: float = 1e-4) -> C:
+def opsm(delta: float = 1e-4) -> CorrectionConfig:
     """DeepSeek-V3.2 off-policy sequence masking (slime default δ = 1e-4)."""
-    return C(opsm_delta=delta)
+    return CorrectionConfig(opsm_delta=delta)
 
 
 # ---- other frameworks ---------------------------------------------------------------------------
-def trl_sequence_mask(clip_max: float = 3.0) -> C:
+def trl_sequence_mask(clip_max: float = 3.0) -> CorrectionConfig:
     """TRL default ``vllm_importance_sampling_mode="sequence_mask"``, clip_max 3.0 (zero weight outside)."""
-    return C(is_level="sequence", is_mode="mask", is_upper=clip_max, denominator="original")
+    return CorrectionConfig(is_level="sequence", is_mode="mask", is_upper=clip_max, denominator="original")
 
 
-def trl_token_truncate(clip_max: float = 3.0) -> C:
-    return C(is_level="token", is_upper=clip_max, denominator="original")
+def trl_token_truncate(clip_max: float = 3.0) -> CorrectionConfig:
+    return CorrectionConfig(is_level="token", is_upper=clip_max, denominator="original")
 
 
-def nemo_rl_tis(ratio: float = 2.0) -> C:
-    return C(is_level="token", is_upper=ratio, denominator="original")
+def nemo_rl_tis(ratio: float = 2.0) -> CorrectionConfig:
+    return CorrectionConfig(is_level="token", is_upper=ratio, denominator="original")
 
 
-def nemo_rl_icepop(ratio: float = 5.0, ratio_min: float = 0.5) -> C:
-    return C(is_level="token", is_mode="mask", is_lower=ratio_min, is_upper=ratio, denominator="original")
+def nemo_rl_icepop(ratio: float = 5.0, ratio_min: float = 0.5) -> CorrectionConfig:
+    return CorrectionConfig(
+        is_level="token", is_mode="mask", is_lower=ratio_min, is_upper=ratio, denominator="original"
+    )
 
 
-def nemo_rl_seq_mask_tis(ratio: float = 1.002, ratio_min: float = 0.999) -> C:
+def nemo_rl_seq_mask_tis(ratio: float = 1.002, ratio_min: float = 0.999) -> CorrectionConfig:
     """NeMo-RL / OpenRLHF seq-mask-tis: untruncated token ρ, whole sequence zeroed unless the geometric
     mean ratio is in [min, max]; zeroed tokens stay in the denominator."""
-    return C(
+    return CorrectionConfig(
         is_level="token",
         is_upper=None,
         rs=("seq_mean_k1",),
@@ -177,56 +178,58 @@ def nemo_rl_seq_mask_tis(ratio: float = 1.002, ratio_min: float = 0.999) -> C:
     )
 
 
-def skyrl_geo_mask(low: float = 0.99, high: float = 1.01) -> C:
+def skyrl_geo_mask(low: float = 0.99, high: float = 1.01) -> CorrectionConfig:
     """SkyRL ``sequence_mask_metric="geometric"`` (the docs' first recommendation)."""
-    return C(rs=("seq_mean_k1",), rs_thresholds=((low, high),))
+    return CorrectionConfig(rs=("seq_mean_k1",), rs_thresholds=((low, high),))
 
 
-def skyrl_token_tis(clip_high: float = 2.0) -> C:
-    return C(is_level="token", is_upper=clip_high)
+def skyrl_token_tis(clip_high: float = 2.0) -> CorrectionConfig:
+    return CorrectionConfig(is_level="token", is_upper=clip_high)
 
 
-def skyrl_outlier(low: float = 1e-4, high: float = 100.0) -> C:
+def skyrl_outlier(low: float = 1e-4, high: float = 100.0) -> CorrectionConfig:
     """SkyRL outlier sequences: drop the sequence if any token ratio is outside [low, high]."""
-    return C(veto_threshold=low, veto_upper=high)
+    return CorrectionConfig(veto_threshold=low, veto_upper=high)
 
 
-def slime_tis(clip: float = 2.0) -> C:
+def slime_tis(clip: float = 2.0) -> CorrectionConfig:
     """slime ``--use-tis --tis-clip 2.0`` (tis-clip-low 0); the denominator stays the original count."""
-    return C(is_level="token", is_upper=clip, denominator="original")
+    return CorrectionConfig(is_level="token", is_upper=clip, denominator="original")
 
 
-def slime_veto(clip: float = 2.0, veto: float = 1e-4) -> C:
+def slime_veto(clip: float = 2.0, veto: float = 1e-4) -> CorrectionConfig:
     """slime MIS helper: token TIS plus the catastrophic-token veto (ρ_t < 1e-4 drops the sequence)."""
-    return C(is_level="token", is_upper=clip, veto_threshold=veto, denominator="original")
+    return CorrectionConfig(is_level="token", is_upper=clip, veto_threshold=veto, denominator="original")
 
 
-def slime_opsm(delta: float = 1e-4) -> C:
-    return C(opsm_delta=delta, denominator="original")
+def slime_opsm(delta: float = 1e-4) -> CorrectionConfig:
+    return CorrectionConfig(opsm_delta=delta, denominator="original")
 
 
-def areal_decoupled_cap(cap: float = 5.0) -> C:
+def areal_decoupled_cap(cap: float = 5.0) -> CorrectionConfig:
     """AReaL's old default (token_mask, cap 5): w_t = 0 where ρ_t > cap, token kept in the denominator."""
-    return C(is_level="token", is_mode="mask", is_upper=cap, denominator="original")
+    return CorrectionConfig(is_level="token", is_mode="mask", is_upper=cap, denominator="original")
 
 
-def openrlhf_tis(low: float = 0.5, high: float = 5.0) -> C:
+def openrlhf_tis(low: float = 0.5, high: float = 5.0) -> CorrectionConfig:
     """OpenRLHF ``is_correction_type=tis``: w = clamp(ρ, low, high) (note the lower clamp)."""
-    return C(is_level="token", is_lower=low, is_upper=high, denominator="original")
+    return CorrectionConfig(is_level="token", is_lower=low, is_upper=high, denominator="original")
 
 
-def openrlhf_icepop(low: float = 0.5, high: float = 5.0) -> C:
-    return C(is_level="token", is_mode="mask", is_lower=low, is_upper=high, denominator="original")
+def openrlhf_icepop(low: float = 0.5, high: float = 5.0) -> CorrectionConfig:
+    return CorrectionConfig(
+        is_level="token", is_mode="mask", is_lower=low, is_upper=high, denominator="original"
+    )
 
 
-def openrlhf_seq_mask_tis(low: float = 0.5, high: float = 5.0) -> C:
+def openrlhf_seq_mask_tis(low: float = 0.5, high: float = 5.0) -> CorrectionConfig:
     return nemo_rl_seq_mask_tis(ratio=high, ratio_min=low)
 
 
 def prime_rl_masked_is(token_low: float = 0.125, token_high: float = 8.0, geo_low: float = 0.1,
-                       geo_high: float = 10.0) -> C:  # fmt: skip
+                       geo_high: float = 10.0) -> CorrectionConfig:  # fmt: skip
     """prime-rl's former default: token mask [1/8, 8] and geometric sequence mask [0.1, 10]."""
-    return C(
+    return CorrectionConfig(
         rs=("token_k1", "seq_mean_k1"),
         rs_thresholds=((token_low, token_high), (geo_low, geo_high)),
         denominator="original",

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from rollcorr.config.correction import CorrectionConfig
 from rollcorr.correction import fused
-from rollcorr.correction import metrics as M
+from rollcorr.correction import metrics as metric_fns
 from rollcorr.correction.ratios import (
     Rows,
     any_per_row,
@@ -40,8 +40,8 @@ from rollcorr.correction.ratios import (
     kl_stats,
     make_tokens,
 )
-from rollcorr.correction.rejection import rejection_rules
-from rollcorr.correction.weights import apply_threshold, batch_norm_factor, raw_weights
+from rollcorr.correction.rejection import Statistics, rejection_rules, rule_metrics
+from rollcorr.correction.weights import apply_threshold, norm_factor, raw_weights
 
 PREFIX = "rollout_corr/"
 
@@ -86,7 +86,8 @@ def _apply_row_rules(
     if row_keep is None:
         return mask.clone(), rows.num_tokens, rows.valid
     kept_tokens = (rows.n * row_keep).sum()
-    metrics.update(M.rs_total_from_counts(rows.num_tokens - kept_tokens, rows.valid & ~row_keep, rows))
+    rejected_rows = rows.valid & ~row_keep
+    metrics.update(metric_fns.rs_total_from_counts(rows.num_tokens - kept_tokens, rejected_rows, rows))
     return _masked(mask, row_keep[:, None]), kept_tokens, rows.valid & row_keep
 
 
@@ -186,108 +187,98 @@ def compute_correction(
         )
 
     decomposition = config.mode == "decoupled" and log_prob is not None
-    if fused.supports(config, mask.numel(), decomposition=decomposition, staleness=version is not None):
-        got = fused.correct(
-            anchor,
-            rollout,
-            mask,
-            config,
-            names=(anchor_name, "rollout_log_prob"),
-            validate=validate,
-            group=group,
-        )
-        if got is not None:  # None: the kernel is unavailable, go on eagerly
-            weights, row_keep, rows, metrics, diagnostics = got
-            out_mask, kept_tokens, kept_rows = _apply_row_rules(mask, rows, row_keep, metrics)
-            _count_metrics(metrics, rows, shape[0], kept_tokens, kept_rows, warn and row_keep is not None)
-            metrics.update(diagnostics)
-            return CorrectionResult(weights, out_mask, {PREFIX + k: v for k, v in metrics.items()})
-
-    tok = make_tokens(
-        anchor, rollout, mask, bound=config.safety_bound, verl=config.verl_compat,
-        names=(anchor_name, "rollout_log_prob"), validate=validate,
-    )  # fmt: skip
-    k3 = kl_stats(tok, "k3")
+    mask_bool = mask if mask.dtype == torch.bool else mask != 0
+    names = (anchor_name, "rollout_log_prob")
     metrics: dict[str, Tensor] = {}
+    weights = None
+
+    # ---- the statistics: one compiled pass (fused.py) when every rule declares its reductions, else eager
+    reductions = fused.plan(config, mask.numel())
+    kernel = None
+    if reductions is not None:  # None from row_statistics: the kernel is unavailable, go on eagerly
+        kernel = fused.row_statistics(
+            anchor, rollout, mask, config, reductions, names=names, validate=validate
+        )
+    if kernel is not None:
+        stats, sums = kernel
+        rows, tok, k3 = stats.rows, None, None
+    else:
+        tok = make_tokens(
+            anchor, rollout, mask, bound=config.safety_bound, verl=config.verl_compat, names=names,
+            validate=validate,
+        )  # fmt: skip
+        k3 = kl_stats(tok, "k3")
+        rows, stats = tok, Statistics(tok, k3)
 
     # ---- IS weights ------------------------------------------------------------------------------
-    weights = None
     if config.is_level is not None:
-        raw, row_log = raw_weights(tok, config.is_level, config.safety_bound)
-        w = apply_threshold(raw, tok.mask_f, config.is_mode, config.is_upper, config.is_lower)
-        metrics.update(
-            M.is_metrics(
-                w, raw, row_log, tok, config.is_level, config.is_upper, config.is_lower, config.is_mode
+        if tok is None:
+            w, is_metrics = fused.is_weights(sums, rows, mask_bool, config)
+            metrics.update(is_metrics)
+        else:
+            raw, row_log = raw_weights(tok, config.is_level, config.safety_bound)
+            w = apply_threshold(raw, tok.mask_f, config.is_mode, config.is_upper, config.is_lower)
+            metrics.update(
+                metric_fns.is_metrics(
+                    w, raw, row_log, tok, config.is_level, config.is_upper, config.is_lower, config.is_mode
+                )
             )
-        )
-        del raw  # free each (B, T) temporary once read: the next one reuses its memory
+            del raw  # free each (B, T) temporary once read: the next one reuses its memory
         if config.batch_normalize:
-            factor = batch_norm_factor(w, tok, config.is_level, group)
-            w = w.div_(factor)  # w is a fresh tensor (raw_weights / apply_threshold never alias inputs)
+            factor = norm_factor(
+                w, rows.n, rows.valid, config.is_level, den=rows.den if rows.verl else None, group=group
+            )
+            w = w.div_(factor)  # w is a fresh tensor (raw_weights / apply_threshold / the kernel never alias)
             metrics["rollout_is_batch_norm_factor"] = factor
         if config.applies_weights:
             weights = w
         del w
 
-    # ---- rejection -------------------------------------------------------------------------------
+    # ---- rejection: the one rule list (rejection.RULES), on either statistics ----------------------
     keep = None  # (B, T) bool, None while no token rule rejects
     row_keep = None  # (B,) bool, None while no sequence rule rejects
-    # the veto floor and ceiling are reported together, as are TRM's max k2 and mean k3
-    veto = veto_flags = trm = row_max_k2 = row_mean_k3 = None
-    for rule in rejection_rules(
-        config, tok, k3=k3, log_prob=log_prob, advantages=finite_rows.get("advantages")
-    ):
+    outcomes = rejection_rules(config, stats, log_prob=log_prob, advantages=finite_rows.get("advantages"))
+    for rule in outcomes:
         if rule.token_keep is not None:
             keep = rule.token_keep if keep is None else keep & rule.token_keep
         else:
             row_keep = rule.row_keep if row_keep is None else row_keep & rule.row_keep
-        if rule.rs is not None:
-            metrics.update(M.rs_option_metrics(rule.rs, tok))
-        elif rule.flags is not None:
-            veto = rule.row_keep if veto is None else veto & rule.row_keep
-            veto_flags = rule.flags if veto_flags is None else veto_flags | rule.flags
-        elif rule.trm is not None:
-            trm = rule.row_keep if trm is None else trm & rule.row_keep
-            row_max_k2, row_mean_k3 = rule.trm
-        else:  # opsm
-            metrics["opsm_seq_masked_fraction"] = tok.over_rows(
-                (~rule.row_keep & tok.valid).to(tok.mask_f.dtype)
-            )
-            metrics["opsm_divergence_mean"] = tok.over_rows(rule.stat)
-    if veto is not None:
-        metrics["veto_token_fraction"] = tok.token_share(veto_flags)
-        metrics["veto_seq_fraction"] = tok.over_rows((~veto & tok.valid).to(tok.mask_f.dtype))
-    if trm is not None:
-        metrics["trm_seq_masked_fraction"] = tok.over_rows((~trm & tok.valid).to(tok.mask_f.dtype))
-        metrics["trm_max_k2_max"] = tok.rows_max(row_max_k2)
-        metrics["trm_mean_k3_max"] = tok.rows_max(row_mean_k3)
+    metrics.update(rule_metrics(outcomes, rows))
     # kept = response_mask ∧ token rules ∧ row rules; counts are exact integers in float
     if keep is None:  # no rule, or sequence rules only: everything follows from the per-row counts n
-        out_mask, kept_tokens, kept_rows = _apply_row_rules(mask, tok, row_keep, metrics)
+        out_mask, kept_tokens, kept_rows = _apply_row_rules(mask, rows, row_keep, metrics)
     else:
         if row_keep is not None:
             keep = keep & row_keep[:, None]
         kept = tok.mask & keep
         kept_tokens = torch.count_nonzero(kept).to(tok.dtype)
         kept_rows, rejected_rows = any_per_row(kept), any_per_row(tok.mask & ~kept)
-        metrics.update(M.rs_total_from_counts(tok.num_tokens - kept_tokens, rejected_rows, tok))
+        metrics.update(metric_fns.rs_total_from_counts(tok.num_tokens - kept_tokens, rejected_rows, tok))
         out_mask = _masked(mask, keep)
     _count_metrics(
-        metrics, tok, shape[0], kept_tokens, kept_rows, warn and (keep is not None or row_keep is not None)
+        metrics, rows, shape[0], kept_tokens, kept_rows, warn and (keep is not None or row_keep is not None)
     )
 
     # ---- diagnostics ------------------------------------------------------------------------------
-    metrics.update(M.offpolicy_metrics(tok, k3))
     late: dict[str, Tensor] = {}
     if version is not None:
-        late.update(M.staleness_metrics(version, current_version, tok))
+        late.update(metric_fns.staleness_metrics(version, current_version, mask_bool, rows))
+    if tok is None:
+        metrics.update(fused.diagnostics(sums, rows))
+        if decomposition:
+            dtype = rows.dtype
+            masked = (torch.where(mask_bool, x.to(dtype), 0.0) for x in (anchor, rollout))
+            late.update(metric_fns.decomposition_metrics(log_prob, *masked, mask_bool, rows))
+        metrics.update(late)
+        return CorrectionResult(weights, out_mask, {PREFIX + k: v for k, v in metrics.items()})
+    metrics.update(metric_fns.offpolicy_metrics(tok, k3))
     if decomposition:
-        late.update(M.decomposition_metrics(log_prob, tok))
+        late.update(metric_fns.decomposition_metrics(log_prob, tok.anchor, tok.rollout, tok.mask, tok))
     # Last reads of the masked log-probs (tok is local): exponentiate them in place for the
     # probability-space metrics, then reuse both buffers as the divergence metrics' scratch.
     p_old, p_rollout = tok.anchor.exp_(), tok.rollout.exp_()
-    prob = M.prob_mismatch(p_old, p_rollout, tok, overwrite=True)
-    metrics.update(M.divergence_metrics(tok, k3, scratch=(p_old, p_rollout)))
+    prob = metric_fns.prob_mismatch(p_old, p_rollout, tok, overwrite=True)
+    metrics.update(metric_fns.divergence_metrics(tok, k3, scratch=(p_old, p_rollout)))
     metrics.update(prob)
     metrics.update(late)
     return CorrectionResult(weights, out_mask, {PREFIX + k: v for k, v in metrics.items()})

@@ -11,13 +11,16 @@ log-ratio (verl's is unclamped and turns ``inf`` at ℓ ≈ 90).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from rollcorr.config.correction import LOG_RATIO_CLAMP
 from rollcorr.correction.ratios import Rows, Tokens, any_per_row, check_mask, check_tensor
-from rollcorr.correction.rejection import RSOutcome
+
+if TYPE_CHECKING:
+    from rollcorr.correction.rejection import RSOutcome
 
 Metrics = dict[str, Tensor]
 PPL_LOG_CAP = 80.0  # rollcorr's PPL metrics saturate at e^80 (finite in float32); verl's overflow to inf
@@ -187,16 +190,17 @@ def rs_option_metrics(r: RSOutcome, tok: Rows) -> Metrics:
         out[f"{p}_min"] = seq.masked_fill(~tok.valid, float("inf")).min()
         out[f"{p}_fraction_high"] = seq_frac(seq > r.upper)
         out[f"{p}_fraction_low"] = seq_frac(seq < lower) if is_k1 else torch.zeros((), dtype=dtype)
-        if tok.verl:  # verl broadcasts the row statistic to (B, T) and sums that: same rounding
+        if tok.verl and isinstance(tok, Tokens):  # verl broadcasts the row statistic to (B, T): same rounding
             total = tok.den(tok.num_tokens)
             spread = torch.where(tok.mask, seq[:, None], 0.0)
             out[f"{p}_mean"] = spread.sum() / total
             clamped = torch.where(tok.mask, seq.clamp(min=lower, max=r.upper)[:, None], 0.0)
             mean = clamped.sum() / total
             std = (clamped.square().sum() / total - mean.square()).clamp_min(0).sqrt()
-        else:
-            out[f"{p}_mean"] = (seq * tok.n).sum() / tok.num_tokens
-            std = _std(seq.clamp(min=lower, max=r.upper), tok.n, tok.num_tokens)
+        else:  # from the per-row counts (the fused path in verl mode too: equal to float rounding)
+            total = tok.den(tok.num_tokens)
+            out[f"{p}_mean"] = (seq * tok.n).sum() / total
+            std = _std(seq.clamp(min=lower, max=r.upper), tok.n, total)
         row_rejected = ~r.row_keep & tok.valid
         out[f"{p}_masked_fraction_"] = (row_rejected.to(dtype) * tok.n).sum() / tok.den(tok.num_tokens)
     out[f"{p}_std"] = torch.where(tok.num_tokens > 1, std, torch.zeros_like(std))
@@ -231,13 +235,10 @@ def rs_total_from_counts(rejected_tokens: Tensor, rejected_rows: Tensor, tok: Ro
 
 
 # ---- off-policy (verl compute_offpolicy_metrics) -----------------------------------------------
-def offpolicy_metrics(tok: Tokens | Tensor, k3: Tensor | None = None, *legacy: Tokens) -> Metrics:
-    """PPL, KL (k1, k3), log-PPL differences and χ² of π_old (or π_θ in bypass) against μ (verl ``compute_offpolicy_metrics``).
-    ``k3``: the per-token ρ − 1 − ℓ from the clamped ℓ if already computed (verl's k3_kl is unclamped).
-    The older form ``offpolicy_metrics(old_log_prob, rollout_log_prob, tok)`` is still accepted (the
-    log-probs are taken from ``tok``)."""
-    if isinstance(tok, Tensor):
-        tok, k3 = legacy[0], None
+def offpolicy_metrics(tok: Tokens, k3: Tensor | None = None) -> Metrics:
+    """PPL, KL (k1, k3), log-PPL differences and χ² of π_old (or π_θ in bypass) against μ (verl
+    ``compute_offpolicy_metrics``). ``k3``: the per-token ρ − 1 − ℓ from the clamped ℓ if already computed
+    (verl's k3_kl is unclamped)."""
     if k3 is None:
         k3 = tok.ratio - 1.0 - tok.log_ratio_safe
     lr = tok.log_ratio
@@ -383,7 +384,7 @@ def _prob_mismatch(
 ) -> Metrics:
     """a, b: (B, T) probabilities equal to ``pad`` on padding (so |Δp| = 0 there); ``overwrite``: b may be
     reused for |Δp|."""
-    # moments over valid tokens, removing the padding's known contribution
+    # moments over valid tokens (Σa, Σb, Σa², Σb², Σab), removing the padding's known contribution
     pad_a, pad_aa = pad * num_pad, pad * pad * num_pad
     sa, sb = a.sum() - pad_a, b.sum() - pad_a
     saa, sbb, sab = _dot(a, a) - pad_aa, _dot(b, b) - pad_aa, _dot(a, b) - pad_aa
@@ -392,8 +393,9 @@ def _prob_mismatch(
     flag = torch.empty(d.shape, dtype=torch.bool, device=d.device)  # one (B, T) bool buffer for the shares
     counts = [_count(torch.ge(d, threshold, out=flag), dtype) for threshold in PROB_SHARES]
     return prob_from_sums(
-        n, count, sa=sa, sb=sb, saa=saa, sbb=sbb, sab=sab, d_row_max=d.amax(dim=-1), d_row_sum=d.sum(dim=-1),
-        lt=_count(torch.lt(d, 1e-3, out=flag), dtype) - num_pad, ge=counts,  # padding has d = 0
+        n, count, p_old_sum=sa, p_rollout_sum=sb, p_old_sq_sum=saa, p_rollout_sq_sum=sbb, p_cross_sum=sab,
+        d_row_max=d.amax(dim=-1), d_row_sum=d.sum(dim=-1),
+        small_diff_count=_count(torch.lt(d, 1e-3, out=flag), dtype) - num_pad, ge=counts,  # padding has d = 0
     )  # fmt: skip
 
 
@@ -404,20 +406,21 @@ def prob_from_sums(
     n: Tensor,
     count: Tensor,
     *,
-    sa: Tensor,
-    sb: Tensor,
-    saa: Tensor,
-    sbb: Tensor,
-    sab: Tensor,
+    p_old_sum: Tensor,
+    p_rollout_sum: Tensor,
+    p_old_sq_sum: Tensor,
+    p_rollout_sq_sum: Tensor,
+    p_cross_sum: Tensor,
     d_row_max: Tensor,
     d_row_sum: Tensor,
-    lt: Tensor,
+    small_diff_count: Tensor,
     ge: list[Tensor],
 ) -> Metrics:
     """The probability-mismatch metrics from reductions over valid tokens: n (B,) and ``count`` valid tokens,
     the moments Σa, Σb, Σa², Σb², Σab of a = p_old and b = p_μ, the (B,) row max and row sum of
-    d = |a − b| (rows without a valid token: 0), the number of tokens with d < 1e-3 and those with
-    d ≥ each of ``PROB_SHARES``."""
+    d = |a − b| (rows without a valid token: 0), the number of tokens with d < 1e-3
+    (``small_diff_count``) and those with d ≥ each of ``PROB_SHARES``."""
+    sa, sb, saa, sbb, sab = p_old_sum, p_rollout_sum, p_old_sq_sum, p_rollout_sq_sum, p_cross_sum
     valid = n > 0
     rows = valid.sum().clamp_min(1)
     count = count.clamp_min(1)
@@ -436,7 +439,7 @@ def prob_from_sums(
         "prob_diff_seq_mean_mean": torch.where(valid, d_row_sum / n.clamp_min(1), 0).sum() / rows,
         "prob_diff_mean": d_row_sum.sum() / count,
         "prob_diff_max": d_row_max.max(),  # |Δp| ≥ 0 and 0 on padding
-        "prob_diff_frac_lt_1e-3": lt / count,
+        "prob_diff_frac_lt_1e-3": small_diff_count / count,
     }
     for threshold, c in zip(PROB_SHARES, ge):
         out[f"prob_diff_frac_ge_{threshold}"] = c / count
@@ -444,29 +447,33 @@ def prob_from_sums(
     return out
 
 
-def staleness_metrics(version: Tensor, current_version: int | Tensor, tok: Tokens) -> Metrics:
-    """Per-token version lag (current − version that produced the token): mean and max over valid tokens."""
-    lag = (torch.as_tensor(current_version, device=version.device) - version).to(tok.dtype)
-    lag = torch.where(tok.mask, lag, 0.0)
+def staleness_metrics(version: Tensor, current_version: int | Tensor, mask: Tensor, rows: Rows) -> Metrics:
+    """Per-token version lag (current − version that produced the token): mean and max over valid tokens.
+    mask: (B, T) bool, valid tokens; rows: their counts."""
+    lag = (torch.as_tensor(current_version, device=version.device) - version).to(rows.dtype)
+    lag = torch.where(mask, lag, 0.0)
     return {
-        "staleness_mean": tok.token_mean(lag),
-        "staleness_max": lag.masked_fill(~tok.mask, float("-inf")).max(),
+        "staleness_mean": lag.sum() / rows.den(rows.num_tokens),
+        "staleness_max": lag.masked_fill(~mask, float("-inf")).max(),
     }
 
 
-def decomposition_metrics(log_prob: Tensor, tok: Tokens) -> Metrics:
-    """docs/spec.md §1 split of π_θ/μ into discrepancy π_old/μ and staleness π_θ/π_old: k3 (e^x − 1 − x, mean over
-    valid tokens, x clamped to ±20) of each log-ratio and of the total."""
-    theta = torch.where(tok.mask, log_prob.to(tok.anchor.dtype), 0.0)
+def decomposition_metrics(
+    log_prob: Tensor, anchor: Tensor, rollout: Tensor, mask: Tensor, rows: Rows
+) -> Metrics:
+    """docs/spec.md §1 split of π_θ/μ into discrepancy π_old/μ and staleness π_θ/π_old: k3 (e^x − 1 − x, mean
+    over valid tokens, x clamped to ±20) of each log-ratio and of the total. anchor / rollout: log π_old and
+    log μ already 0 on padding; mask: (B, T) bool."""
+    theta = torch.where(mask, log_prob.to(anchor.dtype), 0.0)
 
     def k3(x: Tensor) -> Tensor:
         x = x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        return tok.token_mean(torch.expm1(x).sub_(x))
+        return torch.expm1(x).sub_(x).sum() / rows.den(rows.num_tokens)
 
     return {
-        "discrepancy_k3": k3(tok.log_ratio),
-        "staleness_k3": k3(theta - tok.anchor),
-        "total_k3": k3(theta - tok.rollout),
+        "discrepancy_k3": k3(anchor - rollout),
+        "staleness_k3": k3(theta - anchor),
+        "total_k3": k3(theta - rollout),
     }
 
 

@@ -26,9 +26,11 @@ mean k3 ≤ δ_avg) and OPSM (drop iff A < 0 and mean_t(log μ − log π_θ) > 
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -146,18 +148,16 @@ def veto_keep(tok: Tokens, floor: float | None, ceiling: float | None) -> tuple[
 
 
 def trm_keep(
-    k2: Tensor, k3: Tensor, tok: Tokens, max_k2: float | None, mean_k3: float | None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Trust-region masking: keep a row iff max_t k2_t ≤ δ_max and mean_t k3_t ≤ δ_avg (either may be off).
-    Returns (row keep, row max k2, row mean k3)."""
-    row_max_k2 = _row_max(k2, tok)
-    row_mean_k3 = tok.row_mean(k3)
-    keep = torch.ones_like(tok.valid)
+    row_max_k2: Tensor, row_mean_k3: Tensor, valid: Tensor, max_k2: float | None, mean_k3: float | None
+) -> Tensor:
+    """Trust-region masking: keep a row iff max_t k2_t ≤ δ_max and mean_t k3_t ≤ δ_avg (either may be off),
+    from the (B,) row max of k2 and row mean of k3. Returns the (B,) row keep."""
+    keep = torch.ones_like(valid)
     if max_k2 is not None:
         keep = keep & (row_max_k2 <= max_k2)
     if mean_k3 is not None:
         keep = keep & (row_mean_k3 <= mean_k3)
-    return keep, row_max_k2, row_mean_k3
+    return keep
 
 
 def opsm_keep(
@@ -199,52 +199,217 @@ class RuleOutcome:
     rs: RSOutcome | None = None
     flags: Tensor | None = None
     trm: tuple[Tensor, Tensor] | None = None
+    kind: str = ""  # the kind of rule (``Rule.kind``) that produced it
+
+
+# ------------------------------------------------------------------------------------- per-row statistics
+class Statistics:
+    """Where the rules read their statistics: per-row reductions (``row_sum`` / ``row_max`` of k1, k2, k3 over
+    valid tokens, named ``sum_k1`` … ``max_k3``) and, for rules that need them, the (B, T) tokens.
+
+    This eager source computes them from the ``Tokens``; the fused kernel (fused.py) is the other source,
+    holding only the reductions a configuration's rules declare. ``rows``: the batch's ``Rows``."""
+
+    def __init__(self, tok: Tokens, k3: Tensor | None = None) -> None:
+        self.tok, self.rows, self._token = tok, tok, {} if k3 is None else {"k3": k3}
+
+    def token(self, stat: str) -> Tensor:
+        """(B, T) k1 / k2 / k3 (clamped ℓ) or the symmetric binary KL, 0 on padding."""
+        if stat not in self._token:
+            self._token[stat] = rs_statistic(f"token_{stat}", self.tok)
+        return self._token[stat]
+
+    def row_sum(self, stat: str) -> Tensor:
+        """(B,) Σ_t over valid tokens (Σ_t k1 = −Σ_t ℓ_c: no (B, T) statistic needed)."""
+        if stat == "k1":
+            return -self.tok.log_ratio_safe.sum(dim=-1)
+        return self.token(stat).sum(dim=-1)
+
+    def row_max(self, stat: str) -> Tensor:
+        """(B,) max_t over valid tokens, 0 for rows without one."""
+        return _row_max(self.token(stat), self.tok)
+
+
+# ------------------------------------------------------------------------------------------ the rule list
+@dataclass(frozen=True)
+class Rule:
+    """One kind of rejection rule, declared once: ``rejection_rules`` applies every registered kind, for the
+    eager path and the fused one alike.
+
+    active(config) → [(rule name, threshold), …] the instances ``config`` sets (none: the rule is off).
+    reductions(name, threshold) → the per-row reductions the instance reads (``sum_k1``, ``sum_k2``,
+    ``sum_k3``, ``max_k2``, ``max_k3``), or None when it needs the (B, T) tokens (then the fused path does
+    not apply). apply(name, threshold, statistics, context) → ``RuleOutcome`` (context: log_prob, advantages).
+    metrics(outcomes, rows) → its metrics (the rule's metric kind), from its instances' outcomes.
+    """
+
+    kind: str
+    active: Callable[[CorrectionConfig], list[tuple[str, Any]]]
+    reductions: Callable[[str, Any], frozenset[str] | None]
+    apply: Callable[[str, Any, Statistics, dict[str, Tensor | None]], RuleOutcome]
+    metrics: Callable[[list[RuleOutcome], Rows], dict[str, Tensor]]
+
+
+RULES: list[Rule] = []  # in the order they are applied and reported
+
+
+def register_rule(rule: Rule) -> Rule:
+    """Add a kind of rejection rule (after the built-in ones). Returns it."""
+    if any(r.kind == rule.kind for r in RULES):
+        raise ValueError(f"a rejection rule of kind {rule.kind!r} is already registered")
+    RULES.append(rule)
+    return rule
+
+
+def rule_reductions(config: CorrectionConfig) -> frozenset[str] | None:
+    """The per-row reductions ``config``'s rules read, or None when one of them needs the (B, T) tokens."""
+    needed: set[str] = set()
+    for rule in RULES:
+        for name, threshold in rule.active(config):
+            got = rule.reductions(name, threshold)
+            if got is None:
+                return None
+            needed |= got
+    return frozenset(needed)
 
 
 def rejection_rules(
     config: CorrectionConfig,
-    tok: Tokens,
+    source: Tokens | Statistics,
     *,
     k3: Tensor | None = None,
     log_prob: Tensor | None = None,
     advantages: Tensor | None = None,
 ) -> list[RuleOutcome]:
-    """Every rejection rule ``config`` sets, each applied alone, in order: the RS options, veto floor, veto
-    ceiling, TRM max k2, TRM mean k3, OPSM. ``compute_correction`` ANDs their keeps into the mask; ``analyze``
-    explains each. k3: ``kl_stats(tok, "k3")`` if already built. log_prob: π_θ for OPSM (default: the anchor
-    ``tok.anchor``). advantages: (B,) or (B, T), needed by OPSM."""
-    rules: list[RuleOutcome] = []
-    for option, threshold in zip(config.rs, config.rs_thresholds):
-        if option in ("seq_sum_k1", "seq_mean_k1"):  # Σ_t k1 = −Σ_t ℓ: no (B, T) statistic needed
-            r = rs_option(option, threshold, None, tok, row_sum=-tok.log_ratio_safe.sum(dim=-1))
-        else:
-            stat = k3 if k3 is not None and option.endswith("k3") else rs_statistic(option, tok)
-            r = rs_option(option, threshold, stat, tok)
-        stat = r.token_stat if r.token_keep is not None else r.row_stat
-        rules.append(RuleOutcome(option, r.token_keep, r.row_keep, stat, r.lower, r.upper, threshold, rs=r))
-    for name, floor, ceiling in (
-        ("veto", config.veto_threshold, None),
-        ("veto_upper", None, config.veto_upper),
-    ):
-        if floor is not None or ceiling is not None:
-            keep, bad = veto_keep(tok, floor, ceiling)
-            limit = floor if floor is not None else ceiling
-            bound = math.log(limit)
-            lower, upper = (bound, None) if floor is not None else (None, bound)
-            rules.append(RuleOutcome(name, None, keep, tok.log_ratio, lower, upper, limit, flags=bad))
-    if config.trm_max_k2 is not None or config.trm_mean_k3 is not None:
-        k2, k3 = kl_stats(tok, "k2"), (k3 if k3 is not None else kl_stats(tok, "k3"))
-        for name, max_k2, mean_k3 in (("trm_max_k2", config.trm_max_k2, None), ("trm_mean_k3", None, config.trm_mean_k3)):  # fmt: skip
-            if max_k2 is not None or mean_k3 is not None:
-                keep, row_max_k2, row_mean_k3 = trm_keep(k2, k3, tok, max_k2, mean_k3)
-                stat = row_max_k2 if max_k2 is not None else row_mean_k3
-                trm = (row_max_k2, row_mean_k3)
-                upper = max_k2 if max_k2 is not None else mean_k3
-                rules.append(RuleOutcome(name, None, keep, stat, None, upper, upper, trm=trm))
-    if config.opsm_delta is not None:
-        if advantages is None:
-            raise ValueError("opsm_delta is set: OPSM needs advantages")
-        pi_theta = log_prob if log_prob is not None else tok.anchor
-        keep, row_div = opsm_keep(tok.rollout, pi_theta, advantages, tok, config.opsm_delta)
-        rules.append(RuleOutcome("opsm", None, keep, row_div, None, config.opsm_delta, config.opsm_delta))
-    return rules
+    """Every rejection rule ``config`` sets, each applied alone, in order (``RULES``: the RS options, veto
+    floor, veto ceiling, TRM max k2, TRM mean k3, OPSM, then any registered later); each outcome names its
+    ``kind``. ``compute_correction`` ANDs their keeps into the mask; ``analyze`` explains each. source: the
+    ``Tokens`` (or a ``Statistics``: eager or the fused kernel's). k3: ``kl_stats(tok, "k3")`` if already
+    built. log_prob: π_θ for OPSM (default: the anchor). advantages: (B,) or (B, T), needed by OPSM."""
+    stats = source if not isinstance(source, Tokens) else Statistics(source, k3)
+    context = {"log_prob": log_prob, "advantages": advantages}
+    return [
+        dataclasses.replace(rule.apply(name, threshold, stats, context), kind=rule.kind)
+        for rule in RULES
+        for name, threshold in rule.active(config)
+    ]
+
+
+def rule_metrics(outcomes: list[RuleOutcome], rows: Rows) -> dict[str, Tensor]:
+    """Each rule kind's metrics (its ``Rule.metrics``) from its instances' outcomes."""
+    out: dict[str, Tensor] = {}
+    for rule in RULES:
+        mine = [outcome for outcome in outcomes if outcome.kind == rule.kind]
+        if mine:
+            out.update(rule.metrics(mine, rows))
+    return out
+
+
+# ---- the built-in rules ---------------------------------------------------------------------------------
+def _rs_apply(option: str, threshold: Any, stats: Statistics, context: dict) -> RuleOutcome:
+    kind, stat = split_option(option)
+    if kind == "token":
+        r = rs_option(option, threshold, stats.token(stat), stats.rows)
+    else:
+        r = rs_option(
+            option, threshold, None, stats.rows,
+            row_sum=stats.row_sum(stat) if kind in ("seq_sum", "seq_mean") else None,
+            row_max=stats.row_max(stat) if kind == "seq_max" else None,
+        )  # fmt: skip
+    stat_value = r.token_stat if r.token_keep is not None else r.row_stat
+    return RuleOutcome(option, r.token_keep, r.row_keep, stat_value, r.lower, r.upper, threshold, rs=r)
+
+
+def _rs_reductions(option: str, threshold: Any) -> frozenset[str] | None:
+    kind, stat = split_option(option)
+    if kind == "token" or stat == "binary_kl":
+        return None
+    return frozenset({f"{'max' if kind == 'seq_max' else 'sum'}_{stat}"})
+
+
+def _rs_metrics(outcomes: list[RuleOutcome], rows: Rows) -> dict[str, Tensor]:
+    from rollcorr.correction.metrics import rs_option_metrics
+
+    out: dict[str, Tensor] = {}
+    for o in outcomes:
+        out.update(rs_option_metrics(o.rs, rows))
+    return out
+
+
+def _veto_active(config: CorrectionConfig) -> list[tuple[str, Any]]:
+    limits = (("veto", config.veto_threshold), ("veto_upper", config.veto_upper))
+    return [(name, limit) for name, limit in limits if limit is not None]
+
+
+def _veto_apply(name: str, limit: float, stats: Statistics, context: dict) -> RuleOutcome:
+    floor, ceiling = (limit, None) if name == "veto" else (None, limit)
+    keep, bad = veto_keep(stats.tok, floor, ceiling)
+    bound = math.log(limit)
+    lower, upper = (bound, None) if floor is not None else (None, bound)
+    return RuleOutcome(name, None, keep, stats.tok.log_ratio, lower, upper, limit, flags=bad)
+
+
+def _veto_metrics(outcomes: list[RuleOutcome], rows: Rows) -> dict[str, Tensor]:
+    """The floor and the ceiling are reported together."""
+    keep, flags = outcomes[0].row_keep, outcomes[0].flags
+    for o in outcomes[1:]:
+        keep, flags = keep & o.row_keep, flags | o.flags
+    return {
+        "veto_token_fraction": rows.token_share(flags),
+        "veto_seq_fraction": rows.over_rows((~keep & rows.valid).to(rows.dtype)),
+    }
+
+
+def _trm_active(config: CorrectionConfig) -> list[tuple[str, Any]]:
+    return [(name, v) for name, v in (("trm_max_k2", config.trm_max_k2), ("trm_mean_k3", config.trm_mean_k3))
+            if v is not None]  # fmt: skip
+
+
+def _trm_apply(name: str, delta: float, stats: Statistics, context: dict) -> RuleOutcome:
+    rows = stats.rows
+    trm = (stats.row_max("k2"), rows.row_mean_of_sum(stats.row_sum("k3")))
+    max_k2, mean_k3 = (delta, None) if name == "trm_max_k2" else (None, delta)
+    keep = trm_keep(*trm, rows.valid, max_k2, mean_k3)
+    stat = trm[0] if max_k2 is not None else trm[1]
+    return RuleOutcome(name, None, keep, stat, None, delta, delta, trm=trm)
+
+
+def _trm_metrics(outcomes: list[RuleOutcome], rows: Rows) -> dict[str, Tensor]:
+    """Max k2 and mean k3 are reported together."""
+    keep = outcomes[0].row_keep
+    for o in outcomes[1:]:
+        keep = keep & o.row_keep
+    row_max_k2, row_mean_k3 = outcomes[-1].trm
+    return {
+        "trm_seq_masked_fraction": rows.over_rows((~keep & rows.valid).to(rows.dtype)),
+        "trm_max_k2_max": rows.rows_max(row_max_k2),
+        "trm_mean_k3_max": rows.rows_max(row_mean_k3),
+    }
+
+
+def _opsm_apply(name: str, delta: float, stats: Statistics, context: dict) -> RuleOutcome:
+    advantages = context["advantages"]
+    if advantages is None:
+        raise ValueError("opsm_delta is set: OPSM needs advantages")
+    tok = stats.tok
+    pi_theta = context["log_prob"] if context["log_prob"] is not None else tok.anchor
+    keep, row_div = opsm_keep(tok.rollout, pi_theta, advantages, tok, delta)
+    return RuleOutcome(name, None, keep, row_div, None, delta, delta)
+
+
+def _opsm_metrics(outcomes: list[RuleOutcome], rows: Rows) -> dict[str, Tensor]:
+    (o,) = outcomes
+    return {
+        "opsm_seq_masked_fraction": rows.over_rows((~o.row_keep & rows.valid).to(rows.dtype)),
+        "opsm_divergence_mean": rows.over_rows(o.stat),
+    }
+
+
+register_rule(Rule("rs", lambda c: list(zip(c.rs, c.rs_thresholds)), _rs_reductions, _rs_apply, _rs_metrics))
+register_rule(Rule("veto", _veto_active, lambda name, limit: None, _veto_apply, _veto_metrics))
+register_rule(Rule("trm", _trm_active, lambda name, delta: frozenset({"max_k2", "sum_k3"}), _trm_apply,
+                   _trm_metrics))  # fmt: skip
+register_rule(Rule(
+    "opsm", lambda c: [] if c.opsm_delta is None else [("opsm", c.opsm_delta)], lambda name, delta: None,
+    _opsm_apply, _opsm_metrics,
+))  # fmt: skip

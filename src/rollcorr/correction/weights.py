@@ -16,20 +16,37 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rollcorr.correction.ratios import Tokens
+from rollcorr.correction.ratios import Rows, Tokens
+
+
+def row_log_weight(row_sum: Tensor, n: Tensor, level: str) -> Tensor:
+    """The (B,) log weight of a sequence level from the row sums Σ_t ℓ_t (unclamped): Σ_t ℓ_t (sequence) or
+    mean_t ℓ_t (geometric); 0 for all-padding rows."""
+    if level == "geometric":
+        return row_sum / n.clamp_min(1)
+    if level != "sequence":
+        raise ValueError(f"is_level={level!r}; choose one of ['token', 'sequence', 'geometric']")
+    return row_sum
 
 
 def raw_weights(tok: Tokens, level: str, bound: float) -> tuple[Tensor, Tensor | None]:
     """(raw (B, T) weights before thresholds, 0 on padding; per-row log weight (B,) for seq levels)."""
     if level == "token":
         return tok.ratio * tok.mask_f, None
-    row_log = tok.log_ratio.sum(dim=-1)  # Σ_t ℓ_t (unclamped), 0 for all-padding rows
-    if level == "geometric":
-        row_log = row_log / tok.n.clamp_min(1)
-    elif level != "sequence":
-        raise ValueError(f"is_level={level!r}; choose one of ['token', 'sequence', 'geometric']")
+    row_log = row_log_weight(tok.log_ratio.sum(dim=-1), tok.n, level)
     row_w = row_log.clamp(-bound, bound).exp()
     return row_w[:, None] * tok.mask_f, row_log
+
+
+def row_weights(
+    row_sum: Tensor, rows: Rows, level: str, bound: float, mode: str, upper: float | None, lower: float | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A sequence level's weights per row from Σ_t ℓ_t: (log weight, raw weight exp(clamp(log, ±bound)),
+    thresholded weight), each (B,). The fused path broadcasts the last to the row's tokens; ``raw_weights``
+    then ``apply_threshold`` give the same values on (B, T)."""
+    row_log = row_log_weight(row_sum, rows.n, level)
+    row_raw = row_log.clamp(-bound, bound).exp()
+    return row_log, row_raw, apply_threshold(row_raw, rows.valid.to(rows.dtype), mode, upper, lower)
 
 
 def apply_threshold(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rollcorr.losses.registry import AGG_MODES, DENOMINATORS
+from rollcorr.config.loss import AGG_MODES, DENOMINATORS
 
 
 def _check(agg: str, denominator: str) -> None:
@@ -18,7 +18,7 @@ def _check(agg: str, denominator: str) -> None:
 
 
 def loss_count(
-    response_mask: Tensor,
+    kept_mask: Tensor,
     agg: str = "token-mean",
     *,
     denominator: str = "kept",
@@ -36,7 +36,7 @@ def loss_count(
       token-sum                                    None
     """
     _check(agg, denominator)
-    m = response_mask.bool()
+    m = kept_mask.bool()
     m0 = m if denominator_mask is None or denominator == "kept" else denominator_mask.bool()
     if agg == "token-sum" and not per_sequence:
         return None
@@ -51,7 +51,7 @@ def loss_count(
 
 def aggregate(
     loss: Tensor,
-    response_mask: Tensor,
+    kept_mask: Tensor,
     agg: str = "token-mean",
     *,
     denominator: str = "kept",
@@ -60,7 +60,7 @@ def aggregate(
 ) -> Tensor:
     """Reduce a per-token loss (B, T) — or a per-sequence loss (B,) — to a scalar.
 
-    m = response_mask (kept tokens), m0 = denominator_mask (tokens before rejection; default m).
+    m = kept_mask (kept tokens), m0 = denominator_mask (tokens before rejection; default m).
     Counts by denominator policy:          kept          original         batch
       tokens in the batch  N_tok           Σ m           Σ m0             Σ m0
       tokens of row b      n_b             Σ_t m_b       Σ_t m0_b         Σ_t m0_b
@@ -77,9 +77,9 @@ def aggregate(
     """
     per_sequence = loss.dim() == 1
     count = loss_count(
-        response_mask, agg, denominator=denominator, denominator_mask=denominator_mask, per_sequence=per_sequence
+        kept_mask, agg, denominator=denominator, denominator_mask=denominator_mask, per_sequence=per_sequence
     )
-    m = response_mask.bool()
+    m = kept_mask.bool()
     dtype = loss.dtype
     if per_sequence:
         rows = torch.where(m.any(-1), loss, torch.zeros_like(loss))

@@ -1,4 +1,5 @@
-"""`policy_loss(LossConfig, ...)`: validate the inputs, run the configured loss, aggregate it."""
+"""`policy_loss(LossConfig, ...)`: validate the inputs, run the configured loss (through the catalogue,
+`rollcorr.losses.registry.LOSSES`), aggregate it."""
 
 from __future__ import annotations
 
@@ -7,17 +8,11 @@ from torch import Tensor
 
 from rollcorr.correction.ratios import check_binary_mask
 from rollcorr.losses.aggregation import aggregate
-from rollcorr.losses.is_weighted import IS_WEIGHTED, is_loss_weights
-from rollcorr.losses.oapl import oapl_loss
-from rollcorr.losses.ppo import clip_cov_loss, kl_cov_loss, ppo_clip_loss
-from rollcorr.losses.registry import LossConfig
-from rollcorr.losses.reinforce import cispo_loss, dro_loss, reinforce_loss
-from rollcorr.losses.sequence import gmpo_loss, gspo_loss
-from rollcorr.losses.trust_region import dppo_kl_loss, dppo_tv_loss, sapo_loss
+from rollcorr.losses.registry import LossConfig, LossInputs
 
 
 def _validate(
-    log_prob: Tensor, response_mask: Tensor, denominator_mask: Tensor | None, check_values: bool, **named
+    log_prob: Tensor, kept_mask: Tensor, denominator_mask: Tensor | None, check_values: bool, **named
 ) -> None:
     if log_prob.dim() != 2:
         raise ValueError(f"log_prob must be (B, T), got shape {tuple(log_prob.shape)}")
@@ -25,7 +20,7 @@ def _validate(
         raise ValueError(f"log_prob must be floating point, got {log_prob.dtype}")
     shape = tuple(log_prob.shape)
     for name, value in {
-        "response_mask": response_mask,
+        "kept_mask": kept_mask,
         "denominator_mask": denominator_mask,
         **named,
     }.items():
@@ -33,15 +28,15 @@ def _validate(
             raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape}")
     if not check_values:
         return
-    check_binary_mask("response_mask", response_mask)
+    check_binary_mask("kept_mask", kept_mask)
     if denominator_mask is not None:
         check_binary_mask("denominator_mask", denominator_mask)
-    mask = response_mask.bool()
+    mask = kept_mask.bool()
     for name, value in {"log_prob": log_prob, **named}.items():
         if value is not None and value.is_floating_point() and not torch.isfinite(value.detach()[mask]).all():
             raise ValueError(f"{name} has NaN or ±inf on valid tokens")
     if denominator_mask is not None and (mask & ~denominator_mask.bool()).any():
-        raise ValueError("response_mask keeps tokens that denominator_mask (pre-rejection) does not have")
+        raise ValueError("kept_mask keeps tokens that denominator_mask (pre-rejection) does not have")
 
 
 def policy_loss(
@@ -49,7 +44,7 @@ def policy_loss(
     log_prob: Tensor,
     old_log_prob: Tensor | None,
     advantages: Tensor | None,
-    response_mask: Tensor,
+    kept_mask: Tensor,
     *,
     weights: Tensor | None = None,
     rollout_log_prob: Tensor | None = None,
@@ -60,15 +55,16 @@ def policy_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Compute `config.name`'s loss and aggregate it. Returns (scalar loss, detached metrics).
 
-    response_mask: kept tokens (after rejection); denominator_mask: valid tokens before rejection (default
-    response_mask). advantages: (B, T) or (B,) (broadcast). weights: detached correction weights w (B, T)
-    for ppo_clip (decoupled), reinforce, cispo, gspo, gmpo and the verl losses (dppo_tv, dppo_kl, sapo, gpg,
-    clip_cov, kl_cov, dro). rollout_log_prob (μ) is needed by
-    ppo_is, vanilla_is, tis, areal and oapl; oapl also needs rewards (B,) and group_ids (B,) (advantages
-    unused). If no token is kept the loss is exactly 0 with zero gradient and `actor/all_rejected` = 1.
+    kept_mask: the tokens kept after rejection (the correction's ``kept_mask``); denominator_mask: valid
+    tokens before rejection (default kept_mask). advantages: (B, T) or (B,) (broadcast). What else a loss needs is
+    declared by its ``LossSpec``: weights (detached correction weights w (B, T); every loss but ppo_is,
+    vanilla_is, tis, areal and oapl takes them), rollout_log_prob (μ: ppo_is, vanilla_is, tis, areal, oapl),
+    rewards (B,) and group_ids (B,) (oapl, which reads no advantages). If no token is kept the loss is
+    exactly 0 with zero gradient and `actor/all_rejected` = 1.
     generator: clip_cov's random draw (default: a generator seeded with `clip_cov_seed` when that is set,
     else torch's global RNG). Pass one persistent generator per run for fresh, reproducible draws.
     """
+    spec = config.spec
     name = config.name
     if log_prob.dim() == 2:
         batch = log_prob.shape[0]
@@ -88,7 +84,7 @@ def policy_loss(
     )
     _validate(
         log_prob,
-        response_mask,
+        kept_mask,
         denominator_mask,
         config.check_inputs,
         old_log_prob=old_log_prob,
@@ -98,110 +94,39 @@ def policy_loss(
     )
     # Zero every input outside the kept mask: padding may hold NaN / -inf, and a masked position must get
     # an exactly-zero gradient (0 · NaN in a backward would otherwise poison the parameters).
-    kept_mask = response_mask.bool()
+    kept = kept_mask.bool()
 
     def clean(value: Tensor | None) -> Tensor | None:
-        return None if value is None else torch.where(kept_mask, value, torch.zeros_like(value))
+        return None if value is None else torch.where(kept, value, torch.zeros_like(value))
 
     log_prob, old_log_prob, advantages = clean(log_prob), clean(old_log_prob), clean(advantages)
     weights, rollout_log_prob = clean(weights), clean(rollout_log_prob)
-    needs_rollout = name in ("ppo_is", "vanilla_is", "tis", "areal", "oapl")
-    if needs_rollout and rollout_log_prob is None:
+    if spec.needs_rollout_log_prob and rollout_log_prob is None:
         raise ValueError(f"loss {name!r} needs rollout_log_prob (log μ)")
-    if name in ("ppo_is", "vanilla_is", "tis", "areal", "oapl") and weights is not None:
+    if not spec.takes_weights and weights is not None:
         raise ValueError(f"loss {name!r} builds its own weight (or none); do not pass weights")
-    if name == "oapl":
-        if rewards is None or group_ids is None:
-            raise ValueError("loss 'oapl' needs rewards (B,) and group_ids (B,)")
-    else:
-        if advantages is None:
-            raise ValueError(f"loss {name!r} needs advantages")
-        if old_log_prob is None and name not in ("reinforce", "ppo_is", "gpg"):
-            raise ValueError(f"loss {name!r} needs old_log_prob")
-
-    lo, hi = config.eps_low, config.eps_high
-    metrics: dict[str, Tensor] = {}
-    if name in ("ppo_clip", "ppo_is", "vanilla_is", "tis", "areal"):
-        anchor = rollout_log_prob if name == "ppo_is" else old_log_prob
-        w = weights
-        if name in IS_WEIGHTED:
-            w, metrics = is_loss_weights(config, old_log_prob, rollout_log_prob, response_mask)
-        loss, m = ppo_clip_loss(
-            log_prob,
-            anchor,
-            advantages,
-            response_mask,
-            clip_low=lo,
-            clip_high=hi,
-            clip_c=config.clip_c,
-            weights=w,
-        )
-    elif name == "reinforce":
-        loss, m = reinforce_loss(
-            log_prob, advantages, response_mask, weights=weights, ref_log_prob=old_log_prob
-        )
-    elif name == "cispo":
-        loss, m = cispo_loss(
-            log_prob, old_log_prob, advantages, response_mask, clip_low=lo, clip_high=hi, weights=weights
-        )
-    elif name == "gspo":
-        loss, m = gspo_loss(
-            log_prob, old_log_prob, advantages, response_mask, clip_low=lo, clip_high=hi, weights=weights
-        )
-    elif name == "gmpo":
-        loss, m = gmpo_loss(
-            log_prob, old_log_prob, advantages, response_mask, clip_low=lo, clip_high=hi, weights=weights
-        )
-    elif name in ("dppo_tv", "dppo_kl"):
-        fn = dppo_tv_loss if name == "dppo_tv" else dppo_kl_loss
-        loss, m = fn(
-            log_prob, old_log_prob, advantages, response_mask, clip_low=lo, clip_high=hi,
-            cap=config.clip_c, kl_coef=config.dppo_kl_coef, weights=weights,
-        )  # fmt: skip
-    elif name == "sapo":
-        loss, m = sapo_loss(
-            log_prob, old_log_prob, advantages, response_mask,
-            tau_pos=config.sapo_tau_pos, tau_neg=config.sapo_tau_neg, weights=weights,
-        )  # fmt: skip
-    elif name == "gpg":
-        loss, m = reinforce_loss(log_prob, advantages, response_mask, weights=weights)
-    elif name == "clip_cov":
-        if generator is None and config.clip_cov_seed is not None:
-            generator = torch.Generator(device=log_prob.device).manual_seed(config.clip_cov_seed)
-        loss, m = clip_cov_loss(
-            log_prob, old_log_prob, advantages, response_mask, clip_low=lo, clip_high=hi,
-            ratio=config.clip_cov_ratio, cov_lb=config.clip_cov_lb, cov_ub=config.clip_cov_ub,
-            generator=generator, weights=weights,
-        )  # fmt: skip
-    elif name == "kl_cov":
-        loss, m = kl_cov_loss(
-            log_prob, old_log_prob, advantages, response_mask,
-            ratio=config.kl_cov_ratio, kl_coef=config.kl_cov_coef, weights=weights,
-        )  # fmt: skip
-    elif name == "dro":
-        loss, m = dro_loss(
-            log_prob, old_log_prob, advantages, response_mask, beta=config.dro_beta, weights=weights
-        )
-    else:
-        loss, m = oapl_loss(
-            log_prob,
-            rollout_log_prob,
-            rewards,
-            group_ids,
-            response_mask,
-            beta=config.oapl_beta,
-            beta1=config.oapl_beta1,
-        )
-    metrics.update(m)
+    if spec.needs_rewards and (rewards is None or group_ids is None):
+        raise ValueError(f"loss {name!r} needs rewards (B,) and group_ids (B,)")
+    if spec.needs_advantages and advantages is None:
+        raise ValueError(f"loss {name!r} needs advantages")
+    if spec.needs_old_log_prob and old_log_prob is None:
+        raise ValueError(f"loss {name!r} needs old_log_prob")
+    inputs = LossInputs(
+        log_prob=log_prob, kept_mask=kept_mask, old_log_prob=old_log_prob, advantages=advantages,
+        weights=weights, rollout_log_prob=rollout_log_prob, rewards=rewards, group_ids=group_ids,
+        generator=generator,
+    )  # fmt: skip
+    loss, metrics = spec.compute(inputs, config)
+    metrics = dict(metrics)
     total = aggregate(
         loss,
-        response_mask,
+        kept_mask,
         config.agg_mode,
         denominator=config.denominator,
         denominator_mask=denominator_mask,
         norm_constant=config.norm_constant,
     )
-    kept = response_mask.bool().sum()
+    kept = kept.sum()
     valid = kept if denominator_mask is None else denominator_mask.bool().sum()
     dtype = log_prob.dtype
     metrics["actor/pg_loss"] = total.detach()

@@ -14,13 +14,14 @@ from torch import Tensor
 
 from rollcorr.config.correction import LOG_RATIO_CLAMP
 from rollcorr.losses.common import clamped_ratio, detached, masked_mean, ppo_surrogates
+from rollcorr.losses.registry import LossConfig, LossInputs, LossResult, LossSpec, register_loss
 
 
 def ppo_clip_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
     advantages: Tensor,
-    response_mask: Tensor,
+    kept_mask: Tensor,
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
@@ -43,9 +44,9 @@ def ppo_clip_loss(
     if weights is not None:
         loss = loss * weights.detach()
     metrics = {
-        "actor/pg_clipfrac": masked_mean((loss2 > loss1).to(delta.dtype), response_mask),
-        "actor/ppo_kl": masked_mean(-delta, response_mask),
-        "actor/pg_clipfrac_lower": masked_mean(lower.to(delta.dtype), response_mask),
+        "actor/pg_clipfrac": masked_mean((loss2 > loss1).to(delta.dtype), kept_mask),
+        "actor/ppo_kl": masked_mean(-delta, kept_mask),
+        "actor/pg_clipfrac_lower": masked_mean(lower.to(delta.dtype), kept_mask),
     }
     return loss, detached(metrics)
 
@@ -94,7 +95,7 @@ def clip_cov_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
     advantages: Tensor,
-    response_mask: Tensor,
+    kept_mask: Tensor,
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
@@ -118,11 +119,11 @@ def clip_cov_loss(
     Δ is clamped to ±``log_ratio_clamp`` before exp (verl: None, unclamped); ``count_eps`` is added to the
     token count of cov's means (verl: 1e-8).
     """
-    mask = response_mask.bool()
+    mask = kept_mask.bool()
     delta, r = _log_ratio(log_prob, old_log_prob, log_ratio_clamp)
     loss1, loss2 = ppo_surrogates(advantages, r, clip_low, clip_high)
     with torch.no_grad():
-        cov = _covariance(advantages, log_prob, response_mask, count_eps)
+        cov = _covariance(advantages, log_prob, kept_mask, count_eps)
         candidate = mask & ~(loss2 > loss1) & (cov > cov_lb) & (cov < cov_ub)
         device = cov.device if generator is None else generator.device
         uniform = torch.rand(cov.shape, generator=generator, device=device).to(cov.device)  # float32 keys
@@ -132,8 +133,8 @@ def clip_cov_loss(
     if weights is not None:
         loss = loss * weights.detach()
     metrics = {
-        "actor/pg_clipfrac": masked_mean(zeroed.to(delta.dtype), response_mask),
-        "actor/ppo_kl": masked_mean(-delta, response_mask),
+        "actor/pg_clipfrac": masked_mean(zeroed.to(delta.dtype), kept_mask),
+        "actor/ppo_kl": masked_mean(-delta, kept_mask),
     }
     return loss, detached(metrics)
 
@@ -142,7 +143,7 @@ def kl_cov_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
     advantages: Tensor,
-    response_mask: Tensor,
+    kept_mask: Tensor,
     *,
     ratio: float = 2e-4,
     kl_coef: float = 0.1,
@@ -156,7 +157,7 @@ def kl_cov_loss(
     Deterministic (ties broken by position). Metric (verl): ppo_kl = mean |Δ| over valid tokens.
     r uses Δ clamped to ±``log_ratio_clamp`` (verl: None, unclamped); |Δ| is not clamped.
     """
-    mask = response_mask.bool()
+    mask = kept_mask.bool()
     raw_delta = log_prob - old_log_prob
     _, r = _log_ratio(log_prob, old_log_prob, log_ratio_clamp)
     with torch.no_grad():
@@ -166,5 +167,45 @@ def kl_cov_loss(
     loss = -advantages * r + kl_coef * raw_delta.abs() * top.to(r.dtype)
     if weights is not None:
         loss = loss * weights.detach()
-    metrics = {"actor/ppo_kl": masked_mean(raw_delta.abs(), response_mask)}
+    metrics = {"actor/ppo_kl": masked_mean(raw_delta.abs(), kept_mask)}
     return loss, detached(metrics)
+
+
+# ---- the catalogue entries (rollcorr.losses.registry) ------------------------------------------------
+# PPO / DAPO ε = 0.2 (verl's ActorConfig clip_ratio), token-mean.
+register_loss(LossSpec(
+    "ppo_clip",
+    lambda i, c: ppo_clip_loss(i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, clip_low=c.eps_low,
+                               clip_high=c.eps_high, clip_c=c.clip_c, weights=i.weights),
+    verl_name="vanilla",
+))  # fmt: skip
+register_loss(LossSpec(
+    "ppo_is",  # ppo_clip with r = π_θ/μ and no weight (bypass: π_old := μ)
+    lambda i, c: ppo_clip_loss(i.log_prob, i.rollout_log_prob, i.advantages, i.kept_mask, clip_low=c.eps_low,
+                               clip_high=c.eps_high, clip_c=c.clip_c),
+    needs_old_log_prob=False, needs_rollout_log_prob=True, takes_weights=False, builds_own_weights=True,
+))  # fmt: skip
+
+
+def _clip_cov(i: LossInputs, c: LossConfig) -> LossResult:
+    generator = i.generator
+    if generator is None and c.clip_cov_seed is not None:
+        generator = torch.Generator(device=i.log_prob.device).manual_seed(c.clip_cov_seed)
+    return clip_cov_loss(
+        i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, clip_low=c.eps_low, clip_high=c.eps_high,
+        ratio=c.clip_cov_ratio, cov_lb=c.clip_cov_lb, cov_ub=c.clip_cov_ub, generator=generator,
+        weights=i.weights,
+    )  # fmt: skip
+
+
+# clip_cov / kl_cov: verl's ActorConfig / PolicyLossConfig defaults (ε unused by kl_cov)
+register_loss(LossSpec(
+    "clip_cov", _clip_cov, verl_name="clip_cov",
+    options={"clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0, "clip_cov_seed": None},
+))  # fmt: skip
+register_loss(LossSpec(
+    "kl_cov",
+    lambda i, c: kl_cov_loss(i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, ratio=c.kl_cov_ratio,
+                             kl_coef=c.kl_cov_coef, weights=i.weights),
+    clip_low=0.0, clip_high=0.0, options={"kl_cov_ratio": 2e-4, "kl_cov_coef": 0.1}, verl_name="kl_cov",
+))  # fmt: skip

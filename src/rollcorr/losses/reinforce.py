@@ -11,12 +11,13 @@ import torch
 from torch import Tensor
 
 from rollcorr.losses.common import clamped_ratio, detached, masked_mean
+from rollcorr.losses.registry import LossSpec, register_loss
 
 
 def reinforce_loss(
     log_prob: Tensor,
     advantages: Tensor,
-    response_mask: Tensor,
+    kept_mask: Tensor,
     *,
     weights: Tensor | None = None,
     ref_log_prob: Tensor | None = None,
@@ -30,7 +31,7 @@ def reinforce_loss(
         loss = loss * weights.detach()
     metrics = {}
     if ref_log_prob is not None:
-        metrics["actor/ppo_kl"] = masked_mean(ref_log_prob - log_prob, response_mask)
+        metrics["actor/ppo_kl"] = masked_mean(ref_log_prob - log_prob, kept_mask)
     return loss, detached(metrics)
 
 
@@ -38,7 +39,7 @@ def cispo_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
     advantages: Tensor,
-    response_mask: Tensor,
+    kept_mask: Tensor,
     *,
     clip_low: float = 1.0,
     clip_high: float = 4.0,
@@ -51,8 +52,8 @@ def cispo_loss(
     if weights is not None:
         loss = loss * weights.detach()
     metrics = {
-        "actor/pg_clipfrac": masked_mean((ratio != clipped).to(delta.dtype), response_mask),
-        "actor/ppo_kl": masked_mean(-delta, response_mask),
+        "actor/pg_clipfrac": masked_mean((ratio != clipped).to(delta.dtype), kept_mask),
+        "actor/ppo_kl": masked_mean(-delta, kept_mask),
         "actor/pg_clipfrac_lower": torch.zeros((), dtype=delta.dtype, device=delta.device),
     }
     return loss, detached(metrics)
@@ -62,7 +63,7 @@ def dro_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
     advantages: Tensor,
-    response_mask: Tensor,
+    kept_mask: Tensor,
     *,
     beta: float = 0.1,
     weights: Tensor | None = None,
@@ -75,5 +76,31 @@ def dro_loss(
     loss = -(log_prob * advantages - 0.5 * beta * delta.square())
     if weights is not None:
         loss = loss * weights.detach()
-    metrics = {"actor/ppo_kl": masked_mean(-delta, response_mask)}
+    metrics = {"actor/ppo_kl": masked_mean(-delta, kept_mask)}
     return loss, detached(metrics)
+
+
+# ---- the catalogue entries (rollcorr.losses.registry) ------------------------------------------------
+register_loss(LossSpec(
+    "reinforce",  # old_log_prob (μ in bypass), when given, only feeds the actor/ppo_kl metric
+    lambda i, c: reinforce_loss(i.log_prob, i.advantages, i.kept_mask, weights=i.weights,
+                                ref_log_prob=i.old_log_prob),
+    clip_low=0.0, clip_high=0.0, needs_old_log_prob=False, has_ratio=False, verl_name="reinforce",
+))  # fmt: skip
+register_loss(LossSpec(
+    "gpg",  # verl `gpg`: reinforce without its metric
+    lambda i, c: reinforce_loss(i.log_prob, i.advantages, i.kept_mask, weights=i.weights),
+    clip_low=0.0, clip_high=0.0, needs_old_log_prob=False, has_ratio=False, verl_name="gpg",
+))  # fmt: skip
+register_loss(LossSpec(
+    "cispo",  # ε as AReaL recommends: ε_lo = 1 (no lower bound), ε_hi = 4
+    lambda i, c: cispo_loss(i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, clip_low=c.eps_low,
+                            clip_high=c.eps_high, weights=i.weights),
+    clip_low=1.0, clip_high=4.0, verl_name="cispo",
+))  # fmt: skip
+register_loss(LossSpec(
+    "dro",
+    lambda i, c: dro_loss(i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, beta=c.dro_beta,
+                          weights=i.weights),
+    clip_low=0.0, clip_high=0.0, options={"dro_beta": 0.1}, verl_name="dro",
+))  # fmt: skip

@@ -10,13 +10,14 @@ import torch
 from torch import Tensor
 
 from rollcorr.losses.common import LOG_RATIO_CLAMP, detached, masked_mean, ppo_surrogates
+from rollcorr.losses.registry import LossSpec, register_loss
 
 
 def gspo_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
     advantages: Tensor,
-    response_mask: Tensor,
+    kept_mask: Tensor,
     *,
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
@@ -27,7 +28,7 @@ def gspo_loss(
     Forward value r_t = exp(s_b) (sequence ratio, geometric mean); gradient flows per token. PPO clip, no
     dual clip, times w. Aggregate with seq-mean-token-mean (GSPO's definition).
     """
-    mask = response_mask.to(log_prob.dtype)
+    mask = kept_mask.to(log_prob.dtype)
     delta = log_prob - old_log_prob
     seq_log_ratio = (torch.where(mask > 0, delta, torch.zeros_like(delta))).sum(-1) / mask.sum(-1).clamp_min(
         1
@@ -40,8 +41,8 @@ def gspo_loss(
     if weights is not None:
         loss = loss * weights.detach()
     metrics = {
-        "actor/pg_clipfrac": masked_mean((loss2 > loss1).to(delta.dtype), response_mask),
-        "actor/ppo_kl": masked_mean(-delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), response_mask),
+        "actor/pg_clipfrac": masked_mean((loss2 > loss1).to(delta.dtype), kept_mask),
+        "actor/ppo_kl": masked_mean(-delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), kept_mask),
         "actor/pg_clipfrac_lower": torch.zeros((), dtype=delta.dtype, device=delta.device),
     }
     return loss, detached(metrics)
@@ -51,7 +52,7 @@ def gmpo_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
     advantages: Tensor,
-    response_mask: Tensor,
+    kept_mask: Tensor,
     *,
     clip_low: float = 0.4,
     clip_high: float = 0.4,
@@ -64,14 +65,14 @@ def gmpo_loss(
     L_b = −(Σ m·A / n_b) · exp(Σ m·Δ' / n_b) · exp(Σ m·log(w + 1e-10) / n_b),   n_b = Σ m + 1e-8
     Δ is clamped to ±``log_ratio_clamp`` first (verl: None, unclamped), so extreme log-ratios stay finite.
     """
-    mask = response_mask.to(log_prob.dtype)
+    mask = kept_mask.to(log_prob.dtype)
     delta = log_prob - old_log_prob
     if log_ratio_clamp is not None:
         delta = torch.clamp(delta, -log_ratio_clamp, log_ratio_clamp)
     sign = torch.sign(advantages)
     delta_clamped = torch.clamp(delta, -clip_low, clip_high)
     delta_min = sign * torch.minimum(sign * delta, sign * delta_clamped)
-    count = response_mask.sum(-1)  # verl adds its 1e-8 in the mask's sum dtype (float32 for bool/int)
+    count = kept_mask.sum(-1)  # verl adds its 1e-8 in the mask's sum dtype (float32 for bool/int)
     count = count if count.is_floating_point() else count.to(torch.get_default_dtype())
     n = (count + 1e-8).to(delta.dtype)
     zeros = torch.zeros_like(delta)
@@ -83,8 +84,23 @@ def gmpo_loss(
         loss = loss * torch.exp(torch.where(mask > 0, log_w, zeros).sum(-1) / n)
     clipped = (delta != delta_clamped).to(delta.dtype)
     metrics = {
-        "actor/pg_clipfrac": masked_mean(clipped * (advantages > 0), response_mask),
-        "actor/ppo_kl": masked_mean(-delta, response_mask),
-        "actor/pg_clipfrac_lower": masked_mean(clipped * (advantages < 0), response_mask),
+        "actor/pg_clipfrac": masked_mean(clipped * (advantages > 0), kept_mask),
+        "actor/ppo_kl": masked_mean(-delta, kept_mask),
+        "actor/pg_clipfrac_lower": masked_mean(clipped * (advantages < 0), kept_mask),
     }
     return loss, detached(metrics)
+
+
+# ---- the catalogue entries (rollcorr.losses.registry) ------------------------------------------------
+register_loss(LossSpec(
+    "gspo",  # the GSPO paper's ε = 3e-4 / 4e-4 and its per-sequence mean
+    lambda i, c: gspo_loss(i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, clip_low=c.eps_low,
+                           clip_high=c.eps_high, weights=i.weights),
+    clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-mean", verl_name="gspo",
+))  # fmt: skip
+register_loss(LossSpec(
+    "gmpo",  # the GMPO paper's ε = 0.4 (log space)
+    lambda i, c: gmpo_loss(i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, clip_low=c.eps_low,
+                           clip_high=c.eps_high, weights=i.weights),
+    clip_low=0.4, clip_high=0.4, per_sequence=True, verl_name="geo_mean",
+))  # fmt: skip

@@ -12,13 +12,14 @@ import torch
 from torch import Tensor
 
 from rollcorr.losses.common import clamped_ratio, detached, masked_mean
+from rollcorr.losses.registry import LossSpec, register_loss
 
 
 def _dppo_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
     advantages: Tensor,
-    response_mask: Tensor,
+    kept_mask: Tensor,
     keep: Tensor,
     high: Tensor,
     low: Tensor,
@@ -45,12 +46,12 @@ def _dppo_loss(
     dtype = delta.dtype
     capped = keep & (ratio > cap) if cap is not None else torch.zeros_like(keep)
     metrics = {
-        "actor/pg_clipfrac": masked_mean((~keep).to(dtype), response_mask),
-        "actor/ppo_kl": masked_mean(-delta, response_mask),
-        "actor/pg_clipfrac_lower": masked_mean(capped.to(dtype), response_mask),
-        "actor/dppo_masked_fraction": masked_mean((~keep).to(dtype), response_mask),
-        "actor/dppo_masked_high": masked_mean(high.to(dtype), response_mask),
-        "actor/dppo_masked_low": masked_mean(low.to(dtype), response_mask),
+        "actor/pg_clipfrac": masked_mean((~keep).to(dtype), kept_mask),
+        "actor/ppo_kl": masked_mean(-delta, kept_mask),
+        "actor/pg_clipfrac_lower": masked_mean(capped.to(dtype), kept_mask),
+        "actor/dppo_masked_fraction": masked_mean((~keep).to(dtype), kept_mask),
+        "actor/dppo_masked_high": masked_mean(high.to(dtype), kept_mask),
+        "actor/dppo_masked_low": masked_mean(low.to(dtype), kept_mask),
     }
     return loss, detached(metrics)
 
@@ -59,7 +60,7 @@ def dppo_tv_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
     advantages: Tensor,
-    response_mask: Tensor,
+    kept_mask: Tensor,
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
@@ -83,7 +84,7 @@ def dppo_tv_loss(
         low = (advantages <= 0) & (dp < -clip_low)
         keep = ~(high | low)
     return _dppo_loss(
-        log_prob, old_log_prob, advantages, response_mask, keep, high, low,
+        log_prob, old_log_prob, advantages, kept_mask, keep, high, low,
         cap=cap, kl_coef=kl_coef, weights=weights, verl_value=verl_value,
     )  # fmt: skip
 
@@ -92,7 +93,7 @@ def dppo_kl_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
     advantages: Tensor,
-    response_mask: Tensor,
+    kept_mask: Tensor,
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
@@ -118,7 +119,7 @@ def dppo_kl_loss(
         low = (advantages <= 0) & (div > clip_low) & (prob < old_prob)
         keep = ~(high | low)
     return _dppo_loss(
-        log_prob, old_log_prob, advantages, response_mask, keep, high, low,
+        log_prob, old_log_prob, advantages, kept_mask, keep, high, low,
         cap=cap, kl_coef=kl_coef, weights=weights, verl_value=verl_value,
     )  # fmt: skip
 
@@ -127,7 +128,7 @@ def sapo_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
     advantages: Tensor,
-    response_mask: Tensor,
+    kept_mask: Tensor,
     *,
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
@@ -152,7 +153,27 @@ def sapo_loss(
     zero = torch.zeros((), dtype=delta.dtype, device=delta.device)
     metrics = {
         "actor/pg_clipfrac": zero,
-        "actor/ppo_kl": masked_mean(-delta, response_mask),
+        "actor/ppo_kl": masked_mean(-delta, kept_mask),
         "actor/pg_clipfrac_lower": zero,
     }
     return loss, detached(metrics)
+
+
+# ---- the catalogue entries (rollcorr.losses.registry) ------------------------------------------------
+# dppo_tv: prime-rl's DefaultLossConfig (dppo_mask_low/high = 0.2, thresholds on Δp); dppo_kl: verl's
+# ActorConfig (ε are binary-KL thresholds); sapo: verl's, aggregated seq-mean-token-mean (ε unused).
+for _name, _fn in (("dppo_tv", dppo_tv_loss), ("dppo_kl", dppo_kl_loss)):
+    register_loss(LossSpec(
+        _name,
+        lambda i, c, fn=_fn: fn(i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, clip_low=c.eps_low,
+                                clip_high=c.eps_high, cap=c.clip_c, kl_coef=c.dppo_kl_coef,
+                                weights=i.weights),
+        options={"dppo_kl_coef": 0.0}, verl_name=_name,
+    ))  # fmt: skip
+register_loss(LossSpec(
+    "sapo",
+    lambda i, c: sapo_loss(i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, tau_pos=c.sapo_tau_pos,
+                           tau_neg=c.sapo_tau_neg, weights=i.weights),
+    clip_low=0.0, clip_high=0.0, agg="seq-mean-token-mean",
+    options={"sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05}, verl_name="sapo",
+))  # fmt: skip

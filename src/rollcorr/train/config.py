@@ -16,14 +16,9 @@ from typing import Any, get_type_hints
 
 import yaml
 
-from rollcorr.config.loss import (
-    AGG_MODES,
-    IS_LOSSES,
-    LOSS_DEFAULTS,
-    LOSS_NAMES,
-    REGRESSION_LOSSES,
-    LossConfig,
-)
+from rollcorr.config.loss import AGG_MODES
+from rollcorr.losses import LOSSES as LOSS_CATALOGUE
+from rollcorr.losses import LossConfig, loss_spec
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 
@@ -31,10 +26,17 @@ MODES = ("sync", "simulated_async", "async")
 SCHEDULES = ("constant", "cosine")
 EXECUTORS = ("local", "ray")
 ADVANTAGES = ("grpo", "rloo", "drgrpo", "oapl")
-# The losses algorithm.loss accepts: every loss but the IS ones; all but oapl take the correction's w.
-LOSSES = tuple(name for name in LOSS_NAMES if name not in IS_LOSSES)
+
+
+def accepted_losses() -> tuple[str, ...]:
+    """The losses algorithm.loss accepts: every loss of the catalogue (rollcorr.losses.LOSSES, built-in or
+    registered later) but those that build their own train/infer weight (``LossSpec.builds_own_weights``)."""
+    return tuple(name for name, spec in LOSS_CATALOGUE.items() if not spec.builds_own_weights)
+
+
+LOSSES = accepted_losses()  # the built-in ones
 # The IS losses build their own train/infer weight; in the trainer that weight is the correction's job, so each
-# is refused with the settings that give the same loss (ppo_clip times the correction's w). Keys: IS_LOSSES.
+# is refused with the settings that give the same loss (ppo_clip times the correction's w).
 REFUSED_LOSSES: dict[str, str] = {
     "ppo_is": "algorithm.loss=ppo_clip algorithm.correction.preset=bypass_ppo_clip algorithm.proximal.name=bypass "
               "(the PPO ratio is π_θ/μ)",
@@ -45,24 +47,27 @@ REFUSED_LOSSES: dict[str, str] = {
     "areal": "algorithm.loss=ppo_clip algorithm.correction.preset=areal_decoupled_cap (w = ρ·1[ρ ≤ 5]; set the cap "
              "with algorithm.correction.is_upper)",
 }  # fmt: skip
-# algorithm.loss_args: the LossConfig fields of the losses' own hyper-parameters, and the losses that read them.
+# algorithm.loss_args: the losses' own hyper-parameters (their LossSpec.options), the losses that read them.
 # The other LossConfig fields come from other keys (clip_low → algorithm.clip_low, clip_c → algorithm.dual_clip,
 # agg → algorithm.aggregation, denominator → the correction, oapl_beta → algorithm.oapl_beta, ...).
-LOSS_ARGS: dict[str, tuple[str, ...]] = {
-    "dppo_kl_coef": ("dppo_tv", "dppo_kl"),
-    "sapo_tau_pos": ("sapo",),
-    "sapo_tau_neg": ("sapo",),
-    "clip_cov_ratio": ("clip_cov",),
-    "clip_cov_lb": ("clip_cov",),
-    "clip_cov_ub": ("clip_cov",),
-    "kl_cov_ratio": ("kl_cov",),
-    "kl_cov_coef": ("kl_cov",),
-    "dro_beta": ("dro",),
-}
+OWN_KEYS = ("oapl_beta", "oapl_beta1", "clip_cov_seed")  # set by their own algorithm.* key, or the seed
+
+
+def loss_arg_readers() -> dict[str, tuple[str, ...]]:
+    """{LossConfig field: the accepted losses whose spec declares it as an option}, from the catalogue."""
+    out: dict[str, tuple[str, ...]] = {}
+    for name in accepted_losses():
+        for key in loss_spec(name).options:
+            if key not in OWN_KEYS:
+                out[key] = (*out.get(key, ()), name)
+    return out
+
+
+LOSS_ARGS = loss_arg_readers()  # the built-in losses' arguments
 
 # Per-algorithm defaults; a field left at None in AlgorithmConfig takes the value from this table. The loss's
 # own settings (LOSS_SETTINGS) go with the algorithm's loss only: with another algorithm.loss, an unset clip or
-# aggregation is that loss's own default (rollcorr.config.loss.LOSS_DEFAULTS), never the algorithm's.
+# aggregation is that loss's own default (its rollcorr.losses.LossSpec), never the algorithm's.
 ALGORITHMS: dict[str, dict[str, Any]] = {
     # GRPO aggregates token-mean, verl's default loss_agg_mode (the GRPO paper's per-sequence mean is
     # algorithm.aggregation=seq-mean-token-mean; token-mean learned faster on the built-in task, docs/training.md)
@@ -81,8 +86,8 @@ ALGORITHMS: dict[str, dict[str, Any]] = {
     "oapl": dict(loss="oapl", advantage="oapl", norm_std=False, aggregation="seq-mean-token-mean",
                  clip_low=0.2, clip_high=0.2, dynamic_sampling=False),
 }  # fmt: skip
-# AlgorithmConfig keys that are the loss's own settings → their index in LOSS_DEFAULTS' (ε_lo, ε_hi, agg).
-LOSS_SETTINGS = {"clip_low": 0, "clip_high": 1, "aggregation": 2}
+# AlgorithmConfig keys that are the loss's own settings → the LossSpec field holding the loss's default.
+LOSS_SETTINGS = {"clip_low": "clip_low", "clip_high": "clip_high", "aggregation": "agg"}
 
 
 class ConfigError(ValueError):
@@ -125,7 +130,8 @@ class AlgorithmConfig:
     dual_clip: float | None = None  # c > 1 for dual-clip PPO, None = off
     dynamic_sampling: bool | None = None  # drop groups whose rewards are all equal
     baseline_excludes_rejected: bool = True  # rejected sequences leave the group mean / std
-    oapl_beta: float = 0.3  # OAPL regression coefficient β (see docs/training.md for the sweep)
+    # OAPL regression coefficient β; default: the oapl loss's own (see docs/training.md for the sweep)
+    oapl_beta: float = field(default_factory=lambda: loss_spec("oapl").options["oapl_beta"])
     oapl_beta1: float | None = None  # OAPL soft-value temperature β₁ (None = β)
     oapl_sync_every: int = 4  # OAPL: publish weights to the sampler every N learner steps
     # the loss's own hyper-parameters: {<LossConfig field of LOSS_ARGS>: value}, e.g. {"sapo_tau_pos": 1.0}
@@ -143,8 +149,8 @@ class AlgorithmConfig:
             return value
         table = ALGORITHMS[self.name]
         loss = self.resolved("loss") if key != "loss" else None
-        if key in LOSS_SETTINGS and loss != table["loss"] and loss in LOSS_DEFAULTS:
-            return LOSS_DEFAULTS[loss][LOSS_SETTINGS[key]]
+        if key in LOSS_SETTINGS and loss != table["loss"] and loss in LOSS_CATALOGUE:
+            return getattr(LOSS_CATALOGUE[loss], LOSS_SETTINGS[key])
         return table[key]
 
 
@@ -384,13 +390,14 @@ def _positive(value: float, key: str, allow_zero: bool = False) -> None:
 def _validate_loss_args(loss: str, loss_args: dict[str, Any]) -> None:
     """Each key a LOSS_ARGS field read by ``loss``, each value a number LossConfig accepts."""
     values = {}
+    readers = loss_arg_readers()
     for key, value in loss_args.items():
         dotted = f"algorithm.loss_args.{key}"
-        _check(key in LOSS_ARGS, dotted, f"unknown loss argument; allowed: {sorted(LOSS_ARGS)}")
+        _check(key in readers, dotted, f"unknown loss argument; allowed: {sorted(readers)}")
         _check(
-            loss in LOSS_ARGS[key],
+            loss in readers[key],
             dotted,
-            f"only {' / '.join(LOSS_ARGS[key])} read it; algorithm.loss is {loss!r}",
+            f"only {' / '.join(readers[key])} read it; algorithm.loss is {loss!r}",
         )
         values[key] = _coerce(value, float, dotted)
     try:
@@ -419,10 +426,12 @@ def validate(c: TrainConfig) -> None:
         f"unknown algorithm {a.name!r}; use one of {sorted(ALGORITHMS)}",
     )
     loss = a.resolved("loss")
-    if loss in REFUSED_LOSSES:
+    if loss in LOSS_CATALOGUE and loss_spec(loss).builds_own_weights:
+        instead = REFUSED_LOSSES.get(loss, "algorithm.loss=ppo_clip with an algorithm.correction preset")
         raise ConfigError(f"algorithm.loss: {loss!r} weights by π_old/μ itself, which the trainer leaves to "
-                          f"algorithm.correction; for the same loss use {REFUSED_LOSSES[loss]}")  # fmt: skip
-    _check(loss in LOSSES, "algorithm.loss", f"unknown loss {loss!r}; use one of {LOSSES}")
+                          f"algorithm.correction; for the same loss use {instead}")  # fmt: skip
+    accepted = accepted_losses()
+    _check(loss in accepted, "algorithm.loss", f"unknown loss {loss!r}; use one of {accepted}")
     _validate_loss_args(loss, a.loss_args)
     _check(a.resolved("advantage") in ADVANTAGES, "algorithm.advantage",
            f"unknown advantage estimator {a.advantage!r}; use one of {ADVANTAGES}")  # fmt: skip
@@ -436,7 +445,7 @@ def validate(c: TrainConfig) -> None:
     if a.oapl_beta1 is not None:
         _positive(a.oapl_beta1, "algorithm.oapl_beta1")
     _positive(a.oapl_sync_every, "algorithm.oapl_sync_every")
-    if (loss in REGRESSION_LOSSES) != (a.resolved("advantage") == "oapl"):
+    if loss_spec(loss).regresses_on_rollout != (a.resolved("advantage") == "oapl"):
         raise ConfigError("algorithm.loss: the oapl loss and the oapl advantage go together")
     if r.group_size < 2 and a.resolved("advantage") in ("grpo", "rloo", "drgrpo", "oapl"):
         raise ConfigError(
@@ -470,7 +479,7 @@ def validate(c: TrainConfig) -> None:
     if t.mode == "simulated_async":
         _check(t.lag <= t.max_staleness, "trainer.lag",
                f"lag {t.lag} exceeds trainer.max_staleness {t.max_staleness}")  # fmt: skip
-    if loss in REGRESSION_LOSSES and t.mode != "async":
+    if loss_spec(loss).regresses_on_rollout and t.mode != "async":
         # the sampler lags by up to sync_every - 1 versions on top of the executor's own lag
         own = t.lag if t.mode == "simulated_async" else 0
         _check(own + a.oapl_sync_every - 1 <= t.max_staleness, "algorithm.oapl_sync_every",

@@ -103,7 +103,7 @@ def resolve_loss(config: TrainConfig, correction) -> str:
     so the loss must be REINFORCE (−A·sg(w)·log π_θ): a PPO ratio on top would count π_θ/μ twice. An unset
     ``algorithm.loss`` follows the preset; an explicit one that disagrees is refused.
     """
-    from rollcorr.config.loss import RATIO_FREE_LOSSES
+    from rollcorr.losses import loss_spec
 
     loss = config.algorithm.resolved("loss")
     explicit = config.algorithm.loss is not None
@@ -113,11 +113,11 @@ def resolve_loss(config: TrainConfig, correction) -> str:
                               "π_θ/μ replaces the PPO ratio); decoupled corrections use loss_type=ppo_clip")  # fmt: skip
         if not explicit:
             return "reinforce"
-        if loss not in RATIO_FREE_LOSSES:  # gpg = REINFORCE without its metric
+        if loss_spec(loss).has_ratio:  # gpg = REINFORCE without its metric
             raise ConfigError(f"algorithm.loss: {loss!r} has its own ratio, but the correction has loss_type=reinforce "
                               "(its weight min(π_θ/μ, C) is already the ratio, so it would count twice); leave "
                               "algorithm.loss unset or use a bypass_ppo_clip* preset")  # fmt: skip
-    elif correction.mode == "bypass" and loss in RATIO_FREE_LOSSES:
+    elif correction.mode == "bypass" and not loss_spec(loss).has_ratio:
         raise ConfigError(f"algorithm.loss: {loss!r} has no ratio and a bypass_ppo_clip* correction applies no weight, "
                           "so nothing would correct for μ ≠ π_θ; use a bypass_pg_* preset")  # fmt: skip
     return loss
@@ -125,7 +125,7 @@ def resolve_loss(config: TrainConfig, correction) -> str:
 
 def build_algorithm(config: TrainConfig) -> Algorithm:
     """Resolve the algorithm's defaults into the ``Algorithm`` the step uses."""
-    from rollcorr.config.loss import LossConfig
+    from rollcorr.losses import LossConfig
 
     a = config.algorithm
     correction = build_correction(config)

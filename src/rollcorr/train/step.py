@@ -31,8 +31,7 @@ from torch import Tensor
 
 from rollcorr.advantages import compute_advantages
 from rollcorr.config.correction import CorrectionConfig
-from rollcorr.config.loss import LossConfig
-from rollcorr.losses import masked_mean, policy_loss
+from rollcorr.losses import LossConfig, masked_mean, policy_loss
 from rollcorr.losses.aggregation import loss_count
 from rollcorr.rollout import Rollout
 

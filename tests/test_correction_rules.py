@@ -1,0 +1,209 @@
+"""One rule list, two backends: every rejection rule runs through ``rejection.RULES`` on the eager
+statistics or on the fused kernel's, and each entry point (compute_correction, the training step, the verl
+drop-in, analyze) takes the fused path when the rules declare their reductions. The fused path runs its kernel
+function eagerly here (``row_pass`` is pure; compiling changes the summation order, not the formulas;
+tests/test_correction_perf_fused.py compiles it for real), on small batches; the documented tolerance is float
+rounding (rel 2e-5, and 1e-3 absolute on standard deviations)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from rollcorr.config import CorrectionConfig, preset
+from rollcorr.correction import compute_correction, fused
+from rollcorr.correction.rejection import RULES, Rule, RuleOutcome, register_rule, rule_reductions
+from test_correction_perf_fused import _assert_close, _batch  # tests/ is on sys.path (pytest rootdir)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Take the fused path on any batch size, the kernel function run eagerly; counts the kernel's calls."""
+    calls = []
+
+    def counted(*args):
+        calls.append(args)
+        return fused.row_pass(*args)
+
+    monkeypatch.setattr(fused, "MIN_POSITIONS", 0)
+    monkeypatch.setitem(fused._state, "compiled", counted)
+    monkeypatch.setitem(fused._state, "failed", False)
+    return calls
+
+
+def _eager(monkeypatch, fn, *args, **kw):
+    with monkeypatch.context() as m:
+        m.setenv(fused.ENV, "0")
+        return fn(*args, **kw)
+
+
+# ---- a rule registered from outside the package ----------------------------------------------------------
+def _toy_apply(name, limit, stats, context):
+    """Drop a row whose largest |ℓ_t| (clamped) exceeds log(limit): max_t k2 ≤ ½ log(limit)²."""
+    row_max_k2 = stats.row_max("k2")
+    bound = 0.5 * math.log(limit) ** 2
+    keep = row_max_k2 <= bound
+    return RuleOutcome(name, None, keep, row_max_k2, None, bound, limit)
+
+
+def _toy_metrics(outcomes, rows):
+    (o,) = outcomes
+    return {"toy_seq_fraction": rows.over_rows((~o.row_keep & rows.valid).to(rows.dtype))}
+
+
+@pytest.fixture
+def toy_rule():
+    """The toy rule is active for configurations with is_upper = 2.5 only, so no other test sees it."""
+    rule = register_rule(Rule(
+        "toy_max_abs_log_ratio",
+        active=lambda c: [("toy_max_abs_log_ratio", 1.28)] if c.is_upper == 2.5 else [],
+        reductions=lambda name, limit: frozenset({"max_k2"}),
+        apply=_toy_apply,
+        metrics=_toy_metrics,
+    ))  # fmt: skip
+    yield rule
+    RULES.remove(rule)
+
+
+def test_a_rule_registered_outside_runs_eager_and_fused_alike(toy_rule, kernel_calls, monkeypatch):
+    assert rule_reductions(CorrectionConfig(is_level="token")) == frozenset()  # off: not active
+    config = CorrectionConfig(is_level="token", is_upper=2.5)
+    assert rule_reductions(config) == {"max_k2"}
+    old, roll, mask, lp, kept = _batch(noise=0.1)
+    got = compute_correction(old, roll, mask, config)
+    assert len(kernel_calls) == 1  # the fused path ran
+    want = _eager(monkeypatch, compute_correction, old, roll, mask, config)
+    _assert_close(got, want)
+    # by hand: rows whose max |ℓ| (clamped to ±20) exceeds log 1.28 lose every token
+    ell = torch.where(mask, (old - roll).double().clamp(-20, 20), 0.0)
+    valid = mask.any(-1)
+    dropped = (ell.abs().amax(-1) > math.log(1.28)) & valid
+    assert dropped.any() and not dropped[valid].all()
+    assert torch.equal(want.kept_mask, mask & ~dropped[:, None])
+    share = dropped.sum().item() / valid.sum().item()
+    assert want.metrics["rollout_corr/toy_seq_fraction"].item() == pytest.approx(share)
+    # with a rule that reads the tokens (veto) in the same config, the whole call stays eager
+    assert rule_reductions(dataclasses.replace(config, veto_threshold=1e-4)) is None
+
+
+def test_analyze_explains_a_rule_registered_outside(toy_rule):
+    from rollcorr.analyze.analysis import analyze
+    from rollcorr.analyze.cli import sample_dump_path
+    from rollcorr.analyze.dumps import read_dump
+    from rollcorr.analyze.render import describe
+
+    config = CorrectionConfig(is_level="token", is_upper=2.5)
+    assert "toy_max_abs_log_ratio 1.28" in describe(config)
+    dump = read_dump(sample_dump_path())
+    result = analyze(dump, config)
+    (summary,) = [r for r in result.rules if r.rule == "toy_max_abs_log_ratio"]
+    dropped = int((dump.response_mask.any(-1) & ~result.kept_mask.any(-1)).sum())
+    assert summary.level == "sequence" and summary.sequences == dropped
+    assert not any("does not match" in note for note in result.notes)
+
+
+# ---- every fusable rule, per rule --------------------------------------------------------------------------
+PER_RULE = {
+    "seq_sum_k1": CorrectionConfig(rs=("seq_sum_k1",), rs_thresholds=("0.2_5.0",)),
+    "seq_mean_k1": CorrectionConfig(rs=("seq_mean_k1",), rs_thresholds=("0.9_1.1",)),
+    "seq_sum_k2": CorrectionConfig(rs=("seq_sum_k2",), rs_thresholds=(0.5,)),
+    "seq_mean_k2": CorrectionConfig(rs=("seq_mean_k2",), rs_thresholds=(0.03,)),
+    "seq_max_k2": CorrectionConfig(rs=("seq_max_k2",), rs_thresholds=(0.1,)),
+    "seq_sum_k3": CorrectionConfig(rs=("seq_sum_k3",), rs_thresholds=(0.5,)),
+    "seq_mean_k3": CorrectionConfig(rs=("seq_mean_k3",), rs_thresholds=(0.03,)),
+    "seq_max_k3": CorrectionConfig(rs=("seq_max_k3",), rs_thresholds=(0.1,)),
+    "trm_max_k2": CorrectionConfig(trm_max_k2=0.1),
+    "trm_mean_k3": CorrectionConfig(trm_mean_k3=0.02),
+    "trm_both_token_is": CorrectionConfig(trm_max_k2=0.1, trm_mean_k3=0.02, is_level="token"),
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "verl"), [(n, v) for n in PER_RULE for v in (False, True) if not (v and n.startswith("trm"))]
+)  # verl mode (verl_compat: verl's K1 windows, +1e-8 means, all rows) for verl's own rules
+def test_each_fusable_rule_matches_the_eager_path(name, verl, kernel_calls, monkeypatch):
+    config = dataclasses.replace(PER_RULE[name], verl_compat=verl)
+    old, roll, mask, lp, kept = _batch(noise=0.3, seed=3)
+    got = compute_correction(old, roll, mask, config)
+    assert len(kernel_calls) == 1
+    want = _eager(monkeypatch, compute_correction, old, roll, mask, config)
+    _assert_close(got, want)
+    assert not torch.equal(want.kept_mask, mask) and want.kept_mask.any()  # rejects some rows, not all
+
+
+def test_version_lag_and_decomposition_take_the_fused_path(kernel_calls, monkeypatch):
+    """The training step passes version and π_θ: the lag and the discrepancy/staleness split are computed
+    beside the kernel."""
+    config = preset("decoupled_geo_rs_token_tis")
+    old, roll, mask, lp, kept = _batch(noise=0.3)
+    version = torch.randint(0, 4, mask.shape, generator=torch.Generator().manual_seed(1))
+    kw = dict(log_prob=lp, version=version, current_version=4)
+    got = compute_correction(old, roll, mask, config, **kw)
+    assert len(kernel_calls) == 1
+    want = _eager(monkeypatch, compute_correction, old, roll, mask, config, **kw)
+    _assert_close(got, want)
+    for key in ("staleness_mean", "staleness_max", "discrepancy_k3", "staleness_k3", "total_k3"):
+        assert f"rollout_corr/{key}" in got.metrics
+
+
+def test_the_training_step_takes_the_fused_path(kernel_calls, monkeypatch):
+    from rollcorr.rollout import Rollout
+    from rollcorr.train import step
+    from rollcorr.train.config import load_config
+    from rollcorr.train.loop import build_algorithm
+
+    algo = build_algorithm(load_config(None, ["algorithm.correction.preset=decoupled_geo_rs_token_tis"]))
+    old, roll, mask, lp, kept = _batch(noise=0.3)
+    b, t = mask.shape
+    rollout = Rollout(
+        prompt_ids=torch.zeros(b, 1, dtype=torch.long), prompt_mask=torch.ones(b, 1, dtype=torch.bool),
+        response_ids=torch.zeros(b, t, dtype=torch.long), response_mask=mask, rollout_log_prob=roll,
+        version=torch.full((b, t), 2), group_ids=torch.arange(b), old_log_prob=old,
+    )  # fmt: skip
+    got, metrics = step.correct(rollout, algo, 3, lp)
+    assert len(kernel_calls) == 1
+    want, want_metrics = _eager(monkeypatch, step.correct, rollout, algo, 3, lp)
+    assert torch.equal(got.kept_mask, want.kept_mask)
+    torch.testing.assert_close(got.is_weights, want.is_weights, rtol=2e-5, atol=1e-7)
+    assert metrics.keys() == want_metrics.keys() and metrics["rollout_corr/staleness_mean"] == 1.0
+
+
+def test_the_verl_drop_in_takes_the_fused_path(kernel_calls, monkeypatch):
+    from rollcorr.compat.verl import compute_rollout_correction_and_rejection_mask as helper
+
+    old, roll, mask, lp, kept = _batch(noise=0.3)
+    kw = dict(
+        rollout_is="token",
+        rollout_is_threshold=2.0,
+        rollout_rs="seq_mean_k1",
+        rollout_rs_threshold="0.95_1.05",
+    )
+    weights, kept_mask, metrics = helper(old, roll, mask.float(), **kw)
+    assert len(kernel_calls) == 1
+    want_w, want_mask, want = _eager(monkeypatch, helper, old, roll, mask.float(), **kw)
+    assert torch.equal(kept_mask, want_mask) and kept_mask.dtype == torch.float32
+    torch.testing.assert_close(weights.batch["rollout_is_weights"], want_w.batch["rollout_is_weights"])
+    assert metrics.keys() == want.keys()
+    for key, value in want.items():
+        tol = 1e-3 if key.endswith("_std") else 1e-6
+        assert metrics[key] == pytest.approx(value, rel=2e-5, abs=tol), key
+
+
+def test_analyze_takes_the_fused_path(kernel_calls, monkeypatch):
+    from rollcorr.analyze.analysis import analyze
+    from rollcorr.analyze.cli import sample_dump_path
+    from rollcorr.analyze.dumps import read_dump
+
+    dump = read_dump(sample_dump_path())
+    config = preset("decoupled_geo_rs_token_tis")
+    got = analyze(dump, config)
+    assert len(kernel_calls) == 1
+    want = _eager(monkeypatch, analyze, dump, config)
+    assert torch.equal(got.kept_mask, want.kept_mask) and got.notes == want.notes
+    for key, value in want.metrics.items():
+        assert got.metrics[key] == pytest.approx(
+            value, rel=2e-5, abs=1e-3 if key.endswith("_std") else 1e-6
+        ), key
