@@ -18,6 +18,7 @@ shards them (``load_full``).
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,9 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
 
     model_state, optim_state = get_state_dict(model, optimizer)
     target = {"model": model_state, "optimizer": optim_state}
-    dcp.load(target, checkpoint_id=str(Path(path) / DCP_DIR))
+    with warnings.catch_warnings():  # one process reading N ranks' shards is the intent, not a mistake
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(target, checkpoint_id=str(Path(path) / DCP_DIR))
     set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optimizer"])
 
 
