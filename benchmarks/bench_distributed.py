@@ -142,7 +142,11 @@ def main() -> None:
               f"{per_rank[0]['publish_gather_s'] * 1e3:.0f} ms wall, {per_rank[0]['publish_gather_cpu_s'] * 1e3:.0f} ms CPU",
               flush=True)  # fmt: skip
     if not args.skip_memory:
-        wide = {"hidden_size": args.hidden, "intermediate_size": 4 * args.hidden, "num_hidden_layers": args.layers}
+        wide = {
+            "hidden_size": args.hidden,
+            "intermediate_size": 4 * args.hidden,
+            "num_hidden_layers": args.layers,
+        }
         for world in args.ranks:
             per_rank = run(world, rollouts, 1, wide)
             results[f"memory_N{world}"] = per_rank
@@ -152,7 +156,9 @@ def main() -> None:
                       f"peak RSS {m['peak_rss_bytes'] / 2**20:.0f} MiB; full-weight gather {m['publish_gather_s'] * 1e3:.0f} ms",
                       flush=True)  # fmt: skip
     results["load_average_end"] = os.getloadavg()[0]
-    print(f"load average (1 min): {results['load_average_start']:.1f} at start, {results['load_average_end']:.1f} at end")
+    print(
+        f"load average (1 min): {results['load_average_start']:.1f} at start, {results['load_average_end']:.1f} at end"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -18,13 +18,19 @@ WORLD = 2
 SMALL = ["rollout.prompts_per_step=4", "rollout.group_size=4", "task.eval_prompts=0", "optim.lr=0.003",
          "trainer.mini_batches=1"]  # fmt: skip
 CASES = {  # name → overrides: ppo_clip token-mean / seq-mean-token-mean, gspo, oapl, sequence IS + RS + batch norm
-    "ppo_token_tis": ["algorithm.name=grpo", "algorithm.correction.preset=decoupled_token_is",
-                      "trainer.mini_batches=2"],  # fmt: skip
+    "ppo_token_tis": [
+        "algorithm.name=grpo",
+        "algorithm.correction.preset=decoupled_token_is",
+        "trainer.mini_batches=2",
+    ],  # fmt: skip
     "ppo_seq_mean": ["algorithm.name=grpo", "algorithm.aggregation=seq-mean-token-mean"],
     "gspo": ["algorithm.name=gspo"],
     "oapl": ["algorithm.name=oapl"],
-    "seq_is_rs_norm": ["algorithm.name=grpo", "algorithm.correction.preset=decoupled_seq_is_rs",
-                       "algorithm.correction.batch_normalize=true"],  # fmt: skip
+    "seq_is_rs_norm": [
+        "algorithm.name=grpo",
+        "algorithm.correction.preset=decoupled_seq_is_rs",
+        "algorithm.correction.batch_normalize=true",
+    ],  # fmt: skip
 }
 STEPS = 3
 # the sharded learner scores through transformers' decoder forward (distributed/shard.py); the reference does
@@ -177,15 +183,25 @@ def test_loss_count_makes_aggregation_additive_over_parts(agg, denominator, per_
     loss = torch.randn(8, 6, generator=g, dtype=torch.float64)
     if per_sequence:
         loss = loss.sum(-1)
+
     def count(rows):
-        c = loss_count(kept[rows], agg, denominator=denominator, denominator_mask=valid[rows], per_sequence=per_sequence)
+        c = loss_count(
+            kept[rows], agg, denominator=denominator, denominator_mask=valid[rows], per_sequence=per_sequence
+        )
         return None if c is None else float(c)
 
     whole = aggregate(loss, kept, agg, norm_constant=6.0, denominator=denominator, denominator_mask=valid)
     parts = [[0, 1, 2], [3, 4], [5, 6, 7]]
     total = count(list(range(8)))
     summed = sum(
-        aggregate(loss[rows], kept[rows], agg, norm_constant=6.0, denominator=denominator, denominator_mask=valid[rows])
+        aggregate(
+            loss[rows],
+            kept[rows],
+            agg,
+            norm_constant=6.0,
+            denominator=denominator,
+            denominator_mask=valid[rows],
+        )
         * (1.0 if total is None else count(rows) / total)
         for rows in parts
     )
@@ -196,8 +212,12 @@ def test_ranks_config_is_checked_before_any_process_starts():
     from rollcorr.train.config import ConfigError, load_config
     from rollcorr.train.loop import check_components
 
-    with pytest.raises(ConfigError, match=r"trainer\.ranks: .*multiple of trainer\.mini_batches × trainer\.ranks"):
+    with pytest.raises(
+        ConfigError, match=r"trainer\.ranks: .*multiple of trainer\.mini_batches × trainer\.ranks"
+    ):
         load_config(None, ["rollout.prompts_per_step=4", "trainer.mini_batches=2", "trainer.ranks=4"])
     config = load_config(None, ["trainer.ranks=2", "algorithm.proximal.name=snapshot"])
-    with pytest.raises(ConfigError, match=r"algorithm\.proximal\.name: 'snapshot' is not supported with trainer\.ranks"):
+    with pytest.raises(
+        ConfigError, match=r"algorithm\.proximal\.name: 'snapshot' is not supported with trainer\.ranks"
+    ):
         check_components(config)

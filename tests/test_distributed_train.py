@@ -38,7 +38,9 @@ def _steps(run_dir: Path) -> list[dict]:
 @pytest.mark.timeout(900)
 def test_two_ranks_train_and_resume_at_one_and_back(tmp_path):
     run_dir = tmp_path / "run"
-    done = _train("trainer.ranks=2", "trainer.steps=3", "trainer.checkpoint_every=2", *SMALL, "--out", str(run_dir))
+    done = _train(
+        "trainer.ranks=2", "trainer.steps=3", "trainer.checkpoint_every=2", *SMALL, "--out", str(run_dir)
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "greedy accuracy" in done.stdout and done.stdout.count("run folder:") == 1  # rank 0 alone prints
     assert [r["learner/ranks"] for r in _steps(run_dir)] == [2.0, 2.0, 2.0]
@@ -75,7 +77,9 @@ def _workers(launcher: int) -> dict[int, int]:
     for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
         try:
             env = dict(
-                item.split("=", 1) for item in Path(f"/proc/{child}/environ").read_text().split("\0") if "=" in item
+                item.split("=", 1)
+                for item in Path(f"/proc/{child}/environ").read_text().split("\0")
+                if "=" in item
             )
         except OSError:
             continue
@@ -139,4 +143,6 @@ def test_failure_line_names_the_exception_the_signal_or_the_exit_code(tmp_path, 
     assert _cause(raised) == "RuntimeError: rank 1 could not read its shard"
     missing = str(tmp_path / "none.json")
     assert _cause(ProcessFailure(local_rank=1, pid=1, exitcode=-9, error_file=missing)) == "killed by SIGKILL"
-    assert _cause(ProcessFailure(local_rank=1, pid=1, exitcode=2, error_file=missing)).startswith("exited with code 2")
+    assert _cause(ProcessFailure(local_rank=1, pid=1, exitcode=2, error_file=missing)).startswith(
+        "exited with code 2"
+    )

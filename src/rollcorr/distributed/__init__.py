@@ -5,7 +5,7 @@
     split.py   which rows each rank takes (whole groups, an equal share of every mini-batch)
     launch.py  ``rollcorr train trainer.ranks=N``: N processes through ``torch.distributed.run``
 
-Nothing here is imported by a one-process run.
+A one-process run starts no process group and shards nothing (it reads ``shard.local_tensor`` only).
 """
 
 from rollcorr.distributed.group import DistributedError, Ranks, close, init_from_env, launched

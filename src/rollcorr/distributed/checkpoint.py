@@ -99,6 +99,8 @@ def load_full(model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict[
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     named = {
         "state": {names[i]: value for i, value in optim_state["state"].items()},
-        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optim_state["param_groups"]],
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]} for g in optim_state["param_groups"]
+        ],
     }
     set_optimizer_state_dict(model, optimizer, named, options=options)

@@ -55,7 +55,9 @@ class Ranks:
     def all_reduce(self, x: Tensor, op: str = "sum") -> Tensor:
         """A copy of ``x`` reduced over every rank (op: sum | max | min)."""
         out = x.detach().clone().to(self.device)
-        dist.all_reduce(out, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+        dist.all_reduce(
+            out, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        )
         return out.to(x.device)
 
     def all_true(self, flag: bool) -> bool:

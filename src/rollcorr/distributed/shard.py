@@ -62,7 +62,9 @@ class ShardedLearner:
     optimizer is built on. ``full_state_dict()`` gathers the full weights (rank 0 gets them, on the CPU).
     """
 
-    def __init__(self, learner, ranks: Ranks, *, reshard_after_forward: bool = True, mp_policy: Any = None) -> None:
+    def __init__(
+        self, learner, ranks: Ranks, *, reshard_after_forward: bool = True, mp_policy: Any = None
+    ) -> None:
         from torch.distributed.fsdp import fully_shard
 
         self.ranks = ranks

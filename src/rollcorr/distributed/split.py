@@ -41,4 +41,6 @@ def rank_share(rows: list[int], group_ids: Tensor, rank: int, world: int) -> lis
 
 def rank_rows(group_ids: Tensor, mini_batches: int, rank: int, world: int) -> list[list[int]]:
     """Per mini-batch, the global row indices rank ``rank`` of ``world`` takes (see the module docstring)."""
-    return [rank_share(rows, group_ids, rank, world) for rows in mini_batch_rows(len(group_ids), mini_batches)]
+    return [
+        rank_share(rows, group_ids, rank, world) for rows in mini_batch_rows(len(group_ids), mini_batches)
+    ]

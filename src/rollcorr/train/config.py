@@ -189,7 +189,7 @@ class TrainerConfig:
     ppo_epochs: int = 1
     seed: int = 0
     threads: int = 1  # torch intra-op threads (1 is fastest for the built-in model; 0 = torch's default)
-    ranks: int = 1  # learner processes (data-parallel, FSDP2; docs/distributed.md); under torchrun: its world size
+    ranks: int = 1  # learner processes (data-parallel, FSDP2; docs/distributed.md); torchrun: its world size
     eval_every: int = 50  # greedy evaluation every N steps (and at start and end), 0 = only start/end
     checkpoint_every: int = 50  # 0 = only at the end
     keep_checkpoints: int = 2

@@ -366,7 +366,7 @@ class Trainer:
                 save_config(config, self.run_dir / "config.yaml")
             self._build(config, state, resume is not None, notes)
         except BaseException:
-            if resume is None and self.main:  # a new run that could not start (a model that does not load): leave no folder
+            if resume is None and self.main:  # a new run that could not start (a model that does not load)
                 clear_run_dir(self.run_dir)
             self.lock.release()
             if resume is None and self.main:
@@ -408,7 +408,10 @@ class Trainer:
         else:  # rank 0 samples and broadcasts each rollout
             from rollcorr.distributed.roles import FollowerExecutor, LeaderExecutor
 
-            self.executor = LeaderExecutor(make_executor(config), self.ranks) if self.main else FollowerExecutor(self.ranks)
+            executor = make_executor(config) if self.main else None
+            self.executor = (
+                LeaderExecutor(executor, self.ranks) if self.main else FollowerExecutor(self.ranks)
+            )
         # a strategy that follows the *sampler's* weights (old_logit_model; they lag the learner's in the async
         # modes) gets each version when the sampler loads it, and every chunk as soon as it is generated
         if self.proximal.follows_sampler:
@@ -437,7 +440,7 @@ class Trainer:
         self.final_accuracy: float | None = None
         if state is not None:
             self._restore(state, checkpoint_dir(self.run_dir, int(state["step"])))  # the one that loaded
-        if resumed and self.main:  # keep every intact line up to the checkpoint (none on a restart from step 0)
+        if resumed and self.main:  # keep every intact metrics line up to the checkpoint (none from step 0)
             notes.append(repair_metrics(self.run_dir, self.step if state is not None else -1))
         self.stop_signal: int | None = None
         if self.main:
@@ -454,10 +457,13 @@ class Trainer:
     # ---- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         sharded = self.ranks is not None  # weights and optimizer state go to dcp/ (distributed/checkpoint.py)
+        weights = (
+            None if sharded else {k: v.detach().clone() for k, v in self.learner.model.state_dict().items()}
+        )
         return {
             "step": self.step,
             "version": self.version,
-            "model": None if sharded else {k: v.detach().clone() for k, v in self.learner.model.state_dict().items()},
+            "model": weights,
             "optimizer": None if sharded else self.optimizer.state_dict(),
             "executor": self.executor.state_dict(),
             "proximal": self.proximal.state_dict(),
@@ -479,7 +485,7 @@ class Trainer:
     def _restore(self, state: dict[str, Any], path: Path) -> None:
         from rollcorr.distributed.checkpoint import SHARDED, load_full, load_sharded
 
-        if isinstance(state["model"], str) and state["model"] == SHARDED:  # written by N ranks: resharded to ours
+        if isinstance(state["model"], str) and state["model"] == SHARDED:  # from N ranks: resharded to ours
             load_sharded(path, self.learner.model, self.optimizer)
         elif self.ranks is not None:  # a one-process checkpoint: every rank keeps its shards
             load_full(self.learner.model, self.optimizer, state["model"], state["optimizer"])
@@ -573,7 +579,8 @@ class Trainer:
             while self.step < t.steps and not self._stopping():
                 ev = self._one_step()
             if self.step < t.steps:
-                name = signal.Signals(self.stop_signal).name if self.stop_signal is not None else "a signal on another rank"
+                signaled = self.stop_signal is not None
+                name = signal.Signals(self.stop_signal).name if signaled else "a signal on another rank"
                 raise TrainingStopped(f"{name} at step {self.step}; continue with "
                                       f"rollcorr train --resume {self.run_dir}")  # fmt: skip
             if self.evaluates and self.evaluated_at != self.step:  # the final step was not an eval step

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from rollcorr.advantages import compute_advantages
 from rollcorr.config.correction import CorrectionConfig
+from rollcorr.distributed.shard import local_tensor as _local  # a DTensor's shard; other tensors as they are
 from rollcorr.losses import LossConfig, masked_mean, policy_loss
 from rollcorr.losses.aggregation import loss_count
 from rollcorr.rollout import Rollout
@@ -103,7 +104,11 @@ def reward_metrics(rollout: Rollout) -> dict[str, float]:
 
 
 def correct(
-    rollout: Rollout, algo: Algorithm, version: int, log_prob: Tensor | None, advantages: Tensor | None = None,
+    rollout: Rollout,
+    algo: Algorithm,
+    version: int,
+    log_prob: Tensor | None,
+    advantages: Tensor | None = None,
     group: object | None = None,
 ) -> tuple[Rollout, dict]:
     """Attach ``is_weights`` and ``kept_mask`` (docs/spec.md §2–3); returns the rollout and the metrics.
@@ -409,12 +414,6 @@ class GuardedStep:
                 else:
                     state[key] = value
         return False
-
-
-def _local(x: Tensor) -> Tensor:
-    """This rank's shard of an FSDP2 ``DTensor``; any other tensor unchanged."""
-    to_local = getattr(x, "to_local", None)
-    return to_local() if to_local is not None else x
 
 
 def _grad_norm(params: list[Tensor], max_norm: float) -> float:
