@@ -32,6 +32,7 @@ from rollcorr.train.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
+    write_manifest,
 )
 from rollcorr.train.config import ConfigError, load_config, save_config
 from rollcorr.train.loop import Trainer, run
@@ -86,10 +87,12 @@ def test_malicious_checkpoint_runs_no_code(tmp_path, addition_model_dir):
     marker = tmp_path / "pwned"
     state = checkpoint_dir(result.run_dir, 1) / STATE_FILE
     torch.save({"step": 1, "payload": _Evil(marker)}, state)  # `torch.load(weights_only=False)` ran it
+    write_manifest(state.parent)  # an attacker rewrites the checksums too: the unpickler still refuses
     with pytest.raises(CheckpointError, match="refused to load: it calls '(posix|os).system'"):
         load_checkpoint(state.parent)
     with state.open("wb") as f:  # a bare pickle (not torch's zip format) is refused too
         pickle.dump({"step": 1, "payload": _Evil(marker)}, f)
+    write_manifest(state.parent)
     with pytest.raises(CheckpointError, match="refused to load"):
         load_checkpoint(state.parent)
     with pytest.raises(RunFolderError, match="no checkpoint can be read"):
@@ -226,6 +229,7 @@ def test_run_killed_before_its_first_checkpoint_restarts_from_zero(tmp_path, add
     folder = tmp_path / "run"
     folder.mkdir()
     save_config(config, folder / "config.yaml")
+    (folder / "checkpoints").mkdir()  # a new run makes it at once; the first checkpoint was never written
     (folder / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, "reward/mean": 0.5}\n{"step": 2, "rew')
     assert resume(folder).steps == 2
     assert steps_logged(folder) == [1, 2]  # the killed life's lines are gone, none duplicated
@@ -268,6 +272,7 @@ def test_truncated_newest_checkpoint_falls_back_to_the_older_one(tmp_path, addit
 def test_resume_of_a_damaged_run_folder_is_one_line(tmp_path, addition_model_dir, capsys):
     result = run(tiny(tmp_path, addition_model_dir, "trainer.steps=1"))
     torch.save({"step": 1}, checkpoint_dir(result.run_dir, 1) / STATE_FILE)  # loads, but is not a checkpoint
+    write_manifest(checkpoint_dir(result.run_dir, 1))
     assert main(["train", "--resume", str(result.run_dir), "trainer.steps=2"]) == 2
     assert "no 'version' entry" in capsys.readouterr().err
     shutil.rmtree(result.run_dir / "checkpoints")
@@ -293,13 +298,13 @@ def test_failed_save_leaves_no_temporary_files(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(OSError):
+    with pytest.raises(CheckpointError, match="no space left on device.*nothing was lost"):
         save_checkpoint(tmp_path, 5, {"step": 5})
     assert list((tmp_path / "checkpoints").iterdir()) == []
-    monkeypatch.setattr(Path, "open", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
+    monkeypatch.setattr(os, "fsync", full_disk)
     with pytest.raises(OSError):
         save_config(load_config(None, []), tmp_path / "config.yaml")
-    assert not (tmp_path / "config.yaml.tmp").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]  # no config.yaml, no temp file
 
 
 def test_sigterm_saves_a_checkpoint_and_the_run_continues(tmp_path, addition_model_dir):

@@ -98,14 +98,12 @@ def load_config(
     data: dict[str, Any] = {}
     source: list[str] = []
     if config_path is not None:
-        import yaml
+        from rollcorr.config.yaml_io import load_yaml_file
 
         if not config_path.is_file():
             raise ValueError(f"--config file not found: {config_path}")
-        try:
-            loaded = yaml.safe_load(config_path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ValueError(f"--config {config_path}: not valid YAML ({err})") from None
+        # bounded (size, aliases, depth), a key twice refused; YamlError is a ValueError
+        loaded = load_yaml_file(config_path, f"--config {config_path}") or {}
         if not isinstance(loaded, dict):
             raise ValueError(
                 f"--config {config_path}: expected a mapping of config keys, got {type(loaded).__name__}"

@@ -402,11 +402,14 @@ def _parse_row(
     if "advantages" in present:  # per token, or one number per row
         name = present["advantages"]
         adv = obj[name]
-        adv = (
-            [float(adv)] * n
-            if isinstance(adv, int | float) and not isinstance(adv, bool)
-            else _number_list(obj, name)
-        )
+        try:
+            adv = (
+                [float(adv)] * n
+                if isinstance(adv, int | float) and not isinstance(adv, bool)
+                else _number_list(obj, name)
+            )
+        except OverflowError:  # an integer past float range (JSON allows 10⁴⁰⁰)
+            raise _BadRow(f"field {name!r} holds a number too large for a float") from None
         if any(not math.isfinite(a) for a, valid in zip(same_length(name, adv), mask) if valid):
             raise _BadRow(f"non-finite {name!r} on a valid token")
         row["advantages"] = [a if valid else 0.0 for a, valid in zip(adv, mask)]

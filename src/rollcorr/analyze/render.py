@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -58,26 +56,24 @@ def to_json(analysis: Analysis, top: int | None = None) -> dict[str, Any]:
     }
 
 
+def _percent(share: float) -> str:
+    """A share as a percentage with 2 significant digits, never in exponent form ("1e+02%")."""
+    value = 100 * share
+    return f"{value:.0f}%" if abs(value) >= 10 else f"{value:.2g}%"
+
+
 def _finite_or_str(v: Any) -> Any:
     """JSON has no NaN / inf: write them as the strings "nan", "inf", "-inf"."""
     return str(v) if isinstance(v, float) and not math.isfinite(v) else v
 
 
 def write_json(analysis: Analysis, path: str | Path) -> None:
-    """Write ``to_json`` atomically (temp file in the same directory, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = to_json(analysis)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, allow_nan=False)
-            f.write("\n")
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``to_json`` atomically (temp file in the same directory, then rename); a FIFO, a device or
+    ``/dev/stdout`` is written in place (``rollcorr.safe_io.write_output``)."""
+    from rollcorr.safe_io import write_output
+
+    text = json.dumps(to_json(analysis), indent=1, allow_nan=False) + "\n"
+    write_output(path, text.encode())
 
 
 # ---- terminal report --------------------------------------------------------------------------------
@@ -308,11 +304,11 @@ def _config_effect(analysis: Analysis) -> list[Any]:
         if config.is_mode == "mask":  # rollout_is_oob_ratio is a share of tokens at every level
             share = metrics.get(PREFIX + "rollout_is_oob_ratio", 0.0)
             band = kept_range(config.is_lower, config.is_upper)
-            head = f"{100 * share:.2g}% of tokens zeroed (outside {band}); "
+            head = f"{_percent(share)} of tokens zeroed (outside {band}); "
         elif config.is_upper is not None:  # ..._fraction_high counts tokens, or rows at sequence levels
             share = metrics.get(PREFIX + "rollout_is_ratio_fraction_high", 0.0)
             unit = "tokens" if config.is_level == "token" else "sequences"
-            head = f"{100 * share:.2g}% of {unit} truncated to {fmt(config.is_upper)}; "
+            head = f"{_percent(share)} of {unit} truncated to {fmt(config.is_upper)}; "
         out.append(f"[bold]IS weights[/]: {head}{spread}")
     elif config.is_level is not None:
         out.append("[bold]IS weights[/]: computed for the metrics but not applied (bypass + ppo_clip)")
@@ -438,7 +434,7 @@ def summary(analysis: Analysis) -> str:
     get = lambda key: m.get(PREFIX + key, math.nan)  # noqa: E731
     out = [
         f"sampler and learner differ by mean |ℓ| = {fmt(get('log_ratio_abs_mean'))} per token "
-        f"({100 * get('prob_diff_frac_ge_0.01'):.2g}% of tokens with |Δp| ≥ 0.01, max |Δp| {fmt(get('prob_diff_max'))})."
+        f"({_percent(get('prob_diff_frac_ge_0.01'))} of tokens with |Δp| ≥ 0.01, max |Δp| {fmt(get('prob_diff_max'))})."
     ]
     stat = {"token": "ρ_t", "sequence": "Π ρ_t", "geometric": "geo-mean ρ"}.get(config.is_level or "", "ρ")
     if analysis.is_weights is not None and config.is_mode == "mask":
@@ -448,10 +444,10 @@ def summary(analysis: Analysis) -> str:
             if config.is_lower
             else f"> {fmt(config.is_upper)}"
         )
-        out.append(f"IS zeroes {100 * share:.2g}% of the token weights ({stat} {band}).")
+        out.append(f"IS zeroes {_percent(share)} of the token weights ({stat} {band}).")
     elif analysis.is_weights is not None and config.is_upper is not None:
         share = get("rollout_is_ratio_fraction_high")
-        out.append(f"IS truncates {100 * share:.2g}% of the weights ({stat} > {fmt(config.is_upper)}).")
+        out.append(f"IS truncates {_percent(share)} of the weights ({stat} > {fmt(config.is_upper)}).")
     if config.rejects:
         n_tok, n_seq = analysis.dump.num_tokens, len(analysis.dump)
         out.append(

@@ -122,12 +122,18 @@ def _prepare_prompts(prompts: list[str], args, tokenizer) -> list[str]:
     if args.chat:
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("--chat: the model's tokenizer has no chat template")
-        prompts = [
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-            )
-            for p in prompts
-        ]
+        from jinja2 import TemplateError
+
+        try:  # transformers renders templates in a sandbox: an escape attempt is a SecurityError, not code run
+            prompts = [
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+                )
+                for p in prompts
+            ]
+        except TemplateError as err:
+            raise ValueError(f"--chat: the model's chat template failed ({type(err).__name__}: "
+                             f"{str(err).splitlines()[0][:160] if str(err) else 'no message'})") from None  # fmt: skip
     reps = -(-args.num_responses // len(prompts))  # cycle through the prompts until N responses
     return (prompts * reps)[: args.num_responses]
 
@@ -161,6 +167,10 @@ def _collect_live(args, console, workdir: str):
             model_path = materialise_gguf(model, gguf_file, Path(workdir) / "model")
         learner = make_learner(learner_spec, model_path=model_path)
         prompts = _prepare_prompts(prompts, args, learner.tokenizer)
+        from rollcorr.engines.preflight import check_prompts
+
+        positions = getattr(learner.model.config, "max_position_embeddings", None)
+        check_prompts(learner.tokenizer, list(dict.fromkeys(prompts)), params.max_new_tokens, positions, "prompt")
         sampler_kw = {}
         if parse_spec(sampler_spec).backend == "llamacpp":
             # llama.cpp allocates its KV cache for max_batch rows × n_ctx tokens up front; the model's own
@@ -217,6 +227,9 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if args.worst < 0:
         return _fail(f"--worst must be >= 0, got {args.worst}")
+    out = _out_dir(args.out)
+    if out.exists() and not out.is_dir():  # e.g. `--from-log F --out F`: checked before any work
+        return _fail(f"--out {out}: exists and is not a folder (the report is a folder of files); choose another")
     try:
         if args.from_log:
             given = [f"--{name.replace('_', '-')}" for name in LIVE_ONLY if getattr(args, name, None)]
@@ -233,8 +246,12 @@ def run(args: argparse.Namespace) -> int:
                 data = _collect_live(args, console, workdir)
     except (ValueError, FileNotFoundError, ImportError, NotImplementedError) as err:
         return _fail(str(err))
-    out = _out_dir(args.out)
-    summary = write_report(data, out, worst_k=args.worst)
+    try:
+        summary = write_report(data, out, worst_k=args.worst)
+    except OSError as err:  # a read-only place (/proc, /sys), a full disk: one line
+        from rollcorr.safe_io import describe_os_error
+
+        return _fail(f"--out {out}: cannot write the report ({describe_os_error(err)})")
     print_summary(summary, console)
     malformed = summary["source"].get("malformed_rows")
     if malformed:

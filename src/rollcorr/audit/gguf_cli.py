@@ -10,6 +10,7 @@ with status 2 before anything is written.
 from __future__ import annotations
 
 import argparse
+import struct
 import sys
 from pathlib import Path
 
@@ -37,6 +38,10 @@ def run(args: argparse.Namespace) -> int:
         out = gguf_to_hf(args.gguf, args.out_dir)
     except (PreflightError, ValueError, OSError) as err:
         print(f"rollcorr gguf-to-hf: error: {err}", file=sys.stderr)
+        return 2
+    except (IndexError, KeyError, EOFError, struct.error, MemoryError) as err:  # the gguf reader on a cut file
+        print(f"rollcorr gguf-to-hf: error: {str(args.gguf)!r} is not a readable GGUF file (truncated or corrupt: "
+              f"{type(err).__name__})", file=sys.stderr)  # fmt: skip
         return 2
     print(f"saved {out} (config.json, model.safetensors, tokenizer); use it as --model / model.path")
     return 0

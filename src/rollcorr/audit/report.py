@@ -9,8 +9,6 @@ from __future__ import annotations
 import base64
 import html
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +63,9 @@ def build_summary(data: AuditData, worst_k: int = 10) -> dict[str, Any]:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    from rollcorr.safe_io import atomic_write_bytes
+
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def _pct(x: float) -> str:

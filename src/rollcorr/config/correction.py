@@ -146,6 +146,9 @@ class CorrectionConfig:
     def __post_init__(self) -> None:
         _choice("mode", self.mode, CORRECTION_MODES)
         _choice("loss_type", self.loss_type, LOSS_TYPES)
+        if self.loss_type == "reinforce" and self.mode != "bypass":  # the trainer's rule, for every entry point
+            raise ValueError("loss_type='reinforce' applies in bypass mode only (the weight π_θ/μ replaces the PPO "
+                             "ratio; verl: bypass_mode: true); decoupled corrections use loss_type='ppo_clip'")  # fmt: skip
         _choice("is_level", self.is_level, (None, *IS_LEVELS))
         _choice("is_mode", self.is_mode, IS_MODES)
         _choice("batch_norm_scope", self.batch_norm_scope, BATCH_NORM_SCOPES)
@@ -268,9 +271,10 @@ class CorrectionConfig:
 
     @classmethod
     def from_yaml(cls, text: str) -> CorrectionConfig:
-        import yaml
+        """Bounded YAML (``rollcorr.config.yaml_io``: aliases, depth, size; a key twice is refused)."""
+        from rollcorr.config.yaml_io import load_yaml
 
-        return cls.from_dict(yaml.safe_load(text) or {})
+        return cls.from_dict(load_yaml(text, "CorrectionConfig YAML") or {})
 
     def replace(self, **changes: Any) -> CorrectionConfig:
         return CorrectionConfig.from_dict({**self.to_dict(), **changes})

@@ -9,7 +9,8 @@ AdamW state moved into DCP's format:
                DCP's metadata; loading reshards to whatever N reads it (N=2 → N=1 → N=2)
     model/     the full weights as a Hugging Face directory (gathered once, written by rank 0)
 
-Atomic like one process's: everything goes to ``.tmp-step_N``; after a barrier rank 0 fsyncs and renames it
+Atomic like one process's: everything goes to ``.tmp-step_N``; rank 0 writes the checksum manifest over all of
+it (``dcp/`` included, so ``load_checkpoint`` checks every shard file), fsyncs and renames it
 (``train.checkpoint.commit_checkpoint``). A one-process run (no process group) reads ``dcp/`` too: DCP loads
 without a group, and a data-parallel run reads a one-process checkpoint's full ``state.pt`` tensors and
 shards them (``load_full``).
@@ -41,13 +42,21 @@ def save_sharded(run_dir: Path, step: int, state: dict[str, Any], learner, optim
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from rollcorr.train.checkpoint import STATE_FILE, checkpoint_dir, commit_checkpoint, fsync_tree
+    from rollcorr.train.checkpoint import (
+        STATE_FILE,
+        checkpoint_dir,
+        checkpoints_root,
+        commit_checkpoint,
+        fsync_tree,
+        write_manifest,
+    )
 
     final = checkpoint_dir(run_dir, step)
     tmp = final.parent / f".tmp-{final.name}"
     if ranks.is_main:
+        checkpoints_root(run_dir, create=True)  # a real folder, never a link (rollcorr.safe_io)
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        tmp.mkdir()
     _barrier(ranks)
     try:
         model_state, optim_state = get_state_dict(learner.model, optimizer)
@@ -57,6 +66,7 @@ def save_sharded(run_dir: Path, step: int, state: dict[str, Any], learner, optim
             torch.save({**state, "model": SHARDED, "optimizer": SHARDED}, tmp / STATE_FILE)
             learner.inner.model.save_pretrained(tmp / "model", state_dict=full)
             learner.tokenizer.save_pretrained(tmp / "model")
+            write_manifest(tmp)  # every rank's dcp/ files are written: dcp.save returned on rank 0
             fsync_tree(tmp)
         _barrier(ranks)
     except BaseException:

@@ -66,8 +66,9 @@ def check_extra(extra: str) -> None:
         )
 
 
-def _check_safetensors(file: Path) -> None:
-    """Read a .safetensors header (8-byte length + JSON) and check the file holds every tensor's bytes."""
+def _check_safetensors(file: Path) -> dict:
+    """Read a .safetensors header (8-byte length + JSON) and check the file holds every tensor's bytes;
+    returns the header ({name: {"dtype", "shape", "data_offsets"}})."""
     size = file.stat().st_size
     try:
         with file.open("rb") as f:
@@ -83,6 +84,73 @@ def _check_safetensors(file: Path) -> None:
             "path",
             f"{str(file)!r} is truncated or corrupt: its header needs {8 + n + end} bytes, it has {size}",
         )
+    return {k: v for k, v in header.items() if k != "__metadata__"}
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def _check_shards(path: Path) -> list[Path]:
+    """The weight files of ``path``: those a ``*.safetensors.index.json`` names (each must exist) or else
+    every ``*.safetensors``."""
+    indexes = sorted(path.glob("*.safetensors.index.json"))
+    if not indexes:
+        return sorted(path.glob("*.safetensors"))
+    try:
+        weight_map = json.loads(indexes[0].read_text(encoding="utf-8"))["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as err:
+        raise PreflightError("path", f"{str(indexes[0])!r} is not a valid shard index ({err})") from None
+    missing = [name for name in shards if not (path / name).is_file()]
+    if missing:
+        raise PreflightError("path", f"{str(indexes[0])!r} names {len(missing)} shard(s) that are not in the "
+                             f"folder: {', '.join(missing[:3])}")  # fmt: skip
+    return [path / name for name in shards]
+
+
+def _expected_tensors(path: Path, data: dict) -> tuple[dict[str, tuple[int, ...]], set[str], str]:
+    """The state-dict names and shapes config.json implies (a model built on the meta device: no memory),
+    the names that may be absent (tied weights), and the base-model prefix. Never runs the folder's own
+    code: an ``auto_map`` model whose ``model_type`` transformers does not know is refused."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.for_model(**data)
+    except (ValueError, KeyError, TypeError) as err:
+        custom = " (its code is in the folder, auto_map; rollcorr never runs a model's own code)" if "auto_map" in data else ""
+        raise PreflightError("path", f"{str(path / 'config.json')!r}: model_type {data['model_type']!r} is not "
+                             f"known to this transformers{custom}: {str(err).splitlines()[0][:120]}") from None  # fmt: skip
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as err:
+        raise PreflightError("path", f"{str(path / 'config.json')!r}: transformers cannot build a causal LM "
+                             f"from it ({str(err).splitlines()[0][:160]})") from None  # fmt: skip
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    tied = set(getattr(model, "_tied_weights_keys", None) or []) if getattr(config, "tie_word_embeddings", False) else set()
+    return shapes, tied, getattr(model, "base_model_prefix", "model")
+
+
+def check_weights_match_config(path: Path, data: dict, headers: dict[str, dict]) -> None:
+    """PreflightError(field="path") when the safetensors miss a tensor the config needs (transformers would
+    initialise it at random), hold one it does not know, or a shape disagrees with config.json."""
+    expected, tied, prefix = _expected_tensors(path, data)
+    found = {name: tuple(h.get("shape", ())) for name, h in headers.items()}
+    if not set(found) & set(expected):  # saved from the base model: names without "model."
+        found = {f"{prefix}.{name}": shape for name, shape in found.items()}
+    missing = sorted(set(expected) - set(found) - tied)
+    extra = sorted(set(found) - set(expected))
+    if missing:
+        raise PreflightError("path", f"{str(path)!r}: the weights miss {len(missing)} tensor(s) config.json "
+                             f"needs ({', '.join(missing[:3])}); transformers would initialise them at random")  # fmt: skip
+    if extra:
+        raise PreflightError("path", f"{str(path)!r}: the weights hold {len(extra)} tensor(s) the model of "
+                             f"config.json does not have ({', '.join(extra[:3])})")  # fmt: skip
+    for name, shape in expected.items():
+        if name in found and found[name] != shape:
+            raise PreflightError("path", f"{str(path)!r}: tensor {name!r} has shape {list(found[name])}, "
+                                 f"config.json implies {list(shape)}")  # fmt: skip
 
 
 def check_model_dir(model_path: str | Path | None, gguf_file: str | None = None) -> None:
@@ -131,15 +199,36 @@ def check_model_dir(model_path: str | Path | None, gguf_file: str | None = None)
         raise PreflightError("path", f"{str(config)!r} is not valid JSON ({err})") from None
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
         raise PreflightError("path", f'{str(config)!r} has no "model_type": not a transformers config')
-    weights = sorted(path.glob("*.safetensors"))
+    weights = _check_shards(path)
     if not weights:
         if any(path.glob("*.bin")):
             raise PreflightError(
                 "path", f"{str(model_path)!r} holds *.bin weights only; rollcorr loads *.safetensors"
             )
         raise PreflightError("path", f"{str(model_path)!r} has no *.safetensors weights")
+    headers: dict[str, dict] = {}
     for file in weights:
-        _check_safetensors(file)
+        headers.update(_check_safetensors(file))
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise PreflightError("path", f"{str(model_path)!r} has no tokenizer files (one of "
+                             f"{', '.join(TOKENIZER_FILES)}); copy them from the model's original folder")  # fmt: skip
+    check_weights_match_config(path, data, headers)
+    check_tokenizer_fits(path, data)
+
+
+def check_tokenizer_fits(path: Path, data: dict) -> None:
+    """The folder's tokenizer loads and every id fits the embedding (``vocab_size`` rows)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as err:  # noqa: BLE001 - any tokenizer file transformers cannot read
+        raise PreflightError("path", f"{str(path)!r}: its tokenizer does not load "
+                             f"({str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__})") from None  # fmt: skip
+    vocab = data.get("vocab_size")
+    if isinstance(vocab, int) and len(tokenizer) > vocab:
+        raise PreflightError("path", f"{str(path)!r}: the tokenizer has {len(tokenizer)} tokens but config.json's "
+                             f"embedding only {vocab} rows: the tokenizer does not belong to this model")  # fmt: skip
 
 
 def check_spec(spec: str, role: str = "sampler"):
@@ -150,15 +239,72 @@ def check_spec(spec: str, role: str = "sampler"):
         parsed = parse_spec(spec)
     except ValueError as err:
         raise PreflightError("spec", str(err)) from None
+    if parsed.backend == "llamacpp" and parsed.quant is not None:
+        from rollcorr.engines.gguf import QUANT_TYPES
+
+        if parsed.quant not in (*QUANT_TYPES, "file"):
+            raise PreflightError("spec", f"{spec!r}: rollcorr writes GGUF weights as {', '.join(QUANT_TYPES)} "
+                                 "(or llamacpp:file serves a GGUF file as shipped)")  # fmt: skip
     if role == "learner":
         if parsed.backend != "hf":
             raise PreflightError("spec", f"learners exist for the hf backend only, got {spec!r}")
         if parsed.quant is not None:
             raise PreflightError(
                 "spec", f"{spec!r}: int8 quantisation is for samplers; a learner trains float weights "
-                "(use hf, hf:bf16 or hf:fp16)"
+                "(use hf or hf:bf16)"
             )  # fmt: skip
     return parsed
+
+
+def check_llamacpp_model(spec: str, quant: str | None, model_path, gguf_file: str | None) -> None:
+    """llamacpp:file needs a GGUF file; otherwise rollcorr writes the GGUF, for the architectures it knows."""
+    if quant == "file" and gguf_file is None:
+        raise PreflightError("spec", f"{spec!r} serves a GGUF file as shipped: give one (audit --gguf-file); to "
+                             "have rollcorr write the GGUF use llamacpp:q8_0 (or f32, f16, q4_0)")  # fmt: skip
+    if gguf_file is not None or model_path is None or str(model_path).startswith(BUILTIN):
+        return
+    from rollcorr.engines.gguf import SUPPORTED_ARCHITECTURES
+
+    arch = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8")).get("model_type")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise PreflightError("spec", f"{spec!r}: the GGUF writer handles {', '.join(SUPPORTED_ARCHITECTURES)} "
+                             f"models; {str(model_path)!r} is {arch!r} (use an hf or vllm sampler)")  # fmt: skip
+
+
+def check_prompts(
+    tokenizer, prompts: list[str], max_new_tokens: int, max_positions: int | None, what: str
+) -> None:
+    """PreflightError(field="prompts") for a prompt the tokenizer cannot encode (an ``<unk>``, or characters
+    it drops) or one whose tokens plus ``max_new_tokens`` exceed the model's ``max_positions``."""
+    from transformers.utils import logging as hf_logging
+
+    unk = getattr(tokenizer, "unk_token_id", None)
+    vocab = tokenizer.get_vocab() if is_char_tokenizer(tokenizer) else None
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "sequence length is longer than ..." is what this check says, in one line
+    try:
+        encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in prompts]
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    for i, (text, ids) in enumerate(zip(prompts, encoded)):
+        unknown = sorted({c for c in text if c not in vocab}) if vocab is not None else []
+        if unknown:
+            raise PreflightError("prompts", f"{what} {i}: characters the tokenizer cannot encode "
+                                 f"({''.join(unknown[:10])!r}); it would drop them")  # fmt: skip
+        if unk is not None and unk in ids:
+            raise PreflightError("prompts", f"{what} {i}: text the tokenizer cannot encode (it becomes its "
+                                 "unknown token)")  # fmt: skip
+    longest = max(map(len, encoded), default=0)
+    if max_positions is not None and longest + max_new_tokens > max_positions:
+        raise PreflightError("prompts", f"{what}: the longest is {longest} tokens; with {max_new_tokens} new "
+                             f"tokens that is past the model's {max_positions} positions")  # fmt: skip
+
+
+def is_char_tokenizer(tokenizer) -> bool:
+    """The built-in character tokenizer (one token per character)."""
+    from rollcorr.models.builtin import CHARACTERS, SPECIAL_TOKENS
+
+    return len(tokenizer) == len(SPECIAL_TOKENS) + len(CHARACTERS) and all(c in tokenizer.get_vocab() for c in "09aZ")
 
 
 def preflight(
@@ -177,6 +323,8 @@ def preflight(
     if extra is not None:
         check_extra(extra)
     check_model_dir(model_path, gguf_file)
+    if parsed.backend == "llamacpp":
+        check_llamacpp_model(spec, parsed.quant, model_path, gguf_file)
     if gguf_file is not None:
         try:
             check_extra("gguf")

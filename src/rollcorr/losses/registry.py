@@ -57,6 +57,8 @@ class LossSpec:
     compute: Callable[[LossInputs, LossConfig], LossResult]
     clip_low: float = 0.2
     clip_high: float = 0.2
+    clip_low_at_most: float | None = 1.0  # a ratio clipped below at 1 − ε_lo: ε_lo > 1 never binds (None:
+    #                                       ε_lo is not a ratio bound, e.g. gmpo's log space)
     agg: str = "token-mean"
     options: Mapping[str, Any] = field(default_factory=dict)
     needs_old_log_prob: bool = True  # π_old, the ratio's anchor (reinforce reads it for a metric when given)
@@ -156,6 +158,10 @@ class LossConfig:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"LossConfig.{name} must be a finite number >= 0, got {value}")
+        low, bound = (spec.clip_low if self.clip_low is None else self.clip_low), spec.clip_low_at_most
+        if bound is not None and low > bound:  # 1 − ε_lo < 0: a ratio is never below it
+            raise ValueError(f"LossConfig.clip_low: {low:g} makes the lower clip 1 − ε_lo = {1 - low:g} < 0, which "
+                             f"never binds for {self.name}; use ε_lo in [0, {bound:g}] (1 = no lower bound)")  # fmt: skip
         if self.clip_c is not None and not self.clip_c > 1:
             raise ValueError(f"LossConfig.clip_c (dual clip / dppo ratio cap) must be > 1, got {self.clip_c}")
         if self.norm_constant is not None and not self.norm_constant > 0:

@@ -102,5 +102,5 @@ register_loss(LossSpec(
     "gmpo",  # the GMPO paper's ε = 0.4 (log space)
     lambda i, c: gmpo_loss(i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, clip_low=c.eps_low,
                            clip_high=c.eps_high, weights=i.weights),
-    clip_low=0.4, clip_high=0.4, per_sequence=True, verl_name="geo_mean",
+    clip_low=0.4, clip_high=0.4, clip_low_at_most=None, per_sequence=True, verl_name="geo_mean",
 ))  # fmt: skip

@@ -169,6 +169,7 @@ for _name, _fn in (("dppo_tv", dppo_tv_loss), ("dppo_kl", dppo_kl_loss)):
                                 clip_high=c.eps_high, cap=c.clip_c, kl_coef=c.dppo_kl_coef,
                                 weights=i.weights),
         options={"dppo_kl_coef": 0.0}, verl_name=_name,
+        clip_low_at_most=None if _name == "dppo_kl" else 1.0,  # dppo_kl: ε are binary-KL thresholds
     ))  # fmt: skip
 register_loss(LossSpec(
     "sapo",

@@ -7,6 +7,13 @@ every file and the directory are fsynced, and only then renamed into place (a st
 ``.old-step_000050``), so a checkpoint directory either exists complete or not at all. ``recover_checkpoints``
 tidies what a kill between those renames leaves behind.
 
+Each checkpoint carries ``manifest.json``: the size and SHA-256 of every file in it, written into the
+temporary directory before the rename (so it is as atomic as the checkpoint). ``load_checkpoint`` checks it
+(and that every weight is finite) before ``state.pt`` is unpickled; a flipped bit in the newest checkpoint
+makes ``load_latest_intact`` fall back to the one before it, with a line saying so. ``checkpoints/`` and its
+entries are never followed when they are links (``rollcorr.safe_io``): a planted link is refused, so a run
+folder cannot make a save or a prune touch a folder elsewhere.
+
 A run folder is untrusted input (it may come from a colleague or a bucket): ``state.pt`` is read with
 ``torch.load(weights_only=True)``, which builds tensors, numbers, strings and containers only — plus the one
 rollcorr type a checkpoint holds (``Rollout``, the async executor's queued batches). The RNG states are stored
@@ -15,10 +22,14 @@ as plain tensors and lists for that reason.
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import os
 import random
 import re
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +37,17 @@ import numpy as np
 import torch
 
 from rollcorr.rollout import Rollout
+from rollcorr.safe_io import UnsafePathError, check_inside_dir, describe_os_error, read_bytes_inside
 
 STATE_FILE = "state.pt"
+MANIFEST_FILE = "manifest.json"
 STATE_KEYS = ("step", "version", "model", "optimizer", "executor", "proximal", "rng", "loop", "config")
 SAFE_TYPES = [Rollout]  # the only non-builtin type a state.pt may contain (queued async batches)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be read (truncated, corrupt, or holding code)."""
+    """A checkpoint that cannot be read (truncated, corrupt, or holding code) or written (a full disk)."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -75,33 +88,81 @@ def fsync_tree(root: Path) -> None:
         fsync_path(Path(dirpath))
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """``folder/manifest.json``: {relative path: {"bytes": n, "sha256": hex}} of every file under it."""
+    files = {}
+    for dirpath, _dirs, names in os.walk(folder):
+        for name in sorted(names):
+            path = Path(dirpath) / name
+            if path.name != MANIFEST_FILE or path.parent != folder:
+                files[path.relative_to(folder).as_posix()] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    (folder / MANIFEST_FILE).write_text(json.dumps({"algorithm": "sha256", "files": files}, indent=1) + "\n")
+
+
+def checkpoints_root(run_dir: Path, create: bool = False) -> Path | None:
+    """``run_dir/checkpoints`` if it is a real folder (``create``: made if missing), else None; a link or a
+    file there, or a link among its ``step_*`` entries, is refused (``UnsafePathError``)."""
+    root = Path(run_dir) / "checkpoints"
+    if not check_inside_dir(root):
+        if not create:
+            return None
+        try:
+            root.mkdir()  # never with parents: a run folder removed mid-run is not silently recreated
+        except FileNotFoundError:
+            raise UnsafePathError(f"{run_dir}: the run folder is gone (removed while the run was going)") from None
+    for entry in os.scandir(root):
+        if entry.is_symlink():
+            raise UnsafePathError(f"{root / entry.name}: is a symbolic link; refused (a run folder's files are "
+                                  "never followed out of it); remove it to use this run")  # fmt: skip
+    return root
+
+
 def save_checkpoint(
     run_dir: Path, step: int, state: dict[str, Any], model=None, tokenizer=None, keep: int = 2
 ) -> Path:
-    """Write ``state`` (and the model as an HF directory) atomically; keep the newest ``keep`` checkpoints.
+    """Write ``state`` (and the model as an HF directory) atomically, with its checksum manifest; keep the
+    newest ``keep`` checkpoints.
 
-    On any error (a full disk) the temporary directory is removed again and the error re-raised.
+    On any error the temporary directory is removed again and the older checkpoints stay as they were; a
+    write error (a full disk, a file-size limit) is a one-line ``CheckpointError``.
     """
+    root = checkpoints_root(run_dir, create=True)
     final = checkpoint_dir(run_dir, step)
-    tmp = final.parent / f".tmp-{final.name}"
+    tmp = root / f".tmp-{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir(parents=True)
+        tmp.mkdir()
         torch.save(state, tmp / STATE_FILE)
         if model is not None:
             model.save_pretrained(tmp / "model")
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp / "model")
+        write_manifest(tmp)
         fsync_tree(tmp)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        reason = _write_failure(err)
+        if reason is None:
+            raise
+        kept = [p.name for p in list_checkpoints(run_dir)]
+        raise CheckpointError(f"{final}: cannot write the checkpoint ({reason}); nothing was lost: "
+                              f"{', '.join(kept) if kept else 'no older checkpoint'} kept as it was, the "
+                              "temporary copy removed") from None  # fmt: skip
     return commit_checkpoint(run_dir, step, tmp, keep)
 
 
 def commit_checkpoint(run_dir: Path, step: int, tmp: Path, keep: int = 2) -> Path:
-    """Rename the complete, fsynced ``tmp`` into ``step_N`` (through ``.old-step_N`` when it exists) and keep
-    the newest ``keep`` checkpoints. Shared by one-process and sharded (``distributed/checkpoint.py``) saves."""
+    """Rename the complete, fsynced ``tmp`` (manifest included) into ``step_N`` (through ``.old-step_N`` when it
+    exists) and keep the newest ``keep`` checkpoints. Shared by one-process and sharded
+    (``distributed/checkpoint.py``) saves."""
     final = checkpoint_dir(run_dir, step)
     if final.exists():
         old = final.parent / f".old-{final.name}"
@@ -118,6 +179,17 @@ def commit_checkpoint(run_dir: Path, step: int, tmp: Path, keep: int = 2) -> Pat
     return final
 
 
+def _write_failure(err: BaseException) -> str | None:
+    """A short reason for a failed write (OSError, or torch's "enforce fail at inline_container.cc ... file
+    write failed"); None for anything else (a bug: keep its traceback)."""
+    if isinstance(err, OSError):
+        return describe_os_error(err)
+    text = str(err)
+    if isinstance(err, RuntimeError) and ("inline_container" in text or "file write failed" in text):
+        return "the write failed: no space left on device or a file-size limit?"
+    return None
+
+
 def recover_checkpoints(run_dir: Path) -> list[str]:
     """Tidy ``checkpoints/`` after a kill; returns one message per thing done.
 
@@ -125,8 +197,8 @@ def recover_checkpoints(run_dir: Path) -> list[str]:
     ``step_N`` again when that one is missing, and is removed otherwise. ``.tmp-step_N`` is a save that did
     not finish (or finished after ``.old-step_N`` was made: the older complete copy is kept) and is removed.
     """
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
+    root = checkpoints_root(run_dir)
+    if root is None:
         return []
     done = []
     for old in sorted(root.glob(".old-step_*")):
@@ -148,8 +220,8 @@ def recover_checkpoints(run_dir: Path) -> list[str]:
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete-looking checkpoints of a run (``step_N/state.pt`` exists), oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
+    root = checkpoints_root(run_dir)
+    if root is None:
         return []
     found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / STATE_FILE).is_file()]
     return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
@@ -168,26 +240,71 @@ def latest_checkpoint(run_dir: Path) -> Path:
     return found[-1]
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Read ``path/state.pt`` without running code from it; ``CheckpointError`` (one line) if unreadable."""
-    file = Path(path) / STATE_FILE
+def check_manifest(path: Path) -> bool:
+    """Check every file in ``path/manifest.json`` (size and SHA-256; links refused); ``CheckpointError``
+    naming the first that differs. False when there is no manifest (a checkpoint of an older rollcorr)."""
+    manifest_path = Path(path) / MANIFEST_FILE
+    if not os.path.lexists(manifest_path):
+        return False
     try:
+        manifest = json.loads(read_bytes_inside(manifest_path, limit=1 << 20))
+        files = manifest["files"]
+        assert isinstance(files, dict) and STATE_FILE in files
+    except (UnsafePathError, ValueError, KeyError, TypeError, AssertionError):
+        raise CheckpointError(f"{manifest_path}: unreadable checksum manifest") from None
+    for name, entry in files.items():
+        file = Path(path) / name
+        if ".." in Path(name).parts or Path(name).is_absolute():
+            raise CheckpointError(f"{manifest_path}: names a file outside the checkpoint ({name!r})")
+        try:
+            info = os.lstat(file)
+        except OSError:
+            raise CheckpointError(f"{file}: missing (listed in {MANIFEST_FILE})") from None
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{file}: not a regular file (a link?); refused")
+        if info.st_size != entry.get("bytes") or _sha256(file) != entry.get("sha256"):
+            raise CheckpointError(f"{file}: checksum mismatch (the file changed or is corrupt since it was "
+                                  "saved)")  # fmt: skip
+    return True
+
+
+def _non_finite_weights(model: Any) -> str | None:
+    if not isinstance(model, dict):
+        return None
+    for name, value in model.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            bad = int((~torch.isfinite(value)).sum())
+            if bad:
+                return f"{bad} non-finite value(s) in weight {name!r}"
+    return None
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Read ``path/state.pt`` without running code from it, after checking its manifest; ``CheckpointError``
+    (one line) if unreadable, corrupt or holding non-finite weights."""
+    file = Path(path) / STATE_FILE
+    check_manifest(path)
+    try:
+        data = read_bytes_inside(file)
         with torch.serialization.safe_globals(SAFE_TYPES):
-            state = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as err:  # truncated zip, bad pickle, a forbidden global, a read error
+            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as err:  # truncated zip, bad pickle, a forbidden global, a read error, a link
         text = str(err).strip()
-        reason = text.splitlines()[0] if text else type(err).__name__
+        reason = text.splitlines()[0][:200] if text else type(err).__name__
         if "Weights only load failed" in text:  # torch's safe unpickler met something that is not data
             found = re.search(r"(?:Unsupported global: |unsupported )GLOBAL ([\w.]+)", text)
             detail = text.partition("WeightsUnpickler error:")[2].strip().splitlines()
             reason = (
-                f"it calls {found.group(1)!r}" if found else detail[0] if detail else "unsupported content"
+                f"it calls {found.group(1)!r}" if found else detail[0][:200] if detail else "unsupported content"
             )
             reason = f"refused to load: {reason} (a checkpoint holds only tensors, numbers and strings)"
         raise CheckpointError(f"{file}: {reason}") from None
     missing = [key for key in STATE_KEYS if key not in state] if isinstance(state, dict) else ["step"]
     if missing:
         raise CheckpointError(f"{file}: not a rollcorr checkpoint (no {missing[0]!r} entry)")
+    bad = _non_finite_weights(state["model"])
+    if bad:
+        raise CheckpointError(f"{file}: {bad}")
     return state
 
 
@@ -199,7 +316,11 @@ def load_latest_intact(run_dir: Path) -> tuple[Path | None, dict[str, Any] | Non
     skipped = []
     for path in reversed(list_checkpoints(run_dir)):
         try:
-            return path, load_checkpoint(path), skipped
+            state = load_checkpoint(path)
         except CheckpointError as err:
             skipped.append(f"skipped checkpoint {path.name}: {err}")
+            continue
+        if not (path / MANIFEST_FILE).is_file():
+            skipped.append(f"{path.name}: has no {MANIFEST_FILE} (saved by an older rollcorr): loaded unchecked")
+        return path, state, skipped
     return None, None, skipped

@@ -6,6 +6,7 @@ With no arguments: the built-in model learns the built-in addition task with the
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -21,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--config", type=Path, default=None, help="YAML config (default: the shipped default.yaml)"
     )
     parser.add_argument("--out", type=Path, default=None,
-                        help="run folder, new or empty (default: runs/<timestamp>-<random suffix>)")  # fmt: skip
+                        help="run folder, new or empty, taken as a path (never YAML; a leading ~ is your home) "
+                             "(default: runs/<timestamp>-<random suffix>)")  # fmt: skip
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the run already in --out (default: refuse a non-empty folder)")  # fmt: skip
     parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
@@ -32,8 +34,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # Ctrl-C while checking or loading (a training run handles its own signals)
+        print("rollcorr train: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     import yaml
 
+    from rollcorr.engines.preflight import PreflightError
+    from rollcorr.safe_io import UnsafePathError, describe_os_error
+    from rollcorr.train.checkpoint import CheckpointError
     from rollcorr.train.config import ConfigError, load_config
 
     try:
@@ -43,9 +56,9 @@ def run(args: argparse.Namespace) -> int:
             if args.out is not None or args.overwrite:
                 raise ConfigError("--resume: the run continues in RUN_DIR; drop --out / --overwrite")
             config_path = args.resume / "config.yaml"
-            if not config_path.is_file():
+            if not os.path.lexists(config_path):
                 raise ConfigError(f"--resume: {str(config_path)!r} does not exist (not a run folder?)")
-            config = load_config(config_path, args.overrides)
+            config = load_config(config_path, args.overrides, inside_run=True)  # a link there is refused
         else:
             overrides = list(args.overrides)
             if args.out is not None:
@@ -103,6 +116,17 @@ def _train(args: argparse.Namespace, config) -> int:
     hf_logging.disable_progress_bar()  # checkpoints call save_pretrained; rollcorr's own bar is the one to read
     try:
         result = run_training(config, resume=args.resume, overwrite=args.overwrite)
+    except (UnsafePathError, CheckpointError) as err:  # a link in the run folder, a checkpoint that cannot be written
+        print(f"rollcorr train: {err}", file=sys.stderr)
+        return 2
+    except PreflightError as err:  # prompts the model cannot take (found once the tokenizer is loaded)
+        print(f"rollcorr train: config error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a full disk, a file-size limit, a read-only folder: nothing lost, one line
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"rollcorr train: {where}{describe_os_error(err)}; the run folder keeps its last checkpoint "
+              f"(continue with rollcorr train --resume RUN_DIR once fixed)", file=sys.stderr)  # fmt: skip
+        return 1
     except RunFinished as done:
         if main:
             print(f"rollcorr train: {done}")
@@ -115,6 +139,18 @@ def _train(args: argparse.Namespace, config) -> int:
         return 2
     except FloatingPointError as err:  # the weights diverged (NaN logits in the sampler): no traceback to read
         print(f"rollcorr train: {err}", file=sys.stderr)
+        return 1
+    except RuntimeError as err:  # the sampler process died, failed or stopped beating: one line, not a chain
+        from rollcorr.train.sampler_process import SamplerProcessError
+
+        cause = err if isinstance(err, SamplerProcessError) else err.__cause__
+        if not isinstance(cause, SamplerProcessError):
+            raise
+        first, _, details = str(cause).partition("\n")
+        print(f"rollcorr train: {first}; the run folder keeps its last checkpoint (continue with rollcorr train "
+              f"--resume RUN_DIR)", file=sys.stderr)  # fmt: skip
+        if details:  # an exception inside the sampler: its own traceback, once
+            print(details, file=sys.stderr)
         return 1
     acc = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
     if not main:

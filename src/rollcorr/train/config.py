@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -17,6 +16,7 @@ from typing import Any, get_type_hints
 import yaml
 
 from rollcorr.config.loss import AGG_MODES
+from rollcorr.config.yaml_io import YamlError, excerpt, load_yaml, load_yaml_file
 from rollcorr.losses import LOSSES as LOSS_CATALOGUE
 from rollcorr.losses import LossConfig, loss_spec
 
@@ -91,7 +91,12 @@ LOSS_SETTINGS = {"clip_low": "clip_low", "clip_high": "clip_high", "aggregation"
 
 
 class ConfigError(ValueError):
-    """A configuration problem; the message starts with the dotted key at fault."""
+    """A configuration problem; the message starts with the dotted key at fault (and is one bounded line)."""
+
+    def __init__(self, message: str):
+        if len(message) > 600:  # a value quoted from a hostile file never floods the terminal
+            message = f"{message[:500]}... ({len(message):,} chars)"
+        super().__init__(message)
 
 
 @dataclass
@@ -253,28 +258,28 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         raise ConfigError(f"{key}: may not be null")
     if base is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true/false, got {value!r}")
+            raise ConfigError(f"{key}: expected true/false, got {excerpt(value)}")
         return value
     if base is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+            raise ConfigError(f"{key}: expected an integer, got {excerpt(value)}")
         return value
     if base is float:
         if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
             try:
                 value = float(value)
             except ValueError:
-                raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+                raise ConfigError(f"{key}: expected a number, got {excerpt(value)}") from None
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
+            raise ConfigError(f"{key}: expected a number, got {excerpt(value)}")
         return float(value)
     if base is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
+            raise ConfigError(f"{key}: expected a string, got {excerpt(value)}")
         return value
     if base is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{key}: expected a mapping, got {excerpt(value)}")
         return dict(value)
     return value
 
@@ -284,10 +289,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"{text}: expected key=value, e.g. trainer.steps=50")
+    if key.strip() == "trainer.out":  # a path, never YAML: "run #2", "null", "2024-01-01" are folder names
+        return ["trainer", "out"], raw or None
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{key}: cannot parse value {raw!r}: {err}") from None
+        value = load_yaml(raw, f"{key}=") if raw.strip() else None
+    except YamlError as err:
+        raise ConfigError(str(err)) from None
     return key.strip().split("."), value
 
 
@@ -326,24 +333,24 @@ def preset_overrides(name: str) -> list[str]:
                 )
         return out
 
-    return leaves(yaml.safe_load(path.read_text()) or {}, "")
+    return leaves(load_yaml_file(path) or {}, "")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *,
+                inside_run: bool = False) -> TrainConfig:  # fmt: skip
     """Read YAML (default: the shipped default.yaml; a bare name such as "chain" is a shipped
-    preset applied over it), apply overrides, build and validate."""
+    preset applied over it), apply overrides, build and validate. ``inside_run``: ``path`` is a run
+    folder's config.yaml (not followed if it is a link)."""
     presets = []
     if path is not None and not Path(path).is_file() and not Path(path).suffix and "/" not in str(path):
         presets, path = preset_overrides(str(path)), None
     path = Path(path) if path is not None else DEFAULT_CONFIG
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        where = getattr(err, "problem_mark", None)
-        at = f" at line {where.line + 1}" if where is not None else ""
-        raise ConfigError(f"config file {str(path)!r}: not valid YAML{at}") from None
+    try:  # bounded: size, aliases, depth; a key twice is refused (rollcorr.config.yaml_io)
+        data = load_yaml_file(path, inside_run=inside_run) or {}
+    except YamlError as err:
+        raise ConfigError(str(err)) from None
     if not isinstance(data, dict):
         raise ConfigError(
             f"config file {str(path)!r}: expected a mapping of sections, got {type(data).__name__}"
@@ -361,17 +368,11 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
 
 
 def save_config(config: TrainConfig, path: Path) -> None:
-    """Write the resolved config as YAML (temp file then rename)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    try:
-        with tmp.open("w") as f:
-            f.write(yaml.safe_dump(config.to_dict(), sort_keys=False))
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk leaves no 0-byte config.yaml.tmp behind
-        raise
+    """Write the resolved config as YAML (a fresh temp file then rename: a link at ``path`` or at a temp
+    name is never written through; a full disk leaves no temp file behind)."""
+    from rollcorr.safe_io import atomic_write_bytes
+
+    atomic_write_bytes(path, yaml.safe_dump(config.to_dict(), sort_keys=False).encode())
 
 
 # ---------------------------------------------------------------- validation
@@ -490,6 +491,8 @@ def validate(c: TrainConfig) -> None:
            f"partial rollouts need trainer.mode=async, got {t.mode!r}")  # fmt: skip
     _positive(t.partial_chunk_tokens, "trainer.partial_chunk_tokens")
     _positive(t.steps, "trainer.steps")
+    for key, seed in (("trainer.seed", t.seed), ("task.eval_seed", c.task.eval_seed)):  # NumPy takes [0, 2³²)
+        _check(0 <= seed < 2**32, key, f"must be in [0, 2**32), got {seed}")
     _positive(t.threads, "trainer.threads", allow_zero=True)
     _positive(t.mini_batches, "trainer.mini_batches")
     _check(c.batch_size % t.mini_batches == 0, "trainer.mini_batches",

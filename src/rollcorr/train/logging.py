@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
+
+from rollcorr.safe_io import check_inside_dir, open_text_inside
 
 # the columns of the progress bar: (metric key, label, format)
 PROGRESS_FIELDS = (
@@ -33,10 +36,11 @@ class RunLogger:
                  progress: bool = True, config: dict | None = None, resume_step: int | None = None):  # fmt: skip
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
-        self.file = self.path.open("a")
+        self.file = open_text_inside(self.path, "a")  # a planted link or FIFO is refused, never followed
         self.last: dict[str, float] = {}
         self.tb = None
         if tensorboard:
+            check_inside_dir(self.run_dir / "tensorboard")
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=resume_step)
@@ -64,6 +68,11 @@ class RunLogger:
             self.progress.start()
 
     def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
+        if os.fstat(self.file.fileno()).st_nlink == 0:  # `rm -rf RUN` mid-run: stop, never carry on unseen
+            from rollcorr.train.rundir import RunFolderError
+
+            raise RunFolderError(f"{self.run_dir}: the run folder was removed while the run was going (its "
+                                 f"metrics.jsonl is gone); stopped at step {step}")  # fmt: skip
         record: dict[str, Any] = {"step": step}
         record.update({k: _finite_or_none(float(v)) for k, v in sorted(metrics.items())})
         self.file.write(json.dumps(record) + "\n")
@@ -86,7 +95,14 @@ class RunLogger:
     def message(self, text: str) -> None:
         if self.progress is not None:
             self.progress.console.print(text)
-        else:
+        else:  # plain output (trainer.progress=false): the same text without its rich markup
+            from rich.errors import MarkupError
+            from rich.text import Text
+
+            try:
+                text = Text.from_markup(text).plain
+            except MarkupError:
+                pass
             print(text, flush=True)
 
     def close(self) -> None:
@@ -100,5 +116,5 @@ class RunLogger:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    with open_text_inside(Path(run_dir) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f.read().splitlines() if line.strip()]

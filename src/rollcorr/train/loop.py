@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rollcorr.safe_io import UnsafePathError
 from rollcorr.train.alerts import RunAlerts
 from rollcorr.train.checkpoint import (
     checkpoint_dir,
@@ -40,8 +41,10 @@ from rollcorr.train.rundir import (
     RunFolderError,
     RunLock,
     check_new_run_dir,
+    check_restart_from_zero,
     check_resume_config,
     clear_run_dir,
+    make_run_dir,
     new_run_dir,
     repair_metrics,
 )
@@ -266,16 +269,17 @@ def open_resume(run_dir: Path, config: TrainConfig) -> tuple[dict[str, Any] | No
     (``rundir.RESUMABLE_KEYS``), ``trainer.steps`` against its step, and a finished run (``RunFinished``).
     Leftovers of a kill during a save are tidied first (``recover_checkpoints``).
     """
-    root = Path(run_dir) / "checkpoints"
-    if root.exists() and not root.is_dir():
-        raise RunFolderError(f"{root}: is not a directory (a damaged run folder); move it aside to restart")
-    messages = recover_checkpoints(run_dir)
-    path, state, skipped = load_latest_intact(run_dir)
+    try:  # a link or a file where checkpoints/ should be: refused, never followed
+        messages = recover_checkpoints(run_dir)
+        path, state, skipped = load_latest_intact(run_dir)
+    except UnsafePathError as err:
+        raise RunFolderError(f"{err} (a damaged run folder); move it aside to restart") from None
     messages += skipped
     if state is None and skipped:  # checkpoints exist but none loads: never silently start over
         raise RunFolderError(f"{run_dir}: no checkpoint can be read ({'; '.join(skipped)}); move "
                              f"{run_dir / 'checkpoints'} aside to restart the run from step 0")  # fmt: skip
     if state is None:
+        check_restart_from_zero(run_dir, config.trainer.checkpoint_every)
         messages.append(f"{run_dir}: no checkpoint yet (killed before the first one); restarting from step 0")
         return None, messages
     step, steps = int(state["step"]), config.trainer.steps
@@ -307,12 +311,13 @@ def open_run_dir(config: TrainConfig, run_dir: Path | None, resume: Path | None,
     if (folder / LOCK_FILE).exists():  # a run may be writing there right now: say so, with its pid
         RunLock(folder).release()
     check_new_run_dir(folder, overwrite)
-    folder.mkdir(parents=True, exist_ok=True)
+    make_run_dir(folder)
     lock = RunLock(folder)
     try:
         check_new_run_dir(folder, overwrite)  # again, now that no one else can write
         if overwrite:
             clear_run_dir(folder)
+        (folder / "checkpoints").mkdir()  # from the start: a resume that finds it gone refuses to restart
     except BaseException:
         lock.release()
         raise
@@ -380,6 +385,7 @@ class Trainer:
     ) -> None:
         """Models, optimizer, executor, evaluator, logger; then the checkpoint's state when resuming."""
         from rollcorr.engines import make_learner, make_sampler
+        from rollcorr.engines.preflight import check_prompts
         from rollcorr.tasks import make_task
         from rollcorr.train.eval import GreedyEvaluator
         from rollcorr.train.executors import make_executor
@@ -401,6 +407,10 @@ class Trainer:
             lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
         )  # fmt: skip
         self.task = make_task(config.task.name)
+        # a user's prompts: encodable, and within the model's positions (the hf sampler would run past them)
+        check_prompts(self.learner.tokenizer, [str(item.get("prompt", "")) for item in getattr(self.task, "items", [])],
+                      r.max_new_tokens, getattr(self.learner.model.config, "max_position_embeddings", None),
+                      f"task.name: {config.task.name} prompt")  # fmt: skip
         # the sampler is built where it runs: here (sync, simulated_async), in a sampler process (async) or in
         # Ray actors (trainer.executor=ray)
         if self.ranks is None:
@@ -443,6 +453,7 @@ class Trainer:
         if resumed and self.main:  # keep every intact metrics line up to the checkpoint (none from step 0)
             notes.append(repair_metrics(self.run_dir, self.step if state is not None else -1))
         self.stop_signal: int | None = None
+        self._waiting_for_sampler = False
         if self.main:
             self.logger = RunLogger(self.run_dir, t.steps, tensorboard=t.tensorboard, wandb=t.wandb, progress=t.progress,
                                     config=config.to_dict(), resume_step=self.step if resumed else None)  # fmt: skip
@@ -545,6 +556,9 @@ class Trainer:
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
         self.logger.message(f"[yellow]{signal.Signals(signum).name}:[/yellow] saving a checkpoint after this "
                             "step (send it again to stop at once)")  # fmt: skip
+        if self._waiting_for_sampler:  # async: nothing of this step happened yet; do not wait on the sampler
+            raise TrainingStopped(f"{signal.Signals(signum).name} at step {self.step} (while waiting for the "
+                                  f"sampler); continue with rollcorr train --resume {self.run_dir}")  # fmt: skip
 
     def run(self) -> RunResult:
         """Train to ``trainer.steps``; a SIGINT/SIGTERM stops after the current step with a checkpoint."""
@@ -610,7 +624,17 @@ class Trainer:
     def _one_step(self) -> dict[str, float]:
         t = self.config.trainer
         step_start = time.perf_counter()
-        rollout, metrics = self.executor.next_rollout(self.step, self.version)
+        # async: a signal while the sampler process is awaited ends the step at once (a stopped or slow sampler
+        # cannot hold the first SIGTERM); the flag is set before stop_signal is read, so none slips between
+        # data-parallel: the ranks stop together after a step (``_stopping``), never one of them mid-collective
+        self._waiting_for_sampler = self.config.trainer.mode == "async" and self.ranks is None
+        try:
+            if self._waiting_for_sampler and self.stop_signal is not None:
+                raise TrainingStopped(f"{signal.Signals(self.stop_signal).name} at step {self.step}; continue "
+                                      f"with rollcorr train --resume {self.run_dir}")  # fmt: skip
+            rollout, metrics = self.executor.next_rollout(self.step, self.version)
+        finally:
+            self._waiting_for_sampler = False
         if rollout.rollout_log_prob is None:
             raise missing_log_probs_error(self.proximal, self.config)
 

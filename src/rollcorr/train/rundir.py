@@ -23,7 +23,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rollcorr.train.checkpoint import fsync_path
+from rollcorr.safe_io import (
+    UnsafePathError,
+    atomic_write_bytes,
+    describe_os_error,
+    open_inside,
+    open_text_inside,
+)
 from rollcorr.train.config import ConfigError
 
 LOCK_FILE = ".lock"
@@ -57,9 +63,9 @@ class RunFinished(RunFolderError):
 
 
 def new_run_dir(out: str | None) -> Path:
-    """``out``, or ``runs/<UTC timestamp>-<6 hex digits>``."""
+    """``out`` (a path; a leading ``~`` is the user's home), or ``runs/<UTC timestamp>-<6 hex digits>``."""
     if out:
-        return Path(out)
+        return Path(out).expanduser()
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{stamp}-{secrets.token_hex(3)}"
 
@@ -90,6 +96,15 @@ def check_new_run_dir(run_dir: Path, overwrite: bool = False) -> None:
         )
 
 
+def make_run_dir(run_dir: Path) -> None:
+    """Create the (checked) folder of a new run; ``RunFolderError`` (one line) where that is impossible
+    (``/proc``, a read-only disk, a parent that is a file)."""
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunFolderError(f"--out {run_dir}: cannot create the run folder ({describe_os_error(err)})") from None
+
+
 def clear_run_dir(run_dir: Path) -> None:
     """Delete everything in a (locked, checked) run folder except the lock file."""
     for p in _contents(Path(run_dir)):
@@ -103,20 +118,36 @@ class RunLock:
     """Exclusive advisory lock on ``run_dir/.lock`` for the life of a run (``with`` or ``release()``)."""
 
     def __init__(self, run_dir: Path):
+        self.fd: int | None = None  # set before anything can fail: __del__ reads it
         self.path = Path(run_dir) / LOCK_FILE
-        self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never follows a planted link, never truncates a FIFO or a device
+            fd = open_inside(self.path, os.O_RDWR | os.O_CREAT)
+        except UnsafePathError as err:
+            raise RunFolderError(f"{err}; remove it to use this run folder") from None
+        except OSError as err:
+            raise RunFolderError(f"{Path(run_dir)}: cannot create its lock file {LOCK_FILE} "
+                                 f"({describe_os_error(err)})") from None  # fmt: skip
+        if os.fstat(fd).st_nlink > 1:  # a hard link to a file elsewhere: writing the pid would change it
+            os.close(fd)
+            raise RunFolderError(f"{self.path}: has other hard links (a file shared with another folder); "
+                                 "remove it to use this run folder")  # fmt: skip
+        self.fd = fd
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip()[:20] or "unknown"
             os.close(self.fd)
             self.fd = None
             raise RunFolderError(
                 f"{Path(run_dir)}: in use by another rollcorr process (pid {holder}); wait for it to finish or "
                 f"stop it, then try again"
             ) from None
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as err:
+            self.release()
+            raise RunFolderError(f"{self.path}: cannot write ({describe_os_error(err)})") from None
 
     def release(self) -> None:
         if self.fd is not None:
@@ -125,7 +156,8 @@ class RunLock:
             self.fd = None
 
     def __del__(self) -> None:  # a Trainer built but never run must not keep its folder locked
-        self.release()
+        if getattr(self, "fd", None) is not None:
+            self.release()
 
     def __enter__(self) -> RunLock:
         return self
@@ -163,14 +195,56 @@ def check_resume_config(stored: dict[str, Any], new: dict[str, Any], checkpoint_
         )
 
 
+def logged_steps(run_dir: Path) -> list[int]:
+    """The steps of the intact training lines of ``metrics.jsonl`` (step 0's evaluation line excluded)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not os.path.lexists(path):
+        return []
+    try:
+        f = open_text_inside(path, "rb")
+    except UnsafePathError as err:
+        raise RunFolderError(f"{err}; move it aside to resume") from None
+    steps = []
+    with f:
+        for raw in f:
+            try:
+                step = int(json.loads(raw)["step"])
+            except (ValueError, KeyError, TypeError, OverflowError):
+                continue
+            if step > 0:
+                steps.append(step)
+    return steps
+
+
+def check_restart_from_zero(run_dir: Path, checkpoint_every: int) -> None:
+    """A run without a checkpoint restarts from step 0 only if it was killed before its first one: refuse
+    (``RunFolderError``) when ``checkpoints/`` is gone (a new run makes it at once) but steps were logged, or
+    when a step past ``checkpoint_every`` was logged (its checkpoint was saved before that step began)."""
+    steps = logged_steps(run_dir)
+    if not steps:
+        return
+    gone = not os.path.lexists(Path(run_dir) / "checkpoints")
+    if gone or (checkpoint_every > 0 and max(steps) > checkpoint_every):
+        why = "checkpoints/ is gone" if gone else f"no checkpoint is left (one was saved at step {checkpoint_every})"
+        raise RunFolderError(
+            f"{run_dir}: {METRICS_FILE} records {len(steps)} trained step(s) (up to step {max(steps)}) but "
+            f"{why}; refusing to discard them and restart from step 0. To start the run again: "
+            f"rollcorr train --config {Path(run_dir) / CONFIG_FILE} --out {run_dir} --overwrite"
+        )
+
+
 def repair_metrics(run_dir: Path, step: int) -> str | None:
     """Keep every intact ``metrics.jsonl`` line with step <= ``step``; drop the rest. Returns a report of
     what was dropped (None when nothing was). Written to a temp file, fsynced, then renamed."""
     path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
     keep, after, unreadable = [], 0, []
-    with path.open("rb") as f:
+    try:
+        f = open_text_inside(path, "rb")
+    except UnsafePathError as err:
+        raise RunFolderError(f"{err}; move it aside to resume") from None
+    with f:
         for number, raw in enumerate(f, start=1):
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             if not line.strip():
@@ -178,7 +252,7 @@ def repair_metrics(run_dir: Path, step: int) -> str | None:
             try:
                 record = json.loads(line)
                 record_step = int(record["step"])
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, OverflowError):  # 1e400 is inf: int() overflows
                 unreadable.append(number)
                 continue
             if record_step <= step:
@@ -187,13 +261,7 @@ def repair_metrics(run_dir: Path, step: int) -> str | None:
                 after += 1
     if not after and not unreadable:
         return None
-    tmp = path.with_name(f".{METRICS_FILE}.tmp")
-    with tmp.open("w") as f:
-        f.write("".join(line + "\n" for line in keep))
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-    fsync_path(path.parent)
+    atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode())
     parts = []
     if after:
         parts.append(f"{after} line(s) after step {step}")

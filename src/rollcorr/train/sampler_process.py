@@ -22,6 +22,9 @@ in parallel; a process computes on its own core while the trainer's thread waits
 - **Errors.** An exception in the sampler process (a construction error, a bad weight load, a failing
   sample) comes back with its traceback and is raised here as ``SamplerProcessError``, its own line first; a
   process that dies is reported with its exit code.
+- **Heartbeat.** While it answers a request the process sends a heartbeat every ``HEARTBEAT_S``; a process
+  that sends nothing for ``heartbeat_timeout_s`` (stopped with ``kill -STOP``, frozen) is killed and reported
+  as a ``SamplerProcessError`` instead of blocking the trainer forever.
 - **Shutdown.** ``close()`` asks the process to exit and waits; one that does not is terminated, then killed.
   The process exits by itself as soon as the trainer goes away (its end of the socket closes, also on
   ``kill -9``), and runs in its own session, so a Ctrl-C at the terminal reaches only the trainer (which
@@ -41,6 +44,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -54,6 +58,7 @@ from rollcorr.train.executors import SourceSpec, StateDict
 
 Layout = list[tuple[str, torch.dtype, tuple[int, ...], int]]  # (name, dtype, shape, byte offset)
 ALIGN = 64
+HEARTBEAT_S = 2.0  # the sampler process says "still working" this often during a request
 
 
 class SamplerProcessError(RuntimeError):
@@ -122,19 +127,41 @@ def serve(conn_fd: int, weights_fd: int) -> None:
     except BaseException as err:  # noqa: BLE001 — every failure goes back to the trainer
         _answer(conn, ("error", _describe(err)))
         return
+    send_lock, busy = threading.Lock(), threading.Event()
+
+    def answer(message: tuple[str, Any]) -> bool:
+        with send_lock:
+            return _answer(conn, message)
+
+    def beat() -> None:  # "still working" while a request runs: a stopped or frozen process sends none
+        while not time.sleep(HEARTBEAT_S):
+            if busy.is_set() and not answer(("beat", None)):
+                return
+
+    threading.Thread(target=beat, name="rollcorr-heartbeat", daemon=True).start()
     message: tuple[str, Any] = ("ok", os.getpid())
-    while _answer(conn, message):
+    while answer(message):
         try:
             op, args = _receive(conn)
         except (EOFError, OSError):
             return  # the trainer is gone
         if op == "close":
             return
+        busy.set()
         try:
             result = source.load_weights(shared, *args) if op == "load" else source.sample(*args)
             message = ("ok", result)
         except BaseException as err:  # noqa: BLE001
             message = ("error", _describe(err))
+        busy.clear()
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter of ``/proc/PID/stat`` ("R", "S", "T" stopped, ...); None where unavailable."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 class ProcessSource:
@@ -144,6 +171,8 @@ class ProcessSource:
     started costs nothing. One thread drives it at a time (the executor's producer); ``close()`` may come
     from another.
     """
+
+    heartbeat_timeout_s: float = 60.0  # the sampler process beats every HEARTBEAT_S while it works
 
     def __init__(self, spec: SourceSpec, start_timeout_s: float = 300.0):
         self.spec, self.start_timeout_s = spec, start_timeout_s
@@ -205,9 +234,22 @@ class ProcessSource:
                 self._shared[name].copy_(value)
 
     @staticmethod
-    def _reply(process: subprocess.Popen, conn: Connection, op: str) -> Any:
+    def _reply(process: subprocess.Popen, conn: Connection, op: str, heartbeat_timeout_s: float | None = None) -> Any:
+        """The answer to ``op`` (heartbeats skipped); ``SamplerProcessError`` if the process died, failed, or
+        sent nothing for ``heartbeat_timeout_s`` (stopped with SIGSTOP, or frozen): then it is killed."""
         try:
-            status, value = _receive(conn)
+            while True:
+                if heartbeat_timeout_s is not None and not conn.poll(heartbeat_timeout_s):
+                    state = _process_state(process.pid)
+                    process.kill()  # unresponsive: it cannot finish the request, and close() would wait on it
+                    why = "it is stopped (SIGSTOP / Ctrl-Z)" if state in ("T", "t") else "it hangs"
+                    raise SamplerProcessError(
+                        f"the sampler process (pid {process.pid}) sent no heartbeat for {heartbeat_timeout_s:.0f} s "
+                        f"during {op!r}: {why}; it was killed"
+                    )
+                status, value = _receive(conn)
+                if status != "beat":
+                    break
         except (EOFError, OSError):
             try:
                 code = process.wait(timeout=5)
@@ -230,7 +272,7 @@ class ProcessSource:
                 _send(conn, (op, args))
             except OSError:
                 pass  # a dead process: _reply says so
-            return self._reply(process, conn, op)
+            return self._reply(process, conn, op, self.heartbeat_timeout_s)
 
     def load_weights(self, weights: StateDict, version: int) -> None:
         if self._process is None:
@@ -253,6 +295,8 @@ class ProcessSource:
         process, conn = self._process, self._conn
         if process is None:
             return
+        if _process_state(process.pid) in ("T", "t"):  # stopped (SIGSTOP): it can answer nothing; end it now
+            process.kill()
         if conn is not None and self._lock.acquire(timeout=timeout_s):
             try:
                 _send(conn, ("close", ()))
