@@ -44,9 +44,6 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import yaml
 
-    from rollcorr.engines.preflight import PreflightError
-    from rollcorr.safe_io import UnsafePathError, describe_os_error
-    from rollcorr.train.checkpoint import CheckpointError
     from rollcorr.train.config import ConfigError, load_config
 
     try:
@@ -104,14 +101,16 @@ def _launch(args: argparse.Namespace, config) -> int:
 
 def _train(args: argparse.Namespace, config) -> int:
     """Train in this process (one of several under torchrun: rank 0 prints the summary)."""
-    import os
+    from transformers.utils import logging as hf_logging
 
+    from rollcorr.engines.preflight import PreflightError
+    from rollcorr.safe_io import UnsafePathError, describe_os_error
+    from rollcorr.train.checkpoint import CheckpointError
     from rollcorr.train.config import ConfigError
     from rollcorr.train.loop import run as run_training
     from rollcorr.train.rundir import RunFinished, RunFolderError
 
     main = os.environ.get("RANK", "0") == "0"
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # checkpoints call save_pretrained; rollcorr's own bar is the one to read
     try:
