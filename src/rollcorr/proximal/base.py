@@ -83,6 +83,7 @@ class ProximalStrategy:
     follows_sampler = False
     pauses_sampler = False
     old_is_rollout = False
+    data_parallel = False  # works with a learner sharded over several ranks (holds no weights of its own)
 
     @classmethod
     def run_defaults(cls, temperature: float, max_staleness: int, steps_per_version: int) -> dict:

@@ -3,9 +3,10 @@
     check_components(config)   everything checkable before a model loads (run by ``rollcorr train`` first)
     build_step_config(config)  the settings of one training step (loss, correction, advantages, batches)
     build_proximal(config)     the π_old strategy
-    build_learner(config)      the learner and its optimizer
+    build_learner(config)      the learner (sharded over the data-parallel ranks) and its optimizer
     make_executor(config)      the executor (``trainer.executor`` × ``trainer.mode``), its sampler built where
-                               it runs; ``follow_sampler`` connects a strategy that follows the sampler to it
+                               it runs; ``follow_sampler`` connects a strategy that follows the sampler to it;
+                               ``rank_executor`` puts it on rank 0 of a data-parallel learner
     build_evaluator(config)    greedy evaluation on held-out prompts (None without any)
 
 Nothing here trains: the loop (``rollcorr.train.loop``) receives the parts.
@@ -56,6 +57,10 @@ def check_components(config: TrainConfig) -> tuple[StepConfig, ProximalStrategy]
         raise ConfigError(f"algorithm.proximal.name: {proximal.name!r} scores chunks as the sampler makes them; "
                           f"that needs trainer.executor=local (an executor whose sampler reports to this process), "
                           f"not {config.trainer.executor!r}")  # fmt: skip
+    if config.trainer.ranks > 1 and not proximal.data_parallel:
+        raise ConfigError(f"algorithm.proximal.name: {proximal.name!r} is not supported with trainer.ranks > 1 yet "
+                          "(strategies that hold weights or follow the sampler run in one process); use "
+                          "recompute or bypass")  # fmt: skip
     return step_config, proximal
 
 
@@ -162,16 +167,32 @@ def _model_path(config: TrainConfig) -> str | None:
     return None if config.model.path == "builtin" else config.model.path
 
 
-def build_learner(config: TrainConfig) -> tuple[Any, torch.optim.Optimizer]:
-    """The learner (eval mode: no dropout, it scores exactly what it trains) and its AdamW optimizer."""
+def build_learner(config: TrainConfig, ranks=None) -> tuple[Any, torch.optim.Optimizer]:
+    """The learner (eval mode: no dropout, it scores exactly what it trains) and its AdamW optimizer. With
+    ``ranks`` (``rollcorr.distributed``) the learner is sharded first, so the optimizer holds this rank's
+    1/N of every weight (the DTensor shards)."""
     learner = make_learner(config.model.learner, _model_path(config), routing_replay=config.model.routing_replay)
     learner.model.train(False)
+    if ranks is not None:
+        from rollcorr.distributed.shard import shard_learner
+
+        learner = shard_learner(learner, ranks)
     o = config.optim
     optimizer = torch.optim.AdamW(
         [p for p in learner.model.parameters() if p.requires_grad],
         lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
     )  # fmt: skip
     return learner, optimizer
+
+
+def rank_executor(config: TrainConfig, ranks) -> Executor:
+    """The executor of one data-parallel rank: rank 0 runs ``make_executor(config)`` and broadcasts each
+    rollout (``LeaderExecutor``), the other ranks receive it (``FollowerExecutor``)."""
+    from rollcorr.distributed.roles import FollowerExecutor, LeaderExecutor
+
+    if ranks.is_main:
+        return LeaderExecutor(make_executor(config), ranks)
+    return FollowerExecutor(ranks)
 
 
 def follow_sampler(proximal: ProximalStrategy, executor: Executor, learner) -> None:

@@ -81,7 +81,7 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(root: Path) -> None:
+def fsync_tree(root: Path) -> None:
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
             fsync_path(Path(dirpath) / name)
@@ -146,7 +146,7 @@ def save_checkpoint(
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp / "model")
         write_manifest(tmp)
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
         reason = _write_failure(err)
@@ -156,6 +156,14 @@ def save_checkpoint(
         raise CheckpointError(f"{final}: cannot write the checkpoint ({reason}); nothing was lost: "
                               f"{', '.join(kept) if kept else 'no older checkpoint'} kept as it was, the "
                               "temporary copy removed") from None  # fmt: skip
+    return commit_checkpoint(run_dir, step, tmp, keep)
+
+
+def commit_checkpoint(run_dir: Path, step: int, tmp: Path, keep: int = 2) -> Path:
+    """Rename the complete, fsynced ``tmp`` (manifest included) into ``step_N`` (through ``.old-step_N`` when it
+    exists) and keep the newest ``keep`` checkpoints. Shared by one-process and sharded
+    (``distributed/checkpoint.py``) saves."""
+    final = checkpoint_dir(run_dir, step)
     if final.exists():
         old = final.parent / f".old-{final.name}"
         shutil.rmtree(old, ignore_errors=True)

@@ -44,11 +44,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import yaml
 
-    from rollcorr.engines.preflight import PreflightError
-    from rollcorr.safe_io import UnsafePathError, describe_os_error
-    from rollcorr.train.checkpoint import CheckpointError
     from rollcorr.train.config import ConfigError, load_config
-    from rollcorr.train.rundir import RunFinished, RunFolderError
 
     try:
         if args.resume is not None:
@@ -66,7 +62,6 @@ def _run(args: argparse.Namespace) -> int:
                 overrides.append(f"trainer.out={args.out}")
             config = load_config(args.config, overrides)
         from rollcorr.train.build import check_components
-        from rollcorr.train.loop import run as run_training
 
         check_components(config)
         if args.print_config:
@@ -76,7 +71,46 @@ def _run(args: argparse.Namespace) -> int:
         print(f"rollcorr train: config error: {err}", file=sys.stderr)
         return 2
 
+    from rollcorr.distributed.group import launched
+
+    if config.trainer.ranks > 1 and not launched():  # start the N learner processes (distributed/launch.py)
+        return _launch(args, config)
+    if launched():
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        return record(_train)(args, config)  # a raising rank's error reaches the launcher's one-line report
+    return _train(args, config)
+
+
+def _launch(args: argparse.Namespace, config) -> int:
+    """``rollcorr train`` again as ``trainer.ranks`` processes, in a run folder chosen now."""
+    from rollcorr.distributed.launch import launch
+    from rollcorr.train.rundir import new_run_dir
+
+    argv = [*args.overrides]
+    if args.config is not None:
+        argv += ["--config", str(args.config)]
+    if args.resume is not None:
+        argv += ["--resume", str(args.resume)]
+        run_dir = args.resume
+    else:
+        run_dir = args.out if args.out is not None else new_run_dir(config.trainer.out)
+        argv += ["--out", str(run_dir)] + (["--overwrite"] if args.overwrite else [])
+    return launch(argv, config.trainer.ranks, str(run_dir))
+
+
+def _train(args: argparse.Namespace, config) -> int:
+    """Train in this process (one of several under torchrun: rank 0 prints the summary)."""
     from transformers.utils import logging as hf_logging
+
+    from rollcorr.engines.preflight import PreflightError
+    from rollcorr.safe_io import UnsafePathError, describe_os_error
+    from rollcorr.train.checkpoint import CheckpointError
+    from rollcorr.train.config import ConfigError
+    from rollcorr.train.loop import run as run_training
+    from rollcorr.train.rundir import RunFinished, RunFolderError
+
+    main = os.environ.get("RANK", "0") == "0"
 
     hf_logging.disable_progress_bar()  # checkpoints call save_pretrained; rollcorr's own bar is the one to read
     try:
@@ -93,7 +127,8 @@ def _run(args: argparse.Namespace) -> int:
               f"(continue with rollcorr train --resume RUN_DIR once fixed)", file=sys.stderr)  # fmt: skip
         return 1
     except RunFinished as done:
-        print(f"rollcorr train: {done}")
+        if main:
+            print(f"rollcorr train: {done}")
         return 0
     except ConfigError as err:  # a resume override the checkpoint cannot take
         print(f"rollcorr train: config error: {err}", file=sys.stderr)
@@ -117,6 +152,8 @@ def _run(args: argparse.Namespace) -> int:
             print(details, file=sys.stderr)
         return 1
     acc = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    if not main:
+        return 1 if result.stopped else 0
     print(
         f"run folder: {result.run_dir}\n"
         f"steps: {result.steps}  wall time: {result.seconds:.1f} s  "

@@ -262,6 +262,7 @@ class TrainerConfig:
     ppo_epochs: int = 1
     seed: int = 0
     threads: int = 1  # torch intra-op threads (1 is fastest for the built-in model; 0 = torch's default)
+    ranks: int = 1  # learner processes (data-parallel, FSDP2; docs/distributed.md); torchrun: its world size
     eval_every: int = 50  # greedy evaluation every N steps (and at start and end), 0 = only start/end
     checkpoint_every: int = 50  # 0 = only at the end
     keep_checkpoints: int = 2
@@ -609,6 +610,12 @@ def validate(c: TrainConfig) -> None:
            f"{t.mini_batches} does not divide the batch of {c.batch_size} responses")  # fmt: skip
     _check(t.mini_batches == 1 or c.batch_size // t.mini_batches % r.group_size == 0, "trainer.mini_batches",
            "each mini-batch must hold whole groups (batch / mini_batches must be a multiple of group_size)")  # fmt: skip
+    _positive(t.ranks, "trainer.ranks")
+    groups_per_mini = r.prompts_per_step // t.mini_batches if t.mini_batches <= r.prompts_per_step else 0
+    _check(t.ranks == 1 or groups_per_mini % t.ranks == 0 and groups_per_mini > 0, "trainer.ranks",
+           f"each rank takes whole prompts' groups of every mini-batch: rollout.prompts_per_step "
+           f"({r.prompts_per_step}) must be a multiple of trainer.mini_batches × trainer.ranks "
+           f"({t.mini_batches} × {t.ranks})")  # fmt: skip
     _positive(t.micro_batch_size, "trainer.micro_batch_size", allow_zero=True)
     _positive(t.ppo_epochs, "trainer.ppo_epochs")
     _positive(t.eval_every, "trainer.eval_every", allow_zero=True)

@@ -32,8 +32,10 @@ from rollcorr.train.build import (
     check_components,
     follow_sampler,
     make_executor,
+    rank_executor,
 )
 from rollcorr.train.checkpoint import (
+    checkpoint_dir,
     load_latest_intact,
     recover_checkpoints,
     rng_state,
@@ -163,23 +165,54 @@ def open_run_dir(config: TrainConfig, run_dir: Path | None, resume: Path | None,
 # ---------------------------------------------------------------- the run
 
 
+def open_on_ranks(config: TrainConfig, run_dir: Path | None, resume: Path | None, overwrite: bool, ranks
+                  ) -> tuple[Path, Any, dict[str, Any] | None, list[str]]:  # fmt: skip
+    """``open_run_dir`` on rank 0; the other ranks get its folder (or its error) by broadcast, no lock, and read
+    the same checkpoint (``load_latest_intact`` after rank 0 tidied the folder)."""
+    from rollcorr.distributed.roles import NoLock
+
+    opened, error = None, None
+    if ranks.is_main:
+        try:
+            opened = open_run_dir(config, run_dir, resume, overwrite)
+        except Exception as err:  # every rank raises it
+            error = err
+    folder, error = ranks.broadcast((None if opened is None else opened[0], error))
+    if error is not None:
+        raise error
+    if ranks.is_main:
+        return opened
+    state = load_latest_intact(folder)[1] if resume is not None else None
+    return folder, NoLock(), state, []
+
+
 class Trainer:
-    """Holds what lives for the whole run: learner, optimizer, executor, π_old strategy, logger, evaluator."""
+    """Holds what lives for the whole run: learner, optimizer, executor, π_old strategy, logger, evaluator.
+
+    ``ranks`` (rollcorr.distributed): one of N data-parallel learner processes; rank 0 alone samples,
+    evaluates, logs and writes (``distributed/roles.py``), every rank trains on its rows.
+    """
 
     def __init__(self, config: TrainConfig, run_dir: Path | None = None, resume: Path | None = None,
-                 overwrite: bool = False):  # fmt: skip
+                 overwrite: bool = False, ranks=None):  # fmt: skip
         self.config = config
+        self.ranks = ranks
+        self.main = ranks is None or ranks.is_main
         self.step_config, self.proximal = check_components(config)
         # the run folder: checked, locked and (on resume) validated against its checkpoint before any write
-        self.run_dir, self.lock, state, notes = open_run_dir(config, run_dir, resume, overwrite)
+        if ranks is None:
+            self.run_dir, self.lock, state, notes = open_run_dir(config, run_dir, resume, overwrite)
+        else:
+            self.run_dir, self.lock, state, notes = open_on_ranks(config, run_dir, resume, overwrite, ranks)
         try:
-            save_config(config, self.run_dir / "config.yaml")
+            if self.main:
+                save_config(config, self.run_dir / "config.yaml")
             self._build(config, state, resume is not None, notes)
         except BaseException:
-            if resume is None:  # a new run that could not start (a model that does not load): leave no folder
+            if resume is None and self.main:  # a new run that could not start (a model that does not load)
                 clear_run_dir(self.run_dir)
             self.lock.release()
-            if resume is None:
+            if resume is None and self.main:
                 (self.run_dir / LOCK_FILE).unlink(missing_ok=True)
                 if not any(self.run_dir.iterdir()):
                     self.run_dir.rmdir()
@@ -193,7 +226,7 @@ class Trainer:
 
         t = config.trainer
         seed_everything(t.seed)
-        self.learner, self.optimizer = build_learner(config)
+        self.learner, self.optimizer = build_learner(config, self.ranks)  # sharded over the ranks, if any
         self.task = make_task(config.task.name)
         # a user's prompts: encodable, and within the model's positions (the hf sampler would run past them)
         check_prompts(self.learner.tokenizer, [str(item.get("prompt", "")) for item in getattr(self.task, "items", [])],
@@ -201,10 +234,12 @@ class Trainer:
                       f"task.name: {config.task.name} prompt")  # fmt: skip
         # the sampler is built where it runs: here (sync, simulated_async), in a sampler process (async) or in
         # Ray actors (trainer.executor=ray)
-        self.executor = make_executor(config)
+        self.executor = make_executor(config) if self.ranks is None else rank_executor(config, self.ranks)
         if self.proximal.follows_sampler:
             follow_sampler(self.proximal, self.executor, self.learner)
-        self.evaluator = build_evaluator(config, self.task, self.learner.tokenizer)
+        self.evaluates = config.task.eval_prompts > 0  # every rank: the weights are gathered for rank 0
+        self.evaluated_at: int | None = None
+        self.evaluator = build_evaluator(config, self.task, self.learner.tokenizer) if self.main else None
         # the loss's own randomness (clip_cov's token draw): one stream per run, saved in checkpoints
         self.loss_generator = torch.Generator().manual_seed(t.seed)
         self.step = 0
@@ -213,24 +248,33 @@ class Trainer:
         self.initial_accuracy: float | None = None
         self.final_accuracy: float | None = None
         if state is not None:
-            self._restore(state)
-        if resumed:  # keep every intact line up to the checkpoint (none of them on a restart from step 0)
+            self._restore(state, checkpoint_dir(self.run_dir, int(state["step"])))  # the one that loaded
+        if resumed and self.main:  # keep every intact metrics line up to the checkpoint (none from step 0)
             notes.append(repair_metrics(self.run_dir, self.step if state is not None else -1))
         self.stop_signal: int | None = None
         self._waiting_for_sampler = False
-        self.logger = RunLogger(self.run_dir, t.steps, tensorboard=t.tensorboard, wandb=t.wandb, progress=t.progress,
-                                config=config.to_dict(), resume_step=self.step if resumed else None)  # fmt: skip
+        if self.main:
+            self.logger = RunLogger(self.run_dir, t.steps, tensorboard=t.tensorboard, wandb=t.wandb, progress=t.progress,
+                                    config=config.to_dict(), resume_step=self.step if resumed else None)  # fmt: skip
+        else:
+            from rollcorr.distributed.roles import SilentLogger
+
+            self.logger = SilentLogger()
         for note in notes:
             if note:
                 self.logger.message(note)
 
     # ---- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        sharded = self.ranks is not None  # weights and optimizer state go to dcp/ (distributed/checkpoint.py)
+        weights = (
+            None if sharded else {k: v.detach().clone() for k, v in self.learner.model.state_dict().items()}
+        )
         return {
             "step": self.step,
             "version": self.version,
-            "model": {k: v.detach().clone() for k, v in self.learner.model.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
+            "model": weights,
+            "optimizer": None if sharded else self.optimizer.state_dict(),
             "executor": self.executor.state_dict(),
             "proximal": self.proximal.state_dict(),
             "rng": rng_state(),
@@ -240,12 +284,24 @@ class Trainer:
         }
 
     def save(self) -> Path:
+        if self.ranks is not None:
+            from rollcorr.distributed.checkpoint import save_sharded
+
+            return save_sharded(self.run_dir, self.step, self.state_dict(), self.learner, self.optimizer, self.ranks,
+                                keep=self.config.trainer.keep_checkpoints)  # fmt: skip
         return save_checkpoint(self.run_dir, self.step, self.state_dict(), self.learner.model, self.learner.tokenizer,
                                keep=self.config.trainer.keep_checkpoints)  # fmt: skip
 
-    def _restore(self, state: dict[str, Any]) -> None:
-        self.learner.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+    def _restore(self, state: dict[str, Any], path: Path) -> None:
+        from rollcorr.distributed.checkpoint import SHARDED, load_full, load_sharded
+
+        if isinstance(state["model"], str) and state["model"] == SHARDED:  # from N ranks: resharded to ours
+            load_sharded(path, self.learner.model, self.optimizer)
+        elif self.ranks is not None:  # a one-process checkpoint: every rank keeps its shards
+            load_full(self.learner.model, self.optimizer, state["model"], state["optimizer"])
+        else:
+            self.learner.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.version = int(state["step"]), int(state["version"])
         self.bad_steps = int(state["loop"]["bad_steps"])
         self.initial_accuracy = state["loop"]["initial_accuracy"]
@@ -266,10 +322,17 @@ class Trainer:
             scale *= o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
         return o.lr * scale
 
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """The full weights for the sampler and the evaluator (data-parallel: gathered on every rank's call,
+        rank 0 gets them, once per publish)."""
+        return self.learner.full_state_dict() if self.ranks is not None else self.learner.model.state_dict()
+
     def _evaluate(self) -> dict[str, float]:
-        if self.evaluator is None:
+        if not self.evaluates:
             return {}
-        return self.evaluator(self.learner.model.state_dict(), self.version)
+        self.evaluated_at = self.step
+        weights = self._weights()
+        return {} if self.evaluator is None else self.evaluator(weights, self.version)
 
     def _publish(self) -> float:
         """Weights of the new version to the π_old strategy and the executor; returns the seconds it took."""
@@ -277,8 +340,14 @@ class Trainer:
         if publishes(self.step_config, self.version):
             if not self.proximal.follows_sampler:
                 self.proximal.on_publish(self.version, self.learner.model)
-            self.executor.publish(self.learner.model.state_dict(), self.version)
+            self.executor.publish(self._weights(), self.version)
         return time.perf_counter() - start
+
+    def _stopping(self) -> bool:
+        """A signal arrived (on any rank: all stop after the same step)."""
+        if self.ranks is None:
+            return self.stop_signal is not None
+        return not self.ranks.all_true(self.stop_signal is None)
 
     def _on_signal(self, signum: int, _frame) -> None:
         """First SIGINT/SIGTERM: finish the current step, save a checkpoint, stop. A second one: stop now."""
@@ -311,7 +380,7 @@ class Trainer:
             if self.step == 0:
                 if not self.proximal.follows_sampler:
                     self.proximal.on_publish(0, self.learner.model)
-                self.executor.start(self.learner.model.state_dict(), 0)
+                self.executor.start(self._weights(), 0)
                 ev = self._evaluate()
                 self.initial_accuracy = ev.get("eval/accuracy")
                 self.logger.log(0, ev, advance=False)
@@ -320,12 +389,14 @@ class Trainer:
                         f"step 0: greedy accuracy {self.initial_accuracy:.3f} on held-out prompts"
                     )
             ev = {}
-            while self.step < t.steps and self.stop_signal is None:
+            while self.step < t.steps and not self._stopping():
                 ev = self._one_step()
-            if self.stop_signal is not None:
-                raise TrainingStopped(f"{signal.Signals(self.stop_signal).name} at step {self.step}; continue with "
+            if self.step < t.steps:
+                signaled = self.stop_signal is not None
+                name = signal.Signals(self.stop_signal).name if signaled else "a signal on another rank"
+                raise TrainingStopped(f"{name} at step {self.step}; continue with "
                                       f"rollcorr train --resume {self.run_dir}")  # fmt: skip
-            if not ev and self.evaluator is not None:  # the final step was not an eval step
+            if self.evaluates and self.evaluated_at != self.step:  # the final step was not an eval step
                 ev = self._evaluate()
                 self.logger.log(self.step, ev, advance=False)
             self.final_accuracy = ev.get("eval/accuracy")
@@ -340,7 +411,7 @@ class Trainer:
         summary = self.alerts.summary()
         if summary:
             self.logger.message(summary)
-        if t.plot:
+        if t.plot and self.main:
             from rollcorr.train.logging import read_metrics
             from rollcorr.train.plots import plot_run
 
@@ -354,7 +425,8 @@ class Trainer:
         step_start = time.perf_counter()
         # async: a signal while the sampler process is awaited ends the step at once (a stopped or slow sampler
         # cannot hold the first SIGTERM); the flag is set before stop_signal is read, so none slips between
-        self._waiting_for_sampler = self.config.trainer.mode == "async"
+        # data-parallel: the ranks stop together after a step (``_stopping``), never one of them mid-collective
+        self._waiting_for_sampler = self.config.trainer.mode == "async" and self.ranks is None
         try:
             if self._waiting_for_sampler and self.stop_signal is not None:
                 raise TrainingStopped(f"{signal.Signals(self.stop_signal).name} at step {self.step}; continue "
@@ -373,8 +445,9 @@ class Trainer:
             group["lr"] = self._lr(self.step)
 
         result = train_step(rollout, self.learner, self.optimizer, self.proximal, self.step_config, self.version,
-                            generator=self.loss_generator)  # fmt: skip
+                            generator=self.loss_generator, ranks=self.ranks)  # fmt: skip
         metrics.update(result.metrics)
+        metrics["learner/ranks"] = float(1 if self.ranks is None else self.ranks.world)
         metrics["proximal/stall_s"] = float(stall)
         self.step += 1
         self.version += 1
@@ -416,5 +489,11 @@ def run(config: TrainConfig, run_dir: Path | None = None, resume: Path | None = 
     ``overwrite`` replaces the run in a non-empty ``trainer.out`` (otherwise refused)."""
     if config.trainer.threads > 0:
         torch.set_num_threads(config.trainer.threads)
-    trainer = Trainer(config, run_dir=run_dir, resume=resume, overwrite=overwrite)
+    from rollcorr.distributed import init_from_env, launched
+
+    ranks = init_from_env() if launched() else None  # one of torchrun's processes (docs/distributed.md)
+    if ranks is not None and config.trainer.ranks not in (1, ranks.world):
+        raise ConfigError(f"trainer.ranks: {config.trainer.ranks}, but torchrun started {ranks.world} processes; "
+                          "leave trainer.ranks unset under torchrun")  # fmt: skip
+    trainer = Trainer(config, run_dir=run_dir, resume=resume, overwrite=overwrite, ranks=ranks)
     return trainer.run()

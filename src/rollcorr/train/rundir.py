@@ -46,6 +46,7 @@ RESUMABLE_KEYS = (
     "trainer.keep_checkpoints",
     "trainer.max_bad_steps",
     "trainer.threads",
+    "trainer.ranks",  # the sharded checkpoint is resharded on load (distributed/checkpoint.py)
     "trainer.tensorboard",
     "trainer.wandb",
     "trainer.progress",

@@ -10,6 +10,14 @@
     optimizer step (skipped when the loss or a gradient is not finite; undone when a weight becomes non-finite)
 
 The learner's weight version does not change inside ``train_step``: the caller publishes afterwards.
+
+Data-parallel (``ranks``, rollcorr.distributed): every rank holds the whole rewarded rollout, but runs the model
+— π_old, log π_θ, backward — only on its rows (``distributed.split``: whole groups, an equal share of each
+mini-batch). The per-token log-probs are all-gathered (one (B, T) tensor each), so the correction, its
+``rollout_corr/*`` metrics (quantile-free, but maxima, minima, std and ESS exact too), the advantages and the
+reward metrics are computed on the global batch on every rank, exactly as one process does. Each rank's loss
+is scaled by its share of the global loss count (``losses.aggregation.loss_count``), so the summed gradient is
+the one-process gradient.
 """
 
 from __future__ import annotations
@@ -17,14 +25,20 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from rollcorr.advantages import compute_advantages
 from rollcorr.config.correction import CorrectionConfig
+from rollcorr.distributed.shard import local_tensor as _local  # a DTensor's shard; other tensors as they are
 from rollcorr.losses import LossConfig, masked_mean, policy_loss
+from rollcorr.losses.aggregation import loss_count
 from rollcorr.rollout import Rollout
+
+if TYPE_CHECKING:
+    from rollcorr.distributed.group import Ranks
 
 
 @dataclass(frozen=True)
@@ -77,12 +91,16 @@ def reward_metrics(rollout: Rollout) -> dict[str, float]:
     }
 
 
-def attach_correction(rollout: Rollout, config: StepConfig, log_prob: Tensor | None) -> tuple[Rollout, dict]:
+def attach_correction(
+    rollout: Rollout, config: StepConfig, log_prob: Tensor | None, group: object | None = None
+) -> tuple[Rollout, dict]:
     """Attach ``is_weights`` and ``kept_mask`` (docs/spec.md §2–3); returns the rollout and the metrics.
 
     ``log_prob``: detached log π_θ before the update when available (required in bypass mode, where the
     ratio is π_θ/μ); it also enables the correction's discrepancy/drift metrics. OPSM reads
     ``rollout.advantages``. The version lag is not the correction's business: ``Rollout.lag_metrics`` logs it.
+    ``group``: the batch normalisation's process group (``correction.weights.LOCAL``: the rollout is already the
+    global batch).
     """
     from rollcorr.correction import compute_correction, metrics_to_floats
 
@@ -97,6 +115,7 @@ def attach_correction(rollout: Rollout, config: StepConfig, log_prob: Tensor | N
         advantages=rollout.advantages,
         log_kept_mass=rollout.log_kept_mass,
         warn=False,  # the trainer says it in words through train/alerts.py
+        group=group,
     )
     kept = res.kept_mask.bool() & rollout.response_mask.bool()
     weights = None if res.is_weights is None else res.is_weights.detach()
@@ -182,11 +201,32 @@ def _micro_batches(n: int, size: int) -> list[list[int]]:
     return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
 
-def _mini_batch_indices(rollout: Rollout, mini_batches: int) -> list[list[int]]:
-    """Split rows into mini-batches of whole groups (consecutive rows share a group)."""
-    n = rollout.batch_size
-    size = n // mini_batches
-    return [list(range(i, i + size)) for i in range(0, n, size)]
+def count_of(config: StepConfig, part: Rollout) -> float | None:
+    """The count ``config.loss`` divides by on ``part`` (``losses.aggregation.loss_count``; None: token-sum)."""
+    count = loss_count(part.kept_mask, config.loss.agg_mode, denominator=config.loss.denominator,
+                       denominator_mask=part.response_mask, per_sequence=config.loss.per_sequence)  # fmt: skip
+    return None if count is None else float(count)
+
+
+def shares_of(rollout: Rollout, config: StepConfig, ranks: Ranks | None) -> list[list[int]]:
+    """Per mini-batch, the global rows this rank trains on (all of them without ``ranks``)."""
+    from rollcorr.distributed.split import mini_batch_rows, rank_rows
+
+    if ranks is None:
+        return mini_batch_rows(rollout.batch_size, config.mini_batches)
+    return rank_rows(rollout.group_ids, config.mini_batches, ranks.rank, ranks.world)
+
+
+def gather_rows(x: Tensor, rollout: Rollout, config: StepConfig, ranks: Ranks) -> Tensor:
+    """Every rank's (rows of its share, T) tensor → the (B, T) tensor in the rollout's row order."""
+    from rollcorr.distributed.split import rank_rows
+
+    order = [row for r in range(ranks.world)
+             for rows in rank_rows(rollout.group_ids, config.mini_batches, r, ranks.world) for row in rows]  # fmt: skip
+    gathered = ranks.gather_rows(x)
+    full = torch.empty_like(gathered)
+    full[torch.tensor(order, device=full.device)] = gathered
+    return full
 
 
 def optimize(
@@ -196,50 +236,71 @@ def optimize(
     config: StepConfig,
     after_optimizer_step=None,
     generator: torch.Generator | None = None,
+    ranks: Ranks | None = None,
 ) -> tuple[dict[str, float], int, int]:
     """PPO epochs × mini-batches of optimizer steps over ``rollout``'s kept tokens (``kept_mask``).
 
-    Micro-batches accumulate gradients; each micro loss is scaled by its share of the mini-batch (tokens for
-    token-level aggregations, sequences otherwise and for the per-sequence losses gmpo and oapl), so the
-    accumulated gradient equals the mini-batch one.
+    Micro-batches accumulate gradients; each micro loss is scaled by its share of the mini-batch's loss count
+    (``count_of``: tokens, sequences, or none for token-sum), so the accumulated gradient equals the mini-batch
+    one. With ``ranks`` this rank's micro-batches cover its share of each global mini-batch and the share is
+    of the *global* count (the gradients are then summed over ranks); the loss metrics are summed likewise
+    (each weighted by its part's share: exact for metrics averaged as the loss is).
     Returns (metrics averaged over optimizer steps, optimizer steps applied, steps skipped as non-finite).
     A mini-batch whose gradient is exactly zero is counted in ``train/zero_grad_minibatches``; with
     ``config.skip_zero_grad`` it takes no optimizer step (counted in ``train/zero_grad_skips``; not a bad step).
     ``generator`` feeds the loss's random draw (clip_cov).
     """
     params = [p for p in learner.model.parameters() if p.requires_grad]
-    token_level = config.loss.token_level  # per-sequence losses (gmpo, oapl) average over sequences
     sums: dict[str, float] = {}
     applied = skipped = zero_grad_skips = zero_grads = nonfinite_weights = 0
-    guarded_step = GuardedStep(optimizer, params)
+    agree_max = None if ranks is None else (lambda x: ranks.all_reduce(x, "max"))
+    guarded_step = GuardedStep(optimizer, params, agree_max=agree_max)
+    # FSDP reduce-scatters the *mean* of the ranks' gradients: scale by N to get their sum
+    grad_scale = 1.0 if ranks is None else float(ranks.world)
+    batches = list(zip(shares_of(rollout, config, None), shares_of(rollout, config, ranks)))
     for _epoch in range(config.ppo_epochs):
-        for rows in _mini_batch_indices(rollout, config.mini_batches):
-            mini = renormalize(rollout.select(rows), config, "mini_batch")
-            total = float(mini.kept_mask.sum()) if token_level else float(len(rows))
+        for rows, own_rows in batches:
+            mini = renormalize(rollout.select(rows), config, "mini_batch")  # the global mini-batch
+            total = count_of(config, mini)
+            first = rows.index(own_rows[0])  # a rank's share is a contiguous slice of the mini-batch
+            own = mini if own_rows == rows else mini.select(list(range(first, first + len(own_rows))))
             optimizer.zero_grad(set_to_none=True)
             finite = True
             step_metrics: dict[str, float] = {}
-            for micro_rows in _micro_batches(len(rows), config.micro_batch_size):
-                part = mini.select(micro_rows) if len(micro_rows) < len(rows) else mini
+            for micro_rows in _micro_batches(len(own_rows), config.micro_batch_size):
+                part = own.select(micro_rows) if len(micro_rows) < len(own_rows) else own
                 part = renormalize(part, config, "micro_batch")
-                share = (float(part.kept_mask.sum()) if token_level else float(len(micro_rows))) / max(total, 1.0)
+                count = count_of(config, part)
+                share = 1.0 if total is None else count / max(total, 1.0)
                 log_prob, entropy = learner.log_prob(
                     part, temperature=config.temperature, grad=True, with_entropy=True
                 )
-                if not _finite_on(part.response_mask, log_prob, part.old_log_prob):
-                    finite = False  # diverged weights give NaN/inf log-probs: a bad step, not a loss error
-                    break
-                loss, metrics = _loss(config, part, log_prob, generator)
-                metrics["actor/entropy"] = masked_mean(entropy.detach(), part.response_mask)
-                if not torch.isfinite(loss):
+                # diverged weights give NaN/inf log-probs: a bad step, not a loss error
+                loss, metrics = None, {}
+                ok = _finite_on(part.response_mask, log_prob, part.old_log_prob)
+                if ok:
+                    loss, metrics = _loss(config, part, log_prob, generator)
+                    ok = bool(torch.isfinite(loss))
+                if ranks is not None:
+                    ok = ranks.all_true(ok)  # every rank takes the same branch around FSDP's collectives
+                if not ok:
                     finite = False
                     break
-                (loss * share).backward()
+                (loss * (share * grad_scale)).backward()
                 step_metrics["loss/policy"] = (
                     step_metrics.get("loss/policy", 0.0) + float(loss.detach()) * share
                 )
                 for k, v in _float_metrics(metrics).items():
                     step_metrics[k] = step_metrics.get(k, 0.0) + v * share
+                # entropy: a mean over valid tokens, weighted by the part's share of them
+                tokens = float(part.response_mask.sum()) / max(float(mini.response_mask.sum()), 1.0)
+                step_metrics["actor/entropy"] = step_metrics.get("actor/entropy", 0.0) + tokens * float(
+                    masked_mean(entropy.detach(), part.response_mask)
+                )
+            if finite and ranks is not None and step_metrics:
+                keys = sorted(step_metrics)
+                summed = ranks.all_reduce(torch.tensor([step_metrics[k] for k in keys], dtype=torch.float64))
+                step_metrics = dict(zip(keys, summed.tolist()))
             grad_norm = _grad_norm(params, config.grad_clip) if finite else float("nan")
             if not math.isfinite(grad_norm):
                 optimizer.zero_grad(set_to_none=True)
@@ -277,11 +338,15 @@ class GuardedStep:
     overflows the dtype (|w| > √max, 1.8e19 in fp32), since every norm or dot product with it is then inf.
     Before each step the weights and the optimizer's state tensors are copied (``copy_``) into buffers
     allocated once, then one max-abs pass (one sync) checks the result; no deep copy, no state_dict.
+
+    Sharded parameters (FSDP2 ``DTensor``): each rank saves, checks and restores its own shards, and
+    ``agree_max`` (a max over ranks) makes every rank take the same decision.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: list[Tensor]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[Tensor], agree_max=None) -> None:
         self.optimizer, self.params = optimizer, params
-        self._weights = [torch.empty_like(p) for p in params]
+        self.agree_max = agree_max
+        self._weights = [torch.empty_like(_local(p)) for p in params]
         self._state: dict[tuple[int, str], Tensor] = {}  # (param index, state key) → buffer
         self._limits = [math.sqrt(torch.finfo(p.dtype).max) for p in params]
 
@@ -296,6 +361,7 @@ class GuardedStep:
             entry = {}
             for key, value in state.items():
                 if isinstance(value, Tensor):
+                    value = _local(value)
                     buf = self._state.get((i, key))
                     if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
                         buf = self._state[(i, key)] = torch.empty_like(value)
@@ -309,36 +375,42 @@ class GuardedStep:
     def __call__(self) -> bool:
         """Take the step; False (and nothing changed) if a weight became unusable."""
         for buf, p in zip(self._weights, self.params):
-            buf.copy_(p)
+            buf.copy_(_local(p))
         saved = self._save_state()
         self.optimizer.step()
-        largest = torch.stack([p.abs().amax().float() / lim for p, lim in zip(self.params, self._limits)])
-        if bool(largest.max() <= 1.0):  # NaN compares False
+        largest = torch.stack([_local(p).abs().amax().float() / lim if _local(p).numel()
+                               else torch.zeros((), device=_local(p).device)  # an empty shard (N > rows)
+                               for p, lim in zip(self.params, self._limits)]).max()  # fmt: skip
+        if self.agree_max is not None:
+            largest = self.agree_max(largest.nan_to_num(nan=math.inf))
+        if bool(largest <= 1.0):  # NaN compares False
             return True
         for p, buf, entry in zip(self.params, self._weights, saved):
-            p.copy_(buf)
+            _local(p).copy_(buf)
             if entry is None:
                 self.optimizer.state.pop(p, None)
                 continue
             state = self.optimizer.state[p]
             for key, value in entry.items():
                 if isinstance(value, Tensor):
-                    state[key].copy_(value)
+                    _local(state[key]).copy_(value)
                 else:
                     state[key] = value
         return False
 
 
 def _grad_norm(params: list[Tensor], max_norm: float) -> float:
-    """Global gradient norm (before clipping); clips in place when ``max_norm`` > 0. NaN/inf propagate."""
+    """Global gradient norm (before clipping); clips in place when ``max_norm`` > 0. NaN/inf propagate.
+    Sharded gradients (``DTensor``): the norm over every rank's shards (a collective)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
     if max_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
     else:
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-    return float(norm)
+        norm = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False)
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if full is not None else norm)
 
 
 def train_step(
@@ -349,18 +421,26 @@ def train_step(
     config: StepConfig,
     version: int,
     generator: torch.Generator | None = None,
+    ranks: Ranks | None = None,
 ) -> StepResult:
     """One walk from a rewarded rollout to updated learner weights (see module docstring).
 
     ``version`` is the learner's current weight version (the rollout's tokens carry their own, ≤ version);
     ``generator`` is the run's stream for the loss's random draw (clip_cov; None = torch's global RNG).
+    ``ranks``: data-parallel (every rank passes the same global ``rollout``; see the module docstring).
     """
     metrics = {**reward_metrics(rollout), **rollout.lag_metrics(version)}
+    own = rollout
+    if ranks is not None:
+        own = rollout.select([row for rows in shares_of(rollout, config, ranks) for row in rows])
+
+    def everyone(x: Tensor | None) -> Tensor | None:  # this rank's rows → the global batch's
+        return x if ranks is None or x is None else gather_rows(x, rollout, config, ranks)
 
     # π_old by the chosen strategy (timed, with its memory cost and, when measurable, its error)
     start = time.perf_counter()
-    prox = proximal.old_log_prob(rollout, learner, version)
-    rollout = rollout.replace(old_log_prob=prox.old_log_prob)
+    prox = proximal.old_log_prob(own, learner, version)
+    rollout = rollout.replace(old_log_prob=everyone(prox.old_log_prob))
     metrics.update(prox.to_metrics("proximal/"))
     metrics["time/old_log_prob_s"] = time.perf_counter() - start
     start = time.perf_counter()  # time/correction_s: log π_θ if needed, the correction, the advantages
@@ -371,8 +451,14 @@ def train_step(
     current = proximal.current_log_prob(prox)
     if current is None and (bypass or exact):
         with torch.no_grad():
-            current = learner.log_prob(rollout, temperature=config.temperature, grad=False)
+            current = learner.log_prob(own, temperature=config.temperature, grad=False)
             current = current[0] if isinstance(current, tuple) else current
+    current = everyone(current) if (bypass or exact) else None  # read only then
+    group = None
+    if ranks is not None:
+        from rollcorr.correction.weights import LOCAL
+
+        group = LOCAL  # the correction sees the global batch on every rank: no all-reduce
 
     # OPSM reads the advantages: then they are computed before the correction, every valid sequence in the
     # baselines (as DeepSeek-V3.2 and slime do), and the loss uses the same ones; otherwise after it, with
@@ -381,7 +467,7 @@ def train_step(
         rollout, used, adv_metrics = attach_advantages(rollout.replace(kept_mask=rollout.response_mask.bool()), config)
 
     # correction: IS weights, rejection mask, the verl-named diagnostics
-    rollout, corr_metrics = attach_correction(rollout, config, current if (bypass or exact) else None)
+    rollout, corr_metrics = attach_correction(rollout, config, current if (bypass or exact) else None, group=group)
     metrics.update(corr_metrics)
     proximal.after_correction(rollout, version)  # the strategy sees the keep share and the measured lag
 
@@ -404,7 +490,7 @@ def train_step(
     start = time.perf_counter()
     opt_metrics, applied, skipped = optimize(
         rollout, learner, optimizer, config,
-        after_optimizer_step=proximal.after_optimizer_step, generator=generator,
+        after_optimizer_step=proximal.after_optimizer_step, generator=generator, ranks=ranks,
     )  # fmt: skip
     metrics.update(opt_metrics)
     metrics["time/optimize_s"] = time.perf_counter() - start

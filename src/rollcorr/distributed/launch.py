@@ -1,0 +1,62 @@
+"""``rollcorr train trainer.ranks=N``: the same command as N processes, started by torch's own launcher.
+
+    rollcorr train trainer.ranks=2 ...     ≡     torchrun --standalone --nproc-per-node 2 -m rollcorr train ...
+
+``launch`` runs ``torch.distributed.run``'s elastic agent in this process (``elastic_launch``: rendezvous on
+localhost, no restarts) with ``python -m rollcorr train <the same arguments>`` as each worker. The run folder is
+chosen here first, so every worker and the error message name the same one. Multi-node runs call ``torchrun``
+directly (docs/distributed.md); each worker reads its rank from the environment (``group.init_from_env``).
+
+Faults: when a worker exits with an error or is killed, the agent (polling every 0.2 s) stops the others
+(SIGTERM, then SIGKILL) — a survivor blocked in a collective with the dead peer also fails at once on the closed
+connection — and ``launch`` prints one line naming the first rank that failed and why.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+
+FAILED_EXIT = 1
+
+
+def _cause(failure) -> str:
+    """A worker's failure in words: the signal that killed it, its exception (recorded by
+    ``torch.distributed.elastic``'s ``record``), or its exit code."""
+    import signal
+
+    exitcode = failure.exitcode or 0
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    message = getattr(failure, "message", "") or ""
+    if isinstance(message, dict):  # the error file's {"message": "Type: text", "extraInfo": {...}}
+        message = message.get("message", "")
+    message = str(message)
+    if message and "enable traceback" not in message:
+        return message.strip().splitlines()[0]
+    return f"exited with code {exitcode} (its own error is printed above)"
+
+
+def launch(train_args: list[str], nprocs: int, run_dir: str | None = None) -> int:
+    """Run ``rollcorr train <train_args>`` as ``nprocs`` worker processes on this machine; the exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"rollcorr-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
+    )  # fmt: skip
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default; trainer.threads sets torch's own
+    try:
+        elastic_launch(config, entrypoint=sys.executable)("-m", "rollcorr", "train", *train_args)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        where = f"; continue with rollcorr train --resume {run_dir}" if run_dir else ""
+        print(f"rollcorr train: rank {rank} of {nprocs} failed: {_cause(failure)}; every rank stopped{where}",
+              file=sys.stderr)  # fmt: skip
+        return FAILED_EXIT
+    return 0

@@ -1,0 +1,81 @@
+"""What each rank plays in a data-parallel run: rank 0 leads, the others follow.
+
+    rank 0      the executor (sync / async sampler process / Ray samplers), the evaluator, the run folder (lock,
+                config, metrics, checkpoints' state.pt); each rollout it gets is broadcast to every rank
+    rank > 0    ``FollowerExecutor`` receives that rollout; ``SilentLogger``, ``NoLock``: no files written
+
+The model work is split (``train/step.py``); everything that talks to the sampler or the disk stays on rank 0,
+so the executors and the π_old strategies need no notion of a rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollcorr.distributed.group import Ranks
+
+
+class LeaderExecutor:
+    """Rank 0's executor, unchanged, plus a broadcast of every rollout (and its sampler metrics)."""
+
+    def __init__(self, executor, ranks: Ranks) -> None:
+        self.inner, self.ranks = executor, ranks
+
+    def __getattr__(self, name: str) -> Any:  # start, publish, pause, resume, state_dict, close, source, ...
+        return getattr(self.inner, name)
+
+    def next_rollout(self, step: int, version: int):
+        rollout, metrics = self.inner.next_rollout(step, version)
+        self.ranks.broadcast((rollout, metrics))
+        return rollout, metrics
+
+
+class FollowerExecutor:
+    """A rank > 0's stand-in for the executor: rollouts arrive from rank 0; weights go nowhere."""
+
+    def __init__(self, ranks: Ranks) -> None:
+        self.ranks = ranks
+
+    def next_rollout(self, step: int, version: int):
+        return self.ranks.broadcast(None)
+
+    def start(self, weights, version: int) -> None:
+        pass
+
+    def publish(self, weights, version: int) -> None:
+        pass
+
+    def pause(self) -> list:
+        return []
+
+    def resume(self) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class SilentLogger:
+    """``RunLogger``'s interface, writing nothing (ranks > 0)."""
+
+    def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class NoLock:
+    """``RunLock``'s interface for ranks > 0 (rank 0 holds the run folder's lock)."""
+
+    def release(self) -> None:
+        pass

@@ -1,0 +1,224 @@
+"""Two gloo processes on the CPU train the built-in model with FSDP2 to the same weights and metrics as one
+process on the same global batch: the trainer's own ``train_step`` (π_old by recompute, the correction, the
+advantages, the loss), three batches, several losses and corrections."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from rollcorr.distributed.split import SplitError, rank_rows
+
+WORLD = 2
+SMALL = ["rollout.prompts_per_step=4", "rollout.group_size=4", "task.eval_prompts=0", "optim.lr=0.003",
+         "trainer.mini_batches=1"]  # fmt: skip
+CASES = {  # name → overrides: ppo_clip token-mean / seq-mean-token-mean, gspo, oapl, sequence IS + RS + batch norm
+    "ppo_token_tis": [
+        "algorithm.name=grpo",
+        "algorithm.correction.preset=decoupled_token_is",
+        "trainer.mini_batches=2",
+    ],  # fmt: skip
+    "ppo_seq_mean": ["algorithm.name=grpo", "algorithm.aggregation=seq-mean-token-mean"],
+    "gspo": ["algorithm.name=gspo"],
+    "oapl": ["algorithm.name=oapl"],
+    "seq_is_rs_norm": [
+        "algorithm.name=grpo",
+        "algorithm.correction.preset=decoupled_seq_is_rs",
+        "algorithm.correction.batch_normalize=true",
+    ],  # fmt: skip
+}
+STEPS = 3
+# the sharded learner scores through transformers' decoder forward (distributed/shard.py); the reference does
+# too, so the two differ by the data-parallel split alone (the shared-prompt path differs by float rounding)
+SHARE_PROMPTS = False
+# ∂L/∂(key bias) is 0 in exact arithmetic (softmax ignores a shift shared by every key of a query): its gradient
+# is rounding noise, which Adam's m/√v turns into ±lr steps. Checked in the whole-model norm only.
+NOISE_ONLY = ("self_attn.k_proj.bias",)
+# per-rank or timing values: not a property of the batch
+NOT_COMPARED = ("time/", "proximal/")
+
+
+def _config(name: str):
+    from rollcorr.train.config import load_config
+
+    return load_config(None, SMALL + CASES[name])
+
+
+def _rollouts(config) -> list:
+    from rollcorr.train.source import SourceSpec, sample_batch
+
+    source = SourceSpec.from_config(config).build()
+    return [sample_batch(source, i) for i in range(STEPS)]
+
+
+def _train(name: str, rollouts: list, ranks=None) -> tuple[dict, list[dict]]:
+    """(full weights (rank 0; {} elsewhere), metrics per step) after ``STEPS`` train_steps."""
+    from rollcorr.engines import make_learner
+    from rollcorr.train.build import build_proximal, build_step_config
+    from rollcorr.train.loop import seed_everything
+    from rollcorr.train.step import train_step
+
+    config = _config(name)
+    step_config, proximal = build_step_config(config), build_proximal(config)
+    seed_everything(0)
+    learner = make_learner("hf:fp32")
+    learner.model.train(False)
+    learner.share_prompts = SHARE_PROMPTS
+    if ranks is not None:
+        from rollcorr.distributed.shard import shard_learner
+
+        learner = shard_learner(learner, ranks)
+    params = [p for p in learner.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.optim.lr, betas=(0.9, 0.99), eps=1e-8)
+    proximal.on_publish(0, learner.model)
+    history = []
+    for step in range(STEPS):
+        result = train_step(rollouts[step], learner, optimizer, proximal, step_config, step,
+                            generator=torch.Generator().manual_seed(0), ranks=ranks)  # fmt: skip
+        history.append(result.metrics)
+    weights = learner.full_state_dict() if ranks is not None else learner.model.state_dict()
+    return {k: v.detach().clone() for k, v in weights.items()}, history
+
+
+def _worker(rank: int, port: int, names: list[str], data: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)
+    from rollcorr.distributed import close, init_from_env
+
+    ranks = init_from_env("cpu")
+    try:
+        rollouts = torch.load(data, weights_only=False)
+        results = {name: _train(name, rollouts[name], ranks) for name in names}
+        if ranks.is_main:
+            torch.save(results, out)
+    finally:
+        close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def _check_equal(names: list[str]) -> None:
+    """Train ``names`` in this process and on two ranks; assert equal weights and metrics."""
+    from rollcorr.engines import make_learner
+    from rollcorr.train.build import build_step_config
+
+    torch.set_num_threads(1)
+    rollouts = {name: _rollouts(_config(name)) for name in names}
+    reference = {name: _train(name, rollouts[name]) for name in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        data, out = os.path.join(tmp, "rollouts.pt"), os.path.join(tmp, "ranks.pt")
+        torch.save(rollouts, data)
+        mp.spawn(_worker, args=(_free_port(), names, data, out), nprocs=WORLD, join=True)
+        sharded = torch.load(out, weights_only=False)
+    w0 = make_learner("hf:fp32").model.state_dict()
+    for name in names:
+        (w1, m1), (w2, m2) = reference[name], sharded[name]
+        assert w1.keys() == w2.keys()
+        assert max(_relative(w1[k], w0[k]) for k in w1) > 1e-3, f"{name}: the weights did not move"
+        whole = _relative(torch.cat([w2[k].flatten() for k in w1]), torch.cat([w1[k].flatten() for k in w1]))
+        assert whole <= 1e-5, f"{name}: weights differ by {whole:.2e} relative (whole model)"
+        worst, key = max((_relative(w2[k], w1[k]), k) for k in w1 if not k.endswith(NOISE_ONLY))
+        assert worst <= 1e-5, f"{name}: {key} differs by {worst:.2e} relative"
+        # a loss's own actor/* means are weighted by each part's share of the loss count: exact when that
+        # count is the tokens they average over (token-level losses); entropy and loss/policy always are
+        skip = NOT_COMPARED if build_step_config(_config(name)).loss.token_level else (*NOT_COMPARED, "actor/oapl",
+                                                                                     "actor/ppo_kl", "actor/pg_")  # fmt: skip
+        assert any("loss/policy" in a for a in m1), f"{name}: no optimizer step was taken"
+        for step, (a, b) in enumerate(zip(m1, m2)):
+            keys = [k for k in a if not k.startswith(skip)]
+            assert set(keys) <= set(b), f"{name}: metrics missing at N=2: {sorted(set(keys) - set(b))}"
+            assert any(k.startswith("rollout_corr/") for k in keys)
+            for key in keys:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), f"{name} step {step}: {key}"
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_equal_one_process():
+    """ppo_clip token-mean with decoupled token TIS, two mini-batches."""
+    _check_equal(["ppo_token_tis"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_ranks_equal_one_process_more_losses():
+    """Sequence IS + rejection + batch normalisation; ppo_clip seq-mean-token-mean, gspo, oapl."""
+    _check_equal(["seq_is_rs_norm", "ppo_seq_mean", "gspo", "oapl"])
+
+
+def test_split_keeps_groups_whole():
+    groups = torch.arange(8).repeat_interleave(2)  # 8 prompts × 2 responses
+    shares = [rank_rows(groups, 2, r, 2) for r in range(2)]
+    assert shares[0] == [[0, 1, 2, 3], [8, 9, 10, 11]]
+    assert shares[1] == [[4, 5, 6, 7], [12, 13, 14, 15]]
+    with pytest.raises(SplitError, match="prompts_per_step"):
+        rank_rows(torch.arange(3).repeat_interleave(2), 1, 0, 2)  # 3 groups over 2 ranks
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                                 "seq-mean-token-sum-norm"])  # fmt: skip
+@pytest.mark.parametrize("denominator", ["kept", "original", "batch"])
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_loss_count_makes_aggregation_additive_over_parts(agg, denominator, per_sequence):
+    """aggregate(batch) = Σ_parts aggregate(part) · count(part) / count(batch): the global-batch normalisation
+    the ranks (and micro-batches) rely on, for every mode and denominator policy."""
+    from rollcorr.losses.aggregation import aggregate, loss_count
+
+    g = torch.Generator().manual_seed(3)
+    valid = torch.arange(6)[None] < torch.tensor([6, 4, 1, 5, 3, 6, 2, 6])[:, None]
+    kept = valid & (torch.rand(8, 6, generator=g) > 0.3)
+    kept[2] = False  # a row with every token rejected
+    loss = torch.randn(8, 6, generator=g, dtype=torch.float64)
+    if per_sequence:
+        loss = loss.sum(-1)
+
+    def count(rows):
+        c = loss_count(
+            kept[rows], agg, denominator=denominator, denominator_mask=valid[rows], per_sequence=per_sequence
+        )
+        return None if c is None else float(c)
+
+    whole = aggregate(loss, kept, agg, norm_constant=6.0, denominator=denominator, denominator_mask=valid)
+    parts = [[0, 1, 2], [3, 4], [5, 6, 7]]
+    total = count(list(range(8)))
+    summed = sum(
+        aggregate(
+            loss[rows],
+            kept[rows],
+            agg,
+            norm_constant=6.0,
+            denominator=denominator,
+            denominator_mask=valid[rows],
+        )
+        * (1.0 if total is None else count(rows) / total)
+        for rows in parts
+    )
+    assert float(summed) == pytest.approx(float(whole), rel=1e-12, abs=1e-12)
+
+
+def test_ranks_config_is_checked_before_any_process_starts():
+    from rollcorr.train.build import check_components
+    from rollcorr.train.config import ConfigError, load_config
+
+    with pytest.raises(
+        ConfigError, match=r"trainer\.ranks: .*multiple of trainer\.mini_batches × trainer\.ranks"
+    ):
+        load_config(None, ["rollout.prompts_per_step=4", "trainer.mini_batches=2", "trainer.ranks=4"])
+    config = load_config(None, ["trainer.ranks=2", "algorithm.proximal.name=snapshot"])
+    with pytest.raises(
+        ConfigError, match=r"algorithm\.proximal\.name: 'snapshot' is not supported with trainer\.ranks"
+    ):
+        check_components(config)

@@ -1,0 +1,148 @@
+"""``rollcorr train trainer.ranks=2`` end to end (two gloo processes under torch's launcher): metrics, sharded
+checkpoints resumed at N=1 and back at N=2, and a killed rank that stops the run within a bounded time."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+SMALL = ["rollout.prompts_per_step=4", "rollout.group_size=4", "task.eval_prompts=8", "trainer.progress=false",
+         "trainer.plot=false", "trainer.tensorboard=false", "trainer.eval_every=0"]  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1"}  # fmt: skip
+
+
+def _train(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rollcorr", "train", *args], capture_output=True, text=True,
+                          env=_env(), timeout=timeout)  # fmt: skip
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "reward/mean" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_ranks_train_and_resume_at_one_and_back(tmp_path):
+    run_dir = tmp_path / "run"
+    done = _train(
+        "trainer.ranks=2", "trainer.steps=3", "trainer.checkpoint_every=2", *SMALL, "--out", str(run_dir)
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "greedy accuracy" in done.stdout and done.stdout.count("run folder:") == 1  # rank 0 alone prints
+    assert [r["learner/ranks"] for r in _steps(run_dir)] == [2.0, 2.0, 2.0]
+    last = run_dir / "checkpoints" / "step_000003"
+    assert (last / "dcp" / ".metadata").is_file() and (last / "model" / "config.json").is_file()
+
+    # the sharded checkpoint read by one process (no group) equals the full weights rank 0 exported
+    from safetensors.torch import load_file
+
+    from rollcorr.distributed.checkpoint import load_sharded
+    from rollcorr.engines import make_learner
+
+    learner = make_learner("hf:fp32")
+    optimizer = torch.optim.AdamW(learner.model.parameters(), lr=1e-3)
+    load_sharded(last, learner.model, optimizer)
+    exported = load_file(last / "model" / "model.safetensors")
+    for name, value in learner.model.state_dict().items():
+        if name in exported:
+            torch.testing.assert_close(value, exported[name], rtol=0, atol=0)
+    assert optimizer.state, "the AdamW state was not restored"
+
+    one = _train("--resume", str(run_dir), "trainer.steps=4", "trainer.ranks=1")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "resuming" in one.stdout + one.stderr
+    back = _train("--resume", str(run_dir), "trainer.steps=5", "trainer.ranks=2")
+    assert back.returncode == 0, back.stderr[-3000:]
+    assert [r["learner/ranks"] for r in _steps(run_dir)] == [2.0, 2.0, 2.0, 1.0, 2.0]
+    assert [r["step"] for r in _steps(run_dir)] == [1, 2, 3, 4, 5]
+
+
+def _workers(launcher: int) -> dict[int, int]:
+    """rank → pid of the launcher's worker processes (from their environment)."""
+    found = {}
+    for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
+        try:
+            env = dict(
+                item.split("=", 1)
+                for item in Path(f"/proc/{child}/environ").read_text().split("\0")
+                if "=" in item
+            )
+        except OSError:
+            continue
+        if "RANK" in env:
+            found[int(env["RANK"])] = int(child)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the workers through /proc")
+def test_killed_rank_stops_every_rank_and_the_run_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "rollcorr", "train", "trainer.ranks=2", "trainer.steps=40",
+            "trainer.checkpoint_every=1", *SMALL, "--out", str(run_dir)]  # fmt: skip
+    launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        deadline = time.monotonic() + 400
+        while not (run_dir / "checkpoints" / "step_000001").is_dir():
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint within 400 s"
+            time.sleep(0.5)
+        workers = _workers(launcher.pid)
+        assert sorted(workers) == [0, 1]
+        os.kill(workers[1], signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = launcher.communicate(timeout=120)
+        stopped = time.monotonic() - killed
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert stopped < 60, f"the run took {stopped:.0f} s to stop after a rank died"
+    assert launcher.returncode != 0
+    lines = [line for line in err.splitlines() if line.startswith("rollcorr train: rank")]
+    assert len(lines) == 1 and "rank 1 of 2 failed: killed by SIGKILL" in lines[0], err[-3000:]
+    assert f"--resume {run_dir}" in lines[0]
+    for pid in workers.values():
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    step = max(r["step"] for r in _steps(run_dir))
+    resumed = _train("--resume", str(run_dir), f"trainer.steps={step + 1}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert max(r["step"] for r in _steps(run_dir)) == step + 1
+
+
+def test_failure_line_names_the_exception_the_signal_or_the_exit_code(tmp_path, monkeypatch):
+    """The launcher's one line reads a raising rank's error file as torch's ``record`` writes it."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure, record
+
+    from rollcorr.distributed.launch import _cause
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+
+    @record
+    def rank_body():
+        raise RuntimeError("rank 1 could not read its shard")
+
+    with pytest.raises(RuntimeError):
+        rank_body()
+    raised = ProcessFailure(local_rank=1, pid=1, exitcode=1, error_file=str(error_file))
+    assert _cause(raised) == "RuntimeError: rank 1 could not read its shard"
+    missing = str(tmp_path / "none.json")
+    assert _cause(ProcessFailure(local_rank=1, pid=1, exitcode=-9, error_file=missing)) == "killed by SIGKILL"
+    assert _cause(ProcessFailure(local_rank=1, pid=1, exitcode=2, error_file=missing)).startswith(
+        "exited with code 2"
+    )
