@@ -346,12 +346,12 @@ def test_out_that_cannot_be_created_is_one_line(tmp_path, addition_model_dir, ca
 
 def test_ctrl_c_during_start_up_is_one_line_and_leaves_no_folder(tmp_path, addition_model_dir, capsys,
                                                                   monkeypatch):  # fmt: skip
-    import rollcorr.engines
+    import rollcorr.train.build
 
     def interrupted(*args, **kwargs):  # what a Ctrl-C raises while the learner loads
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(rollcorr.engines, "make_learner", interrupted)
+    monkeypatch.setattr(rollcorr.train.build, "make_learner", interrupted)
     out = tmp_path / "run"
     assert main(["train", "--out", str(out), *TINY, f"model.path={addition_model_dir}"]) == 130
     assert capsys.readouterr().err.strip() == "rollcorr train: interrupted" and not out.exists()
