@@ -354,7 +354,7 @@ def test_ewma_closed_form_matches_weighted_average(make_learner):
         thetas.append(copy.deepcopy(model.state_dict()))
     n = len(thetas) - 1
     weights = torch.tensor([beta ** (n - j) for j in range(n + 1)], dtype=torch.float64)
-    avg = strat.model.state_dict()
+    avg = strat.average
     for name, value in avg.items():
         if not value.is_floating_point():
             continue
@@ -414,7 +414,7 @@ def test_ewma_auto_reset_fires_on_the_correction_keep_share(make_learner):
     sgd_step(learner, 43)
     strat.after_optimizer_step(model)
     assert strat.resets == 1 and strat.weight == 1.0
-    for name, value in strat.model.state_dict().items():
+    for name, value in strat.average.items():
         torch.testing.assert_close(value, model.state_dict()[name], atol=0, rtol=0)
     # the reset may also apply at the next old_log_prob
     strat.after_correction(kept(stale, 2, 0.25), 2)

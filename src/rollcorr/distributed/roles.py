@@ -5,7 +5,8 @@
     rank > 0    ``FollowerExecutor`` receives that rollout; ``SilentLogger``, ``NoLock``: no files written
 
 The model work is split (``train/step.py``); everything that talks to the sampler or the disk stays on rank 0,
-so the executors and the π_old strategies need no notion of a rank.
+so the executors and the π_old strategies need no notion of a rank: every rank gets the same rollouts (and,
+when a strategy pauses the sampler, the same in-flight ones) and calls the strategy's hooks alike.
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ class LeaderExecutor:
         self.ranks.broadcast((rollout, metrics))
         return rollout, metrics
 
+    def pause(self) -> list:
+        """Pause the sampler; its in-flight rollouts go to every rank (a strategy that ``pauses_sampler``
+        scores them on every rank, ``proximal.interrupt``)."""
+        in_flight = self.inner.pause()
+        self.ranks.broadcast(in_flight)
+        return in_flight
+
 
 class FollowerExecutor:
     """A rank > 0's stand-in for the executor: rollouts arrive from rank 0; weights go nowhere."""
@@ -46,7 +54,7 @@ class FollowerExecutor:
         pass
 
     def pause(self) -> list:
-        return []
+        return self.ranks.broadcast(None)  # rank 0's in-flight rollouts
 
     def resume(self) -> None:
         pass

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from rollcorr.distributed.group import Ranks
+from rollcorr.proximal.scoring import local_tensor  # a DTensor's shard; other tensors as they are
 
 
 class _ScoringRoot(nn.Module):
@@ -60,7 +61,15 @@ class ShardedLearner:
 
     ``model`` is the (sharded) transformers model: its parameters are ``DTensor`` shards, which is what the
     optimizer is built on. ``full_state_dict()`` gathers the full weights (rank 0 gets them, on the CPU).
+    ``reshard_after_forward`` and ``mp_policy`` are FSDP2's own options (``trainer.fsdp``, ``fsdp_options``).
+
+    Scoring is a collective (``collective``): every rank calls ``log_prob`` the same number of times, a rank
+    with no rows too (it then runs a one-token stand-in forward and returns (0, T)). After a no-grad call every
+    unit is resharded, so between calls the shards are the only copy of the weights: a π_old strategy may
+    exchange them for weights it holds (``proximal.scoring.swapped_in``) and the next forward gathers those.
     """
+
+    collective = True  # proximal.scoring.scores_together
 
     def __init__(
         self, learner, ranks: Ranks, *, reshard_after_forward: bool = True, mp_policy: Any = None
@@ -75,10 +84,13 @@ class ShardedLearner:
         kwargs: dict[str, Any] = {"mesh": ranks.mesh, "reshard_after_forward": reshard_after_forward}
         if mp_policy is not None:
             kwargs["mp_policy"] = mp_policy
+        self.units: list[nn.Module] = []
         for layer in decoder_layers(learner.model):
             fully_shard(layer, **kwargs)
+            self.units.append(layer)
         self.root = _ScoringRoot(learner)
         fully_shard(self.root, **kwargs)
+        self.units.append(self.root)
         self.model = learner.model
         self.tokenizer = learner.tokenizer
         self.device = ranks.device
@@ -98,6 +110,12 @@ class ShardedLearner:
         """This rank's shards (``DTensor`` values), for ``torch.distributed.checkpoint``."""
         return self.model.state_dict()
 
+    def reshard(self) -> None:
+        """Free every gathered copy of the weights (FSDP2 keeps the root's, and with
+        ``reshard_after_forward=False`` every layer's, after a forward)."""
+        for unit in self.units:
+            unit.reshard()
+
     def log_prob(self, rollout_or_input, *, temperature: float = 1.0, with_entropy: bool = False,
                  grad: bool = False) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
         """``HFLearner.log_prob`` through the FSDP root (every rank calls it, with its own rows). The result
@@ -105,10 +123,20 @@ class ShardedLearner:
         backward crosses back once per micro-batch)."""
         from rollcorr.engines.hf import unpack
 
+        if self.model is not self.inner.model:  # proximal.scoring.with_model: the root would score its own
+            raise TypeError("a sharded learner scores with its own sharded model only; hold other weights as "
+                            "proximal.scoring.copy_state copies and score them with score(..., weights=)")  # fmt: skip
         batch = unpack(rollout_or_input)
+        rows = batch[2].shape[0]
+        if rows == 0:  # join the collectives with a one-token stand-in; nothing to return
+            batch = tuple(x.new_ones((1, x.shape[1])) for x in batch)
         out = self.root(*batch, temperature, with_entropy, grad)
+        if not grad:
+            self.reshard()
         home = batch[2].device
-        return tuple(x.to(home) for x in out) if isinstance(out, tuple) else out.to(home)
+        outs = out if isinstance(out, tuple) else (out,)
+        outs = tuple(x[:rows].to(home) for x in outs)
+        return outs if isinstance(out, tuple) else outs[0]
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """The full weights on rank 0 (CPU tensors; other ranks get {}), called on every rank.
@@ -158,15 +186,26 @@ class ShardedLearner:
         return out
 
 
+def fsdp_options(reshard_after_forward: bool = True, param_dtype: str | None = None,
+                 reduce_dtype: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """``trainer.fsdp`` as ``fully_shard`` keyword arguments: ``reshard_after_forward``, and a
+    ``MixedPrecisionPolicy`` when a dtype is named (fp32 | bf16 | fp16; ``models.builtin.DTYPES``)."""
+    options: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
+    if param_dtype is not None or reduce_dtype is not None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        from rollcorr.models.builtin import DTYPES
+
+        options["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=None if param_dtype is None else DTYPES[param_dtype],
+            reduce_dtype=None if reduce_dtype is None else DTYPES[reduce_dtype],
+        )
+    return options
+
+
 def shard_learner(learner, ranks: Ranks, **kwargs: Any) -> ShardedLearner:
     """``learner`` (an ``HFLearner``) sharded over ``ranks`` in place; see ``ShardedLearner``."""
     return ShardedLearner(learner, ranks, **kwargs)
-
-
-def local_tensor(x: Tensor) -> Tensor:
-    """This rank's shard of a ``DTensor``; any other tensor unchanged."""
-    to_local = getattr(x, "to_local", None)
-    return to_local() if to_local is not None else x
 
 
 def full_value(x: Tensor) -> Tensor:

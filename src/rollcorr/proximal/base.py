@@ -19,6 +19,14 @@ and never probes for methods or compares names. Once per training step, in this 
 
 With ``measure_error=True`` every strategy also keeps a snapshot store of the published weights as a
 reference and reports how far its π_old is from the exact one, π_train(v_gen) (``ProximalResult.error``).
+
+Data-parallel learners (``trainer.ranks > 1``, docs/distributed.md): every rank calls every hook with the
+same arguments except ``old_log_prob``, which gets the rank's own rows. A strategy that holds weights keeps
+them as ``scoring.copy_state`` copies and scores with ``scoring.score(..., weights=)`` or
+``store.score_by_version``: with a sharded learner the copies are this rank's shards and the forward puts them
+into the sharded model, so the strategy is the same code at any N. It names its copies in ``held_weights``
+(the trainer checkpoints them with the sharded weights and shards a one-process checkpoint's copies), and
+whether it can run sharded is ``data_parallel`` (default: unless it follows the sampler).
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from rollcorr.config.correction import LOG_RATIO_CLAMP
-from rollcorr.proximal.scoring import check_versions, clone_model
+from rollcorr.proximal.scoring import check_versions, scores_together
 from rollcorr.proximal.store import SnapshotStore, score_by_version
 from rollcorr.rollout import Rollout
 
@@ -83,7 +91,6 @@ class ProximalStrategy:
     follows_sampler = False
     pauses_sampler = False
     old_is_rollout = False
-    data_parallel = False  # works with a learner sharded over several ranks (holds no weights of its own)
 
     @classmethod
     def run_defaults(cls, temperature: float, max_staleness: int, steps_per_version: int) -> dict:
@@ -98,9 +105,23 @@ class ProximalStrategy:
         self.temperature = float(temperature)
         self.max_staleness = int(max_staleness)
         self.reference: SnapshotStore | None = SnapshotStore(max_staleness) if measure_error else None
-        self._reference_model: nn.Module | None = None
 
     # ---- what the trainer asks -----------------------------------------------------------------------
+    @property
+    def data_parallel(self) -> bool:
+        """Whether the strategy runs with a learner sharded over several ranks. Default: every strategy except
+        one that follows the sampler, whose weight loads and chunks reach rank 0 alone and are scored on a
+        background thread (a sharded forward is a collective every rank must join in the same order)."""
+        return not self.follows_sampler
+
+    def held_weights(self) -> dict[str, dict[str, Tensor]]:
+        """The weight copies the strategy holds, by a name of its own: each a ``scoring.copy_state`` dict keyed
+        like the learner's ``state_dict`` (with a sharded learner: ``DTensor`` shards). The same dict objects
+        its ``state_dict`` returns copies of. Default: the measurement reference's versions."""
+        if self.reference is None:
+            return {}
+        return {f"reference/{v}": self.reference.get(v) for v in self.reference.versions}
+
     def is_exact(self, rollout: Rollout, current_version: int) -> bool:
         """Whether π_old of this batch is π_train(v_gen) for every valid token (default: ``exact``)."""
         return self.exact
@@ -156,7 +177,7 @@ class ProximalStrategy:
         old = torch.where(mask, old, torch.zeros_like(old))
         error = None
         metrics = self.metrics()
-        if self.reference is not None and mask.any():
+        if self.reference is not None and (mask.any() or scores_together(learner)):
             # measurement only: a token older than the reference window leaves the error unmeasured
             try:
                 error = old_logit_error(old, self._reference_log_prob(rollout, learner, old), mask)
@@ -180,11 +201,7 @@ class ProximalStrategy:
 
     def _reference_log_prob(self, rollout: Rollout, learner, old: Tensor) -> Tensor:
         """Exact old log-probs from the reference store (scored with each token's own version)."""
-        if self._reference_model is None:
-            self._reference_model = clone_model(learner.model)
-        return score_by_version(self.reference, self._reference_model, learner, rollout, self.temperature).to(
-            old.device
-        )
+        return score_by_version(self.reference, learner, rollout, self.temperature).to(old.device)
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:

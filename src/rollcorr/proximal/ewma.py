@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from rollcorr.proximal.base import ProximalStrategy
-from rollcorr.proximal.scoring import clone_model, model_bytes, score, unique_tensors
+from rollcorr.proximal.scoring import copy_state, copy_tensors, local_tensor, score, tensor_bytes
 from rollcorr.rollout import Rollout
 
 
@@ -48,9 +48,12 @@ def lag_beta(mean_lag: float, steps_per_version: int = 1) -> float:
 class EWMA(ProximalStrategy):
     """π_old = forward of θ̄, the bias-corrected EWMA of the learner's weights (see module docstring).
 
-    β follows the measured lag (``after_correction``) unless ``beta`` fixes it. θ̄ lives in a dedicated copy of the learner's model (one weight copy: ``extra_bytes``), initialised from
-    the first model it sees (``on_publish`` or ``after_optimizer_step``), updated in place after every
-    optimizer step. Floating-point parameters and buffers are averaged; other buffers are copied.
+    β follows the measured lag (``after_correction``) unless ``beta`` fixes it. θ̄ is one weight copy
+    (``average``, a ``scoring.copy_state`` dict: ``extra_bytes``; with a sharded learner this rank's shards,
+    1/N), initialised from the first model it sees (``on_publish`` or ``after_optimizer_step``), updated in
+    place after every optimizer step, and put into the learner's model for the π_old forward
+    (``score(..., weights=)``). Floating-point parameters and buffers are averaged; other buffers are copied.
+    The update is elementwise, so each rank updates its own shards with no communication.
     """
 
     name = "ewma"
@@ -82,23 +85,18 @@ class EWMA(ProximalStrategy):
         if reset_keep_ratio is not None and not 0.0 <= reset_keep_ratio <= 1.0:
             raise ValueError(f"reset_keep_ratio must be in [0, 1] or None, got {reset_keep_ratio}")
         self.reset_keep_ratio = reset_keep_ratio
-        self.model: nn.Module | None = None  # holds θ̄
+        self.average: dict[str, Tensor] | None = None  # θ̄, keyed like the learner's state_dict
         self.weight = 1.0  # w
         self.resets = 0
         self.updates = 0
         self.pending_reset = False
         self.last_keep_ratio: float | None = None
-        self._pending_average: dict[str, Tensor] | None = None
 
     # ---- the average ------------------------------------------------------------------------------------
     def _init(self, model: nn.Module) -> None:
-        if self.model is None:
-            self.model = clone_model(model)
-            if self._pending_average is not None:  # restored from a checkpoint before any model was seen
-                self.model.load_state_dict(self._pending_average)
-                self._pending_average = None
-            else:
-                self.weight = 1.0
+        if self.average is None:
+            self.average = copy_state(model, device=None)
+            self.weight = 1.0
 
     @torch.no_grad()
     def update(self, model: nn.Module, beta: float | None = None) -> None:
@@ -108,16 +106,14 @@ class EWMA(ProximalStrategy):
         new_weight = beta * self.weight + 1.0
         keep, take = beta * self.weight / new_weight, 1.0 / new_weight
         live = model.state_dict()
-        avg_state = self.model.state_dict()
-        pairs = [(avg_state[k], live[k]) for k in avg_state]
-        # tied weights appear under several names: update each storage once
-        seen = {id(t) for t in unique_tensors(a for a, _ in pairs)}
-        for avg, cur in pairs:
-            if id(avg) not in seen:
+        seen: set[int] = set()  # tied weights appear under several names: update each storage once
+        for name, avg in self.average.items():
+            avg, cur = local_tensor(avg), local_tensor(live[name]).detach()
+            if avg.untyped_storage().data_ptr() in seen:
                 continue
-            seen.discard(id(avg))
+            seen.add(avg.untyped_storage().data_ptr())
             if avg.is_floating_point():
-                avg.mul_(keep).add_(cur.detach().to(avg.device, avg.dtype), alpha=take)
+                avg.mul_(keep).add_(cur.to(avg.device, avg.dtype), alpha=take)
             else:
                 avg.copy_(cur)
         self.weight = new_weight
@@ -156,16 +152,19 @@ class EWMA(ProximalStrategy):
             self.pending_reset = True
 
     def _old_log_prob(self, rollout: Rollout, learner, current_version: int) -> Tensor:
-        if self.model is None or self.pending_reset:
+        if self.average is None or self.pending_reset:
             self._init(learner.model)
             if self.pending_reset:
                 self.reset(learner.model)
-        return score(learner, rollout, self.temperature, model=self.model)
+        return score(learner, rollout, self.temperature, weights=self.average)
 
     # ---- reporting / checkpoints ------------------------------------------------------------------------
     @property
     def extra_bytes(self) -> int:
-        return 0 if self.model is None else model_bytes(self.model)
+        return 0 if self.average is None else tensor_bytes(self.average.values())
+
+    def held_weights(self) -> dict[str, dict[str, Tensor]]:
+        return {**super().held_weights(), **({} if self.average is None else {"average": self.average})}
 
     def metrics(self) -> dict[str, float]:
         out = {"ewma_resets": float(self.resets), "ewma_beta": self.beta, "ewma_weight": self.weight}
@@ -184,14 +183,11 @@ class EWMA(ProximalStrategy):
             resets=self.resets,
             updates=self.updates,
             pending_reset=self.pending_reset,
-            average=None
-            if self.model is None
-            else {k: v.clone() for k, v in self.model.state_dict().items()},
+            average=None if self.average is None else copy_tensors(self.average),
         )
         return d
 
-    def load_state_dict(self, d: dict, model: nn.Module | None = None) -> None:
-        """Restore; the averaged weights need a module to live in: ``model`` (or the one already held)."""
+    def load_state_dict(self, d: dict) -> None:
         super().load_state_dict(d)
         self.beta, self.weight = float(d["beta"]), float(d["weight"])
         self.last_lag = d.get("last_lag")  # absent in checkpoints written before β was measured
@@ -200,10 +196,4 @@ class EWMA(ProximalStrategy):
             int(d["updates"]),
             bool(d["pending_reset"]),
         )
-        if d["average"] is not None:
-            if self.model is None:
-                if model is None:
-                    self._pending_average = d["average"]
-                    return
-                self.model = clone_model(model)
-            self.model.load_state_dict(d["average"])
+        self.average = None if d["average"] is None else dict(d["average"])

@@ -20,6 +20,10 @@ When the finished rollout comes back, ``old_log_prob`` uses the stored value for
 current version, recompute-like for others). Stored log-probs are keyed by content (``store.TokenStore``):
 rows need no ids and can be re-batched freely. Entries older than ``max_staleness`` versions are dropped at
 ``on_publish``.
+
+With a learner sharded over data-parallel ranks, every rank receives the same in-flight rollouts (rank 0's
+executor broadcasts them, ``distributed.roles``) and scores all of them, so every rank's store is the same
+and each finds the tokens of whatever rows it trains on; the stall's forward is not split over the ranks.
 """
 
 from __future__ import annotations
@@ -37,10 +41,10 @@ from rollcorr.rollout import Rollout
 
 
 def fill_missing(stored: Tensor, found: Tensor, rollout: Rollout, scorer) -> Tensor:
-    """``stored`` where ``found``, else ``scorer(rows)`` (B', T) for the rows with a missing valid token."""
+    """``stored`` where ``found``, else ``scorer(rows)`` (B', T) for the rows with a missing valid token.
+    ``scorer`` is called once, with no rows too (``scoring.score`` then runs no forward unless the learner
+    scores together with other ranks, which must all call it)."""
     missing = rollout.response_mask.bool().cpu() & ~found
-    if not missing.any():
-        return stored
     rows = missing.any(dim=1).nonzero().squeeze(1)
     live = torch.zeros_like(stored)
     live[rows] = scorer(rollout.select(rows)).cpu()

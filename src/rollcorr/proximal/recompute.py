@@ -24,7 +24,6 @@ class Recompute(ProximalStrategy):
     """
 
     name = "recompute"
-    data_parallel = True
     _exact_share = 0.0
 
     def is_exact(self, rollout: Rollout, current_version: int) -> bool:
@@ -51,7 +50,6 @@ class Bypass(ProximalStrategy):
     """
 
     name = "bypass"
-    data_parallel = True
     needs_rollout_log_prob = True
     old_is_rollout = True
 

@@ -2,14 +2,23 @@
 
 The learner (``rollcorr.engines``) owns the forward pass: ``learner.log_prob(rollout, temperature=...,
 grad=False) -> (B, T)`` scores response tokens with ``learner.model``. A strategy that needs log-probs
-under *other* weights (a stored version, the EWMA average, a dedicated old-logit model) hands the learner a
-different module through ``with_model`` instead of re-implementing the forward.
+under *other* weights never re-implements the forward. It holds them as a weight copy — ``copy_state(model)``,
+a dict mirroring ``model.state_dict()`` — and scores with ``score(..., weights=copy)``, which exchanges the
+copy's contents with the live model's in place for one no-grad forward (``swapped_in``) and back. That works
+unchanged for a learner sharded over data-parallel ranks (``rollcorr.distributed``, FSDP2): there the live
+weights are ``DTensor`` shards, so the copy holds this rank's shards only (1/N of the memory) and each rank
+exchanges its own. A strategy that scores from another thread while the learner trains (``old_logit_model``)
+keeps a module of its own instead and hands it over with ``with_model`` (one process only).
+
+A sharded learner's forward is a collective: every rank must score the same number of times, with no rows as
+well (``scores_together``; ``score`` then still runs the forward).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -28,14 +37,30 @@ def with_model(learner, model: nn.Module):
     return view
 
 
-@torch.no_grad()
-def score(learner, rollout: Rollout, temperature: float = 1.0, model: nn.Module | None = None) -> Tensor:
-    """(B, T) float32 detached log π(y_t) of the response tokens under ``model`` (default: ``learner.model``).
+def scores_together(learner) -> bool:
+    """Whether ``learner``'s forward is a collective over data-parallel ranks (a sharded learner says so with
+    ``collective = True``): then every rank scores the same number of times, a rank with no rows too."""
+    return bool(getattr(learner, "collective", False))
 
-    Padding positions are set to 0 so every strategy returns the same layout.
+
+@torch.no_grad()
+def score(learner, rollout: Rollout, temperature: float = 1.0, model: nn.Module | None = None,
+          weights: Mapping[str, Tensor] | None = None) -> Tensor:  # fmt: skip
+    """(B, T) float32 detached log π(y_t) of the response tokens under ``weights`` (a ``copy_state`` copy, put
+    into the learner's model for the call: ``swapped_in``) or ``model`` (a module of its own); default: the
+    learner's current weights.
+
+    Padding positions are set to 0 so every strategy returns the same layout. No rows: (0, T) without a
+    forward, unless the learner scores together with other ranks (``scores_together``).
     """
-    scorer = learner if model is None else with_model(learner, model)
-    log_prob = scorer.log_prob(rollout, temperature=temperature, grad=False)
+    if rollout.batch_size == 0 and not scores_together(learner):
+        return torch.zeros(rollout.response_ids.shape, dtype=torch.float32, device=rollout.response_ids.device)
+    if weights is not None:
+        with swapped_in(learner.model, weights):
+            log_prob = learner.log_prob(rollout, temperature=temperature, grad=False)
+    else:
+        scorer = learner if model is None else with_model(learner, model)
+        log_prob = scorer.log_prob(rollout, temperature=temperature, grad=False)
     if isinstance(log_prob, tuple):  # (log_prob, entropy) from learners that always return both
         log_prob = log_prob[0]
     log_prob = log_prob.detach().float()
@@ -47,12 +72,23 @@ def score(learner, rollout: Rollout, temperature: float = 1.0, model: nn.Module 
     return torch.where(mask, log_prob, torch.zeros_like(log_prob))
 
 
+def local_tensor(x: Tensor) -> Tensor:
+    """This rank's shard of a ``DTensor`` (a sharded learner's weights); any other tensor unchanged."""
+    to_local = getattr(x, "to_local", None)
+    return to_local() if to_local is not None else x
+
+
+def _storage_key(t: Tensor) -> tuple[int, int]:
+    local = local_tensor(t)
+    return local.untyped_storage().data_ptr(), local.storage_offset()
+
+
 def unique_tensors(tensors: Iterable[Tensor]) -> list[Tensor]:
     """Tensors with distinct storage (tied weights such as embed/lm_head appear once)."""
     seen: set[tuple[int, int]] = set()
     out = []
     for t in tensors:
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        key = _storage_key(t)
         if key not in seen:
             seen.add(key)
             out.append(t)
@@ -60,8 +96,8 @@ def unique_tensors(tensors: Iterable[Tensor]) -> list[Tensor]:
 
 
 def tensor_bytes(tensors: Iterable[Tensor]) -> int:
-    """Bytes held by ``tensors``, counting shared (tied) tensors once."""
-    return sum(t.numel() * t.element_size() for t in unique_tensors(tensors))
+    """Bytes this process holds for ``tensors`` (a ``DTensor``: its local shard), shared (tied) ones once."""
+    return sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in unique_tensors(tensors))
 
 
 def model_bytes(model: nn.Module) -> int:
@@ -69,16 +105,58 @@ def model_bytes(model: nn.Module) -> int:
     return tensor_bytes(model.state_dict().values())
 
 
-def copy_state(model: nn.Module, device: str | torch.device = "cpu") -> dict[str, Tensor]:
-    """A detached copy of ``model.state_dict()`` on ``device``; tied tensors stay shared in the copy."""
+def copy_state(model: nn.Module, device: str | torch.device | None = "cpu") -> dict[str, Tensor]:
+    """A detached copy of ``model.state_dict()`` on ``device`` (None: where each tensor is); tied tensors stay
+    shared in the copy. A sharded model's ``DTensor`` weights are copied as ``DTensor`` s: this rank's shards."""
+    return copy_tensors(model.state_dict(), device)
+
+
+def copy_tensors(tensors: Mapping[str, Tensor], device: str | torch.device | None = None) -> dict[str, Tensor]:
+    """A detached copy of a name → tensor mapping on ``device`` (None: where each is), shared tensors shared."""
     copies: dict[tuple[int, int], Tensor] = {}
     out = {}
-    for name, t in model.state_dict().items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+    for name, t in tensors.items():
+        key = _storage_key(t)
         if key not in copies:
-            copies[key] = t.detach().to(device, copy=True)
+            copies[key] = t.detach().to(t.device if device is None else device, copy=True)
         out[name] = copies[key]
     return out
+
+
+@contextmanager
+def swapped_in(model: nn.Module, weights: Mapping[str, Tensor]) -> Iterator[nn.Module]:
+    """``model`` holding ``weights`` (a ``copy_state`` copy of it) inside the block, its own weights after.
+
+    The contents are exchanged in place, one tensor at a time through a temporary of that tensor's size
+    (tied tensors once), and exchanged back on the way out, exceptions included: no second model, and the
+    learner's own scoring code runs on the copy. A sharded model (``DTensor`` weights) exchanges this rank's
+    shards; its learner must not keep gathered weights between calls (``distributed.shard.ShardedLearner``
+    reshards every unit after a no-grad forward), so the forward inside gathers the copy's shards. Not for a
+    model another thread is using at the same time.
+    """
+    live = model.state_dict()
+    if live.keys() != weights.keys():
+        missing, extra = sorted(live.keys() - weights.keys()), sorted(weights.keys() - live.keys())
+        raise KeyError(f"weights do not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    seen: set[tuple[int, int]] = set()
+    pairs = []
+    for name, t in live.items():
+        if _storage_key(t) not in seen:
+            seen.add(_storage_key(t))
+            pairs.append((local_tensor(t), local_tensor(weights[name])))
+
+    def exchange() -> None:
+        for a, b in pairs:
+            held = b.clone()
+            b.copy_(a)
+            a.copy_(held)
+
+    with torch.no_grad():
+        exchange()
+        try:
+            yield model
+        finally:
+            exchange()
 
 
 def clone_model(model: nn.Module) -> nn.Module:

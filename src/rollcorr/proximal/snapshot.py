@@ -5,7 +5,6 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from rollcorr.proximal.base import ProximalStrategy
-from rollcorr.proximal.scoring import clone_model, model_bytes
 from rollcorr.proximal.store import SnapshotStore, score_by_version
 from rollcorr.rollout import Rollout
 
@@ -15,10 +14,11 @@ class Snapshot(ProximalStrategy):
 
     ``on_publish(v, model)`` copies the weights to CPU and evicts versions older than v − max_staleness. A
     batch is scored once per distinct version present (a partial rollout that spans versions is scored once
-    per version and each token takes the score of its own version). The stored weights are loaded into a
-    scratch copy of the learner's model, so the live model is never touched.
+    per version and each token takes the score of its own version). The stored weights are put into the
+    learner's model for each forward and its own put back (``scoring.swapped_in``).
 
-    Memory: ``store.nbytes`` (one weight copy per live version, ≤ max_staleness + 1) plus the scratch model.
+    Memory: ``store.nbytes`` (one weight copy per live version, ≤ max_staleness + 1); with a sharded learner
+    this rank's shards of each, 1/N.
     """
 
     name = "snapshot"
@@ -27,7 +27,6 @@ class Snapshot(ProximalStrategy):
     def __init__(self, max_staleness: int = 1, temperature: float = 1.0, measure_error: bool = False):
         super().__init__(temperature=temperature, max_staleness=max_staleness, measure_error=False)
         self.store = SnapshotStore(max_staleness)
-        self._scratch: nn.Module | None = None
         self._measure = measure_error
         self._distinct = 0
 
@@ -35,10 +34,8 @@ class Snapshot(ProximalStrategy):
         self.store.put(version, model)
 
     def _old_log_prob(self, rollout: Rollout, learner, current_version: int) -> Tensor:
-        if self._scratch is None:
-            self._scratch = clone_model(learner.model)
         self._distinct = len({int(v) for v in rollout.version[rollout.response_mask.bool()].tolist()})
-        return score_by_version(self.store, self._scratch, learner, rollout, self.temperature)
+        return score_by_version(self.store, learner, rollout, self.temperature)
 
     def old_log_prob(self, rollout: Rollout, learner, current_version: int):
         result = super().old_log_prob(rollout, learner, current_version)
@@ -48,8 +45,10 @@ class Snapshot(ProximalStrategy):
 
     @property
     def extra_bytes(self) -> int:
-        scratch = 0 if self._scratch is None else model_bytes(self._scratch)
-        return self.store.nbytes + scratch
+        return self.store.nbytes
+
+    def held_weights(self) -> dict[str, dict[str, Tensor]]:
+        return {f"store/{v}": self.store.get(v) for v in self.store.versions}
 
     def metrics(self) -> dict[str, float]:
         return {

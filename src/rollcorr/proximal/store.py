@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from rollcorr.proximal.scoring import copy_state, masked_versions, score, tensor_bytes
+from rollcorr.proximal.scoring import copy_state, masked_versions, score, scores_together, tensor_bytes
 from rollcorr.rollout import Rollout
 
 
@@ -28,7 +28,8 @@ class SnapshotStore:
         self._states: dict[int, dict[str, Tensor]] = {}
 
     def put(self, version: int, model: nn.Module) -> None:
-        """Store a copy of ``model``'s weights as ``version`` and evict versions older than the window."""
+        """Store a copy of ``model``'s weights as ``version`` and evict versions older than the window (a
+        sharded model: this rank's shards)."""
         self._states[int(version)] = copy_state(model, self.device)
         self.evict(int(version) - self.max_staleness)
 
@@ -69,25 +70,23 @@ class SnapshotStore:
 
 
 @torch.no_grad()
-def score_by_version(
-    store: SnapshotStore, scratch: nn.Module, learner, rollout: Rollout, temperature: float = 1.0
-) -> Tensor:
+def score_by_version(store: SnapshotStore, learner, rollout: Rollout, temperature: float = 1.0) -> Tensor:
     """(B, T) log π_train(v_gen)(y_t): each token scored with the stored weights of its own version.
 
     A row that spans versions (partial rollout) is scored once per distinct version present and each token
-    picks the score of its version. ``scratch`` is a model of the learner's architecture that receives the
-    stored weights (its previous weights are overwritten).
+    picks the score of its version. The stored weights are put into the learner's model for each forward
+    (``scoring.swapped_in``). A learner that scores together with other ranks (``scores_together``) runs one
+    forward per *stored* version, rows or not: the store is the same on every rank, the versions in each
+    rank's rows are not.
     """
     versions = masked_versions(rollout)
     for v in versions:  # fail before any forward if a version is missing
         store.get(v)
     mask = rollout.response_mask.bool()
     out = torch.zeros(rollout.response_ids.shape, dtype=torch.float32, device=rollout.response_ids.device)
-    for v in versions:
-        scratch.load_state_dict(store.get(v), strict=True)
+    for v in store.versions if scores_together(learner) else versions:
         rows = (mask & (rollout.version == v)).any(dim=1).nonzero().squeeze(1)
-        part = rollout.select(rows)
-        log_prob = score(learner, part, temperature, model=scratch).to(out.device)
+        log_prob = score(learner, rollout.select(rows), temperature, weights=store.get(v)).to(out.device)
         pick = mask[rows] & (rollout.version[rows] == v)
         out[rows] = torch.where(pick, log_prob, out[rows])
     return out

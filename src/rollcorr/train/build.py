@@ -15,6 +15,7 @@ Nothing here trains: the loop (``rollcorr.train.loop``) receives the parts.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import torch
@@ -58,10 +59,28 @@ def check_components(config: TrainConfig) -> tuple[StepConfig, ProximalStrategy]
                           f"that needs trainer.executor=local (an executor whose sampler reports to this process), "
                           f"not {config.trainer.executor!r}")  # fmt: skip
     if config.trainer.ranks > 1 and not proximal.data_parallel:
-        raise ConfigError(f"algorithm.proximal.name: {proximal.name!r} is not supported with trainer.ranks > 1 yet "
-                          "(strategies that hold weights or follow the sampler run in one process); use "
-                          "recompute or bypass")  # fmt: skip
+        raise ConfigError(f"algorithm.proximal.name: {proximal.name!r} cannot run with trainer.ranks > 1: it follows "
+                          "the sampler, whose weight loads and chunks reach rank 0 alone and are scored on a "
+                          "background thread, while a sharded forward needs every rank")  # fmt: skip
+    check_fsdp(config)
     return step_config, proximal
+
+
+def check_fsdp(config: TrainConfig) -> None:
+    """``trainer.fsdp``: options of a data-parallel learner only; mixed precision only where it can act (CUDA)."""
+    from rollcorr.distributed.group import launched
+    from rollcorr.train.config import FSDPConfig
+
+    fsdp = config.trainer.fsdp
+    if fsdp != FSDPConfig() and config.trainer.ranks == 1 and not launched():
+        changed = next(f.name for f in dataclasses.fields(fsdp) if getattr(fsdp, f.name) != getattr(FSDPConfig(), f.name))
+        raise ConfigError(f"trainer.fsdp.{changed}: applies to a data-parallel learner only (trainer.ranks > 1 "
+                          "or torchrun); this run trains in one process, unsharded")  # fmt: skip
+    for key in ("param_dtype", "reduce_dtype"):
+        if getattr(fsdp, key) is not None and not torch.cuda.is_available():
+            raise ConfigError(f"trainer.fsdp.{key}: FSDP2 mixed precision is for CUDA ranks, and this machine has "
+                              "no GPU: CPU ranks train in the weights' own dtype (leave it null, or pick the "
+                              "learner's dtype with model.learner)")  # fmt: skip
 
 
 def check_trainable_learner(config: TrainConfig) -> None:
@@ -174,9 +193,10 @@ def build_learner(config: TrainConfig, ranks=None) -> tuple[Any, torch.optim.Opt
     learner = make_learner(config.model.learner, _model_path(config), routing_replay=config.model.routing_replay)
     learner.model.train(False)
     if ranks is not None:
-        from rollcorr.distributed.shard import shard_learner
+        from rollcorr.distributed.shard import fsdp_options, shard_learner
 
-        learner = shard_learner(learner, ranks)
+        f = config.trainer.fsdp
+        learner = shard_learner(learner, ranks, **fsdp_options(f.reshard_after_forward, f.param_dtype, f.reduce_dtype))
     o = config.optim
     optimizer = torch.optim.AdamW(
         [p for p in learner.model.parameters() if p.requires_grad],

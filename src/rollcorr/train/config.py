@@ -243,6 +243,21 @@ class OptimConfig:
     skip_zero_grad: bool = True
 
 
+FSDP_DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class FSDPConfig:
+    """FSDP2's options for a data-parallel learner (``trainer.ranks > 1``; docs/distributed.md)."""
+
+    reshard_after_forward: bool = True  # free a layer's gathered weights after its forward (false: keep them
+    #                                     until its backward: one all-gather fewer per layer, more memory)
+    param_dtype: str | None = None  # mixed precision, CUDA only: the dtype layers compute in (fp32 | bf16 |
+    #                                 fp16); null: the weights' own
+    reduce_dtype: str | None = None  # mixed precision, CUDA only: the dtype gradients are reduced in; null:
+    #                                  param_dtype's
+
+
 @dataclass
 class TrainerConfig:
     mode: str = "sync"  # sync | simulated_async | async
@@ -263,6 +278,7 @@ class TrainerConfig:
     seed: int = 0
     threads: int = 1  # torch intra-op threads (1 is fastest for the built-in model; 0 = torch's default)
     ranks: int = 1  # learner processes (data-parallel, FSDP2; docs/distributed.md); torchrun: its world size
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # the sharding's options (data-parallel runs only)
     eval_every: int = 50  # greedy evaluation every N steps (and at start and end), 0 = only start/end
     checkpoint_every: int = 50  # 0 = only at the end
     keep_checkpoints: int = 2
@@ -616,6 +632,10 @@ def validate(c: TrainConfig) -> None:
            f"each rank takes whole prompts' groups of every mini-batch: rollout.prompts_per_step "
            f"({r.prompts_per_step}) must be a multiple of trainer.mini_batches × trainer.ranks "
            f"({t.mini_batches} × {t.ranks})")  # fmt: skip
+    for key in ("param_dtype", "reduce_dtype"):
+        value = getattr(t.fsdp, key)
+        _check(value is None or value in FSDP_DTYPES, f"trainer.fsdp.{key}",
+               f"expected one of {list(FSDP_DTYPES)} or null, got {value!r}")  # fmt: skip
     _positive(t.micro_batch_size, "trainer.micro_batch_size", allow_zero=True)
     _positive(t.ppo_epochs, "trainer.ppo_epochs")
     _positive(t.eval_every, "trainer.eval_every", allow_zero=True)

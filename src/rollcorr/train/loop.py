@@ -293,10 +293,11 @@ class Trainer:
                                keep=self.config.trainer.keep_checkpoints)  # fmt: skip
 
     def _restore(self, state: dict[str, Any], path: Path) -> None:
-        from rollcorr.distributed.checkpoint import SHARDED, load_full, load_sharded
+        from rollcorr.distributed.checkpoint import SHARDED, load_full, load_sharded, shard_held
 
+        proximal = state["proximal"]
         if isinstance(state["model"], str) and state["model"] == SHARDED:  # from N ranks: resharded to ours
-            load_sharded(path, self.learner.model, self.optimizer)
+            proximal = load_sharded(path, self.learner.model, self.optimizer, proximal, self.ranks)
         elif self.ranks is not None:  # a one-process checkpoint: every rank keeps its shards
             load_full(self.learner.model, self.optimizer, state["model"], state["optimizer"])
         else:
@@ -305,7 +306,9 @@ class Trainer:
         self.step, self.version = int(state["step"]), int(state["version"])
         self.bad_steps = int(state["loop"]["bad_steps"])
         self.initial_accuracy = state["loop"]["initial_accuracy"]
-        self.proximal.load_state_dict(state["proximal"])
+        self.proximal.load_state_dict(proximal)
+        if self.ranks is not None:  # a one-process checkpoint's weight copies: every rank keeps its shards
+            shard_held(self.proximal.held_weights(), self.learner.model)
         self.executor.load_state_dict(state["executor"])
         set_rng_state(state["rng"])
         # checkpoints written before the loss generator was saved restart its stream at the seed

@@ -47,6 +47,7 @@ RESUMABLE_KEYS = (
     "trainer.max_bad_steps",
     "trainer.threads",
     "trainer.ranks",  # the sharded checkpoint is resharded on load (distributed/checkpoint.py)
+    "trainer.fsdp.reshard_after_forward",  # when gathered weights are freed, not what they compute
     "trainer.tensorboard",
     "trainer.wandb",
     "trainer.progress",

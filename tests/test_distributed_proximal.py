@@ -1,0 +1,243 @@
+"""π_old strategies that hold weights (snapshot, EWMA) or score through the live model (interrupt, loglinear,
+linear) on two gloo ranks: the weights after three optimizer steps equal one process's on the same global
+batches, each rank holds 1/N of the strategy's weight copies, and those copies survive a sharded checkpoint
+read back at N=2 and at N=1 (and a one-process strategy state sharded onto two ranks)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+WORLD = 2
+STEPS = 3
+SMALL = ["rollout.prompts_per_step=4", "rollout.group_size=2", "task.eval_prompts=0", "optim.lr=0.003",
+         "trainer.mini_batches=1", "trainer.max_staleness=2", "algorithm.name=grpo",
+         "algorithm.correction.preset=decoupled_token_is"]  # fmt: skip
+STRATEGIES = {  # name → overrides
+    "snapshot": ["algorithm.proximal.name=snapshot"],
+    "ewma": ["algorithm.proximal.name=ewma", "algorithm.proximal.beta=0.5"],
+    "interrupt": ["algorithm.proximal.name=interrupt"],
+    "loglinear": ["algorithm.proximal.name=loglinear"],
+    "linear": ["algorithm.proximal.name=linear"],
+}
+HOLDS_WEIGHTS = ("snapshot", "ewma")
+NOISE_ONLY = ("self_attn.k_proj.bias",)  # zero gradient in exact arithmetic (tests/test_distributed_learner.py)
+
+
+def _config(name: str):
+    from rollcorr.train.config import load_config
+
+    return load_config(None, SMALL + STRATEGIES[name])
+
+
+def _rollouts(config) -> list:
+    """Batch k: generated at version k but the last prompt's responses, at k − 1 (stale tokens, so π_old under
+    each strategy differs from the live weights; rank 1 holds two versions, rank 0 one)."""
+    from rollcorr.train.source import SourceSpec, sample_batch
+
+    source = SourceSpec.from_config(config).build()
+    out = []
+    for k in range(STEPS + 1):
+        rollout = sample_batch(source, k)
+        version = torch.full_like(rollout.response_ids, k, dtype=torch.long)
+        version[3 * rollout.batch_size // 4 :] = max(k - 1, 0)  # rank 1's second group: ranks differ in versions
+        out.append(rollout.replace(version=version))
+    return out
+
+
+def _train(name: str, rollouts: list, ranks=None):
+    """(learner, optimizer, strategy, per-step π_old) after ``STEPS`` train_steps, publishing after each step
+    as the trainer does; interrupt scores the next batch's in-flight tokens before each step."""
+    from rollcorr.engines import make_learner
+    from rollcorr.train.build import build_proximal, build_step_config
+    from rollcorr.train.loop import seed_everything
+    from rollcorr.train.step import train_step
+
+    config = _config(name)
+    step_config, proximal = build_step_config(config), build_proximal(config)
+    seed_everything(0)
+    learner = make_learner("hf:fp32")
+    learner.model.train(False)
+    learner.share_prompts = False
+    if ranks is not None:
+        from rollcorr.distributed.shard import shard_learner
+
+        learner = shard_learner(learner, ranks)
+    params = [p for p in learner.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.optim.lr, betas=(0.9, 0.99), eps=1e-8)
+    proximal.on_publish(0, learner.model)
+    for step in range(STEPS):
+        if proximal.pauses_sampler:
+            proximal.before_publish(learner, [rollouts[step + 1]])
+        train_step(rollouts[step], learner, optimizer, proximal, step_config, step,
+                   generator=torch.Generator().manual_seed(0), ranks=ranks)  # fmt: skip
+        proximal.on_publish(step + 1, learner.model)
+    return learner, optimizer, proximal
+
+
+def _full(learner, ranks) -> dict[str, torch.Tensor]:
+    weights = learner.full_state_dict() if ranks is not None else learner.model.state_dict()
+    return {k: v.detach().clone() for k, v in weights.items()}
+
+
+def _held_full(proximal) -> dict[str, dict[str, torch.Tensor]]:
+    """The strategy's weight copies as whole tensors (a collective for DTensor shards)."""
+    return {
+        key: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in copy.items()}
+        for key, copy in proximal.held_weights().items()
+    }
+
+
+def _worker(rank: int, port: int, names: list[str], data: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)
+    from rollcorr.distributed import close, init_from_env
+    from rollcorr.distributed.checkpoint import load_sharded, save_sharded, shard_held
+    from rollcorr.train.build import build_proximal
+
+    ranks = init_from_env("cpu")
+    try:
+        inputs = torch.load(data, weights_only=False)
+        results = {}
+        for name in names:
+            learner, optimizer, proximal = _train(name, inputs["rollouts"][name], ranks)
+            result = {"weights": _full(learner, ranks), "extra_bytes": proximal.extra_bytes,
+                      "held": _held_full(proximal)}  # fmt: skip
+            if name in HOLDS_WEIGHTS:
+                # a sharded checkpoint of the held state, read back on two ranks: each rank's shards exactly
+                run_dir = Path(inputs["tmp"]) / name
+                state = {"step": STEPS, "proximal": proximal.state_dict()}
+                path = save_sharded(run_dir, STEPS, state, learner, optimizer, ranks)
+                saved = torch.load(path / "state.pt", weights_only=False)
+                restored = build_proximal(_config(name))
+                restored.load_state_dict(load_sharded(path, learner.model, optimizer, saved["proximal"], ranks))
+                result["resumed_equal"] = all(
+                    torch.equal(a.to_local(), restored.held_weights()[key][k].to_local())
+                    for key, copy in proximal.held_weights().items() for k, a in copy.items() if hasattr(a, "to_local")
+                )  # fmt: skip
+                result["checkpoint"] = str(path)
+                # a one-process strategy state, sharded onto the two ranks (trainer: shard_held after load)
+                single = build_proximal(_config(name))
+                single.load_state_dict(inputs["single_state"][name])
+                shard_held(single.held_weights(), learner.model)
+                result["from_one_process"] = _held_full(single)
+                result["from_one_process_bytes"] = single.extra_bytes
+            results[name] = result
+        if ranks.is_main:
+            torch.save(results, out)
+    finally:
+        close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
+    assert a.keys() == b.keys(), what
+    whole = _relative(torch.cat([a[k].flatten() for k in b]), torch.cat([b[k].flatten() for k in b]))
+    assert whole <= 1e-5, f"{what}: differ by {whole:.2e} relative (whole model)"
+    worst, key = max((_relative(a[k], b[k]), k) for k in b if not k.endswith(NOISE_ONLY))
+    assert worst <= 1e-5, f"{what}: {key} differs by {worst:.2e} relative"
+
+
+def _check(names: list[str]) -> None:
+    from rollcorr.distributed.checkpoint import load_sharded
+    from rollcorr.engines import make_learner
+    from rollcorr.train.build import build_proximal
+
+    torch.set_num_threads(1)
+    rollouts = {name: _rollouts(_config(name)) for name in names}
+    reference = {}
+    for name in names:
+        learner, _, proximal = _train(name, rollouts[name])
+        reference[name] = (_full(learner, None), proximal.extra_bytes, _held_full(proximal), proximal.state_dict())
+    with tempfile.TemporaryDirectory() as tmp:
+        data, out = os.path.join(tmp, "inputs.pt"), os.path.join(tmp, "ranks.pt")
+        single_state = {name: reference[name][3] for name in names}
+        torch.save({"rollouts": rollouts, "tmp": tmp, "single_state": single_state}, data)
+        for name in names:
+            (Path(tmp) / name).mkdir()  # the run folders the checkpoints go to
+        mp.spawn(_worker, args=(_free_port(), names, data, out), nprocs=WORLD, join=True)
+        sharded = torch.load(out, weights_only=False)
+        w0 = make_learner("hf:fp32").model.state_dict()
+        for name in names:
+            weights, extra_bytes, held, _ = reference[name]
+            got = sharded[name]
+            assert max(_relative(weights[k], w0[k]) for k in weights) > 1e-3, f"{name}: the weights did not move"
+            _close(got["weights"], weights, f"{name}: weights at N=2 vs one process")
+            assert got["held"].keys() == held.keys()
+            for key in held:
+                _close(got["held"][key], held[key], f"{name}: held {key} at N=2 vs one process")
+            if name not in HOLDS_WEIGHTS:
+                continue
+            assert held, f"{name}: holds no weights"
+            # each rank holds its shards: about 1/N of one process's copies (dim 0 of every weight is split)
+            assert 0.45 * extra_bytes <= got["extra_bytes"] <= 0.55 * extra_bytes, (got["extra_bytes"], extra_bytes)
+            assert got["resumed_equal"], f"{name}: the held shards changed through the checkpoint"
+            # N=2 → N=1: one process (no group) reads the sharded checkpoint's held state whole
+            path = Path(got["checkpoint"])
+            learner = make_learner("hf:fp32")
+            optimizer = torch.optim.AdamW(learner.model.parameters(), lr=1e-3)
+            saved = torch.load(path / "state.pt", weights_only=False)
+            one = build_proximal(_config(name))
+            one.load_state_dict(load_sharded(path, learner.model, optimizer, saved["proximal"], None))
+            assert one.held_weights().keys() == held.keys()
+            for key in held:
+                for k, value in one.held_weights()[key].items():
+                    torch.testing.assert_close(value, got["held"][key][k], rtol=0, atol=0)
+            # N=1 → N=2: a one-process state sharded onto the ranks keeps its values, at 1/N per rank
+            for key in held:
+                for k, value in got["from_one_process"][key].items():
+                    torch.testing.assert_close(value, held[key][k], rtol=0, atol=0)
+            assert got["from_one_process_bytes"] == got["extra_bytes"]
+
+
+@pytest.mark.timeout(300)
+def test_held_weight_strategies_two_ranks_equal_one_process():
+    """snapshot and EWMA: weights, held copies (1/N per rank), sharded checkpoint N=2 → N=2 / N=1, 1 → 2."""
+    _check(list(HOLDS_WEIGHTS))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_live_model_strategies_two_ranks_equal_one_process():
+    """interrupt (in-flight tokens scored on every rank), loglinear, linear."""
+    _check(["interrupt", "loglinear", "linear"])
+
+
+def test_sharded_learner_refuses_a_foreign_model():
+    """A strategy handing a sharded learner a module of its own (``with_model``) would score with the live
+    weights through the FSDP root: refused, not silently wrong."""
+    from rollcorr.distributed.shard import ShardedLearner
+    from rollcorr.proximal.scoring import with_model
+
+    learner = ShardedLearner.__new__(ShardedLearner)
+    learner.inner = type("Inner", (), {"model": torch.nn.Linear(1, 1)})()
+    learner.model = learner.inner.model
+    view = with_model(learner, torch.nn.Linear(1, 1))
+    with pytest.raises(TypeError, match="copy_state"):
+        view.log_prob((torch.ones(1, 1), torch.ones(1, 1), torch.ones(1, 1), torch.ones(1, 1)))
+
+
+def test_old_logit_model_refused_at_two_ranks():
+    from rollcorr.train.build import check_components
+    from rollcorr.train.config import ConfigError, load_config
+
+    config = load_config(None, ["trainer.ranks=2", "trainer.mode=async", "algorithm.proximal.name=old_logit_model",
+                                "rollout.prompts_per_step=4", "trainer.mini_batches=1"])  # fmt: skip
+    with pytest.raises(ConfigError, match="old_logit_model.*follows the sampler"):
+        check_components(config)
