@@ -217,8 +217,53 @@ def test_ranks_config_is_checked_before_any_process_starts():
         ConfigError, match=r"trainer\.ranks: .*multiple of trainer\.mini_batches × trainer\.ranks"
     ):
         load_config(None, ["rollout.prompts_per_step=4", "trainer.mini_batches=2", "trainer.ranks=4"])
-    config = load_config(None, ["trainer.ranks=2", "algorithm.proximal.name=snapshot"])
-    with pytest.raises(
-        ConfigError, match=r"algorithm\.proximal\.name: 'snapshot' is not supported with trainer\.ranks"
-    ):
+    for name in ("snapshot", "ewma", "interrupt", "loglinear", "linear", "recompute", "bypass"):  # hold shards
+        check_components(load_config(None, ["trainer.ranks=2", f"algorithm.proximal.name={name}"]))
+    config = load_config(None, ["trainer.ranks=2", "trainer.mode=async", "algorithm.proximal.name=old_logit_model"])
+    with pytest.raises(ConfigError, match=r"algorithm\.proximal\.name: 'old_logit_model' cannot run with "
+                                          r"trainer\.ranks > 1: it follows the sampler"):  # fmt: skip
         check_components(config)
+
+
+def test_fsdp_options_are_checked_before_any_process_starts():
+    """trainer.fsdp: a dtype name is checked with the config; any option in a one-process run, and mixed
+    precision on a machine without CUDA, are refused by check_components (before a model loads)."""
+    from rollcorr.train.build import check_components
+    from rollcorr.train.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"trainer\.fsdp\.param_dtype: expected one of \['fp32', 'bf16', 'fp16'\]"):
+        load_config(None, ["trainer.fsdp.param_dtype=float8"])
+    with pytest.raises(ConfigError, match=r"trainer\.fsdp\.reshard_after_forward: applies to a data-parallel"):
+        check_components(load_config(None, ["trainer.fsdp.reshard_after_forward=false"]))
+    check_components(load_config(None, ["trainer.ranks=2", "trainer.fsdp.reshard_after_forward=false"]))
+    if not torch.cuda.is_available():
+        for key in ("param_dtype", "reduce_dtype"):
+            with pytest.raises(ConfigError, match=rf"trainer\.fsdp\.{key}: FSDP2 mixed precision is for CUDA"):
+                check_components(load_config(None, ["trainer.ranks=2", f"trainer.fsdp.{key}=bf16"]))
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_reshard_after_forward_is_acted_on(reshard):
+    """trainer.fsdp.reshard_after_forward reaches fully_shard: after a forward with gradients, a decoder
+    layer's weights are gathered (plain tensors) only when it is false; a no-grad scoring call always leaves
+    every unit sharded (``DTensor`` weights), so a π_old strategy can exchange the shards afterwards."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rollcorr.distributed.group import Ranks
+    from rollcorr.distributed.shard import decoder_layers, fsdp_options, shard_learner
+    from rollcorr.engines import make_learner
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ranks = Ranks(0, 1, 0, torch.device("cpu"), init_device_mesh("cpu", (1,)), "gloo")
+        learner = shard_learner(make_learner("hf:fp32"), ranks, **fsdp_options(reshard_after_forward=reshard))
+        batch = (torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long),
+                 torch.ones(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long))  # fmt: skip
+        layer = decoder_layers(learner.model)[0]
+        learner.log_prob(batch, grad=True)
+        assert hasattr(layer.mlp.up_proj.weight, "to_local") is reshard
+        learner.log_prob(batch, grad=False)
+        assert all(hasattr(p, "to_local") for p in learner.model.parameters())
+    finally:
+        dist.destroy_process_group()

@@ -233,11 +233,19 @@ def test_sharded_learner_refuses_a_foreign_model():
         view.log_prob((torch.ones(1, 1), torch.ones(1, 1), torch.ones(1, 1), torch.ones(1, 1)))
 
 
-def test_old_logit_model_refused_at_two_ranks():
-    from rollcorr.train.build import check_components
-    from rollcorr.train.config import ConfigError, load_config
 
-    config = load_config(None, ["trainer.ranks=2", "trainer.mode=async", "algorithm.proximal.name=old_logit_model",
-                                "rollout.prompts_per_step=4", "trainer.mini_batches=1"])  # fmt: skip
-    with pytest.raises(ConfigError, match="old_logit_model.*follows the sampler"):
-        check_components(config)
+def test_docs_table_of_strategies_at_n_ranks_matches_the_code():
+    """docs/distributed.md's "π_old strategies at N > 1" table: every strategy, and "works" exactly for those
+    whose ``data_parallel`` is True (the one that is not is refused by check_components)."""
+    import re
+
+    from rollcorr.proximal import STRATEGIES, make_proximal
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
+    section = page.split("### π_old strategies at N > 1", 1)[1].split("\n#", 1)[0]
+    rows = [line.split("|")[1:3] for line in section.splitlines() if line.startswith("| `")]
+    listed = {name: verdict.strip() for names, verdict in rows for name in re.findall(r"`(\w+)`", names)}
+    assert set(listed) == set(STRATEGIES), sorted(set(listed) ^ set(STRATEGIES))
+    for name, verdict in listed.items():
+        works = make_proximal(name).data_parallel
+        assert verdict.startswith("works" if works else "refused"), (name, verdict)
