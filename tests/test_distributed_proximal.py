@@ -196,6 +196,7 @@ def _check(names: list[str]) -> None:
             one = build_proximal(_config(name))
             one.load_state_dict(load_sharded(path, learner.model, optimizer, saved["proximal"], None))
             assert one.held_weights().keys() == held.keys()
+            assert one.extra_bytes == extra_bytes, "tied weights came back as separate copies"
             for key in held:
                 for k, value in one.held_weights()[key].items():
                     torch.testing.assert_close(value, got["held"][key][k], rtol=0, atol=0)

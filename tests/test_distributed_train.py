@@ -71,6 +71,29 @@ def test_two_ranks_train_and_resume_at_one_and_back(tmp_path):
     assert [r["step"] for r in _steps(run_dir)] == [1, 2, 3, 4, 5]
 
 
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_held_weight_strategy_trains_and_resumes_across_rank_counts(tmp_path):
+    """EWMA on stale tokens (simulated_async) at N=2, resumed at N=1 and back at N=2 by the trainer itself:
+    the average's shards go through the sharded checkpoint; each rank holds about half of one process's copy."""
+    run_dir = tmp_path / "run"
+    args = ["trainer.mode=simulated_async", "algorithm.proximal.name=ewma", "trainer.checkpoint_every=2",
+            "trainer.mini_batches=1", *SMALL]  # fmt: skip
+    done = _train("trainer.ranks=2", "trainer.steps=3", *args, "--out", str(run_dir))
+    assert done.returncode == 0, done.stderr[-3000:]
+    one = _train("--resume", str(run_dir), "trainer.steps=4", "trainer.ranks=1")
+    assert one.returncode == 0, one.stderr[-3000:]
+    back = _train("--resume", str(run_dir), "trainer.steps=5", "trainer.ranks=2")
+    assert back.returncode == 0, back.stderr[-3000:]
+    steps = _steps(run_dir)
+    assert [r["learner/ranks"] for r in steps] == [2.0, 2.0, 2.0, 1.0, 2.0]
+    assert steps[-1]["proximal/ewma_beta"] > 0  # the average is not the live weights
+    whole = steps[3]["proximal/extra_bytes"]
+    assert all(0.45 * whole <= r["proximal/extra_bytes"] <= 0.55 * whole for r in steps if r["learner/ranks"] == 2)
+    # the resumed runs continue the average (its weight Σβ^j), not a fresh copy of the live weights (weight 1)
+    assert steps[4]["proximal/ewma_weight"] >= steps[3]["proximal/ewma_weight"] > 1.0
+
 def _workers(launcher: int) -> dict[int, int]:
     """rank → pid of the launcher's worker processes (from their environment)."""
     found = {}

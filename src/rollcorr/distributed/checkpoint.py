@@ -39,14 +39,20 @@ def is_sharded(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and hasattr(x, "device_mesh")
 
 
-def split_held(obj: Any, path: str = "proximal") -> tuple[Any, dict[str, torch.Tensor]]:
-    """``obj`` (a strategy's state dict) with every ``DTensor`` replaced by a marker, and those tensors by key."""
+def split_held(obj: Any, path: str = "proximal", seen: dict | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
+    """``obj`` (a strategy's state dict) with every ``DTensor`` replaced by a marker, and those tensors by key.
+    A tensor met again (tied weights: embeddings and lm head) gets the first one's key, so it stays shared."""
+    seen = {} if seen is None else seen
     if is_sharded(obj):
-        return {HELD: path, "shape": list(obj.shape), "dtype": str(obj.dtype).removeprefix("torch.")}, {path: obj}
+        local = obj.to_local()
+        key = (local.untyped_storage().data_ptr(), local.storage_offset())
+        first = seen.setdefault(key, path)
+        marker = {HELD: first, "shape": list(obj.shape), "dtype": str(obj.dtype).removeprefix("torch.")}
+        return marker, ({path: obj} if first == path else {})
     if isinstance(obj, dict):
         out, found = {}, {}
         for key, value in obj.items():
-            out[key], more = split_held(value, f"{path}/{key}")
+            out[key], more = split_held(value, f"{path}/{key}", seen)
             found.update(more)
         return out, found
     return obj, {}
@@ -155,7 +161,7 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     target = {"model": model_state, "optimizer": optim_state}
     markers = _markers(proximal)
     if markers:
-        target["proximal"] = {m[HELD]: _held_target(m, ranks) for m in markers}
+        target["proximal"] = {m[HELD]: _held_target(m, ranks) for m in markers}  # a tied tensor once
     with warnings.catch_warnings():  # one process reading N ranks' shards is the intent, not a mistake
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(target, checkpoint_id=str(Path(path) / DCP_DIR))
