@@ -157,3 +157,15 @@ def test_simulated_async_run_logs_routing_metrics(tmp_path, replay):
     for record in steps:
         assert all(0.0 <= record[k] <= 1.0 for k in KEYS)
         assert record["routing/flip_share"] <= record["routing/flip_token_share"]  # L ≥ 1 layers per token
+
+
+def test_routing_verdict_when_every_token_flipped():
+    from rollcorr.audit.verdict import routing_sentences
+    from rollcorr.moe import routing_summary
+
+    a = torch.tensor([[[[0, 1]], [[2, 3]]]])  # (1, 2, 1, 2)
+    summary = routing_summary(a, (a + 1) % 8, torch.tensor([[-0.1, -0.2]]), torch.tensor([[-0.2, -0.2]]),
+                              torch.tensor([[True, True]]))  # fmt: skip
+    assert summary["abs_dp_mean_unflipped"] is None
+    (text,) = routing_sentences({"routing": summary})
+    assert "100.0 % of tokens" in text and "no token unflipped" in text
