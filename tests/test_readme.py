@@ -395,6 +395,8 @@ RUN = {
     ("docs/moe.md", "rollcorr audit --sampler hf:bf16 --learner hf:fp32 --model builtin:moe -n 32"): "audit",
     ("docs/moe.md", "import torch"): "python",
     ("docs/moe.md", "rollcorr train --config moe"): "train",
+    ("docs/moe.md", "rollcorr train --config moe model.sampler=hf:fp32 trainer.mini_batches=1 trainer.steps=30"):
+        "train",
 }  # fmt: skip
 
 
