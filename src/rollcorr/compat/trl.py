@@ -27,7 +27,9 @@ Mixture-of-experts models: ``routing_replay="r3"`` replays the sampler's experts
 rollcorr.moe.attach_replay). The ``rollout_func`` returns them per completion as ``routed_experts`` (one
 (layers, top_k) list per completion token: the routing of the position that predicts it) and, optionally,
 ``prompt_routed_experts`` (one per prompt token), as rollcorr's hf sampler records them; ``SamplerRollout``
-passes them on.
+passes them on. With ``dump_path`` (replay or not) the dump gets them as ``routed_experts`` and, as
+``learner_routed_experts``, the learner's own router choice in its π_old forward (``capture_routing(own=True)``,
+unchanged by a replay), so ``rollcorr analyze`` reports the routing flips.
 
 A token whose sampling log-prob is NaN (vLLM reports None) gets ratio 1 (its learner log-prob stands in),
 as TRL does. TRL's ``vespo`` loss reads the ratio its own way and is refused.
@@ -88,7 +90,8 @@ class RollcorrGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` whose off-policy correction is rollcorr's (see the module docstring).
 
     correction         a preset name (``rollcorr.config.presets``) or a ``CorrectionConfig`` (decoupled mode)
-    dump_path          JSONL file that every generated batch is appended to (None: no dump)
+    dump_path          JSONL file that every generated batch is appended to (None: no dump); on an MoE model
+                       whose rollout_func returns ``routed_experts``, with them and the learner's own routing
     learner_precision  "fp32" (default), "bf16" or "fp16": the learner's autocast; replaces GRPOConfig's
                        bf16 / fp16 flags (TRL defaults to bf16)
     routing_replay     None, or "r3": replay the rollout_func's ``routed_experts`` (module docstring)
