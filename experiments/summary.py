@@ -357,6 +357,87 @@ def confirm_collapse(r: dict[str, Any]) -> list[Row]:
     return out
 
 
+MOE_CLAIMS = {  # study 8's primary comparisons (docs/moe-study.md), in its words
+    "moe-fp32/ppo vs moe-int8/ppo": "MoE: an int8 sampler's mismatch (router flips included) hurts uncorrected GRPO",
+    "moe-int8/r3 vs moe-int8/ppo": "MoE: routing replay (R3) repairs it",
+    "moe-int8/r3+tis vs moe-int8/tis": "MoE: routing replay adds to token TIS",
+    "moe-int8/lag2-ewma+r3 vs moe-int8/lag2-ewma": "MoE: routing replay joined with the EWMA old-logit strategy helps at lag 2",
+}
+
+
+def moe(r: dict[str, Any]) -> list[Row]:
+    """Study 8 is read by its own protocol (docs/moe-study.md): part A's yes/no rules on the audits, part B's
+    Holm-adjusted permutation tests over ten seeds per arm (verdicts only once every arm has its ten seeds)."""
+    s, audits = r["summary"], r["audits"]
+    out = []
+    rules = s["mismatch"]
+    if "A1_fp32_flips_nothing" in rules:
+        flips = audits["moe/fp32"]["routing"]["routing_flip_share"]
+        out.append(Row("8", "MoE: an fp32 sampler against the fp32 learner flips no router decision (A1)",
+                       REPRODUCED if rules["A1_fp32_flips_nothing"] else NOT_REPRODUCED,
+                       f"flip share {flips:.2%} of token × layer pairs, {audits['moe/fp32']['tokens']} tokens"))  # fmt: skip
+    if "A2_lower_precisions_flip" in rules:
+        a2 = rules["A2_lower_precisions_flip"]
+        numbers = "; ".join(f"{p}: {audits[f'moe/{p}']['routing']['routing_flip_share']:.2%} of pairs, "
+                            f"{audits[f'moe/{p}']['routing']['routing_flip_token_share']:.2%} of tokens" for p in a2)  # fmt: skip
+        out.append(Row("8", "MoE: a lower-precision sampler flips router decisions (A2; R3 paper)",
+                       _qualified(a2), numbers))  # fmt: skip
+    if "A3_replay_shrinks_the_gap" in rules:
+        a3 = rules["A3_replay_shrinks_the_gap"]
+        numbers = "; ".join(f"{p}: mean |Δp| {audits[f'moe/{p}']['prob_diff_mean']:.5f} → "
+                            f"{audits[f'moe/{p}+r3']['prob_diff_mean']:.5f}, k3 {audits[f'moe/{p}']['k3_kl']:.2e} → "
+                            f"{audits[f'moe/{p}+r3']['k3_kl']:.2e}" for p in a3)  # fmt: skip
+        out.append(Row("8", "MoE: replaying the sampler's experts shrinks the sampler–learner gap (A3)",
+                       _qualified(a3), numbers))  # fmt: skip
+    if rules.get("A4_moe_over_dense"):
+        numbers = "; ".join(f"{p}: k3 {audits[f'moe/{p}']['k3_kl']:.2e} vs {audits[f'dense/{p}']['k3_kl']:.2e} "
+                            f"(× {ratio['k3_kl']:.2f}), mean |Δp| × {ratio['prob_diff_mean']:.2f}"
+                            for p, ratio in rules["A4_moe_over_dense"].items())  # fmt: skip
+        out.append(Row("8", "MoE against the dense built-in model at the same sampler precision (A4, descriptive)",
+                       OBSERVATION, numbers,
+                       "int8 dynamic quantisation converts nn.Linear layers: the dense model's MLPs, not the MoE "
+                       "experts, which are parameters and stay float32"))  # fmt: skip
+    if not s["complete"]:
+        from experiments.moe_study import ARMS, SEEDS
+
+        done, total = sum(a["seeds"] for a in s["arms"].values()), len(ARMS) * len(SEEDS)
+        return out + [Row("8", claim, "pending",
+                          f"{done} of {total} training runs finished; the protocol (docs/moe-study.md) gives a "
+                          "verdict only when every arm has its ten seeds")
+                      for claim in MOE_CLAIMS.values()]  # fmt: skip
+    for key, claim in MOE_CLAIMS.items():
+        t = s["tests"][key]
+        hi, lo = key.split(" vs ")
+        a, b = s["arms"][hi], s["arms"][lo]
+        numbers = (f"{hi} {a['final_score_mean']:.3f} vs {lo} {b['final_score_mean']:.3f} ({a['seeds']} and "
+                   f"{b['seeds']} seeds): difference {t['difference']:+.3f}, 95 % CI [{t['ci95'][0]:+.3f}, "
+                   f"{t['ci95'][1]:+.3f}], permutation p = {t['p_value']:.3g}, Holm p = {t['p_holm']:.3g}; "
+                   f"sustained collapses {t['collapses'][0]} vs {t['collapses'][1]}")  # fmt: skip
+        out.append(Row("8", claim, t["verdict"], numbers))
+    return out
+
+
+def _qualified(by_precision: dict[str, bool]) -> str:
+    """reproduced / not reproduced, or "reproduced at bf16, int8; not at fp16" when the precisions disagree."""
+    yes = [p for p, ok in by_precision.items() if ok]
+    no = [p for p, ok in by_precision.items() if not ok]
+    if not no:
+        return REPRODUCED
+    if not yes:
+        return NOT_REPRODUCED
+    return f"{REPRODUCED} at {', '.join(yes)}; not at {', '.join(no)}"
+
+
+def distributed_accuracy(r: dict[str, Any]) -> list[Row]:
+    """The data-parallel learner's three-seed check (docs/distributed.md): N=2 in N=1's band by the studies' rule."""
+    one, two = r["arms"]["ranks=1"], r["arms"]["ranks=2"]
+    claim = "FSDP2: `rollcorr train trainer.ranks=2` ends in the same accuracy band as one process (default config)"
+    if r["same_band"] is None:
+        return [Row("check", claim, "pending", f"{len(r['runs'])} of 6 runs finished")]
+    verdict = REPRODUCED if r["same_band"] else NOT_REPRODUCED
+    return [Row("check", claim, verdict, compared("ranks=2", two, "ranks=1", one) + " (seeds 0–2, greedy accuracy at step 600)")]
+
+
 def code_versions(r: dict[str, Any], arms: list[str]) -> str:
     """'a, b: code recorded in 887b1af; c: code 0e16377' when the runs behind a row ran on more than one code
     version (``code_commit`` per run, or ``recorded_in_commit`` for runs older than that field), else ''."""
@@ -449,6 +530,8 @@ STUDIES: dict[str, Study] = {
     "throughput": Study(throughput),
     "long_mismatch": Study(long_mismatch),
     "confirm_collapse": Study(confirm_collapse),
+    "moe": Study(moe),
+    "distributed_accuracy": Study(distributed_accuracy, page="docs/distributed.md"),
 }
 
 

@@ -327,6 +327,10 @@ def test_train_moe_config_with_routing_replay(tmp_path, mode):
     result = trainer.run()
     assert result.steps == 2
     assert trainer.learner.replayed_pairs > 0  # π_θ was scored through the sampler's experts
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "reward/mean" in r]
+    assert len(steps) == 2  # each step logs how far the learner's own routers are from the sampler's choice
+    assert all(0.0 <= r["routing/flip_share"] <= r["routing/flip_token_share"] <= 1.0 for r in steps)
     with pytest.raises(ConfigError, match="model.routing_replay"):
         load_config("moe", ["model.routing_replay=r2"])
     with pytest.raises(ConfigError, match="model.routing_replay"):

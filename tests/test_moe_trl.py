@@ -44,11 +44,11 @@ def alternating_reward(completions, **kwargs):
     return [float(i % 2) for i in range(len(completions))]
 
 
-def make_trainer(tmp_path, steps=2, with_routing=True, **kwargs):
+def make_trainer(tmp_path, steps=2, with_routing=True, num_iterations=1, **kwargs):
     model, tokenizer = load_builtin(name=MOE)
     args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=6, max_steps=steps, learning_rate=1e-3, logging_steps=1, report_to=[],
-                      use_cpu=True, save_strategy="no", beta=0.0, seed=0)  # fmt: skip
+                      use_cpu=True, save_strategy="no", beta=0.0, seed=0, num_iterations=num_iterations)  # fmt: skip
     return RollcorrGRPOTrainer(model=model, reward_funcs=alternating_reward, args=args,
                                train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), processing_class=tokenizer,
                                rollout_func=moe_rollout_func(with_routing), **kwargs)  # fmt: skip
@@ -78,3 +78,58 @@ def test_trl_replay_needs_routing_from_the_rollout_func(tmp_path):
         trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS for _ in range(4)])
     with pytest.raises(ValueError, match="routing_replay"):
         make_trainer(tmp_path, routing_replay="r2")
+
+
+def shifted_last_layer(rollout_func, record: list):
+    """A ``rollout_func`` whose sampler "chose" other experts in the last MoE layer on every completion token
+    (that layer's output feeds no router, so the learner's own choice is unchanged under replay too)."""
+
+    def shifted(prompts, trainer):
+        out = rollout_func(prompts, trainer)
+        out["routed_experts"] = [[[*layers[:-1], [(e + 1) % 8 for e in layers[-1]]] for layers in row]
+                                 for row in out["routed_experts"]]  # fmt: skip
+        record.append(out)
+        return out
+
+    return shifted
+
+
+# num_iterations 2: TRL scores π_old itself; 1: TRL skips it and rollcorr scores it
+@pytest.mark.parametrize(("replay", "iterations"), [(None, 1), ("r3", 1), ("r3", 2)])
+def test_trl_dump_carries_routed_experts_and_analyze_reports_routing(tmp_path, replay, iterations):
+    import contextlib
+    import io
+    import json
+
+    from rollcorr.analyze.analysis import analyze
+    from rollcorr.analyze.dumps import read_dump
+
+    dump_path = tmp_path / "rollouts.jsonl"
+    trainer = make_trainer(tmp_path, correction="decoupled_token_is", routing_replay=replay, dump_path=dump_path,
+                           num_iterations=iterations)  # fmt: skip
+    returned: list = []
+    trainer.rollout_func = shifted_last_layer(SamplerRollout("hf:fp32", seed=0), returned)
+    trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS for _ in range(4)])
+    rows = [json.loads(line) for line in dump_path.read_text().splitlines()]
+    (given,) = returned
+    assert [row["routed_experts"] for row in rows] == given["routed_experts"]  # per completion token, (L, k)
+    assert all(len(row["learner_routed_experts"]) == len(row["rollout_log_probs"]) for row in rows)
+    dump = read_dump(dump_path)
+    assert dump.fields["routed_experts"] == "routed_experts" and dump.learner_routed_experts is not None
+    metrics = analyze(dump, trainer.correction).metrics
+    # the learner's own routers never pick the shifted set: every token is flipped in the last layer, and
+    # (fp32 sampler, fp32 learner) nearly none in the first; under replay the layers ran the shifted experts,
+    # yet the dump holds what the routers themselves chose
+    assert metrics["routing/routing_flip_token_share"] == 1.0
+    assert 0.5 <= metrics["routing/routing_flip_share"] <= 0.55
+    if replay is None or iterations > 1:
+        return
+    from rollcorr.cli import main  # the commands a user runs on the dump
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["analyze", str(dump_path)]) == 0
+        assert main(["audit", "--from-log", str(dump_path), "--out", str(tmp_path / "audit")]) == 0
+    assert "Routing: 50.0 % of token × layer router decisions differ" in " ".join(printed.getvalue().split())
+    summary = json.loads((tmp_path / "audit" / "summary.json").read_text())
+    assert summary["routing"]["routing_flip_token_share"] == 1.0

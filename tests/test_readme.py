@@ -154,6 +154,10 @@ NOT_HERE = {
         "a sample of the task's text",
     ("docs/confirm-collapse.md", "PYTHONPATH=. .venv/bin/python -m experiments.confirm_collapse --part 1/2 &   # one process per core"):
         "the confirmatory study (CPU-hours); tests/test_confirm_collapse.py runs its --quick path and its rules",
+    ("docs/distributed.md", "PYTHONPATH=. .venv/bin/python -m experiments.distributed_accuracy     # 6 runs; an N=2 run uses both cores"):
+        "six 600-step runs (an hour of CPU); tests/test_distributed_accuracy.py runs it with 2 steps",
+    ("docs/moe-study.md", "PYTHONPATH=. .venv/bin/python -m experiments.moe_study --part 1/2 &   # part A, then half of part B's runs"):
+        "the MoE study (CPU-hours); tests/test_moe_study.py runs its --quick path (slow) and its rules",
     ("docs/results.md", "OMP_NUM_THREADS=1 rollcorr train --config chain model.sampler=hf:fp32 algorithm.correction.preset=disabled optim.lr=<lr> rollout.temperature=<T> trainer.steps=100"):
         "a template with placeholders (the protocol's tuning runs)",
     ("docs/results.md", "# tuning, second round: a checkpoint stopped later in pretraining, more steps, temperature"):
@@ -395,6 +399,8 @@ RUN = {
     ("docs/moe.md", "rollcorr audit --sampler hf:bf16 --learner hf:fp32 --model builtin:moe -n 32"): "audit",
     ("docs/moe.md", "import torch"): "python",
     ("docs/moe.md", "rollcorr train --config moe"): "train",
+    ("docs/moe.md", "rollcorr train --config moe model.sampler=hf:fp32 trainer.mini_batches=1 trainer.steps=30"):
+        "train",
 }  # fmt: skip
 
 

@@ -32,10 +32,15 @@ def test_generated_blocks_agree_with_the_results_files():
     )
 
 
-def test_a_changed_verdict_in_the_docs_is_caught(tmp_path):
-    for name in ("docs/results.md", "README.md"):
+def _copy_pages(tmp_path):
+    """Every page that holds a generated block, copied under tmp_path."""
+    for name in {page for page, _ in summary.BLOCKS.values()}:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, tmp_path / name)
+
+
+def test_a_changed_verdict_in_the_docs_is_caught(tmp_path):
+    _copy_pages(tmp_path)
     page = tmp_path / "docs/results.md"
     text = page.read_text()
     start = text.index("<!-- summary:begin -->")
@@ -48,9 +53,7 @@ def test_a_changed_verdict_in_the_docs_is_caught(tmp_path):
 
 
 def test_missing_block_is_named(tmp_path):
-    for name in ("docs/results.md", "README.md"):
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(ROOT / name, tmp_path / name)
+    _copy_pages(tmp_path)
     readme = tmp_path / "README.md"
     readme.write_text(readme.read_text().replace("<!-- verdicts:end -->", ""))
     with pytest.raises(ValueError, match="README.md: no <!-- verdicts:begin -->"):

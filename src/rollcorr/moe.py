@@ -182,19 +182,49 @@ class RoutingRecorder:
         return calls
 
 
+def router_choice(router_logits: Tensor, top_k: int) -> Tensor:
+    """(N, k) the experts a softmax top-k router picks from its ``router_logits`` (N, E): the top-k of
+    softmax(logits) in float32, as transformers' routers compute it — the router's *own* choice, whatever a
+    replay then makes the layer run."""
+    return torch.topk(torch.softmax(router_logits.float(), dim=-1), top_k, dim=-1).indices
+
+
 @contextmanager
-def capture_routing(model: nn.Module) -> Iterator[RoutingRecorder]:
-    """Record the experts every MoE router of ``model`` picks, per model call, while inside the block."""
+def capture_routing(model: nn.Module, own: bool = False) -> Iterator[RoutingRecorder]:
+    """Record the experts every MoE router of ``model`` picks, per model call, while inside the block.
+
+    ``own=False``: the experts each layer ran (under ``replay_routing``, the replayed ones). ``own=True``: the
+    router's own choice from its logits (``router_choice``), which a replay leaves untouched — what the model
+    would have picked at that position (for the flip metrics of a replayed forward)."""
     routers = find_routers(model)
     if not routers:
         raise ValueError(f"{type(model).__name__} has no mixture-of-experts router: nothing to capture")
     recorder = RoutingRecorder(len(routers))
-    handles = [r.register_forward_hook(lambda _m, _i, out: recorder._record(out[2])) for r in routers]
+
+    def hook(router: nn.Module, _inputs, out: tuple) -> None:
+        recorder._record(router_choice(out[0], int(router.top_k)) if own else out[2])
+
+    handles = [r.register_forward_hook(hook) for r in routers]
     try:
         yield recorder
     finally:
         for h in handles:
             h.remove()
+
+
+def response_routing(calls: list[Tensor], prompt_len: int, response_mask: Tensor) -> Tensor:
+    """(B, T, L, k) the routing of the positions that predict the response tokens (input position P − 1 + t
+    for y_t), from the ``capture_routing`` calls (N, L, k) of one scoring forward over (B, P + T) inputs,
+    prompt + response, run whole or in row chunks in order; 0 on padding."""
+    b, t = response_mask.shape
+    routes = torch.cat(calls) if calls else torch.empty(0, 0, 0, dtype=torch.long)
+    if routes.dim() != 3 or routes.shape[0] != b * (prompt_len + t):
+        raise ValueError(
+            f"captured routing of {routes.shape[0]} tokens does not match one forward over {b} rows × "
+            f"{prompt_len} + {t} positions (prompt + response)"
+        )
+    routing = routes.view(b, prompt_len + t, *routes.shape[1:])[:, prompt_len - 1 : prompt_len - 1 + t]
+    return routing.masked_fill(~response_mask.bool().to(routing.device)[..., None, None], 0)
 
 
 # ---- replay ---------------------------------------------------------------------------------------------

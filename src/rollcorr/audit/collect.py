@@ -208,7 +208,8 @@ def from_log(
 
 
 def from_dump(dump, *, path: str | Path, fields: tuple[str, str, str]) -> AuditData:
-    """Adapt a ``rollcorr.analyze.dumps.Dump`` to AuditData (token text and prompts when the dump has them)."""
+    """Adapt a ``rollcorr.analyze.dumps.Dump`` to AuditData (token text and prompts when the dump has them; the
+    sampler's and the learner's routed experts when it has both, for the routing section)."""
     prompts = dump.extras.get("prompt")
     if prompts is not None and not all(isinstance(p, str) for p in prompts):
         prompts = None
@@ -224,4 +225,6 @@ def from_dump(dump, *, path: str | Path, fields: tuple[str, str, str]) -> AuditD
             "rows_read": dump.total_rows,
             "malformed_rows": [f"line {m.line}: {m.reason}" for m in dump.malformed],
         },
+        routed_experts=dump.routed_experts,
+        learner_routed_experts=dump.learner_routed_experts,
     )

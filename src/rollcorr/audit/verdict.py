@@ -242,11 +242,13 @@ def routing_sentences(summary: dict[str, Any]) -> list[str]:
     r = summary.get("routing")
     if not r or r["routing_flip_share"] == 0:
         return []
+    unflipped = r["abs_dp_mean_unflipped"]  # None when every token has a flipped layer
+    others = "no token unflipped" if unflipped is None else f"vs {unflipped:.3g} on the others"
     text = (
         f"Routing: {_pct(r['routing_flip_share'])} of token × layer router decisions differ between the sampler "
         f"and the learner ({_pct(r['routing_flip_token_share'])} of tokens have at least one flipped layer); "
         f"those tokens carry {_pct(r['abs_dp_share_flipped'])} of Σ|Δp| (mean |Δp| "
-        f"{r['abs_dp_mean_flipped']:.3g} vs {r['abs_dp_mean_unflipped']:.3g} on the others)."
+        f"{r['abs_dp_mean_flipped']:.3g}, {others})."
     )
     if r["abs_dp_share_flipped"] > ROUTING_DOMINATES:
         text += (

@@ -27,7 +27,9 @@ Mixture-of-experts models: ``routing_replay="r3"`` replays the sampler's experts
 rollcorr.moe.attach_replay). The ``rollout_func`` returns them per completion as ``routed_experts`` (one
 (layers, top_k) list per completion token: the routing of the position that predicts it) and, optionally,
 ``prompt_routed_experts`` (one per prompt token), as rollcorr's hf sampler records them; ``SamplerRollout``
-passes them on.
+passes them on. With ``dump_path`` (replay or not) the dump gets them as ``routed_experts`` and, as
+``learner_routed_experts``, the learner's own router choice in its π_old forward (``capture_routing(own=True)``,
+unchanged by a replay), so ``rollcorr analyze`` reports the routing flips.
 
 A token whose sampling log-prob is NaN (vLLM reports None) gets ratio 1 (its learner log-prob stands in),
 as TRL does. TRL's ``vespo`` loss reads the ratio its own way and is refused.
@@ -47,7 +49,7 @@ from rollcorr.config.correction import CorrectionConfig
 from rollcorr.config.presets import preset
 from rollcorr.correction.api import compute_correction
 from rollcorr.correction.metrics import metrics_to_floats
-from rollcorr.moe import attach_replay, sequence_routing
+from rollcorr.moe import attach_replay, capture_routing, response_routing, sequence_routing
 
 __all__ = ["LEARNER_PRECISIONS", "RollcorrGRPOTrainer", "SamplerRollout", "correct_trl_batch"]
 
@@ -88,7 +90,8 @@ class RollcorrGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` whose off-policy correction is rollcorr's (see the module docstring).
 
     correction         a preset name (``rollcorr.config.presets``) or a ``CorrectionConfig`` (decoupled mode)
-    dump_path          JSONL file that every generated batch is appended to (None: no dump)
+    dump_path          JSONL file that every generated batch is appended to (None: no dump); on an MoE model
+                       whose rollout_func returns ``routed_experts``, with them and the learner's own routing
     learner_precision  "fp32" (default), "bf16" or "fp16": the learner's autocast; replaces GRPOConfig's
                        bf16 / fp16 flags (TRL defaults to bf16)
     routing_replay     None, or "r3": replay the rollout_func's ``routed_experts`` (module docstring)
@@ -109,6 +112,8 @@ class RollcorrGRPOTrainer(GRPOTrainer):
         if routing_replay not in (None, "r3"):
             raise ValueError(f"routing_replay must be None or 'r3', got {routing_replay!r}")
         self.routing_replay, self._replay = routing_replay, None
+        self._sampler_routes: torch.Tensor | None = None  # (B, P + T, L, k) of the batch being scored
+        self._own_routing: list[torch.Tensor] | None = None  # the learner's own routing, captured for the dump
         self.correction = preset(correction) if isinstance(correction, str) else correction
         if not isinstance(self.correction, CorrectionConfig):
             raise ValueError(f"correction must be a preset name or a CorrectionConfig, got {correction!r}")
@@ -147,10 +152,14 @@ class RollcorrGRPOTrainer(GRPOTrainer):
 
     def _generate(self, prompts: list):
         result = super()._generate(prompts)
+        prompt_ids, completion_ids, extra = result[0], result[1], result[5]
         if self.routing_replay:  # from here on, TRL's scoring forwards replay the sampler's experts
-            prompt_ids, completion_ids, extra = result[0], result[1], result[5]
-            self._replay.set(trl_routing(prompt_ids, completion_ids, extra.pop("routed_experts", None),
-                                         extra.pop("prompt_routed_experts", None)))  # fmt: skip
+            self._sampler_routes = trl_routing(prompt_ids, completion_ids, extra.pop("routed_experts", None),
+                                               extra.pop("prompt_routed_experts", None))  # fmt: skip
+            self._replay.set(self._sampler_routes)
+        elif self.dump_path is not None and extra.get("routed_experts") is not None:  # for the dump only
+            self._sampler_routes = trl_routing(prompt_ids, completion_ids, extra["routed_experts"],
+                                               extra.get("prompt_routed_experts"))  # fmt: skip
         return result
 
     def _generate_and_score_completions(self, inputs):
@@ -164,12 +173,22 @@ class RollcorrGRPOTrainer(GRPOTrainer):
         return out
 
     def _score_and_correct(self, inputs):
+        # with a dump: the sampler's routing (``_generate``) and the learner's own, from its π_old forward
+        self._sampler_routes, self._own_routing = None, [] if self.dump_path is not None else None
+        try:
+            return self._score_and_correct_batch(inputs)
+        finally:
+            self._sampler_routes = self._own_routing = None
+
+    def _score_and_correct_batch(self, inputs):
         out = super()._generate_and_score_completions(inputs)
         sampling = out.get("sampling_per_token_logps")
         if sampling is None:  # no sampler log-probs (plain HF generation): nothing to correct
             return out
         old = out.get("old_per_token_logps")
         if old is None:
+            if self._own_routing:  # TRL scored no π_old, so what was captured is another forward (PEFT's ref)
+                self._own_routing.clear()
             old = self._learner_logps(out)
             out["old_per_token_logps"] = old
         mask = out["completion_mask"] if "tool_mask" not in out else out["completion_mask"] * out["tool_mask"]
@@ -187,10 +206,32 @@ class RollcorrGRPOTrainer(GRPOTrainer):
             write_dump(
                 self.dump_path, sampling, old, mask, advantages=out["advantages"], tokens=out["completion_ids"],
                 extras={"step": [self.state.global_step] * b, "batch": [self._rollcorr_step] * b},
-                tokenizer=self.processing_class, correction=self.correction,
+                tokenizer=self.processing_class, correction=self.correction, **self._dump_routing(out, mask),
             )  # fmt: skip
         self._rollcorr_step += 1
         return out
+
+    def _dump_routing(self, out: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``routed_experts`` (the rollout_func's) and ``learner_routed_experts`` (the learner's own routers in
+        its π_old forward, inside any replay), (B, T, L, k) per completion token, when the batch has both."""
+        if self._sampler_routes is None or not self._own_routing:
+            return {}
+        p, t = out["prompt_ids"].shape[1], out["completion_ids"].shape[1]
+        valid = mask.bool().cpu()[..., None, None]
+        sampler = self._sampler_routes[:, p - 1 : p - 1 + t].masked_fill(~valid, 0)
+        return {"routed_experts": sampler, "learner_routed_experts": response_routing(self._own_routing, p, mask.cpu())}
+
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        """TRL's scoring forward; with a dump and sampler routing, the first no-grad forward of the policy in a
+        batch (π_old) also records its routers' own choice (``capture_routing(own=True)``)."""
+        collect = self._own_routing
+        if (collect is None or collect or self._sampler_routes is None or torch.is_grad_enabled()
+                or model is not self.model):  # fmt: skip
+            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        with capture_routing(self.accelerator.unwrap_model(model), own=True) as recorder:
+            result = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        collect.extend(recorder.take())
+        return result
 
     @torch.no_grad()
     def _learner_logps(self, out: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -44,6 +44,7 @@ from rollcorr.moe import (
     compact_expert_dtype,
     is_moe,
     replay_routing,
+    response_routing,
     routing_shape,
     sequence_routing,
 )
@@ -268,10 +269,7 @@ class HFLearner:
         positions that predict each response token, from one scoring forward; 0 on padding."""
         with capture_routing(self.model) as recorder:
             self.log_prob(rollout)
-        (call,) = recorder.take()
-        p, t = rollout.prompt_ids.shape[1], rollout.response_ids.shape[1]
-        routing = call.view(rollout.batch_size, p + t, *call.shape[1:])[:, p - 1 : p - 1 + t]
-        return routing.masked_fill(~rollout.response_mask.bool()[..., None, None], 0)
+        return response_routing(recorder.take(), rollout.prompt_ids.shape[1], rollout.response_mask)
 
     def replaying(self, rollout: Rollout | tuple):
         """The routing-replay context of this learner for one forward over ``rollout`` (a no-op without

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -229,6 +231,49 @@ def gather_rows(x: Tensor, rollout: Rollout, config: StepConfig, ranks: Ranks) -
     return full
 
 
+class RoutingFlips:
+    """``routing/flip_share`` and ``routing/flip_token_share`` of one step (mixture-of-experts models whose
+    rollout carries the sampler's ``routed_experts``): how far the learner's own routers are from the
+    sampler's choice, over the valid response tokens (``rollcorr.moe.routing_flip_metrics``).
+
+    Measured in the π_θ forwards of the first PPO epoch (each row scored once; no extra forward): a
+    ``capture_routing(own=True)`` records the top-k of the learner's own router logits, so under
+    ``routing_replay=r3`` — where the layers run the sampler's experts — it still describes the routers' own
+    choice. Micro-batches are weighted by their valid tokens, which makes the shares exact over the batch;
+    with ``ranks`` the sums are added over ranks. Inactive (no metric) for a dense model or a rollout
+    without routing."""
+
+    def __init__(self, learner, rollout: Rollout) -> None:
+        from rollcorr.moe import is_moe
+
+        self.model = learner.model
+        self.active = rollout.routed_experts is not None and is_moe(self.model)
+        self.sums = torch.zeros(3, dtype=torch.float64)  # Σ flipped pairs / L, Σ flipped tokens, Σ valid tokens
+
+    @contextmanager
+    def scoring(self, part: Rollout, measure: bool) -> Iterator[None]:
+        """Around the learner's forward over ``part``: adds its flips when ``measure`` (the first epoch)."""
+        if not (self.active and measure):
+            yield
+            return
+        from rollcorr.moe import capture_routing, response_routing, routing_flip_metrics
+
+        with capture_routing(self.model, own=True) as recorder:
+            yield
+        own = response_routing(recorder.take(), part.prompt_ids.shape[1], part.response_mask)
+        m = routing_flip_metrics(part.routed_experts, own, part.response_mask)
+        n = float(m["routing_tokens"])
+        self.sums += torch.tensor([m["routing_flip_share"] * n, m["routing_flip_token_share"] * n, n],
+                                  dtype=torch.float64)  # fmt: skip
+
+    def metrics(self, ranks: Ranks | None = None) -> dict[str, float]:
+        if not self.active:
+            return {}
+        sums = self.sums if ranks is None else ranks.all_reduce(self.sums)
+        n = max(float(sums[2]), 1.0)
+        return {"routing/flip_share": float(sums[0]) / n, "routing/flip_token_share": float(sums[1]) / n}
+
+
 def optimize(
     rollout: Rollout,
     learner,
@@ -248,7 +293,8 @@ def optimize(
     Returns (metrics averaged over optimizer steps, optimizer steps applied, steps skipped as non-finite).
     A mini-batch whose gradient is exactly zero is counted in ``train/zero_grad_minibatches``; with
     ``config.skip_zero_grad`` it takes no optimizer step (counted in ``train/zero_grad_skips``; not a bad step).
-    ``generator`` feeds the loss's random draw (clip_cov).
+    ``generator`` feeds the loss's random draw (clip_cov). A mixture-of-experts rollout with routing also
+    gets ``routing/flip_share`` and ``routing/flip_token_share`` from the first epoch's forwards (``RoutingFlips``).
     """
     params = [p for p in learner.model.parameters() if p.requires_grad]
     sums: dict[str, float] = {}
@@ -258,7 +304,8 @@ def optimize(
     # FSDP reduce-scatters the *mean* of the ranks' gradients: scale by N to get their sum
     grad_scale = 1.0 if ranks is None else float(ranks.world)
     batches = list(zip(shares_of(rollout, config, None), shares_of(rollout, config, ranks)))
-    for _epoch in range(config.ppo_epochs):
+    routing = RoutingFlips(learner, rollout)
+    for epoch in range(config.ppo_epochs):
         for rows, own_rows in batches:
             mini = renormalize(rollout.select(rows), config, "mini_batch")  # the global mini-batch
             total = count_of(config, mini)
@@ -272,9 +319,10 @@ def optimize(
                 part = renormalize(part, config, "micro_batch")
                 count = count_of(config, part)
                 share = 1.0 if total is None else count / max(total, 1.0)
-                log_prob, entropy = learner.log_prob(
-                    part, temperature=config.temperature, grad=True, with_entropy=True
-                )
+                with routing.scoring(part, measure=epoch == 0):
+                    log_prob, entropy = learner.log_prob(
+                        part, temperature=config.temperature, grad=True, with_entropy=True
+                    )
                 # diverged weights give NaN/inf log-probs: a bad step, not a loss error
                 loss, metrics = None, {}
                 ok = _finite_on(part.response_mask, log_prob, part.old_log_prob)
@@ -327,6 +375,7 @@ def optimize(
     metrics["train/zero_grad_skips"] = float(zero_grad_skips)
     metrics["train/nonfinite_weight_steps"] = float(nonfinite_weights)
     metrics["train/zero_grad_minibatches"] = float(zero_grads)
+    metrics.update(routing.metrics(ranks))
     return metrics, applied, skipped
 
 
