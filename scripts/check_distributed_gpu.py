@@ -46,7 +46,7 @@ def main() -> int:
         return 2
 
     from rollcorr.distributed import close, init_from_env
-    from rollcorr.distributed.shard import peak_parameter_bytes, shard_learner
+    from rollcorr.distributed.shard import fsdp_options, peak_parameter_bytes, shard_learner
     from rollcorr.engines import make_learner
     from rollcorr.train.build import build_proximal, build_step_config
     from rollcorr.train.config import load_config
@@ -66,15 +66,12 @@ def main() -> int:
             rollouts = [sample_batch(source, i) for i in range(args.steps)]
         rollouts = ranks.broadcast(rollouts)
 
-        mp_policy = None
-        if args.bf16:
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
-            mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # trainer.fsdp.param_dtype=bf16 trainer.fsdp.reduce_dtype=fp32 with --bf16 (the trainer's own mapping)
+        options = fsdp_options(param_dtype="bf16", reduce_dtype="fp32") if args.bf16 else fsdp_options()
         torch.manual_seed(0)
         learner = make_learner("hf:fp32", device=str(ranks.device))
         learner.model.train(False)
-        sharded = shard_learner(learner, ranks, mp_policy=mp_policy)
+        sharded = shard_learner(learner, ranks, **options)
         step_config, proximal = build_step_config(config), build_proximal(config)
         optimizer = torch.optim.AdamW([p for p in sharded.model.parameters() if p.requires_grad], lr=3e-4)
         start = time.perf_counter()
@@ -116,7 +113,7 @@ def main() -> int:
 
         model_state, optim_state = get_state_dict(sharded.model, optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(Path(folder) / DCP_DIR))
-        fresh = shard_learner(make_learner("hf:fp32", device=str(ranks.device)), ranks, mp_policy=mp_policy)
+        fresh = shard_learner(make_learner("hf:fp32", device=str(ranks.device)), ranks, **options)
         fresh_opt = torch.optim.AdamW([p for p in fresh.model.parameters() if p.requires_grad], lr=3e-4)
         load_sharded(Path(folder), fresh.model, fresh_opt)
         again = fresh.full_state_dict()
