@@ -56,15 +56,12 @@ def _rollouts(config) -> list:
     return [sample_batch(source, i) for i in range(STEPS)]
 
 
-def _train(name: str, rollouts: list, ranks=None) -> tuple[dict, list[dict]]:
-    """(full weights (rank 0; {} elsewhere), metrics per step) after ``STEPS`` train_steps."""
+def learner_and_optimizer(config, ranks=None):
+    """The built-in fp32 learner (seeded; sharded over ``ranks`` when given) and its AdamW, as both sides of
+    an N-ranks-vs-one-process comparison build them."""
     from rollcorr.engines import make_learner
-    from rollcorr.train.build import build_proximal, build_step_config
     from rollcorr.train.loop import seed_everything
-    from rollcorr.train.step import train_step
 
-    config = _config(name)
-    step_config, proximal = build_step_config(config), build_proximal(config)
     seed_everything(0)
     learner = make_learner("hf:fp32")
     learner.model.train(False)
@@ -75,6 +72,17 @@ def _train(name: str, rollouts: list, ranks=None) -> tuple[dict, list[dict]]:
         learner = shard_learner(learner, ranks)
     params = [p for p in learner.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.optim.lr, betas=(0.9, 0.99), eps=1e-8)
+    return learner, optimizer
+
+
+def _train(name: str, rollouts: list, ranks=None) -> tuple[dict, list[dict]]:
+    """(full weights (rank 0; {} elsewhere), metrics per step) after ``STEPS`` train_steps."""
+    from rollcorr.train.build import build_proximal, build_step_config
+    from rollcorr.train.step import train_step
+
+    config = _config(name)
+    step_config, proximal = build_step_config(config), build_proximal(config)
+    learner, optimizer = learner_and_optimizer(config, ranks)
     proximal.on_publish(0, learner.model)
     history = []
     for step in range(STEPS):

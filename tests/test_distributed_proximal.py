@@ -6,7 +6,6 @@ read back at N=2 and at N=1 (and a one-process strategy state sharded onto two r
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from pathlib import Path
 
@@ -14,7 +13,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-WORLD = 2
+from test_distributed_learner import (  # the two-rank harness's helpers
+    NOISE_ONLY,
+    WORLD,
+    _free_port,
+    learner_and_optimizer,
+)
+
 STEPS = 3
 SMALL = ["rollout.prompts_per_step=4", "rollout.group_size=2", "task.eval_prompts=0", "optim.lr=0.003",
          "trainer.mini_batches=1", "trainer.max_staleness=2", "algorithm.name=grpo",
@@ -27,7 +32,6 @@ STRATEGIES = {  # name → overrides
     "linear": ["algorithm.proximal.name=linear"],
 }
 HOLDS_WEIGHTS = ("snapshot", "ewma")
-NOISE_ONLY = ("self_attn.k_proj.bias",)  # zero gradient in exact arithmetic (tests/test_distributed_learner.py)
 
 
 def _config(name: str):
@@ -52,25 +56,14 @@ def _rollouts(config) -> list:
 
 
 def _train(name: str, rollouts: list, ranks=None):
-    """(learner, optimizer, strategy, per-step π_old) after ``STEPS`` train_steps, publishing after each step
+    """(learner, optimizer, strategy) after ``STEPS`` train_steps, publishing after each step
     as the trainer does; interrupt scores the next batch's in-flight tokens before each step."""
-    from rollcorr.engines import make_learner
     from rollcorr.train.build import build_proximal, build_step_config
-    from rollcorr.train.loop import seed_everything
     from rollcorr.train.step import train_step
 
     config = _config(name)
     step_config, proximal = build_step_config(config), build_proximal(config)
-    seed_everything(0)
-    learner = make_learner("hf:fp32")
-    learner.model.train(False)
-    learner.share_prompts = False
-    if ranks is not None:
-        from rollcorr.distributed.shard import shard_learner
-
-        learner = shard_learner(learner, ranks)
-    params = [p for p in learner.model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.optim.lr, betas=(0.9, 0.99), eps=1e-8)
+    learner, optimizer = learner_and_optimizer(config, ranks)
     proximal.on_publish(0, learner.model)
     for step in range(STEPS):
         if proximal.pauses_sampler:
@@ -134,12 +127,6 @@ def _worker(rank: int, port: int, names: list[str], data: str, out: str) -> None
             torch.save(results, out)
     finally:
         close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
