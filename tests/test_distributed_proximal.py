@@ -194,6 +194,7 @@ def _check(names: list[str]) -> None:
             assert got["from_one_process_bytes"] == got["extra_bytes"]
 
 
+@pytest.mark.slow  # two processes: 40 CPU-s, 45–120 s of wall time on 2 loaded cores
 @pytest.mark.timeout(300)
 def test_held_weight_strategies_two_ranks_equal_one_process():
     """snapshot and EWMA: weights, held copies (1/N per rank), sharded checkpoint N=2 → N=2 / N=1, 1 → 2."""
@@ -205,6 +206,50 @@ def test_held_weight_strategies_two_ranks_equal_one_process():
 def test_live_model_strategies_two_ranks_equal_one_process():
     """interrupt (in-flight tokens scored on every rank), loglinear, linear."""
     _check(["interrupt", "loglinear", "linear"])
+
+
+def test_held_weights_swapped_into_a_sharded_learner_score_like_one_process():
+    """The mechanism every weight-holding strategy uses, on a sharded learner (a one-rank gloo group, in this
+    process): scoring with held weights gives what one process gets with them, the live weights score as
+    before on both sides of it, and a rank with no rows still runs a forward and gets (0, T). With
+    ``reshard_after_forward=False`` FSDP2 keeps every unit's gathered weights after a forward: without
+    ``ShardedLearner``'s reshard after each no-grad call the live forward after the swap would read the held
+    weights' leftovers."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rollcorr.distributed.checkpoint import shard_held
+    from rollcorr.distributed.group import Ranks
+    from rollcorr.distributed.shard import fsdp_options, shard_learner
+    from rollcorr.engines import make_learner
+    from rollcorr.proximal.scoring import copy_state, score
+
+    rollout = _rollouts(_config("snapshot"))[0]
+    live, other = make_learner("hf:fp32"), make_learner("hf:fp32")
+    for learner in (live, other):
+        learner.share_prompts = False
+    with torch.no_grad():
+        for p in other.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    expected_live, expected_other = score(live, rollout), score(other, rollout)
+    assert (expected_live - expected_other).abs().max() > 1e-3
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ranks = Ranks(0, 1, 0, torch.device("cpu"), init_device_mesh("cpu", (1,)), "gloo")
+        sharded = shard_learner(live, ranks, **fsdp_options(reshard_after_forward=False))
+        held = {"other": copy_state(other.model)}
+        shard_held(held, sharded.model)  # this rank's shards of the other weights
+        assert all(hasattr(v, "to_local") for v in held["other"].values() if v.is_floating_point())
+        before = score(sharded, rollout)
+        swapped = score(sharded, rollout, weights=held["other"])
+        after = score(sharded, rollout)
+        empty = score(sharded, rollout.select([]), weights=held["other"])
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(before, expected_live, rtol=0, atol=1e-5)
+    torch.testing.assert_close(swapped, expected_other, rtol=0, atol=1e-5)
+    torch.testing.assert_close(after, expected_live, rtol=0, atol=1e-5)
+    assert tuple(empty.shape) == (0, rollout.response_ids.shape[1])
 
 
 def test_sharded_learner_refuses_a_foreign_model():

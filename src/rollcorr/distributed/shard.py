@@ -111,8 +111,9 @@ class ShardedLearner:
         return self.model.state_dict()
 
     def reshard(self) -> None:
-        """Free every gathered copy of the weights (FSDP2 keeps the root's, and with
-        ``reshard_after_forward=False`` every layer's, after a forward)."""
+        """Free every gathered copy of the weights. With ``reshard_after_forward=False`` FSDP2 keeps every unit's
+        after a forward (the root's too: the option is passed explicitly, so FSDP2's keep-the-root default is
+        off); with ``True`` this is a no-op."""
         for unit in self.units:
             unit.reshard()
 
