@@ -61,7 +61,8 @@ def check_components(config: TrainConfig) -> tuple[StepConfig, ProximalStrategy]
     if config.trainer.ranks > 1 and not proximal.data_parallel:
         raise ConfigError(f"algorithm.proximal.name: {proximal.name!r} cannot run with trainer.ranks > 1: it follows "
                           "the sampler, whose weight loads and chunks reach rank 0 alone and are scored on a "
-                          "background thread, while a sharded forward needs every rank")  # fmt: skip
+                          "background thread, while a sharded forward needs every rank; snapshot gives the same "
+                          "exact old log-probs at trainer.ranks > 1")  # fmt: skip
     check_fsdp(config)
     return step_config, proximal
 
