@@ -415,7 +415,7 @@ def moe(r: dict[str, Any]) -> list[Row]:
                    f"sustained collapses {t['collapses'][0]} vs {t['collapses'][1]}")  # fmt: skip
         out.append(Row("8", claim, t["verdict"], numbers))
     arms = "; ".join(f"{arm} {a['final_score_mean']:.3f} ± {a['final_score_std']:.3f} [{a['final_score_ci95'][0]:.3f}, "
-                     f"{a['final_score_ci95'][1]:.3f}], {a['collapses']} collapses" for arm, a in s["arms"].items())  # fmt: skip
+                     f"{a['final_score_ci95'][1]:.3f}], {a['collapses']} collapse{'' if a['collapses'] == 1 else 's'}" for arm, a in s["arms"].items())  # fmt: skip
     secondary = "; ".join(f"{key}: {t['difference']:+.3f} [{t['ci95'][0]:+.3f}, {t['ci95'][1]:+.3f}]"
                           for key, t in s["secondary"].items())  # fmt: skip
     out.append(Row("8", "MoE: every arm's final greedy accuracy, and the secondary comparisons (no verdict by the protocol)",
