@@ -108,6 +108,27 @@ def code_commit() -> str | None:
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
+def first_commit(path: str) -> str | None:
+    """The commit that added ``path`` (relative to the repository; its first commit), None outside git."""
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT.parent), "log", "--diff-filter=A", "--format=%H", "--", path],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    commits = out.stdout.split()
+    return commits[-1] if commits else None
+
+
+def parse_part(parser, text: str) -> tuple[int, int]:
+    """``--part K/N`` → (K, N), or the parser's one-line error."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+        assert 1 <= k <= n
+    except (ValueError, AssertionError):
+        parser.error(f"--part {text!r}: expected K/N with 1 ≤ K ≤ N")
+    return k, n
+
+
 class Clock:
     """Wall time of a study, printed at the end."""
 

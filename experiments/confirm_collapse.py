@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments.common import RESULTS, Clock, log, train, write_json
+from experiments.common import RESULTS, Clock, first_commit, log, parse_part, train, write_json
 
 PROTOCOL = "docs/confirm-collapse.md"
 PRESET = "chain"  # task, model and rollout settings: src/rollcorr/train/configs/chain.yaml (as study 6)
@@ -261,13 +261,7 @@ def git_commit(ref: str = "HEAD") -> str | None:
 
 def protocol_commit() -> str | None:
     """The commit that added the protocol file (its first commit)."""
-    try:
-        out = subprocess.run(["git", "log", "--diff-filter=A", "--format=%H", "--", PROTOCOL],
-                             cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, check=True)  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    commits = out.stdout.split()
-    return commits[-1] if commits else None
+    return first_commit(PROTOCOL)
 
 
 def one_run(rung: int, arm: str, seed: int, out: Path, quick: bool) -> dict[str, Any]:
@@ -383,11 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick and args.out is None:
         parser.error("--quick writes its tiny runs elsewhere than the study's results: give --out")
-    try:
-        k, n = (int(x) for x in args.part.split("/"))
-        assert 1 <= k <= n
-    except (ValueError, AssertionError):
-        parser.error(f"--part {args.part!r}: expected K/N with 1 ≤ K ≤ N")
+    k, n = parse_part(parser, args.part)
     out = (args.out or OUT).resolve()
     clock = Clock()
     if not args.assemble:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments import confirm_collapse as rules
-from experiments.common import RESULTS, Clock, log, train, write_json
+from experiments.common import RESULTS, Clock, first_commit, log, parse_part, train, write_json
 
 PROTOCOL = "docs/moe-study.md"
 PRESET = "moe"  # src/rollcorr/train/configs/moe.yaml: builtin:moe on 3-digit addition
@@ -230,13 +230,7 @@ def training_summary(runs: Sequence[dict[str, Any]], seeds: Sequence[int] = SEED
 
 def protocol_commit() -> str | None:
     """The commit that added the protocol file (its first commit)."""
-    try:
-        out = subprocess.run(["git", "log", "--diff-filter=A", "--format=%H", "--", PROTOCOL],
-                             cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, check=True)  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    commits = out.stdout.split()
-    return commits[-1] if commits else None
+    return first_commit(PROTOCOL)
 
 
 def assemble(out: Path, seeds: Sequence[int] = SEEDS) -> dict[str, Any]:
@@ -266,11 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick and args.out is None:
         parser.error("--quick writes its tiny runs elsewhere than the study's results: give --out")
-    try:
-        k, n = (int(x) for x in args.part.split("/"))
-        assert 1 <= k <= n
-    except (ValueError, AssertionError):
-        parser.error(f"--part {args.part!r}: expected K/N with 1 ≤ K ≤ N")
+    k, n = parse_part(parser, args.part)
     out = (args.out or OUT).resolve()
     seeds = SEEDS[:1] if args.quick else SEEDS
     clock = Clock()

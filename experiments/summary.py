@@ -335,27 +335,34 @@ CONFIRM_CLAIMS = {  # the confirmatory study's primary comparisons (docs/confirm
 def confirm_collapse(r: dict[str, Any]) -> list[Row]:
     """Study 7 is read by its own protocol (docs/confirm-collapse.md): Holm-adjusted permutation tests over ten
     seeds per arm, verdicts only once every arm has its ten seeds."""
-    s = r["summary"]
-    if not s["complete"]:
-        from experiments.confirm_collapse import RUNGS, SEEDS
+    from experiments.confirm_collapse import RUNGS, SEEDS
 
-        done, total = sum(a["seeds"] for a in s["arms"].values()), len(RUNGS[1][1]) * len(SEEDS)
-        return [Row("7", f"confirmatory: {claim}", "pending",
-                    f"{done} of {total} rung-1 runs finished; the protocol (docs/confirm-collapse.md) gives a "
-                    "verdict only when every arm has its ten seeds")
-                for claim in CONFIRM_CLAIMS.values()]  # fmt: skip
+    return protocol_rows("7", r["summary"], CONFIRM_CLAIMS, "confirmatory: ", "docs/confirm-collapse.md",
+                         len(RUNGS[1][1]) * len(SEEDS), "rung-1 runs")  # fmt: skip
+
+
+def protocol_rows(study: str, s: dict[str, Any], claims: dict[str, str], prefix: str, protocol: str, total: int,
+                  runs: str) -> list[Row]:  # fmt: skip
+    """The rows of a study read by its own protocol (studies 7 and 8): one per primary comparison, "pending"
+    until every arm has its ten seeds, then the Holm-adjusted permutation test's verdict with its numbers."""
+    if not s["complete"]:
+        done = sum(a["seeds"] for a in s["arms"].values())
+        return [Row(study, f"{prefix}{claim}", "pending",
+                    f"{done} of {total} {runs} finished; the protocol ({protocol}) gives a verdict only when every "
+                    "arm has its ten seeds")
+                for claim in claims.values()]  # fmt: skip
     out = []
-    for key, claim in CONFIRM_CLAIMS.items():
+    for key, claim in claims.items():
         t = s["tests"][key]
         hi, lo = key.split(" vs ")
         a, b = s["arms"][hi], s["arms"][lo]
-        numbers = (f"{hi} {a['final_score_mean']:.3f} vs {lo} {b['final_score_mean']:.3f} (10 seeds each): "
+        seeds = f"{a['seeds']} seeds each" if a["seeds"] == b["seeds"] else f"{a['seeds']} and {b['seeds']} seeds"
+        numbers = (f"{hi} {a['final_score_mean']:.3f} vs {lo} {b['final_score_mean']:.3f} ({seeds}): "
                    f"difference {t['difference']:+.3f}, 95 % CI [{t['ci95'][0]:+.3f}, {t['ci95'][1]:+.3f}], "
                    f"permutation p = {t['p_value']:.3g}, Holm p = {t['p_holm']:.3g}; sustained collapses "
                    f"{t['collapses'][0]} vs {t['collapses'][1]}")  # fmt: skip
-        out.append(Row("7", f"confirmatory: {claim}", t["verdict"], numbers))
+        out.append(Row(study, f"{prefix}{claim}", t["verdict"], numbers))
     return out
-
 
 MOE_CLAIMS = {  # study 8's primary comparisons (docs/moe-study.md), in its words
     "moe-fp32/ppo vs moe-int8/ppo": "MoE: an int8 sampler's mismatch (router flips included) hurts uncorrected GRPO",
@@ -397,23 +404,11 @@ def moe(r: dict[str, Any]) -> list[Row]:
                        OBSERVATION, numbers,
                        "int8 dynamic quantisation converts nn.Linear layers: the dense model's MLPs, not the MoE "
                        "experts, which are parameters and stay float32"))  # fmt: skip
-    if not s["complete"]:
-        from experiments.moe_study import ARMS, SEEDS
+    from experiments.moe_study import ARMS, SEEDS
 
-        done, total = sum(a["seeds"] for a in s["arms"].values()), len(ARMS) * len(SEEDS)
-        return out + [Row("8", claim, "pending",
-                          f"{done} of {total} training runs finished; the protocol (docs/moe-study.md) gives a "
-                          "verdict only when every arm has its ten seeds")
-                      for claim in MOE_CLAIMS.values()]  # fmt: skip
-    for key, claim in MOE_CLAIMS.items():
-        t = s["tests"][key]
-        hi, lo = key.split(" vs ")
-        a, b = s["arms"][hi], s["arms"][lo]
-        numbers = (f"{hi} {a['final_score_mean']:.3f} vs {lo} {b['final_score_mean']:.3f} ({a['seeds']} and "
-                   f"{b['seeds']} seeds): difference {t['difference']:+.3f}, 95 % CI [{t['ci95'][0]:+.3f}, "
-                   f"{t['ci95'][1]:+.3f}], permutation p = {t['p_value']:.3g}, Holm p = {t['p_holm']:.3g}; "
-                   f"sustained collapses {t['collapses'][0]} vs {t['collapses'][1]}")  # fmt: skip
-        out.append(Row("8", claim, t["verdict"], numbers))
+    out += protocol_rows("8", s, MOE_CLAIMS, "", "docs/moe-study.md", len(ARMS) * len(SEEDS), "training runs")
+    if not s["complete"]:
+        return out
     arms = "; ".join(f"{arm} {a['final_score_mean']:.3f} ± {a['final_score_std']:.3f} [{a['final_score_ci95'][0]:.3f}, "
                      f"{a['final_score_ci95'][1]:.3f}], {a['collapses']} collapse{'' if a['collapses'] == 1 else 's'}" for arm, a in s["arms"].items())  # fmt: skip
     secondary = "; ".join(f"{key}: {t['difference']:+.3f} [{t['ci95'][0]:+.3f}, {t['ci95'][1]:+.3f}]"
