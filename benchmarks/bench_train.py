@@ -150,7 +150,7 @@ def main() -> int:
 
     if not args.skip_strategies:
         print(
-            f"\n{'π_old strategy (sim-async lag 2)':<34}{'ms/step':>9}{'extra MB':>10}{'|Δlog π_old| vs exact':>24}"
+            f"\n{'π_old strategy (sim-async lag 2)':<34}{'ms/step':>9}{'extra MiB':>10}{'|Δlog π_old| vs exact':>24}"
         )
         for name in STRATEGIES:
             overrides = ["trainer.mode=simulated_async", "trainer.lag=2", f"algorithm.proximal.name={name}",
@@ -161,7 +161,7 @@ def main() -> int:
                 print(f"{name:<34}failed: {type(err).__name__}: {err}")
                 continue
             ms = 1000 * statistics.mean(r["proximal/seconds"] for r in rows)
-            mb = rows[-1]["proximal/extra_bytes"] / 2**20
+            mib = rows[-1]["proximal/extra_bytes"] / 2**20
             errs = [r.get("proximal/error/logp_abs_err_mean") for r in rows]
             err = (
                 statistics.mean(e for e in errs if e is not None)
@@ -169,7 +169,7 @@ def main() -> int:
                 else None
             )
             err_s = "n/a" if err is None else f"{err:.2e}"
-            print(f"{name:<34}{ms:>9.1f}{mb:>10.2f}{err_s:>24}")
+            print(f"{name:<34}{ms:>9.1f}{mib:>10.2f}{err_s:>24}")
     print("# load average after: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     return 0
 
