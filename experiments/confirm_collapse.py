@@ -177,7 +177,7 @@ def reward_decline_step(rewards: Sequence[float | None], window: int = REWARD_WI
                         drop: float = COLLAPSE_DROP) -> int | None:  # fmt: skip
     """The first step where the trailing ``window``-step mean of the sampled reward is ≥ ``drop`` below the
     largest trailing mean before it (None if never): when the collapse shows in the training signal."""
-    best, sums = -math.inf, []
+    best = -math.inf
     for t in range(window, len(rewards) + 1):
         chunk = [r for r in rewards[t - window : t] if r is not None]
         if not chunk:
@@ -186,7 +186,6 @@ def reward_decline_step(rewards: Sequence[float | None], window: int = REWARD_WI
         if m <= best - drop:
             return t
         best = max(best, m)
-        sums.append(m)
     return None
 
 

@@ -91,3 +91,37 @@ def alternating_rewards(monkeypatch):
         return rollout.replace(rewards=(rows % 2 == 0).float())
 
     monkeypatch.setattr(RolloutSource, "reward", alternate)
+
+
+@pytest.fixture
+def protocol_held():
+    """``check(protocol, protocol_commit, results_dir, run_folders)``: a pre-registered study's protocol file is
+    unchanged since ``protocol_commit`` (the commit that added it), ``results_dir/results.json`` records that
+    commit, it is an ancestor of HEAD, and every run file in ``run_folders`` was made by a descendant of it.
+    Skips outside a git checkout or when the history is too shallow to find the commit."""
+    import json
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> int:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).returncode
+
+    def check(protocol, protocol_commit, results_dir: Path, run_folders=("runs",)) -> None:
+        if shutil.which("git") is None or git("rev-parse", "HEAD") != 0:
+            pytest.skip("not a git checkout")
+        if protocol_commit is None:
+            pytest.skip("the protocol is not committed yet (or history is shallow)")
+        assert git("diff", "--quiet", protocol_commit, "HEAD", "--", str(protocol)) == 0, "the protocol was edited"
+        assert git("merge-base", "--is-ancestor", protocol_commit, "HEAD") == 0
+        results = results_dir / "results.json"
+        if results.is_file():
+            assert json.loads(results.read_text())["summary"]["protocol_commit"] == protocol_commit
+        for folder in run_folders:
+            for path in (results_dir / folder).glob("*.json"):
+                commit = json.loads(path.read_text())["code_commit"]
+                assert git("merge-base", "--is-ancestor", protocol_commit, commit) == 0, path.name
+
+    return check

@@ -152,8 +152,8 @@ def test_version_lag_and_decomposition_take_the_fused_path(kernel_calls, monkeyp
 def test_the_training_step_takes_the_fused_path(kernel_calls, monkeypatch):
     from rollcorr.rollout import Rollout
     from rollcorr.train import step
-    from rollcorr.train.config import load_config
     from rollcorr.train.build import build_step_config
+    from rollcorr.train.config import load_config
 
     algo = build_step_config(load_config(None, ["algorithm.correction.preset=decoupled_geo_rs_token_tis"]))
     old, roll, mask, lp, kept = _batch(noise=0.3)

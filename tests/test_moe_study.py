@@ -3,8 +3,6 @@ unchanged since the commit that added it, every run file was made by a descendan
 --quick path runs (slow)."""
 
 import json
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -70,26 +68,8 @@ def test_training_summary_gives_verdicts_only_when_complete():
     )
 
 
-def _git(*args):
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-
-
-def test_protocol_unchanged_since_its_commit_and_runs_descend_from_it():
-    if shutil.which("git") is None or _git("rev-parse", "HEAD").returncode != 0:
-        pytest.skip("not a git checkout")
-    first = ms.protocol_commit()
-    if first is None:
-        pytest.skip("the protocol is not committed yet (or history is shallow)")
-    assert _git("diff", "--quiet", first, "HEAD", "--", ms.PROTOCOL).returncode == 0, (
-        "the protocol was edited"
-    )
-    results = ROOT / "experiments/results/moe/results.json"
-    if results.is_file():
-        assert json.loads(results.read_text())["summary"]["protocol_commit"] == first
-    for folder in ("runs", "audits"):
-        for path in (ROOT / "experiments/results/moe" / folder).glob("*.json"):
-            commit = json.loads(path.read_text())["code_commit"]
-            assert _git("merge-base", "--is-ancestor", first, commit).returncode == 0, path.name
+def test_protocol_unchanged_since_its_commit_and_runs_descend_from_it(protocol_held):
+    protocol_held(ms.PROTOCOL, ms.protocol_commit(), ROOT / "experiments/results/moe", ("runs", "audits"))
 
 
 @pytest.mark.slow
