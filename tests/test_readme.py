@@ -118,8 +118,8 @@ NOT_HERE = {
         "a study (hours)",
     ("docs/results.md", "PYTHONPATH=. .venv/bin/python -m experiments.oapl_lag --arms oapl_sync1 oapl_sync10 --lr 2e-4                # 439 s"):
         "a study (20 min)",
-    ("docs/results.md", "PYTHONPATH=. .venv/bin/python -m experiments.throughput --lr 2e-4      # alone on the machine"):
-        "a study (12 min)",
+    ("docs/results.md", "PYTHONPATH=. .venv/bin/python -m experiments.throughput --lr 2e-4"):
+        "a study (18 min alone on a 2-core machine; its `--quick` path is a slow-marked test in tests/test_experiments.py)",
     ("docs/training.md", "# benchmarks/bench_train.py"): "output of benchmarks/bench_train.py",
     ("docs/training.md", "# benchmarks/bench_decode.py: CPU seconds per call, reference vs fast, one run (load average 11–13)"):
         "output of benchmarks/bench_decode.py",
