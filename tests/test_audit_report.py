@@ -209,3 +209,18 @@ def test_log_axes_always_show_two_labelled_ticks(values):
     ticks = [t for t in ax.get_yticks() if lo <= t <= hi]
     assert len(ticks) >= 2 and lo <= max(min(values), 1e-8) and max(values) <= hi
     plt.close(fig)
+
+
+def test_suggestion_evidence_quotes_study_6_numbers_as_recorded():
+    """Every score the suggestion table quotes is an arm mean of study 6's results file (3 decimals)."""
+    import json
+    import re
+    from pathlib import Path
+
+    from rollcorr.audit.verdict import SUGGESTIONS
+
+    results = Path(__file__).resolve().parents[1] / "experiments/results/long_mismatch/results.json"
+    final = json.loads(results.read_text())["final"]
+    means = {f"{cell['eval/reward']['mean']:.3f}" for cells in final.values() for cell in cells.values()}
+    quoted = {n for entry in SUGGESTIONS.values() for n in re.findall(r"\b0\.\d{3}\b", entry["evidence"])}
+    assert quoted and quoted <= means, sorted(quoted - means)

@@ -83,8 +83,9 @@ SUGGESTIONS: dict[str, dict[str, str]] = {
     },
     "beyond": {
         "preset": "tis",
-        "evidence": "study 6 (docs/results.md): at q4_0 token TIS (0.661), Geo-RS (0.652) and IcePop (0.630) "
-        "recovered to the fp32 level (0.674) without collapse, TRL-style sequence MIS did not (0.565)",
+        "evidence": "study 6 (docs/results.md, 3 seeds): at q4_0 token TIS (0.661) ended above TRL-style sequence "
+        "MIS (0.565, separated) and not separated from fp32 (0.674); uncorrected GRPO (0.563) was separated from "
+        "neither, so that TIS repairs a 4-bit sampler is not shown yet (study 7, ten seeds, tests it)",
     },
 }
 
