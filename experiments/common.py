@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -106,6 +107,16 @@ def code_commit() -> str | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def machine() -> dict[str, Any]:
+    """The CPU model, torch's CPU capability and versions a run trained with (recorded in every run file)."""
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""  # fmt: skip
+    return {"cpu": cpu, "capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+            "python": platform.python_version()}  # fmt: skip
 
 
 def first_commit(path: str) -> str | None:

@@ -19,14 +19,22 @@ import argparse
 import itertools
 import json
 import math
-import platform
 import statistics
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments.common import RESULTS, Clock, first_commit, log, parse_part, train, write_json
+from experiments.common import (
+    RESULTS,
+    Clock,
+    code_commit,
+    first_commit,
+    log,
+    machine,
+    parse_part,
+    train,
+    write_json,
+)
 
 PROTOCOL = "docs/confirm-collapse.md"
 PRESET = "chain"  # task, model and rollout settings: src/rollcorr/train/configs/chain.yaml (as study 6)
@@ -241,23 +249,6 @@ def run_file(out: Path, rung: int, arm: str, seed: int) -> Path:
     return out / "runs" / f"rung{rung}_{arm.replace('/', '-')}_s{seed}.json"
 
 
-def machine() -> dict[str, Any]:
-    import torch
-
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""  # fmt: skip
-    return {"cpu": cpu, "capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-            "python": platform.python_version()}  # fmt: skip
-
-
-def git_commit(ref: str = "HEAD") -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", ref], cwd=Path(__file__).resolve().parent, capture_output=True,
-                              text=True, check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def protocol_commit() -> str | None:
     """The commit that added the protocol file (its first commit)."""
     return first_commit(PROTOCOL)
@@ -287,7 +278,7 @@ def one_run(rung: int, arm: str, seed: int, out: Path, quick: bool) -> dict[str,
     record = {"rung": rung, "arm": arm, "seed": seed, "steps": steps, "overrides": overrides,
               "final_score": final_score(evals, min(LAST_EVALS, len(evals))), "evals": evals, "series": series,
               "stopped": result["stopped"], "seconds": result["seconds"], "machine": machine(),
-              "code_commit": git_commit()}  # fmt: skip
+              "code_commit": code_commit()}  # fmt: skip
     write_json(record, path)
     return record
 

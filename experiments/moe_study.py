@@ -27,7 +27,17 @@ from pathlib import Path
 from typing import Any
 
 from experiments import confirm_collapse as rules
-from experiments.common import RESULTS, Clock, first_commit, log, parse_part, train, write_json
+from experiments.common import (
+    RESULTS,
+    Clock,
+    code_commit,
+    first_commit,
+    log,
+    machine,
+    parse_part,
+    train,
+    write_json,
+)
 
 PROTOCOL = "docs/moe-study.md"
 PRESET = "moe"  # src/rollcorr/train/configs/moe.yaml: builtin:moe on 3-digit addition
@@ -101,7 +111,7 @@ def one_audit(name: str, out: Path, quick: bool) -> dict[str, Any]:
               "tokens": summary["n_tokens"], "k3_kl": summary["divergence"]["k3_kl"],
               **{k: summary["probability"][k] for k in PROBABILITY_KEYS},
               "routing": {k: summary["routing"][k] for k in ROUTING_KEYS} if "routing" in summary else None,
-              "seconds": clock.seconds, "machine": rules.machine(), "code_commit": rules.git_commit()}  # fmt: skip
+              "seconds": clock.seconds, "machine": machine(), "code_commit": code_commit()}  # fmt: skip
     write_json(record, path)
     return record
 
@@ -186,7 +196,7 @@ def one_run(arm: str, seed: int, out: Path, quick: bool) -> dict[str, Any] | Non
     series = {k: [rules._round(by_step.get(t, {}).get(k)) for t in range(1, steps + 1)] for k in SERIES}
     record = {"arm": arm, "seed": seed, "steps": steps, "overrides": overrides,
               "final_score": rules.final_score(evals), "evals": evals, "series": series,
-              "seconds": result["seconds"], "machine": rules.machine(), "code_commit": rules.git_commit()}  # fmt: skip
+              "seconds": result["seconds"], "machine": machine(), "code_commit": code_commit()}  # fmt: skip
     write_json(record, path)
     return record
 

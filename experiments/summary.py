@@ -7,9 +7,9 @@
 The rule (docs/results.md, "How to read the numbers"): a claim counts as reproduced only when two means over
 seeds differ by more than the sum of their sample standard deviations (``experiments.common.separated``), in
 the claimed direction; separated the other way is **opposite**; otherwise **not reproduced**. Studies with
-their own protocol (study 6) are read by its verdict list. What no written rule decides is labelled
-"observation, not a verdict of the rule"; arms and criteria added after results were seen say so where the
-claim is made.
+their own protocol are read by it: study 6 by its verdict list, studies 7 and 8 by Holm-adjusted permutation
+tests. What no written rule decides is labelled "observation, not a verdict of the rule"; arms and criteria
+added after results were seen say so where the claim is made.
 
 One function per study (``STUDIES``) maps its results.json to ``Row``s; the generated blocks (``BLOCKS``) sit
 between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in docs/results.md and README.md. Adding a study is
@@ -328,11 +328,49 @@ CONFIRM_CLAIMS = {  # the confirmatory study's primary comparisons (docs/confirm
 
 def confirm_collapse(r: dict[str, Any]) -> list[Row]:
     """Study 7 is read by its own protocol (docs/confirm-collapse.md): Holm-adjusted permutation tests over ten
-    seeds per arm, verdicts only once every arm has its ten seeds."""
-    from experiments.confirm_collapse import RUNGS, SEEDS
+    seeds per arm, verdicts only once every arm has its ten seeds; the secondary endpoints as an observation;
+    rung 2's two comparisons when rung 1's first is not reproduced (its stress ladder)."""
+    from experiments.confirm_collapse import COMPARISONS, PROTOCOL, RUNGS, SEEDS
 
-    return protocol_rows("7", r["summary"], CONFIRM_CLAIMS, "confirmatory: ", "docs/confirm-collapse.md",
-                         len(RUNGS[1][1]) * len(SEEDS), "rung-1 runs")  # fmt: skip
+    s = r["summary"]
+    out = protocol_rows("7", s, CONFIRM_CLAIMS, "confirmatory: ", PROTOCOL, len(RUNGS[1][1]) * len(SEEDS),
+                        "rung-1 runs")  # fmt: skip
+    if not s["complete"]:
+        return out
+    out.append(Row("7", "confirmatory: every arm's final score, the secondary comparisons and the early warning "
+                   "(reported, not decided by the protocol)", OBSERVATION,
+                   confirm_secondary(s, r["rung1"]["early_warning"])))  # fmt: skip
+    if s["rung2_called"]:
+        steps = RUNGS[2][0]
+        rung2 = s.get("rung2", {"complete": False, "arms": {}})
+        claims = {key: CONFIRM_CLAIMS[key] for key in ("{} vs {}".format(*pair) for pair in COMPARISONS[2])}
+        rows2 = protocol_rows(f"7 (rung 2: {steps} steps)", rung2, claims, "confirmatory: ", PROTOCOL,
+                              len(RUNGS[2][1]) * len(SEEDS), "rung-2 runs")  # fmt: skip
+        called = f"rung 2 runs because rung 1's first comparison is {s['tests']['fp32/ppo vs q4_0/ppo']['verdict']}"
+        out += [Row(row.study, row.claim, row.verdict, row.numbers, called) for row in rows2]
+    return out
+
+
+def confirm_secondary(s: dict[str, Any], warning: dict[str, Any]) -> str:
+    """Study 7's secondary endpoints in one cell: per-arm scores, the two "does the correction reach fp32?"
+    differences, and the early-warning rule's call per metric."""
+    alarms = "; ".join(f"{key.split('/')[-1]}: {m['verdict']} (warned {m['hits']} of {m['collapsed']} collapsed "
+                       f"runs, fired in {m['false_alarms']} of {m['steady']} others)"
+                       for key, m in warning["metrics"].items())  # fmt: skip
+    return f"{arm_scores(s)}. Secondary: {secondary_differences(s)}. Early warning: {alarms}"
+
+
+def arm_scores(s: dict[str, Any]) -> str:
+    """Every arm of a protocol study's summary: mean ± std [bootstrap 95 % interval], sustained collapses."""
+    return "; ".join(f"{arm} {a['final_score_mean']:.3f} ± {a['final_score_std']:.3f} [{a['final_score_ci95'][0]:.3f}, "
+                     f"{a['final_score_ci95'][1]:.3f}], {a['collapses']} collapse{'' if a['collapses'] == 1 else 's'}"
+                     for arm, a in s["arms"].items())  # fmt: skip
+
+
+def secondary_differences(s: dict[str, Any]) -> str:
+    """A protocol study's secondary comparisons: difference [bootstrap 95 % interval], no verdict."""
+    return "; ".join(f"{key}: {t['difference']:+.3f} [{t['ci95'][0]:+.3f}, {t['ci95'][1]:+.3f}]"
+                     for key, t in s["secondary"].items())  # fmt: skip
 
 
 def protocol_rows(study: str, s: dict[str, Any], claims: dict[str, str], prefix: str, protocol: str, total: int,
@@ -406,12 +444,8 @@ def moe(r: dict[str, Any]) -> list[Row]:
     out += protocol_rows("8", s, MOE_CLAIMS, "", "docs/moe-study.md", len(ARMS) * len(SEEDS), "training runs")
     if not s["complete"]:
         return out
-    arms = "; ".join(f"{arm} {a['final_score_mean']:.3f} ± {a['final_score_std']:.3f} [{a['final_score_ci95'][0]:.3f}, "
-                     f"{a['final_score_ci95'][1]:.3f}], {a['collapses']} collapse{'' if a['collapses'] == 1 else 's'}" for arm, a in s["arms"].items())  # fmt: skip
-    secondary = "; ".join(f"{key}: {t['difference']:+.3f} [{t['ci95'][0]:+.3f}, {t['ci95'][1]:+.3f}]"
-                          for key, t in s["secondary"].items())  # fmt: skip
     out.append(Row("8", "MoE: every arm's final greedy accuracy, and the secondary comparisons (no verdict by the protocol)",
-                   OBSERVATION, f"{arms}. Secondary: {secondary}"))  # fmt: skip
+                   OBSERVATION, f"{arm_scores(s)}. Secondary: {secondary_differences(s)}"))  # fmt: skip
     return out
 
 
@@ -597,6 +631,33 @@ def readme_sentence(results: Path = RESULTS) -> str:
     )
 
 
+def readme_confirmatory(results: Path = RESULTS) -> str:
+    """The README's verdict on study 7, the confirmatory retest: each primary comparison's verdict by the protocol
+    with its difference, interval and Holm-adjusted p; per rung; "pending" while a rung lacks seeds."""
+    from experiments.confirm_collapse import RUNGS, SEEDS
+
+    s = load("confirm_collapse", results)["summary"]
+    head = ("Study 7 (the confirmatory retest of study 6's claims, ten fresh seeds per arm, Holm-adjusted permutation "
+            "tests, [protocol](docs/confirm-collapse.md))")  # fmt: skip
+    return head + _rung_sentence(s, f"rung 1 ({RUNGS[1][0]} steps)", len(RUNGS[1][1]) * len(SEEDS)) + (
+        _rung_sentence(s.get("rung2", {"complete": False, "arms": {}}), f" Rung 2 ({RUNGS[2][0]} steps, run because "
+                       "the first comparison of rung 1 is not reproduced)", len(RUNGS[2][1]) * len(SEEDS))
+        if s["rung2_called"] else ""
+    )  # fmt: skip
+
+
+def _rung_sentence(s: dict[str, Any], rung: str, total: int) -> str:
+    if not s["complete"]:
+        done = sum(a["seeds"] for a in s["arms"].values())
+        return f", {rung}: **pending** — {done} of {total} runs finished."
+    parts = []
+    for key, t in s["tests"].items():
+        claim = CONFIRM_CLAIMS[key].split(" (")[0]
+        parts.append(f'"{claim}" is **{t["verdict"]}** ({key.replace(" vs ", " − ")} = {t["difference"]:+.3f}, '
+                     f"95 % CI [{t['ci95'][0]:+.3f}, {t['ci95'][1]:+.3f}], Holm p = {t['p_holm']:.3g})")  # fmt: skip
+    return f", {rung}: " + "; ".join(parts) + "."
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
@@ -608,7 +669,7 @@ def _study_verdicts(study: str, results: Path = RESULTS) -> str:
 BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
     "summary": ("docs/results.md", lambda res: summary_table([x for s in STUDIES for x in rows(s, res)])),
     **{f"verdicts:{s}": (spec.page, partial(_study_verdicts, s)) for s, spec in STUDIES.items()},
-    "verdicts": ("README.md", readme_sentence),
+    "verdicts": ("README.md", lambda res: readme_sentence(res) + "\n\n" + readme_confirmatory(res)),
 }
 
 

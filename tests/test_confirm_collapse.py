@@ -114,3 +114,62 @@ def test_quick_runs_every_rung1_arm_and_assembles(tmp_path, capsys):
     capsys.readouterr()  # forget the first call's output
     cc.main(["--quick", "--out", str(tmp_path)])  # finished runs are read back, not rerun
     assert "rung 1" not in capsys.readouterr().err
+
+
+def _write_runs(out: Path, rung: int, scores: dict[str, float]) -> None:
+    """Run files as ``one_run`` writes them, each arm's ten seeds ending near ``scores[arm]`` (no collapse, flat
+    warning metrics): the inputs of ``assemble`` without training."""
+    steps = cc.RUNGS[rung][0]
+    for arm, seed in cc.schedule(rung):
+        final = scores[arm] + 0.001 * (seed - 10)
+        evals = [[0, 0.3]] + [[s, final] for s in range(25, steps + 1, 25)]
+        record = {"rung": rung, "arm": arm, "seed": seed, "steps": steps, "final_score": cc.final_score(evals),
+                  "evals": evals, "series": {key: [0.5] * steps for key in cc.SERIES}, "machine": {"cpu": "test"},
+                  "code_commit": "0" * 40}  # fmt: skip
+        path = cc.run_file(out, rung, arm, seed)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record))
+
+
+def test_the_docs_state_each_rung_as_its_rule_gives_it(tmp_path):
+    """The summary rows and the README sentence follow results.json through the ladder: rung 1's verdicts, then
+    rung 2 pending when rung 1's first comparison is not reproduced, then rung 2's verdicts."""
+    from experiments import summary
+
+    out = tmp_path / "confirm_collapse"
+    flat = {"fp32/ppo": 0.6, "q4_0/ppo": 0.6, "q4_0/tis": 0.7, "q4_0/icepop": 0.6, "fp16/ppo": 0.6, "bf16/ppo": 0.6}
+    _write_runs(out, 1, flat)
+    report = cc.assemble(out)
+    rows = summary.confirm_collapse(report)
+    verdicts = {row.claim.removeprefix("confirmatory: "): row.verdict for row in rows if row.study == "7"}
+    assert verdicts["token TIS repairs it"] == "reproduced"
+    assert verdicts["a 4-bit sampler makes uncorrected GRPO learn worse on 70-token answers"] == "not reproduced"
+    rung2 = [row for row in rows if row.study.startswith("7 (rung 2")]
+    assert [row.verdict for row in rung2] == ["pending", "pending"] and "0 of 30" in rung2[0].numbers
+    readme = summary.readme_confirmatory(tmp_path)
+    assert '"token TIS repairs it" is **reproduced** (q4_0/tis − q4_0/ppo = +0.100' in readme
+    assert "Rung 2 (300 steps, run because the first comparison of rung 1 is not reproduced): **pending**" in readme
+
+    _write_runs(out, 2, {"fp32/ppo": 0.7, "q4_0/ppo": 0.5, "q4_0/tis": 0.5})
+    report = cc.assemble(out)
+    rung2 = {row.claim: row.verdict for row in summary.confirm_collapse(report) if row.study.startswith("7 (rung 2")}
+    assert list(rung2.values()) == ["reproduced", "not reproduced"]
+    assert '"a 4-bit sampler makes uncorrected GRPO learn worse on 70-token answers" is **reproduced** (fp32/ppo' in (
+        summary.readme_confirmatory(tmp_path).split("Rung 2")[1]
+    )
+
+
+def test_no_rung_2_when_rung_1_reproduces_the_claim(tmp_path):
+    from experiments import summary
+
+    out = tmp_path / "confirm_collapse"
+    _write_runs(out, 1, {"fp32/ppo": 0.7, "q4_0/ppo": 0.5, "q4_0/tis": 0.5, "q4_0/icepop": 0.5, "fp16/ppo": 0.6,
+                         "bf16/ppo": 0.6})  # fmt: skip
+    report = cc.assemble(out)
+    assert report["summary"]["rung2_called"] is False
+    rows = summary.confirm_collapse(report)
+    assert {row.study for row in rows} == {"7"} and rows[0].verdict == "reproduced"
+    assert rows[-1].verdict == summary.OBSERVATION and "Early warning: prob_diff_seq_max_mean: not judged" in rows[-1].numbers
+    assert "Rung 2" not in summary.readme_confirmatory(tmp_path)
+    with pytest.raises(SystemExit):  # the ladder refuses rung 2 here
+        cc.main(["--rung", "2", "--out", str(out)])
