@@ -348,6 +348,10 @@ def confirm_collapse(r: dict[str, Any]) -> list[Row]:
                               len(RUNGS[2][1]) * len(SEEDS), "rung-2 runs")  # fmt: skip
         called = f"rung 2 runs because rung 1's first comparison is {s['tests']['fp32/ppo vs q4_0/ppo']['verdict']}"
         out += [Row(row.study, row.claim, row.verdict, row.numbers, called) for row in rows2]
+        if rung2["complete"]:
+            out.append(Row(rows2[0].study, "confirmatory: every arm's final score, the secondary comparison and the "
+                           "early warning (reported, not decided by the protocol)", OBSERVATION,
+                           confirm_secondary(rung2, rung2["early_warning"])))  # fmt: skip
     return out
 
 

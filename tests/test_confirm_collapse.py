@@ -152,8 +152,9 @@ def test_the_docs_state_each_rung_as_its_rule_gives_it(tmp_path):
 
     _write_runs(out, 2, {"fp32/ppo": 0.7, "q4_0/ppo": 0.5, "q4_0/tis": 0.5})
     report = cc.assemble(out)
-    rung2 = {row.claim: row.verdict for row in summary.confirm_collapse(report) if row.study.startswith("7 (rung 2")}
-    assert list(rung2.values()) == ["reproduced", "not reproduced"]
+    rung2 = [row for row in summary.confirm_collapse(report) if row.study.startswith("7 (rung 2")]
+    assert [row.verdict for row in rung2] == ["reproduced", "not reproduced", summary.OBSERVATION]
+    assert "fp32/ppo vs q4_0/tis: +0.200" in rung2[-1].numbers
     assert '"a 4-bit sampler makes uncorrected GRPO learn worse on 70-token answers" is **reproduced** (fp32/ppo' in (
         summary.readme_confirmatory(tmp_path).split("Rung 2")[1]
     )
