@@ -641,25 +641,24 @@ def readme_confirmatory(results: Path = RESULTS) -> str:
     from experiments.confirm_collapse import RUNGS, SEEDS
 
     s = load("confirm_collapse", results)["summary"]
-    head = ("Study 7 (the confirmatory retest of study 6's claims, ten fresh seeds per arm, Holm-adjusted permutation "
-            "tests, [protocol](docs/confirm-collapse.md))")  # fmt: skip
-    return head + _rung_sentence(s, f"rung 1 ({RUNGS[1][0]} steps)", len(RUNGS[1][1]) * len(SEEDS)) + (
-        _rung_sentence(s.get("rung2", {"complete": False, "arms": {}}), f" Rung 2 ({RUNGS[2][0]} steps, run because "
-                       "the first comparison of rung 1 is not reproduced)", len(RUNGS[2][1]) * len(SEEDS))
-        if s["rung2_called"] else ""
-    )  # fmt: skip
+    text = ("Study 7 (the confirmatory retest of study 6's claims, ten fresh seeds per arm, Holm-adjusted permutation "
+            f"tests, [protocol](docs/confirm-collapse.md)), rung 1 ({RUNGS[1][0]} steps): "
+            f"{_rung_verdicts(s, len(RUNGS[1][1]) * len(SEEDS))}.")  # fmt: skip
+    if s["rung2_called"]:
+        rung2 = s.get("rung2", {"complete": False, "arms": {}})
+        text += (f" Rung 2 ({RUNGS[2][0]} steps, run because the first comparison of rung 1 is not reproduced): "
+                 f"{_rung_verdicts(rung2, len(RUNGS[2][1]) * len(SEEDS))}.")  # fmt: skip
+    return text
 
 
-def _rung_sentence(s: dict[str, Any], rung: str, total: int) -> str:
+def _rung_verdicts(s: dict[str, Any], total: int) -> str:
     if not s["complete"]:
-        done = sum(a["seeds"] for a in s["arms"].values())
-        return f", {rung}: **pending** — {done} of {total} runs finished."
-    parts = []
-    for key, t in s["tests"].items():
-        claim = CONFIRM_CLAIMS[key].split(" (")[0]
-        parts.append(f'"{claim}" is **{t["verdict"]}** ({key.replace(" vs ", " − ")} = {t["difference"]:+.3f}, '
-                     f"95 % CI [{t['ci95'][0]:+.3f}, {t['ci95'][1]:+.3f}], Holm p = {t['p_holm']:.3g})")  # fmt: skip
-    return f", {rung}: " + "; ".join(parts) + "."
+        return f"**pending** — {sum(a['seeds'] for a in s['arms'].values())} of {total} runs finished"
+    return "; ".join(
+        f'"{CONFIRM_CLAIMS[key].split(" (")[0]}" is **{t["verdict"]}** ({key.replace(" vs ", " − ")} = '
+        f"{t['difference']:+.3f}, 95 % CI [{t['ci95'][0]:+.3f}, {t['ci95'][1]:+.3f}], Holm p = {t['p_holm']:.3g})"
+        for key, t in s["tests"].items()
+    )
 
 
 def _cell(text: str) -> str:

@@ -211,16 +211,24 @@ def test_log_axes_always_show_two_labelled_ticks(values):
     plt.close(fig)
 
 
-def test_suggestion_evidence_quotes_study_6_numbers_as_recorded():
-    """Every score the suggestion table quotes is an arm mean of study 6's results file (3 decimals)."""
+def test_suggestion_evidence_quotes_the_studies_numbers_as_recorded():
+    """Every score the suggestion table quotes is an arm mean of study 6's results file, or an arm mean, a
+    difference or a Holm-adjusted p of study 7's (3 decimals)."""
     import json
     import re
     from pathlib import Path
 
     from rollcorr.audit.verdict import SUGGESTIONS
 
-    results = Path(__file__).resolve().parents[1] / "experiments/results/long_mismatch/results.json"
-    final = json.loads(results.read_text())["final"]
-    means = {f"{cell['eval/reward']['mean']:.3f}" for cells in final.values() for cell in cells.values()}
+    results = Path(__file__).resolve().parents[1] / "experiments/results"
+    final = json.loads((results / "long_mismatch/results.json").read_text())["final"]
+    recorded = {f"{cell['eval/reward']['mean']:.3f}" for cells in final.values() for cell in cells.values()}
+    confirm = json.loads((results / "confirm_collapse/results.json").read_text())["summary"]
+    recorded |= {f"{a['final_score_mean']:.3f}" for a in confirm["arms"].values()}
+    recorded |= {f"{abs(t[key]):.3f}" for t in confirm["tests"].values() for key in ("difference", "p_holm")}
     quoted = {n for entry in SUGGESTIONS.values() for n in re.findall(r"\b0\.\d{3}\b", entry["evidence"])}
-    assert quoted and quoted <= means, sorted(quoted - means)
+    assert quoted and quoted <= recorded, sorted(quoted - recorded)
+    page = (results.parents[1] / "docs/audit.md").read_text()
+    paragraph = page[page.index("The suggestions come from one table") :].split("\n\n")[0]
+    on_page = set(re.findall(r"\b0\.\d{3}\b", paragraph))
+    assert on_page and on_page <= recorded, sorted(on_page - recorded)

@@ -174,3 +174,25 @@ def test_no_rung_2_when_rung_1_reproduces_the_claim(tmp_path):
     assert "Rung 2" not in summary.readme_confirmatory(tmp_path)
     with pytest.raises(SystemExit):  # the ladder refuses rung 2 here
         cc.main(["--rung", "2", "--out", str(out)])
+
+
+def test_the_hand_written_prose_on_rung_1_agrees_with_the_results():
+    """docs/results.md's paragraph on rung 1 and its wall-time row say what the results and run files hold."""
+    report = json.loads((ROOT / "experiments/results/confirm_collapse/results.json").read_text())
+    s = report["summary"]
+    text = (ROOT / "docs/results.md").read_text()
+    if not s["complete"]:
+        pytest.skip("rung 1 is not complete: no paragraph to check")
+    assert "**Rung 1 is complete**" in text
+    assert {t["verdict"] for t in s["tests"].values()} == {"not reproduced"}  # "none of the four separates"
+    first = s["tests"]["fp32/ppo vs q4_0/ppo"]
+    assert first["difference"] > 0 and first["ci95"][0] < 0 < first["ci95"][1] and first["p_holm"] > 0.05
+    assert all(a["collapses"] == 0 for a in s["arms"].values())  # "no run of any arm has a sustained collapse"
+    assert s["rung2_called"] is True and len(report["machines"]) == 1 and report["code_commits"] == [s["protocol_commit"]]
+    seconds: dict[str, list[float]] = {"fp32 and q4_0": [], "fp16 and bf16": []}
+    for path in (ROOT / "experiments/results/confirm_collapse/runs").glob("rung1_*.json"):
+        run = json.loads(path.read_text())
+        seconds["fp16 and bf16" if run["arm"].split("/")[0] in ("fp16", "bf16") else "fp32 and q4_0"].append(run["seconds"])
+    for group, values in seconds.items():
+        low, high = (f"{round(x):,}".replace(",", " ") for x in (min(values), max(values)))
+        assert f"{group} runs {low}–{high} s" in text, (group, low, high)
