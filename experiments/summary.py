@@ -342,17 +342,23 @@ def confirm_collapse(r: dict[str, Any]) -> list[Row]:
                    confirm_secondary(s, r["rung1"]["early_warning"])))  # fmt: skip
     if s["rung2_called"]:
         steps = RUNGS[2][0]
-        rung2 = s.get("rung2", {"complete": False, "arms": {}})
+        rung2 = _rung2(s)
         claims = {key: CONFIRM_CLAIMS[key] for key in ("{} vs {}".format(*pair) for pair in COMPARISONS[2])}
         rows2 = protocol_rows(f"7 (rung 2: {steps} steps)", rung2, claims, "confirmatory: ", PROTOCOL,
                               len(RUNGS[2][1]) * len(SEEDS), "rung-2 runs")  # fmt: skip
-        called = f"rung 2 runs because rung 1's first comparison is {s['tests']['fp32/ppo vs q4_0/ppo']['verdict']}"
+        first = "{} vs {}".format(*COMPARISONS[1][0])
+        called = f"rung 2 runs because rung 1's first comparison is {s['tests'][first]['verdict']}"
         out += [Row(row.study, row.claim, row.verdict, row.numbers, called) for row in rows2]
         if rung2["complete"]:
             out.append(Row(rows2[0].study, "confirmatory: every arm's final score, the secondary comparison and the "
                            "early warning (reported, not decided by the protocol)", OBSERVATION,
                            confirm_secondary(rung2, rung2["early_warning"])))  # fmt: skip
     return out
+
+
+def _rung2(s: dict[str, Any]) -> dict[str, Any]:
+    """Study 7's rung-2 summary; an empty, incomplete one before its first run has finished."""
+    return s.get("rung2", {"complete": False, "arms": {}})
 
 
 def confirm_secondary(s: dict[str, Any], warning: dict[str, Any]) -> str:
@@ -645,7 +651,7 @@ def readme_confirmatory(results: Path = RESULTS) -> str:
             f"tests, [protocol](docs/confirm-collapse.md)), rung 1 ({RUNGS[1][0]} steps): "
             f"{_rung_verdicts(s, len(RUNGS[1][1]) * len(SEEDS))}.")  # fmt: skip
     if s["rung2_called"]:
-        rung2 = s.get("rung2", {"complete": False, "arms": {}})
+        rung2 = _rung2(s)
         text += (f" Rung 2 ({RUNGS[2][0]} steps, run because the first comparison of rung 1 is not reproduced): "
                  f"{_rung_verdicts(rung2, len(RUNGS[2][1]) * len(SEEDS))}.")  # fmt: skip
     return text
