@@ -377,8 +377,9 @@ def main(argv: list[str] | None = None) -> int:
         for arm, seed in todo:
             one_run(args.rung, arm, seed, out, args.quick)
     report = assemble(out)
-    print(f"confirm_collapse: {report['rung1']['runs']} rung-1 runs, wall time {clock.seconds:.1f} s → "
-          f"{out / 'results.json'}")  # fmt: skip
+    rung2 = report["summary"].get("rung2")
+    runs = f"{report['rung1']['runs']} rung-1 runs" + (f", {rung2['runs']} rung-2 runs" if rung2 else "")
+    print(f"confirm_collapse: {runs}, wall time {clock.seconds:.1f} s → {out / 'results.json'}")
     return 0
 
 
