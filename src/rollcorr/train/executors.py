@@ -261,8 +261,11 @@ class AsyncExecutor(Executor):
         with self.cond:
             self._stop = True
             self.cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while self._thread is not None and self._thread.is_alive() and time.monotonic() < deadline:
+            if not self.source.responsive():  # a stopped sampler process finishes no chunk: do not wait on it
+                break
+            self._thread.join(timeout=0.5)
         self.source.close()  # a producer still stuck in a request gets an error from it, and ends
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)

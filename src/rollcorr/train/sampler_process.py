@@ -291,6 +291,10 @@ class ProcessSource:
             listener(rollout)
         return rollout
 
+    def responsive(self) -> bool:
+        """False while the process is stopped (SIGSTOP): a request in progress cannot finish."""
+        return self._process is None or _process_state(self._process.pid) not in ("T", "t")
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Ask the process to exit (after the request it is answering); terminate or kill it if it does not."""
         process, conn = self._process, self._conn

@@ -94,6 +94,10 @@ class RolloutSource:
     def version(self) -> int:
         return int(self.sampler.version)
 
+    def responsive(self) -> bool:
+        """Whether a request in progress can still finish: always, in this process."""
+        return True
+
     def close(self) -> None:
         """Nothing to release: the sampler lives as long as this process."""
 
@@ -110,6 +114,8 @@ class Source(Protocol):
 
     @property
     def version(self) -> int: ...
+
+    def responsive(self) -> bool: ...
 
     def close(self) -> None: ...
 
