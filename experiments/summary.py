@@ -346,14 +346,20 @@ def confirm_collapse(r: dict[str, Any]) -> list[Row]:
         claims = {key: CONFIRM_CLAIMS[key] for key in ("{} vs {}".format(*pair) for pair in COMPARISONS[2])}
         rows2 = protocol_rows(f"7 (rung 2: {steps} steps)", rung2, claims, "confirmatory: ", PROTOCOL,
                               len(RUNGS[2][1]) * len(SEEDS), "rung-2 runs")  # fmt: skip
-        first = "{} vs {}".format(*COMPARISONS[1][0])
-        called = f"rung 2 runs because rung 1's first comparison is {s['tests'][first]['verdict']}"
+        called = f"rung 2 runs because rung 1's first comparison is {_ladder_verdict(s)}"
         out += [Row(row.study, row.claim, row.verdict, row.numbers, called) for row in rows2]
         if rung2["complete"]:
             out.append(Row(rows2[0].study, "confirmatory: every arm's final score, the secondary comparison and the "
                            "early warning (reported, not decided by the protocol)", OBSERVATION,
                            confirm_secondary(rung2, rung2["early_warning"])))  # fmt: skip
     return out
+
+
+def _ladder_verdict(s: dict[str, Any]) -> str:
+    """The verdict of rung 1's first comparison: the one the stress ladder reads to call rung 2."""
+    from experiments.confirm_collapse import COMPARISONS
+
+    return s["tests"]["{} vs {}".format(*COMPARISONS[1][0])]["verdict"]
 
 
 def _rung2(s: dict[str, Any]) -> dict[str, Any]:
@@ -652,7 +658,7 @@ def readme_confirmatory(results: Path = RESULTS) -> str:
             f"{_rung_verdicts(s, len(RUNGS[1][1]) * len(SEEDS))}.")  # fmt: skip
     if s["rung2_called"]:
         rung2 = _rung2(s)
-        text += (f" Rung 2 ({RUNGS[2][0]} steps, run because the first comparison of rung 1 is not reproduced): "
+        text += (f" Rung 2 ({RUNGS[2][0]} steps, run because the first comparison of rung 1 is {_ladder_verdict(s)}): "
                  f"{_rung_verdicts(rung2, len(RUNGS[2][1]) * len(SEEDS))}.")  # fmt: skip
     return text
 

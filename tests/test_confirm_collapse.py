@@ -196,3 +196,18 @@ def test_the_hand_written_prose_on_rung_1_agrees_with_the_results():
     for group, values in seconds.items():
         low, high = (f"{round(x):,}".replace(",", " ") for x in (min(values), max(values)))
         assert f"{group} runs {low}–{high} s" in text, (group, low, high)
+
+
+def test_rung_2_is_called_and_named_when_rung_1_gives_the_opposite(tmp_path):
+    from experiments import summary
+
+    out = tmp_path / "confirm_collapse"
+    _write_runs(out, 1, {"fp32/ppo": 0.5, "q4_0/ppo": 0.7, "q4_0/tis": 0.7, "q4_0/icepop": 0.7, "fp16/ppo": 0.6,
+                         "bf16/ppo": 0.6})  # fmt: skip
+    report = cc.assemble(out)
+    assert report["summary"]["rung2_called"] is True
+    rung2 = [row for row in summary.confirm_collapse(report) if row.study.startswith("7 (rung 2")]
+    assert rung2 and all(row.note == "rung 2 runs because rung 1's first comparison is opposite" for row in rung2)
+    assert "Rung 2 (300 steps, run because the first comparison of rung 1 is opposite): **pending**" in (
+        summary.readme_confirmatory(tmp_path)
+    )
