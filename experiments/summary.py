@@ -389,12 +389,17 @@ def secondary_differences(s: dict[str, Any]) -> str:
                      for key, t in s["secondary"].items())  # fmt: skip
 
 
+def finished_runs(s: dict[str, Any]) -> int:
+    """The finished runs of a protocol study's summary (or one rung's): its arms' seeds, summed."""
+    return sum(a["seeds"] for a in s["arms"].values())
+
+
 def protocol_rows(study: str, s: dict[str, Any], claims: dict[str, str], prefix: str, protocol: str, total: int,
                   runs: str) -> list[Row]:  # fmt: skip
     """The rows of a study read by its own protocol (studies 7 and 8): one per primary comparison, "pending"
     until every arm has its ten seeds, then the Holm-adjusted permutation test's verdict with its numbers."""
     if not s["complete"]:
-        done = sum(a["seeds"] for a in s["arms"].values())
+        done = finished_runs(s)
         return [Row(study, f"{prefix}{claim}", "pending",
                     f"{done} of {total} {runs} finished; the protocol ({protocol}) gives a verdict only when every "
                     "arm has its ten seeds")
@@ -665,7 +670,7 @@ def readme_confirmatory(results: Path = RESULTS) -> str:
 
 def _rung_verdicts(s: dict[str, Any], total: int) -> str:
     if not s["complete"]:
-        return f"**pending** — {sum(a['seeds'] for a in s['arms'].values())} of {total} runs finished"
+        return f"**pending** — {finished_runs(s)} of {total} runs finished"
     return "; ".join(
         f'"{CONFIRM_CLAIMS[key].split(" (")[0]}" is **{t["verdict"]}** ({key.replace(" vs ", " − ")} = '
         f"{t['difference']:+.3f}, 95 % CI [{t['ci95'][0]:+.3f}, {t['ci95'][1]:+.3f}], Holm p = {t['p_holm']:.3g})"
