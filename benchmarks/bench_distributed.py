@@ -10,8 +10,11 @@ one-process path, N = 2 two gloo processes (torch.multiprocessing) with the mode
 step is a warm-up; the median of the rest is reported. Memory: a wider Qwen2 built from the built-in config
 (``--hidden``, ``--layers``; random weights, the built-in tokenizer), one step, then the local shards' bytes of
 parameters and optimizer state per rank, and the process's peak RSS. Publishing cost: the seconds to gather the
-full weights on rank 0 (``ShardedLearner.full_state_dict``), once per publish in a run. Wall and CPU seconds are
-both printed: on a loaded machine the wall time is mostly waiting for a core.
+full weights on rank 0 (``ShardedLearner.full_state_dict``), once per publish in a run. The ``interrupt``
+strategy's stall at N ≥ 2: scoring one batch (16 × 8 rows) that every rank holds, split over the ranks and
+gathered (``proximal.scoring.score_split``, what the strategy does) against every rank scoring every row (what
+it did before), the median of three calls each. Wall and CPU seconds are both printed: on a loaded machine the
+wall time is mostly waiting for a core.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ def measure(rollouts, steps: int, wide: dict | None, ranks=None) -> dict:
         train_step(rollouts[i % len(rollouts)], learner, optimizer, proximal, step_config, i, ranks=ranks)
         seconds.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
+    stall = _stall(learner, rollouts[0]) if ranks is not None and wide is None else {}
     start, start_cpu = time.perf_counter(), time.process_time()
     if ranks is not None:
         learner.full_state_dict()
@@ -84,7 +88,24 @@ def measure(rollouts, steps: int, wide: dict | None, ranks=None) -> dict:
         "optimizer_bytes": held["optimizer_state"],
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "parameters": sum(p.numel() for p in _learner(wide).model.parameters()) if ranks is None else None,
+        **stall,
     }
+
+
+def _stall(learner, rollout) -> dict[str, float]:
+    """CPU seconds of this rank for scoring ``rollout`` (held alike by every rank) split over the ranks and
+    gathered, and for scoring every row on every rank; the median of three calls each (all ranks call both)."""
+    from rollcorr.proximal.scoring import score, score_split
+
+    out = {}
+    for name, scorer in (("stall_split_cpu_s", score_split), ("stall_every_row_cpu_s", score)):
+        cpu = []
+        for _ in range(3):
+            start_cpu = time.process_time()
+            scorer(learner, rollout)
+            cpu.append(time.process_time() - start_cpu)
+        out[name] = statistics.median(cpu)
+    return out
 
 
 def _worker(rank: int, world: int, port: int, data: str, steps: int, wide: dict | None, out: str) -> None:
@@ -141,6 +162,11 @@ def main() -> None:
               f"CPU s/step per rank {cpu:.2f} (max over ranks); full-weight gather "
               f"{per_rank[0]['publish_gather_s'] * 1e3:.0f} ms wall, {per_rank[0]['publish_gather_cpu_s'] * 1e3:.0f} ms CPU",
               flush=True)  # fmt: skip
+        if world > 1:
+            split, every = (max(r[k] for r in per_rank) for k in ("stall_split_cpu_s", "stall_every_row_cpu_s"))
+            print(f"interrupt's stall, N={world}, {rollouts[0].batch_size} in-flight rows: CPU s per rank (max over ranks) "
+                  f"split over the ranks {split:.3f}, every rank scoring every row {every:.3f}; ratio {split / every:.2f}",
+                  flush=True)  # fmt: skip
     if not args.skip_memory:
         wide = {
             "hidden_size": args.hidden,

@@ -204,7 +204,7 @@ def test_held_weight_strategies_two_ranks_equal_one_process():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_live_model_strategies_two_ranks_equal_one_process():
-    """interrupt (in-flight tokens scored on every rank), loglinear, linear."""
+    """interrupt (in-flight tokens scored split over the ranks and gathered), loglinear, linear."""
     _check(["interrupt", "loglinear", "linear"])
 
 
@@ -250,6 +250,61 @@ def test_held_weights_swapped_into_a_sharded_learner_score_like_one_process():
     torch.testing.assert_close(swapped, expected_other, rtol=0, atol=1e-5)
     torch.testing.assert_close(after, expected_live, rtol=0, atol=1e-5)
     assert tuple(empty.shape) == (0, rollout.response_ids.shape[1])
+
+
+def _split_worker(rank: int, port: int, data: str, out: str) -> None:
+    """``score_split`` of every rollout in ``data`` on a sharded learner, counting the rows this rank's
+    forward saw; each rank saves its own scores."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)
+    from rollcorr.distributed import close, init_from_env
+    from rollcorr.distributed.shard import shard_learner
+    from rollcorr.engines import make_learner
+    from rollcorr.proximal.scoring import score_split
+
+    ranks = init_from_env("cpu")
+    try:
+        learner = make_learner("hf:fp32")
+        learner.share_prompts = False
+        sharded = shard_learner(learner, ranks)
+        seen: list[int] = []
+        forward = sharded.log_prob
+
+        def counting(rollout, **kwargs):
+            seen.append(rollout.batch_size)
+            return forward(rollout, **kwargs)
+
+        sharded.log_prob = counting
+        scores = [score_split(sharded, rollout) for rollout in torch.load(data, weights_only=False)]
+        torch.save({"scores": scores, "rows_seen": seen}, f"{out}.{rank}")
+    finally:
+        close()
+
+
+@pytest.mark.timeout(300)
+def test_in_flight_scoring_is_split_over_two_ranks():
+    """``interrupt``'s stall at N = 2 (``scoring.score_split``): each rank's forward sees ⌈B / 2⌉ rows or
+    fewer — 8 rows → 4 and 4, 7 → 4 and 3, 1 → 1 and none (a one-token stand-in) — and both ranks get every
+    row's log-prob, equal to one process scoring all of them."""
+    from rollcorr.engines import make_learner
+    from rollcorr.proximal.scoring import score
+
+    torch.set_num_threads(1)
+    batch = _rollouts(_config("interrupt"))[1]
+    rollouts = [batch, batch.select(list(range(7))), batch.select([5])]
+    one = make_learner("hf:fp32")
+    one.share_prompts = False
+    expected = [score(one, rollout) for rollout in rollouts]
+    with tempfile.TemporaryDirectory() as tmp:
+        data, out = os.path.join(tmp, "rollouts.pt"), os.path.join(tmp, "scores")
+        torch.save(rollouts, data)
+        mp.spawn(_split_worker, args=(_free_port(), data, out), nprocs=WORLD, join=True)
+        per_rank = [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(WORLD)]
+    assert per_rank[0]["rows_seen"] == [4, 4, 1] and per_rank[1]["rows_seen"] == [4, 3, 0]
+    for got in per_rank:
+        for scores, want in zip(got["scores"], expected):
+            torch.testing.assert_close(scores, want, rtol=0, atol=1e-5)
 
 
 def test_sharded_learner_refuses_a_foreign_model():

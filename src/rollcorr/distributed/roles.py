@@ -32,7 +32,7 @@ class LeaderExecutor:
 
     def pause(self) -> list:
         """Pause the sampler; its in-flight rollouts go to every rank (a strategy that ``pauses_sampler``
-        scores them on every rank, ``proximal.interrupt``)."""
+        scores them split over the ranks and gathers the scores, ``proximal.scoring.score_split``)."""
         in_flight = self.inner.pause()
         self.ranks.broadcast(in_flight)
         return in_flight

@@ -22,8 +22,9 @@ rows need no ids and can be re-batched freely. Entries older than ``max_stalenes
 ``on_publish``.
 
 With a learner sharded over data-parallel ranks, every rank receives the same in-flight rollouts (rank 0's
-executor broadcasts them, ``distributed.roles``) and scores all of them, so every rank's store is the same
-and each finds the tokens of whatever rows it trains on; the stall's forward is not split over the ranks.
+executor broadcasts them, ``distributed.roles``); the stall's forward is split over the ranks (each scores
+⌈B / N⌉ of the rows and the scores are gathered, ``scoring.score_split``), so every rank stores all of them
+and finds the tokens of whatever rows it trains on.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 from torch import Tensor
 
 from rollcorr.proximal.base import ProximalStrategy
-from rollcorr.proximal.scoring import score
+from rollcorr.proximal.scoring import score, score_split
 from rollcorr.proximal.store import TokenStore
 from rollcorr.rollout import Rollout
 
@@ -106,7 +107,7 @@ class Interrupt(ProximalStrategy):
             rows = self.store.missing_rows(rollout, v)
             if rows:
                 part = rollout.select(rows)
-                self.store.save(part, score(learner, part, self.temperature), v)
+                self.store.save(part, score_split(learner, part, self.temperature), v)
         self.last_stall_seconds = time.perf_counter() - start
         self.stall_seconds += self.last_stall_seconds
         self.interrupts += 1

@@ -11,7 +11,8 @@ exchanges its own. A strategy that scores from another thread while the learner 
 keeps a module of its own instead and hands it over with ``with_model`` (one process only).
 
 A sharded learner's forward is a collective: every rank must score the same number of times, with no rows as
-well (``scores_together``; ``score`` then still runs the forward).
+well (``scores_together``; ``score`` then still runs the forward). Rows that every rank holds alike (the
+in-flight rollouts) are scored split over the ranks and gathered (``score_split``).
 """
 
 from __future__ import annotations
@@ -70,6 +71,28 @@ def score(learner, rollout: Rollout, temperature: float = 1.0, model: nn.Module 
         )
     mask = rollout.response_mask.bool().to(log_prob.device)
     return torch.where(mask, log_prob, torch.zeros_like(log_prob))
+
+
+@torch.no_grad()
+def score_split(learner, rollout: Rollout, temperature: float = 1.0) -> Tensor:
+    """(B, T) like ``score`` with the learner's current weights, for a rollout that every rank holds alike (the
+    in-flight rollouts rank 0 broadcasts): a learner sharded over N ranks (``scores_together``, its ``ranks``)
+    scores rows r, r + N, r + 2N, … on rank r and gathers the others' scores, so each rank runs the forward over
+    ⌈B / N⌉ rows instead of B; one process: ``score``. Every rank gets the same (B, T)."""
+    ranks = getattr(learner, "ranks", None) if scores_together(learner) else None
+    batch = rollout.batch_size
+    if ranks is None or ranks.world == 1 or batch == 0:
+        return score(learner, rollout, temperature)
+    per_rank = -(-batch // ranks.world)
+    mine = list(range(ranks.rank, batch, ranks.world))
+    padded = torch.zeros((per_rank, *rollout.response_ids.shape[1:]), dtype=torch.float32)
+    padded[: len(mine)] = score(learner, rollout.select(mine), temperature).cpu()
+    gathered = ranks.gather_rows(padded)  # (N · per_rank, T): rank r's rows at r · per_rank
+    out = torch.zeros(rollout.response_ids.shape, dtype=torch.float32)
+    for rank in range(ranks.world):
+        rows = list(range(rank, batch, ranks.world))
+        out[rows] = gathered[rank * per_rank : rank * per_rank + len(rows)]
+    return out.to(rollout.response_ids.device)
 
 
 def local_tensor(x: Tensor) -> Tensor:
