@@ -9,7 +9,9 @@ model and the default batch (16 prompts × 8 responses), on fixed rollouts sampl
 one-process path, N = 2 two gloo processes (torch.multiprocessing) with the model sharded by FSDP2. The first
 step is a warm-up; the median of the rest is reported. Memory: a wider Qwen2 built from the built-in config
 (``--hidden``, ``--layers``; random weights, the built-in tokenizer), one step, then the local shards' bytes of
-parameters and optimizer state per rank, and the process's peak RSS. Publishing cost: the seconds to gather the
+parameters and optimizer state per rank, and the process's peak RSS after building the learner and after the
+step. Ranks > 0 build the model on the meta
+device and get their shards from rank 0, as the trainer does (``distributed.shard.load_from_rank0``). Publishing cost: the seconds to gather the
 full weights on rank 0 (``ShardedLearner.full_state_dict``), once per publish in a run. The ``interrupt``
 strategy's stall at N ≥ 2: scoring one batch (16 × 8 rows) that every rank holds, split over the ranks and
 gathered (``proximal.scoring.score_split``, what the strategy does) against every rank scoring every row (what
@@ -27,6 +29,7 @@ import socket
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
@@ -40,17 +43,20 @@ def _config():
     return load_config(None, OVERRIDES)
 
 
-def _learner(wide: dict | None):
+def _learner(wide: dict | None, skeleton: bool = False):
+    """The built-in fp32 learner, or the wide model; ``skeleton``: built on the meta device, as the trainer
+    builds it on ranks > 0 (their shards come from rank 0)."""
     from rollcorr.engines import make_learner
 
-    learner = make_learner("hf:fp32")
+    learner = make_learner("hf:fp32", skeleton=skeleton)
     if wide:
         from transformers import AutoModelForCausalLM
 
         from rollcorr.models.builtin import builtin_config
 
         torch.manual_seed(0)
-        learner.model = AutoModelForCausalLM.from_config(builtin_config(len(learner.tokenizer), **wide))
+        with torch.device("meta" if skeleton else "cpu"):
+            learner.model = AutoModelForCausalLM.from_config(builtin_config(len(learner.tokenizer), **wide))
     learner.model.train(False)
     learner.share_prompts = False  # the path the sharded learner scores through (distributed/shard.py)
     return learner
@@ -63,9 +69,10 @@ def measure(rollouts, steps: int, wide: dict | None, ranks=None) -> dict:
 
     config = _config()
     step_config, proximal = build_step_config(config), build_proximal(config)
-    learner = _learner(wide)
+    learner = _learner(wide, skeleton=ranks is not None and not ranks.is_main)
     if ranks is not None:
         learner = shard_learner(learner, ranks)
+    built_rss = _peak_rss_bytes()  # the peak of building (and sharding) the learner, before any step
     optimizer = torch.optim.AdamW([p for p in learner.model.parameters() if p.requires_grad], lr=1e-4)
     seconds, cpu = [], []
     for i in range(steps):
@@ -86,10 +93,24 @@ def measure(rollouts, steps: int, wide: dict | None, ranks=None) -> dict:
         "publish_gather_cpu_s": gather_cpu,
         "parameters_bytes": held["parameters"],
         "optimizer_bytes": held["optimizer_state"],
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": _peak_rss_bytes(),
+        "built_peak_rss_bytes": built_rss,
         "parameters": sum(p.numel() for p in _learner(wide).model.parameters()) if ranks is None else None,
         **stall,
     }
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident memory: ``VmHWM`` of /proc/self/status (Linux; its own address space's high
+    water mark). ``getrusage``'s ``ru_maxrss`` is not used where that exists: Linux carries it over fork and
+    exec, so a spawned rank would report its parent's peak whenever that is higher."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _stall(learner, rollout) -> dict[str, float]:
@@ -112,6 +133,9 @@ def _worker(rank: int, world: int, port: int, data: str, steps: int, wide: dict 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))  # fmt: skip
     torch.set_num_threads(1)
+    if world == 1:  # today's one-process path: no process group
+        torch.save(measure(torch.load(data, weights_only=False), steps, wide), f"{out}.{rank}")
+        return
     from rollcorr.distributed import close, init_from_env
 
     ranks = init_from_env("cpu")
@@ -129,9 +153,8 @@ def _free_port() -> int:
 
 
 def run(world: int, rollouts, steps: int, wide: dict | None) -> list[dict]:
-    """One dict per rank (N = 1: this process, no process group)."""
-    if world == 1:
-        return [measure(rollouts, steps, wide)]
+    """One dict per rank, each rank a fresh process (N = 1 too, without a process group: the memory figures
+    are then each process's own)."""
     with tempfile.TemporaryDirectory() as tmp:
         data, out = os.path.join(tmp, "rollouts.pt"), os.path.join(tmp, "result")
         torch.save(rollouts, data)
@@ -179,7 +202,8 @@ def main() -> None:
             for r, m in enumerate(per_rank):
                 print(f"wide model ({args.hidden}×{args.layers}), N={world} rank {r}: parameters "
                       f"{m['parameters_bytes'] / 2**20:.1f} MiB + AdamW state {m['optimizer_bytes'] / 2**20:.1f} MiB; "
-                      f"peak RSS {m['peak_rss_bytes'] / 2**20:.0f} MiB; full-weight gather {m['publish_gather_s'] * 1e3:.0f} ms",
+                      f"peak RSS after building {m['built_peak_rss_bytes'] / 2**20:.0f} MiB, after a step "
+                      f"{m['peak_rss_bytes'] / 2**20:.0f} MiB; full-weight gather {m['publish_gather_s'] * 1e3:.0f} ms",
                       flush=True)  # fmt: skip
     results["load_average_end"] = os.getloadavg()[0]
     print(

@@ -7,7 +7,7 @@
 What it checks, and prints as it goes:
   1. the group: NCCL on cuda:<LOCAL_RANK> (``distributed.group.init_from_env``), a 1-D CUDA device mesh
   2. the sharded learner: FSDP2 per decoder layer + scoring root on the GPU, each rank holding ≈ 1/N of the
-     parameters (``ShardedLearner``); with ``--bf16``, FSDP2's ``MixedPrecisionPolicy`` (bf16 compute,
+     parameters (``ShardedLearner``; ranks > 0 built as skeletons, their shards broadcast from rank 0); with ``--bf16``, FSDP2's ``MixedPrecisionPolicy`` (bf16 compute,
      fp32 gradient reduction) — the option that differs from the CPU path
   3. three ``train_step``s (recompute, decoupled token TIS, GRPO, 2 mini-batches) on rollouts sampled once on
      rank 0 and broadcast, against one un-sharded fp32 learner on rank 0's GPU trained on the same batches:
@@ -69,7 +69,7 @@ def main() -> int:
         # trainer.fsdp.param_dtype=bf16 trainer.fsdp.reduce_dtype=fp32 with --bf16 (the trainer's own mapping)
         options = fsdp_options(param_dtype="bf16", reduce_dtype="fp32") if args.bf16 else fsdp_options()
         torch.manual_seed(0)
-        learner = make_learner("hf:fp32", device=str(ranks.device))
+        learner = make_learner("hf:fp32", device=str(ranks.device), skeleton=not ranks.is_main)  # as the trainer
         learner.model.train(False)
         sharded = shard_learner(learner, ranks, **options)
         step_config, proximal = build_step_config(config), build_proximal(config)

@@ -253,8 +253,9 @@ def test_held_weights_swapped_into_a_sharded_learner_score_like_one_process():
 
 
 def _split_worker(rank: int, port: int, data: str, out: str) -> None:
-    """``score_split`` of every rollout in ``data`` on a sharded learner, counting the rows this rank's
-    forward saw; each rank saves its own scores."""
+    """The trainer's build at N = 2 — rank 1 a skeleton on the meta device, its shards from rank 0 — then
+    ``score_split`` of every rollout in ``data``, counting the rows this rank's forward saw; each rank saves
+    its scores, whether it was built without weights, and its buffers."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))  # fmt: skip
     torch.set_num_threads(1)
@@ -265,8 +266,8 @@ def _split_worker(rank: int, port: int, data: str, out: str) -> None:
 
     ranks = init_from_env("cpu")
     try:
-        learner = make_learner("hf:fp32")
-        learner.share_prompts = False
+        learner = make_learner("hf:fp32", skeleton=not ranks.is_main)
+        built_without_weights = all(p.is_meta for p in learner.model.parameters())
         sharded = shard_learner(learner, ranks)
         seen: list[int] = []
         forward = sharded.log_prob
@@ -277,16 +278,21 @@ def _split_worker(rank: int, port: int, data: str, out: str) -> None:
 
         sharded.log_prob = counting
         scores = [score_split(sharded, rollout) for rollout in torch.load(data, weights_only=False)]
-        torch.save({"scores": scores, "rows_seen": seen}, f"{out}.{rank}")
+        buffers = {name: b.clone() for name, b in sharded.model.named_buffers()}
+        torch.save({"scores": scores, "rows_seen": seen, "skeleton": built_without_weights, "buffers": buffers,
+                    "weights": sharded.full_state_dict()}, f"{out}.{rank}")  # fmt: skip
     finally:
         close()
 
 
 @pytest.mark.timeout(300)
-def test_in_flight_scoring_is_split_over_two_ranks():
-    """``interrupt``'s stall at N = 2 (``scoring.score_split``): each rank's forward sees ⌈B / 2⌉ rows or
-    fewer — 8 rows → 4 and 4, 7 → 4 and 3, 1 → 1 and none (a one-token stand-in) — and both ranks get every
-    row's log-prob, equal to one process scoring all of them."""
+def test_rank_1_builds_no_weights_and_in_flight_scoring_is_split_over_two_ranks():
+    """Two things of a two-rank learner. The build: rank 1 makes the model on the meta device (no weights) and
+    after sharding holds rank 0's weights (gathered: equal to one process's) and rank 0's buffers (rotary
+    frequencies, which no state dict carries). ``interrupt``'s stall (``scoring.score_split``): each rank's
+    forward sees ⌈B / 2⌉ rows or fewer — 8 rows → 4 and 4, 7 → 4 and 3, 1 → 1 and none (a one-token
+    stand-in) — and both ranks get every row's log-prob, equal to one process scoring all of them (rank 1's
+    rows through its received weights and buffers)."""
     from rollcorr.engines import make_learner
     from rollcorr.proximal.scoring import score
 
@@ -301,10 +307,54 @@ def test_in_flight_scoring_is_split_over_two_ranks():
         torch.save(rollouts, data)
         mp.spawn(_split_worker, args=(_free_port(), data, out), nprocs=WORLD, join=True)
         per_rank = [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(WORLD)]
+    assert [got["skeleton"] for got in per_rank] == [False, True]
+    whole = one.model.state_dict()
+    assert per_rank[0]["weights"].keys() == whole.keys()
+    for key, value in whole.items():
+        torch.testing.assert_close(per_rank[0]["weights"][key], value, rtol=0, atol=0)
+    own_buffers = dict(one.model.named_buffers())
+    assert own_buffers and all(got["buffers"].keys() == own_buffers.keys() for got in per_rank)
+    for got in per_rank:
+        for name, value in own_buffers.items():
+            torch.testing.assert_close(got["buffers"][name], value, rtol=0, atol=0)
     assert per_rank[0]["rows_seen"] == [4, 4, 1] and per_rank[1]["rows_seen"] == [4, 3, 0]
     for got in per_rank:
         for scores, want in zip(got["scores"], expected):
             torch.testing.assert_close(scores, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["builtin", "builtin:moe"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_skeleton_has_the_loaded_models_layout_and_no_weights(path, dtype):
+    """``skeleton=True`` (a data-parallel rank > 0): every parameter and buffer of the loaded model, same names,
+    shapes, dtypes and tied embeddings, all on the meta device (no memory, nothing read)."""
+    from rollcorr.distributed.shard import _layout
+    from rollcorr.models.builtin import load_model
+
+    loaded, _ = load_model(path, dtype=dtype)
+    skeleton, _ = load_model(path, dtype=dtype, skeleton=True)
+    assert _layout(skeleton) == _layout(loaded)
+    assert all(t.is_meta for t in skeleton.state_dict().values())
+    tied = loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
+    assert (skeleton.get_output_embeddings().weight is skeleton.get_input_embeddings().weight) == tied
+
+
+def test_rank_0_must_load_the_weights():
+    """Rank 0 is where the other ranks' shards come from: a skeleton there is refused before any sharding."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rollcorr.distributed.group import Ranks
+    from rollcorr.distributed.shard import shard_learner
+    from rollcorr.engines import make_learner
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ranks = Ranks(0, 1, 0, torch.device("cpu"), init_device_mesh("cpu", (1,)), "gloo")
+        with pytest.raises(ValueError, match="rank 0 must load the model's weights"):
+            shard_learner(make_learner("hf:fp32", skeleton=True), ranks)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_sharded_learner_refuses_a_foreign_model():

@@ -10,6 +10,10 @@
              layer's ``forward``, and the shared-prompt path (``kvdecode.LlamaBlocks``) calls the layers'
              sub-modules by hand and each layer twice
 
+Building: rank 0 loads the weights; the other ranks may build the model as a skeleton on the meta device
+(``make_learner(..., skeleton=True)``, what the trainer does) and receive their shards from rank 0 after
+sharding (``load_from_rank0``), so no rank but rank 0 ever holds the whole model.
+
 At rest each rank holds 1/N of every parameter, gradient and AdamW state (``DTensor`` shards along dim 0);
 a layer's full weights exist only while it runs. Gradients are reduce-scattered with their mean over ranks
 (FSDP's default), so ``train/step.py`` scales each rank's loss by N (``Ranks.world``) to get the sum the
@@ -79,7 +83,13 @@ class ShardedLearner:
         self.ranks = ranks
         self.inner = learner
         learner.share_prompts = False  # transformers' decoder forward: FSDP gathers each layer in its forward
-        learner.model.to(ranks.device)
+        skeleton = any(p.is_meta for p in learner.model.parameters())
+        if skeleton and ranks.is_main:
+            raise ValueError("rank 0 must load the model's weights (skeleton=False): the other ranks' come from it")
+        from_rank0 = not ranks.all_true(not skeleton)  # some rank holds a skeleton (every rank takes this branch)
+        full = learner.model.state_dict() if from_rank0 and ranks.is_main else {}  # kept until sent
+        if not skeleton:
+            learner.model.to(ranks.device)
         learner.device = ranks.device
         kwargs: dict[str, Any] = {"mesh": ranks.mesh, "reshard_after_forward": reshard_after_forward}
         if mp_policy is not None:
@@ -91,6 +101,9 @@ class ShardedLearner:
         self.root = _ScoringRoot(learner)
         fully_shard(self.root, **kwargs)
         self.units.append(self.root)
+        if from_rank0:
+            load_from_rank0(learner.model, full, ranks)
+            del full
         self.model = learner.model
         self.tokenizer = learner.tokenizer
         self.device = ranks.device
@@ -202,6 +215,36 @@ def fsdp_options(reshard_after_forward: bool = True, param_dtype: str | None = N
             reduce_dtype=None if reduce_dtype is None else DTYPES[reduce_dtype],
         )
     return options
+
+
+def _layout(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, full shape, dtype) of every state-dict entry and buffer: what every rank must build alike."""
+    entries = list(model.state_dict().items()) + [(f"buffer:{n}", b) for n, b in model.named_buffers()]
+    return [(name, tuple(t.shape), str(t.dtype)) for name, t in entries]
+
+
+def load_from_rank0(model: nn.Module, full: dict[str, Tensor], ranks: Ranks) -> None:
+    """Fill every rank's shards of the sharded ``model`` from rank 0's weights (``full``: rank 0's whole
+    state dict taken before sharding; ``{}`` elsewhere), and its buffers (rotary frequencies and other
+    non-persistent ones included) from rank 0's. A rank built as a skeleton (meta device) gets memory first.
+    Every rank calls it. Each weight crosses whole, one at a time (``set_model_state_dict`` with
+    ``broadcast_from_rank0``), so a rank > 0 holds its shards plus one full weight at most."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from rollcorr.distributed.group import DistributedError
+
+    layout = _layout(model)
+    if not ranks.all_true(ranks.broadcast(layout) == layout):
+        raise DistributedError("the ranks built different models (the names, shapes or dtypes of some rank's "
+                               "weights and buffers differ from rank 0's): every rank must build the same model")  # fmt: skip
+    if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
+        model.to_empty(device=ranks.device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    with torch.no_grad():
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
 
 
 def shard_learner(learner, ranks: Ranks, **kwargs: Any) -> ShardedLearner:

@@ -238,7 +238,11 @@ class HFLearner:
         chunk_size: int = 4096,
         share_prompts: bool = True,
         routing_replay: str | None = None,
+        skeleton: bool = False,
     ) -> None:
+        """``skeleton``: the model's structure on the meta device, no weights read or held (a data-parallel
+        rank > 0: ``distributed.shard.ShardedLearner`` fills its shards from rank 0); it cannot score until
+        then."""
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be ≥ 1, got {chunk_size}")
         if routing_replay not in ROUTING_REPLAY_MODES:
@@ -246,8 +250,8 @@ class HFLearner:
         self.dtype = resolve_dtype(dtype)
         self.device = torch.device(device) if device is not None else default_device()
         self.model_path = str(model_path)
-        model, self.tokenizer = load_model(model_path, dtype=self.dtype, attn=attn)
-        self.model = model.to(self.device)
+        model, self.tokenizer = load_model(model_path, dtype=self.dtype, attn=attn, skeleton=skeleton)
+        self.model = model if skeleton else model.to(self.device)
         self.chunk_size = chunk_size  # vocabulary rows per lm-head chunk (rollcorr.logprobs)
         # Llama-family models with eager attention: score through LlamaBlocks with shared prompts
         # (share_prompts=False: one full forward through the transformers model, the reference)

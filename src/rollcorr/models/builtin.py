@@ -160,10 +160,13 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     attn: str = "eager",
     gguf_file: str | None = None,
+    skeleton: bool = False,
 ) -> tuple[nn.Module, object]:
     """Load (model, tokenizer) from a local HF directory or a ``BUILTIN_MODELS`` spelling, eval mode.
 
-    Local files only: nothing is downloaded. Raises FileNotFoundError for a missing path and ValueError
+    ``skeleton``: the model built from its config on the meta device, without reading or holding any weights
+    (a data-parallel rank > 0, whose shards come from rank 0: ``distributed.shard``); same parameter names,
+    shapes, dtypes and tied weights as the loaded model. Local files only: nothing is downloaded. Raises FileNotFoundError for a missing path and ValueError
     when the tokenizer's vocabulary does not fit the model's embedding matrix, or for an unknown dtype /
     attention implementation.
     """
@@ -181,9 +184,16 @@ def load_model(
         raise FileNotFoundError(f"{str(path)!r} has no config.json: not a Hugging Face model directory")
     extra = {} if gguf_file is None else {"gguf_file": gguf_file}
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, **extra)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, dtype=torch_dtype, attn_implementation=attn, **extra
-    )
+    if skeleton:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path, local_files_only=True, **extra)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation=attn)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=torch_dtype, attn_implementation=attn, **extra
+        )
     model.eval()
     check_tokenizer_matches(model, tokenizer)
     if tokenizer.pad_token_id is None:
