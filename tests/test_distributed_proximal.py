@@ -279,8 +279,13 @@ def _split_worker(rank: int, port: int, data: str, out: str) -> None:
         sharded.log_prob = counting
         scores = [score_split(sharded, rollout) for rollout in torch.load(data, weights_only=False)]
         buffers = {name: b.clone() for name, b in sharded.model.named_buffers()}
+        # routing replay through the sharded root: the MoE model (rank 1 a skeleton), rollouts carrying the
+        # sampler's experts, and a rank with no rows (its stand-in carries a routing too)
+        moe = shard_learner(make_learner("hf:fp32", "builtin:moe", routing_replay="r3",
+                                         skeleton=not ranks.is_main), ranks)  # fmt: skip
+        replayed = [score_split(moe, rollout) for rollout in torch.load(f"{data}.moe", weights_only=False)]
         torch.save({"scores": scores, "rows_seen": seen, "skeleton": built_without_weights, "buffers": buffers,
-                    "weights": sharded.full_state_dict()}, f"{out}.{rank}")  # fmt: skip
+                    "weights": sharded.full_state_dict(), "replayed": replayed}, f"{out}.{rank}")  # fmt: skip
     finally:
         close()
 
@@ -292,7 +297,9 @@ def test_rank_1_builds_no_weights_and_in_flight_scoring_is_split_over_two_ranks(
     frequencies, which no state dict carries). ``interrupt``'s stall (``scoring.score_split``): each rank's
     forward sees ⌈B / 2⌉ rows or fewer — 8 rows → 4 and 4, 7 → 4 and 3, 1 → 1 and none (a one-token
     stand-in) — and both ranks get every row's log-prob, equal to one process scoring all of them (rank 1's
-    rows through its received weights and buffers)."""
+    rows through its received weights and buffers). The same with routing replay on the MoE model: every
+    rank's scores are one process's replayed ones (the rollout's routing reaches the sharded forward; a rank
+    with no rows joins with a stand-in that carries a routing)."""
     from rollcorr.engines import make_learner
     from rollcorr.proximal.scoring import score
 
@@ -302,9 +309,25 @@ def test_rank_1_builds_no_weights_and_in_flight_scoring_is_split_over_two_ranks(
     one = make_learner("hf:fp32")
     one.share_prompts = False
     expected = [score(one, rollout) for rollout in rollouts]
+    from rollcorr.engines import SamplingParams, make_sampler
+    from rollcorr.tasks import AdditionTask
+
+    prompts = [item["prompt"] for item in AdditionTask(3).sample(4, seed=0, split="test")]
+    sampled = make_sampler("hf:fp32", "builtin:moe").generate(prompts, SamplingParams(max_new_tokens=6, seed=0), n=2)
+    replaying = make_learner("hf:fp32", "builtin:moe", routing_replay="r3")
+    experts = replaying.model.config.num_experts  # another valid routing: every chosen expert shifted by one
+    routed = sampled.replace(routed_experts=(sampled.routed_experts.long() + 1) % experts,
+                             prompt_routed_experts=(sampled.prompt_routed_experts.long() + 1) % experts)  # fmt: skip
+    moe_rollouts = [routed, routed.select([3])]
+    replaying.share_prompts = False
+    own_routing = make_learner("hf:fp32", "builtin:moe")
+    own_routing.share_prompts = False
+    replayed = [score(replaying, rollout) for rollout in moe_rollouts]
+    assert (replayed[0] - score(own_routing, routed)).abs().max() > 1e-6  # the replay changes the scores
     with tempfile.TemporaryDirectory() as tmp:
         data, out = os.path.join(tmp, "rollouts.pt"), os.path.join(tmp, "scores")
         torch.save(rollouts, data)
+        torch.save(moe_rollouts, f"{data}.moe")
         mp.spawn(_split_worker, args=(_free_port(), data, out), nprocs=WORLD, join=True)
         per_rank = [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(WORLD)]
     assert [got["skeleton"] for got in per_rank] == [False, True]
@@ -318,6 +341,9 @@ def test_rank_1_builds_no_weights_and_in_flight_scoring_is_split_over_two_ranks(
         for name, value in own_buffers.items():
             torch.testing.assert_close(got["buffers"][name], value, rtol=0, atol=0)
     assert per_rank[0]["rows_seen"] == [4, 4, 1] and per_rank[1]["rows_seen"] == [4, 3, 0]
+    for got in per_rank:
+        for scores, want in zip(got["replayed"], replayed):
+            torch.testing.assert_close(scores, want, rtol=0, atol=1e-5)
     for got in per_rank:
         for scores, want in zip(got["scores"], expected):
             torch.testing.assert_close(scores, want, rtol=0, atol=1e-5)

@@ -34,7 +34,9 @@ import torch
 from torch import Tensor, nn
 
 from rollcorr.distributed.group import Ranks
+from rollcorr.engines.hf import unpack
 from rollcorr.proximal.scoring import local_tensor  # a DTensor's shard; other tensors as they are
+from rollcorr.rollout import Rollout
 
 
 class _ScoringRoot(nn.Module):
@@ -45,10 +47,25 @@ class _ScoringRoot(nn.Module):
         self.model = learner.model
         self.__dict__["_learner"] = learner  # not a submodule: its model is already registered above
 
-    def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
-                temperature: float, with_entropy: bool, grad: bool):  # fmt: skip
-        batch = (prompt_ids, prompt_mask, response_ids, response_mask)
-        return self._learner.log_prob(batch, temperature=temperature, with_entropy=with_entropy, grad=grad)
+    def forward(self, rollout_or_input, temperature: float, with_entropy: bool, grad: bool):
+        # the Rollout itself when there is one: its routed experts are what routing replay forces
+        return self._learner.log_prob(rollout_or_input, temperature=temperature, with_entropy=with_entropy, grad=grad)
+
+
+def one_row_stand_in(rollout_or_input):
+    """A one-row input of the same widths, for a rank with no rows to join the collectives with: ids and masks
+    1; a Rollout's routed experts (routing replay) expert j in top-k slot j, so the replay stays valid."""
+    prompt_ids, prompt_mask, response_ids, response_mask = (x.new_ones((1, x.shape[1])) for x in unpack(rollout_or_input))
+    if not isinstance(rollout_or_input, Rollout):
+        return prompt_ids, prompt_mask, response_ids, response_mask
+
+    def routing(x: Tensor | None) -> Tensor | None:
+        return None if x is None else torch.arange(x.shape[-1], dtype=x.dtype).expand(1, *x.shape[1:]).clone()
+
+    return Rollout(prompt_ids, prompt_mask, response_ids, response_mask, rollout_log_prob=None,
+                   version=response_ids.new_zeros(response_ids.shape), group_ids=response_ids.new_zeros((1,)),
+                   routed_experts=routing(rollout_or_input.routed_experts),
+                   prompt_routed_experts=routing(rollout_or_input.prompt_routed_experts))  # fmt: skip
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -135,19 +152,16 @@ class ShardedLearner:
         """``HFLearner.log_prob`` through the FSDP root (every rank calls it, with its own rows). The result
         comes back on the rollout's device (the correction and loss run where the rollout is; on a GPU the
         backward crosses back once per micro-batch)."""
-        from rollcorr.engines.hf import unpack
-
         if self.model is not self.inner.model:  # proximal.scoring.with_model: the root would score its own
             raise TypeError("a sharded learner scores with its own sharded model only; hold other weights as "
                             "proximal.scoring.copy_state copies and score them with score(..., weights=)")  # fmt: skip
-        batch = unpack(rollout_or_input)
-        rows = batch[2].shape[0]
-        if rows == 0:  # join the collectives with a one-token stand-in; nothing to return
-            batch = tuple(x.new_ones((1, x.shape[1])) for x in batch)
-        out = self.root(*batch, temperature, with_entropy, grad)
+        response_ids = unpack(rollout_or_input)[2]
+        rows, home = response_ids.shape[0], response_ids.device
+        if rows == 0:  # join the collectives with a one-row stand-in; nothing to return
+            rollout_or_input = one_row_stand_in(rollout_or_input)
+        out = self.root(rollout_or_input, temperature, with_entropy, grad)
         if not grad:
             self.reshard()
-        home = batch[2].device
         outs = out if isinstance(out, tuple) else (out,)
         outs = tuple(x[:rows].to(home) for x in outs)
         return outs if isinstance(out, tuple) else outs[0]
