@@ -352,7 +352,28 @@ def confirm_collapse(r: dict[str, Any]) -> list[Row]:
             out.append(Row(rows2[0].study, "confirmatory: every arm's final score, the secondary comparison and the "
                            "early warning (reported, not decided by the protocol)", OBSERVATION,
                            confirm_secondary(rung2, rung2["early_warning"])))  # fmt: skip
+        answer = study_answer(s)
+        if answer is not None:
+            out.append(Row("7 (its answer)", f"confirmatory: the central claim, {CENTRAL_CLAIM}", answer,
+                           LADDER_ANSWER))  # fmt: skip
     return out
+
+
+CENTRAL_CLAIM = "a low-precision sampler breaks uncorrected RL on long responses; the correction repairs it"
+LADDER_ANSWER = ("neither rung separates fp32/ppo from q4_0/ppo, so by the protocol's stress ladder the claim is not "
+                 "reproduced on this task at 150 and at 300 steps, and that is the study's answer")
+
+
+def study_answer(s: dict[str, Any]) -> str | None:
+    """Study 7's answer as its protocol defines one: "not reproduced" when rung 2 has run in full and does not
+    separate its first comparison either; None otherwise (then each rung's verdicts are the report)."""
+    from experiments.confirm_collapse import COMPARISONS
+
+    rung2 = _rung2(s)
+    if not (s["complete"] and s["rung2_called"] and rung2["complete"]):
+        return None
+    first = rung2["tests"]["{} vs {}".format(*COMPARISONS[2][0])]["verdict"]
+    return "not reproduced" if first == "not reproduced" else None
 
 
 def _ladder_verdict(s: dict[str, Any]) -> str:
@@ -665,6 +686,8 @@ def readme_confirmatory(results: Path = RESULTS) -> str:
         rung2 = _rung2(s)
         text += (f" Rung 2 ({RUNGS[2][0]} steps, run because the first comparison of rung 1 is {_ladder_verdict(s)}): "
                  f"{_rung_verdicts(rung2, len(RUNGS[2][1]) * len(SEEDS))}.")  # fmt: skip
+    if study_answer(s) is not None:
+        text += f" The study's answer: **{study_answer(s)}** — {LADDER_ANSWER}."
     return text
 
 

@@ -160,6 +160,30 @@ def test_the_docs_state_each_rung_as_its_rule_gives_it(tmp_path):
     )
 
 
+def test_the_studys_answer_is_stated_only_where_the_ladder_defines_one(tmp_path):
+    """The protocol defines the study's answer in one case: rung 2 does not separate fp32/ppo from q4_0/ppo
+    either → "not reproduced at 150 and at 300 steps". Then a summary row and the README say so; while rung 2
+    is pending, or when it separates, neither does (each rung's verdicts are the report)."""
+    from experiments import summary
+
+    out = tmp_path / "confirm_collapse"
+    _write_runs(out, 1, {"fp32/ppo": 0.6, "q4_0/ppo": 0.6, "q4_0/tis": 0.6, "q4_0/icepop": 0.6, "fp16/ppo": 0.6,
+                         "bf16/ppo": 0.6})  # fmt: skip
+    assert summary.study_answer(cc.assemble(out)["summary"]) is None  # rung 2 called, not run
+    _write_runs(out, 2, {"fp32/ppo": 0.6, "q4_0/ppo": 0.6, "q4_0/tis": 0.6})
+    report = cc.assemble(out)
+    assert summary.study_answer(report["summary"]) == "not reproduced"
+    answer = [row for row in summary.confirm_collapse(report) if row.study == "7 (its answer)"]
+    assert len(answer) == 1 and answer[0].verdict == "not reproduced" and "at 150 and at 300 steps" in answer[0].numbers
+    assert "The study's answer: **not reproduced** — neither rung separates" in summary.readme_confirmatory(tmp_path)
+
+    _write_runs(out, 2, {"fp32/ppo": 0.7, "q4_0/ppo": 0.5, "q4_0/tis": 0.5})  # rung 2 separates: no answer row
+    report = cc.assemble(out)
+    assert summary.study_answer(report["summary"]) is None
+    assert not [row for row in summary.confirm_collapse(report) if row.study == "7 (its answer)"]
+    assert "The study's answer" not in summary.readme_confirmatory(tmp_path)
+
+
 def test_no_rung_2_when_rung_1_reproduces_the_claim(tmp_path):
     from experiments import summary
 
