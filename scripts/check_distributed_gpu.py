@@ -69,9 +69,17 @@ def main() -> int:
         # trainer.fsdp.param_dtype=bf16 trainer.fsdp.reduce_dtype=fp32 with --bf16 (the trainer's own mapping)
         options = fsdp_options(param_dtype="bf16", reduce_dtype="fp32") if args.bf16 else fsdp_options()
         torch.manual_seed(0)
-        learner = make_learner("hf:fp32", device=str(ranks.device), skeleton=not ranks.is_main)  # as the trainer
+        learner = make_learner("hf:fp32", device="cpu", skeleton=not ranks.is_main)  # as the trainer builds it
         learner.model.train(False)
+        whole = sum(t.numel() * t.element_size() for t in learner.model.state_dict().values())
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         sharded = shard_learner(learner, ranks, **options)
+        if args.device == "cuda":
+            built = torch.cuda.max_memory_allocated()
+            say(ranks, f"2a. building: rank 0's GPU peaked at {built / 2**20:.2f} MiB while sharding "
+                       f"(the whole model: {whole / 2**20:.2f} MiB in host memory; at N > 1 the peak is its shards "
+                       f"and one unit, not the whole)")  # fmt: skip
         step_config, proximal = build_step_config(config), build_proximal(config)
         optimizer = torch.optim.AdamW([p for p in sharded.model.parameters() if p.requires_grad], lr=3e-4)
         start = time.perf_counter()

@@ -12,7 +12,9 @@
 
 Building: rank 0 loads the weights; the other ranks may build the model as a skeleton on the meta device
 (``make_learner(..., skeleton=True)``, what the trainer does) and receive their shards from rank 0 after
-sharding (``load_from_rank0``), so no rank but rank 0 ever holds the whole model.
+sharding (``load_from_rank0``), so no rank but rank 0 ever holds the whole model. The trainer builds rank 0's
+in host memory: ``fully_shard`` moves each unit's weights to the rank's device as it shards it, so no GPU
+holds more than its shards and one unit's full weights while the model is built.
 
 At rest each rank holds 1/N of every parameter, gradient and AdamW state (``DTensor`` shards along dim 0);
 a layer's full weights exist only while it runs. Gradients are reduce-scattered with their mean over ranks
@@ -105,9 +107,7 @@ class ShardedLearner:
             raise ValueError("rank 0 must load the model's weights (skeleton=False): the other ranks' come from it")
         from_rank0 = not ranks.all_true(not skeleton)  # some rank holds a skeleton (every rank takes this branch)
         full = learner.model.state_dict() if from_rank0 and ranks.is_main else {}  # kept until sent
-        if not skeleton:
-            learner.model.to(ranks.device)
-        learner.device = ranks.device
+        learner.device = ranks.device  # fully_shard moves each unit's weights there as it shards it
         kwargs: dict[str, Any] = {"mesh": ranks.mesh, "reshard_after_forward": reshard_after_forward}
         if mp_policy is not None:
             kwargs["mp_policy"] = mp_policy

@@ -191,10 +191,12 @@ def build_learner(config: TrainConfig, ranks=None) -> tuple[Any, torch.optim.Opt
     """The learner (eval mode: no dropout, it scores exactly what it trains) and its AdamW optimizer. With
     ``ranks`` (``rollcorr.distributed``) the learner is sharded first, so the optimizer holds this rank's
     1/N of every weight (the DTensor shards); ranks > 0 build the model as a skeleton and get their shards
-    from rank 0, so only rank 0 ever holds the whole model."""
+    from rank 0, so only rank 0 ever holds the whole model, and it holds it in host memory (sharding moves
+    each unit to the rank's device)."""
     skeleton = ranks is not None and not ranks.is_main
+    device = "cpu" if ranks is not None else None  # None: one process, the default device
     learner = make_learner(config.model.learner, _model_path(config), routing_replay=config.model.routing_replay,
-                           skeleton=skeleton)  # fmt: skip
+                           skeleton=skeleton, device=device)  # fmt: skip
     learner.model.train(False)
     if ranks is not None:
         from rollcorr.distributed.shard import fsdp_options, shard_learner
