@@ -383,6 +383,35 @@ def test_rank_0_must_load_the_weights():
         dist.destroy_process_group()
 
 
+def test_ranks_that_built_different_models_get_one_line_before_any_weight_moves():
+    """``load_from_rank0`` compares every rank's layout with rank 0's first: a rank that built another model
+    (here rank 0's is stood in by the MoE model's layout) gets a one-line DistributedError on every rank,
+    before ``to_empty`` or a broadcast of weights (the skeleton is still on the meta device)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rollcorr.distributed.group import DistributedError, Ranks
+    from rollcorr.distributed.shard import _layout, load_from_rank0
+    from rollcorr.models.builtin import load_model
+
+    skeleton, _ = load_model("builtin", skeleton=True)
+    other = _layout(load_model("builtin:moe", skeleton=True)[0])
+
+    class OtherRank0(Ranks):
+        def broadcast(self, obj, src=0):  # what rank 0 would send: its own, different layout
+            return other
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ranks = OtherRank0(0, 1, 0, torch.device("cpu"), init_device_mesh("cpu", (1,)), "gloo")
+        with pytest.raises(DistributedError, match="the ranks built different models") as err:
+            load_from_rank0(skeleton, {}, ranks)
+    finally:
+        dist.destroy_process_group()
+    assert "\n" not in str(err.value)
+    assert all(p.is_meta for p in skeleton.parameters())
+
+
 def test_sharded_learner_refuses_a_foreign_model():
     """A strategy handing a sharded learner a module of its own (``with_model``) would score with the live
     weights through the FSDP root: refused, not silently wrong."""
