@@ -200,8 +200,9 @@ def test_no_rung_2_when_rung_1_reproduces_the_claim(tmp_path):
         cc.main(["--rung", "2", "--out", str(out)])
 
 
-def test_the_hand_written_prose_on_rung_1_agrees_with_the_results():
-    """docs/results.md's paragraph on rung 1 and its wall-time row say what the results and run files hold."""
+def test_the_hand_written_prose_on_each_rung_agrees_with_the_results():
+    """docs/results.md's paragraph on rung 1 and its wall-time row say what the results and run files hold; once
+    rung 2 is complete, its paragraph and wall times too."""
     report = json.loads((ROOT / "experiments/results/confirm_collapse/results.json").read_text())
     s = report["summary"]
     text = (ROOT / "docs/results.md").read_text()
@@ -220,6 +221,13 @@ def test_the_hand_written_prose_on_rung_1_agrees_with_the_results():
     for group, values in seconds.items():
         low, high = (f"{round(x):,}".replace(",", " ") for x in (min(values), max(values)))
         assert f"{group} runs {low}–{high} s" in text, (group, low, high)
+    rung2 = s.get("rung2", {"complete": False})
+    if rung2["complete"]:  # then its own paragraph and its wall times, from its run files
+        assert "**Rung 2 is complete**" in text
+        values = [json.loads(path.read_text())["seconds"]
+                  for path in (ROOT / "experiments/results/confirm_collapse/runs").glob("rung2_*.json")]  # fmt: skip
+        low, high = (f"{round(x):,}".replace(",", " ") for x in (min(values), max(values)))
+        assert f"rung 2: runs {low}–{high} s" in text, (low, high)
 
 
 def test_rung_2_is_called_and_named_when_rung_1_gives_the_opposite(tmp_path):
