@@ -200,6 +200,12 @@ def test_no_rung_2_when_rung_1_reproduces_the_claim(tmp_path):
         cc.main(["--rung", "2", "--out", str(out)])
 
 
+def _seconds_span(values: list[float]) -> str:
+    """"low–high" wall seconds as docs/results.md writes them (thousands with a thin space)."""
+    low, high = (f"{round(x):,}".replace(",", " ") for x in (min(values), max(values)))
+    return f"{low}–{high}"
+
+
 def test_the_hand_written_prose_on_each_rung_agrees_with_the_results():
     """docs/results.md's paragraph on rung 1 and its wall-time row say what the results and run files hold; once
     rung 2 is complete, its paragraph and wall times too."""
@@ -219,15 +225,13 @@ def test_the_hand_written_prose_on_each_rung_agrees_with_the_results():
         run = json.loads(path.read_text())
         seconds["fp16 and bf16" if run["arm"].split("/")[0] in ("fp16", "bf16") else "fp32 and q4_0"].append(run["seconds"])
     for group, values in seconds.items():
-        low, high = (f"{round(x):,}".replace(",", " ") for x in (min(values), max(values)))
-        assert f"{group} runs {low}–{high} s" in text, (group, low, high)
+        assert f"{group} runs {_seconds_span(values)} s" in text, (group, _seconds_span(values))
     rung2 = s.get("rung2", {"complete": False})
     if rung2["complete"]:  # then its own paragraph and its wall times, from its run files
         assert "**Rung 2 is complete**" in text
         values = [json.loads(path.read_text())["seconds"]
                   for path in (ROOT / "experiments/results/confirm_collapse/runs").glob("rung2_*.json")]  # fmt: skip
-        low, high = (f"{round(x):,}".replace(",", " ") for x in (min(values), max(values)))
-        assert f"rung 2: runs {low}–{high} s" in text, (low, high)
+        assert f"rung 2: runs {_seconds_span(values)} s" in text, _seconds_span(values)
 
 
 def test_rung_2_is_called_and_named_when_rung_1_gives_the_opposite(tmp_path):
