@@ -346,7 +346,7 @@ def confirm_collapse(r: dict[str, Any]) -> list[Row]:
         claims = {key: CONFIRM_CLAIMS[key] for key in ("{} vs {}".format(*pair) for pair in COMPARISONS[2])}
         rows2 = protocol_rows(f"7 (rung 2: {steps} steps)", rung2, claims, "confirmatory: ", PROTOCOL,
                               len(RUNGS[2][1]) * len(SEEDS), "rung-2 runs")  # fmt: skip
-        called = f"rung 2 runs because rung 1's first comparison is {_ladder_verdict(s)}"
+        called = f"rung 2 {'ran' if rung2['complete'] else 'runs'} because rung 1's first comparison is {_ladder_verdict(s)}"
         out += [Row(row.study, row.claim, row.verdict, row.numbers, called) for row in rows2]
         if rung2["complete"]:
             out.append(Row(rows2[0].study, "confirmatory: every arm's final score, the secondary comparison and the "

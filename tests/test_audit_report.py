@@ -213,7 +213,7 @@ def test_log_axes_always_show_two_labelled_ticks(values):
 
 def test_suggestion_evidence_quotes_the_studies_numbers_as_recorded():
     """Every score the suggestion table quotes is an arm mean of study 6's results file, or an arm mean, a
-    difference or a Holm-adjusted p of study 7's (3 decimals)."""
+    difference or a Holm-adjusted p of study 7's, either rung (3 decimals)."""
     import json
     import re
     from pathlib import Path
@@ -224,8 +224,9 @@ def test_suggestion_evidence_quotes_the_studies_numbers_as_recorded():
     final = json.loads((results / "long_mismatch/results.json").read_text())["final"]
     recorded = {f"{cell['eval/reward']['mean']:.3f}" for cells in final.values() for cell in cells.values()}
     confirm = json.loads((results / "confirm_collapse/results.json").read_text())["summary"]
-    recorded |= {f"{a['final_score_mean']:.3f}" for a in confirm["arms"].values()}
-    recorded |= {f"{abs(t[key]):.3f}" for t in confirm["tests"].values() for key in ("difference", "p_holm")}
+    for rung in (confirm, confirm.get("rung2", {"arms": {}, "tests": {}})):  # rung 1, and rung 2 (300 steps)
+        recorded |= {f"{a['final_score_mean']:.3f}" for a in rung["arms"].values()}
+        recorded |= {f"{abs(t[key]):.3f}" for t in rung["tests"].values() for key in ("difference", "p_holm")}
     quoted = {n for entry in SUGGESTIONS.values() for n in re.findall(r"\b0\.\d{3}\b", entry["evidence"])}
     assert quoted and quoted <= recorded, sorted(quoted - recorded)
     page = (results.parents[1] / "docs/audit.md").read_text()

@@ -154,6 +154,7 @@ def test_the_docs_state_each_rung_as_its_rule_gives_it(tmp_path):
     report = cc.assemble(out)
     rung2 = [row for row in summary.confirm_collapse(report) if row.study.startswith("7 (rung 2")]
     assert [row.verdict for row in rung2] == ["reproduced", "not reproduced", summary.OBSERVATION]
+    assert rung2[0].note == "rung 2 ran because rung 1's first comparison is not reproduced"  # runs → ran
     assert "fp32/ppo vs q4_0/tis: +0.200" in rung2[-1].numbers
     assert '"a 4-bit sampler makes uncorrected GRPO learn worse on 70-token answers" is **reproduced** (fp32/ppo' in (
         summary.readme_confirmatory(tmp_path).split("Rung 2")[1]
@@ -209,6 +210,8 @@ def _seconds_span(values: list[float]) -> str:
 def test_the_hand_written_prose_on_each_rung_agrees_with_the_results():
     """docs/results.md's paragraph on rung 1 and its wall-time row say what the results and run files hold; once
     rung 2 is complete, its paragraph and wall times too."""
+    from experiments import summary
+
     report = json.loads((ROOT / "experiments/results/confirm_collapse/results.json").read_text())
     s = report["summary"]
     text = (ROOT / "docs/results.md").read_text()
@@ -232,6 +235,31 @@ def test_the_hand_written_prose_on_each_rung_agrees_with_the_results():
         values = [json.loads(path.read_text())["seconds"]
                   for path in (ROOT / "experiments/results/confirm_collapse/runs").glob("rung2_*.json")]  # fmt: skip
         assert f"rung 2: runs {_seconds_span(values)} s" in text, _seconds_span(values)
+        paragraph = text[text.index("**Rung 2 is complete**") :].split("\n\n")[0]
+        first, tis = rung2["tests"]["fp32/ppo vs q4_0/ppo"], rung2["tests"]["q4_0/tis vs q4_0/ppo"]
+        # "neither comparison separates ... the ladder gives the study's answer"
+        assert first["verdict"] == tis["verdict"] == "not reproduced" and summary.study_answer(s) == "not reproduced"
+        # "ends 0.050 below fp32 (0.037 at 150 steps) ... interval just above zero ... p = 0.062, and 0.124 after Holm"
+        assert first["ci95"][0] > 0 and first["p_value"] > 0.05 and first["p_holm"] > 0.05
+        quoted = [f"{first['difference']:.3f} below fp32", f"({s['tests']['fp32/ppo vs q4_0/ppo']['difference']:.3f} at 150",
+                  f"p = {first['p_value']:.3f}, and {first['p_holm']:.3f} after", f"TIS ends {tis['difference']:.3f}"]  # fmt: skip
+        assert all(q in " ".join(paragraph.split()) for q in quoted), quoted
+        assert first["ci95"][1] < 0.1 + 0.005 and tis["ci95"][0] < 0  # "up to about 0.1"; "reaching below zero"
+        # "one run of the whole study has a sustained collapse: q4_0/ppo seed 13 ..."
+        collapsed = [w for w in report["rung1"]["early_warning"]["runs"] + rung2["early_warning"]["runs"]
+                     if w["collapse_step"] is not None]  # fmt: skip
+        assert [(w["arm"], w["seed"]) for w in collapsed] == [("q4_0/ppo", 13)] and first["collapse_fisher_p"] == 0.5
+        run = json.loads((ROOT / "experiments/results/confirm_collapse/runs/rung2_q4_0-ppo_s13.json").read_text())
+        evals = dict((step, score) for step, score in run["evals"])
+        assert f"{evals[25]:.3f} at step 25 to {evals[75]:.3f} at step 75 and recovered to {evals[300]:.3f}" in (
+            " ".join(paragraph.split()))
+        # "k3 fired before that collapse but also in all 19 ... runs without one; the max-|Δp| metric only after it"
+        k3, dp = (rung2["early_warning"]["metrics"][f"rollout_corr/{m}"] for m in ("k3_kl", "prob_diff_seq_max_mean"))
+        assert k3["hits"] == 1 and k3["false_alarms"] == k3["steady"] == 19 and dp["hits"] == 0
+        assert collapsed[0]["rollout_corr/prob_diff_seq_max_mean"] > collapsed[0]["collapse_step"]
+        readme = " ".join((ROOT / "README.md").read_text().split())
+        runs1 = summary.finished_runs(s)
+        assert f"Study 7 is complete ({runs1} runs at 150 steps, {rung2['runs']} at 300)" in readme
 
 
 def test_rung_2_is_called_and_named_when_rung_1_gives_the_opposite(tmp_path):

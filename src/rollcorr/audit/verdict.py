@@ -84,10 +84,11 @@ SUGGESTIONS: dict[str, dict[str, str]] = {
     },
     "beyond": {
         "preset": "tis",
-        "evidence": "study 7 (docs/results.md, 10 seeds per arm, 150 steps): with a q4_0 sampler uncorrected GRPO "
-        "ended 0.037 below fp32 and token TIS 0.016 above uncorrected, neither separated (Holm p 0.411 and 1): "
-        "TIS is a cheap guard here, not a shown repair (its 300-step rung runs); study 6 (3 seeds): token TIS "
-        "(0.661) above TRL-style sequence MIS (0.565, separated)",
+        "evidence": "study 7 (docs/results.md, 10 seeds per arm): with a q4_0 sampler uncorrected GRPO ended 0.037 "
+        "below fp32 at 150 steps and 0.050 below at 300, token TIS 0.016 and 0.025 above uncorrected; none "
+        "separated (Holm p 0.411, 1, 0.124, 0.354), so the harm and the repair are not reproduced on its task: "
+        "TIS is a cheap guard, not a shown repair; study 6 (3 seeds): token TIS (0.661) above TRL-style "
+        "sequence MIS (0.565, separated)",
     },
 }
 
