@@ -257,6 +257,15 @@ def test_the_hand_written_prose_on_each_rung_agrees_with_the_results():
         k3, dp = (rung2["early_warning"]["metrics"][f"rollout_corr/{m}"] for m in ("k3_kl", "prob_diff_seq_max_mean"))
         assert k3["hits"] == 1 and k3["false_alarms"] == k3["steady"] == 19 and dp["hits"] == 0
         assert collapsed[0]["rollout_corr/prob_diff_seq_max_mean"] > collapsed[0]["collapse_step"]
+        # the exploratory paragraph's sample size: normal approximation, α = 0.025 two-sided, 80 % power
+        from statistics import NormalDist
+
+        sd = ((rung2["arms"]["fp32/ppo"]["final_score_std"] ** 2 + rung2["arms"]["q4_0/ppo"]["final_score_std"] ** 2) / 2) ** 0.5
+        z = NormalDist().inv_cdf(1 - 0.025 / 2) + NormalDist().inv_cdf(0.8)
+        seeds = math.ceil(2 * (z * sd / first["difference"]) ** 2)
+        exploratory = " ".join(text[text.index("**Exploratory (written after the results") :].split("\n\n")[0].split())
+        assert f"pooled: {sd:.3f})" in exploratory and f"about {seeds} seeds per arm" in exploratory, (sd, seeds)
+        assert f"difference of {first['difference']:.3f}, rung 2's estimate" in exploratory
         readme = " ".join((ROOT / "README.md").read_text().split())
         runs1 = summary.finished_runs(s)
         assert f"Study 7 is complete ({runs1} runs at 150 steps, {rung2['runs']} at 300)" in readme
