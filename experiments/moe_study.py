@@ -208,8 +208,9 @@ def read_files(folder: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
 
 
-def training_summary(runs: Sequence[dict[str, Any]], seeds: Sequence[int] = SEEDS) -> dict[str, Any]:
-    """Per-arm endpoint and collapses, P1-P4 with Holm's rule, the secondary comparisons."""
+def training_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per-arm endpoint and collapses, P1-P4 with Holm's rule, the secondary comparisons. Complete (verdicts
+    given) only when every compared arm has the protocol's seeds (``SEEDS``), whatever ran (``--quick``: one)."""
     scores = {arm: [r["final_score"] for r in runs if r["arm"] == arm] for arm in ARMS}
     collapses = {arm: sum(rules.sustained_collapse(r["evals"]) is not None for r in runs if r["arm"] == arm)
                  for arm in ARMS}  # fmt: skip
@@ -217,7 +218,7 @@ def training_summary(runs: Sequence[dict[str, Any]], seeds: Sequence[int] = SEED
                   "final_score_std": statistics.stdev(v) if len(v) > 1 else 0.0,
                   "final_score_ci95": rules.mean_ci(v) if len(v) > 1 else None, "collapses": collapses[arm]}
             for arm, v in scores.items() if v}  # fmt: skip
-    complete = all(len(scores[a]) >= len(seeds) for pair in COMPARISONS for a in pair)
+    complete = all(len(scores[a]) >= len(SEEDS) for pair in COMPARISONS for a in pair)
     pairs = [(hi, lo) for hi, lo in COMPARISONS if len(scores[hi]) > 1 and len(scores[lo]) > 1]
     raw = [rules.permutation_p(scores[hi], scores[lo]) for hi, lo in pairs]
     tests = {}
@@ -243,15 +244,15 @@ def protocol_commit() -> str | None:
     return first_commit(PROTOCOL)
 
 
-def assemble(out: Path, seeds: Sequence[int] = SEEDS) -> dict[str, Any]:
+def assemble(out: Path) -> dict[str, Any]:
     audits = {a["audit"]: a for a in read_files(out / "audits")}
     runs = read_files(out / "runs")
-    training = training_summary(runs, seeds)
+    training = training_summary(runs)
     summary = {"protocol": PROTOCOL, "protocol_commit": protocol_commit(), "alpha": rules.ALPHA,
                "complete": training["complete"], "arms": training["arms"], "tests": training["tests"],
                "secondary": training["secondary"], "mismatch": mismatch_rules(audits)}  # fmt: skip
     everything = [*audits.values(), *runs]
-    report = {"study": "moe", "summary": summary, "audits": audits, "seeds": list(seeds), "steps": STEPS,
+    report = {"study": "moe", "summary": summary, "audits": audits, "seeds": list(SEEDS), "steps": STEPS,
               "machines": [json.loads(m) for m in sorted({json.dumps(r["machine"], sort_keys=True) for r in everything})],
               "code_commits": sorted({r["code_commit"] or "" for r in everything})}  # fmt: skip
     write_json(report, out / "results.json")
@@ -281,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         for arm, seed in schedule(seeds)[k - 1 :: n]:
             if one_run(arm, seed, out, args.quick) is None:
                 break
-    report = assemble(out, seeds)
+    report = assemble(out)
     runs = sum(a["seeds"] for a in report["summary"]["arms"].values())
     print(
         f"moe_study: {len(report['audits'])} audits, {runs} runs, wall time {clock.seconds:.1f} s → {out / 'results.json'}"

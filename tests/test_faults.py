@@ -60,7 +60,10 @@ def tiny(tmp_path, model_dir, *overrides, name="run"):
 
 
 def lines(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    """The complete records of ``metrics.jsonl``: a test polling a live run can read a line the trainer is
+    still writing (a write is not atomic for a concurrent reader), so a last line without its newline is left."""
+    complete = (run_dir / "metrics.jsonl").read_text().split("\n")[:-1]
+    return [json.loads(x) for x in complete if x.strip()]
 
 
 def steps_logged(run_dir: Path) -> list[int]:
