@@ -245,12 +245,14 @@ def test_the_hand_written_prose_on_each_rung_agrees_with_the_results():
                   f"p = {first['p_value']:.3f}, and {first['p_holm']:.3f} after", f"TIS ends {tis['difference']:.3f}"]  # fmt: skip
         assert all(q in " ".join(paragraph.split()) for q in quoted), quoted
         assert first["ci95"][1] < 0.1 + 0.005 and tis["ci95"][0] < 0  # "up to about 0.1"; "reaching below zero"
-        # "one run of the whole study has a sustained collapse: q4_0/ppo seed 13 ..."
+        # "one run of the whole study has a sustained collapse: q4_0/ppo seed 13 ..." (rung 1 has none: above);
+        # the arms count every arm's collapses, the early-warning table names the mismatched arms' runs
+        assert {arm: a["collapses"] for arm, a in rung2["arms"].items() if a["collapses"]} == {"q4_0/ppo": 1}
         collapsed = [w for w in report["rung1"]["early_warning"]["runs"] + rung2["early_warning"]["runs"]
                      if w["collapse_step"] is not None]  # fmt: skip
         assert [(w["arm"], w["seed"]) for w in collapsed] == [("q4_0/ppo", 13)] and first["collapse_fisher_p"] == 0.5
         run = json.loads((ROOT / "experiments/results/confirm_collapse/runs/rung2_q4_0-ppo_s13.json").read_text())
-        evals = dict((step, score) for step, score in run["evals"])
+        evals = dict(run["evals"])  # [step, score] pairs
         assert f"{evals[25]:.3f} at step 25 to {evals[75]:.3f} at step 75 and recovered to {evals[300]:.3f}" in (
             " ".join(paragraph.split()))
         # "k3 fired before that collapse but also in all 19 ... runs without one; the max-|Δp| metric only after it"
