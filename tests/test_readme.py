@@ -374,6 +374,10 @@ RUN = {
     ("docs/builtin-model.md", "from rollcorr.models.builtin import load_builtin, load_model, BUILTIN_DIR"): "python",
     ("docs/configuration.md", "# correction.yaml"): "correction_yaml",
     ("docs/engines.md", "from rollcorr.engines import make_sampler, make_learner, SamplingParams"): "python",
+    ("docs/engines.md", "rollcorr audit --sampler hf:rtn4 --learner hf:fp32 -n 64 --out runs/audit-rtn4   # how far is a 4-bit rollout?"):
+        "audit",
+    ("docs/engines.md", "rollcorr train model.sampler=hf:rtn3 algorithm.correction.preset=tis               # train through a 3-bit one"):
+        "train",
     ("docs/logprobs.md", "from rollcorr.logprobs import logprobs_from_hidden, logprobs_from_logits"): "python",
     ("docs/losses.md", "from rollcorr.losses import LossConfig, policy_loss"): "python",
     ("docs/architecture.md", "import torch"): "python",

@@ -2,7 +2,7 @@
 
 Spec grammar ``backend[:option[:option]]``, options in any order:
 
-    hf[:fp32|bf16|fp16|int8][:eager|sdpa]     transformers (default fp32, eager)
+    hf[:fp32|bf16|fp16|int8|rtn<k>][:eager|sdpa]   transformers (default fp32, eager; rtn2 … rtn8: k-bit weights)
     llamacpp[:<quant>]                        llama.cpp via GGUF, e.g. llamacpp:q8_0 (rollcorr.engines.llamacpp)
     vllm[:fp32|bf16|fp16]                     vLLM (rollcorr.engines.vllm; default bf16)
 

@@ -8,7 +8,8 @@ distribution with a seeded ``torch.Generator``, and log μ of that token plus th
 recorded. Rows stop at EOS. For a mixture-of-experts model the routers' choices are captured through the loop
 (rollcorr.moe): the prefill gives every prompt position's experts, each decode step the experts of the
 position that predicts the next token (``Rollout.routed_experts``, ``prompt_routed_experts``). Dtype float32 / bfloat16 / float16, attention eager / sdpa, or int8 dynamic
-quantisation of every ``nn.Linear`` (float32 activations, int8 weights).
+quantisation of every ``nn.Linear`` (float32 activations, int8 weights), or ``rtn<k>``: weights rounded to k bits in
+blocks of 32 (``engines/fake_quant.py``), float32 compute — a mismatch of a chosen size and nothing else.
 
 Learner: full-sequence forwards over prompt + response (Llama-family models: each distinct prompt run once
 and its keys/values shared by the responses to it, ``kvdecode.prefix_shared_hidden``), log-softmax at the
@@ -29,6 +30,14 @@ from torch import Tensor, nn
 
 from rollcorr.engines.base import SamplingParams, draw, process_logits
 from rollcorr.engines.decoding import DecodingSampler, encode_prompts, finished_rows, left_pad, right_pad  # noqa: F401
+from rollcorr.engines.fake_quant import (
+    MAX_BITS,
+    MIN_BITS,
+    quantizable,
+    rtn_bits,
+    rtn_quantize,
+    rtn_quantize_model,
+)
 from rollcorr.engines.kvdecode import (
     LlamaBlocks,
     make_decoder,
@@ -50,7 +59,7 @@ from rollcorr.moe import (
 )
 from rollcorr.rollout import Rollout
 
-QUANTIZATIONS = (None, "int8")
+QUANTIZATIONS = (None, "int8", *(f"rtn{k}" for k in range(MIN_BITS, MAX_BITS + 1)))
 
 
 def default_device() -> torch.device:
@@ -87,10 +96,8 @@ class HFSampler(DecodingSampler):
         if quant not in QUANTIZATIONS:
             raise ValueError(f"unknown quantisation {quant!r}; use one of {QUANTIZATIONS}")
         self.dtype = resolve_dtype(dtype)
-        if quant == "int8" and self.dtype != torch.float32:
-            raise ValueError(
-                "int8 dynamic quantisation runs float32 activations: use dtype float32 with int8"
-            )
+        if quant is not None and self.dtype != torch.float32:
+            raise ValueError(f"{quant} quantisation runs float32 activations: use dtype float32 with {quant}")
         if device is None:
             device = "cpu" if quant == "int8" else default_device()
         self.device = torch.device(device)
@@ -101,6 +108,9 @@ class HFSampler(DecodingSampler):
         self.model_path = str(model_path)
         model, self.tokenizer = load_model(model_path, dtype=self.dtype, attn=attn)
         self.float_model = model.to(self.device) if quant is None else model  # the one holding float weights
+        self.rtn_bits = rtn_bits(quant)  # k of hf:rtn<k>: weights rounded in place, float32 compute
+        if self.rtn_bits is not None:
+            rtn_quantize_model(model, self.rtn_bits)
         self.model = quantize_int8(model) if quant == "int8" else model
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id
@@ -122,7 +132,8 @@ class HFSampler(DecodingSampler):
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, Tensor], version: int) -> int:
-        """Copy float weights into the sampler (cast to its dtype; re-quantised for int8). Returns version."""
+        """Copy float weights into the sampler (cast to its dtype; re-quantised for int8 and rtn<k>). Returns
+        the version."""
         own = self.float_model.state_dict()
         missing = sorted(set(own) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(own))
@@ -135,7 +146,10 @@ class HFSampler(DecodingSampler):
                 raise ValueError(
                     f"{name}: shape {tuple(value.shape)} does not match {tuple(own[name].shape)}"
                 )
-            own[name].copy_(value.detach())  # copy_ casts dtype and moves device
+            value = value.detach()
+            if self.rtn_bits is not None and quantizable(name, value):
+                value = rtn_quantize(value.float(), self.rtn_bits)
+            own[name].copy_(value)  # copy_ casts dtype and moves device
         if self.quant == "int8":
             self.model = quantize_int8(self.float_model)
         self.version = int(version)

@@ -13,6 +13,7 @@ from rollcorr.engines.base import Sampler
 
 BACKENDS = ("hf", "llamacpp", "vllm")
 HF_DTYPES = ("fp32", "bf16", "fp16", "int8")
+HF_RTN = tuple(f"rtn{k}" for k in range(2, 9))  # hf:rtn<k>: k-bit round-to-nearest weights (engines/fake_quant.py)
 ATTNS = ("eager", "sdpa")
 VLLM_DTYPES = ("fp32", "bf16", "fp16")
 LONG_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -75,15 +76,15 @@ def parse_spec(spec: str) -> EngineSpec:
     dtype = attn = quant = None
     allowed_dtypes = HF_DTYPES if backend == "hf" else VLLM_DTYPES
     for opt in options:
-        if opt in allowed_dtypes and dtype is None and quant is None:
-            if opt == "int8":
-                quant, dtype = "int8", "fp32"
+        if (opt in allowed_dtypes or (backend == "hf" and opt in HF_RTN)) and dtype is None and quant is None:
+            if opt == "int8" or opt in HF_RTN:
+                quant, dtype = opt, "fp32"
             else:
                 dtype = opt
         elif backend == "hf" and opt in ATTNS and attn is None:
             attn = opt
         else:
-            known = allowed_dtypes + (ATTNS if backend == "hf" else ())
+            known = allowed_dtypes + ((HF_RTN[0] + "…" + HF_RTN[-1][3:], *ATTNS) if backend == "hf" else ())
             raise ValueError(
                 f"unknown or repeated option {opt!r} in engine spec {spec!r}; {backend} accepts {known}"
             )
@@ -93,11 +94,12 @@ def parse_spec(spec: str) -> EngineSpec:
 
 
 def parse_learner_spec(spec: str) -> EngineSpec:
-    """``parse_spec`` plus the learner's rule: hf with float weights (int8 is for samplers); ValueError else."""
+    """``parse_spec`` plus the learner's rule: hf with float weights (int8 and rtn<k> are for samplers);
+    ValueError else."""
     parsed = parse_spec(spec)
     if parsed.backend != "hf":
         raise ValueError(f"learners exist for the hf backend only, got {spec!r}")
     if parsed.quant is not None:
-        raise ValueError(f"{spec!r}: int8 quantisation is for samplers; a learner trains float weights "
+        raise ValueError(f"{spec!r}: {parsed.quant} quantisation is for samplers; a learner trains float weights "
                          "(use hf or hf:bf16)")  # fmt: skip
     return parsed
