@@ -152,6 +152,8 @@ NOT_HERE = {
         "pretrains the shipped long-task checkpoint (tens of minutes)",
     ("docs/builtin-model.md", "prompt   7730,                                                          (x₀ = 377)"):
         "a sample of the task's text",
+    ("docs/dose-study.md", "PYTHONPATH=. nice -n 10 taskset -c 0 .venv/bin/python -m experiments.dose_response --part 1/2 &   # one process per core"):
+        "the dose-response study (CPU-hours); tests/test_dose_response.py runs its --quick path and its rules",
     ("docs/confirm-collapse.md", "PYTHONPATH=. .venv/bin/python -m experiments.confirm_collapse --part 1/2 &   # one process per core"):
         "the confirmatory study (CPU-hours); tests/test_confirm_collapse.py runs its --quick path and its rules",
     ("docs/distributed.md", "PYTHONPATH=. .venv/bin/python -m experiments.distributed_accuracy     # 6 runs; an N=2 run uses both cores"):
