@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from conftest import assert_as_accurate, metric_floor
 from rollcorr.config import PRESETS, CorrectionConfig, preset
 from rollcorr.correction import compute_correction, metrics_to_floats, mismatch_stats
 
@@ -261,8 +262,13 @@ def test_mismatch_stats_hand_example():
     assert s["prob_diff_frac_ge_0.05"] == pytest.approx(2 / 5)
     assert s["prob_diff_frac_ge_0.1"] == pytest.approx(1 / 5)
     a, b = torch.tensor([0.5, 0.2, 0.9, 0.3, 0.3]), torch.tensor([0.5, 0.26, 0.7, 0.3005, 0.32])
-    assert s["prob_pearson"] == pytest.approx(torch.corrcoef(torch.stack([a, b]))[0, 1].item(), rel=1e-5)
+    # float32 Pearson r of 5 pairs, two implementations: each as close to the float64 value as torch.corrcoef's
+    # (conftest.assert_as_accurate; floor: metric_floor of a 5-term reduction)
+    exact = torch.corrcoef(torch.stack([a, b]).double())[0, 1].item()
+    assert_as_accurate(s["prob_pearson"], torch.corrcoef(torch.stack([a, b]))[0, 1].item(), exact,
+                       floor=metric_floor(exact, 5), what="prob_pearson")  # fmt: skip
     logs = metrics_to_floats(mismatch_stats(p_old.clamp_min(1e-9).log(), p_mu.clamp_min(1e-9).log(), mask))
+    # 0.9 − 0.7 through a float32 log and exp each (≤ 2 ulps of 0.9 per side): ≤ 4 ε₃₂ · 0.9 / 0.2 ≈ 2e-6 relative
     assert logs["prob_diff_max"] == pytest.approx(0.2, rel=1e-5)
     with pytest.raises(ValueError, match="shape"):
         mismatch_stats(p_old, p_mu[:, :2], mask)

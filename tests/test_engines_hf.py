@@ -1,5 +1,6 @@
 """The hf sampler and learner on the built-in model: docs/spec.md §8 log-probs, mismatch ordering, partial rollouts."""
 
+import copy
 import math
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import FORWARD_SANITY, assert_as_accurate, log_softmax_bound, processed64
 from rollcorr.engines import SamplingParams, make_learner, make_sampler, parse_spec, process_logits
 from rollcorr.engines.hf import HFSampler, finished_rows
 from rollcorr.models.builtin import BUILTIN_DIR
@@ -27,6 +29,39 @@ def learner():
 @pytest.fixture(scope="module")
 def sampler():
     return make_sampler("hf:fp32")
+
+
+@pytest.fixture(scope="module")
+def learner64(learner):
+    """The learner with its model in float64: the reference of float32 comparisons (call it inside conftest's
+    ``float64_reference``, which lifts the model's own float32 casts)."""
+    twin = copy.deepcopy(learner)
+    twin.model.double()
+    return twin
+
+
+def response_logits(model, r):
+    """(B, T, V) logits predicting each response token, one full forward, in the model's dtype."""
+    pos = (r.attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=r.input_ids, attention_mask=r.attention_mask.long(), position_ids=pos).logits
+    p = r.prompt_ids.shape[1]
+    return logits[:, p - 1 : p - 1 + r.response_ids.shape[1]]
+
+
+def processed_reference(learner, learner64, float64_reference, r, params):
+    """(float32, float64) pairs of (log μ at the response tokens, log kept mass) (B, T) from the learner's full
+    forward: process_logits on the float32 logits, and its kept set in float64 (``processed64``)."""
+    logits = response_logits(learner.model, r)
+    log_mu, log_kept = process_logits(logits.flatten(0, 1), params)
+    kept = torch.isfinite(log_mu)
+    with float64_reference():
+        logits64 = response_logits(learner64.model, r)
+    log_mu64, log_kept64 = processed64(logits64.flatten(0, 1), params, kept)
+    tokens = r.response_ids.flatten()[:, None]
+    shape = r.response_ids.shape
+    chosen, chosen64 = (x.gather(-1, tokens).view(shape) for x in (log_mu, log_mu64))
+    return (chosen, log_kept.view(shape)), (chosen64, log_kept64.view(shape)), logits
 
 
 def probs_gap(rollout, learner, temperature=1.0):
@@ -93,11 +128,14 @@ def test_process_logits_is_the_renormalised_truncated_distribution(seed, tempera
     log_mu, log_kept = process_logits(logits, params)
     log_p = torch.log_softmax(logits / temperature, -1)
     kept = torch.isfinite(log_mu)
-    assert torch.allclose(torch.logsumexp(log_mu, -1), torch.zeros(4), atol=1e-5)
-    assert torch.all(log_kept <= 1e-6)
+    # each float32 log-softmax / log-sum-exp here rounds by ≤ b (log_softmax_bound); an identity between
+    # up to four such quantities holds to 4 b (log kept mass ≤ 0 exactly: to b)
+    b = log_softmax_bound(logits / temperature)
+    assert torch.allclose(torch.logsumexp(log_mu, -1), torch.zeros(4), atol=4 * b, rtol=0)
+    assert torch.all(log_kept <= b)
     # log μ − log p_full = −log(kept mass) on every kept token
-    assert torch.allclose((log_mu - log_p)[kept], (-log_kept)[:, None].expand(4, 10)[kept], atol=1e-5)
-    assert torch.allclose(log_kept.exp(), log_p.exp().masked_fill(~kept, 0).sum(-1), atol=1e-5)
+    assert torch.allclose((log_mu - log_p)[kept], (-log_kept)[:, None].expand(4, 10)[kept], atol=4 * b, rtol=0)
+    assert torch.allclose(log_kept.exp(), log_p.exp().masked_fill(~kept, 0).sum(-1), atol=4 * b, rtol=0)
     if top_k:
         assert torch.all(kept.sum(-1) <= top_k)
     for row in range(4):  # kept tokens are the most likely ones; top-p keeps the smallest sufficient prefix
@@ -105,16 +143,20 @@ def test_process_logits_is_the_renormalised_truncated_distribution(seed, tempera
         if (~kept[row]).any():
             assert p[kept[row]].min() >= p[~kept[row]].max()
         if top_p < 1.0 and (top_k == 0 or kept[row].sum() < top_k):
-            mass = p[kept[row]].sum()
-            assert mass >= top_p - 1e-5
-            assert mass - p[kept[row]].min() < top_p + 1e-5
+            mass = p[kept[row]].sum()  # the test's float32 mass vs process_logits' own: 4 b as above
+            assert mass >= top_p - 4 * b
+            assert mass - p[kept[row]].min() < top_p + 4 * b
 
 
-def test_greedy_is_a_point_mass(sampler, learner):
+def test_greedy_is_a_point_mass(sampler, learner, learner64, float64_reference):
     r = sampler.generate(PROMPTS[:4], SamplingParams(max_new_tokens=6, temperature=0.0))
     mask = r.response_mask
     assert torch.all(r.rollout_log_prob[mask] == 0)
-    assert torch.allclose(r.log_kept_mass[mask], learner.log_prob(r)[mask], atol=1e-4)
+    # the kept mass is p(argmax): the sampler's decode as close to float64 as the learner's full forward
+    with float64_reference():
+        exact = learner64.log_prob(r)
+    assert_as_accurate(r.log_kept_mass[mask], learner.log_prob(r)[mask], exact[mask],
+                       sanity=FORWARD_SANITY * float(exact[mask].norm()), what="log p(argmax)")  # fmt: skip
 
 
 # ---- sampler vs learner --------------------------------------------------------------------------------
@@ -128,26 +170,27 @@ def test_fp32_sampler_agrees_with_fp32_learner(sampler, learner):
     assert gap.max() < 1e-2
 
 
-def test_sampled_log_prob_is_processed_logits_at_chosen_token(sampler, learner):
+def test_sampled_log_prob_is_processed_logits_at_chosen_token(sampler, learner, learner64, float64_reference):
     params = SamplingParams(max_new_tokens=6, temperature=0.7, top_k=3, top_p=0.8, seed=3)
     r = sampler.generate(PROMPTS[:8], params, n=2)
     mask = r.response_mask
-    # recompute the processed distribution from the learner's own full-sequence logits
-    ids, attn = r.input_ids, r.attention_mask
-    pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = learner.model(input_ids=ids, attention_mask=attn.long(), position_ids=pos).logits
-    p = r.prompt_ids.shape[1]
-    steps = logits[:, p - 1 : p - 1 + r.response_ids.shape[1]]
-    log_mu, log_kept = process_logits(steps.flatten(0, 1), params)
-    chosen = log_mu.gather(-1, r.response_ids.flatten()[:, None]).view_as(r.response_ids)
-    assert torch.allclose(chosen[mask], r.rollout_log_prob[mask], atol=1e-4)
-    assert torch.allclose(log_kept.view_as(r.response_ids)[mask], r.log_kept_mass[mask], atol=1e-4)
+    # recompute the processed distribution from the learner's own full-sequence logits (float32, and float64
+    # on the same kept set): the sampler's decode is as close to float64 as that full forward
+    (chosen, log_kept), (chosen64, log_kept64), logits = processed_reference(learner, learner64, float64_reference,
+                                                                             r, params)  # fmt: skip
+    for what, got, want, exact in (("log μ", r.rollout_log_prob, chosen, chosen64),
+                                   ("log kept mass", r.log_kept_mass, log_kept, log_kept64)):  # fmt: skip
+        assert_as_accurate(got[mask], want[mask], exact[mask], sanity=FORWARD_SANITY * float(exact[mask].norm()),
+                           what=what)  # fmt: skip
     # log μ − log π_full = −log(kept mass), and truncation actually happened somewhere
     log_pi = learner.log_prob(r, temperature=0.7)
-    assert torch.allclose((r.rollout_log_prob - log_pi)[mask], -r.log_kept_mass[mask], atol=1e-4)
+    with float64_reference():
+        log_pi64 = learner64.log_prob(r, temperature=0.7)
+    assert_as_accurate((r.rollout_log_prob + r.log_kept_mass)[mask], log_pi[mask], log_pi64[mask],
+                       what="log μ + log kept mass = log π_full")  # fmt: skip
     assert (r.log_kept_mass[mask] < -1e-3).any()
-    assert torch.all(r.log_kept_mass[mask] <= 1e-6)
+    # ≤ 0 exactly (a mass ≤ 1): to two float32 log-sum-exps' rounding (log_softmax_bound)
+    assert torch.all(r.log_kept_mass[mask] <= 2 * log_softmax_bound(logits / 0.7))
 
 
 def test_low_precision_samplers_disagree_more(learner):
@@ -189,7 +232,7 @@ def test_generation_layout_and_reproducibility(sampler):
 
 
 @pytest.mark.parametrize("spec", ["hf:fp32", "hf:bf16", "hf:int8"])
-def test_static_kv_decode_matches_the_transformers_path(spec):
+def test_static_kv_decode_matches_the_transformers_path(spec, learner, learner64, float64_reference):
     """The fast decoder (static KV cache, each distinct prompt prefilled once) gives the tokens and log-probs
     of decoding through ``model(...)`` with a DynamicCache: same seed, same machine, prompts of two lengths."""
     from rollcorr.engines.kvdecode import HFDecoder, StaticKVDecoder, make_decoder
@@ -198,7 +241,7 @@ def test_static_kv_decode_matches_the_transformers_path(spec):
     assert isinstance(make_decoder(s.model, s.device), StaticKVDecoder)
     assert isinstance(make_decoder(s.model, s.device, fast=False), HFDecoder)
     prompts = ["7+5=", "12+9="] + PROMPTS[:6]
-    tol = 1e-5 if spec == "hf:fp32" else 1e-3
+    tol = 1e-3  # bf16 / int8: the low-precision paths' own rounding (fp32 is measured against float64 below)
     for params in [SamplingParams(max_new_tokens=6, seed=3), SamplingParams(max_new_tokens=6, temperature=0.0),
                    SamplingParams(max_new_tokens=5, temperature=0.7, top_k=8, top_p=0.9, seed=4)]:  # fmt: skip
         runs = {}
@@ -209,35 +252,65 @@ def test_static_kv_decode_matches_the_transformers_path(spec):
         for ref, got in zip(runs[False], runs[True]):
             assert torch.equal(ref.response_ids, got.response_ids)
             assert torch.equal(ref.response_mask, got.response_mask)
-            assert torch.allclose(ref.rollout_log_prob, got.rollout_log_prob, atol=tol, rtol=0)
-            assert torch.allclose(ref.log_kept_mass, got.log_kept_mass, atol=tol, rtol=0)
+            if spec != "hf:fp32":
+                assert torch.allclose(ref.rollout_log_prob, got.rollout_log_prob, atol=tol, rtol=0)
+                assert torch.allclose(ref.log_kept_mass, got.log_kept_mass, atol=tol, rtol=0)
+                continue
+            # fp32: the fast decoder as close to float64 (the learner's full forward in float64, on the kept
+            # sets process_logits chose) as the transformers path is; padding 0 on both
+            m = ref.response_mask
+            _, exact, _ = processed_reference(learner, learner64, float64_reference, ref, params)
+            for what, a, b, x in (("log μ", ref.rollout_log_prob, got.rollout_log_prob, exact[0]),
+                                  ("log kept mass", ref.log_kept_mass, got.log_kept_mass, exact[1])):  # fmt: skip
+                assert torch.equal(a[~m], b[~m])
+                assert_as_accurate(b[m], a[m], x[m], what=what)
     assert not isinstance(make_decoder(make_sampler("hf:fp32:sdpa").model, s.device), StaticKVDecoder)
 
 
-def test_shared_prompt_scoring_matches_one_full_forward(sampler):
+def test_shared_prompt_scoring_matches_one_full_forward(sampler, float64_reference):
     """The learner's prompt-sharing path (each distinct prompt once) gives the log-probs, entropies and
-    gradients of one full forward through the transformers model, for prompts of two lengths."""
+    gradients of one full forward through the transformers model, for prompts of two lengths: in float32,
+    each as close to the same full forward in float64 as the full float32 forward is."""
     r = sampler.generate(["7+5="] + PROMPTS[:5], SamplingParams(max_new_tokens=6, seed=9), n=4)
-    results = {}
-    for share in (False, True):
+
+    def score(share, dtype=torch.float32):
         scorer = make_learner("hf")
         scorer.share_prompts = share
+        scorer.model.to(dtype)
         lp, ent = scorer.log_prob(r, grad=True, with_entropy=True, temperature=0.8)
         (lp.sum() + 0.1 * ent.sum()).backward()
-        results[share] = lp.detach(), ent.detach(), [p.grad for p in scorer.parameters()]
-    (lp0, ent0, g0), (lp1, ent1, g1) = results[False], results[True]
-    assert torch.allclose(lp0, lp1, atol=1e-5, rtol=0) and torch.allclose(ent0, ent1, atol=1e-5, rtol=0)
-    assert all(torch.allclose(a, b, atol=1e-5 * float(a.abs().max()), rtol=0) for a, b in zip(g0, g1))
+        return lp.detach(), ent.detach(), [p.grad for p in scorer.parameters()]
+
+    full, shared = score(False), score(True)
+    # rollcorr.logprobs accumulates a float64 head in float64; float64_reference lifts the model's own float32
+    # norm / softmax casts, so the reference is float64 throughout
+    with float64_reference():
+        exact = score(False, torch.float64)
+    # sanity: the full float32 forward itself near float64 (conftest.FORWARD_SANITY)
+    for what, a, b, ref in (("log-probs", *(x[0] for x in (full, shared, exact))),
+                            ("entropies", *(x[1] for x in (full, shared, exact)))):  # fmt: skip
+        assert_as_accurate(b, a, ref, sanity=FORWARD_SANITY * float(ref.norm()), what=what)
+    names = [name for name, _ in make_learner("hf").model.named_parameters()]
+    for name, a, b, ref in zip(names, full[2], shared[2], exact[2]):
+        assert_as_accurate(b, a, ref, sanity=FORWARD_SANITY * float(ref.norm()), what=f"∂/∂{name}")
 
 
-def test_learner_entropy_chunks_and_grad(learner, sampler):
+def test_learner_entropy_chunks_and_grad(learner, learner64, sampler, float64_reference):
     r = sampler.generate(PROMPTS[:4], SamplingParams(max_new_tokens=6, seed=4), n=2)
     lp, ent = learner.log_prob(r, with_entropy=True)
     chunked = make_learner("hf", chunk_size=2)
     lp2, ent2 = chunked.log_prob(r, with_entropy=True)
-    assert torch.allclose(lp, lp2, atol=1e-5) and torch.allclose(ent, ent2, atol=1e-5)
+    with float64_reference():
+        lp64, ent64 = learner64.log_prob(r, with_entropy=True)
     mask = r.response_mask
-    assert torch.all(ent[mask] >= 0) and torch.all(ent[mask] <= math.log(len(learner.tokenizer)) + 1e-4)
+    assert torch.equal(lp2[~mask], lp[~mask]) and torch.equal(ent2[~mask], ent[~mask])
+    assert_as_accurate(lp2[mask], lp[mask], lp64[mask], what="log-probs, vocabulary chunks of 2")
+    assert_as_accurate(ent2[mask], ent[mask], ent64[mask], what="entropies, vocabulary chunks of 2")
+    # 0 ≤ H ≤ log V exactly; float32 H = log s − u/s rounds by ≤ b (1 + H) (b: log_softmax_bound of the logits;
+    # u/s = Σ p (m − z) ≤ H carries the relative error)
+    vocab = len(learner.tokenizer)
+    slack = log_softmax_bound(response_logits(learner.model, r)) * (1 + math.log(vocab))
+    assert torch.all(ent[mask] >= 0) and torch.all(ent[mask] <= math.log(vocab) + slack)
     assert torch.all(lp[~mask] == 0) and torch.all(ent[~mask] == 0)
     out = chunked.log_prob(r, grad=True)
     assert out.requires_grad

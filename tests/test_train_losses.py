@@ -15,6 +15,7 @@ import shutil
 import pytest
 import torch
 
+from conftest import assert_metrics_as_accurate
 from rollcorr.config.presets import preset
 from rollcorr.correction import compute_correction
 from rollcorr.losses import LOSS_NAMES, LossConfig, policy_loss
@@ -122,16 +123,35 @@ def test_clip_cov_draw_is_resumed_from_the_checkpoint(tmp_path, addition_model_d
     assert step_records(killed)[1]["loss/policy"] == last["loss/policy"]
 
 
-def test_per_sequence_loss_accumulates_micro_batches_by_sequences(tmp_path, addition_model_dir):
-    """gmpo is a mean over sequences: micro-batches of 3 give the loss and gradient of the whole mini-batch."""
-    records = []
-    for micro in (0, 3):
-        config = tiny_config(tmp_path, addition_model_dir, "algorithm.loss=gmpo", "trainer.steps=1",
-                             f"trainer.micro_batch_size={micro}", name=f"micro{micro}")  # fmt: skip
-        records.append(step_records(run(config).run_dir)[0])
-    whole, micro = records
-    assert micro["loss/policy"] == pytest.approx(whole["loss/policy"], rel=1e-5, abs=1e-7)
-    assert micro["loss/grad_norm"] == pytest.approx(whole["loss/grad_norm"], rel=1e-4)
+def test_per_sequence_loss_accumulates_micro_batches_by_sequences(tmp_path, addition_model_dir, float64_reference,
+                                                                  monkeypatch):  # fmt: skip
+    """gmpo is a mean over sequences: micro-batches of 3 give the loss and gradient of the whole mini-batch —
+    in float32, as close to the whole mini-batch in float64 as the whole mini-batch in float32 is."""
+    from transformers import AutoConfig
+
+    from rollcorr.train import loop
+
+    def config(micro, name):
+        return tiny_config(tmp_path, addition_model_dir, "algorithm.loss=gmpo", "trainer.steps=1",
+                           f"trainer.micro_batch_size={micro}", name=name)  # fmt: skip
+
+    whole, micro = (step_records(run(config(m, f"micro{m}")).run_dir)[0] for m in (0, 3))
+    # the reference: the whole mini-batch with the learner (and its AdamW) in float64, on the batch the fp32
+    # sampler draws alike; π_old is stored as float32 (rollcorr.proximal.scoring.score), an input both share
+    build = loop.build_learner
+
+    def float64_learner(*args, **kwargs):
+        learner, optimizer = build(*args, **kwargs)
+        learner.model.double()  # in place: the optimizer holds the same (still stateless) parameters
+        return learner, optimizer
+
+    monkeypatch.setattr(loop, "build_learner", float64_learner)
+    with float64_reference():
+        exact = step_records(run(config(0, "float64")).run_dir)[0]
+    # floors: the forward's longest dot product sets a log-prob's float32 rounding (conftest.metric_floor)
+    model = AutoConfig.from_pretrained(addition_model_dir)
+    assert_metrics_as_accurate(micro, whole, exact, n=max(model.hidden_size, model.intermediate_size),
+                               keys=("loss/policy", "loss/grad_norm"), sanity_rel=1e-2)  # fmt: skip
 
 
 # ---------------------------------------------------------------- configuration errors

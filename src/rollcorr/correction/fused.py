@@ -174,11 +174,27 @@ def row_pass(
 _state: dict[str, object] = {"compiled": None, "failed": False}
 
 
+def capability_cache_dir() -> str:
+    """Compile into an Inductor cache folder of this CPU capability: ``<cache>/rollcorr-<capability>``, where
+    ``<cache>`` is ``TORCHINDUCTOR_CACHE_DIR`` or Inductor's default. Inductor's cache is not keyed by the
+    capability torch runs with (``ATEN_CPU_CAPABILITY``): on an AVX512 machine, the kernels a native run cached
+    made a later run under ``ATEN_CPU_CAPABILITY=avx2`` crash with a segmentation fault. Called before the
+    first compile of the process (Inductor reads the variable then)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    leaf = f"rollcorr-{torch.backends.cpu.get_cpu_capability().lower()}"
+    if os.path.basename(os.path.normpath(base)) != leaf:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, leaf)
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
 def run_row_pass(*args: object) -> dict[str, Tensor] | None:
     """``row_pass`` compiled (dynamic shapes: one kernel for every B, T); None once compiling has failed."""
     if _state["failed"]:
         return None
     if _state["compiled"] is None:
+        capability_cache_dir()
         _state["compiled"] = torch.compile(row_pass, dynamic=True, options=COMPILE_OPTIONS)
     try:
         return _state["compiled"](*args)
