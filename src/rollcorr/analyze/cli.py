@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "file",
         nargs="?",
         type=Path,
-        help="rollout dump (.jsonl, .jsonl.gz or .parquet); default: the shipped sample",
+        help="rollout dump (.jsonl, .jsonl.gz or .parquet; - or a FIFO reads a stream); default: the shipped sample",
     )
     src = parser.add_argument_group(
         f"correction config (default: the one the dump records, else --preset {DEFAULT_PRESET})"
@@ -172,8 +172,8 @@ def run(args: argparse.Namespace) -> int:
         for name in sorted(PRESETS):
             console.print(name)
         return 0
-    from rollcorr.analyze.analysis import analyze
-    from rollcorr.analyze.dumps import read_dump
+    from rollcorr.analyze.analysis import analyze_reader
+    from rollcorr.analyze.dumps import open_dump
     from rollcorr.analyze.render import render, write_json
 
     path = args.file if args.file is not None else sample_dump_path()
@@ -188,20 +188,31 @@ def run(args: argparse.Namespace) -> int:
             load_config(
                 args.preset, args.config, args.overrides, args.dialect
             )  # bad options fail before reading
-        dump = read_dump(
+        reader = open_dump(
             path,
             rollout_field=args.rollout_field,
             learner_field=args.learner_field,
             mask_field=args.mask_field,
             advantages_field=args.advantages_field,
         )
-        if dump.corrections_seen > 1 and args.preset is None and args.config is None:
+        own = args.preset is None and args.config is None  # the config may come from the dump itself
+        recorded = reader.first_correction() if own else None
+        config, source = load_config(args.preset, args.config, args.overrides, args.dialect, recorded)
+        analysis = analyze_reader(reader, config, source, top=max(args.top, 1))
+        info = analysis.dump
+        if own and info.corrections_seen > 1:
             raise ValueError(
-                f"{path}: the rows record {dump.corrections_seen} different corrections; name one with --preset "
+                f"{path}: the rows record {info.corrections_seen} different corrections; name one with --preset "
                 "or --config"
             )
-        config, source = load_config(args.preset, args.config, args.overrides, args.dialect, dump.correction)
-        analysis = analyze(dump, config, source)
+        if own and recorded is None and info.correction is not None:  # recorded only by rows further on
+            if not Path(path).is_file():
+                raise ValueError(f"{path}: only rows after the first ones record a correction; name it with "
+                                 "--preset or --config (a stream cannot be read twice)")  # fmt: skip
+            config, source = load_config(None, None, args.overrides, args.dialect, info.correction)
+            reader = open_dump(path, rollout_field=args.rollout_field, learner_field=args.learner_field,
+                               mask_field=args.mask_field, advantages_field=args.advantages_field)  # fmt: skip
+            analysis = analyze_reader(reader, config, source, top=max(args.top, 1))
     except (ValueError, FileNotFoundError, ImportError) as error:
         err.print(f"[bold red]rollcorr analyze:[/] {escape(str(error))}", highlight=False)
         return 2

@@ -14,8 +14,8 @@ from rich.markup import escape
 from rich.rule import Rule
 from rich.table import Table
 
-from rollcorr.analyze.analysis import STATISTICS, Analysis, Finding, exp_or_inf, fmt, kept_range
-from rollcorr.analyze.dumps import Dump
+from rollcorr.analyze.analysis import STATISTICS, Analysis, exp_or_inf, fmt, kept_range
+from rollcorr.analyze.dumps import display_name
 from rollcorr.config.correction import CorrectionConfig
 from rollcorr.correction.api import PREFIX
 from rollcorr.correction.rejection import RULES
@@ -32,25 +32,27 @@ def _fmt_against(value: float, lo: float | None, hi: float | None) -> str:
 
 # ---- JSON -------------------------------------------------------------------------------------------
 def to_json(analysis: Analysis, top: int | None = None) -> dict[str, Any]:
-    """Plain data: file, config, counts, every metric, per-rule summary, findings (all, or the ``top``)."""
+    """Plain data: file, config, counts, every metric, per-rule summary, findings (all, or the ``top``),
+    furthest outside their range first."""
     dump = analysis.dump
-    findings = sorted(analysis.findings, key=lambda f: -f.excess)
+    findings = []
+    for f in analysis.findings.by_excess():
+        if top is not None and len(findings) >= top:
+            break
+        findings.append({k: _finite_or_str(v) for k, v in asdict(f).items()})
     return {
         "file": str(dump.path),
         "config_source": analysis.source,
         "config": analysis.config.to_dict(),
         "fields": dump.fields,
         "rows": dump.total_rows,
-        "responses": len(dump),
-        "tokens": dump.num_tokens,
+        "responses": analysis.responses,
+        "tokens": analysis.tokens,
         "rejected_tokens": analysis.rejected_tokens,
         "rejected_sequences": analysis.rejected_sequences,
         "metrics": {k: _finite_or_str(v) for k, v in analysis.metrics.items()},
         "rules": [asdict(r) for r in analysis.rules],
-        "findings": [
-            {k: _finite_or_str(v) for k, v in asdict(f).items()}
-            for f in (findings if top is None else findings[:top])
-        ],
+        "findings": findings,
         "malformed": [asdict(m) for m in dump.malformed],
         "notes": analysis.notes,
     }
@@ -193,33 +195,6 @@ def _snippet(text: str | None, width: int = 24) -> str:
     return repr(text if len(text) <= width else text[: width - 1] + "…")
 
 
-def _response(dump: Dump, row: int) -> str | None:
-    if dump.text is not None:
-        return dump.text[row]
-    if dump.token_text is not None:
-        n = int(dump.response_mask[row].sum())
-        return "".join(dump.token_text[row][:n])
-    return None
-
-
-def _token_label(dump: Dump, b: int, t: int) -> str:
-    if dump.token_text is not None:
-        return repr(dump.token_text[b][t])
-    return f"id {int(dump.tokens[b, t])}" if dump.tokens is not None else ""
-
-
-def _token_fate(analysis: Analysis, hits: list[Finding], b: int, t: int) -> str:
-    """What the config does with token t of row b: the rules that remove or zero it, else its weight."""
-    by_effect: dict[str, list[str]] = {}
-    for f in hits:
-        by_effect.setdefault(f.effect, []).append(f.rule if f.level == "token" else f"{f.rule} (sequence)")
-    if by_effect:
-        return "; ".join(f"{effect} by {', '.join(rules)}" for effect, rules in sorted(by_effect.items()))
-    if analysis.is_weights is not None:
-        return f"kept, w = {fmt(float(analysis.is_weights[b, t]))}"
-    return "kept"
-
-
 def _table(title: str, columns: dict[str, str], **column_kw: Any):
     """A borderless rich table; ``columns`` maps a header to its justification ("left" / "right")."""
     table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
@@ -249,13 +224,18 @@ def render(analysis: Analysis, console: Any, *, top: int = 8, all_metrics: bool 
     console.print(f"[bold]In short[/]: {escape(summary(analysis))}", highlight=False)
 
 
+def _source_name(path) -> str:
+    """The dump as the header names it: its path, or "stdin"."""
+    return "stdin" if str(path) == "-" else str(path)
+
+
 def _header(analysis: Analysis) -> list[Any]:
     dump = analysis.dump
     skipped = f" · [yellow]{len(dump.malformed)} malformed row(s) skipped[/]" if dump.malformed else ""
     used = ", ".join(f"{role}={name}" for role, name in dump.fields.items())
     return [
-        Rule(f"[bold]rollcorr analyze[/] · {escape(dump.path.name)}"),
-        f"{len(dump)} responses, {dump.num_tokens} tokens from {escape(str(dump.path))}{skipped}",
+        Rule(f"[bold]rollcorr analyze[/] · {escape(display_name(dump.path))}"),
+        f"{analysis.responses} responses, {analysis.tokens} tokens from {escape(_source_name(dump.path))}{skipped}",
         f"[dim]fields: {escape(used)}[/]",
         f"config: [bold]{escape(analysis.source or 'custom')}[/] → {escape(describe(analysis.config))}",
     ]
@@ -294,12 +274,12 @@ def _diagnostics(analysis: Analysis, all_metrics: bool) -> list[Any]:
 
 def _config_effect(analysis: Analysis) -> list[Any]:
     """The IS weights and rejection in one line each, then the per-rule table."""
-    dump, config, metrics = analysis.dump, analysis.config, analysis.metrics
-    n_rows, n_tokens = len(dump), dump.num_tokens
+    config, metrics = analysis.config, analysis.metrics
+    n_rows, n_tokens = analysis.responses, analysis.tokens
     out: list[Any] = [""]
-    if analysis.is_weights is not None:
-        w = analysis.is_weights[dump.response_mask]
-        spread = f"applied weights mean {fmt(float(w.mean()))}, range [{fmt(float(w.min()))}, {fmt(float(w.max()))}]"
+    if analysis.weights is not None:
+        mean, low, high = analysis.weights
+        spread = f"applied weights mean {fmt(mean)}, range [{fmt(low)}, {fmt(high)}]"
         head = ""
         if config.is_mode == "mask":  # rollout_is_oob_ratio is a share of tokens at every level
             share = metrics.get(PREFIX + "rollout_is_oob_ratio", 0.0)
@@ -339,18 +319,17 @@ def _config_effect(analysis: Analysis) -> list[Any]:
 
 def _findings(analysis: Analysis, top: int) -> list[Any]:
     """The sequences and tokens the rules hit, furthest outside their range first."""
-    ranked = sorted(analysis.findings, key=lambda f: (-f.excess, f.line))
-    seq = [f for f in ranked if f.level == "sequence"]
-    toks = [f for f in ranked if f.level == "token"]
+    seq, snippets, n_seq = analysis.findings.ranked("sequence", top)
+    toks, _, n_toks = analysis.findings.ranked("token", top)
     out: list[Any] = []
     if seq and top:
         columns = ("line", "rule", "statistic", "keeps", "worst token", "response")
         table = _table(
-            f"Sequences hit, worst first ({min(top, len(seq))} of {len(seq)} findings)",
+            f"Sequences hit, worst first ({min(top, n_seq)} of {n_seq} findings)",
             {c: "right" if c == "line" else "left" for c in columns},
             **{c: {"no_wrap": True} for c in columns[:-1]},
         )
-        for f in seq[:top]:
+        for f, snippet in zip(seq, snippets):
             worst = f"{f.position}:{f.token!r}" if f.token is not None else str(f.position)
             table.add_row(
                 str(f.line),
@@ -358,16 +337,16 @@ def _findings(analysis: Analysis, top: int) -> list[Any]:
                 f"{f.statistic} = {_fmt_against(f.value, f.lower, f.upper)}",
                 f.threshold,
                 escape(worst),
-                escape(_snippet(_response(analysis.dump, f.row))),
+                escape(_snippet(snippet)),
             )
         out += ["", table]
     if toks and top:
         columns = ("line", "pos", "token", "rule", "statistic", "keeps", "effect")
         table = _table(
-            f"Tokens hit, worst first ({min(top, len(toks))} of {len(toks)} findings)",
+            f"Tokens hit, worst first ({min(top, n_toks)} of {n_toks} findings)",
             {c: "right" if c in ("line", "pos") else "left" for c in columns},
         )
-        for f in toks[:top]:
+        for f in toks:
             table.add_row(
                 str(f.line),
                 str(f.position),
@@ -382,30 +361,29 @@ def _findings(analysis: Analysis, top: int) -> list[Any]:
 
 
 def _mismatched_tokens(analysis: Analysis, top: int) -> list[Any]:
-    """The tokens with the largest |ℓ| in the dump, whatever the config does with them."""
-    dump = analysis.dump
-    if not top:
+    """The valid tokens with the largest |ℓ| in the dump (ties: file order), whatever the config does with
+    them (``Analysis.top_tokens``; padding is never listed)."""
+    rows = analysis.top_tokens[:top]
+    if not top or not rows:
         return []
-    lr = (dump.learner_log_prob - dump.rollout_log_prob).masked_fill(~dump.response_mask, 0.0)
-    k = min(top, dump.num_tokens)
-    hits: dict[tuple[int, int] | int, list[Finding]] = {}
-    for f in analysis.findings:
-        hits.setdefault((f.row, f.position) if f.level == "token" else f.row, []).append(f)
     columns = ("line", "pos", "token", "p_μ", "p_old", "ρ = π_old/μ", "fate")
     table = _table(
-        f"Most mismatched tokens (largest |ℓ|, {k} of {dump.num_tokens})",
+        f"Most mismatched tokens (largest |ℓ|, {len(rows)} of {analysis.tokens})",
         {c: "left" if c in ("token", "fate") else "right" for c in columns},
     )
-    for i in lr.abs().flatten().topk(k).indices.tolist():
-        b, t = divmod(i, lr.shape[1])
+    for r in rows:
+        if r.token_text is not None:
+            label = repr(r.token_text)
+        else:
+            label = f"id {r.token_id}" if r.token_id is not None else ""
         table.add_row(
-            str(dump.line_numbers[b]),
-            str(t),
-            escape(_token_label(dump, b, t)),
-            fmt(exp_or_inf(float(dump.rollout_log_prob[b, t]))),
-            fmt(exp_or_inf(float(dump.learner_log_prob[b, t]))),
-            fmt(exp_or_inf(float(lr[b, t]))),
-            _token_fate(analysis, hits.get((b, t), []) + hits.get(b, []), b, t),
+            str(r.line),
+            str(r.position),
+            escape(label),
+            fmt(exp_or_inf(r.rollout_log_prob)),
+            fmt(exp_or_inf(r.learner_log_prob)),
+            fmt(exp_or_inf(r.learner_log_prob - r.rollout_log_prob)),
+            r.fate,
         )
     return ["", table]
 
@@ -437,7 +415,7 @@ def summary(analysis: Analysis) -> str:
         f"({_percent(get('prob_diff_frac_ge_0.01'))} of tokens with |Δp| ≥ 0.01, max |Δp| {fmt(get('prob_diff_max'))})."
     ]
     stat = {"token": "ρ_t", "sequence": "Π ρ_t", "geometric": "geo-mean ρ"}.get(config.is_level or "", "ρ")
-    if analysis.is_weights is not None and config.is_mode == "mask":
+    if analysis.weights is not None and config.is_mode == "mask":
         share = get("rollout_is_oob_ratio")
         band = (
             f"outside {kept_range(config.is_lower, config.is_upper)}"
@@ -445,11 +423,11 @@ def summary(analysis: Analysis) -> str:
             else f"> {fmt(config.is_upper)}"
         )
         out.append(f"IS zeroes {_percent(share)} of the token weights ({stat} {band}).")
-    elif analysis.is_weights is not None and config.is_upper is not None:
+    elif analysis.weights is not None and config.is_upper is not None:
         share = get("rollout_is_ratio_fraction_high")
         out.append(f"IS truncates {_percent(share)} of the weights ({stat} > {fmt(config.is_upper)}).")
     if config.rejects:
-        n_tok, n_seq = analysis.dump.num_tokens, len(analysis.dump)
+        n_tok, n_seq = analysis.tokens, analysis.responses
         out.append(
             f"Rejection removes {100 * analysis.rejected_tokens / n_tok:.3g}% of tokens in "
             f"{100 * analysis.rejected_sequences / n_seq:.3g}% of sequences."

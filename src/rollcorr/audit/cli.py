@@ -2,7 +2,7 @@
 
     rollcorr audit                                   # built-in model, hf:bf16 sampler vs hf:fp32 learner
     rollcorr audit --sampler llamacpp:q4_0 --model DIR -n 128 --prompts prompts.jsonl
-    rollcorr audit --from-log dump.jsonl             # a rollout dump from any framework (verl field names)
+    rollcorr audit --from-log dump.jsonl             # a rollout dump from any framework (verl field names; - or a FIFO too)
 
 Every input is checked before any long work: the prompts file (line numbers), sampling parameters, the model
 path and GGUF file, engine specs. Errors print one line naming the problem and exit with status 2.
@@ -231,7 +231,7 @@ def _collect_live(args, console, workdir: str):
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from rollcorr.audit.collect import from_log
+    from rollcorr.audit.dump_audit import audit_log
     from rollcorr.audit.report import print_summary, write_report
 
     console = Console()
@@ -245,19 +245,17 @@ def run(args: argparse.Namespace) -> int:
             given = [f"--{name.replace('_', '-')}" for name in LIVE_ONLY if getattr(args, name, None)]
             if given:
                 return _fail(f"--from-log reads log-probs from the file; {', '.join(given)} do(es) not apply")
-            data = from_log(
-                args.from_log,
-                rollout_field=args.rollout_field,
-                learner_field=args.learner_field,
-                mask_field=args.mask_field,
-            )
+            # read chunk by chunk: a dump too large to hold padded is summed as it is read (audit.dump_audit)
+            log = audit_log(args.from_log, rollout_field=args.rollout_field, learner_field=args.learner_field,
+                            mask_field=args.mask_field, worst_k=args.worst)  # fmt: skip
         else:
+            log = None
             with tempfile.TemporaryDirectory(prefix="rollcorr-audit-") as workdir:
                 data = _collect_live(args, console, workdir)
     except (ValueError, FileNotFoundError, ImportError, NotImplementedError) as err:
         return _fail(str(err))
     try:
-        summary = write_report(data, out, worst_k=args.worst)
+        summary = log.write(out, worst_k=args.worst) if log is not None else write_report(data, out, worst_k=args.worst)
     except OSError as err:  # a read-only place (/proc, /sys), a full disk: one line
         from rollcorr.safe_io import describe_os_error
 

@@ -47,6 +47,10 @@ def check_tensor(
 def check_mask(mask: object) -> Tensor:
     if not isinstance(mask, Tensor):
         raise TypeError(f"response_mask must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.layout != torch.strided:  # sparse (COO, CSR, ...) masks reach no kernel of the correction
+        raise ValueError(
+            f"response_mask must be a dense tensor, got layout {mask.layout}; pass response_mask.to_dense()"
+        )
     if mask.dtype not in MASK_DTYPES:
         raise TypeError(f"response_mask must be bool, integer or float, got {mask.dtype}")
     if mask.dim() != 2:
