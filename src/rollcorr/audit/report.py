@@ -63,7 +63,7 @@ def build_summary(data: AuditData, worst_k: int = 10) -> dict[str, Any]:
     summary["verdict"] = verdict(summary)
     preset_name = suggestion(summary)
     summary["suggested_preset"] = preset_name
-    summary["suggested_override"] = None if preset_name is None else override(preset_name)
+    summary["suggested_override"] = None if preset_name is None else override(preset_name, summary)
     return summary
 
 

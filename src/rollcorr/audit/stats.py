@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rollcorr.audit.levels import verdict_level
 from rollcorr.config.correction import LOG_RATIO_CLAMP
 from rollcorr.correction.metrics import (
     divergence_metrics,
@@ -220,7 +221,7 @@ def audit_stats(
 
     Keys: ``n_responses``, ``n_tokens``, ``probability`` (ABEJA table, Pearson, per-response max/mean |Δp|
     distributions), ``divergence`` (log-ratio moments, KL both ways, χ², ESS), ``position`` (profile) and
-    ``worst_tokens``.
+    ``worst_tokens``, ``verdict_level`` (the level the verdict reads: ``rollcorr.audit.levels``).
     """
     view = check_inputs(rollout_log_prob, old_log_prob, response_mask)
     rows = per_response(view)
@@ -237,4 +238,5 @@ def audit_stats(
         "divergence": divergences(view),
         "position": position_profile(view),
         "worst_tokens": worst_tokens(view, worst_k),
+        "verdict_level": verdict_level(view.abs_diff, view.mask),
     }

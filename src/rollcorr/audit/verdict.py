@@ -7,8 +7,9 @@ Reference levels, the one place their numbers live (the report, the terminal and
 - ABEJA's measurement of vLLM vs Hugging Face transformers on Qwen3-4B (both bf16, same weights): the
   published |Δp| shares of what "two engines, same model" looks like at production scale; shown always.
 
-Levels: "same" (float noise), "fp16" (no token moves by 0.01: what fp16 numerics leave), "bf16" (up to the
-bf16 reference), "beyond" (different weights). The suggested correction per level lives in ``SUGGESTIONS``,
+Levels: "same" (float noise), "fp16" (what fp16 numerics leave), "bf16" (up to the bf16 references), "beyond"
+(different weights), decided by shares of tokens with bootstrap intervals (``rollcorr.audit.levels``: the
+same engines get the same level at 64 or 2,048 responses). The suggested correction per level lives in ``SUGGESTIONS``,
 each with the evidence it rests on (the project's own studies, docs/results.md).
 """
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import math
 from typing import Any
+
+from rollcorr.audit.levels import level_of
 
 # |Δp| shares and max, the keys of ``summary["probability"]``
 SHARE_KEYS = (
@@ -57,10 +60,6 @@ REFERENCES: dict[str, dict[str, Any]] = {
         "prob_diff_max": 0.215,
     },
 }
-SAME_MODEL_MAX = 1e-4  # max |Δp| below this: the engines compute the same thing up to float noise
-FP16_MAX = 0.01  # max |Δp| below this: fp16-level numerics (built-in model hf:fp16 max 0.0041, none ≥ 0.01)
-BF16_LEVEL = REFERENCES["abeja_vllm_hf"]  # a gap no larger than this is "two engines, same model"
-WIDE_FACTOR = 3.0  # ≥ 3× the reference share at ≥ 0.05, or a max |Δp| above 3× its max: beyond bf16 numerics
 SEQ_ESS_GUARD = 0.9  # sequence ESS below this: long responses' weights spread; guard at sequence level
 SEQ_ESS_BROKEN = 0.1  # sequence ESS below this: no reweighting recovers the learner's expectation
 ROUTING_DOMINATES = 0.5  # MoE: flipped tokens carry more than this share of Σ|Δp|: routing is the main gap
@@ -104,9 +103,31 @@ def references_for(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     }
 
 
-def override(preset_name: str) -> str:
-    """The command line that applies a preset in rollcorr's trainer."""
-    return f"rollcorr train algorithm.correction.preset={preset_name}"
+def override(preset_name: str, summary: dict[str, Any] | None = None) -> str:
+    """The command line that applies a preset in rollcorr's trainer, on the audited model, sampler and learner
+    (``summary["source"]``; a dump audited with ``--from-log`` names none)."""
+    source = (summary or {}).get("source", {})
+    parts = ["rollcorr train"]
+    model = source.get("model")
+    if model and model != "builtin":
+        parts.append(f"model.path={model}")
+    for key in ("sampler", "learner"):
+        if source.get(key):
+            parts.append(f"model.{key}={source[key]}")
+    parts.append(f"algorithm.correction.preset={preset_name}")
+    return " ".join(parts)
+
+
+def same_presets(preset_name: str) -> str:
+    """" (preset tis is field for field decoupled_token_is — the trainer's default —, skyrl_token_tis)", or ""."""
+    from rollcorr.config.presets import PRESETS, preset
+
+    same = [name for name in PRESETS if name != preset_name and preset(name) == preset(preset_name)]
+    if not same:
+        return ""
+    default = "decoupled_token_is"  # train/configs/default.yaml's
+    names = ", ".join(f"{n} — the trainer's default —" if n == default else n for n in same)
+    return f" (preset {preset_name} is field for field {names})"
 
 
 def _plural(n: int, word: str) -> str:
@@ -114,16 +135,25 @@ def _plural(n: int, word: str) -> str:
 
 
 def level(summary: dict[str, Any]) -> str:
-    """ "same" | "fp16" | "bf16" | "beyond": where this audit's gap sits against the reference levels."""
+    """ "same" | "fp16" | "bf16" | "beyond": ``summary["verdict_level"]`` (``rollcorr.audit.levels``), or for a
+    summary written before it existed, the same rule on its ``probability`` shares."""
+    if "verdict_level" in summary:
+        return summary["verdict_level"]["level"]
     p = summary["probability"]
-    if p["prob_diff_max"] < SAME_MODEL_MAX:
-        return "same"
-    if p["prob_diff_max"] < FP16_MAX:
-        return "fp16"
-    ref = BF16_LEVEL
-    wide = p["prob_diff_frac_ge_0.05"] > WIDE_FACTOR * ref["prob_diff_frac_ge_0.05"]
-    wide |= p["prob_diff_max"] > min(1.0, WIDE_FACTOR * ref["prob_diff_max"]) - 1e-12
-    return "beyond" if wide else "bf16"
+    return level_of({"ge_1e-3": 1.0 - p["prob_diff_frac_lt_1e-3"], "ge_0.01": p["prob_diff_frac_ge_0.01"],
+                     "ge_0.05": p["prob_diff_frac_ge_0.05"]})  # fmt: skip
+
+
+def _straddle(summary: dict[str, Any]) -> list[str]:
+    """A sentence when a share's 95 % interval reaches another level's side of a boundary."""
+    vl = summary.get("verdict_level")
+    if not vl or not vl["straddles"]:
+        return []
+    others = " or ".join(f'"{name}"' for name in vl["straddles"])
+    return [
+        f'The level is "{vl["level"]}", but the 95 % intervals of its shares reach {others} '
+        f"({summary['n_responses']} responses): audit more responses (-n) to settle it."
+    ]
 
 
 def _pct(x: float) -> str:
@@ -150,17 +180,38 @@ def suggestion(summary: dict[str, Any]) -> str | None:
     return SUGGESTIONS[where]["preset"]
 
 
-def _suggest(where: str, why: str) -> str:
+def _suggest(where: str, why: str, summary: dict[str, Any]) -> str:
     entry = SUGGESTIONS[where]
     return (
         f"Suggested correction: preset {entry['preset']} ({why}). Evidence: {entry['evidence']}. "
-        f"Apply it: {override(entry['preset'])}"
+        f"Apply it: {override(entry['preset'], summary)}{same_presets(entry['preset'])}"
     )
 
 
 def _sampler_dtype(summary: dict[str, Any]) -> str | None:
     spec = str(summary.get("source", {}).get("sampler", ""))
     return next((d for d in ("bf16", "fp16", "fp32") if f":{d}" in spec), None)
+
+
+def _precision_sentence(summary: dict[str, Any]) -> str:
+    """What an fp16 sampler would leave, for a bf16 sampler: the built-in model's measurement, said to be of
+    the built-in model when another one is audited, with the command that measures it on this one."""
+    fp16, bf16 = REFERENCES["builtin_fp16"], REFERENCES["builtin_bf16"]
+    measured = (
+        f"an fp16 sampler left {_pct(fp16['prob_diff_frac_ge_0.01'])} of tokens at |Δp| ≥ 0.01 (max "
+        f"{fp16['prob_diff_max']:.3g}) where bf16 left {_pct(bf16['prob_diff_frac_ge_0.01'])} (max "
+        f"{bf16['prob_diff_max']:.3g}); fp16 keeps 10 mantissa bits to bf16's 7"
+    )
+    source = summary.get("source", {})
+    if source.get("model") == "builtin":
+        return f"Precision alone would remove most of this gap: on this model (the built-in one) {measured}."
+    fp16_spec = str(source.get("sampler", "")).replace(":bf16", ":fp16")
+    command = " ".join(["rollcorr audit", *([f"--model {source['model']}"] if source.get("model") else []),
+                        f"--sampler {fp16_spec}", *([f"--learner {source['learner']}"] if source.get("learner") else [])])  # fmt: skip
+    return (
+        f"Precision may remove most of this gap — measured on the project's built-in model, not on this one: "
+        f"{measured}. Measure it on this model: {command}."
+    )
 
 
 def verdict(summary: dict[str, Any]) -> list[str]:
@@ -185,7 +236,7 @@ def verdict(summary: dict[str, Any]) -> list[str]:
         )
         out.append(
             _suggest(
-                where, f"token ESS/N {ess_tok:.3g}, sequence ESS/N {ess_seq:.3g}: the weights barely spread"
+                where, f"token ESS/N {ess_tok:.3g}, sequence ESS/N {ess_seq:.3g}: the weights barely spread", summary
             )
         )
     elif where == "bf16":
@@ -194,16 +245,9 @@ def verdict(summary: dict[str, Any]) -> list[str]:
             + _compare(p, refs)
         )
         out.append(_suggest(where, f"token ESS/N {ess_tok:.3g}, sequence ESS/N {ess_seq:.3g}; per-token "
-                                   "weights capped at 2 keep the variance low even where sequence products spread"))  # fmt: skip
+                                   "weights capped at 2 keep the variance low even where sequence products spread", summary))  # fmt: skip
         if _sampler_dtype(summary) == "bf16":
-            fp16 = REFERENCES["builtin_fp16"]
-            bf16 = REFERENCES["builtin_bf16"]
-            out.append(
-                "Precision alone would remove most of this gap: an fp16 sampler (the same spec with :fp16) left "
-                f"{_pct(fp16['prob_diff_frac_ge_0.01'])} of tokens at |Δp| ≥ 0.01 (max {fp16['prob_diff_max']:.3g}) "
-                f"on the built-in model where bf16 left {_pct(bf16['prob_diff_frac_ge_0.01'])} (max "
-                f"{bf16['prob_diff_max']:.3g}); fp16 keeps 10 mantissa bits to bf16's 7."
-            )
+            out.append(_precision_sentence(summary))
     else:
         out.append(
             "The engines are further apart than bf16 numerics put two engines holding the same model — the two "
@@ -218,7 +262,8 @@ def verdict(summary: dict[str, Any]) -> list[str]:
             )
         else:
             out.append(_suggest(where, f"token ESS/N {ess_tok:.3g}, sequence ESS/N {ess_seq:.3g}; capping each "
-                                       "token's weight keeps rare large ratios from dominating the gradient"))  # fmt: skip
+                                       "token's weight keeps rare large ratios from dominating the gradient", summary))  # fmt: skip
+    out += _straddle(summary)
     out += routing_sentences(summary)
     negative = [
         name
