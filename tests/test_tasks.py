@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollcorr.tasks import AdditionTask, ChainTask, JsonlTask, Task, make_task, rewards
+from rollcorr.tasks import AdditionTask, ChainTask, DataTask, Task, make_task, rewards
 from rollcorr.tasks.addition import is_test_pair, reversed_sum
 
 
@@ -84,7 +84,7 @@ def test_jsonl_task_exact_reward_and_split(tmp_path):
     path = write(
         tmp_path / "d.jsonl", [json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(20)] + [""]
     )
-    task = JsonlTask(path)
+    task = DataTask(path)
     assert len(task.items) == 20
     train, test = task.sample(40, seed=0), task.sample(40, seed=0, split="test")
     assert {i["prompt"] for i in test} <= {"q9", "q19"}
@@ -100,14 +100,14 @@ def test_jsonl_task_exact_reward_and_split(tmp_path):
     [
         ("{not json", "line 2: invalid JSON"),
         ('["a", "b"]', "line 2: expected a JSON object"),
-        ('{"prompt": "x"}', "line 2: missing key 'answer'"),
-        ('{"prompt": "", "answer": "1"}', "line 2: 'prompt' must be a non-empty string"),
+        ('{"prompt": "x"}', "line 2: no field 'answer'"),
+        ('{"prompt": "", "answer": "1"}', "line 2: field 'prompt' must be a non-empty string"),
     ],
 )
 def test_jsonl_invalid_lines_name_the_line(tmp_path, bad, message):
     path = write(tmp_path / "d.jsonl", ['{"prompt": "a", "answer": "1"}', bad])
     with pytest.raises(ValueError, match=message):
-        JsonlTask(path)
+        DataTask(path)
 
 
 def test_jsonl_custom_reward_module(tmp_path, monkeypatch):
@@ -116,15 +116,15 @@ def test_jsonl_custom_reward_module(tmp_path, monkeypatch):
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     path = write(tmp_path / "d.jsonl", ['{"prompt": "a", "answer": "42"}'])
-    task = JsonlTask(path, reward="my_reward:contains")
+    task = DataTask(path, reward="my_reward:contains")
     assert task.reward(task.items[0], "it is 42!") == 0.5
     assert task.reward(task.items[0], "no") == 0.0
     with pytest.raises(ValueError, match="no function 'missing'"):
-        JsonlTask(path, reward="my_reward:missing")
+        DataTask(path, reward="my_reward:missing")
     with pytest.raises(ValueError, match="cannot import"):
-        JsonlTask(path, reward="no_such_module_xyz:f")
-    with pytest.raises(ValueError, match="'exact' or 'module:function'"):
-        JsonlTask(path, reward="fuzzy")
+        DataTask(path, reward="no_such_module_xyz:f")
+    with pytest.raises(ValueError, match="unknown reward 'fuzzy'"):
+        DataTask(path, reward="fuzzy")
     sys.modules.pop("my_reward", None)
 
 
@@ -132,7 +132,7 @@ def test_make_task(tmp_path):
     assert make_task("addition").digits == 3
     assert make_task("addition:4").digits == 4
     path = write(tmp_path / "d.jsonl", ['{"prompt": "a", "answer": "1"}'])
-    assert isinstance(make_task(str(path)), JsonlTask)
+    assert isinstance(make_task(str(path)), DataTask)
     with pytest.raises(ValueError, match="unknown task"):
         make_task("multiplication")
     with pytest.raises(ValueError, match="integer"):

@@ -61,7 +61,8 @@ def test_conditions_are_strictly_more_than_half_and_all():
     most = step_conditions(step_metrics(kept_tokens=49, kept_seqs=7))
     assert most["rejected_most_tokens"] and most["rejected_most_sequences"] and not most["rejected_all"]
     everything = step_conditions(step_metrics(kept_tokens=0, kept_seqs=0, applied=0, zero_skips=2, zero=2))
-    assert all(everything.values())
+    assert all(everything[name] for name in ("rejected_all", "rejected_most_tokens", "rejected_most_sequences",
+                                             "no_gradient"))  # fmt: skip
     # a gradient that is zero on one mini-batch of two is counted in train/zero_grad_minibatches only
     assert not step_conditions(step_metrics(applied=1, zero_skips=1, zero=1))["no_gradient"]
     assert step_conditions(step_metrics(applied=2, zero=2))["no_gradient"]  # optim.skip_zero_grad=false
@@ -212,3 +213,44 @@ def test_analyze_warns_when_everything_is_rejected(tmp_path, capsys):
     assert "That is everything: a training step on this data would have no gradient." in out
     assert analyze_main([]) == 0
     assert "warning: the correction rejects every token" not in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- the learning-rate rules
+
+
+def test_an_accuracy_drop_of_a_quarter_between_evaluations_warns_once_with_the_lr():
+    from rollcorr.train.alerts import ACCURACY_DROP, RunAlerts
+
+    alerts = RunAlerts()
+    alerts.seen_evaluation({"eval/accuracy": 0.875})  # step 0's evaluation
+    quiet = {**step_metrics(), "eval/accuracy": 0.875 - ACCURACY_DROP + 0.01, "train/lr": 3e-4}
+    assert alerts.observe(1, quiet) == [] and quiet["alerts/accuracy_drop"] == 0.0
+    fell = {**step_metrics(), "eval/accuracy": 0.25, "train/lr": 3e-4}
+    (said,) = alerts.observe(2, fell)
+    assert "greedy accuracy fell from 0.635 to 0.250" in said and "optim.lr=0.0003" in said
+    assert fell["alerts/accuracy_drop"] == 1.0
+    assert alerts.observe(3, step_metrics()) == []  # a step without an evaluation compares nothing
+    # a resumed run knows its last evaluation from metrics.jsonl
+    resumed = RunAlerts.from_records([{"step": 0, "eval/accuracy": 0.9}, {"step": 1, **step_metrics()}])
+    assert resumed.last_accuracy == 0.9
+
+
+def test_the_accuracy_rule_in_numbers():
+    from rollcorr.train.alerts import accuracy_dropped
+
+    assert accuracy_dropped(0.875, 0.25) and accuracy_dropped(0.175, 0.05)  # the two SmolLM2 runs
+    assert not accuracy_dropped(0.5, 0.3)  # 0.2, to more than half
+    assert not accuracy_dropped(0.12, 0.04)  # to a third, but by less than 0.1 (a few prompts of a small set)
+    assert not accuracy_dropped(0.4, 0.7)
+    # the share must also be answers: 0.25 → 0.0 on 4 prompts is one answer, on 40 prompts ten
+    assert not accuracy_dropped(0.25, 0.0, prompts=4) and accuracy_dropped(0.25, 0.0, prompts=40)
+    assert accuracy_dropped(0.875, 0.25, prompts=8)  # five of eight answers lost
+
+
+def test_the_lr_rule_speaks_for_large_models_only():
+    from rollcorr.train.alerts import lr_warning
+
+    assert lr_warning(1_000_000, 3e-4) is None  # the built-in model: its default
+    assert lr_warning(135_000_000, 1e-5) is None
+    said = lr_warning(135_000_000, 3e-4)
+    assert said.startswith("warning: optim.lr=0.0003 is far above") and "135 M parameters" in said

@@ -122,25 +122,24 @@ def _out_dir(out: str | None) -> Path:
     return Path("runs") / time.strftime("audit-%Y%m%d-%H%M%S")
 
 
-def _prepare_prompts(prompts: list[str], args, tokenizer) -> list[str]:
-    """Apply the chat template if asked, and cycle through the prompts until there are N of them."""
+def _prepare_prompts(prompts: list[str], args, tokenizer) -> list[str | list[int]]:
+    """What the sampler gets for each prompt — token ids through the chat template with ``--chat``, applied once
+    as the trainer applies it (``rollcorr.tasks.chat.model_input``), else the text — cycled until there are N."""
     if args.chat:
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("--chat: the model's tokenizer has no chat template")
-        from jinja2 import TemplateError
+        from rollcorr.tasks.chat import has_template, model_input
 
-        try:  # transformers renders templates in a sandbox: an escape attempt is a SecurityError, not code run
-            prompts = [
-                tokenizer.apply_chat_template(
-                    [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-                )
-                for p in prompts
-            ]
-        except TemplateError as err:
-            raise ValueError(f"--chat: the model's chat template failed ({type(err).__name__}: "
-                             f"{str(err).splitlines()[0][:160] if str(err) else 'no message'})") from None  # fmt: skip
+        if not has_template(tokenizer):
+            raise ValueError("--chat: the model's tokenizer has no chat template")
+        try:
+            prompts = [model_input(tokenizer, p, chat=True) for p in prompts]
+        except ValueError as err:  # a template that fails to render (or tries to escape its sandbox)
+            raise ValueError(f"--chat: {err}") from None
     reps = -(-args.num_responses // len(prompts))  # cycle through the prompts until N responses
     return (prompts * reps)[: args.num_responses]
+
+
+def _length(tokenizer, prompt: str | list[int]) -> int:
+    return len(prompt) if not isinstance(prompt, str) else len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
 def _collect_live(args, console, workdir: str):
@@ -175,12 +174,13 @@ def _collect_live(args, console, workdir: str):
         from rollcorr.engines.preflight import check_prompts
 
         positions = getattr(learner.model.config, "max_position_embeddings", None)
-        check_prompts(learner.tokenizer, list(dict.fromkeys(prompts)), params.max_new_tokens, positions, "prompt")
+        distinct = list({p if isinstance(p, str) else tuple(p): p for p in prompts}.values())
+        check_prompts(learner.tokenizer, distinct, params.max_new_tokens, positions, "prompt")
         sampler_kw = {}
         if parse_spec(sampler_spec).backend == "llamacpp":
             # llama.cpp allocates its KV cache for max_batch rows × n_ctx tokens up front; the model's own
             # context (8192 for SmolLM2) would cost GBs, so size it to what this audit needs
-            longest = max(len(learner.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+            longest = max(_length(learner.tokenizer, p) for p in prompts)
             sampler_kw = {"max_batch": args.batch_size, "n_ctx": longest + args.max_new_tokens}
         if sampler_spec == "llamacpp:file":  # serve the user's GGUF as shipped (e.g. Q4_1)
             sampler_kw["gguf_file"] = str(Path(model) / gguf_file)

@@ -20,9 +20,10 @@ response tokens (logits / the sampling temperature), optional entropy, lm-head a
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -253,10 +254,15 @@ class HFLearner:
         share_prompts: bool = True,
         routing_replay: str | None = None,
         skeleton: bool = False,
+        gradient_checkpointing: bool = False,
+        lora: dict | None = None,
     ) -> None:
         """``skeleton``: the model's structure on the meta device, no weights read or held (a data-parallel
         rank > 0: ``distributed.shard.ShardedLearner`` fills its shards from rank 0); it cannot score until
-        then."""
+        then. ``gradient_checkpointing``: a scoring forward with gradients keeps only each decoder layer's
+        input and recomputes the layer in the backward pass (``checkpointed_layers``). ``lora``: {r, alpha,
+        dropout, target_modules} — LoRA adapters on a frozen base (``engines/lora.py``); ``state_dict`` then
+        gives the merged weights."""
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be ≥ 1, got {chunk_size}")
         if routing_replay not in ROUTING_REPLAY_MODES:
@@ -265,7 +271,12 @@ class HFLearner:
         self.device = torch.device(device) if device is not None else default_device()
         self.model_path = str(model_path)
         model, self.tokenizer = load_model(model_path, dtype=self.dtype, attn=attn, skeleton=skeleton)
+        if lora is not None:
+            from rollcorr.engines.lora import apply_lora
+
+            apply_lora(model, **lora)
         self.model = model if skeleton else model.to(self.device)
+        self.gradient_checkpointing = gradient_checkpointing
         self.chunk_size = chunk_size  # vocabulary rows per lm-head chunk (rollcorr.logprobs)
         # Llama-family models with eager attention: score through LlamaBlocks with shared prompts
         # (share_prompts=False: one full forward through the transformers model, the reference)
@@ -279,7 +290,10 @@ class HFLearner:
         return f"HFLearner({self.model_path!r}, {str(self.dtype).removeprefix('torch.')})"
 
     def state_dict(self) -> dict[str, Tensor]:
-        return self.model.state_dict()
+        """The weights a sampler or an exported model takes: the model's own, or with LoRA the merged ones."""
+        from rollcorr.engines.lora import merged_state_dict
+
+        return merged_state_dict(self.model)
 
     @torch.no_grad()
     def routed_experts(self, rollout: Rollout) -> Tensor:
@@ -329,8 +343,10 @@ class HFLearner:
         if p == 0:
             raise ValueError("empty prompt: the first response token has no context to be scored from")
 
-        with torch.set_grad_enabled(grad), self.replaying(rollout_or_input) as replay:
-            if self.share_prompts and static_kv_supported(self.model):  # (self.model may be swapped in)
+        checkpointing = grad and self.gradient_checkpointing
+        with torch.set_grad_enabled(grad), self.replaying(rollout_or_input) as replay, \
+                checkpointed_layers(self.model) if checkpointing else nullcontext():  # fmt: skip
+            if self.share_prompts and not checkpointing and static_kv_supported(self.model):  # (may be swapped in)
                 hidden = prefix_shared_hidden(LlamaBlocks(self.model), ids, mask, p)
             else:
                 body = self.model.get_decoder()
@@ -358,6 +374,23 @@ class HFLearner:
             if not with_entropy:
                 return log_prob
             return log_prob, entropy.reshape(b, t).masked_fill(~valid, 0.0)
+
+
+@contextmanager
+def checkpointed_layers(model: nn.Module):
+    """Inside: every decoder layer of ``model`` runs under ``torch.utils.checkpoint`` (non-reentrant): its
+    activations are recomputed in the backward pass instead of kept, so a forward with gradients holds one
+    layer's activations at a time beside each layer's input. The same arithmetic, so the same gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    layers = list(model.get_decoder().layers)
+    for layer in layers:
+        layer.forward = functools.partial(checkpoint, type(layer).forward.__get__(layer), use_reentrant=False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward  # back to the class's forward
 
 
 def replay_context(model: nn.Module, mode: str | None, rollout: Rollout | tuple):

@@ -263,10 +263,11 @@ def check_llamacpp_model(spec: str, quant: str | None, model_path, gguf_file: st
 
 
 def check_prompts(
-    tokenizer, prompts: list[str], max_new_tokens: int, max_positions: int | None, what: str
+    tokenizer, prompts: list[str | list[int]], max_new_tokens: int, max_positions: int | None, what: str
 ) -> None:
     """PreflightError(field="prompts") for a prompt the tokenizer cannot encode (an ``<unk>``, or characters
-    it drops) or one whose tokens plus ``max_new_tokens`` exceed the model's ``max_positions``."""
+    it drops) or one whose tokens plus ``max_new_tokens`` exceed the model's ``max_positions``. A prompt given
+    as token ids (through a chat template) is checked for its length only."""
     from transformers.utils import logging as hf_logging
 
     unk = getattr(tokenizer, "unk_token_id", None)
@@ -274,10 +275,13 @@ def check_prompts(
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "sequence length is longer than ..." is what this check says, in one line
     try:
-        encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in prompts]
+        encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
+                   for p in prompts]  # fmt: skip
     finally:
         hf_logging.set_verbosity(verbosity)
     for i, (text, ids) in enumerate(zip(prompts, encoded)):
+        if not isinstance(text, str):
+            continue
         unknown = sorted({c for c in text if c not in vocab}) if vocab is not None else []
         if unknown:
             raise PreflightError("prompts", f"{what} {i}: characters the tokenizer cannot encode "

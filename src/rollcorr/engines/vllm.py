@@ -36,8 +36,10 @@ raises ``RuntimeError`` with the install hint. Scripts that build a multiprocess
 from __future__ import annotations
 
 import io
+import logging
 import os
 import random
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,49 @@ VERBOSE_ENV = (
 )
 
 
+class ExpectedNoise(logging.Filter):
+    """Drops vLLM's lines that repeat something expected, counting them, unless ``ROLLCORR_VLLM_VERBOSE=1``:
+
+    - "Attempted to load weight X with dtype float32 into parameter with dtype bfloat16", once per tensor when the
+      engine loads a checkpoint saved in another dtype than it runs (122 lines for SmolLM2-135M): vLLM casts
+      each tensor, as it should; the sampler says it once ("vLLM cast N weights ... as it loaded them");
+    - "RotaryEmbedding: Failed to load weights" at every weight publish: the rotary embedding has no weights in a
+      checkpoint (its cos/sin cache is computed), so there is nothing to load; the k3 of a published engine equals
+      a fresh engine's (tests/test_engines_vllm.py).
+    Attached to the two vLLM loggers that say them (``LOGGERS``; a logger's own filters survive vLLM's
+    ``dictConfig``, which replaces the handlers of its "vllm" logger when an engine is built).
+    """
+
+    LOGGERS = ("vllm.model_executor.models.utils", "vllm.model_executor.model_loader.reload.layerwise")
+
+    PATTERNS = {"dtype_cast": "Attempted to load weight %s with dtype", "no_weights": "%s: Failed to load weights"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = dict.fromkeys(self.PATTERNS, 0)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        for kind, pattern in self.PATTERNS.items():
+            if message.startswith(pattern) and (kind != "no_weights" or record.args == ("RotaryEmbedding",)):
+                self.counts[kind] += 1
+                return False
+        return True
+
+
+NOISE = ExpectedNoise()
+
+
+def quiet_vllm() -> None:
+    """Put ``NOISE`` on the loggers that say its lines (once; not when ``ROLLCORR_VLLM_VERBOSE=1``)."""
+    if os.environ.get(VERBOSE_ENV, "") not in ("", "0"):
+        return
+    for name in ExpectedNoise.LOGGERS:
+        logger = logging.getLogger(name)
+        if NOISE not in logger.filters:
+            logger.addFilter(NOISE)
+
+
 def import_vllm():
     """``import vllm`` or RuntimeError with the install hint. vLLM's own logging is set to WARNING (its INFO
     start-up log is 50–150 lines before any result) unless ``ROLLCORR_VLLM_VERBOSE=1`` or the user set
@@ -74,6 +119,7 @@ def import_vllm():
         import vllm
     except ImportError as err:
         raise RuntimeError(INSTALL_HINT) from err
+    quiet_vllm()
     return vllm
 
 
@@ -230,6 +276,7 @@ class VLLMSampler(DecodingSampler):
         self.dtype = dtype
         # an in-process engine seeds the process-wide RNGs with ``seed``; keep the caller's streams
         rng_states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        casts_before = NOISE.counts["dtype_cast"]
         try:
             self.llm = vllm.LLM(
                 model=self.model_path,
@@ -243,6 +290,10 @@ class VLLMSampler(DecodingSampler):
             random.setstate(rng_states[0])
             np.random.set_state(rng_states[1])
             torch.set_rng_state(rng_states[2])
+        casts = NOISE.counts["dtype_cast"] - casts_before
+        if casts:  # said once instead of vLLM's line per tensor
+            print(f"vLLM cast {casts} weights of {self.model_path} to {dtype} as it loaded them (the checkpoint's "
+                  f"dtype differs; {VERBOSE_ENV}=1 shows vLLM's lines)", file=sys.stderr)  # fmt: skip
         self.tokenizer = self.llm.get_tokenizer()
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)

@@ -57,6 +57,10 @@ class AdditionTask:
                 items.append(self.item(a, b))
         return items
 
+    def held_out(self, n: int, seed: int) -> list[dict[str, Any]]:
+        """n fresh test-split problems (a generated task has more than any evaluation uses)."""
+        return self.sample(n, seed, split="test")
+
     def reward(self, item: dict[str, Any], response_text: str) -> float:
         text = response_text.strip()
         if text == item["answer"]:

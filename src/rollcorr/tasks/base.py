@@ -13,12 +13,18 @@ class Task(Protocol):
 
     ``sample(n, seed, split)`` returns n items, each a dict with at least ``"prompt"`` (str) and whatever
     ``reward`` needs (e.g. ``"answer"``); the same (n, seed, split) always gives the same items.
+    ``held_out(n, seed)`` returns the items greedy evaluation scores: a data set's held-out rows, each once in
+    a fixed order (at most n); a generated task's n fresh test-split problems.
     ``reward(item, response_text)`` scores one decoded response (special tokens already removed) in [0, 1].
+    An item's ``"prompt"`` is text, or a conversation (a list of {"role", "content"} messages) that the chat
+    template turns into the model's input (``rollcorr.tasks.chat``).
     """
 
     name: str
 
     def sample(self, n: int, seed: int, split: str = "train") -> list[dict[str, Any]]: ...
+
+    def held_out(self, n: int, seed: int) -> list[dict[str, Any]]: ...
 
     def reward(self, item: dict[str, Any], response_text: str) -> float: ...
 

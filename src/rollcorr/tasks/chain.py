@@ -98,5 +98,9 @@ class ChainTask:
                 items.append(item)
         return items
 
+    def held_out(self, n: int, seed: int) -> list[dict[str, Any]]:
+        """n fresh test-split problems (a generated task has more than any evaluation uses)."""
+        return self.sample(n, seed, split="test")
+
     def reward(self, item: dict[str, Any], response_text: str) -> float:
         return number_score(response_text.strip(), item["answer"])

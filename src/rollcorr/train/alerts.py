@@ -1,4 +1,5 @@
-"""Warnings that speak: steps whose correction rejected most of the batch, all of it, or that had no gradient.
+"""Warnings that speak: steps whose correction rejected most of the batch or all of it, that had no gradient,
+or after which greedy accuracy collapsed (a learning rate too large for the model).
 
 The trainer hands every step's metrics to ``RunAlerts.observe``; it adds one 0/1 flag per condition and a
 running count (``alerts/<condition>`` and ``alerts/<condition>_steps``) to the metrics and returns the
@@ -14,9 +15,19 @@ optimizer counters of ``train/step.py``):
 - ``rejected_most_sequences``: more than half of the valid sequences lost every token;
 - ``rejected_most_tokens``: more than half of the valid tokens were rejected;
 - ``no_gradient``: every optimizer step of the step had an exactly-zero gradient (all tokens rejected, or
-  every kept group had one reward, so every advantage was 0).
+  every kept group had one reward, so every advantage was 0);
+- ``accuracy_drop``: greedy accuracy fell since the previous evaluation by ≥ ``ACCURACY_DROP`` (0.25), or by
+  ≥ ``ACCURACY_DROP_SMALL`` (0.1) to half or less of its previous value, and at least ``MIN_LOST_ANSWERS`` (3)
+  held-out answers were lost (``eval/prompts`` × the fall: on 4 prompts one answer is already 0.25) —
+  updates that undo this many of the held-out answers are what a learning rate too large for the model does
+  (SmolLM2-135M at lr 3e-4: 0.875 → 0.25 in one update on one data set, 0.175 → 0.05 → 0.0 on another).
 
 A step that rejects everything also counts as rejecting more than half; its message says it once.
+
+``lr_warning(n_params, lr)`` is said once when a run starts: a model of ≥ ``LARGE_MODEL`` (50 M) parameters
+with ``optim.lr`` > ``LARGE_MODEL_LR`` (1e-4) — RL fine-tuning of pretrained language models uses learning
+rates of about 1e-7 to 5e-5 (TRL's GRPOTrainer and verl's actor default to 1e-6), and the default 3e-4 was
+chosen for the ~1 M-parameter built-in model.
 """
 
 from __future__ import annotations
@@ -27,6 +38,9 @@ from pathlib import Path
 from typing import Any
 
 MOST = 0.5  # "most": strictly more than half
+ACCURACY_DROP, ACCURACY_DROP_SMALL = 0.25, 0.1  # greedy accuracy falling this much between two evaluations
+MIN_LOST_ANSWERS = 3  # ... and this many held-out answers lost, so one answer of a handful of prompts is not it
+LARGE_MODEL, LARGE_MODEL_LR = 50_000_000, 1e-4
 REPEAT_EVERY = 25  # a persisting condition is said again every this many further occurrences
 PREFIX = "alerts/"
 # in the order of the end-of-run summary; each phrase follows "N of M steps" (or "N steps")
@@ -35,7 +49,9 @@ CONDITIONS: dict[str, str] = {
     "rejected_most_tokens": "rejected > 50 % of tokens",
     "rejected_all": "rejected every token",
     "no_gradient": "had no gradient",
+    "accuracy_drop": "lost a large share of their greedy accuracy since the previous evaluation",
 }
+LR_ADVICE = "lower optim.lr (RL fine-tuning of pretrained models usually uses 1e-7 to 5e-5)"
 ADVICE = (
     "the correction's thresholds are tighter than this sampler/learner mismatch; widen them "
     "(algorithm.correction.rs_thresholds) or choose a preset made for it "
@@ -58,7 +74,26 @@ def step_conditions(metrics: dict[str, float]) -> dict[str, bool]:
         "rejected_most_tokens": has_tokens and tokens - kept_tokens > MOST * tokens,
         "rejected_all": has_tokens and kept_tokens == 0,
         "no_gradient": zero > 0 and zero == finite,
+        "accuracy_drop": False,  # needs the previous evaluation: RunAlerts.observe
     }
+
+
+def accuracy_dropped(previous: float, now: float, prompts: float | None = None) -> bool:
+    """The ``accuracy_drop`` rule (module docstring); ``prompts``: how many held-out prompts were evaluated
+    (None: not known, the share alone decides)."""
+    fall = previous - now
+    if prompts is not None and fall * prompts < MIN_LOST_ANSWERS - 1e-9:
+        return False
+    return fall >= ACCURACY_DROP or (fall >= ACCURACY_DROP_SMALL and now <= previous / 2)
+
+
+def lr_warning(n_params: int, lr: float) -> str | None:
+    """The start-of-run learning-rate rule (module docstring), or None."""
+    if n_params >= LARGE_MODEL and lr > LARGE_MODEL_LR:
+        return (f"warning: optim.lr={lr:g} is far above the usual range for a model of {n_params / 1e6:.0f} M "
+                f"parameters (the default 3e-4 suits the ~1 M-parameter built-in model); {LR_ADVICE}, "
+                "e.g. optim.lr=1e-5 (docs/tasks.md, a real model)")  # fmt: skip
+    return None
 
 
 def _pct(part: float, whole: float) -> str:
@@ -85,6 +120,11 @@ def describe(step: int, condition: str, metrics: dict[str, float]) -> str:
     if condition == "rejected_most_tokens":
         return (f"step {step}: the correction rejected {_pct(tokens - kept_tokens, tokens)} of the tokens "
                 f"({tokens - kept_tokens:.0f} of {tokens:.0f}); {ADVICE}.")  # fmt: skip
+    if condition == "accuracy_drop":
+        return (f"step {step}: greedy accuracy fell from {g('alerts/previous_accuracy', 0.0):.3f} to "
+                f"{g('eval/accuracy', 0.0):.3f} since the previous evaluation; updates that undo this many answers "
+                f"usually mean the learning rate (optim.lr={g('train/lr', 0.0):g}) is too large for this model: "
+                f"{LR_ADVICE}.")  # fmt: skip
     why = (
         "every kept group's responses got the same reward, so every advantage was 0"
         if g("advantage/abs_mean", 1.0) == 0
@@ -101,12 +141,19 @@ class RunAlerts:
     steps: int = 0
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CONDITIONS, 0))
     said_at: dict[str, int] = field(default_factory=dict)  # condition → its count when last said
+    last_accuracy: float | None = None  # the previous evaluation's greedy accuracy
+
+    def seen_evaluation(self, metrics: dict[str, float]) -> None:
+        """An evaluation outside a step (step 0's) is the baseline of the next accuracy comparison."""
+        if metrics.get("eval/accuracy") is not None:
+            self.last_accuracy = float(metrics["eval/accuracy"])
 
     @classmethod
     def from_records(cls, records: Iterable[dict[str, Any]], repeat_every: int | None = None) -> RunAlerts:
         """Counts of a run continued from its ``metrics.jsonl`` records (the steps already trained)."""
         alerts = cls(repeat_every=repeat_every or REPEAT_EVERY)
         for record in records:
+            alerts.seen_evaluation(record)
             if "train/applied_updates" not in record:  # step 0's evaluation, or an evaluation-only line
                 continue
             alerts.steps += 1
@@ -128,6 +175,12 @@ class RunAlerts:
     def observe(self, step: int, metrics: dict[str, float]) -> list[str]:
         """Add ``alerts/*`` flags and counts to ``metrics`` (in place); return the messages to print now."""
         flags = step_conditions(metrics)
+        if metrics.get("eval/accuracy") is not None:
+            if self.last_accuracy is not None:
+                metrics[PREFIX + "previous_accuracy"] = self.last_accuracy
+                flags["accuracy_drop"] = accuracy_dropped(self.last_accuracy, float(metrics["eval/accuracy"]),
+                                                          metrics.get("eval/prompts"))  # fmt: skip
+            self.seen_evaluation(metrics)
         self.steps += 1
         for name, flag in flags.items():
             self.counts[name] += int(flag)
@@ -144,6 +197,8 @@ class RunAlerts:
                 break
         if flags["no_gradient"] and not flags["rejected_all"] and self._due("no_gradient"):
             said.append(self._say(step, "no_gradient", metrics))
+        if flags["accuracy_drop"] and self._due("accuracy_drop"):
+            said.append(self._say(step, "accuracy_drop", metrics))
         return said
 
     def _say(self, step: int, name: str, metrics: dict[str, float]) -> str:

@@ -24,7 +24,7 @@ from rollcorr.engines import make_learner, make_sampler, parse_spec, sampler_cla
 from rollcorr.engines.preflight import PreflightError, preflight
 from rollcorr.losses import LossConfig
 from rollcorr.proximal import ProximalStrategy, make_proximal
-from rollcorr.tasks import make_task
+from rollcorr.tasks.chat import uses_chat
 from rollcorr.train.config import ConfigError, TrainConfig
 from rollcorr.train.eval import GreedyEvaluator
 from rollcorr.train.executors import AsyncExecutor, Executor, LaggedExecutor
@@ -46,10 +46,7 @@ def check_components(config: TrainConfig) -> tuple[StepConfig, ProximalStrategy]
         except PreflightError as err:
             raise ConfigError(f"model.{'path' if err.field == 'path' else key}: {err}") from None
     check_trainable_learner(config)
-    try:
-        make_task(config.task.name)
-    except (ValueError, FileNotFoundError) as err:
-        raise ConfigError(f"task.name: {err}") from None
+    build_task(config)
     if config.trainer.partial_rollouts and not sampler_class(config.model.sampler).can_resume:
         raise ConfigError(
             f"trainer.partial_rollouts: sampler {config.model.sampler!r} cannot resume responses"
@@ -64,7 +61,35 @@ def check_components(config: TrainConfig) -> tuple[StepConfig, ProximalStrategy]
                           "background thread, while a sharded forward needs every rank; snapshot gives the same "
                           "exact old log-probs at trainer.ranks > 1")  # fmt: skip
     check_fsdp(config)
+    check_device(config)
     return step_config, proximal
+
+
+def check_device(config: TrainConfig) -> None:
+    """``model.device`` names a device this machine has (and one an hf engine can use)."""
+    device = config.model.device
+    if device is None or device == "cpu":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(f"model.device: {device!r} asked for, but this machine has no CUDA device "
+                          "(torch.cuda.is_available() is False); use cpu or leave it null")  # fmt: skip
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"model.device: {device!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if config.trainer.ranks > 1:
+        raise ConfigError("model.device: a data-parallel run puts rank r on cuda:r itself; leave model.device null")
+
+
+def build_task(config: TrainConfig):
+    """The run's task from ``task.*``; ConfigError naming the key at fault (``DataError.field``)."""
+    from rollcorr.tasks import DataError
+
+    try:
+        return config.task.build()
+    except DataError as err:
+        raise ConfigError(f"task.{err.field}: {err}") from None
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(f"task.name: {err}") from None
 
 
 def check_fsdp(config: TrainConfig) -> None:
@@ -195,8 +220,16 @@ def build_learner(config: TrainConfig, ranks=None) -> tuple[Any, torch.optim.Opt
     each unit to the rank's device)."""
     skeleton = ranks is not None and not ranks.is_main
     device = "cpu" if ranks is not None else None  # None: one process, the default device
-    learner = make_learner(config.model.learner, _model_path(config), routing_replay=config.model.routing_replay,
-                           skeleton=skeleton, device=device)  # fmt: skip
+    m = config.model
+    device = device or m.device  # one process: model.device (None: CUDA when available)
+    try:
+        learner = make_learner(m.learner, _model_path(config), routing_replay=m.routing_replay, skeleton=skeleton,
+                               device=device, gradient_checkpointing=m.gradient_checkpointing,
+                               lora=m.lora.learner_kwargs())  # fmt: skip
+    except ValueError as err:
+        if str(err).startswith("model.lora"):
+            raise ConfigError(str(err)) from None
+        raise
     learner.model.train(False)
     if ranks is not None:
         from rollcorr.distributed.shard import fsdp_options, shard_learner
@@ -237,9 +270,9 @@ def follow_sampler(proximal: ProximalStrategy, executor: Executor, learner) -> N
 
 
 def build_evaluator(config: TrainConfig, task, tokenizer) -> GreedyEvaluator | None:
-    """Greedy accuracy on ``task.eval_prompts`` held-out prompts with an fp32 hf sampler; None for 0 prompts."""
+    """Greedy accuracy on at most ``task.eval_prompts`` held-out prompts with an fp32 hf sampler; None for 0."""
     if config.task.eval_prompts <= 0:
         return None
-    sampler = make_sampler("hf:fp32", _model_path(config))
+    sampler = make_sampler("hf:fp32", _model_path(config), device=config.model.device)
     return GreedyEvaluator(sampler, task, tokenizer, config.task.eval_prompts, config.rollout.max_new_tokens,
-                           config.task.eval_seed)  # fmt: skip
+                           config.task.eval_seed, chat=uses_chat(tokenizer, config.task.chat))  # fmt: skip

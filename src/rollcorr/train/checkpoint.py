@@ -126,10 +126,11 @@ def checkpoints_root(run_dir: Path, create: bool = False) -> Path | None:
 
 
 def save_checkpoint(
-    run_dir: Path, step: int, state: dict[str, Any], model=None, tokenizer=None, keep: int = 2
+    run_dir: Path, step: int, state: dict[str, Any], model=None, tokenizer=None, keep: int = 2,
+    export: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``state`` (and the model as an HF directory) atomically, with its checksum manifest; keep the
-    newest ``keep`` checkpoints.
+    """Write ``state`` (and the model as an HF directory, with ``export`` as its weights when given: a LoRA
+    model's merged ones) atomically, with its checksum manifest; keep the newest ``keep`` checkpoints.
 
     On any error the temporary directory is removed again and the older checkpoints stay as they were; a
     write error (a full disk, a file-size limit) is a one-line ``CheckpointError``.
@@ -142,7 +143,7 @@ def save_checkpoint(
         tmp.mkdir()
         torch.save(state, tmp / STATE_FILE)
         if model is not None:
-            model.save_pretrained(tmp / "model")
+            model.save_pretrained(tmp / "model", state_dict=export)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp / "model")
         write_manifest(tmp)

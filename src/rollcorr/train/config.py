@@ -102,19 +102,52 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters on a frozen base (``rollcorr.engines.lora``, PEFT); ``r = 0``: off, every weight trains."""
+
+    r: int = 0  # the adapters' rank; 0 = no LoRA
+    alpha: float = 16.0  # the update is (alpha / r) · B A
+    dropout: float = 0.0
+    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+    def learner_kwargs(self) -> dict[str, Any] | None:
+        """``HFLearner(lora=...)``: None when off."""
+        if self.r == 0:
+            return None
+        return {"r": self.r, "alpha": self.alpha, "dropout": self.dropout, "target_modules": list(self.target_modules)}
+
+
+@dataclass
 class ModelConfig:
     path: str = "builtin"  # "builtin" or a local Hugging Face directory
     sampler: str = "hf:bf16"  # engine spec for make_sampler
     learner: str = "hf:fp32"  # engine spec for make_learner
     # mixture-of-experts models: "r3" = the learner (π_θ and every π_old) replays the sampler's routed experts
     routing_replay: str | None = None
+    device: str | None = None  # cpu | cuda | cuda:N for the learner and the hf samplers; null: CUDA when available
+    gradient_checkpointing: bool = False  # recompute each decoder layer in the backward pass (less memory)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA adapters (r > 0); the sampler gets merged weights
 
 
 @dataclass
 class TaskConfig:
-    name: str = "addition"  # make_task name or a .jsonl path
-    eval_prompts: int = 200  # held-out (split="test") prompts for greedy evaluation
+    """The prompts and the reward (docs/tasks.md): a built-in task, or a data set with its reward."""
+
+    name: str = "addition"  # a built-in task (addition, chain, ...) or a data set: .jsonl, .parquet, a datasets folder
+    reward: str | None = None  # data sets: exact | last_number | boxed | gsm8k | math | module:function (null: exact)
+    chat: bool | None = None  # the chat template on prompts: null = when the model's tokenizer has one
+    prompt_key: str = "prompt"  # data sets: the column holding the prompt (text or a list of messages)
+    answer_key: str = "answer"  # data sets: the column the reward reads
+    eval_file: str | None = None  # data sets: the held-out rows (else the data's split / every 10th row)
+    eval_prompts: int = 200  # greedy evaluation: at most this many held-out prompts (each once), 0 = none
     eval_seed: int = 12345
+
+    def build(self):
+        """The task (``rollcorr.tasks.make_task``); ValueError / FileNotFoundError naming the problem."""
+        from rollcorr.tasks import make_task
+
+        return make_task(self.name, self.reward, prompt_key=self.prompt_key, answer_key=self.answer_key,
+                         eval_file=self.eval_file)  # fmt: skip
 
 
 @dataclass
@@ -286,6 +319,7 @@ class TrainerConfig:
     out: str | None = None  # run folder; None = runs/<timestamp>-<random suffix>
     tensorboard: bool = True
     wandb: bool = False  # only when the wandb package is installed
+    wandb_project: str = "rollcorr"  # the W&B project a run logs to (trainer.wandb=true)
     progress: bool = True  # rich progress bar
     plot: bool = True
 
@@ -338,6 +372,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     """Check ``value`` against a simple type hint (int/float/bool/str/dict, optionally | None)."""
     if getattr(hint, "__origin__", None) is dict:
         hint = dict
+    if getattr(hint, "__origin__", None) is list:
+        hint = list
     args = getattr(hint, "__args__", ())
     optional = type(None) in args
     base = next((a for a in args if a is not type(None)), hint) if args else hint
@@ -371,6 +407,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {excerpt(value)}")
         return dict(value)
+    if base is list:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{key}: expected a list of names, e.g. [q_proj, v_proj], got {excerpt(value)}")
+        return list(value)
     return value
 
 
@@ -544,6 +584,17 @@ def validate(c: TrainConfig) -> None:
     _positive(r.top_k, "rollout.top_k", allow_zero=True)
     _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     _positive(c.task.eval_prompts, "task.eval_prompts", allow_zero=True)
+    device = c.model.device
+    _check(device is None or device in ("cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit()),
+           "model.device", f"expected cpu, cuda or cuda:<index> (or null: CUDA when available), got {device!r}")  # fmt: skip
+    lora = c.model.lora
+    _check(lora.r >= 0, "model.lora.r", f"must be >= 0 (0 = no LoRA), got {lora.r}")
+    if lora.r:
+        _positive(lora.alpha, "model.lora.alpha")
+        _check(0 <= lora.dropout < 1, "model.lora.dropout", f"must be in [0, 1), got {lora.dropout}")
+        _check(bool(lora.target_modules), "model.lora.target_modules", "needs at least one module name")
+        _check(c.trainer.ranks == 1, "model.lora",
+               "LoRA trains in one process; a data-parallel learner (trainer.ranks > 1) shards full weights")  # fmt: skip
     _check(c.model.routing_replay in (None, "r3"), "model.routing_replay",
            f"unknown routing replay {c.model.routing_replay!r}; use null or r3")  # fmt: skip
     if c.model.routing_replay is not None:

@@ -33,7 +33,8 @@ class RunLogger:
     """
 
     def __init__(self, run_dir: Path, total_steps: int, *, tensorboard: bool = True, wandb: bool = False,
-                 progress: bool = True, config: dict | None = None, resume_step: int | None = None):  # fmt: skip
+                 progress: bool = True, config: dict | None = None, resume_step: int | None = None,
+                 wandb_project: str = "rollcorr"):  # fmt: skip
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.file = open_text_inside(self.path, "a")  # a planted link or FIFO is refused, never followed
@@ -51,8 +52,14 @@ class RunLogger:
             except ImportError:
                 print("trainer.wandb=true but the wandb package is not installed: logging locally only")
             else:
-                self.wandb = wandb_lib.init(project="rollcorr", dir=str(self.run_dir), config=config,
+                self.wandb = wandb_lib.init(project=wandb_project, dir=str(self.run_dir), config=config,
                                             resume="allow")  # fmt: skip
+        # imported here, not in ``message``: the trainer's signal handler calls ``message``, and a signal that
+        # lands while ``message`` is importing rich.text would find it half-initialised (an ImportError)
+        from rich.errors import MarkupError
+        from rich.text import Text
+
+        self._plain, self._markup_error = Text.from_markup, MarkupError
         self.progress = None
         if progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -96,12 +103,9 @@ class RunLogger:
         if self.progress is not None:
             self.progress.console.print(text)
         else:  # plain output (trainer.progress=false): the same text without its rich markup
-            from rich.errors import MarkupError
-            from rich.text import Text
-
             try:
-                text = Text.from_markup(text).plain
-            except MarkupError:
+                text = self._plain(text).plain
+            except self._markup_error:
                 pass
             print(text, flush=True)
 
@@ -118,3 +122,72 @@ class RunLogger:
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     with open_text_inside(Path(run_dir) / "metrics.jsonl") as f:
         return [json.loads(line) for line in f.read().splitlines() if line.strip()]
+
+
+class SampleLog:
+    """What the model wrote: ``samples.jsonl`` in the run folder and a TensorBoard text panel ("samples").
+
+    At step 1 and at every evaluation, ``write`` records ``per_kind`` training responses (one per prompt, the
+    first of each group) with their reward and per-token |Δp| = |μ(y_t) − π_old(y_t)| (μ the sampler's full
+    distribution, π_old the learner's), and as many greedy evaluation responses with the answer they were scored
+    against. One JSON object per response: {"step", "kind": "train" | "eval", "prompt", "response", "reward",
+    and for train "tokens", "abs_prob_diff", for eval "answer"}.
+    """
+
+    def __init__(self, run_dir: Path, tokenizer, tb=None, per_kind: int = 4) -> None:
+        from rollcorr.train.rundir import SAMPLES_FILE
+
+        self.path = Path(run_dir) / SAMPLES_FILE
+        self.file = open_text_inside(self.path, "a")
+        self.tokenizer, self.tb, self.per_kind = tokenizer, tb, per_kind
+
+    def _train_rows(self, step: int, rollout) -> list[dict[str, Any]]:
+        from rollcorr.tasks.chat import prompt_text
+
+        group = rollout.group_ids.tolist()
+        firsts = [i for i in range(rollout.batch_size) if i == 0 or group[i] != group[i - 1]][: self.per_kind]
+        log_mu = rollout.rollout_log_prob
+        if rollout.log_kept_mass is not None:
+            log_mu = log_mu + rollout.log_kept_mass  # the sampler's full distribution, as the learner's
+        rows = []
+        for i in firsts:
+            mask = rollout.response_mask[i].bool()
+            ids = rollout.response_ids[i][mask].tolist()
+            old = rollout.old_log_prob[i][mask] if rollout.old_log_prob is not None else log_mu[i][mask]
+            diff = (log_mu[i][mask].exp() - old.exp()).abs()
+            rows.append({"step": step, "kind": "train", "prompt": prompt_text(rollout.meta[i]["prompt"]),
+                         "response": self.tokenizer.decode(ids, skip_special_tokens=True),
+                         "reward": float(rollout.rewards[i]) if rollout.rewards is not None else None,
+                         "tokens": [self.tokenizer.decode([t]) for t in ids],
+                         "abs_prob_diff": [float(f"{d:.3g}") for d in diff.tolist()]})  # fmt: skip
+        return rows
+
+    def write(self, step: int, rollout=None, evaluated: list[dict[str, Any]] | None = None) -> None:
+        from rollcorr.tasks.chat import prompt_text
+
+        rows = self._train_rows(step, rollout) if rollout is not None else []
+        for entry in (evaluated or [])[: self.per_kind]:
+            rows.append({"step": step, "kind": "eval", "prompt": prompt_text(entry["item"]["prompt"]),
+                         "response": entry["response"], "reward": entry["reward"],
+                         "answer": str(entry["item"].get("answer", ""))})  # fmt: skip
+        for row in rows:
+            self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.tb is not None and rows:
+            self.tb.add_text("samples", _markdown(rows), step)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _markdown(rows: list[dict[str, Any]]) -> str:
+    """A TensorBoard text panel: one table row per response (max |Δp| for training responses)."""
+
+    def cell(text: Any) -> str:
+        return str(text).replace("|", "\\|").replace("\n", " ⏎ ")[:300]
+
+    lines = ["| kind | prompt | response | reward | max \\|Δp\\| |", "|---|---|---|---|---|"]
+    for r in rows:
+        peak = max(r["abs_prob_diff"], default=0.0) if "abs_prob_diff" in r else ""
+        lines.append(f"| {r['kind']} | {cell(r['prompt'])} | {cell(r['response'])} | {r['reward']} | {peak} |")
+    return "\n".join(lines)

@@ -24,16 +24,18 @@ import torch
 
 from rollcorr.engines.preflight import check_prompts
 from rollcorr.safe_io import UnsafePathError
-from rollcorr.tasks import make_task
-from rollcorr.train.alerts import RunAlerts
+from rollcorr.tasks.chat import model_input, uses_chat
+from rollcorr.train.alerts import RunAlerts, lr_warning
 from rollcorr.train.build import (
     build_evaluator,
     build_learner,
+    build_task,
     check_components,
     follow_sampler,
     make_executor,
     rank_executor,
 )
+from rollcorr.engines.lora import load_trainable_state_dict, trainable_state_dict
 from rollcorr.train.checkpoint import (
     checkpoint_dir,
     load_latest_intact,
@@ -45,6 +47,8 @@ from rollcorr.train.checkpoint import (
 from rollcorr.train.config import ConfigError, TrainConfig, config_from_dict, save_config
 from rollcorr.train.rundir import (
     LOCK_FILE,
+    METRICS_FILE,
+    SAMPLES_FILE,
     RunFinished,
     RunFolderError,
     RunLock,
@@ -222,15 +226,21 @@ class Trainer:
         self, config: TrainConfig, state: dict[str, Any] | None, resumed: bool, notes: list[str]
     ) -> None:
         """Models, optimizer, executor, evaluator, logger; then the checkpoint's state when resuming."""
-        from rollcorr.train.logging import RunLogger
+        from rollcorr.train.logging import RunLogger, SampleLog
 
         t = config.trainer
         seed_everything(t.seed)
         self.learner, self.optimizer = build_learner(config, self.ranks)  # sharded over the ranks, if any
-        self.task = make_task(config.task.name)
-        # a user's prompts: encodable, and within the model's positions (the hf sampler would run past them)
-        check_prompts(self.learner.tokenizer, [str(item.get("prompt", "")) for item in getattr(self.task, "items", [])],
-                      config.rollout.max_new_tokens, getattr(self.learner.model.config, "max_position_embeddings", None),
+        self.task = build_task(config)
+        # a user's prompts, as the sampler will get them: encodable, and within the model's positions (the hf
+        # sampler would run past them)
+        try:
+            chat = uses_chat(self.learner.tokenizer, config.task.chat)
+            inputs = [model_input(self.learner.tokenizer, item["prompt"], chat) for item in getattr(self.task, "items", [])]
+        except ValueError as err:  # no template, a template that fails, a conversation with task.chat=false
+            raise ConfigError(f"task.chat: {err}") from None
+        check_prompts(self.learner.tokenizer, inputs, config.rollout.max_new_tokens,
+                      getattr(self.learner.model.config, "max_position_embeddings", None),
                       f"task.name: {config.task.name} prompt")  # fmt: skip
         # the sampler is built where it runs: here (sync, simulated_async), in a sampler process (async) or in
         # Ray actors (trainer.executor=ray)
@@ -250,12 +260,15 @@ class Trainer:
         if state is not None:
             self._restore(state, checkpoint_dir(self.run_dir, int(state["step"])))  # the one that loaded
         if resumed and self.main:  # keep every intact metrics line up to the checkpoint (none from step 0)
-            notes.append(repair_metrics(self.run_dir, self.step if state is not None else -1))
+            for name in (METRICS_FILE, SAMPLES_FILE):
+                notes.append(repair_metrics(self.run_dir, self.step if state is not None else -1, name))
         self.stop_signal: int | None = None
         self._waiting_for_sampler = False
+        self.told_checkpoint_size = False
         if self.main:
             self.logger = RunLogger(self.run_dir, t.steps, tensorboard=t.tensorboard, wandb=t.wandb, progress=t.progress,
-                                    config=config.to_dict(), resume_step=self.step if resumed else None)  # fmt: skip
+                                    config=config.to_dict(), resume_step=self.step if resumed else None,
+                                    wandb_project=t.wandb_project)  # fmt: skip
         else:
             from rollcorr.distributed.roles import SilentLogger
 
@@ -263,13 +276,17 @@ class Trainer:
         for note in notes:
             if note:
                 self.logger.message(note)
+        self.samples = SampleLog(self.run_dir, self.learner.tokenizer, self.logger.tb) if self.main else None
+        if not resumed:
+            n_params = sum(p.numel() for p in self.learner.model.parameters())  # a DTensor counts its whole size
+            said = lr_warning(n_params, config.optim.lr)
+            if said:
+                self.logger.message(said)
 
     # ---- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         sharded = self.ranks is not None  # weights and optimizer state go to dcp/ (distributed/checkpoint.py)
-        weights = (
-            None if sharded else {k: v.detach().clone() for k, v in self.learner.model.state_dict().items()}
-        )
+        weights = None if sharded else trainable_state_dict(self.learner.model)
         return {
             "step": self.step,
             "version": self.version,
@@ -284,13 +301,23 @@ class Trainer:
         }
 
     def save(self) -> Path:
+        path = self._save()
+        if self.main and not self.told_checkpoint_size:  # once a run: what each checkpoint costs
+            self.told_checkpoint_size = True
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            keep = self.config.trainer.keep_checkpoints
+            self.logger.message(f"checkpoint of step {self.step}: {size / 1e9:.2f} GB on disk; the run keeps the newest "
+                                f"{keep} (trainer.keep_checkpoints), up to {keep * size / 1e9:.2f} GB")  # fmt: skip
+        return path
+
+    def _save(self) -> Path:
         if self.ranks is not None:
             from rollcorr.distributed.checkpoint import save_sharded
 
             return save_sharded(self.run_dir, self.step, self.state_dict(), self.learner, self.optimizer, self.ranks,
                                 keep=self.config.trainer.keep_checkpoints)  # fmt: skip
         return save_checkpoint(self.run_dir, self.step, self.state_dict(), self.learner.model, self.learner.tokenizer,
-                               keep=self.config.trainer.keep_checkpoints)  # fmt: skip
+                               keep=self.config.trainer.keep_checkpoints, export=self.learner.state_dict())  # fmt: skip
 
     def _restore(self, state: dict[str, Any], path: Path) -> None:
         from rollcorr.distributed.checkpoint import SHARDED, load_full, load_sharded, shard_held
@@ -301,7 +328,7 @@ class Trainer:
         elif self.ranks is not None:  # a one-process checkpoint: every rank keeps its shards
             load_full(self.learner.model, self.optimizer, state["model"], state["optimizer"])
         else:
-            self.learner.model.load_state_dict(state["model"])
+            load_trainable_state_dict(self.learner.model, state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.version = int(state["step"]), int(state["version"])
         self.bad_steps = int(state["loop"]["bad_steps"])
@@ -328,7 +355,7 @@ class Trainer:
     def _weights(self) -> dict[str, torch.Tensor]:
         """The full weights for the sampler and the evaluator (data-parallel: gathered on every rank's call,
         rank 0 gets them, once per publish)."""
-        return self.learner.full_state_dict() if self.ranks is not None else self.learner.model.state_dict()
+        return self.learner.full_state_dict() if self.ranks is not None else self.learner.state_dict()
 
     def _evaluate(self) -> dict[str, float]:
         if not self.evaluates:
@@ -387,6 +414,9 @@ class Trainer:
                 ev = self._evaluate()
                 self.initial_accuracy = ev.get("eval/accuracy")
                 self.logger.log(0, ev, advance=False)
+                self.alerts.seen_evaluation(ev)
+                if ev and self.samples is not None:
+                    self.samples.write(0, evaluated=self.evaluator.last)
                 if self.initial_accuracy is not None:
                     self.logger.message(
                         f"step 0: greedy accuracy {self.initial_accuracy:.3f} on held-out prompts"
@@ -419,6 +449,8 @@ class Trainer:
             from rollcorr.train.plots import plot_run
 
             plot_run(read_metrics(self.run_dir), self.run_dir / "curves.png")
+        if self.samples is not None:
+            self.samples.close()
         self.logger.close()
         return RunResult(self.run_dir, self.step, self.version, self.initial_accuracy, self.final_accuracy, seconds,
                          stopped)  # fmt: skip
@@ -474,6 +506,8 @@ class Trainer:
         for text in self.alerts.observe(self.step, metrics):  # rejected most / all, zero gradient
             self.logger.message(text)
         self.logger.log(self.step, metrics)
+        if self.samples is not None and (self.step == 1 or ev):
+            self.samples.write(self.step, result.rollout, self.evaluator.last if ev and self.evaluator else None)
         if self.bad_steps >= t.max_bad_steps:
             raise TrainingStopped(
                 f"{self.bad_steps} consecutive steps had a non-finite log-prob, loss, gradient or updated weights "

@@ -34,6 +34,7 @@ from rollcorr.train.config import ConfigError
 
 LOCK_FILE = ".lock"
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"  # what the model wrote (train.logging.SampleLog)
 CONFIG_FILE = "config.yaml"
 
 # Keys that may differ from the checkpoint's config on ``--resume``: they change what is logged, saved or
@@ -234,10 +235,11 @@ def check_restart_from_zero(run_dir: Path, checkpoint_every: int) -> None:
         )
 
 
-def repair_metrics(run_dir: Path, step: int) -> str | None:
-    """Keep every intact ``metrics.jsonl`` line with step <= ``step``; drop the rest. Returns a report of
-    what was dropped (None when nothing was). Written to a temp file, fsynced, then renamed."""
-    path = Path(run_dir) / METRICS_FILE
+def repair_metrics(run_dir: Path, step: int, name: str = METRICS_FILE) -> str | None:
+    """Keep every intact line of the run's ``name`` (``metrics.jsonl``, ``samples.jsonl``: one JSON object
+    with a "step" per line) with step <= ``step``; drop the rest. Returns a report of what was dropped (None
+    when nothing was). Written to a temp file, fsynced, then renamed."""
+    path = Path(run_dir) / name
     if not os.path.lexists(path):
         return None
     keep, after, unreadable = [], 0, []
@@ -269,4 +271,4 @@ def repair_metrics(run_dir: Path, step: int) -> str | None:
     if unreadable:
         shown = ", ".join(map(str, unreadable[:5])) + (" ..." if len(unreadable) > 5 else "")
         parts.append(f"{len(unreadable)} unreadable line(s) (line {shown})")
-    return f"{METRICS_FILE}: kept {len(keep)} line(s) up to step {step}; dropped {' and '.join(parts)}"
+    return f"{name}: kept {len(keep)} line(s) up to step {step}; dropped {' and '.join(parts)}"

@@ -29,6 +29,7 @@ import torch
 
 from rollcorr.engines.base import SamplingParams, StateDict
 from rollcorr.rollout import Rollout
+from rollcorr.tasks.chat import model_input
 
 
 def copy_weights(state_dict: StateDict) -> StateDict:
@@ -48,10 +49,12 @@ class RolloutSource:
     weights give the same batch.
     """
 
-    def __init__(self, sampler, task, tokenizer, params, prompts_per_step: int, group_size: int, seed: int):
+    def __init__(self, sampler, task, tokenizer, params, prompts_per_step: int, group_size: int, seed: int,
+                 chat: bool = False):  # fmt: skip
         self.sampler, self.task, self.tokenizer = sampler, task, tokenizer
         self.params, self.prompts_per_step, self.group_size = params, prompts_per_step, group_size
         self.seed = seed
+        self.chat = chat  # prompts through the tokenizer's chat template (rollcorr.tasks.chat)
         # called with every generated chunk, before any newer weights are loaded (e.g. the old-logit model)
         self.listeners: list[Callable[[Rollout], Any]] = []
         # called as (weights, version) whenever the sampler loads weights, from the thread that loads them
@@ -60,11 +63,11 @@ class RolloutSource:
     def _batch_seed(self, index: int) -> int:
         return (self.seed * 1_000_003 + index) % (2**31 - 1)
 
-    def _request(self, index: int) -> tuple[list[str], Any, list[dict], list[int]]:
+    def _request(self, index: int) -> tuple[list[str | list[int]], Any, list[dict], list[int]]:
         items = self.task.sample(self.prompts_per_step, seed=self._batch_seed(index), split="train")
         params = replace(self.params, seed=self._batch_seed(index))
         group_ids = [index * self.prompts_per_step + j for j in range(self.prompts_per_step)]
-        return [it["prompt"] for it in items], params, items, group_ids
+        return [model_input(self.tokenizer, it["prompt"], self.chat) for it in items], params, items, group_ids
 
     def sample(self, index: int, partial: Rollout | None = None, max_steps: int | None = None) -> Rollout:
         """Batch ``index`` — started, or ``partial``'s unfinished rows continued with the current weights —
@@ -141,13 +144,19 @@ class SourceSpec:
 
     sampler: str  # engine spec for make_sampler, e.g. "hf:bf16"
     model_path: str | None  # None = the built-in model
-    task: str  # make_task name or .jsonl path
+    task: Any  # the run's TaskConfig (paths absolute), or a task name: built where the sampler runs
     params: SamplingParams
     prompts_per_step: int
     group_size: int
     seed: int
     threads: int = 1  # CPU threads where the sampler runs: torch's pool, llama.cpp's (0 = their default)
     sampler_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.task, str):  # a task name alone: a built-in task or a data set with its defaults
+            from rollcorr.train.config import TaskConfig
+
+            object.__setattr__(self, "task", TaskConfig(name=self.task))
 
     @classmethod
     def from_config(cls, config) -> SourceSpec:
@@ -156,20 +165,23 @@ class SourceSpec:
         params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
                                 top_p=r.top_p, seed=t.seed)  # fmt: skip
         model_path = None if config.model.path == "builtin" else _absolute(config.model.path)
-        return cls(config.model.sampler, model_path, _absolute(config.task.name), params, r.prompts_per_step,
-                   r.group_size, t.seed, t.threads)  # fmt: skip
+        task = replace(config.task, name=_absolute(config.task.name),
+                       eval_file=config.task.eval_file and _absolute(config.task.eval_file))  # fmt: skip
+        hf = config.model.sampler.split(":")[0] == "hf"  # llama.cpp and vLLM choose their own device
+        kwargs = {"device": config.model.device} if hf and config.model.device is not None else {}
+        return cls(config.model.sampler, model_path, task, params, r.prompts_per_step, r.group_size, t.seed,
+                   t.threads, kwargs)  # fmt: skip
 
     def build(self) -> RolloutSource:
         from rollcorr.engines import make_sampler
-        from rollcorr.tasks import make_task
+        from rollcorr.tasks.chat import uses_chat
 
         sampler = make_sampler(self.sampler, self.model_path, threads=self.threads, **self.sampler_kwargs)
         tokenizer = getattr(sampler, "tokenizer", None)
         if tokenizer is None:
             raise ValueError(f"sampler {self.sampler!r} exposes no tokenizer to decode responses for rewards")
-        task = make_task(self.task)
-        return RolloutSource(sampler, task, tokenizer, self.params, self.prompts_per_step, self.group_size,
-                             self.seed)  # fmt: skip
+        return RolloutSource(sampler, self.task.build(), tokenizer, self.params, self.prompts_per_step,
+                             self.group_size, self.seed, chat=uses_chat(tokenizer, self.task.chat))  # fmt: skip
 
 
 def _absolute(path: str) -> str:

@@ -76,6 +76,7 @@ class StepResult:
     metrics: dict[str, float] = field(default_factory=dict)
     applied: bool = True
     skipped_updates: int = 0
+    rollout: Rollout | None = None  # the global batch as trained: old log-probs, weights, kept mask, advantages
 
 
 def _float_metrics(metrics: dict[str, Tensor | float]) -> dict[str, float]:
@@ -545,4 +546,4 @@ def train_step(
     metrics["time/optimize_s"] = time.perf_counter() - start
     metrics["train/skipped_updates"] = float(skipped)
     metrics["train/applied_updates"] = float(applied)
-    return StepResult(metrics=metrics, applied=skipped == 0 and applied > 0, skipped_updates=skipped)
+    return StepResult(metrics=metrics, applied=skipped == 0 and applied > 0, skipped_updates=skipped, rollout=rollout)

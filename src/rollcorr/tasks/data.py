@@ -1,0 +1,208 @@
+"""A user's data set as a task: prompts with answers from a JSONL file, a Parquet file or a ``datasets`` folder.
+
+Formats (docs/tasks.md), detected from the content, not the name:
+- JSONL: one JSON object per line (blank lines skipped);
+- Parquet: a file starting with the ``PAR1`` magic (read with pyarrow, the ``parquet`` extra);
+- a folder written by Hugging Face ``datasets``' ``save_to_disk`` — one ``Dataset`` or a ``DatasetDict`` whose
+  ``train`` and ``test`` (else ``validation``) splits are the task's splits (needs the ``datasets`` package).
+
+Each row needs a prompt (``prompt_key``, default "prompt"): a non-empty string, or a conversation — a list of
+``{"role": ..., "content": ...}`` messages (the chat template makes the model's input) — and an answer
+(``answer_key``, default "answer") that the reward reads. Other fields are kept on the item (a custom reward
+can read them). A bad row is one line naming the file, the row and the field.
+
+Splits: ``eval_file`` given → its rows are the held-out set and every row of the main file trains; else a
+``split`` field ("train" / "test") on the rows; else every 10th row (index % 10 == 9) is held out. Training
+draws with replacement (deterministic per seed and batch); evaluation takes every held-out row once, in file
+order (``held_out(n)``: the first n).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from rollcorr.tasks.base import check_count, check_split
+from rollcorr.tasks.verifiers import RewardFn, resolve_reward
+
+MAX_BAD_SAMPLE = 120  # characters of a bad value quoted in an error
+
+
+class DataError(ValueError):
+    """A task setting or data file that cannot be used: the message names the file, the row and what was
+    expected; ``field`` is the ``task.*`` setting at fault (name, reward, eval_file, prompt_key, ...)."""
+
+    def __init__(self, message: str, field: str = "name") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _excerpt(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= MAX_BAD_SAMPLE else text[:MAX_BAD_SAMPLE] + "…"
+
+
+def is_datasets_folder(path: Path) -> bool:
+    return path.is_dir() and any((path / name).is_file() for name in ("dataset_info.json", "dataset_dict.json"))
+
+
+Rows = list[tuple[str, dict[str, Any]]]  # (where: "line 3" of a JSONL file, "row 3" of a table; the row)
+
+
+def read_rows(path: str | Path) -> dict[str, Rows]:
+    """{split name: rows} of a data set; a file has one pseudo-split "" (its rows may carry ``split``)."""
+    path = Path(path)
+    if path.is_dir():
+        if not is_datasets_folder(path):
+            raise DataError(f"{path}: a folder that datasets' save_to_disk did not write (no dataset_info.json or "
+                            "dataset_dict.json); expected a JSONL or Parquet file, or such a folder")  # fmt: skip
+        return _read_datasets_folder(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {str(path)!r} does not exist")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic == b"PAR1":
+        return {"": _read_parquet(path)}
+    return {"": _read_jsonl(path)}
+
+
+def _numbered(rows: list[dict[str, Any]]) -> Rows:
+    return [(f"row {i + 1}", row) for i, row in enumerate(rows)]
+
+
+def _read_jsonl(path: Path) -> Rows:
+    rows = []
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DataError(f"{path}, line {lineno}: not UTF-8 text; expected JSONL (one JSON object per line), "
+                                "a Parquet file or a datasets folder") from None  # fmt: skip
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}, line {lineno}: invalid JSON ({e.msg}); expected one JSON object per line") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}, line {lineno}: expected a JSON object, got {type(row).__name__}")
+            rows.append((f"line {lineno}", row))
+    return rows
+
+
+def _read_parquet(path: Path) -> Rows:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: a Parquet file; reading it needs pyarrow (pip install -e \".[parquet]\")") from None
+    try:
+        return _numbered(pq.read_table(path).to_pylist())
+    except Exception as e:  # pyarrow's errors (ArrowInvalid, OSError): a damaged file
+        raise DataError(f"{path}: not a readable Parquet file ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _read_datasets_folder(path: Path) -> dict[str, Rows]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{path}: a datasets folder; reading it needs the datasets package (pip install datasets)") from None
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as e:  # datasets raises FileNotFoundError / ValueError / pyarrow errors on a damaged folder
+        raise DataError(f"{path}: datasets could not load this folder ({type(e).__name__}: {str(e)[:200]})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        return {name: _numbered(loaded[name].to_list()) for name in loaded}
+    return {"": _numbered(loaded.to_list())}
+
+
+def check_messages(value: Any, where: str) -> None:
+    """A conversation: a non-empty list of {"role": str, "content": str} messages."""
+    if not value or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                            for m in value):  # fmt: skip
+        raise DataError(f"{where}: a conversation prompt must be a non-empty list of "
+                        f'{{"role": ..., "content": ...}} messages, got {_excerpt(value)}')  # fmt: skip
+
+
+def to_item(row: dict[str, Any], prompt_key: str, answer_key: str, where: str) -> dict[str, Any]:
+    """A row → an item with "prompt" and "answer" (the other fields kept); DataError naming the problem."""
+    for key, role in ((prompt_key, "prompt_key"), (answer_key, "answer_key")):
+        if key not in row:
+            raise DataError(f"{where}: no field {key!r} (task.{role}); the row has {sorted(row)[:12]}", role)
+    prompt = row[prompt_key]
+    if isinstance(prompt, list):
+        check_messages(prompt, where)
+    elif not isinstance(prompt, str) or not prompt:
+        raise DataError(f"{where}: field {prompt_key!r} must be a non-empty string or a list of messages, "
+                        f"got {_excerpt(prompt)}")  # fmt: skip
+    if row[answer_key] is None:
+        raise DataError(f"{where}: field {answer_key!r} is null")
+    return {**row, "prompt": prompt, "answer": row[answer_key]}
+
+
+def load_items(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer"
+               ) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
+    """{split: items} of a data set (see the module docstring); DataError for anything unusable."""
+    out = {}
+    for split, rows in read_rows(path).items():
+        where = f"{path}" + (f" (split {split!r})" if split else "")
+        if not rows:
+            raise DataError(f"{where}: no rows")
+        out[split] = [to_item(row, prompt_key, answer_key, f"{where}, {label}") for label, row in rows]
+    return out
+
+
+class DataTask:
+    """Prompts from a data set, scored by ``reward`` (a name of ``rollcorr.tasks.verifiers.REWARDS`` or
+    "module:function"); splits and evaluation order as the module docstring says."""
+
+    def __init__(self, path: str | Path, reward: str | RewardFn = "exact", *, prompt_key: str = "prompt",
+                 answer_key: str = "answer", eval_file: str | Path | None = None) -> None:  # fmt: skip
+        self.path = Path(path)
+        try:
+            self.reward_fn = resolve_reward(reward)
+        except ValueError as err:
+            raise DataError(str(err), "reward") from None
+        self.name = f"data:{self.path.name}"
+        splits = load_items(self.path, prompt_key, answer_key)
+        if eval_file is not None:
+            train = [item for rows in splits.values() for item in rows]
+            try:
+                held = load_items(eval_file, prompt_key, answer_key)
+            except (DataError, FileNotFoundError) as err:
+                raise DataError(str(err), "eval_file") from None
+            test = [item for rows in held.values() for item in rows]
+        elif set(splits) != {""}:  # a DatasetDict: its own splits
+            if "train" not in splits:
+                raise DataError(f"{self.path}: the DatasetDict has no 'train' split (it has {sorted(splits)})")
+            train, test = splits["train"], splits.get("test", splits.get("validation", []))
+        else:
+            rows = splits[""]
+            if any("split" in item for item in rows):
+                train = [item for item in rows if item.get("split", "train") == "train"]
+                test = [item for item in rows if item.get("split") == "test"]
+            else:
+                train = [item for i, item in enumerate(rows) if i % 10 != 9]
+                test = [item for i, item in enumerate(rows) if i % 10 == 9]
+        if not train:
+            raise DataError(f"{self.path}: no training rows (every row is held out)")
+        self.by_split = {"train": train, "test": test}
+        self.items = train + test  # every prompt the run can see (checked against the model before training)
+
+    def sample(self, n: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
+        """``n`` items drawn with replacement from ``split`` (the train rows when ``split`` has none)."""
+        check_count(n)
+        check_split(split)
+        pool = self.by_split[split] or self.by_split["train"]
+        rng = random.Random(f"{self.name}/{split}/{seed}")
+        return [dict(rng.choice(pool)) for _ in range(n)]
+
+    def held_out(self, n: int, seed: int) -> list[dict[str, Any]]:
+        """The first ``n`` held-out items in file order, each once (``seed`` unused: the order is the file's)."""
+        check_count(n)
+        return [dict(item) for item in self.by_split["test"][:n]]
+
+    def reward(self, item: dict[str, Any], response_text: str) -> float:
+        return float(self.reward_fn(item, response_text))
