@@ -106,3 +106,17 @@ def mde_from_sd(sd: float, se_factor: float, df: int, alpha: float = 0.05, famil
                 power: float = POWER) -> float:  # fmt: skip
     """MDE of a statistic whose standard error is ``sd · se_factor`` with ``df`` degrees of freedom."""
     return (t_quantile(1 - alpha / (2 * family), df) + t_quantile(power, df)) * sd * se_factor
+
+
+def mde_of_arms(arms: Sequence[tuple[float, int]], alpha: float = 0.05, family: int = 1,
+                power: float = POWER) -> float | None:  # fmt: skip
+    """The MDE of a difference between two of ``arms`` — (sample sd, seeds) each, all compared in one verdict —
+    by the module docstring's formula with the sd pooled over every arm (df = Σ (n − 1)) and the two smallest
+    seed counts as n_a, n_b (the least powered pair: conservative). None without two arms of ≥ 2 seeds."""
+    usable = sorted(((sd, n) for sd, n in arms if n >= 2), key=lambda arm: arm[1])
+    if len(usable) < 2:
+        return None
+    df = sum(n - 1 for _, n in usable)
+    sd = math.sqrt(sum((n - 1) * s * s for s, n in usable) / df)
+    (_, na), (_, nb) = usable[:2]
+    return mde_from_sd(sd, math.sqrt(1 / na + 1 / nb), df, alpha, family, power)

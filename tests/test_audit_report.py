@@ -126,20 +126,22 @@ def test_verdict_names_the_level_and_the_correction(tmp_path):
     assert maxima == sorted(maxima)
 
 
-def test_verdict_suggests_token_tis_from_study_6_with_its_override(tmp_path):
-    """The project's long-response study found token TIS above TRL-style sequence MIS: the verdict suggests
-    TIS (not seq_mis), names the study, and shows the override that applies it."""
+def test_verdict_suggests_token_tis_as_a_guard_with_its_evidence_and_override(tmp_path):
+    """The verdict suggests token TIS (not seq_mis) as a guard, names the studies it rests on (study 7's
+    ten-seed retest first, study 6's three-seed comparison with its p-value), and shows the override."""
     from rollcorr.audit.verdict import SUGGESTIONS, level
 
     for t in (64, 2048):  # bf16-level gaps, short responses and long ones (sequence weights spread more)
         summary, page = _page(tmp_path / str(t), _gap(0.012, t=t))
         assert level(summary) == "bf16"
         text = " ".join(summary["verdict"])
-        assert "seq_mis" not in text and "study 6" in text
+        assert "seq_mis" not in text and "study 7 (10 seeds" in text and "study 6 (3 seeds)" in text.lower()
+        assert "a guard, not a shown repair" in text
         assert "rollcorr train algorithm.correction.preset=tis" in text
         assert summary["suggested_override"] == "rollcorr train algorithm.correction.preset=tis"
         assert "preset tis is field for field decoupled_token_is — the trainer's default —" in text
-    assert SUGGESTIONS["bf16"]["preset"] == "tis" and "0.661 vs 0.565" in SUGGESTIONS["bf16"]["evidence"]
+    assert SUGGESTIONS["bf16"]["preset"] == "tis" and "0.693 vs 0.665" in SUGGESTIONS["bf16"]["evidence"]
+    assert "study 8 (MoE" in SUGGESTIONS["beyond"]["evidence"]  # where TIS ran below uncorrected
 
 
 def test_the_suggested_command_carries_the_audited_model_and_engines(tmp_path):
@@ -226,8 +228,9 @@ def test_log_axes_always_show_two_labelled_ticks(values):
 
 
 def test_suggestion_evidence_quotes_the_studies_numbers_as_recorded():
-    """Every score the suggestion table quotes is an arm mean of study 6's results file, or an arm mean, a
-    difference or a Holm-adjusted p of study 7's, either rung (3 decimals)."""
+    """Every score the suggestion table quotes is an arm mean of study 6's results file, an arm mean, a difference
+    or a Holm-adjusted p of study 7's, either rung, or study 8's TIS-against-uncorrected difference and interval
+    (3 decimals); study 6's exact permutation p-values are recomputed from its runs."""
     import json
     import re
     from pathlib import Path
@@ -241,6 +244,19 @@ def test_suggestion_evidence_quotes_the_studies_numbers_as_recorded():
     for rung in (confirm, confirm.get("rung2", {"arms": {}, "tests": {}})):  # rung 1, and rung 2 (300 steps)
         recorded |= {f"{a['final_score_mean']:.3f}" for a in rung["arms"].values()}
         recorded |= {f"{abs(t[key]):.3f}" for t in rung["tests"].values() for key in ("difference", "p_holm")}
+    moe = json.loads((results / "moe/results.json").read_text())["summary"]
+    for t in moe["secondary"].values():  # study 8's TIS against uncorrected: difference and interval
+        recorded |= {f"{abs(x):.3f}" for x in (t["difference"], *t["ci95"])}
+    # study 6's exact permutation p of token TIS against sequence MIS (three seeds each), as quoted
+    import sys
+
+    sys.path.insert(0, str(results.parents[1]))
+    from experiments.confirm_collapse import permutation_p
+
+    text = " ".join(entry["evidence"] for entry in SUGGESTIONS.values())
+    for sampler in ("int8", "q4_0"):
+        tis, seq = (next(iter(final[f"{sampler}/{m}"].values()))["eval/reward"]["values"] for m in ("tis", "seq_mis"))
+        assert f"{sampler}: {sum(tis) / 3:.3f} vs {sum(seq) / 3:.3f}, exact permutation p {permutation_p(tis, seq):.2f}" in text
     quoted = {n for entry in SUGGESTIONS.values() for n in re.findall(r"\b0\.\d{3}\b", entry["evidence"])}
     assert quoted and quoted <= recorded, sorted(quoted - recorded)
     page = (results.parents[1] / "docs/audit.md").read_text()

@@ -223,6 +223,19 @@ def test_the_hand_written_prose_on_each_rung_agrees_with_the_results():
     assert first["difference"] > 0 and first["ci95"][0] < 0 < first["ci95"][1] and first["p_holm"] > 0.05
     assert all(a["collapses"] == 0 for a in s["arms"].values())  # "no run of any arm has a sustained collapse"
     assert s["rung2_called"] is True and len(report["machines"]) == 1 and report["code_commits"] == [s["protocol_commit"]]
+    # "by study 6's looser criterion ... 2 of the 30 rung-1 q4_0 runs dip (q4_0/tis seed 15, q4_0/icepop seed 18)
+    # and 0 of the 30 fp32, fp16 and bf16 runs" (study 6's collapse_step: one evaluation ≥ 0.10 below the best)
+    from experiments.long_mismatch import collapse_step
+
+    dipped: dict[str, list[str]] = {"q4_0": [], "other": []}
+    for path in sorted((ROOT / "experiments/results/confirm_collapse/runs").glob("rung1_*.json")):
+        run = json.loads(path.read_text())
+        records = [{"step": step, "eval/reward": score} for step, score in run["evals"]]
+        if collapse_step(records) is not None:
+            dipped["q4_0" if run["arm"].startswith("q4_0") else "other"].append(f"{run['arm']} seed {run['seed']}")
+    rung1 = " ".join(text[text.index("**Rung 1 is complete**") :].split("\n\n")[0].split())
+    assert not dipped["other"] and f"{len(dipped['q4_0'])} of the 30 rung-1 q4_0 runs dip" in rung1
+    assert f"({', '.join(sorted(dipped['q4_0'], key=lambda x: int(x.split()[-1])))})" in rung1, dipped
     seconds: dict[str, list[float]] = {"fp32 and q4_0": [], "fp16 and bf16": []}
     for path in (ROOT / "experiments/results/confirm_collapse/runs").glob("rung1_*.json"):
         run = json.loads(path.read_text())

@@ -24,7 +24,7 @@ def test_band_rule_needs_every_seed_and_reads_the_spread(tmp_path):
     _write(tmp_path, 2, 2, 0.95)
     report = da.assemble(tmp_path)
     assert report["same_band"] is True
-    assert summary_mod.distributed_accuracy(report)[0].verdict == "reproduced"
+    assert summary_mod.distributed_accuracy(report)[0].verdict == summary_mod.NOT_SEPARATED  # never "reproduced"
     for seed in da.SEEDS:  # far below one process's spread
         _write(tmp_path, 2, seed, 0.5 + 0.01 * seed)
     assert da.assemble(tmp_path)["same_band"] is False
@@ -50,3 +50,14 @@ def test_readme_quotes_the_check_as_recorded():
     readme = " ".join((root / "README.md").read_text().split())
     assert f"at {one[0]:.3f}, {one[1]:.3f} and {one[2]:.3f}, mean {sum(one) / 3:.2f}" in readme
     assert f"two processes: {two[0]:.3f}, {two[1]:.3f}, {two[2]:.3f}" in readme
+
+
+def test_the_wall_times_quoted_are_the_run_files():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    runs = [json.loads(p.read_text()) for p in (root / "experiments/results/distributed_accuracy/runs").glob("*.json")]
+    text = " ".join((root / "docs/distributed.md").read_text().split())
+    for n in (1, 2):
+        seconds = [r["seconds"] for r in runs if r["ranks"] == n]
+        assert f"{min(seconds):.0f}–{max(seconds):.0f} s" in text, (n, min(seconds), max(seconds))

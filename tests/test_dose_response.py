@@ -128,3 +128,21 @@ def test_quick_runs_every_arm_and_assembles(tmp_path, capsys):
     capsys.readouterr()
     dr.main(["--quick", "--out", str(tmp_path)])  # finished runs are read back, not rerun
     assert "seed 20" not in capsys.readouterr().err
+
+
+def test_the_summary_reads_the_study_by_its_protocol(tmp_path):
+    """experiments.summary: "pending" until every arm has ten seeds; then H1 and H2 with their numbers and the
+    effect each could have seen, and the study's answer."""
+    from experiments import summary
+
+    flat = dict.fromkeys(dr.ARMS, 0.6)
+    _write_runs(tmp_path, flat)
+    dr.run_file(tmp_path, "rtn2/tis", 29).unlink()
+    rows = summary.dose_response(dr.assemble(tmp_path))
+    assert [r.verdict for r in rows] == ["pending", "pending"] and "69 of 70 runs" in rows[0].numbers
+    _write_runs(tmp_path, flat)
+    rows = summary.dose_response(report := dr.assemble(tmp_path))
+    h1, h2 = report["summary"]["tests"]["H1"], report["summary"]["tests"]["H2"]
+    assert [r.verdict for r in rows] == ["not reproduced"] * 3
+    assert rows[0].mde == h1["mde_slope"] and rows[1].mde == h2["mde"] and rows[2].numbers == report["summary"]["answer"]
+    assert summary.MDE_LABEL in rows[0].shown_numbers()

@@ -83,3 +83,35 @@ def test_quick_runs_every_audit_and_arm_and_assembles(tmp_path, capsys):
     capsys.readouterr()
     ms.main(["--quick", "--out", str(tmp_path)])  # finished audits and runs are read back, not redone
     assert "seed 20" not in capsys.readouterr().err
+
+
+def test_the_wall_times_and_the_detectable_effect_quoted_are_the_files():
+    """docs/results.md's study-8 row quotes the run and audit files' seconds, and its reading of "not
+    reproduced" P2's minimum detectable effect, as the summary computes it."""
+    import statistics
+
+    from experiments import summary
+
+    text = " ".join((ROOT / "docs/results.md").read_text().split())
+    runs = [json.loads(p.read_text())["seconds"] for p in (ROOT / "experiments/results/moe/runs").glob("*.json")]
+    audits = [json.loads(p.read_text())["seconds"] for p in (ROOT / "experiments/results/moe/audits").glob("*.json")]
+
+    def spaced(x: float) -> str:  # 1148 → "1 148", as the table writes thousands
+        return f"{x:,.0f}".replace(",", " ")
+
+    assert f"audits {min(audits):.0f}–{max(audits):.0f} s each" in text
+    assert f"runs {spaced(min(runs))}–{spaced(max(runs))} s wall each, median {statistics.median(runs):.0f} s" in text
+    p2 = next(row for row in summary.rows("moe") if "R3) repairs it" in row.claim)
+    assert f"none below {p2.mde:.3f} for R3's repair" in text
+
+
+def test_docs_moe_flip_shares_are_the_audit_files():
+    """docs/moe.md's 2,048-response rows quote the study's audit files (flip share of pairs and of tokens)."""
+    text = (ROOT / "docs/moe.md").read_text()
+    for name, spec in (("moe_bf16", "hf:bf16"), ("moe_fp16", "hf:fp16"), ("moe_int8", "hf:int8")):
+        audit = json.loads((ROOT / f"experiments/results/moe/audits/{name}.json").read_text())
+        routing = audit["routing"]
+        tokens = f"{audit['tokens']:,}".replace(",", " ")
+        row = next(line for line in text.splitlines() if line.startswith(f"| {spec}, `-n 2048 --batch-size 64` |"))
+        pairs, flipped = (100 * routing[k] for k in ("routing_flip_share", "routing_flip_token_share"))
+        assert f"| {tokens} | {pairs:.2f} % | {flipped:.2f} % |" in row, (row, pairs, flipped)

@@ -137,3 +137,39 @@ def test_the_command_prints_the_summary_and_checks(capsys):
 def test_a_missing_results_file_is_one_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="long_mismatch: no results file"):
         summary.load("long_mismatch", tmp_path)
+
+
+def test_every_not_reproduced_verdict_shows_the_effect_it_could_have_seen():
+    """A "not reproduced" says nothing about effects below what the seeds could detect: each such row carries
+    its minimum detectable effect (80 % power), recomputed here from the arms by the stated formula."""
+    import math
+
+    from experiments.power import mde_from_sd
+
+    all_rows = [row for study in summary.STUDIES for row in summary.rows(study)]
+    undecided = [row for row in all_rows if summary.NOT_REPRODUCED in row.verdict]
+    assert undecided and all(row.mde is not None and row.mde > 0 for row in undecided)
+    table = summary.summary_table(all_rows)
+    for row in undecided:
+        assert f"{summary.MDE_LABEL} {row.mde:.3g}" in table
+    # study 7, rung 1's first comparison, by hand: ten seeds each, Holm over four
+    arms = json.loads((RESULTS / "confirm_collapse/results.json").read_text())["summary"]["arms"]
+    a, b = arms["fp32/ppo"], arms["q4_0/ppo"]
+    sd = math.sqrt((a["final_score_std"] ** 2 + b["final_score_std"] ** 2) / 2)
+    want = mde_from_sd(sd, math.sqrt(2 / 10), 18, 0.05, 4)
+    row = next(r for r in all_rows if r.study == "7" and "4-bit" in r.claim)
+    assert row.mde == pytest.approx(want)
+    # and the README's sentence for study 7 names the answer's caveat
+    assert "could not have been seen, so one that size is still possible" in (ROOT / "README.md").read_text()
+
+
+def test_the_exploratory_pool_recomputes_from_the_studies_runs():
+    """experiments/results/pooled/results.json is what experiments.pooled computes from studies 6 and 7 today, and
+    its paragraph is labelled exploratory (the generated block is checked above)."""
+    from experiments import pooled
+
+    saved = json.loads((RESULTS / "pooled/results.json").read_text())
+    assert json.loads(json.dumps(pooled.compute())) == saved
+    assert pooled.paragraph(saved).startswith("**Exploratory")
+    q4 = saved["fp32_minus_q4_0"]
+    assert all(p["difference"] > 0 for p in q4["studies"].values()) and q4["ci95"][0] < q4["difference"] < q4["ci95"][1]
