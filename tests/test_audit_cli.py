@@ -149,7 +149,7 @@ def test_live_audit_on_a_tiny_model(tiny_model, tmp_path, capsys):
     assert summary["n_responses"] == 4 and summary["source"]["sampler"] == "hf:bf16"
     assert summary["source"]["responses"] == 4 and summary["worst_tokens"][0]["token"] != ""
     assert summary["probability"]["prob_diff_max"] > 1e-2  # bf16 rounding moves the probabilities
-    assert len(list(out.glob("*.png"))) == 4 and (out / "report.html").is_file()
+    assert len(list(out.glob("*.png"))) == 5 and (out / "report.html").is_file()  # with levels.png
     assert "sampling (hf:bf16)" in capsys.readouterr().out
 
 
@@ -229,7 +229,7 @@ def test_builtin_end_to_end(tmp_path, capsys):
     assert summary["source"]["sampler"] == "hf:bf16" and summary["source"]["learner"] == "hf:fp32"
     assert summary["worst_tokens"][0]["token"] != ""  # decoded with the built-in tokenizer
     assert 0 <= summary["probability"]["prob_diff_frac_ge_0.01"] <= 1
-    assert len(list(out.glob("*.png"))) == 4
+    assert len(list(out.glob("*.png"))) == 5  # the four plots and levels.png
 
 
 def test_llamacpp_kv_cache_is_sized_to_the_audit(tmp_path, monkeypatch, capsys):
@@ -251,3 +251,39 @@ def test_llamacpp_kv_cache_is_sized_to_the_audit(tmp_path, monkeypatch, capsys):
             "--max-new-tokens", "7", "-n", "4", "--out", str(tmp_path / "out")]  # fmt: skip
     assert main(argv) == 2 and "stop here" in capsys.readouterr().err
     assert seen == {"spec": "llamacpp:q8_0", "max_batch": 3, "n_ctx": len("123+456=") + 7}  # one token a char
+
+
+def test_an_audit_never_overwrites_and_two_cannot_share_a_folder(tmp_path, capsys, monkeypatch):
+    """A non-empty --out is refused (--overwrite replaces the report); the default folder has a random suffix,
+    so two audits in one second get two; a folder another audit holds is refused at once, naming its pid;
+    an audit that stops on bad input leaves no folder behind."""
+    import fcntl
+    import os
+
+    from rollcorr.audit.cli import _out_dir
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")
+    argv = ["audit", "-n", "2", "--max-new-tokens", "3", "--out", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "not empty (summary.json)" in err and "--overwrite" in err
+    assert (out / "summary.json").read_text() == "{}"  # untouched
+    assert main([*argv, "--overwrite"]) == 0
+    assert json.loads((out / "summary.json").read_text())["n_responses"] == 2 and not (out / ".lock").exists()
+    assert _out_dir(None) != _out_dir(None) and _out_dir(None).name.startswith("audit-")
+    # a folder in use: hold its lock as a running audit does
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    fd = os.open(busy / ".lock", os.O_RDWR | os.O_CREAT)
+    os.write(fd, b"4242\n")
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert main(["audit", "--out", str(busy)]) == 2
+        assert "in use by another rollcorr process (pid 4242)" in capsys.readouterr().err
+    finally:
+        os.close(fd)
+    capsys.readouterr()
+    assert main(["audit", "--sampler", "hf:fp8", "--out", str(tmp_path / "never")]) == 2
+    assert not (tmp_path / "never").exists()

@@ -35,7 +35,7 @@ def test_write_report_files(tmp_path):
     summary = write_report(data, tmp_path / "out", worst_k=4)
     out = tmp_path / "out"
     pngs = sorted(out.glob("*.png"))
-    assert [p.name for p in pngs] == ["histogram.png", "per_response.png", "position.png", "scatter.png"]
+    assert [p.name for p in pngs] == ["histogram.png", "levels.png", "per_response.png", "position.png", "scatter.png"]
     for png in pngs:
         raw = png.read_bytes()
         assert raw.startswith(PNG_MAGIC) and len(raw) > 5000
@@ -57,7 +57,7 @@ def test_html_is_self_contained(tmp_path):
     write_report(_data(), tmp_path)
     page = (tmp_path / "report.html").read_text()
     sources = re.findall(r"""(?:src|href)\s*=\s*['"]([^'"]*)""", page)
-    assert len(sources) == 4 and all(s.startswith("data:image/png;base64,") for s in sources)
+    assert len(sources) == 5 and all(s.startswith("data:image/png;base64,") for s in sources)  # with levels
     assert "<script" not in page and "<link" not in page and "@import" not in page
     assert "<style>" in page and "share ≥ 0.01" in page
     summary = json.loads((tmp_path / "summary.json").read_text())

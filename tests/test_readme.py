@@ -293,6 +293,13 @@ def run_audit_lines(body: str, tmp_path: Path) -> None:
                 continue  # a user's model folder (DIR / $SM): see NOT_HERE's SmolLM2 commands
             if "-n" in argv:
                 argv[argv.index("-n") + 1] = "4"
+            if "--from-run" in argv:  # a run of that many steps with a checkpoint there, small and fast
+                run = argv[argv.index("--from-run") + 1]
+                step = int(argv[argv.index("--step") + 1]) if "--step" in argv else 2
+                assert _cli(["train", f"trainer.steps={step}", f"trainer.checkpoint_every={step}", "trainer.eval_every=0",
+                             "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=3",
+                             "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false",
+                             f"trainer.out={run}"]) == 0  # fmt: skip
             if "--from-log" not in argv:
                 argv += ["-n", "4", "--max-new-tokens", "4"]
             argv += ["--out", str(tmp_path / f"audit{i}")]

@@ -3,6 +3,8 @@
     rollcorr audit                                   # built-in model, hf:bf16 sampler vs hf:fp32 learner
     rollcorr audit --sampler llamacpp:q4_0 --model DIR -n 128 --prompts prompts.jsonl
     rollcorr audit --from-log dump.jsonl             # a rollout dump from any framework (verl field names; - or a FIFO too)
+    rollcorr audit --localize --whatif               # where the mismatch enters, and what would remove it
+    rollcorr audit --from-run runs/RUN --step 200    # what a training run samples and scores, at a checkpoint
 
 Every input is checked before any long work: the prompts file (line numbers), sampling parameters, the model
 path and GGUF file, engine specs. Errors print one line naming the problem and exit with status 2.
@@ -18,7 +20,8 @@ from pathlib import Path
 
 DEFAULT_SAMPLER = "hf:bf16"
 DEFAULT_LEARNER = "hf:fp32"
-LIVE_ONLY = ("sampler", "learner", "model", "gguf_file", "prompts", "chat", "routing_replay")
+LIVE_ONLY = ("sampler", "learner", "model", "gguf_file", "prompts", "chat", "routing_replay", "localize", "whatif",
+             "from_run", "step")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,10 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="mixture-of-experts models: the learner replays the sampler's routed experts (R3)",
     )
     live.add_argument("-n", "--num-responses", type=int, default=64, help="responses to sample (default 64)")
-    live.add_argument("--max-new-tokens", type=int, default=64, help="response length cap (default 64)")
-    live.add_argument("--temperature", type=float, default=1.0)
-    live.add_argument("--top-k", type=int, default=0, help="0 = off")
-    live.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    live.add_argument("--max-new-tokens", type=int, default=None, help="response length cap (default 64)")
+    live.add_argument("--temperature", type=float, default=None, help="default 1.0")
+    live.add_argument("--top-k", type=int, default=None, help="0 = off (default)")
+    live.add_argument("--top-p", type=float, default=None, help="1.0 = off (default)")
     live.add_argument("--seed", type=int, default=0)
     live.add_argument("--batch-size", type=int, default=8, help="prompts per sampling batch (default 8)")
     live.add_argument(
@@ -52,6 +55,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compare the learner with the sampler's distribution before top-k/top-p truncation (full, "
         "default: truncation is not mismatch) or with the renormalised one it drew from (processed)",
     )
+    run = parser.add_argument_group("from a training run")
+    run.add_argument(
+        "--from-run", metavar="RUN",
+        help="audit what a `rollcorr train` run samples and scores: its model at a checkpoint, its sampler and "
+        "learner (--sampler / --learner override them), its task's training prompts through its chat template, "
+        "its temperature, top-k, top-p and response length",
+    )  # fmt: skip
+    run.add_argument("--step", type=int, help="with --from-run: the checkpoint's step (default: the newest; the "
+                     "run's starting model when it has none)")  # fmt: skip
+    diagnosis = parser.add_argument_group("diagnosis (hf engines; docs/audit.md)")
+    diagnosis.add_argument(
+        "--localize", nargs="?", type=int, const=8, default=None, metavar="N",
+        help="where the mismatch enters: the two forwards of the same tokens compared layer by layer and component "
+        "by component, on the N responses holding the largest |Δp| (default 8)",
+    )  # fmt: skip
+    diagnosis.add_argument(
+        "--whatif", nargs="?", const="", default=None, metavar="CHANGES",
+        help="rerun the sampler with one change each and report what mismatch it leaves: a comma list of fp16, "
+        "bf16, fp32, lm_head_fp32, batch (default: the changes that apply to the sampler)",
+    )  # fmt: skip
     log = parser.add_argument_group("from a rollout dump")
     log.add_argument(
         "--from-log", help="rollout dump (JSONL / Parquet) with per-token rollout and learner log-probs"
@@ -59,8 +82,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     log.add_argument("--rollout-field", default="rollout_log_probs", help="sampler log-prob field")
     log.add_argument("--learner-field", default="old_log_probs", help="learner log-prob field")
     log.add_argument("--mask-field", default="response_mask", help="response mask field")
-    parser.add_argument("--out", help="report folder (default: a new runs/audit-<time> folder)")
+    parser.add_argument("--out", help="report folder, new or empty (default: a new runs/audit-<time>-<suffix> folder)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the report in a non-empty --out folder")
     parser.add_argument("--worst", type=int, default=10, help="worst tokens to list (default 10)")
+
+
+SAMPLING_DEFAULTS = {"max_new_tokens": 64, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+FROM_RUN_CONFLICTS = ("model", "gguf_file", "prompts", "chat")
+
+
+def _run_plan(args) -> dict:
+    """--from-run: what the run trains — the model folder at ``--step`` (default the newest checkpoint, else the
+    run's starting model), its engines, its task and chat setting, its sampling settings — checked before anything
+    loads (a missing run, config or step is one line naming it)."""
+    from rollcorr.train.checkpoint import checkpoint_dir, checkpoint_step, list_checkpoints
+    from rollcorr.train.config import ConfigError, load_config
+
+    given = [f"--{name.replace('_', '-')}" for name in FROM_RUN_CONFLICTS if getattr(args, name, None) not in (None, False)]
+    if given:
+        raise ValueError(f"--from-run takes the model, prompts and chat template from the run; {', '.join(given)} "
+                         "do(es) not apply")  # fmt: skip
+    run = Path(args.from_run)
+    if not (run / "config.yaml").is_file():
+        raise FileNotFoundError(f"--from-run {run}: not a run folder (no config.yaml); give the folder `rollcorr "
+                                "train` wrote (runs/<timestamp>-<suffix>)")  # fmt: skip
+    try:
+        config = load_config(run / "config.yaml", inside_run=True)
+    except ConfigError as err:
+        raise ValueError(f"--from-run {run}: its config.yaml cannot be read ({err})") from None
+    steps = {checkpoint_step(p): p for p in list_checkpoints(run)}
+    if args.step is not None:
+        if args.step not in steps:
+            raise FileNotFoundError(f"--step {args.step}: {run} has no checkpoint of that step (it has: "
+                                    f"{sorted(steps) or 'none'})")  # fmt: skip
+        model, step = str(checkpoint_dir(run, args.step) / "model"), args.step
+    elif steps:
+        step = max(steps)
+        model = str(checkpoint_dir(run, step) / "model")
+    else:
+        model, step = config.model.path, 0
+    if model.startswith("builtin"):
+        model = None if model == "builtin" else model
+    elif not Path(model).is_dir():
+        raise FileNotFoundError(f"--from-run {run}: the model folder {model} is missing")
+    try:
+        task = config.task.build()
+    except (ValueError, FileNotFoundError) as err:
+        raise ValueError(f"--from-run {run}: its task cannot be rebuilt here ({err})") from None
+    r = config.rollout
+    return {"run": str(run), "step": step, "model": model, "task": task, "chat": config.task.chat,
+            "sampler": config.model.sampler, "learner": config.model.learner,
+            "sampling": {"max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_k": r.top_k,
+                         "top_p": r.top_p}}  # fmt: skip
 
 
 def _fail(message: str) -> int:
@@ -116,10 +189,37 @@ def materialise_gguf(model_dir: str, gguf_file: str, into: Path) -> Path:
     return gguf_to_hf(Path(model_dir) / gguf_file, into)
 
 
+REPORT_FILES = ("summary.json", "report.html")  # and *.png: what a report folder holds
+
+
 def _out_dir(out: str | None) -> Path:
+    """--out, or runs/audit-<time>-<random suffix>: two audits started in the same second get two folders."""
     if out:
         return Path(out)
-    return Path("runs") / time.strftime("audit-%Y%m%d-%H%M%S")
+    import secrets
+
+    return Path("runs") / f"{time.strftime('audit-%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def _claim(out: Path, overwrite: bool):
+    """Refuse a non-empty --out unless --overwrite (then remove its old report files); lock the folder for this
+    audit (a second audit into it stops at once, naming the first's pid). Returns the lock."""
+    from rollcorr.train.rundir import LOCK_FILE, RunLock
+
+    if out.exists() and not out.is_dir():  # e.g. `--from-log F --out F`
+        raise ValueError(f"--out {out}: exists and is not a folder (the report is a folder of files); choose another")
+    held = sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE) if out.is_dir() else []
+    if held and not overwrite:
+        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        raise ValueError(f"--out {out}: not empty ({shown}); choose a new folder, or pass --overwrite to replace "
+                         "the report in it")  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(out)
+    if overwrite:
+        for name in held:
+            if name in REPORT_FILES or name.endswith(".png"):
+                (out / name).unlink()
+    return lock
 
 
 def _prepare_prompts(prompts: list[str], args, tokenizer) -> list[str | list[int]]:
@@ -150,18 +250,20 @@ def _collect_live(args, console, workdir: str):
 
     if args.num_responses < 1 or args.batch_size < 1:
         raise ValueError(f"-n and --batch-size must be >= 1, got {args.num_responses} and {args.batch_size}")
+    plan = _run_plan(args) if args.from_run else None
+    if args.step is not None and plan is None:
+        raise ValueError("--step picks a checkpoint of --from-run RUN; give the run")
     # line-numbered prompt errors before anything is loaded
-    prompts = (
-        load_prompts(args.prompts) if args.prompts else builtin_prompts(args.num_responses, seed=args.seed)
-    )
-    params = SamplingParams(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-    )
+    if plan is not None:  # the run's training prompts (text or conversations; the template comes later)
+        prompts = [item["prompt"] for item in plan["task"].sample(args.num_responses, seed=args.seed, split="train")]
+        args.model, args.sampler, args.learner = plan["model"], args.sampler or plan["sampler"], args.learner or plan["learner"]
+    else:
+        prompts = load_prompts(args.prompts) if args.prompts else builtin_prompts(args.num_responses, seed=args.seed)
+    defaults = plan["sampling"] if plan is not None else SAMPLING_DEFAULTS
+    sampling = {key: getattr(args, key) if getattr(args, key) is not None else value for key, value in defaults.items()}
+    params = SamplingParams(**sampling, seed=args.seed)
     sampler_spec, learner_spec, model, gguf_file = _check_engines(args)
+    changes = _check_diagnosis(args, sampler_spec)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # rollcorr's own progress bars are the ones to read
@@ -170,6 +272,10 @@ def _collect_live(args, console, workdir: str):
         if gguf_file:
             model_path = materialise_gguf(model, gguf_file, Path(workdir) / "model")
         learner = make_learner(learner_spec, model_path=model_path, routing_replay=args.routing_replay)
+        if plan is not None:  # the run's own chat setting (null: the template when the tokenizer has one)
+            from rollcorr.tasks.chat import uses_chat
+
+            args.chat = uses_chat(learner.tokenizer, plan["chat"])
         prompts = _prepare_prompts(prompts, args, learner.tokenizer)
         from rollcorr.engines.preflight import check_prompts
 
@@ -181,7 +287,7 @@ def _collect_live(args, console, workdir: str):
             # llama.cpp allocates its KV cache for max_batch rows × n_ctx tokens up front; the model's own
             # context (8192 for SmolLM2) would cost GBs, so size it to what this audit needs
             longest = max(_length(learner.tokenizer, p) for p in prompts)
-            sampler_kw = {"max_batch": args.batch_size, "n_ctx": longest + args.max_new_tokens}
+            sampler_kw = {"max_batch": args.batch_size, "n_ctx": longest + params.max_new_tokens}
         if sampler_spec == "llamacpp:file":  # serve the user's GGUF as shipped (e.g. Q4_1)
             sampler_kw["gguf_file"] = str(Path(model) / gguf_file)
         sampler = make_sampler(sampler_spec, model_path=model_path, **sampler_kw)
@@ -201,6 +307,8 @@ def _collect_live(args, console, workdir: str):
                 batch_size=args.batch_size,
                 on_batch=lambda stage, rows: progress.advance(tasks[stage], rows),
             )
+            diagnosis = _diagnose(args, sampler_spec, changes, progress, sampler, learner, rollout, prompts, params,
+                                  lambda spec, **kw: make_sampler(spec, model_path=model_path, **sampler_kw, **kw))  # fmt: skip
     finally:
         close = getattr(sampler, "close", None)
         if close:
@@ -213,7 +321,9 @@ def _collect_live(args, console, workdir: str):
         "learner": learner_spec,
         "model": model or "builtin",
         **({"gguf_file": gguf_file} if gguf_file else {}),
-        "prompts": args.prompts or "builtin addition task (test split)",
+        "prompts": (f"the run's task ({plan['task'].__class__.__name__}, train split)" if plan is not None
+                    else args.prompts or "builtin addition task (test split)"),
+        **({"run": plan["run"], "step": plan["step"]} if plan is not None else {}),
         "chat_template": args.chat,
         **({"routing_replay": args.routing_replay} if args.routing_replay else {}),
         "responses": len(prompts),
@@ -224,25 +334,85 @@ def _collect_live(args, console, workdir: str):
         "seed": params.seed,
         "seconds": round(time.perf_counter() - started, 2),
     }
-    return from_rollout(rollout, learner.tokenizer, sampler_dist=args.sampler_dist, source=source,
+    data = from_rollout(rollout, learner.tokenizer, sampler_dist=args.sampler_dist, source=source,
                         learner_routed_experts=learner_routes)  # fmt: skip
+    data.diagnosis = diagnosis
+    return data
+
+
+def _check_diagnosis(args, sampler_spec: str) -> list[str] | None:
+    """--localize / --whatif checked before anything loads: N ≥ 1, hf engines for --localize, known changes
+    that apply to this sampler. Returns the --whatif changes (None without it)."""
+    from rollcorr.audit.whatif import parse_changes
+    from rollcorr.engines import parse_spec
+
+    if args.localize is not None:
+        if args.localize < 1:
+            raise ValueError(f"--localize N: N must be >= 1 responses, got {args.localize}")
+        if parse_spec(sampler_spec).backend != "hf":
+            raise ValueError(f"--localize compares the two models module by module, so the sampler must run in this "
+                             f"process (an hf engine); {sampler_spec} runs its own kernels out of reach of the hooks "
+                             "(compare an hf sampler of the same precision, or use --whatif)")  # fmt: skip
+    return None if args.whatif is None else parse_changes(args.whatif, sampler_spec)
+
+
+def _diagnose(args, sampler_spec, changes, progress, sampler, learner, rollout, prompts, params, build) -> dict:
+    """--localize and --whatif on the audited rollout, while its sampler is still loaded."""
+    from rollcorr.audit.collect import collect, from_rollout
+
+    out: dict = {}
+    full = from_rollout(rollout, sampler_dist="full")  # the audit's own log μ of these tokens
+    if args.localize is not None:
+        from rollcorr.audit.localize import components, localize
+
+        task = progress.add_task("localising", total=len(components(learner.model)))
+        out["localization"] = localize(sampler, learner, rollout, temperature=params.temperature,
+                                       responses=args.localize, audit_log_mu=full.rollout_log_prob,
+                                       on_component=lambda name: progress.advance(task))  # fmt: skip
+    if changes:
+        from rollcorr.audit.whatif import run_whatif
+
+        task = progress.add_task("what if", total=len(changes))
+
+        def sample_and_score(other):
+            scored = collect(other, learner, prompts, params, batch_size=args.batch_size)
+            return from_rollout(scored, sampler_dist=args.sampler_dist)
+
+        out["whatif"] = run_whatif(changes, sampler_spec, build, sample_and_score, sampler,
+                                   rollout, on_change=lambda name: progress.advance(task))  # fmt: skip
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from rollcorr.audit.dump_audit import audit_log
-    from rollcorr.audit.report import print_summary, write_report
-
     console = Console()
     if args.worst < 0:
         return _fail(f"--worst must be >= 0, got {args.worst}")
+    from rollcorr.train.rundir import RunFolderError
+
     out = _out_dir(args.out)
-    if out.exists() and not out.is_dir():  # e.g. `--from-log F --out F`: checked before any work
-        return _fail(f"--out {out}: exists and is not a folder (the report is a folder of files); choose another")
+    created = not out.exists()
+    try:  # checked and locked before any work
+        lock = _claim(out, args.overwrite)
+    except (ValueError, RunFolderError) as err:
+        return _fail(str(err))
+    try:
+        return _audit(args, out, console)
+    finally:
+        lock.release()
+        (out / ".lock").unlink(missing_ok=True)
+        if created and not any(out.iterdir()):  # an audit that stopped before writing leaves no empty folder
+            out.rmdir()
+
+
+def _audit(args, out: Path, console) -> int:
+    from rollcorr.audit.dump_audit import audit_log
+    from rollcorr.audit.report import print_summary, write_report
+
     try:
         if args.from_log:
-            given = [f"--{name.replace('_', '-')}" for name in LIVE_ONLY if getattr(args, name, None)]
+            given = [f"--{name.replace('_', '-')}" for name in LIVE_ONLY if getattr(args, name, None) not in (None, False)]
             if given:
                 return _fail(f"--from-log reads log-probs from the file; {', '.join(given)} do(es) not apply")
             # read chunk by chunk: a dump too large to hold padded is summed as it is read (audit.dump_audit)

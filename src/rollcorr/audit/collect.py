@@ -35,6 +35,7 @@ class AuditData:
     routed_experts    (B, T, L, k) the sampler's experts per token and MoE layer (MoE models; else None)
     learner_routed_experts  (B, T, L, k) the experts the learner's own routers pick for the same tokens
                       (without replay: the routing mismatch; rollcorr.moe)
+    diagnosis         "localization" and "whatif" when asked (rollcorr.audit.localize, rollcorr.audit.whatif)
     """
 
     rollout_log_prob: Tensor
@@ -45,6 +46,7 @@ class AuditData:
     source: dict[str, Any] = field(default_factory=dict)
     routed_experts: Tensor | None = None
     learner_routed_experts: Tensor | None = None
+    diagnosis: dict[str, Any] = field(default_factory=dict)  # --localize / --whatif results (audit.localize, .whatif)
 
 
 def load_prompts(path: str | Path) -> list[str]:

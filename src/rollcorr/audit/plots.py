@@ -3,7 +3,11 @@
 - ``scatter``: p_sampler vs p_learner per token, with the diagonal where the two engines agree;
 - ``histogram``: |Δp| on log-spaced bins with a log count axis, thresholds of the ABEJA table marked;
 - ``position``: |Δp| along the response (mean and max per position bucket; the worst response token by token);
-- ``per_response``: each response's max and mean |Δp| against its length.
+- ``per_response``: each response's max and mean |Δp| against its length;
+- ``levels``: this audit's k3 among the levels published for other models (``PUBLISHED_K3``), with what the
+  ``--whatif`` changes left;
+- ``localization`` (with ``--localize``): the hidden states' relative error by depth, and each component's
+  share of the mismatch.
 """
 
 from __future__ import annotations
@@ -163,13 +167,87 @@ def per_response_plot(view: TokenView, path: Path) -> Path:
     return save_figure(fig, path, dpi=DPI)
 
 
-def draw_all(view: TokenView, out_dir: Path) -> dict[str, Path]:
-    """All four figures into ``out_dir``; returns name -> path."""
+# k3 of KL(μ ‖ π_old) levels reported for other models and stacks, each with its public source
+PUBLISHED_K3 = {
+    "dense models (Miles / LMSYS write-up, 2026)": (1e-5, 1e-3),
+    "MoE models (Miles / LMSYS write-up, 2026)": (1e-3, 1e-1),
+}
+PUBLISHED_POINTS = {"DeepSeek-V4, no alignment (verl PR #7242)": 0.0052}
+FP16_PAPER_FACTOR = 24  # "Defeating the Training-Inference Mismatch via FP16": ~24× lower KL with fp16 both sides
+
+
+def levels(summary: dict, path: Path) -> Path:
+    """This audit's token-mean k3 on a log axis, among the published levels, with the k3 each ``--whatif``
+    change left (when measured) and the FP16 paper's ~24× reduction drawn from this audit's k3."""
+    measured = [summary["divergence"]["k3_kl"], *(r["k3_kl"] for r in summary.get("whatif", []))]
+    floor = min([v for v in measured if v > 0] + [1e-5]) / 100  # where an exact 0 is drawn (log axis)
+    k3 = max(summary["divergence"]["k3_kl"], floor)
+    fig, ax = plt.subplots(figsize=(8, 2.6 + 0.25 * len(summary.get("whatif", []))))
+    y = 0
+    for (label, (lo, hi)), color in zip(PUBLISHED_K3.items(), ("#c8dcf0", "#f3d9c4")):
+        ax.fill_betweenx([y - 0.35, y + 0.35], lo, hi, color=color)
+        ax.text(hi * 1.15, y, label, va="center", fontsize=8)
+        y += 1
+    for label, value in PUBLISHED_POINTS.items():
+        ax.plot([value], [y], "s", color="#555")
+        ax.text(value * 1.3, y, label, va="center", fontsize=8)
+        y += 1
+    ax.plot([k3], [y], "o", color="#c44e52", markersize=9)
+    ax.annotate("", xy=(k3 / FP16_PAPER_FACTOR, y), xytext=(k3, y), arrowprops={"arrowstyle": "->", "color": "#c44e52", "alpha": 0.5})
+    ax.text(k3 * 1.3, y, f"this audit (k3 {k3:.2g}); arrow: the FP16 paper's ~{FP16_PAPER_FACTOR}× lower KL",
+            va="center", fontsize=8, color="#c44e52")  # fmt: skip
+    for row in summary.get("whatif", []):
+        y += 1
+        value = max(row["k3_kl"], floor)
+        ax.plot([value], [y], "D", color="#4c72b0")
+        said = f"k3 {row['k3_kl']:.2g}" if row["k3_kl"] > 0 else "k3 exactly 0 (drawn at the left)"
+        ax.text(value * 1.3, y, f"--whatif {row['change']}: {said}", va="center", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_yticks([])
+    ax.set_ylim(-0.7, y + 0.7)
+    values = [k3, *(max(r["k3_kl"], floor) for r in summary.get("whatif", [])), 1e-5, 1e-1]
+    ax.set_xlim(min(values) / 30, max(values) * 30)
+    ax.set(xlabel="token-mean k3 of KL(μ ‖ π_old)")
+    ax.set_title("Is this level normal? This audit among published levels (other models, other stacks)")
+    ax.grid(alpha=0.3, axis="x")
+    return save_figure(fig, path, dpi=DPI)
+
+
+def localization(loc: dict, path: Path) -> Path:
+    """Left: ‖h_sampler − h_learner‖ / ‖h_learner‖ at each site, in forward order. Right: each component's
+    share of the sampler forward's k3 (swapped alone into the fp32 learner)."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.6))
+    sites = loc["sites"]
+    short = {"input": "in", "attention": "attn", "mlp": "mlp"}
+    labels = [f"L{s['layer']} {short[s['site']]}" if s["layer"] is not None else s["site"] for s in sites]
+    left.plot(range(len(sites)), [max(s["rel_error"], 1e-12) for s in sites], "o-", color="#4c72b0")
+    left.set_yscale("log")
+    left.set_xticks(range(len(sites)), labels, rotation=90, fontsize=6)
+    left.set(ylabel="relative error of the hidden state")
+    left.set_title("Divergence by depth (includes everything upstream)")
+    left.grid(alpha=0.3)
+    comps = loc["components"]
+    right.bar(range(len(comps)), [100 * c["share"] for c in comps], color="#c44e52")
+    right.set_xticks(range(len(comps)), [c["component"].replace("layer ", "L") for c in comps], rotation=90, fontsize=6)
+    right.set(ylabel="% of the sampler forward's k3")
+    right.set_title("What each component adds, swapped in alone")
+    right.grid(alpha=0.3, axis="y")
+    return save_figure(fig, path, dpi=DPI)
+
+
+def draw_all(view: TokenView, out_dir: Path, summary: dict | None = None) -> dict[str, Path]:
+    """The four figures into ``out_dir`` (and, given the ``summary``, the levels and localization figures);
+    returns name -> path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    return {
+    out = {
         "scatter": scatter(view, out_dir / "scatter.png"),
         "histogram": histogram(view, out_dir / "histogram.png"),
         "position": position(view, out_dir / "position.png"),
         "per_response": per_response_plot(view, out_dir / "per_response.png"),
     }
+    if summary is not None:
+        out["levels"] = levels(summary, out_dir / "levels.png")
+        if "localization" in summary:
+            out["localization"] = localization(summary["localization"], out_dir / "localization.png")
+    return out

@@ -54,7 +54,7 @@ def build_summary(data: AuditData, worst_k: int = 10) -> dict[str, Any]:
     stats = audit_stats(data.rollout_log_prob, data.old_log_prob, data.response_mask, worst_k=worst_k)
     for item in stats["worst_tokens"]:
         item.update(token_context(data, item["row"], item["position"]))
-    summary = {"source": data.source, **stats}
+    summary = {"source": data.source, **stats, **data.diagnosis}
     if data.routed_experts is not None and data.learner_routed_experts is not None:
         from rollcorr.moe import routing_summary
 
@@ -153,6 +153,15 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
             context,
         )
     console.print(worst)
+    if summary.get("whatif"):
+        table = Table(title="what would remove it (--whatif)", title_justify="left")
+        for name in ("change", "sampler", *(c[0] for c in WHATIF_COLUMNS), "level"):
+            table.add_column(name, justify="left" if name in ("change", "sampler", "level") else "right")
+        for row in whatif_rows(summary):
+            table.add_row(*map(escape, row))
+        console.print(table)
+    if "localization" in summary:
+        console.print(f"[bold]Where it enters[/]: {escape(summary['localization']['entry'])}", highlight=False)
     console.print(f"[bold]In short[/]: {escape(' '.join(summary['verdict']))}", highlight=False)
 
 
@@ -179,7 +188,28 @@ CAPTIONS = {
     "context? Bottom: the response with the largest |Δp|, token by token — isolated spikes or a drift?",
     "per_response": "Each response's largest and average |Δp| (the TIS paper's two metrics) against its "
     "length. Max mismatch tends to grow with length even when the mean does not.",
+    "levels": "This audit's k3 among the levels reported for other models and stacks (their sources named): a "
+    "band is where those models sit, not a threshold for this one. Diamonds: what each --whatif change left here.",
+    "localization": "Left: how far the sampler's hidden state is from the learner's at each layer (an error there "
+    "includes everything upstream). Right: each component's own contribution — the sampler's version of that "
+    "component alone swapped into the fp32 learner — as a share of the sampler forward's k3.",
 }
+
+WHATIF_COLUMNS = (("share < 0.001", "prob_diff_frac_lt_1e-3", True), ("share ≥ 0.01", "prob_diff_frac_ge_0.01", True),
+                  ("share ≥ 0.05", "prob_diff_frac_ge_0.05", True), ("max", "prob_diff_max", False),
+                  ("mean", "prob_diff_mean", False), ("k3", "k3_kl", False))  # fmt: skip
+
+
+def whatif_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:
+    """(change, sampler, each WHATIF_COLUMNS value, level) rows: the audit itself first, then each change."""
+    p = {**summary["probability"], "k3_kl": summary["divergence"]["k3_kl"]}
+    audited = ("(as audited)", str(summary["source"].get("sampler", "")),
+               *(_pct(p[k]) if pct else _num(p[k]) for _, k, pct in WHATIF_COLUMNS), summary.get("verdict_level", {}).get("level", ""))  # fmt: skip
+    rows = [audited]
+    for r in summary.get("whatif", []):
+        rows.append((r["change"], r["sampler"], *(_pct(r[k]) if pct else _num(r[k]) for _, k, pct in WHATIF_COLUMNS),
+                     r["verdict_level"]))  # fmt: skip
+    return rows
 
 
 SHARE_LABELS = ("share |Δp| < 0.001", "share ≥ 0.01", "share ≥ 0.05", "share ≥ 0.1")
@@ -231,12 +261,30 @@ def render_html(summary: dict[str, Any], images: dict[str, Path]) -> str:
         f"<span class='tok'>{esc(w['token'])}</span>{esc(w['after'])}</td></tr>"
         for w in summary["worst_tokens"]
     )
-    figures = "".join(
-        f"<figure><img alt='{esc(name)}' src='data:image/png;base64,"
-        f"{base64.b64encode(Path(path).read_bytes()).decode()}'><figcaption>{esc(CAPTIONS[name])}</figcaption>"
-        "</figure>"
-        for name, path in images.items()
-    )
+    def figure(name: str) -> str:
+        data = base64.b64encode(Path(images[name]).read_bytes()).decode()
+        return (f"<figure><img alt='{esc(name)}' src='data:image/png;base64,{data}'><figcaption>"
+                f"{esc(CAPTIONS[name])}</figcaption></figure>")  # fmt: skip
+
+    diagnosis = ""
+    if "levels" in images:
+        diagnosis += f"<h2>Is this level normal?</h2>{figure('levels')}"
+    if summary.get("whatif"):
+        head = "".join(f"<th>{esc(h)}</th>" for h in ("change", "sampler", *(c[0] for c in WHATIF_COLUMNS), "level"))
+        body = "".join("<tr>" + "".join(f"<td>{esc(v)}</td>" for v in row) + "</tr>" for row in whatif_rows(summary))
+        diagnosis += (f"<h2>What would remove it (measured on this model)</h2><table><tr>{head}</tr>{body}</table>"
+                      "<p class='note'>Each change reruns the sampler side with that one thing different, on the same "
+                      "prompts and seed; <code>batch</code> scores the same tokens with each response alone against "
+                      "one batch.</p>")  # fmt: skip
+    if "localization" in summary:
+        loc = summary["localization"]
+        rows_html = "".join(f"<tr><td>{esc(c['component'])}</td><td class='num'>{c['k3']:.3g}</td>"
+                            f"<td class='num'>{100 * c['share']:.1f} %</td></tr>" for c in loc["components"])  # fmt: skip
+        diagnosis += (f"<h2>Where it enters</h2><p>{esc(loc['entry'])}</p>{figure('localization')}"
+                      f"<p class='note'>{loc['responses']} responses, {loc['tokens']} tokens (those holding the largest "
+                      f"|Δp|).</p><table><tr><th>component</th><th>k3 swapped in alone</th><th>share</th></tr>"
+                      f"{rows_html}</table>")  # fmt: skip
+    figures = "".join(figure(name) for name in images if name not in ("levels", "localization"))
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>rollcorr audit</title><style>{CSS}</style></head><body>
 <h1>rollcorr audit: sampler vs learner mismatch</h1>
@@ -246,6 +294,7 @@ def render_html(summary: dict[str, Any], images: dict[str, Path]) -> str:
 <p>The same sampled tokens scored by the sampler (μ, what the tokens were drawn from) and by the learner
 (π_old). Δp = p_sampler − p_learner per token; ℓ = log π_old − log μ.</p>
 <table class="src">{source}</table>
+{diagnosis}
 <h2>Summary</h2><table><tr><th></th><th>metric</th><th>value</th></tr>{rows}</table>
 <p class="note">{esc(MONTE_CARLO_NOTE)}</p>
 <h2>Worst tokens</h2>
@@ -262,7 +311,7 @@ def write_report(data: AuditData, out_dir: str | Path, *, worst_k: int = 10) -> 
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = build_summary(data, worst_k=worst_k)
     view = check_inputs(data.rollout_log_prob, data.old_log_prob, data.response_mask)
-    images = plots.draw_all(view, out_dir)
+    images = plots.draw_all(view, out_dir, summary)
     summary["files"] = sorted([*(p.name for p in images.values()), "report.html", "summary.json"])
     _atomic_write(out_dir / "summary.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     _atomic_write(out_dir / "report.html", render_html(summary, images))

@@ -191,7 +191,7 @@ def _suggest(where: str, why: str, summary: dict[str, Any]) -> str:
     entry = SUGGESTIONS[where]
     return (
         f"Suggested correction: preset {entry['preset']} ({why}). Evidence: {entry['evidence']}. "
-        f"Apply it: {override(entry['preset'], summary)}{same_presets(entry['preset'])}"
+        f"Apply it: {override(entry['preset'], summary)}{same_presets(entry['preset'])}."
     )
 
 
@@ -219,6 +219,23 @@ def _precision_sentence(summary: dict[str, Any]) -> str:
         f"Precision may remove most of this gap — measured on the project's built-in model, not on this one: "
         f"{measured}. Measure it on this model: {command}."
     )
+
+
+WHATIF_WORDS = {"fp16": "an fp16 sampler", "bf16": "a bf16 sampler", "fp32": "the same engine in fp32",
+                "lm_head_fp32": "an fp32 lm-head", "batch": "the batch's composition alone"}  # fmt: skip
+
+
+def whatif_sentences(summary: dict[str, Any]) -> list[str]:
+    """What each ``--whatif`` change left on this model, against the audit's own numbers (measured, not quoted)."""
+    rows = summary.get("whatif") or []
+    if not rows:
+        return []
+    p = summary["probability"]
+    parts = [f"{WHATIF_WORDS[r['change']]} {'makes' if r['change'] == 'batch' else 'leaves'} "
+             f"{_pct(r['prob_diff_frac_ge_0.01'])} of tokens at |Δp| ≥ 0.01 (k3 {r['k3_kl']:.2g}, level "
+             f"\"{r['verdict_level']}\")" for r in rows]  # fmt: skip
+    return [f"Measured on this model (--whatif): as audited, {_pct(p['prob_diff_frac_ge_0.01'])} of tokens are at "
+            f"|Δp| ≥ 0.01 (k3 {summary['divergence']['k3_kl']:.2g}); " + "; ".join(parts) + "."]  # fmt: skip
 
 
 def verdict(summary: dict[str, Any]) -> list[str]:
@@ -253,7 +270,7 @@ def verdict(summary: dict[str, Any]) -> list[str]:
         )
         out.append(_suggest(where, f"token ESS/N {ess_tok:.3g}, sequence ESS/N {ess_seq:.3g}; per-token "
                                    "weights capped at 2 keep the variance low even where sequence products spread", summary))  # fmt: skip
-        if _sampler_dtype(summary) == "bf16":
+        if _sampler_dtype(summary) == "bf16" and not summary.get("whatif"):
             out.append(_precision_sentence(summary))
     else:
         out.append(
@@ -271,6 +288,9 @@ def verdict(summary: dict[str, Any]) -> list[str]:
             out.append(_suggest(where, f"token ESS/N {ess_tok:.3g}, sequence ESS/N {ess_seq:.3g}; capping each "
                                        "token's weight keeps rare large ratios from dominating the gradient", summary))  # fmt: skip
     out += _straddle(summary)
+    out += whatif_sentences(summary)
+    if "localization" in summary:
+        out.append(summary["localization"]["entry"])
     out += routing_sentences(summary)
     negative = [
         name

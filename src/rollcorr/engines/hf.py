@@ -81,6 +81,18 @@ def quantize_int8(model: nn.Module) -> nn.Module:
         return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=False)
 
 
+class Float32Head(nn.Module):
+    """A bias-free lm-head in float32 over a lower-precision model: logits = h.float() @ W.T (``weight`` keeps
+    the name, so a state dict's ``lm_head.weight`` loads into it)."""
+
+    def __init__(self, weight: Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.float(), requires_grad=False)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return nn.functional.linear(hidden.float(), self.weight)
+
+
 class HFSampler(DecodingSampler):
     """Sampler on a transformers causal LM. ``version`` is the weight version it holds (starts at 0)."""
 
@@ -93,7 +105,10 @@ class HFSampler(DecodingSampler):
         device: str | torch.device | None = None,
         version: int = 0,
         fast_decode: bool = True,
+        head_fp32: bool = False,
     ) -> None:
+        """``head_fp32``: a bf16 / fp16 model with its lm-head kept in float32 (the checkpoint's float weights, the
+        last hidden state cast up), as some engines offer — what ``rollcorr audit --whatif lm_head_fp32`` asks."""
         if quant not in QUANTIZATIONS:
             raise ValueError(f"unknown quantisation {quant!r}; use one of {QUANTIZATIONS}")
         self.dtype = resolve_dtype(dtype)
@@ -107,7 +122,12 @@ class HFSampler(DecodingSampler):
         self.quant = quant
         self.attn = attn
         self.model_path = str(model_path)
-        model, self.tokenizer = load_model(model_path, dtype=self.dtype, attn=attn)
+        low_head = head_fp32 and self.dtype != torch.float32
+        model, self.tokenizer = load_model(model_path, dtype=torch.float32 if low_head else self.dtype, attn=attn)
+        if low_head:  # the head's float weights kept, the rest cast down
+            head = Float32Head(model.get_output_embeddings().weight.detach().clone())
+            model = model.to(self.dtype)
+            model.set_output_embeddings(head)
         self.float_model = model.to(self.device) if quant is None else model  # the one holding float weights
         self.rtn_bits = rtn_bits(quant)  # k of hf:rtn<k>: weights rounded in place, float32 compute
         if self.rtn_bits is not None:

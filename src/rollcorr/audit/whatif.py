@@ -1,0 +1,120 @@
+"""What would remove the mismatch — measured on the audited model, not quoted (``rollcorr audit --whatif``).
+
+Each change reruns the sampler side with one thing different, on the same prompts, sampling parameters and
+seed, and scores its tokens with the same learner; its row has the probability table of the audit
+(``prob_diff_frac_*``, max and mean |Δp|, k3, the verdict level), so "fp16 would remove most of it" is a number
+for this model. The changes:
+
+- ``fp16`` / ``bf16`` / ``fp32``: the same engine in that precision (``fp32`` is the learner's: what is left is
+  the engine's own path — its decode loop, kernels and cache — against the learner's forward);
+- ``lm_head_fp32``: the same sampler with its lm-head in float32 (hf engines);
+- ``batch``: the batch component, separated from precision — the sampler's forward of the same tokens with
+  each response scored alone against all of them in one batch, so only the batch's composition differs
+  (hf engines; a sampler whose kernels do not depend on the batch gives 0).
+
+``default_changes(spec)`` picks the ones that apply to the audited engine; a change that cannot apply to it is
+refused in one line before any work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rollcorr.engines import parse_spec
+
+CHANGES = ("fp16", "bf16", "fp32", "lm_head_fp32", "batch")
+PRECISIONS = {"hf": ("fp32", "bf16", "fp16"), "vllm": ("fp32", "bf16", "fp16"), "llamacpp": ()}
+
+
+def default_changes(spec: str) -> list[str]:
+    """The changes worth measuring for a sampler: a bf16 one → fp16, lm_head_fp32, batch; fp16 → lm_head_fp32,
+    batch; a quantised one (int8, rtn<k>, llama.cpp) → fp32 (and batch for hf)."""
+    parsed = parse_spec(spec)
+    hf = parsed.backend == "hf"
+    if parsed.quant is not None or parsed.backend == "llamacpp":
+        return ["fp32"] + (["batch"] if hf else [])
+    if parsed.dtype == "bf16":
+        return ["fp16"] + (["lm_head_fp32", "batch"] if hf else [])
+    if parsed.dtype == "fp16":
+        return ["lm_head_fp32", "batch"] if hf else ["fp32"]
+    return ["batch"] if hf else []
+
+
+def parse_changes(text: str | None, spec: str) -> list[str]:
+    """``--whatif`` (a comma list, or empty for the engine's defaults) → changes; ValueError naming one that does
+    not exist or cannot apply to ``spec``."""
+    if not text:
+        return default_changes(spec)
+    parsed = parse_spec(spec)
+    out = []
+    for change in (c.strip() for c in text.split(",") if c.strip()):
+        if change not in CHANGES:
+            raise ValueError(f"--whatif: unknown change {change!r}; use any of {', '.join(CHANGES)}")
+        if change in ("lm_head_fp32", "batch") and parsed.backend != "hf":
+            raise ValueError(f"--whatif {change}: needs the sampler's modules in this process (an hf sampler); "
+                             f"{spec} runs its own kernels")  # fmt: skip
+        if change in ("fp16", "bf16", "fp32") and change not in PRECISIONS[parsed.backend]:
+            raise ValueError(f"--whatif {change}: {parsed.backend} samplers are chosen by quantisation, not dtype "
+                             "(compare llamacpp:f32 or llamacpp:f16 as the sampler instead)")  # fmt: skip
+        out.append(change)
+    return out
+
+
+def changed_spec(spec: str, change: str) -> str:
+    """The sampler spec a precision change gives (options such as the attention kept)."""
+    parsed = parse_spec(spec)
+    attn = f":{parsed.attn}" if parsed.backend == "hf" and parsed.attn and parsed.attn != "eager" else ""
+    return f"{parsed.backend}:{change}{attn}"
+
+
+def _table(log_mu: torch.Tensor, log_old: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+    from rollcorr.audit.stats import audit_stats
+
+    stats = audit_stats(log_mu, log_old, mask)
+    return {**stats["probability"], "k3_kl": stats["divergence"]["k3_kl"], "verdict_level": stats["verdict_level"]["level"],
+            "n_tokens": stats["n_tokens"]}  # fmt: skip
+
+
+@torch.no_grad()
+def batch_component(sampler, rollout) -> dict[str, Any]:
+    """The sampler's forward of the audited tokens, each response alone against all in one batch: the table of
+    the |Δp| that the batch's composition alone makes."""
+    from rollcorr.audit.localize import response_log_probs
+
+    model = sampler.model
+    device = next(model.parameters()).device
+    ids = torch.cat([rollout.prompt_ids, rollout.response_ids], 1).to(device)
+    mask = torch.cat([rollout.prompt_mask.bool(), rollout.response_mask.bool()], 1).to(device)
+    targets, p = rollout.response_ids.to(device), rollout.prompt_ids.shape[1]
+    together = response_log_probs(model, ids, mask, p, targets, 1.0)
+    alone = torch.cat([response_log_probs(model, ids[i : i + 1], mask[i : i + 1], p, targets[i : i + 1], 1.0)
+                       for i in range(ids.shape[0])])  # fmt: skip
+    valid = rollout.response_mask.bool()
+    return _table(alone.cpu().float(), together.cpu().float(), valid)
+
+
+def run_whatif(changes: list[str], spec: str, make_sampler: Callable[..., Any], sample_and_score: Callable[[Any], Any],
+               sampler, rollout, on_change: Callable[[str], None] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """One row per change. ``make_sampler(spec, **kwargs)`` builds a sampler like the audited one;
+    ``sample_and_score(sampler)`` samples the audit's prompts with it and returns their ``AuditData``; ``sampler``
+    and ``rollout`` are the audited ones (for ``batch``)."""
+    rows = []
+    for change in changes:
+        if on_change is not None:
+            on_change(change)
+        if change == "batch":
+            rows.append({"change": change, "sampler": spec, "what": "each response alone vs one batch, the sampler's "
+                         "forward of the same tokens", **batch_component(sampler, rollout)})  # fmt: skip
+            continue
+        new_spec, kwargs = (spec, {"head_fp32": True}) if change == "lm_head_fp32" else (changed_spec(spec, change), {})
+        other = make_sampler(new_spec, **kwargs)
+        try:
+            scored = sample_and_score(other)
+        finally:
+            getattr(other, "close", lambda: None)()
+        table = _table(scored.rollout_log_prob, scored.old_log_prob, scored.response_mask.bool())  # an AuditData
+        rows.append({"change": change, "sampler": new_spec + (" (lm-head fp32)" if kwargs else ""), **table})
+    return rows
