@@ -90,16 +90,32 @@ def lr_probe(model: Path, out: Path, lr: float = BASE_LR, steps: int = 2) -> dic
     return {"lr": lr, "evals": [[r["step"], r["eval/accuracy"]] for r in records if r.get("eval/accuracy") is not None]}
 
 
+def probes(model: Path) -> dict[str, Any]:
+    """Both probes, with the code they ran on."""
+    commit = code_commit()
+    return {"length_probe": length_probe(model), "lr_probe": lr_probe(model, RUNS / "instruct_recipe_probes"),
+            "probes_code_commit": commit}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="SmolLM2-135M-Instruct as a Hugging Face folder")
     parser.add_argument("--steps", type=int, default=None, help="fewer steps (a smoke run); needs --out")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--no-probes", action="store_true", help="skip the length and learning-rate probes")
+    parser.add_argument("--probes-only", action="store_true",
+                        help="rerun the two probes into an existing results.json (its run kept)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.steps is not None and args.out is None:
         parser.error("a shortened run writes elsewhere than the recipe's results: give --out")
     out = (args.out or OUT).resolve()
+    if args.probes_only:
+        report = json.loads((out / "results.json").read_text())
+        report.update(probes(Path(args.model)))
+        write_json(report, out / "results.json")
+        print(f"instruct_recipe: probes rerun → {out / 'results.json'}")
+        return 0
+    commit = code_commit()  # the code the run starts with (a later edit of the tree must not be recorded as it)
     run_dir = (out / "run") if args.out else RUNS / "instruct_recipe"
     command = shlex.split(COMMAND.format(model=Path(args.model).resolve()))
     extra = [f"trainer.out={run_dir}", "trainer.progress=false"]
@@ -112,11 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     report = {"what": "docs/tasks.md's real-model recipe, run in full", "command": COMMAND.format(model="<SmolLM2 folder>"),
               "wall_seconds": seconds, "load_before": load_before,
               "load_after": Path("/proc/loadavg").read_text().split()[:3] if load_before else None,
-              "machine": machine(), "cores": len(__import__("os").sched_getaffinity(0)), "code_commit": code_commit(),
+              "machine": machine(), "cores": len(__import__("os").sched_getaffinity(0)), "code_commit": commit,
               **curve(run_dir)}  # fmt: skip
     if not args.no_probes and args.steps is None:  # the measurements behind the recipe's settings
-        report["length_probe"] = length_probe(Path(args.model))
-        report["lr_probe"] = lr_probe(Path(args.model), RUNS / "instruct_recipe_probes")
+        report.update(probes(Path(args.model)))
     write_json(report, out / "results.json")
     print(f"instruct_recipe: greedy accuracy {report['evals'][0][1]:.3f} -> {report['evals'][-1][1]:.3f}, "
           f"{seconds:.0f} s → {out / 'results.json'}")
