@@ -814,7 +814,14 @@ BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
     **{f"verdicts:{s}": (spec.page, partial(_study_verdicts, s)) for s, spec in STUDIES.items()},
     "verdicts": ("README.md", lambda res: readme_sentence(res) + "\n\n" + readme_confirmatory(res)),
     "exploratory:pooled": ("docs/results.md", lambda res: _pooled_paragraph(res)),
+    "recipe:instruct": ("docs/tasks.md", lambda res: _recipe_text(res)),
 }
+
+
+def _recipe_text(results: Path) -> str:
+    from experiments.instruct_recipe import recipe_text
+
+    return recipe_text(load("instruct_recipe", results))
 
 
 def _pooled_paragraph(results: Path) -> str:

@@ -306,6 +306,7 @@ def optimize(
     grad_scale = 1.0 if ranks is None else float(ranks.world)
     batches = list(zip(shares_of(rollout, config, None), shares_of(rollout, config, ranks)))
     routing = RoutingFlips(learner, rollout)
+    seconds = dict.fromkeys(("loss_forward", "backward", "optimizer"), 0.0)  # where optimize's time goes
     for epoch in range(config.ppo_epochs):
         for rows, own_rows in batches:
             mini = renormalize(rollout.select(rows), config, "mini_batch")  # the global mini-batch
@@ -320,6 +321,7 @@ def optimize(
                 part = renormalize(part, config, "micro_batch")
                 count = count_of(config, part)
                 share = 1.0 if total is None else count / max(total, 1.0)
+                clock = time.perf_counter()
                 with routing.scoring(part, measure=epoch == 0):
                     log_prob, entropy = learner.log_prob(
                         part, temperature=config.temperature, grad=True, with_entropy=True
@@ -332,10 +334,13 @@ def optimize(
                     ok = bool(torch.isfinite(loss))
                 if ranks is not None:
                     ok = ranks.all_true(ok)  # every rank takes the same branch around FSDP's collectives
+                seconds["loss_forward"] += time.perf_counter() - clock
                 if not ok:
                     finite = False
                     break
+                clock = time.perf_counter()
                 (loss * (share * grad_scale)).backward()
+                seconds["backward"] += time.perf_counter() - clock
                 step_metrics["loss/policy"] = (
                     step_metrics.get("loss/policy", 0.0) + float(loss.detach()) * share
                 )
@@ -361,7 +366,10 @@ def optimize(
                 # momentum m/√v (and v keeps decaying, which inflates the next real step): skip it entirely.
                 zero_grad_skips += 1
                 continue
-            if not guarded_step():  # weights would turn NaN/inf: undone, a bad step
+            clock = time.perf_counter()
+            stepped = guarded_step()
+            seconds["optimizer"] += time.perf_counter() - clock
+            if not stepped:  # weights would turn NaN/inf: undone, a bad step
                 skipped += 1
                 nonfinite_weights += 1
                 continue
@@ -376,6 +384,7 @@ def optimize(
     metrics["train/zero_grad_skips"] = float(zero_grad_skips)
     metrics["train/nonfinite_weight_steps"] = float(nonfinite_weights)
     metrics["train/zero_grad_minibatches"] = float(zero_grads)
+    metrics.update({f"time/{name}_s": value for name, value in seconds.items()})
     metrics.update(routing.metrics(ranks))
     return metrics, applied, skipped
 
