@@ -124,8 +124,8 @@ def recipe_text(r: dict[str, Any]) -> str:
             f"Why these settings (the two probes, measured on the untrained model): **{lr['lr']:g}**, the built-in "
             f"model's learning rate, took greedy accuracy from {lr['evals'][0][1]:.3f} to {lr['evals'][1][1]:.3f} in "
             f"one update and {lr['evals'][-1][1]:.3f} after {lr['evals'][-1][0]}; the response cap decides how many "
-            f"answers the model reaches before it is cut off ({lengths}) — 48 tokens halve the sampling cost of 96 "
-            "and the model learns to answer sooner.",
+            f"answers the model reaches before it is cut off ({lengths}) — 48 tokens cost about half of 96 to "
+            "sample, and the run above reached its accuracy with them.",
         ]
     return "\n".join(lines)
 

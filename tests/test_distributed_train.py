@@ -169,3 +169,84 @@ def test_failure_line_names_the_exception_the_signal_or_the_exit_code(tmp_path, 
     assert _cause(ProcessFailure(local_rank=1, pid=1, exitcode=2, error_file=missing)).startswith(
         "exited with code 2"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_to_the_launcher_stops_every_rank_with_a_checkpoint_in_one_line(tmp_path, signum):
+    """SIGTERM or SIGHUP to `rollcorr train trainer.ranks=2`: the agent asks each rank to stop (each finishes its
+    step and the checkpoint is written), and the launcher says so in one line — no torch-elastic traceback."""
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen([sys.executable, "-m", "rollcorr", "train", "trainer.ranks=2", "trainer.steps=500",
+                                 "trainer.checkpoint_every=0", *SMALL, f"trainer.out={run_dir}"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not ((run_dir / "metrics.jsonl").is_file() and _steps(run_dir)):
+            time.sleep(0.5)
+        assert _steps(run_dir), "no step was trained"
+        launcher.send_signal(signum)
+        _, err = launcher.communicate(timeout=180)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert launcher.returncode == 128 + signum, err[-3000:]
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
+    said = [line for line in err.splitlines() if line.startswith("rollcorr train: ")]
+    assert said and f"{signal.Signals(signum).name}: every rank was asked to stop" in said[-1]
+    from rollcorr.train.checkpoint import list_checkpoints
+
+    assert list_checkpoints(run_dir), "no checkpoint written on the way out"
+
+
+def _torchrun_per_rank(tmp_path: Path, per_rank: dict[int, list[str]], timeout: float = 300):
+    """torchrun --nproc-per-node 2 of a script that runs `rollcorr train` with each rank's own arguments (a user
+    whose ranks were started differently)."""
+    script = tmp_path / "per_rank.py"
+    script.write_text("import os, sys\nfrom rollcorr.cli import main\n"
+                      f"ARGS = {per_rank!r}\n"
+                      "sys.exit(main(['train', *ARGS[int(os.environ['RANK'])]]))\n")  # fmt: skip
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, env=_env(), timeout=timeout)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ranks_started_differently_stop_before_training_naming_the_key(tmp_path):
+    """Another learning rate on rank 1, another step count, or --resume on one rank and --out on the other:
+    every rank stops before training, and one line names the first key that differs."""
+    base = ["trainer.steps=3", *SMALL]
+    cases = {
+        "optim.lr": ({0: [*base, "optim.lr=0.0003"], 1: [*base, "optim.lr=0.3"]}, "optim.lr is 0.3 there, 0.0003 on rank 0"),
+        "trainer.steps": ({0: [*base, "trainer.steps=4"], 1: [*base, "trainer.steps=5"]}, "trainer.steps is 5 there"),
+    }  # fmt: skip
+    for name, (per_rank, message) in cases.items():
+        out = tmp_path / name
+        per_rank = {r: [*args, f"trainer.out={out}"] for r, args in per_rank.items()}
+        done = _torchrun_per_rank(tmp_path, per_rank)
+        assert done.returncode != 0, name
+        said = [line for line in done.stderr.splitlines() if "was started differently from rank 0" in line]
+        assert said and message in said[0], done.stderr[-3000:]
+        # (torchrun itself reports a failed worker with its own traceback; none comes from rollcorr)
+        assert "rollcorr/" not in "".join(line for line in done.stderr.splitlines() if line.strip().startswith("File"))
+        assert not (out / "metrics.jsonl").exists() or not _steps(out)  # nothing trained
+
+
+def test_a_distributed_environment_left_in_the_shell_is_one_line_at_once(tmp_path):
+    """RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (or only RANK / WORLD_SIZE / LOCAL_RANK) left in the environment
+    of a plain `rollcorr train`: one line naming them, exit 2, within seconds — never a wait for peers."""
+    stale = [{"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"},
+             {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}]  # fmt: skip
+    for extra in stale:
+        for ranks in ("1", "2"):
+            env = {**_env(), **extra}
+            env.pop("TORCHELASTIC_RUN_ID", None)
+            start = time.monotonic()
+            done = subprocess.run([sys.executable, "-m", "rollcorr", "train", f"trainer.ranks={ranks}",
+                                   "trainer.steps=1", *SMALL, f"trainer.out={tmp_path / 'run'}"],
+                                  capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+            assert done.returncode == 2 and time.monotonic() - start < 60
+            lines = done.stderr.strip().splitlines()
+            assert len(lines) == 1 and "not started by torchrun" in lines[0] and "unset" in lines[0], done.stderr
+            assert all(key in lines[0] for key in extra)

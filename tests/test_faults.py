@@ -310,22 +310,25 @@ def test_failed_save_leaves_no_temporary_files(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]  # no config.yaml, no temp file
 
 
-def test_sigterm_saves_a_checkpoint_and_the_run_continues(tmp_path, addition_model_dir):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_saves_a_checkpoint_and_the_run_continues(tmp_path, addition_model_dir, signum):
+    """SIGTERM (`kill`, a scheduler's preemption) and SIGHUP (the terminal closed): the step ends, a checkpoint
+    is written, the run resumes."""
     trainer = Trainer(tiny(tmp_path, addition_model_dir, "trainer.steps=50"))
     one_step = trainer._one_step
 
     def step_then_signal():
         out = one_step()
         if trainer.step == 2:
-            os.kill(os.getpid(), signal.SIGTERM)  # what `kill` or a scheduler's preemption sends
+            os.kill(os.getpid(), signum)
         return out
 
     trainer._one_step = step_then_signal
-    before = signal.getsignal(signal.SIGTERM)  # SIG_DFL, or Ray's handler when an earlier test started Ray
+    before = signal.getsignal(signum)  # SIG_DFL, or Ray's handler when an earlier test started Ray
     result = trainer.run()
-    assert result.steps == 2 and "SIGTERM" in result.stopped
+    assert result.steps == 2 and signal.Signals(signum).name in result.stopped
     assert [p.name for p in list_checkpoints(result.run_dir)] == ["step_000002"]
-    assert signal.getsignal(signal.SIGTERM) is before  # the handler was put back
+    assert signal.getsignal(signum) is before  # the handler was put back
     assert resume(result.run_dir, "trainer.steps=3").steps == 3
     assert steps_logged(result.run_dir) == [1, 2, 3]
 
@@ -572,3 +575,23 @@ def test_nan_log_probs_in_the_learner_are_a_bad_step(tmp_path, addition_model_di
     result = trainer.run()
     assert result.stopped and "non-finite log-prob" in result.stopped and "optim.lr=" in result.stopped
     assert result.steps == 1 and lines(result.run_dir)[-1]["train/skipped_updates"] == 1.0
+
+
+def test_resuming_from_a_step_0_checkpoint_logs_step_0_once(tmp_path, addition_model_dir):
+    """A SIGTERM during the first evaluation: a step-0 checkpoint and a step-0 metrics line. Resuming runs that
+    evaluation again, so the kept line would be written twice: one step-0 line after the resume."""
+    trainer = Trainer(tiny(tmp_path, addition_model_dir, "trainer.steps=50", "trainer.eval_every=10",
+                           "task.eval_prompts=4"))  # fmt: skip
+    evaluate = trainer._evaluate
+
+    def evaluate_then_signal():
+        out = evaluate()
+        os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    trainer._evaluate = evaluate_then_signal
+    result = trainer.run()
+    assert result.steps == 0 and [p.name for p in list_checkpoints(result.run_dir)] == ["step_000000"]
+    assert [r["step"] for r in lines(result.run_dir)] == [0]
+    assert resume(result.run_dir, "trainer.steps=2").steps == 2
+    assert [r["step"] for r in lines(result.run_dir)].count(0) == 1

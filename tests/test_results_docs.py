@@ -173,3 +173,16 @@ def test_the_exploratory_pool_recomputes_from_the_studies_runs():
     assert pooled.paragraph(saved).startswith("**Exploratory")
     q4 = saved["fp32_minus_q4_0"]
     assert all(p["difference"] > 0 for p in q4["studies"].values()) and q4["ci95"][0] < q4["difference"] < q4["ci95"][1]
+
+
+def test_the_real_model_recipe_is_quoted_from_its_run():
+    """docs/tasks.md's account of the SmolLM2 recipe is generated from its results file, and the run learned:
+    greedy accuracy higher at the end than at the start, on the code the file names; the probes back the
+    settings (3e-4 undoes answers; 24 tokens cut off most replies)."""
+    report = json.loads((RESULTS / "instruct_recipe/results.json").read_text())
+    evals = [acc for _, acc in report["evals"]]
+    assert evals[-1] > evals[0] and report["loss_finite"] and len(report["code_commit"]) == 40
+    assert report["lr_probe"]["evals"][1][1] < report["lr_probe"]["evals"][0][1]
+    probe = {p["max_new_tokens"]: p for p in report["length_probe"]}
+    assert probe[24]["cut_off"] > probe[48]["cut_off"] > probe[96]["cut_off"]
+    assert "+dirty" not in report["probes_code_commit"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,8 +85,22 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+LAUNCHER_KEYS = ("TORCHELASTIC_RUN_ID",)  # set by torchrun / rollcorr's own launcher for each worker, not by a shell
+JOIN_TIMEOUT_S = 120.0  # how long the ranks wait for each other at the start (then the missing ones are named)
+
+
 def launched() -> bool:
-    """True inside a process started by torchrun (``WORLD_SIZE`` and ``RANK`` set)."""
+    """True inside a process started by torchrun (``WORLD_SIZE`` and ``RANK`` set); DistributedError when they are
+    set but the process was not started by a launcher — variables left in the user's shell, which would make the
+    run wait for peers that never come."""
+    present = [key for key in ENV_KEYS if key in os.environ]
+    if not present:
+        return False
+    if not any(key in os.environ for key in LAUNCHER_KEYS):
+        raise DistributedError(f"{', '.join(present)} {'is' if len(present) == 1 else 'are'} set in the environment, "
+                               "but this process was not started by torchrun (no TORCHELASTIC_RUN_ID): unset "
+                               f"{' '.join(present)} (left over from another job?), or start the run with `torchrun "
+                               "--nproc-per-node N -m rollcorr train ...` or trainer.ranks=N")  # fmt: skip
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
@@ -112,7 +127,41 @@ def init_from_env(device: str | None = None, timeout_s: float = COLLECTIVE_TIMEO
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
-    return Ranks(rank=rank, world=world, local_rank=local, device=dev, mesh=mesh, backend=backend)
+    ranks = Ranks(rank=rank, world=world, local_rank=local, device=dev, mesh=mesh, backend=backend)
+    joined(ranks)
+    return ranks
+
+
+def joined(ranks: Ranks, timeout_s: float = JOIN_TIMEOUT_S) -> None:
+    """Every rank is here: a barrier that names the ranks that did not arrive within ``timeout_s`` (gloo's
+    monitored barrier; NCCL has none, its own timeout applies)."""
+    if ranks.world == 1 or ranks.backend != "gloo":
+        return
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except RuntimeError as err:
+        missing = sorted({int(r) for r in re.findall(r"[Rr]anks? (\d+)", str(err))} - {ranks.rank})
+        who = f"rank(s) {', '.join(map(str, missing))}" if missing else "a rank"
+        raise DistributedError(f"{who} of {ranks.world} did not join within {timeout_s:.0f} s (stopped, crashed, or "
+                               "started with other arguments); every rank stopped") from None  # fmt: skip
+
+
+def agree(ranks: Ranks, facts: dict[str, Any]) -> None:
+    """DistributedError naming the first key where a rank's ``facts`` (its resolved config, the model's files,
+    rollcorr's version, the run folder arguments: flat "key": value) differ from rank 0's — before any rank
+    trains. Ranks that disagree would otherwise train silently apart (another lr moves that rank's shards) or
+    fail later at a collective that names nothing."""
+    if ranks.world == 1:
+        return
+    gathered: list[Any] = [None] * ranks.world
+    dist.all_gather_object(gathered, facts)
+    reference = gathered[0]
+    for rank, other in enumerate(gathered[1:], start=1):
+        for key in sorted(set(reference) | set(other)):
+            if reference.get(key) != other.get(key):
+                raise DistributedError(f"rank {rank} was started differently from rank 0: {key} is "
+                                       f"{other.get(key)!r} there, {reference.get(key)!r} on rank 0; every rank must "
+                                       "get the same command line and files (nothing was trained)")  # fmt: skip
 
 
 def close() -> None:

@@ -9,7 +9,9 @@ directly (docs/distributed.md); each worker reads its rank from the environment 
 
 Faults: when a worker exits with an error or is killed, the agent (polling every 0.2 s) stops the others
 (SIGTERM, then SIGKILL) — a survivor blocked in a collective with the dead peer also fails at once on the closed
-connection — and ``launch`` prints one line naming the first rank that failed and why.
+connection — and ``launch`` prints one line naming the first rank that failed and why. A SIGINT, SIGTERM or
+SIGHUP to the launcher: the agent passes SIGTERM to every worker (each finishes its step and saves a checkpoint,
+as one process does) and ``launch`` says so in one line instead of the agent's ``SignalException`` traceback.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def _cause(failure) -> str:
 
 def launch(train_args: list[str], nprocs: int, run_dir: str | None = None) -> int:
     """Run ``rollcorr train <train_args>`` as ``nprocs`` worker processes on this machine; the exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -59,4 +62,9 @@ def launch(train_args: list[str], nprocs: int, run_dir: str | None = None) -> in
         print(f"rollcorr train: rank {rank} of {nprocs} failed: {_cause(failure)}; every rank stopped{where}",
               file=sys.stderr)  # fmt: skip
         return FAILED_EXIT
+    except SignalException as err:  # the agent stopped the workers (SIGTERM to each, which checkpoints and stops)
+        where = f"; continue with rollcorr train --resume {run_dir}" if run_dir else ""
+        print(f"rollcorr train: {err.sigval.name}: every rank was asked to stop after its step with a checkpoint{where}",
+              file=sys.stderr)  # fmt: skip
+        return 128 + int(err.sigval)
     return 0

@@ -71,11 +71,16 @@ def _run(args: argparse.Namespace) -> int:
         print(f"rollcorr train: config error: {err}", file=sys.stderr)
         return 2
 
-    from rollcorr.distributed.group import launched
+    from rollcorr.distributed.group import DistributedError, launched
 
-    if config.trainer.ranks > 1 and not launched():  # start the N learner processes (distributed/launch.py)
+    try:
+        under_launcher = launched()
+    except DistributedError as err:  # RANK / WORLD_SIZE / ... left in the shell: one line, before any collective
+        print(f"rollcorr train: {err}", file=sys.stderr)
+        return 2
+    if config.trainer.ranks > 1 and not under_launcher:  # start the N learner processes (distributed/launch.py)
         return _launch(args, config)
-    if launched():
+    if under_launcher:
         from torch.distributed.elastic.multiprocessing.errors import record
 
         return record(_train)(args, config)  # a raising rank's error reaches the launcher's one-line report
@@ -108,6 +113,7 @@ def _train(args: argparse.Namespace, config) -> int:
     from rollcorr.train.checkpoint import CheckpointError
     from rollcorr.train.config import ConfigError
     from rollcorr.train.loop import run as run_training
+    from rollcorr.distributed.group import DistributedError
     from rollcorr.train.rundir import RunFinished, RunFolderError
 
     main = os.environ.get("RANK", "0") == "0"
@@ -135,6 +141,10 @@ def _train(args: argparse.Namespace, config) -> int:
         return 2
     except RunFolderError as err:
         print(f"rollcorr train: {err}", file=sys.stderr)
+        return 2
+    except DistributedError as err:  # ranks started differently, or one that never joined: rank 0 says it once
+        if main:
+            print(f"rollcorr train: {err}", file=sys.stderr)
         return 2
     except FloatingPointError as err:  # the weights diverged (NaN logits in the sampler): no traceback to read
         print(f"rollcorr train: {err}", file=sys.stderr)

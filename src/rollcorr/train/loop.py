@@ -63,6 +63,9 @@ from rollcorr.train.rundir import (
 from rollcorr.train.step import StepConfig, train_step
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each: checkpoint after this step, then stop
+
+
 class TrainingStopped(RuntimeError):
     """Raised when too many consecutive steps were bad (non-finite loss, gradient or weights), or on a signal."""
 
@@ -259,9 +262,10 @@ class Trainer:
         self.final_accuracy: float | None = None
         if state is not None:
             self._restore(state, checkpoint_dir(self.run_dir, int(state["step"])))  # the one that loaded
-        if resumed and self.main:  # keep every intact metrics line up to the checkpoint (none from step 0)
+        if resumed and self.main:  # keep every intact metrics line up to the checkpoint (none from step 0: its
+            # evaluation runs again, so a kept step-0 line would be written twice)
             for name in (METRICS_FILE, SAMPLES_FILE):
-                notes.append(repair_metrics(self.run_dir, self.step if state is not None else -1, name))
+                notes.append(repair_metrics(self.run_dir, self.step if state is not None and self.step > 0 else -1, name))
         self.stop_signal: int | None = None
         self._waiting_for_sampler = False
         self.told_checkpoint_size = False
@@ -380,7 +384,7 @@ class Trainer:
         return not self.ranks.all_true(self.stop_signal is None)
 
     def _on_signal(self, signum: int, _frame) -> None:
-        """First SIGINT/SIGTERM: finish the current step, save a checkpoint, stop. A second one: stop now."""
+        """First SIGINT/SIGTERM/SIGHUP: finish the current step, save a checkpoint, stop. A second one: stop now."""
         self.stop_signal = signum
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
         self.logger.message(f"[yellow]{signal.Signals(signum).name}:[/yellow] saving a checkpoint after this "
@@ -390,10 +394,11 @@ class Trainer:
                                   f"sampler); continue with rollcorr train --resume {self.run_dir}")  # fmt: skip
 
     def run(self) -> RunResult:
-        """Train to ``trainer.steps``; a SIGINT/SIGTERM stops after the current step with a checkpoint."""
+        """Train to ``trainer.steps``; a SIGINT, SIGTERM or SIGHUP (the terminal closed) stops after the current step
+        with a checkpoint."""
         handlers = {}
         if threading.current_thread() is threading.main_thread():
-            handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+            handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         try:
             return self._run()
         finally:
@@ -520,6 +525,33 @@ class Trainer:
         return ev
 
 
+def rank_facts(config: TrainConfig, run_dir, resume, overwrite: bool) -> dict[str, Any]:
+    """What every rank of a data-parallel run must share, as flat "key": value pairs: the resolved config, the
+    run-folder arguments, rollcorr's version and the model's files (name and size of each, config.json's bytes)."""
+    import hashlib
+
+    import rollcorr
+
+    def flat(prefix: str, value: Any, out: dict[str, Any]) -> dict[str, Any]:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                flat(f"{prefix}{key}.", item, out)
+        else:
+            out[prefix.rstrip(".")] = value
+        return out
+
+    facts = flat("", config.to_dict(), {})
+    facts |= {"--out": str(run_dir) if run_dir is not None else None, "--resume": str(resume) if resume else None,
+              "--overwrite": bool(overwrite), "rollcorr version": rollcorr.__version__}  # fmt: skip
+    model = Path(config.model.path)
+    if model.is_dir():
+        for path in sorted(p for p in model.rglob("*") if p.is_file()):
+            facts[f"model file {path.relative_to(model)}"] = path.stat().st_size
+        if (model / "config.json").is_file():
+            facts["model config.json sha256"] = hashlib.sha256((model / "config.json").read_bytes()).hexdigest()
+    return facts
+
+
 def run(config: TrainConfig, run_dir: Path | None = None, resume: Path | None = None,
         overwrite: bool = False) -> RunResult:  # fmt: skip
     """Train with ``config``; ``resume`` continues the run in that folder from its newest checkpoint;
@@ -529,8 +561,12 @@ def run(config: TrainConfig, run_dir: Path | None = None, resume: Path | None = 
     from rollcorr.distributed import init_from_env, launched
 
     ranks = init_from_env() if launched() else None  # one of torchrun's processes (docs/distributed.md)
-    if ranks is not None and config.trainer.ranks not in (1, ranks.world):
-        raise ConfigError(f"trainer.ranks: {config.trainer.ranks}, but torchrun started {ranks.world} processes; "
-                          "leave trainer.ranks unset under torchrun")  # fmt: skip
+    if ranks is not None:
+        from rollcorr.distributed.group import agree
+
+        agree(ranks, rank_facts(config, run_dir, resume, overwrite))  # one config on every rank, before any work
+        if config.trainer.ranks not in (1, ranks.world):
+            raise ConfigError(f"trainer.ranks: {config.trainer.ranks}, but torchrun started {ranks.world} processes; "
+                              "leave trainer.ranks unset under torchrun")  # fmt: skip
     trainer = Trainer(config, run_dir=run_dir, resume=resume, overwrite=overwrite, ranks=ranks)
     return trainer.run()
