@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--only", nargs="*", help="run these audits only")
     args = parser.parse_args(argv)
-    seconds = {}
+    seconds, commit = {}, code_commit()  # the code the audits start on
     for name, flags in audits(args.model.resolve()).items():
         if args.only and name not in args.only:
             continue
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         for png in folder.glob("*.png"):  # the numbers are kept; the report folder's pictures are not
             png.unlink()
         (folder / "report.html").unlink()
-    write_json({"machine": machine(), "code_commit": code_commit(), "seconds": seconds,
+    write_json({"machine": machine(), "code_commit": commit, "seconds": seconds,
                 "commands": {name: ["rollcorr", "audit", *flags] for name, flags in audits(Path("<SmolLM2 folder>")).items()}},
                args.out / "machine.json")  # fmt: skip
     print(json.dumps(seconds))
