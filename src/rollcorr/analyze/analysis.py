@@ -913,6 +913,8 @@ def routing_add(r: dict | None, chunk: Dump) -> dict:
 
     if r is not None and r.get("mismatch"):
         return r
+    if chunk.routed_experts.shape != chunk.learner_routed_experts.shape:  # another top-k or layer count
+        return {"mismatch": True}
     flips = routing_flips(chunk.routed_experts, chunk.learner_routed_experts)  # (B, T, L)
     valid = chunk.response_mask.bool()
     dp = (chunk.rollout_log_prob.double().exp() - chunk.learner_log_prob.double().exp()).abs()

@@ -214,6 +214,7 @@ class DumpInfo:
     corrections_seen: int
     complete: dict[str, bool]  # role -> every usable row has it (token_text, text, tokens, advantages, ...)
     extra_fields: tuple[str, ...] = ()
+    routing_note: str | None = None  # why the routing of the dump cannot be compared (or None when it can)
 
     def __len__(self) -> int:
         return self.rows
@@ -621,12 +622,16 @@ class DumpReader:
         complete = {role: self.rows > 0 and count == self.rows for role, count in self._having.items()}
         for role in ROUTED:
             complete[role] = complete[role] and len(self._route_shapes[role]) == 1
+        shapes = {role: sorted(self._route_shapes[role]) for role in ROUTED}
+        if all(complete[role] for role in ROUTED) and shapes["routed_experts"] != shapes["learner_routed_experts"]:
+            complete["routed_experts"] = complete["learner_routed_experts"] = False
+        routing_note = _routing_note(self._having, shapes, self.rows) if any(self._having[r] for r in ROUTED) else None
         return DumpInfo(
             path=self.path, fields=self.fields, malformed=self.malformed, total_rows=self.total_rows,
             rows=self.rows, num_tokens=self.num_tokens,
             partial={role: lines for role, lines in self._lacking.items() if self._having[role] > 0},
             correction=distinct[0] if len(distinct) == 1 else None, corrections_seen=len(distinct),
-            complete=complete, extra_fields=self.extra_fields,
+            complete=complete, extra_fields=self.extra_fields, routing_note=routing_note,
         )  # fmt: skip
 
     # -- one block ---------------------------------------------------------------------------------------
@@ -1332,15 +1337,38 @@ def _routing_rows(obj: dict[str, Any], name: str, n: int) -> list:
     """
     value = obj[name]
     try:
-        routes = torch.as_tensor(value, dtype=torch.long)
+        raw = torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError, OverflowError):
         raise _BadRow(f"field {name!r} is not a (tokens, layers, top_k) array of integers") from None
+    if raw.dtype == torch.bool:  # JSON true/false are not expert ids (they would read as 0 and 1)
+        raise _BadRow(f"field {name!r} holds booleans, not expert ids (integers)")
+    if raw.is_floating_point():
+        if not torch.isfinite(raw).all() or (raw != raw.round()).any():  # 1.9 would be truncated to expert 1
+            bad = raw[~torch.isfinite(raw) | (raw != raw.round())][0].item()
+            raise _BadRow(f"field {name!r} holds a non-integer expert id ({bad:g}); expert ids are integers")
+    routes = raw.long()
     if routes.dim() != 3 or routes.shape[0] < n or (routes < 0).any():
         raise _BadRow(f"field {name!r} must be (tokens, layers, top_k) non-negative integers with ≥ {n} tokens, "
                       f"got shape {tuple(routes.shape)}")  # fmt: skip
     if routes.shape[0] > n:
         routes = routes[routes.shape[0] - n - 1 : routes.shape[0] - 1]
     return routes.tolist()
+
+
+def _routing_note(having: dict[str, int], shapes: dict[str, list], rows: int) -> str | None:
+    """Why the sampler's and the learner's routing cannot be compared over the whole dump, in words; None when
+    they can (both on every row, one (layers, top_k) shape each, the same one)."""
+    words = {"routed_experts": "the sampler's routed experts", "learner_routed_experts": "the learner's"}
+    parts = []
+    for role in ROUTED:
+        if having[role] < rows:
+            parts.append(f"{words[role]} are on {having[role]} of {rows} rows")
+        elif len(shapes[role]) > 1:
+            parts.append(f"{words[role]} have several (layers, top-k) shapes: {', '.join(map(str, shapes[role]))}")
+    if not parts and shapes["routed_experts"] != shapes["learner_routed_experts"]:
+        parts.append(f"the sampler's routing has (layers, top-k) {shapes['routed_experts'][0]} and the learner's "
+                     f"{shapes['learner_routed_experts'][0]}")  # fmt: skip
+    return ("routing not compared: " + "; ".join(parts)) if parts else None
 
 
 # ---- writing ----------------------------------------------------------------------------------------

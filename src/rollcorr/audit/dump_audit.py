@@ -96,7 +96,10 @@ def audit_log(
         info = reader.info()
         fields = (rollout_field, learner_field, mask_field)
         if held is not None:
-            return LogAudit(from_dump(_whole(held, info), path=path, fields=fields), None, None)
+            data = from_dump(_whole(held, info), path=path, fields=fields)
+            if info.routing_note:  # routing in the dump that cannot be compared: said, not dropped silently
+                data.diagnosis["routing_note"] = info.routing_note
+            return LogAudit(data, None, None)
         summary, figures = sums.finish(info, path)
     return LogAudit(None, summary, figures)
 
@@ -333,6 +336,8 @@ class _AuditSums:
         if (info.complete.get("routed_experts") and info.complete.get("learner_routed_experts") and self.routing
                 and not self.routing.get("mismatch")):  # fmt: skip
             summary["routing"] = routing_result(self.routing)
+        elif info.routing_note:  # routing in the dump that cannot be compared: said, not dropped silently
+            summary["routing_note"] = info.routing_note
         summary["verdict"] = verdict(summary)
         preset_name = suggestion(summary)
         summary["suggested_preset"] = preset_name

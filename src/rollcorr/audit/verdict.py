@@ -315,6 +315,8 @@ def verdict(summary: dict[str, Any]) -> list[str]:
 def routing_sentences(summary: dict[str, Any]) -> list[str]:
     """Mixture of experts (``summary["routing"]``): how often the two sides chose different experts, and,
     when the flipped tokens carry most of Σ|Δp|, that routing is the gap to fix first (replay, R3)."""
+    if summary.get("routing_note"):
+        return [f"Mixture of experts: {summary['routing_note']}."]
     r = summary.get("routing")
     if not r or r["routing_flip_share"] == 0:
         return []

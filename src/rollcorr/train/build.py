@@ -229,6 +229,8 @@ def build_learner(config: TrainConfig, ranks=None) -> tuple[Any, torch.optim.Opt
     except ValueError as err:
         if str(err).startswith("model.lora"):
             raise ConfigError(str(err)) from None
+        if str(err).startswith("routing_replay="):  # r3 on a dense model: the config's key, one line
+            raise ConfigError(f"model.routing_replay: {err}") from None
         raise
     learner.model.train(False)
     if ranks is not None:
