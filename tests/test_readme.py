@@ -84,6 +84,8 @@ NOT_HERE = {
         "processes under torch's launcher; with a smaller batch)",
     ("docs/distributed.md", "torchrun --standalone --nproc-per-node 2 -m rollcorr train trainer.steps=3"):
         "the same workers as trainer.ranks=2 (tests/test_distributed_train.py), started by torchrun's CLI instead",
+    ("docs/distributed.md", "rollcorr train: rank 1 was started differently from rank 0: optim.lr is 0.3 there, 0.0003 on rank 0; every rank must get the same command line and files (nothing was trained)"):
+        "the message of tests/test_distributed_train.py's per-rank torchrun test, which checks it",
     ("docs/distributed.md", "rollcorr train: rank 1 of 2 failed: killed by SIGKILL; every rank stopped; continue with rollcorr train --resume runs/20261201-114300-1a2b3c"):
         "an example of output; tests/test_distributed_train.py::test_killed_rank_stops_every_rank_and_the_run_resumes "
         "checks the line",
