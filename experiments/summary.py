@@ -815,7 +815,23 @@ BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
     "verdicts": ("README.md", lambda res: readme_sentence(res) + "\n\n" + readme_confirmatory(res)),
     "exploratory:pooled": ("docs/results.md", lambda res: _pooled_paragraph(res)),
     "recipe:instruct": ("docs/tasks.md", lambda res: _recipe_text(res)),
+    "bench:trl": ("docs/performance.md", lambda res: _bench_table(REPO / "benchmarks/results/bench_trl.txt")),
 }
+
+
+def _bench_table(path: Path) -> str:
+    """A benchmark's committed output (``a | b | c`` rows, ``#`` lines) as a markdown table with its notes."""
+    lines = path.read_text().splitlines()
+    notes = [line.lstrip("# ") for line in lines if line.startswith("#")]
+    out, header = [], None
+    for line in (line for line in lines if not line.startswith("#")):
+        cells = [c.strip() for c in line.split("|")]
+        if header is None or not any(c.replace(".", "").isdigit() for c in cells[1:]):
+            header = cells
+            out += ["", "| " + " | ".join(cells) + " |", "|" + "---|" * len(cells)]
+        else:
+            out.append("| " + " | ".join(cells) + " |")
+    return "\n".join([f"*{'; '.join(notes)}*"] + out)
 
 
 def _recipe_text(results: Path) -> str:

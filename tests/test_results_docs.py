@@ -186,3 +186,14 @@ def test_the_real_model_recipe_is_quoted_from_its_run():
     probe = {p["max_new_tokens"]: p for p in report["length_probe"]}
     assert probe[24]["cut_off"] > probe[48]["cut_off"] > probe[96]["cut_off"]
     assert "+dirty" not in report["probes_code_commit"]
+
+
+def test_the_trl_benchmark_prose_reads_its_committed_output():
+    """docs/performance.md's sentence on where a step goes names the two largest parts of the committed output."""
+    text = (RESULTS.parents[1] / "benchmarks/results/bench_trl.txt").read_text().splitlines()
+    split = text[text.index(next(line for line in text if line.startswith("where a rollcorr train step goes"))) + 1 :]
+    shares = {cells[0].strip(): float(cells[2]) for cells in (line.split("|") for line in split if "|" in line)}
+    ranked = sorted(shares, key=shares.get, reverse=True)
+    assert ranked[:2] == ["backward", "generation"]
+    page = " ".join((RESULTS.parents[1] / "docs/performance.md").read_text().split())
+    assert "A step's backward pass is its largest part on this model; generation comes second." in page
