@@ -23,6 +23,7 @@ from rollcorr.engines.spec import (
     LONG_DTYPE,
     REGISTERED,
     EngineSpec,
+    check_sampler_spec,
     parse_learner_spec,
     parse_spec,
     register_sampler,
@@ -81,6 +82,7 @@ def make_sampler(
     checked before anything is loaded.
     """
     parsed = parse_spec(spec)
+    check_sampler_spec(parsed)
     path = _check_model_path(model_path)
     if parsed.backend in REGISTERED:
         return REGISTERED[parsed.backend].build(parsed, None if path == BUILTIN else path, threads=threads, **kwargs)

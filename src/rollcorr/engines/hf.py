@@ -261,8 +261,16 @@ def split_routing(
     return prompt_rows, response_rows
 
 
+AMP = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}  # learner dtype → the autocast compute dtype
+
+
 class HFLearner:
-    """Learner on a transformers causal LM (float32 by default): log-probs and entropy of response tokens."""
+    """Learner on a transformers causal LM (float32 by default): log-probs and entropy of response tokens.
+
+    ``dtype`` "amp-bf16" / "amp-fp16": mixed precision as production learners run it — float32 master weights
+    (and so float32 AdamW state), every forward under ``torch.autocast`` in bf16 / fp16 (matmuls in the low
+    dtype, norms and softmax statistics as autocast keeps them), the lm-head's matmul in the low dtype with the
+    log-softmax statistics in float32. An fp16 learner's gradients need loss scaling (``train.amp.LossScaler``)."""
 
     def __init__(
         self,
@@ -287,7 +295,8 @@ class HFLearner:
             raise ValueError(f"chunk_size must be ≥ 1, got {chunk_size}")
         if routing_replay not in ROUTING_REPLAY_MODES:
             raise ValueError(f"unknown routing_replay {routing_replay!r}; use one of {ROUTING_REPLAY_MODES}")
-        self.dtype = resolve_dtype(dtype)
+        self.autocast = AMP.get(dtype) if isinstance(dtype, str) else None  # None: compute in the weights' dtype
+        self.dtype = torch.float32 if self.autocast is not None else resolve_dtype(dtype)
         self.device = torch.device(device) if device is not None else default_device()
         self.model_path = str(model_path)
         model, self.tokenizer = load_model(model_path, dtype=self.dtype, attn=attn, skeleton=skeleton)
@@ -307,7 +316,14 @@ class HFLearner:
         self.replayed_pairs = 0  # token × layer router decisions replaced by the rollout's, over all calls
 
     def __repr__(self) -> str:
-        return f"HFLearner({self.model_path!r}, {str(self.dtype).removeprefix('torch.')})"
+        kind = f"amp-{str(self.autocast).removeprefix('torch.')}" if self.autocast else str(self.dtype).removeprefix("torch.")
+        return f"HFLearner({self.model_path!r}, {kind})"
+
+    def computing(self):
+        """The context a forward runs in: autocast to the amp dtype, or nothing."""
+        if self.autocast is None:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast)
 
     def state_dict(self) -> dict[str, Tensor]:
         """The weights a sampler or an exported model takes: the model's own, or with LoRA the merged ones."""
@@ -366,29 +382,35 @@ class HFLearner:
         checkpointing = grad and self.gradient_checkpointing
         with torch.set_grad_enabled(grad), self.replaying(rollout_or_input) as replay, \
                 checkpointed_layers(self.model) if checkpointing else nullcontext():  # fmt: skip
-            if self.share_prompts and not checkpointing and static_kv_supported(self.model):  # (may be swapped in)
-                hidden = prefix_shared_hidden(LlamaBlocks(self.model), ids, mask, p)
-            else:
-                body = self.model.get_decoder()
-                hidden = body(
-                    input_ids=ids,
-                    attention_mask=mask.long(),
-                    position_ids=positions_from_mask(mask),
-                    use_cache=False,
-                ).last_hidden_state
-                hidden = hidden[:, p - 1 : p - 1 + t]  # (B, T, H): the states that predict the response tokens
+            with self.computing():
+                if self.share_prompts and not checkpointing and static_kv_supported(self.model):  # (may be swapped in)
+                    hidden = prefix_shared_hidden(LlamaBlocks(self.model), ids, mask, p)
+                else:
+                    body = self.model.get_decoder()
+                    hidden = body(
+                        input_ids=ids,
+                        attention_mask=mask.long(),
+                        position_ids=positions_from_mask(mask),
+                        use_cache=False,
+                    ).last_hidden_state
+                    hidden = hidden[:, p - 1 : p - 1 + t]  # (B, T, H): the states that predict the response tokens
             if replay is not None:
                 self.replayed_pairs += replay.forced_tokens
             b = hidden.shape[0]
             flat, targets = hidden.reshape(b * t, -1), response_ids.to(dev).reshape(-1)
             head = self.model.get_output_embeddings()
             if isinstance(head, nn.Linear) and head.bias is None:  # fused: the (B·T, V) logits never exist
+                weight = head.weight
+                if self.autocast is not None:  # the head's matmul in the amp dtype, as autocast would run it
+                    flat, weight = flat.to(self.autocast), weight.to(self.autocast)
                 log_prob, entropy = logprobs_from_hidden(
-                    flat, head.weight, targets, temperature=temp, chunk_size=self.chunk_size,
+                    flat, weight, targets, temperature=temp, chunk_size=self.chunk_size,
                     with_entropy=with_entropy,
                 )  # fmt: skip
             else:  # another head (biased, or int8-quantised by an experiment): its logits, softmax row-chunked
-                log_prob, entropy = logprobs_from_logits(head(flat), targets, temperature=temp)
+                with self.computing():
+                    logits = head(flat)
+                log_prob, entropy = logprobs_from_logits(logits.float(), targets, temperature=temp)
             valid = response_mask.bool().to(dev)
             log_prob = log_prob.reshape(b, t).masked_fill(~valid, 0.0)
             if not with_entropy:

@@ -14,6 +14,9 @@ from rollcorr.engines.base import Sampler
 BACKENDS = ("hf", "llamacpp", "vllm")
 HF_DTYPES = ("fp32", "bf16", "fp16", "int8")
 HF_RTN = tuple(f"rtn{k}" for k in range(2, 9))  # hf:rtn<k>: k-bit round-to-nearest weights (engines/fake_quant.py)
+# learners with float32 master weights computing under autocast (engines/hf.py); sampler specs refuse them
+HF_AMP = ("amp-bf16", "amp-fp16")
+AMP_DTYPE = {"amp-bf16": "bf16", "amp-fp16": "fp16"}
 ATTNS = ("eager", "sdpa")
 VLLM_DTYPES = ("fp32", "bf16", "fp16")
 LONG_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -74,7 +77,7 @@ def parse_spec(spec: str) -> EngineSpec:
             raise ValueError(f"llamacpp takes one option (the GGUF quantisation), got {spec!r}")
         return EngineSpec("llamacpp", quant=options[0] if options and options[0] else None)
     dtype = attn = quant = None
-    allowed_dtypes = HF_DTYPES if backend == "hf" else VLLM_DTYPES
+    allowed_dtypes = HF_DTYPES + HF_AMP if backend == "hf" else VLLM_DTYPES
     for opt in options:
         if (opt in allowed_dtypes or (backend == "hf" and opt in HF_RTN)) and dtype is None and quant is None:
             if opt == "int8" or opt in HF_RTN:
@@ -103,3 +106,10 @@ def parse_learner_spec(spec: str) -> EngineSpec:
         raise ValueError(f"{spec!r}: {parsed.quant} quantisation is for samplers; a learner trains float weights "
                          "(use hf or hf:bf16)")  # fmt: skip
     return parsed
+
+
+def check_sampler_spec(parsed: EngineSpec) -> None:
+    """ValueError for a learner-only spec given as a sampler (hf:amp-*: a sampler computes in one dtype)."""
+    if parsed.backend == "hf" and parsed.dtype in HF_AMP:
+        raise ValueError(f"hf:{parsed.dtype} is a learner (float32 master weights, {AMP_DTYPE[parsed.dtype]} "
+                         f"compute under autocast); as a sampler use hf:{AMP_DTYPE[parsed.dtype]}")  # fmt: skip

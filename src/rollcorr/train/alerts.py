@@ -16,6 +16,8 @@ optimizer counters of ``train/step.py``):
 - ``rejected_most_tokens``: more than half of the valid tokens were rejected;
 - ``no_gradient``: every optimizer step of the step had an exactly-zero gradient (all tokens rejected, or
   every kept group had one reward, so every advantage was 0);
+- ``amp_overflow`` (``model.learner=hf:amp-fp16``): an optimizer step skipped because the fp16 gradients
+  overflowed at the current loss scale (``train.amp.LossScaler``; the scale is halved);
 - ``accuracy_drop``: greedy accuracy fell since the previous evaluation by ≥ ``ACCURACY_DROP`` (0.25), or by
   ≥ ``ACCURACY_DROP_SMALL`` (0.1) to half or less of its previous value, and at least ``MIN_LOST_ANSWERS`` (3)
   held-out answers were lost (``eval/prompts`` × the fall: on 4 prompts one answer is already 0.25) —
@@ -50,6 +52,7 @@ CONDITIONS: dict[str, str] = {
     "rejected_all": "rejected every token",
     "no_gradient": "had no gradient",
     "accuracy_drop": "lost a large share of their greedy accuracy since the previous evaluation",
+    "amp_overflow": "skipped an optimizer step for an fp16 gradient overflow (the loss scale halved)",
 }
 LR_ADVICE = "lower optim.lr (RL fine-tuning of pretrained models usually uses 1e-7 to 5e-5)"
 ADVICE = (
@@ -75,6 +78,7 @@ def step_conditions(metrics: dict[str, float]) -> dict[str, bool]:
         "rejected_all": has_tokens and kept_tokens == 0,
         "no_gradient": zero > 0 and zero == finite,
         "accuracy_drop": False,  # needs the previous evaluation: RunAlerts.observe
+        "amp_overflow": g("train/amp_overflow_skips", 0.0) > 0,
     }
 
 
@@ -120,6 +124,10 @@ def describe(step: int, condition: str, metrics: dict[str, float]) -> str:
     if condition == "rejected_most_tokens":
         return (f"step {step}: the correction rejected {_pct(tokens - kept_tokens, tokens)} of the tokens "
                 f"({tokens - kept_tokens:.0f} of {tokens:.0f}); {ADVICE}.")  # fmt: skip
+    if condition == "amp_overflow":
+        return (f"step {step}: {g('train/amp_overflow_skips', 0.0):.0f} optimizer step(s) skipped: the fp16 gradients "
+                f"overflowed, so the loss scale was halved (now {g('train/amp_loss_scale', 0.0):g}). A few while the "
+                "scale finds its level are normal; many mean the loss itself is unstable.")  # fmt: skip
     if condition == "accuracy_drop":
         return (f"step {step}: greedy accuracy fell from {g('alerts/previous_accuracy', 0.0):.3f} to "
                 f"{g('eval/accuracy', 0.0):.3f} since the previous evaluation; updates that undo this many answers "
@@ -197,8 +205,9 @@ class RunAlerts:
                 break
         if flags["no_gradient"] and not flags["rejected_all"] and self._due("no_gradient"):
             said.append(self._say(step, "no_gradient", metrics))
-        if flags["accuracy_drop"] and self._due("accuracy_drop"):
-            said.append(self._say(step, "accuracy_drop", metrics))
+        for name in ("accuracy_drop", "amp_overflow"):
+            if flags[name] and self._due(name):
+                said.append(self._say(step, name, metrics))
         return said
 
     def _say(self, step: int, name: str, metrics: dict[str, float]) -> str:

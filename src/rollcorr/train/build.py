@@ -116,7 +116,8 @@ def check_trainable_learner(config: TrainConfig) -> None:
     if spec.backend == "hf" and spec.dtype == "fp16" and spec.quant is None:
         raise ConfigError(
             f"model.learner: {config.model.learner!r} cannot be trained (fp16 weights with no fp32 master copy: "
-            "AdamW's eps rounds to 0 and the weights turn NaN); use hf:fp32 or hf:bf16 (the sampler may stay fp16)"
+            "AdamW's eps rounds to 0 and the weights turn NaN); use hf:amp-fp16 (fp32 master weights, fp16 compute, "
+            "loss scaling), hf:fp32 or hf:bf16 (the sampler may stay fp16)"
         )
 
 

@@ -234,6 +234,9 @@ class Trainer:
         t = config.trainer
         seed_everything(t.seed)
         self.learner, self.optimizer = build_learner(config, self.ranks)  # sharded over the ranks, if any
+        from rollcorr.train.amp import LossScaler
+
+        self.loss_scaler = LossScaler.for_learner(config.model.learner)  # fp16 mixed precision only
         self.task = build_task(config)
         # a user's prompts, as the sampler will get them: encodable, and within the model's positions (the hf
         # sampler would run past them)
@@ -301,6 +304,7 @@ class Trainer:
             "rng": rng_state(),
             "loss_generator": self.loss_generator.get_state(),
             "loop": {"bad_steps": self.bad_steps, "initial_accuracy": self.initial_accuracy},
+            "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
             "config": self.config.to_dict(),
         }
 
@@ -337,6 +341,8 @@ class Trainer:
         self.step, self.version = int(state["step"]), int(state["version"])
         self.bad_steps = int(state["loop"]["bad_steps"])
         self.initial_accuracy = state["loop"]["initial_accuracy"]
+        if self.loss_scaler is not None and state.get("loss_scaler"):  # fp16 amp: the scale where it was
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
         self.proximal.load_state_dict(proximal)
         if self.ranks is not None:  # a one-process checkpoint's weight copies: every rank keeps its shards
             shard_held(self.proximal.held_weights(), self.learner.model)
@@ -485,7 +491,7 @@ class Trainer:
             group["lr"] = self._lr(self.step)
 
         result = train_step(rollout, self.learner, self.optimizer, self.proximal, self.step_config, self.version,
-                            generator=self.loss_generator, ranks=self.ranks)  # fmt: skip
+                            generator=self.loss_generator, ranks=self.ranks, loss_scaler=self.loss_scaler)  # fmt: skip
         metrics.update(result.metrics)
         metrics["learner/ranks"] = float(1 if self.ranks is None else self.ranks.world)
         metrics["proximal/stall_s"] = float(stall)

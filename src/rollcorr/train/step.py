@@ -283,6 +283,7 @@ def optimize(
     after_optimizer_step=None,
     generator: torch.Generator | None = None,
     ranks: Ranks | None = None,
+    loss_scaler=None,
 ) -> tuple[dict[str, float], int, int]:
     """PPO epochs × mini-batches of optimizer steps over ``rollout``'s kept tokens (``kept_mask``).
 
@@ -299,7 +300,7 @@ def optimize(
     """
     params = [p for p in learner.model.parameters() if p.requires_grad]
     sums: dict[str, float] = {}
-    applied = skipped = zero_grad_skips = zero_grads = nonfinite_weights = 0
+    applied = skipped = zero_grad_skips = zero_grads = nonfinite_weights = amp_overflows = 0
     agree_max = None if ranks is None else (lambda x: ranks.all_reduce(x, "max"))
     guarded_step = GuardedStep(optimizer, params, agree_max=agree_max)
     # FSDP reduce-scatters the *mean* of the ranks' gradients: scale by N to get their sum
@@ -339,7 +340,8 @@ def optimize(
                     finite = False
                     break
                 clock = time.perf_counter()
-                (loss * (share * grad_scale)).backward()
+                scale = loss_scaler.scale if loss_scaler is not None else 1.0  # fp16 amp: the loss scaled up
+                (loss * (share * grad_scale * scale)).backward()
                 seconds["backward"] += time.perf_counter() - clock
                 step_metrics["loss/policy"] = (
                     step_metrics.get("loss/policy", 0.0) + float(loss.detach()) * share
@@ -355,6 +357,15 @@ def optimize(
                 keys = sorted(step_metrics)
                 summed = ranks.all_reduce(torch.tensor([step_metrics[k] for k in keys], dtype=torch.float64))
                 step_metrics = dict(zip(keys, summed.tolist()))
+            if finite and loss_scaler is not None:  # unscale; an overflow skips this step (not a bad step)
+                unscaled = loss_scaler.unscale(params)
+                if ranks is not None:
+                    unscaled = ranks.all_true(unscaled)
+                loss_scaler.update(unscaled)
+                if not unscaled:
+                    optimizer.zero_grad(set_to_none=True)
+                    amp_overflows += 1
+                    continue
             grad_norm = _grad_norm(params, config.grad_clip) if finite else float("nan")
             if not math.isfinite(grad_norm):
                 optimizer.zero_grad(set_to_none=True)
@@ -384,6 +395,9 @@ def optimize(
     metrics["train/zero_grad_skips"] = float(zero_grad_skips)
     metrics["train/nonfinite_weight_steps"] = float(nonfinite_weights)
     metrics["train/zero_grad_minibatches"] = float(zero_grads)
+    if loss_scaler is not None:  # fp16 mixed precision: steps skipped for an overflow, and the scale now
+        metrics["train/amp_overflow_skips"] = float(amp_overflows)
+        metrics["train/amp_loss_scale"] = float(loss_scaler.scale)
     metrics.update({f"time/{name}_s": value for name, value in seconds.items()})
     metrics.update(routing.metrics(ranks))
     return metrics, applied, skipped
@@ -481,6 +495,7 @@ def train_step(
     version: int,
     generator: torch.Generator | None = None,
     ranks: Ranks | None = None,
+    loss_scaler=None,
 ) -> StepResult:
     """One walk from a rewarded rollout to updated learner weights (see module docstring).
 
@@ -549,7 +564,7 @@ def train_step(
     start = time.perf_counter()
     opt_metrics, applied, skipped = optimize(
         rollout, learner, optimizer, config,
-        after_optimizer_step=proximal.after_optimizer_step, generator=generator, ranks=ranks,
+        after_optimizer_step=proximal.after_optimizer_step, generator=generator, ranks=ranks, loss_scaler=loss_scaler,
     )  # fmt: skip
     metrics.update(opt_metrics)
     metrics["time/optimize_s"] = time.perf_counter() - start
