@@ -112,8 +112,10 @@ def _page(tmp_path, data) -> tuple[dict, str]:
 def test_verdict_names_the_level_and_the_correction(tmp_path):
     from rollcorr.audit.verdict import level
 
-    same, _ = _page(tmp_path / "same", _gap(0.0))
+    same, _ = _page(tmp_path / "same", _gap(1e-6))
     assert level(same) == "same" and "float noise" in same["verdict"][0] and "disabled" in same["verdict"][0]
+    exact, _ = _page(tmp_path / "exact", _gap(0.0))  # an exact pair: said so, bit for bit
+    assert exact["tokens_differing"] == 0 and exact["verdict"][0].startswith("Bit for bit")
     fp16, _ = _page(tmp_path / "fp16", _gap(0.003))  # max |Δp| ~ 5e-3: no token moves by 0.01
     assert level(fp16) == "fp16" and "fp16 numerics" in fp16["verdict"][0]
     bf16, _ = _page(tmp_path / "bf16", _gap(0.012))  # 11 % of tokens at |Δp| ≥ 0.01, none at 0.05: bf16

@@ -396,6 +396,8 @@ RUN = {
     ("docs/tasks.md", '{"prompt": "What is 13 + 14?", "answer": "27"}'): "data_rows",
     ("docs/tasks.md", "import json"): "python",
     ("docs/tasks.md", "from rollcorr.tasks import REWARDS"): "python",
+    ("docs/engines.md", "rollcorr audit --sampler hf:exact --learner hf:exact -n 64 --max-new-tokens 8 --out runs/audit-exact   # 0 tokens differ"):
+        "audit",
     ("docs/engines.md", "rollcorr audit --sampler hf:rtn4 --learner hf:fp32 -n 64 --out runs/audit-rtn4   # how far is a 4-bit rollout?"):
         "audit",
     ("docs/engines.md", "rollcorr train model.sampler=hf:rtn3 algorithm.correction.preset=tis               # train through a 3-bit one"):

@@ -186,6 +186,7 @@ class _AuditSums:
         self.per_row["d_max"].append(d.amax(dim=-1).numpy())
         self.per_row["d_sum"].append(d.sum(dim=-1).numpy())
         self.add("small_diff_count", float(torch.count_nonzero(d < 1e-3)) - pad)
+        self.add("tokens_differing", float(torch.count_nonzero((log_mu != log_old) & mask.bool())))
         for i, threshold in enumerate(metric_fns.PROB_SHARES):
             self.add(f"ge{i}", float(torch.count_nonzero(d >= threshold)))
         rho, lrs = tok.ratio, tok.log_ratio_safe
@@ -328,7 +329,8 @@ class _AuditSums:
             "and a fixed sample of the others): the dump is too large to plot whole; every number is from all of them"
         )
         summary: dict[str, Any] = {
-            "source": source, "n_responses": info.rows, "n_tokens": tokens, "probability": prob,
+            "source": source, "n_responses": info.rows, "n_tokens": tokens,
+            "tokens_differing": int(self.tot.get("tokens_differing", 0.0)), "probability": prob,
             "per_response": per_response, "divergence": div, "position": self._profile(),
             "worst_tokens": [{**item, **context[0 if self.prompts_ok else 1]} for *_, item, context in self.worst],
             "verdict_level": levels.verdict_level_from_rows({k: torch.from_numpy(row[k]) for k in levels.THRESHOLDS}, n),

@@ -221,7 +221,8 @@ def audit_stats(
 
     Keys: ``n_responses``, ``n_tokens``, ``probability`` (ABEJA table, Pearson, per-response max/mean |Δp|
     distributions), ``divergence`` (log-ratio moments, KL both ways, χ², ESS), ``position`` (profile) and
-    ``worst_tokens``, ``verdict_level`` (the level the verdict reads: ``rollcorr.audit.levels``).
+    ``worst_tokens``, ``verdict_level`` (the level the verdict reads: ``rollcorr.audit.levels``),
+    ``tokens_differing`` (tokens whose two log-probs are not bitwise equal).
     """
     view = check_inputs(rollout_log_prob, old_log_prob, response_mask)
     rows = per_response(view)
@@ -229,6 +230,8 @@ def audit_stats(
     return {
         "n_responses": int(rows["row"].numel()),
         "n_tokens": int(view.mask.sum()),
+        # tokens whose two log-probs differ in any bit (0 for an exact pair such as hf:exact)
+        "tokens_differing": int(((view.log_mu != view.log_old) & view.mask).sum()),
         "probability": prob,
         "per_response": {
             "max_abs_diff": _quantiles(rows["max_abs_diff"]),

@@ -248,7 +248,12 @@ def verdict(summary: dict[str, Any]) -> list[str]:
     refs = references_for(summary)
     n_tokens = _plural(summary["n_tokens"], "token")
     out = []
-    if where == "same":
+    if summary.get("tokens_differing") == 0 and summary["n_tokens"] > 0:
+        out.append(
+            f"Bit for bit: all {n_tokens} have the same log-prob in the sampler and the learner (an exact pair), so "
+            "every importance weight is exactly 1 and no correction is needed (preset disabled)."
+        )
+    elif where == "same":
         out.append(
             f"The engines agree to float noise: max |Δp| {p['prob_diff_max']:.2g} over {n_tokens}. No correction "
             "is needed (preset disabled); any mismatch during training comes from staleness, not from the engines."

