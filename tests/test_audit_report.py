@@ -183,9 +183,12 @@ def test_reference_columns_match_the_audited_model(tmp_path):
 
 
 def test_one_token_is_singular(tmp_path):
-    data = AuditData(torch.tensor([[-0.5]]), torch.tensor([[-0.5]]), torch.ones(1, 1, dtype=torch.bool))
-    summary, _ = _page(tmp_path, data)
+    data = AuditData(torch.tensor([[-0.5]]), torch.tensor([[-0.5000001]]), torch.ones(1, 1, dtype=torch.bool))
+    summary, _ = _page(tmp_path / "a", data)
     assert "over 1 token." in summary["verdict"][0] and "1 tokens" not in " ".join(summary["verdict"])
+    same = AuditData(torch.tensor([[-0.5]]), torch.tensor([[-0.5]]), torch.ones(1, 1, dtype=torch.bool))
+    summary, _ = _page(tmp_path / "b", same)
+    assert summary["verdict"][0].startswith("Bit for bit: the one token has the same log-prob")
 
 
 def test_verdict_opens_the_page_with_both_reference_levels(tmp_path):

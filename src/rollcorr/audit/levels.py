@@ -9,15 +9,19 @@ converges to a number as the sample grows. The level is read from three shares o
 resampled together):
 
     same    share(|Δp| ≥ 1e-3) < SAME_SHARE (0.1 %)          the engines compute the same thing up to float noise
-    fp16    share(|Δp| ≥ 0.01) < FP16_SHARE (2 %)            fp16-level numerics (built-in fp16: 0–0.55 %)
-    bf16    share(|Δp| ≥ 0.01) ≤ BF16_SHARE (25 %) and       bf16-level numerics (bf16: 10–19 % at ≥ 0.01 and
-            share(|Δp| ≥ 0.05) ≤ BF16_WIDE_SHARE (3 %)        0.3–0.8 % at ≥ 0.05 on the built-in models;
-                                                              ABEJA's vLLM bf16 on Qwen3-4B: 10.9 % and 2.0 %)
+    fp16    share(|Δp| ≥ 0.01) < FP16_SHARE (2 %)            fp16-level numerics (built-in fp16: 0–0.55 %;
+                                                              SmolLM2-135M fp16: 0.26–0.39 %)
+    bf16    share(|Δp| ≥ 0.05) ≤ BF16_WIDE_SHARE (5 %)       bf16-level numerics: 0.3–0.8 % at ≥ 0.05 on the
+                                                              built-in models, 2.1–2.6 % on SmolLM2-135M (hf and
+                                                              vLLM), ABEJA's vLLM bf16 on Qwen3-4B 2.0 %
     beyond  otherwise                                         more than numerics: different weights (int8 on
-                                                              the dense model 41 %, llama.cpp q4_0 46 %)
+                                                              the dense built-in model: 13.5 % at ≥ 0.05)
 
-The boundaries sit in the gaps between the precisions measured on the project's models (docs/audit.md has
-the table); a pair near a boundary has an interval that straddles it, and the report says so.
+The share at ≥ 0.01 does not separate bf16 from the rest across models — 10–19 % on the built-in models, 30–32 %
+on SmolLM2-135M's 30 layers, 41 % for int8 on the dense model — so the bf16/beyond boundary reads the share at
+≥ 0.05 (it read ≥ 0.01 ≤ 25 % until the SmolLM2 audits showed a plain bf16 engine at 31 %). The boundaries sit in
+the gaps between the precisions measured (docs/audit.md has the table); a pair near a boundary has an interval
+that straddles it, and the report says so.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-SAME_SHARE, FP16_SHARE, BF16_SHARE, BF16_WIDE_SHARE = 1e-3, 0.02, 0.25, 0.03
+SAME_SHARE, FP16_SHARE, BF16_WIDE_SHARE = 1e-3, 0.02, 0.05
 LEVELS = ("same", "fp16", "bf16", "beyond")
 THRESHOLDS = {"ge_1e-3": 1e-3, "ge_0.01": 0.01, "ge_0.05": 0.05}
 BOOTSTRAP, STAT_SEED = 1_000, 0
@@ -39,7 +43,7 @@ def level_of(shares: dict[str, float]) -> str:
         return "same"
     if shares["ge_0.01"] < FP16_SHARE:
         return "fp16"
-    if shares["ge_0.01"] <= BF16_SHARE and shares["ge_0.05"] <= BF16_WIDE_SHARE:
+    if shares["ge_0.05"] <= BF16_WIDE_SHARE:
         return "bf16"
     return "beyond"
 

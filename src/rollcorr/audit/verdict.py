@@ -250,7 +250,8 @@ def verdict(summary: dict[str, Any]) -> list[str]:
     out = []
     if summary.get("tokens_differing") == 0 and summary["n_tokens"] > 0:
         out.append(
-            f"Bit for bit: all {n_tokens} have the same log-prob in the sampler and the learner (an exact pair), so "
+            f"Bit for bit: {'the one token has' if summary['n_tokens'] == 1 else f'all {n_tokens} have'} the same "
+            "log-prob in the sampler and the learner (an exact pair), so "
             "every importance weight is exactly 1 and no correction is needed (preset disabled)."
         )
     elif where == "same":
