@@ -60,7 +60,7 @@ def step_seconds(spec: str, steps: int) -> float:
                         "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false",
                         f"trainer.out={tmp}/run"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)  # fmt: skip
         records = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
-        return statistics.median(r["time/step_s"] for r in records if "time/step_s" in r][1:])
+        return statistics.median([r["time/step_s"] for r in records if "time/step_s" in r][1:])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,41 @@ def audits(model: Path) -> dict[str, list[str]]:
     return out
 
 
+LABELS = {"smollm2_hf_bf16": "SmolLM2-135M, hf:bf16", "smollm2_vllm_bf16": "SmolLM2-135M, vllm:bf16 (CPU build)",
+          "builtin_hf_bf16": "built-in model, hf:bf16"}  # fmt: skip
+
+
+def diagnosis_text(folder: Path = OUT) -> str:
+    """docs/audit.md's example, from the audits' summary.json files (a generated block)."""
+    meta = json.loads((folder / "machine.json").read_text())
+    rows = ["| audit (learner hf:fp32) | change | tokens | \\|Δp\\| ≥ 0.01 | \\|Δp\\| ≥ 0.05 | k3 | level |",
+            "|---|---|---|---|---|---|---|"]
+    entries, ratios = [], []
+    for name, label in LABELS.items():
+        path = folder / name / "summary.json"
+        if not path.is_file():
+            continue
+        s = json.loads(path.read_text())
+        p = s["probability"]
+        rows.append(f"| {label} | as audited | {s['n_tokens']} | {100 * p['prob_diff_frac_ge_0.01']:.1f} % | "
+                    f"{100 * p['prob_diff_frac_ge_0.05']:.2f} % | {s['divergence']['k3_kl']:.2g} | {s['verdict_level']['level']} |")  # fmt: skip
+        for w in s.get("whatif", []):
+            rows.append(f"| | --whatif {w['change']} | {w['n_tokens']} | {100 * w['prob_diff_frac_ge_0.01']:.1f} % | "
+                        f"{100 * w['prob_diff_frac_ge_0.05']:.2f} % | {w['k3_kl']:.2g} | {w['verdict_level']} |")  # fmt: skip
+            if w["change"] == "fp16" and w["k3_kl"] > 0:
+                ratios.append(f"{label}: {s['divergence']['k3_kl'] / w['k3_kl']:.0f}×")
+        if "localization" in s:
+            entries.append(f"- **{label}** ({s['localization']['responses']} responses): {s['localization']['entry']}")
+    machine = meta["machine"]
+    text = [f"*{machine['cpu']} ({machine['capability']}), torch {machine['torch']}, code {meta['code_commit'][:7]}; "
+            f"wall time per audit: {', '.join(f'{LABELS[k]} {v:.0f} s' for k, v in meta['seconds'].items())}*",
+            "", *rows, "", "Where it enters (`--localize`):", "", *entries]  # fmt: skip
+    if ratios:
+        text += ["", f"An fp16 sampler lowers k3 by {'; '.join(ratios)} on these prompts (the FP16 paper reports ~24× "
+                 "lower KL with fp16 on both sides)."]  # fmt: skip
+    return "\n".join(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     from rollcorr.cli import main as rollcorr
 

@@ -816,7 +816,14 @@ BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
     "exploratory:pooled": ("docs/results.md", lambda res: _pooled_paragraph(res)),
     "recipe:instruct": ("docs/tasks.md", lambda res: _recipe_text(res)),
     "bench:trl": ("docs/performance.md", lambda res: _bench_table(REPO / "benchmarks/results/bench_trl.txt")),
+    "audit:diagnosis": ("docs/audit.md", lambda res: _diagnosis_text(res)),
 }
+
+
+def _diagnosis_text(results: Path) -> str:
+    from experiments.audit_diagnosis import diagnosis_text
+
+    return diagnosis_text(results / "audit_diagnosis")
 
 
 def _bench_table(path: Path) -> str:
