@@ -162,6 +162,8 @@ NOT_HERE = {
         "installs a package; tests/test_real_model.py (slow) converts the same GGUF with rollcorr gguf-to-hf",
     ("docs/tasks.md", ".venv/bin/rollcorr train --config instruct model.path=models/smollm2-135m task.name=examples/arithmetic/train.jsonl task.eval_file=examples/arithmetic/eval.jsonl"):
         "tests/test_real_model.py (slow) runs this very line for 2 short steps; experiments/instruct_recipe.py runs it in full",
+    ("docs/fp16-study.md", "PYTHONPATH=. .venv/bin/python -m experiments.fp16_study --audits --model models/smollm2-135m   # part A"):
+        "the fp16 study (audits on SmolLM2 and CPU-hours of runs); tests/test_fp16_study.py runs its --quick path",
     ("docs/dose-study.md", "PYTHONPATH=. nice -n 10 taskset -c 0 .venv/bin/python -m experiments.dose_response --part 1/2 &   # one process per core"):
         "the dose-response study (CPU-hours); tests/test_dose_response.py runs its --quick path and its rules",
     ("docs/confirm-collapse.md", "PYTHONPATH=. .venv/bin/python -m experiments.confirm_collapse --part 1/2 &   # one process per core"):

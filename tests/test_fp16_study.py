@@ -1,0 +1,46 @@
+"""Study 10 (experiments/fp16_study.py): its ratio rule, intervals and test do what docs/fp16-study.md says, the
+protocol is unchanged since the commit that added it, and --quick runs both parts."""
+
+import json
+from pathlib import Path
+
+import pytest
+from experiments import fp16_study as fs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _audit(k3_per_prompt: list[float], tokens: int = 10) -> dict:
+    return {"k3_sum": [k * tokens for k in k3_per_prompt], "tokens": [tokens] * len(k3_per_prompt),
+            "ge_001": [1.0] * len(k3_per_prompt), "k3": sum(k3_per_prompt) / len(k3_per_prompt),
+            "share_ge_0.01": 0.1}  # fmt: skip
+
+
+def test_the_ratio_rule_and_its_interval():
+    fp16 = _audit([1e-5, 1.2e-5, 0.9e-5, 1.1e-5] * 8)
+    bf16 = _audit([3e-4, 2.8e-4, 3.1e-4, 2.9e-4] * 8)
+    ratio, ci = fs.ratio_ci(fp16, bf16)
+    assert ratio == pytest.approx(bf16["k3"] / fp16["k3"]) and ci[0] > 10 and ci[0] < ratio < ci[1]
+    assert fs.ratio_verdict(ci) == "reproduced"
+    assert fs.ratio_verdict([2.0, 40.0]) == "not reproduced"  # above 1, not shown ≥ 10
+    assert fs.ratio_verdict([0.2, 0.9]) == "opposite"
+
+
+def test_arms_and_seeds_are_the_protocols():
+    assert fs.schedule()[:2] == [("fp16/ppo", 30), ("bf16/ppo", 30)] and len(fs.schedule()) == 20
+    assert not set(fs.SEEDS) & set(range(0, 30))
+    overrides = fs.arm_overrides("fp16/ppo", 150)
+    assert "model.learner=hf:amp-fp16" in overrides and "model.sampler=hf:fp16" in overrides
+    assert "algorithm.correction={preset: disabled}" in overrides and "trainer.steps=150" in overrides
+
+
+def test_protocol_unchanged_since_its_commit_and_results_record_it(protocol_held):
+    protocol_held(fs.PROTOCOL, fs.first_commit(fs.PROTOCOL), ROOT / "experiments/results/fp16_study", ("runs", "audits"))
+
+
+def test_quick_runs_both_parts_and_assembles(tmp_path):
+    assert fs.main(["--quick", "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "results.json").read_text())["summary"]
+    assert {"A:builtin", "A:builtin:moe"} <= set(summary["tests"])  # SmolLM2 needs --model
+    assert not summary["complete_a"] and not summary["complete_b"]
+    assert set(summary["arms"]) == set(fs.ARMS) and all(a["seeds"] == 1 for a in summary["arms"].values())
