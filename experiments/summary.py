@@ -518,6 +518,41 @@ def dose_response(r: dict[str, Any]) -> list[Row]:
     return rows
 
 
+FP16_CLAIM = 'fp16 on both sides lowers the mismatch ≥ 10× against bf16 ("Defeating the Training-Inference Mismatch via FP16")'
+FP16_TRAIN_CLAIM = "fp16 on both sides trains better than bf16 on both sides (the same paper)"
+
+
+def fp16_study(r: dict[str, Any]) -> list[Row]:
+    """Study 10 by its protocol (docs/fp16-study.md): part A per model (the k3 ratio's interval against 10×), part B
+    (a permutation test); "pending" until each part has all its audits or runs."""
+    from experiments.fp16_study import MODELS, SEEDS
+
+    s = r["summary"]
+    rows = []
+    for model in MODELS:
+        t = s["tests"].get(f"A:{model}")
+        claim = f"{FP16_CLAIM} — audit, {model}"
+        if not s["complete_a"] or t is None:
+            rows.append(Row("10 (A)", claim, "pending", f"{len(s['tests'])} of {len(MODELS)} models audited; the "
+                            "protocol (docs/fp16-study.md) gives each verdict when part A is complete"))  # fmt: skip
+            continue
+        rows.append(Row("10 (A)", claim, t["verdict"],
+                        f"k3 bf16 pair {t['k3']['bf16']:.3g} vs fp16 pair {t['k3']['fp16']:.3g}: ratio {t['ratio']:.1f}, "
+                        f"95 % CI [{t['ci95'][0]:.1f}, {t['ci95'][1]:.1f}]; |Δp| ≥ 0.01: {100 * t['share_ge_0.01']['bf16']:.1f} % "
+                        f"vs {100 * t['share_ge_0.01']['fp16']:.2f} %"))  # fmt: skip
+    b = s["tests"].get("B")
+    done = sum(a["seeds"] for a in s["arms"].values())
+    if not s["complete_b"] or b is None:
+        rows.append(Row("10 (B)", FP16_TRAIN_CLAIM, "pending", f"{done} of {2 * len(SEEDS)} runs finished"))
+    else:
+        a, c = s["arms"]["fp16/ppo"], s["arms"]["bf16/ppo"]
+        rows.append(Row("10 (B)", FP16_TRAIN_CLAIM, b["verdict"],
+                        f"fp16/ppo {a['final_score_mean']:.3f} vs bf16/ppo {c['final_score_mean']:.3f} (10 seeds each): "
+                        f"difference {b['difference']:+.3f}, 95 % CI [{b['ci95'][0]:+.3f}, {b['ci95'][1]:+.3f}], "
+                        f"permutation p = {b['p_value']:.3g}; overflow skips {a['overflow_skips']:.0f}", mde=b["mde"]))  # fmt: skip
+    return rows
+
+
 MOE_CLAIMS = {  # study 8's primary comparisons (docs/moe-study.md), in its words
     "moe-fp32/ppo vs moe-int8/ppo": "MoE: an int8 sampler's mismatch (router flips included) hurts uncorrected GRPO",
     "moe-int8/r3 vs moe-int8/ppo": "MoE: routing replay (R3) repairs it",
@@ -703,6 +738,7 @@ STUDIES: dict[str, Study] = {
     "confirm_collapse": Study(confirm_collapse),
     "moe": Study(moe),
     "dose_response": Study(dose_response),
+    "fp16_study": Study(fp16_study, page="docs/precision.md"),
     "distributed_accuracy": Study(distributed_accuracy, page="docs/distributed.md"),
 }
 
@@ -817,6 +853,7 @@ BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
     "recipe:instruct": ("docs/tasks.md", lambda res: _recipe_text(res)),
     "bench:trl": ("docs/performance.md", lambda res: _bench_table(REPO / "benchmarks/results/bench_trl.txt")),
     "audit:diagnosis": ("docs/audit.md", lambda res: _diagnosis_text(res)),
+    "bench:exact": ("docs/precision.md", lambda res: _bench_table(REPO / "benchmarks/results/bench_exact.txt")),
 }
 
 

@@ -66,6 +66,7 @@ def _call(config, old, roll, mask, log_prob, kept, **kw):
 def eager_kernel(monkeypatch):
     """Take the fused path on any batch size, with the kernel function run eagerly."""
     monkeypatch.setattr(fused, "MIN_POSITIONS", 0)
+    monkeypatch.setenv(fused.ENV, "1")
     monkeypatch.setitem(fused._state, "compiled", fused.row_pass)
     monkeypatch.setitem(fused._state, "failed", False)
 
@@ -184,7 +185,8 @@ def test_fused_path_checks_its_inputs(eager_kernel):
     _assert_close(dirty, _call(config, old, roll, mask, lp, kept), rel=0)
 
 
-def test_the_fused_path_applies_when_every_rule_declares_its_reductions():
+def test_the_fused_path_applies_when_every_rule_declares_its_reductions(monkeypatch):
+    monkeypatch.setenv(fused.ENV, "1")  # past the compile's break-even (test_short_commands_stay_eager_...)
     big = fused.MIN_POSITIONS
     assert fused.plan(preset("disabled"), big) == frozenset()
     assert fused.plan(preset("disabled"), big - 1) is None
@@ -203,6 +205,7 @@ def test_compile_failure_falls_back_to_the_eager_path(monkeypatch):
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(fused, "MIN_POSITIONS", 0)
+    monkeypatch.setenv(fused.ENV, "1")
     monkeypatch.setitem(fused._state, "compiled", broken)
     monkeypatch.setitem(fused._state, "failed", False)
     args = (preset("decoupled_token_is"), *_batch())
@@ -221,6 +224,7 @@ def test_compiled_kernel_matches_eager_path(name, monkeypatch):
     """The real torch.compile'd kernel, on a batch large enough to take the fused path by itself."""
     if fused._state["failed"]:
         pytest.skip("the fused kernel could not be compiled on this machine")
+    monkeypatch.setenv(fused.ENV, "1")  # from the first call (the default waits until compiling pays)
     config = preset(name)
     args = (config, *_batch(b=64, t=fused.MIN_POSITIONS // 64, noise=0.05))
     with warnings.catch_warnings(record=True) as caught:
@@ -257,3 +261,23 @@ def test_kernels_are_cached_per_cpu_capability(tmp_path):
     assert seen["default"] == str(tmp_path / "rollcorr-default")
     # avx2 where the CPU has it (torch falls back to default on an older CPU: the same folder, rightly)
     assert seen["avx2"] in (str(tmp_path / "rollcorr-avx2"), str(tmp_path / "rollcorr-default"))
+
+
+def test_short_commands_stay_eager_until_compiling_pays(monkeypatch):
+    """By default a process corrects BREAKEVEN_POSITIONS positions eagerly before it compiles (a short command
+    never pays the compile); ROLLCORR_FUSED=1 takes the fused path from the first large call, =0 never."""
+    monkeypatch.delenv(fused.ENV, raising=False)
+    monkeypatch.setitem(fused._state, "seen", 0)
+    monkeypatch.setitem(fused._state, "failed", False)
+    config = preset("decoupled_token_is")
+    large = fused.MIN_POSITIONS
+    assert fused.plan(config, large) is None  # a fresh process: eager
+    monkeypatch.setitem(fused._state, "seen", fused.BREAKEVEN_POSITIONS)
+    assert fused.plan(config, large) is not None  # paid back: fused for large calls
+    assert fused.plan(config, large - 1) is None  # never for small ones
+    monkeypatch.setitem(fused._state, "seen", 0)
+    monkeypatch.setenv(fused.ENV, "1")
+    assert fused.plan(config, large) is not None
+    monkeypatch.setenv(fused.ENV, "0")
+    monkeypatch.setitem(fused._state, "seen", 10 * fused.BREAKEVEN_POSITIONS)
+    assert fused.plan(config, large) is None

@@ -31,6 +31,7 @@ def kernel_calls(monkeypatch):
         return fused.row_pass(*args)
 
     monkeypatch.setattr(fused, "MIN_POSITIONS", 0)
+    monkeypatch.setenv(fused.ENV, "1")
     monkeypatch.setitem(fused._state, "compiled", counted)
     monkeypatch.setitem(fused._state, "failed", False)
     return calls
