@@ -7,11 +7,12 @@ import yaml
 
 from rollcorr.config import PRESETS, CorrectionConfig, preset
 from rollcorr.config.correction import RS_OPTIONS
+from rollcorr.correction.rejection import rejects
 
 
 def test_defaults_do_nothing_but_measure():
     c = CorrectionConfig()
-    assert c.mode == "decoupled" and c.is_level is None and c.rs == () and not c.rejects
+    assert c.mode == "decoupled" and c.is_level is None and c.rs == () and not rejects(c)
     assert not c.applies_weights
 
 
@@ -77,7 +78,7 @@ def test_rs_accepts_verl_strings_and_canonicalises():
 def test_every_rs_option_accepted():
     for option in RS_OPTIONS:
         c = CorrectionConfig(rs=(option,), rs_thresholds=(2.0,))
-        assert c.rejects
+        assert rejects(c)
         assert (c.rs_thresholds[0] == (0.5, 2.0)) == option.endswith("k1")
 
 

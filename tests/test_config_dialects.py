@@ -2,6 +2,8 @@
 
 import pytest
 
+from rollcorr.correction.rejection import rejects
+
 from rollcorr.config import from_nemo_rl, from_openrlhf, from_skyrl, from_trl, from_verl
 
 
@@ -193,7 +195,7 @@ def test_nemo_loss_keys_accepted_unknown_rejected():
 
 # ---- SkyRL ----------------------------------------------------------------------------------------
 def test_skyrl_tis_ratio_type_and_clips():
-    assert from_skyrl({}).is_level is None and not from_skyrl({}).rejects
+    assert from_skyrl({}).is_level is None and not rejects(from_skyrl({}))
     c = from_skyrl({"tis_ratio_type": "token"})
     assert (c.is_level, c.is_upper) == ("token", 2.0)
     assert from_skyrl({"tis_ratio_type": "token", "token_tis_ratio_clip_high": 3.0}).is_upper == 3.0

@@ -92,6 +92,24 @@ def test_a_rule_registered_outside_runs_eager_and_fused_alike(toy_rule, kernel_c
     assert rule_reductions(dataclasses.replace(config, veto_threshold=1e-4)) is None
 
 
+def test_a_rule_registered_outside_makes_a_config_reject(toy_rule):
+    """Whether a config rejects is read from the rules (RULES[*].active), not from a hand list of fields: a rule
+    registered from outside counts, so analyze's "would be masked out" line and its all-rejected check see it."""
+    from rollcorr.analyze.analysis import analyze
+    from rollcorr.analyze.cli import sample_dump_path
+    from rollcorr.analyze.dumps import read_dump
+    from rich.console import Console
+
+    from rollcorr.analyze.render import render
+    from rollcorr.correction.rejection import rejects
+
+    config = CorrectionConfig(is_level="token", is_upper=2.5)  # no rs, veto, TRM or OPSM field set
+    assert rejects(config) and not rejects(CorrectionConfig(is_level="token"))
+    console = Console(record=True, width=200)
+    render(analyze(read_dump(sample_dump_path()), config), console)
+    assert "would be masked out" in console.export_text()
+
+
 def test_analyze_explains_a_rule_registered_outside(toy_rule):
     from rollcorr.analyze.analysis import analyze
     from rollcorr.analyze.cli import sample_dump_path
@@ -215,3 +233,42 @@ def test_analyze_takes_the_fused_path(kernel_calls, monkeypatch):
         assert got.metrics[key] == pytest.approx(
             value, rel=2e-5, abs=1e-3 if key.endswith("_std") else 1e-6
         ), key
+
+
+def _toy_token_apply(name, limit, stats, context):
+    """Token level: a token is kept when its k2 = ½ℓ² ≤ ½ (log limit)², i.e. |ℓ| ≤ log limit."""
+    k2 = stats.token("k2")
+    bound = 0.5 * math.log(limit) ** 2
+    return RuleOutcome(name, k2 <= bound, None, k2, None, bound, limit)
+
+
+def _toy_token_metrics(outcomes, rows):
+    (o,) = outcomes  # padding has k2 = 0: only valid tokens can be rejected
+    return {"toy_token_rows": rows.over_rows((~o.token_keep).any(-1).to(rows.dtype))}
+
+
+def test_analyze_explains_a_token_rule_registered_outside():
+    """The Rule contract allows token rules; analyze explains one registered from outside at token level (it used
+    to choose how to explain a rule by its name, and an outside token rule crashed it: size mismatch)."""
+    from rollcorr.analyze.analysis import analyze
+    from rollcorr.analyze.cli import sample_dump_path
+    from rollcorr.analyze.dumps import read_dump
+
+    rule = register_rule(Rule(
+        "toy_token_abs_log_ratio",
+        active=lambda c: [("toy_token_abs_log_ratio", 1.0142)] if c.is_upper == 2.75 else [],
+        reductions=lambda name, limit: None,  # reads the (B, T) tokens
+        apply=_toy_token_apply,
+        metrics=_toy_token_metrics,
+    ))  # fmt: skip
+    try:
+        config = CorrectionConfig(is_level="token", is_upper=2.75)
+        dump = read_dump(sample_dump_path())
+        result = analyze(dump, config)
+        (summary,) = [r for r in result.rules if r.rule == "toy_token_abs_log_ratio"]
+        ell = (dump.learner_log_prob - dump.rollout_log_prob).clamp(-20, 20)
+        want = int(((0.5 * ell * ell > 0.5 * math.log(1.0142) ** 2) & dump.response_mask.bool()).sum())
+        assert summary.level == "token" and summary.tokens == want and want > 0
+        assert not any("does not match" in note for note in result.notes)
+    finally:
+        RULES.remove(rule)

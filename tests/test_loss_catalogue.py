@@ -124,3 +124,34 @@ def test_a_loss_registered_outside_trains_two_steps(tmp_path, addition_model_dir
     steps = [r for r in records if "actor/toy_clip_share" in r]
     assert len(steps) == 2, result
     assert all(r["loss/grad_norm"] > 0 for r in steps)  # the toy loss moved the weights
+
+
+def test_a_loss_with_a_verl_name_registered_outside_is_a_verl_loss_mode():
+    """A loss registered from outside with verl_name="toy_mode" is served by the verl drop-in under that name —
+    through its own computation, not another loss's (the drop-in's hand-written dispatch used to fall through to
+    verl's "dro" loss), and importing the drop-in afterwards works (its hand list of names raised KeyError)."""
+    import importlib
+    import sys
+
+    from rollcorr.compat.verl_losses import policy_loss_by_mode, verl_modes
+
+    spec = register_loss(LossSpec("toy_verl", toy_loss, clip_low=0.05, clip_high=0.1, verl_name="toy_mode"))
+    try:
+        assert "toy_mode" in verl_modes()
+        log_prob, old, adv, mask = batch()
+        advantages = adv[:, None].expand_as(log_prob)
+        got, metrics = policy_loss_by_mode("toy_mode", old, log_prob, advantages, mask, "token-mean",
+                                           clip_ratio_low=0.05, clip_ratio_high=0.1)  # fmt: skip
+        want, _ = policy_loss(LossConfig(name="toy_verl", clip_low=0.05, clip_high=0.1, agg="token-mean"), log_prob,
+                              old, advantages, mask)  # fmt: skip
+        assert torch.allclose(got, want) and "actor/toy_clip_share" in metrics
+        sys.modules.pop("rollcorr.compat.verl", None)
+        verl = importlib.import_module("rollcorr.compat.verl")  # imported after the registration
+        assert "toy_mode" in verl.POLICY_LOSS_REGISTRY and verl.get_policy_loss_fn("toy_mode") is not None
+        fn = verl.compute_policy_loss_toy_mode
+        loss, _ = fn(old, log_prob, advantages, mask, "token-mean", {"clip_ratio_low": 0.05, "clip_ratio_high": 0.1})
+        assert torch.allclose(loss, want)
+    finally:
+        del LOSSES[spec.name]
+        sys.modules.pop("rollcorr.compat.verl", None)
+        importlib.import_module("rollcorr.compat.verl")

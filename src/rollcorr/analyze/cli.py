@@ -66,16 +66,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_value(text: str) -> Any:
-    """A ``--set`` value: JSON (numbers, lists, true/false/null), Python-style None/True/False, else a string.
+    """A ``--set`` value, read as ``rollcorr train`` reads its overrides (``rollcorr.config.yaml_io``: YAML
+    without its underscore and base-60 numbers, so ``0.5_2`` is a verl "lo_hi" window, not 0.52), plus
+    Python-style None / True / False; text that is not YAML stays text."""
+    from rollcorr.config.yaml_io import YamlError, load_yaml
 
-    YAML is avoided on purpose: it reads ``0.5_2`` (a verl "lo_hi" window) as the number 0.52.
-    """
     special = {"none": None, "null": None, "true": True, "false": False}
     if text.strip().lower() in special:
         return special[text.strip().lower()]
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
+        return load_yaml(text, f"--set {text}")
+    except YamlError:
         return text
 
 

@@ -18,7 +18,7 @@ from rollcorr.analyze.analysis import STATISTICS, Analysis, exp_or_inf, fmt, kep
 from rollcorr.analyze.dumps import display_name
 from rollcorr.config.correction import CorrectionConfig
 from rollcorr.correction.api import PREFIX
-from rollcorr.correction.rejection import RULES
+from rollcorr.correction.rejection import RULES, rejects
 
 
 def _fmt_against(value: float, lo: float | None, hi: float | None) -> str:
@@ -161,7 +161,7 @@ def describe(config: CorrectionConfig) -> str:
     for rule in RULES:  # the one rule list, in the order compute_correction applies it
         for name, threshold in rule.active(config):
             parts.append(_describe_rule(name, threshold))
-    if config.rejects:
+    if rejects(config):
         parts.append(f"loss denominator: {config.denominator}")
     if config.verl_compat:
         parts.append("verl-compatible formulas")
@@ -292,7 +292,7 @@ def _config_effect(analysis: Analysis) -> list[Any]:
         out.append(f"[bold]IS weights[/]: {head}{spread}")
     elif config.is_level is not None:
         out.append("[bold]IS weights[/]: computed for the metrics but not applied (bypass + ppo_clip)")
-    if config.rejects:
+    if rejects(config):
         out.append(
             f"[bold]Rejection[/]: {_pct(analysis.rejected_tokens, n_tokens)} tokens in "
             f"{_pct(analysis.rejected_sequences, n_rows)} sequences would be masked out of the loss "
@@ -426,7 +426,7 @@ def summary(analysis: Analysis) -> str:
     elif analysis.weights is not None and config.is_upper is not None:
         share = get("rollout_is_ratio_fraction_high")
         out.append(f"IS truncates {_percent(share)} of the weights ({stat} > {fmt(config.is_upper)}).")
-    if config.rejects:
+    if rejects(config):
         n_tok, n_seq = analysis.tokens, analysis.responses
         out.append(
             f"Rejection removes {100 * analysis.rejected_tokens / n_tok:.3g}% of tokens in "

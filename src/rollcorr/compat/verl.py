@@ -41,7 +41,7 @@ from rollcorr.compat.verl_correction import (
     compute_rollout_correction_weights,
     compute_rollout_rejection_mask,
 )
-from rollcorr.compat.verl_losses import LOSS_MODES, agg_loss, kl_penalty, policy_loss_by_mode
+from rollcorr.compat.verl_losses import LOSS_MODES, agg_loss, kl_penalty, policy_loss_by_mode, verl_modes
 from rollcorr.losses import LOSSES, LossConfig, policy_loss
 
 __all__ = [
@@ -130,18 +130,11 @@ def _registered(mode: str) -> PolicyLossFn:
     return loss_fn
 
 
-compute_policy_loss_vanilla = _registered("vanilla")
-compute_policy_loss_gspo = _registered("gspo")
-compute_policy_loss_cispo = _registered("cispo")
-compute_policy_loss_geo_mean = _registered("geo_mean")
-compute_policy_loss_sapo = _registered("sapo")
-compute_policy_loss_gpg = _registered("gpg")
-compute_policy_loss_clip_cov = _registered("clip_cov")
-compute_policy_loss_kl_cov = _registered("kl_cov")
-compute_policy_loss_dppo_tv = _registered("dppo_tv")
-compute_policy_loss_dppo_kl = _registered("dppo_kl")
-compute_policy_loss_dro = _registered("dro")
-_reinforce = _registered("reinforce")
+# compute_policy_loss_<mode> for every loss of the catalogue with a verl_name, made from the catalogue: the built-in
+# ones here, one registered later on first access (module __getattr__, POLICY_LOSS_REGISTRY)
+for _mode in LOSS_MODES:
+    globals()[f"compute_policy_loss_{_mode}"] = _registered(_mode)
+_reinforce = globals()["compute_policy_loss_reinforce"]
 compute_policy_loss = compute_policy_loss_vanilla
 
 
@@ -211,11 +204,51 @@ def compute_policy_loss_bypass_mode(
     return loss, metrics
 
 
+def __getattr__(name: str):
+    """``compute_policy_loss_<mode>`` for a loss registered in the catalogue after this module was imported."""
+    mode = name.removeprefix("compute_policy_loss_")
+    if name.startswith("compute_policy_loss_") and mode in verl_modes():
+        fn = globals()[name] = _registered(mode)
+        return fn
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _PolicyLosses(dict):
+    """verl's ``POLICY_LOSS_REGISTRY``: the losses registered here (``register_policy_loss``, bypass_mode), and
+    every loss mode of the catalogue, read when asked (a loss registered later is found by name too)."""
+
+    def _catalogue(self) -> dict[str, PolicyLossFn]:
+        return {mode: getattr(sys.modules[__name__], f"compute_policy_loss_{mode}") for mode in verl_modes()
+                if mode != "reinforce" and not dict.__contains__(self, mode)}  # fmt: skip
+
+    def __missing__(self, key: str) -> PolicyLossFn:
+        found = self._catalogue()
+        if key in found:
+            return found[key]
+        raise KeyError(key)
+
+    def __contains__(self, key: object) -> bool:
+        return dict.__contains__(self, key) or key in self._catalogue()
+
+    def __iter__(self):
+        yield from dict.__iter__(self)
+        yield from self._catalogue()
+
+    def __len__(self) -> int:
+        return dict.__len__(self) + len(self._catalogue())
+
+    def keys(self):
+        return list(iter(self))
+
+    def items(self):
+        return [(k, self[k]) for k in self]
+
+    def values(self):
+        return [self[k] for k in self]
+
+
 # ---- the registry ----------------------------------------------------------------------------------
-POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {
-    mode: globals()[f"compute_policy_loss_{mode}"] for mode in LOSS_MODES if mode != "reinforce"
-}
-POLICY_LOSS_REGISTRY["bypass_mode"] = compute_policy_loss_bypass_mode
+POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = _PolicyLosses(bypass_mode=compute_policy_loss_bypass_mode)
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
@@ -350,7 +383,7 @@ def install(*, strict_verl: bool = False) -> list[str]:
 
     names = []
     for name, fn in POLICY_LOSS_REGISTRY.items():
-        wrapped = functools.partial(fn, strict_verl=strict_verl) if name in LOSS_MODES + ("bypass_mode",) else fn
+        wrapped = functools.partial(fn, strict_verl=strict_verl) if name in (*verl_modes(), "bypass_mode") else fn
         core_algos.POLICY_LOSS_REGISTRY[name] = wrapped
         names.append(name)
     strict = functools.partial(functools.partial, strict_verl=strict_verl)

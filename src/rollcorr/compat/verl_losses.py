@@ -26,30 +26,27 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rollcorr.config.correction import LOG_RATIO_CLAMP
-from rollcorr.losses import (
-    AGG_MODES,
-    LOSSES,
-    aggregate,
-    cispo_loss,
-    clip_cov_loss,
-    dppo_kl_loss,
-    dppo_tv_loss,
-    dro_loss,
-    gmpo_loss,
-    gspo_loss,
-    kl_cov_loss,
-    masked_mean,
-    ppo_clip_loss,
-    reinforce_loss,
-    sapo_loss,
-)
+from rollcorr.losses import AGG_MODES, LOSSES, aggregate
+from rollcorr.losses.registry import VerlCall
 
-__all__ = ["LOSS_MODES", "agg_loss", "kl_penalty", "policy_loss_by_mode"]
+__all__ = ["LOSS_MODES", "agg_loss", "kl_penalty", "policy_loss_by_mode", "spec_of_mode", "verl_modes"]
 
-# verl's loss modes: the ``verl_name`` of the catalogue's built-in losses (rollcorr.losses.LOSSES)
+# verl's loss modes of the built-in losses (their ``verl_name``); a loss registered later with a ``verl_name`` is a
+# loss mode too (``verl_modes``, ``spec_of_mode``): the catalogue is read at each call, never a list kept here
 LOSS_MODES = tuple(spec.verl_name for spec in LOSSES.values() if spec.verl_name is not None)
-_VERL_METRICS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
+
+
+def verl_modes() -> tuple[str, ...]:
+    """Every verl loss mode the catalogue serves now, in registration order."""
+    return tuple(spec.verl_name for spec in LOSSES.values() if spec.verl_name is not None)
+
+
+def spec_of_mode(loss_mode: str):
+    """The catalogue's loss whose ``verl_name`` is ``loss_mode``; a one-line error naming the known ones."""
+    for spec in LOSSES.values():
+        if spec.verl_name == loss_mode:
+            return spec
+    raise ValueError(f"unsupported loss_mode {loss_mode!r}; choose one of {verl_modes()}")
 
 
 def policy_loss_by_mode(
@@ -82,8 +79,7 @@ def policy_loss_by_mode(
     is verl's ``config.global_batch_info`` for `agg_loss`. ``strict_verl`` drops rollcorr's ±20 clamp of the
     log-ratio where verl has none (gspo's `actor/ppo_kl`, geo_mean, clip_cov, kl_cov) and lets an all-masked
     mean be NaN as in verl. Returns (scalar loss, metrics)."""
-    if loss_mode not in LOSS_MODES:
-        raise ValueError(f"unsupported loss_mode {loss_mode!r}; choose one of {LOSS_MODES}")
+    spec = spec_of_mode(loss_mode)
     for name, value in (("old_log_prob", old_log_prob), ("advantages", advantages), ("mask", response_mask)):
         if value.shape != log_prob.shape:
             raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {tuple(log_prob.shape)}")
@@ -95,59 +91,13 @@ def policy_loss_by_mode(
     positive["dro"] = ("policy_loss.dro_beta", dro_beta)
     if loss_mode in positive and (positive[loss_mode][1] is None or not positive[loss_mode][1] > 0):
         raise ValueError(f"{positive[loss_mode][0]} must be > 0, got {positive[loss_mode][1]}")  # verl raises too
-    kwargs = {"clip_low": clip_ratio_low, "clip_high": clip_ratio_high, "weights": rollout_is_weights}
-    denominator = "kept"
-    clamp = None if strict_verl else LOG_RATIO_CLAMP  # verl leaves these log-ratios unclamped
-    if loss_mode == "vanilla":
-        if not clip_ratio_c > 1.0:
-            raise ValueError(f"clip_ratio_c must be > 1.0 (dual clip), got {clip_ratio_c}")
-        loss, metrics = ppo_clip_loss(
-            log_prob, old_log_prob, advantages, response_mask, clip_c=clip_ratio_c, **kwargs
-        )
-    elif loss_mode == "gspo":
-        loss, metrics = gspo_loss(log_prob, old_log_prob, advantages, response_mask, **kwargs)
-        if strict_verl:  # verl's gspo ppo_kl leaves the log-ratio unclamped
-            metrics["actor/ppo_kl"] = masked_mean((old_log_prob - log_prob).detach(), response_mask)
-    elif loss_mode == "cispo":
-        loss, metrics = cispo_loss(log_prob, old_log_prob, advantages, response_mask, **kwargs)
-    elif loss_mode == "geo_mean":
-        loss, metrics = gmpo_loss(
-            log_prob, old_log_prob, advantages, response_mask, log_ratio_clamp=clamp, **kwargs,
-        )
-        denominator = "batch"
-    elif loss_mode == "reinforce":
-        loss, metrics = reinforce_loss(
-            log_prob, advantages, response_mask, weights=rollout_is_weights, ref_log_prob=old_log_prob
-        )
-    elif loss_mode == "sapo":
-        loss, metrics = sapo_loss(
-            log_prob, old_log_prob, advantages, response_mask,
-            tau_pos=tau_pos, tau_neg=tau_neg, weights=rollout_is_weights,
-        )  # fmt: skip
-        loss_agg_mode = "seq-mean-token-mean"
-    elif loss_mode == "gpg":
-        loss, metrics = reinforce_loss(log_prob, advantages, response_mask, weights=rollout_is_weights)
-    elif loss_mode == "clip_cov":
-        loss, metrics = clip_cov_loss(
-            log_prob, old_log_prob, advantages, response_mask, ratio=clip_cov_ratio, cov_lb=clip_cov_lb,
-            cov_ub=clip_cov_ub, generator=generator, log_ratio_clamp=clamp, count_eps=1e-8,
-            **kwargs,
-        )  # fmt: skip
-    elif loss_mode == "kl_cov":
-        loss, metrics = kl_cov_loss(
-            log_prob, old_log_prob, advantages, response_mask,
-            ratio=kl_cov_ratio, kl_coef=ppo_kl_coef, weights=rollout_is_weights, log_ratio_clamp=clamp,
-        )  # fmt: skip
-    elif loss_mode in ("dppo_tv", "dppo_kl"):
-        fn = dppo_tv_loss if loss_mode == "dppo_tv" else dppo_kl_loss
-        loss, metrics = fn(
-            log_prob, old_log_prob, advantages, response_mask, cap=clip_ratio_c, verl_value=True, **kwargs
-        )
-        metrics = {k: v for k, v in metrics.items() if k in _VERL_METRICS}
-    else:
-        loss, metrics = dro_loss(
-            log_prob, old_log_prob, advantages, response_mask, beta=dro_beta, weights=rollout_is_weights
-        )
+    call = VerlCall(log_prob, old_log_prob, advantages, response_mask, rollout_is_weights, clip_ratio_low,
+                    clip_ratio_high, clip_ratio_c,
+                    {"tau_pos": tau_pos, "tau_neg": tau_neg, "clip_cov_ratio": clip_cov_ratio, "clip_cov_lb": clip_cov_lb,
+                     "clip_cov_ub": clip_cov_ub, "kl_cov_ratio": kl_cov_ratio, "ppo_kl_coef": ppo_kl_coef,
+                     "dro_beta": dro_beta}, generator, strict_verl)  # fmt: skip
+    loss, metrics, forced_agg, denominator = spec.call_as_verl(call)  # the spec's own adapter (rollcorr.losses)
+    loss_agg_mode = forced_agg or loss_agg_mode
     if denominator == "batch":  # geo_mean: plain mean of the (B,) sequence losses, no global-batch info
         total = aggregate(loss, response_mask, loss_agg_mode, denominator=denominator)
     else:

@@ -233,19 +233,6 @@ class CorrectionConfig:
         """True when ``compute_correction`` returns weights for the loss (bypass + ppo_clip never does)."""
         return self.is_level is not None and not (self.mode == "bypass" and self.loss_type == "ppo_clip")
 
-    @property
-    def rejects(self) -> bool:
-        return bool(self.rs) or any(
-            v is not None
-            for v in (
-                self.veto_threshold,
-                self.veto_upper,
-                self.trm_max_k2,
-                self.trm_mean_k3,
-                self.opsm_delta,
-            )
-        )
-
     # ---- plain data ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Plain data (lists, floats, strings) that round-trips through YAML / JSON."""

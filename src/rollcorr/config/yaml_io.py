@@ -14,6 +14,8 @@ an error message.
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,30 @@ def excerpt(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[: limit - 15]}... ({len(text):,} chars)"
 
 
+_INT = re.compile(r"""^(?:[-+]?0b[0-1]+
+    |[-+]?0[0-7]+
+    |[-+]?(?:0|[1-9][0-9]*)
+    |[-+]?0x[0-9a-fA-F]+)$""", re.X)
+_FLOAT = re.compile(r"""^(?:[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9]+[eE][-+]?[0-9]+
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X)
+
+
+def _plain_numbers() -> dict:
+    """SafeLoader's implicit resolvers with YAML 1.1's number forms that surprise people taken out — digits with
+    underscores (``1.5_3`` would be 1.53: a verl "lo_hi" window read as a number) and base 60 (``1:30`` = 90) —
+    and ``1e-4`` read as the number it is (PyYAML needs a dot and a signed exponent: ``1.0e-4``)."""
+    table = {}
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items():
+        table[first] = [(tag, _INT if tag == "tag:yaml.org,2002:int" else _FLOAT if tag == "tag:yaml.org,2002:float"
+                         else regexp) for tag, regexp in resolvers]  # fmt: skip
+    return table
+
+
 class _BoundedLoader(yaml.SafeLoader):
+    yaml_implicit_resolvers = _plain_numbers()  # one meaning for 1.5_3 everywhere: a string, never 1.53
+
     def __init__(self, stream: str, source: str):
         super().__init__(stream)
         self.source, self.aliases, self.depth = source, 0, 0

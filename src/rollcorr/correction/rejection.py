@@ -253,6 +253,12 @@ class Rule:
 RULES: list[Rule] = []  # in the order they are applied and reported
 
 
+def rejects(config: CorrectionConfig) -> bool:
+    """Whether ``config`` sets any rejection rule: one registered rule with an active instance (``RULES`` is
+    the one place that knows, built-in rules and registered ones alike)."""
+    return any(rule.active(config) for rule in RULES)
+
+
 def register_rule(rule: Rule) -> Rule:
     """Add a kind of rejection rule (after the built-in ones). Returns it."""
     if any(r.kind == rule.kind for r in RULES):

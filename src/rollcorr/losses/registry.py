@@ -24,6 +24,36 @@ from torch import Tensor
 from rollcorr.config.loss import AGG_MODES, DENOMINATORS
 
 LossResult = tuple[Tensor, dict[str, Tensor]]
+# a loss called under verl's convention: (loss (B, T) or (B,), metrics, the aggregation it forces (None: the
+# caller's), its denominator ("kept"; "batch" for a plain mean over the batch's sequences))
+VerlResult = tuple[Tensor, dict[str, Tensor], "str | None", str]
+
+
+@dataclass(frozen=True)
+class VerlCall:
+    """A loss called as verl calls ``compute_policy_loss_<mode>`` (``rollcorr.compat.verl_losses``): the tensors,
+    verl's clip fields and the loss's own verl fields (``options``: tau_pos, tau_neg, clip_cov_ratio, clip_cov_lb,
+    clip_cov_ub, kl_cov_ratio, ppo_kl_coef, dro_beta), a generator for a random draw, and ``strict`` (verl's
+    exact numbers: no log-ratio clamp where verl has none)."""
+
+    log_prob: Tensor
+    old_log_prob: Tensor
+    advantages: Tensor
+    response_mask: Tensor
+    weights: Tensor | None
+    clip_low: float
+    clip_high: float
+    clip_c: float
+    options: Mapping[str, Any]
+    generator: torch.Generator | None = None
+    strict: bool = False
+
+    @property
+    def clamp(self) -> float | None:
+        """The log-ratio clamp a loss applies (None: verl's unclamped numbers)."""
+        from rollcorr.config.correction import LOG_RATIO_CLAMP
+
+        return None if self.strict else LOG_RATIO_CLAMP
 
 
 @dataclass(frozen=True)
@@ -72,6 +102,19 @@ class LossSpec:
     has_ratio: bool = True  # False: −A · w · log π_θ (reinforce, gpg); the weight must supply π_θ/μ in bypass
     regresses_on_rollout: bool = False  # regresses log π_θ − log μ on the rewards (oapl): no π_old, A or w
     verl_name: str | None = None  # verl's ``loss_mode`` for the same loss, when verl has it
+    # how verl's convention calls it (``VerlCall`` → ``VerlResult``); None: ``compute`` with verl's clip range
+    verl_loss: Callable[[VerlCall], VerlResult] | None = None
+
+    def call_as_verl(self, call: VerlCall) -> VerlResult:
+        """This loss under verl's convention: its own adapter, or ``compute`` on a ``LossConfig`` of verl's clip
+        range (a loss registered from outside with a ``verl_name`` and no adapter)."""
+        if self.verl_loss is not None:
+            return self.verl_loss(call)
+        config = LossConfig(name=self.name, clip_low=call.clip_low, clip_high=call.clip_high)
+        inputs = LossInputs(log_prob=call.log_prob, kept_mask=call.response_mask, old_log_prob=call.old_log_prob,
+                            advantages=call.advantages, weights=call.weights, generator=call.generator)  # fmt: skip
+        loss, metrics = self.compute(inputs, config)
+        return loss, metrics, None, "batch" if self.per_sequence else "kept"
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():

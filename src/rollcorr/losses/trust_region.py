@@ -8,11 +8,13 @@ sapo         L = −A · (4/τ)·σ(τ(r − 1)) · w,   τ = τ_pos if A > 0 el
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from rollcorr.losses.common import clamped_ratio, detached, masked_mean
-from rollcorr.losses.registry import LossSpec, register_loss
+from rollcorr.losses.registry import LossSpec, VerlCall, VerlResult, register_loss
 
 
 def _dppo_loss(
@@ -162,13 +164,33 @@ def sapo_loss(
 # ---- the catalogue entries (rollcorr.losses.registry) ------------------------------------------------
 # dppo_tv: prime-rl's DefaultLossConfig (dppo_mask_low/high = 0.2, thresholds on Δp); dppo_kl: verl's
 # ActorConfig (ε are binary-KL thresholds); sapo: verl's, aggregated seq-mean-token-mean (ε unused).
+_VERL_METRICS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
+
+
+def _dppo_as_verl(fn) -> Callable:
+    def call(v: VerlCall) -> VerlResult:
+        """verl's dppo: its value −A·sg(min(r, clip_ratio_c))·log π_θ·keep, verl's three metrics."""
+        loss, metrics = fn(v.log_prob, v.old_log_prob, v.advantages, v.response_mask, clip_low=v.clip_low,
+                           clip_high=v.clip_high, cap=v.clip_c, verl_value=True, weights=v.weights)  # fmt: skip
+        return loss, {k: x for k, x in metrics.items() if k in _VERL_METRICS}, None, "kept"
+
+    return call
+
+
+def _sapo_as_verl(v: VerlCall) -> VerlResult:
+    """verl's ``sapo``: seq-mean-token-mean whatever ``loss_agg_mode``."""
+    loss, metrics = sapo_loss(v.log_prob, v.old_log_prob, v.advantages, v.response_mask, tau_pos=v.options["tau_pos"],
+                              tau_neg=v.options["tau_neg"], weights=v.weights)  # fmt: skip
+    return loss, metrics, "seq-mean-token-mean", "kept"
+
+
 for _name, _fn in (("dppo_tv", dppo_tv_loss), ("dppo_kl", dppo_kl_loss)):
     register_loss(LossSpec(
         _name,
         lambda i, c, fn=_fn: fn(i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, clip_low=c.eps_low,
                                 clip_high=c.eps_high, cap=c.clip_c, kl_coef=c.dppo_kl_coef,
                                 weights=i.weights),
-        options={"dppo_kl_coef": 0.0}, verl_name=_name,
+        options={"dppo_kl_coef": 0.0}, verl_name=_name, verl_loss=_dppo_as_verl(_fn),
         clip_low_at_most=None if _name == "dppo_kl" else 1.0,  # dppo_kl: ε are binary-KL thresholds
     ))  # fmt: skip
 register_loss(LossSpec(
@@ -176,5 +198,5 @@ register_loss(LossSpec(
     lambda i, c: sapo_loss(i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, tau_pos=c.sapo_tau_pos,
                            tau_neg=c.sapo_tau_neg, weights=i.weights),
     clip_low=0.0, clip_high=0.0, agg="seq-mean-token-mean",
-    options={"sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05}, verl_name="sapo",
+    options={"sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05}, verl_name="sapo", verl_loss=_sapo_as_verl,
 ))  # fmt: skip
