@@ -44,16 +44,7 @@ def imports_of(name: str) -> set[str]:
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    typing_only = {  # imports under `if TYPE_CHECKING:` are for annotations: no dependency when the code runs
-        id(inner)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for stmt in node.body
-        for inner in ast.walk(stmt)
-    }
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
+    for node in ast.walk(tree):  # imports under `if TYPE_CHECKING:` count too: an annotation is a dependency
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):

@@ -2,9 +2,8 @@
 
 import pytest
 
-from rollcorr.correction.rejection import rejects
-
 from rollcorr.config import from_nemo_rl, from_openrlhf, from_skyrl, from_trl, from_verl
+from rollcorr.correction.rejection import rejects
 
 
 # ---- verl -----------------------------------------------------------------------------------------

@@ -95,11 +95,11 @@ def test_a_rule_registered_outside_runs_eager_and_fused_alike(toy_rule, kernel_c
 def test_a_rule_registered_outside_makes_a_config_reject(toy_rule):
     """Whether a config rejects is read from the rules (RULES[*].active), not from a hand list of fields: a rule
     registered from outside counts, so analyze's "would be masked out" line and its all-rejected check see it."""
+    from rich.console import Console
+
     from rollcorr.analyze.analysis import analyze
     from rollcorr.analyze.cli import sample_dump_path
     from rollcorr.analyze.dumps import read_dump
-    from rich.console import Console
-
     from rollcorr.analyze.render import render
     from rollcorr.correction.rejection import rejects
 

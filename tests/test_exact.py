@@ -13,8 +13,7 @@ import torch
 
 from rollcorr.audit.collect import builtin_prompts
 from rollcorr.cli import main
-from rollcorr.engines import SamplingParams, make_learner, make_sampler
-from rollcorr.engines import exact
+from rollcorr.engines import SamplingParams, exact, make_learner, make_sampler
 from rollcorr.engines.preflight import PreflightError, preflight, vllm_cpu_build
 
 

@@ -9,7 +9,6 @@ overrides keys of any of them. The report says which it used.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from importlib import resources
 from pathlib import Path

@@ -33,7 +33,7 @@ own kernels out of reach of these hooks; ``localize`` refuses them in one line.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any
 
 import torch

@@ -135,6 +135,7 @@ def _registered(mode: str) -> PolicyLossFn:
 for _mode in LOSS_MODES:
     globals()[f"compute_policy_loss_{_mode}"] = _registered(_mode)
 _reinforce = globals()["compute_policy_loss_reinforce"]
+compute_policy_loss_vanilla = globals()["compute_policy_loss_vanilla"]
 compute_policy_loss = compute_policy_loss_vanilla
 
 

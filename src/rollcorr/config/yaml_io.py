@@ -15,7 +15,6 @@ an error message.
 from __future__ import annotations
 
 import re
-
 from pathlib import Path
 from typing import Any
 

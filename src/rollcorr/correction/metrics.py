@@ -11,16 +11,12 @@ log-ratio (verl's is unclamped and turns ``inf`` at ℓ ≈ 90).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from rollcorr.config.correction import LOG_RATIO_CLAMP
-from rollcorr.correction.ratios import Rows, Tokens, any_per_row, check_mask, check_tensor
-
-if TYPE_CHECKING:
-    from rollcorr.correction.rejection import RSOutcome
+from rollcorr.correction.ratios import Rows, RSOutcome, Tokens, any_per_row, check_mask, check_tensor
 
 Metrics = dict[str, Tensor]
 PPL_LOG_CAP = 80.0  # rollcorr's PPL metrics saturate at e^80 (finite in float32); verl's overflow to inf

@@ -288,3 +288,16 @@ def kl_stats(tok: Tokens, k: str) -> Tensor:
     if k == "k3":
         return (tok.ratio - 1.0).sub_(lr)
     raise ValueError(f"unknown statistic {k!r}; choose k1, k2 or k3")
+
+
+@dataclass(frozen=True)
+class RSOutcome:
+    """One option's decision and statistics (for the metrics)."""
+
+    option: str
+    token_keep: Tensor | None  # (B, T) bool for token options, None for sequence options
+    row_keep: Tensor | None  # (B,) bool for sequence options
+    token_stat: Tensor | None  # (B, T) statistic for token options (0 on padding)
+    row_stat: Tensor  # (B,) per-row statistic (row mean of the token stat for token options)
+    lower: float | None  # bounds in statistic space (lower only for K1)
+    upper: float

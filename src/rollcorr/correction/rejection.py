@@ -35,23 +35,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from rollcorr.correction.ratios import Rows, Tokens, any_per_row, kl_stats
+from rollcorr.correction.ratios import Rows, RSOutcome, Tokens, any_per_row, kl_stats
 
 if TYPE_CHECKING:
     from rollcorr.config.correction import CorrectionConfig
-
-
-@dataclass(frozen=True)
-class RSOutcome:
-    """One option's decision and statistics (for the metrics)."""
-
-    option: str
-    token_keep: Tensor | None  # (B, T) bool for token options, None for sequence options
-    row_keep: Tensor | None  # (B,) bool for sequence options
-    token_stat: Tensor | None  # (B, T) statistic for token options (0 on padding)
-    row_stat: Tensor  # (B,) per-row statistic (row mean of the token stat for token options)
-    lower: float | None  # bounds in statistic space (lower only for K1)
-    upper: float
 
 
 def k1_bounds(window: tuple[float, float], verl: bool) -> tuple[float, float]:

@@ -336,7 +336,6 @@ def decode(forward: ExactForward, contexts: Sequence[Sequence[int]], budgets: Se
     for i, c in enumerate(contexts):
         ids[i, : len(c)] = torch.as_tensor(list(c), device=device)
     cols = torch.arange(width, device=device)
-    valid = cols[None] < lengths[:, None]
     positions = cols[None].expand(b, -1)
     keys = torch.arange(slots, device=device)
     allowed = (keys[None, None, :] <= cols[None, :, None]) & (keys[None, None, :] < lengths[:, None, None])

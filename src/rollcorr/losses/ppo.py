@@ -14,7 +14,15 @@ from torch import Tensor
 
 from rollcorr.config.correction import LOG_RATIO_CLAMP
 from rollcorr.losses.common import clamped_ratio, detached, masked_mean, ppo_surrogates
-from rollcorr.losses.registry import LossConfig, LossInputs, LossResult, LossSpec, VerlCall, VerlResult, register_loss
+from rollcorr.losses.registry import (
+    LossConfig,
+    LossInputs,
+    LossResult,
+    LossSpec,
+    VerlCall,
+    VerlResult,
+    register_loss,
+)
 
 
 def ppo_clip_loss(

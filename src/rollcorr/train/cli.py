@@ -108,12 +108,12 @@ def _train(args: argparse.Namespace, config) -> int:
     """Train in this process (one of several under torchrun: rank 0 prints the summary)."""
     from transformers.utils import logging as hf_logging
 
+    from rollcorr.distributed.group import DistributedError
     from rollcorr.engines.preflight import PreflightError
     from rollcorr.safe_io import UnsafePathError, describe_os_error
     from rollcorr.train.checkpoint import CheckpointError
     from rollcorr.train.config import ConfigError
     from rollcorr.train.loop import run as run_training
-    from rollcorr.distributed.group import DistributedError
     from rollcorr.train.rundir import RunFinished, RunFolderError
 
     main = os.environ.get("RANK", "0") == "0"

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rollcorr.engines.lora import load_trainable_state_dict, trainable_state_dict
 from rollcorr.engines.preflight import check_prompts
 from rollcorr.safe_io import UnsafePathError
 from rollcorr.tasks.chat import model_input, uses_chat
@@ -35,7 +36,6 @@ from rollcorr.train.build import (
     make_executor,
     rank_executor,
 )
-from rollcorr.engines.lora import load_trainable_state_dict, trainable_state_dict
 from rollcorr.train.checkpoint import (
     checkpoint_dir,
     load_latest_intact,
@@ -61,7 +61,6 @@ from rollcorr.train.rundir import (
     repair_metrics,
 )
 from rollcorr.train.step import StepConfig, train_step
-
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each: checkpoint after this step, then stop
 
