@@ -24,3 +24,16 @@ def test_numbers_are_plain_numbers():
     assert load_yaml("3") == 3 and load_yaml("0.25") == 0.25 and load_yaml("-1.0e-5") == -1e-5
     assert parse_value("None") is None and parse_value("[1, 2]") == [1, 2] and parse_value("2.5") == 2.5
     assert parse_value("seq_mean_k1") == "seq_mean_k1"
+
+
+def test_inf_is_a_number_everywhere_and_an_upper_bound_of_none():
+    """`is_upper=inf` was refused as "a string" while `optim.lr=inf` parsed: YAML 1.1 reads only `.inf`."""
+    assert load_yaml("inf") == float("inf") and load_yaml("-inf") == float("-inf") and load_yaml(".inf") == float("inf")
+    assert load_yaml("info") == "info" and load_yaml("Infinity") == "Infinity"  # words stay words
+    train = load_config(None, ["algorithm.correction.is_level=token", "algorithm.correction.is_upper=inf"])
+    analyze, _ = analyze_config(overrides=["is_level=token", "is_upper=inf"])
+    assert train.algorithm.correction.is_upper is None and analyze.is_upper is None  # no upper bound
+    with pytest.raises(ValueError, match="is_upper must be finite, got -inf"):
+        analyze_config(overrides=["is_level=token", "is_upper=-inf"])
+    with pytest.raises(ValueError, match="optim.lr: must be a finite number > 0, got inf"):
+        load_config(None, ["optim.lr=inf"])

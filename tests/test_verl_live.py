@@ -760,3 +760,31 @@ def test_list_input_gets_a_clear_type_error():
         H.compute_rollout_correction_and_rejection_mask(rows, rows, [[1, 1], [1, 1]], rollout_is="token")
     with pytest.raises(TypeError, match="old_log_prob must be a torch.Tensor"):
         R.compute_rollout_correction_and_rejection_mask(rows, rows, [[1, 1], [1, 1]], rollout_is="token")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs_statistics_in_float32_where_verl_rounds(dtype):
+    """docs/verl.md: from bf16 / fp16 log-probs rollcorr computes its statistics in float32, verl in the inputs'
+    dtype. The truth is the float64 k3 of the rounded inputs; rollcorr is within float32 rounding of it (ℓ and
+    exp(ℓ) − 1 − ℓ per token, then a mean of n terms: metric_floor), verl is not closer."""
+    g = torch.Generator().manual_seed(7)
+    old = -torch.rand(16, 256, generator=g, dtype=torch.float64) * 2 - 0.5
+    roll = old + 0.1 * torch.randn(16, 256, generator=g, dtype=torch.float64)
+    old, roll, mask = old.to(dtype), roll.to(dtype), torch.ones(16, 256)
+    kwargs = dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs=None, rollout_rs_threshold=None)
+    ell = old.double() - roll.double()
+    truth = (torch.exp(ell) - 1 - ell).mean().item()
+    ours = R.compute_rollout_correction_and_rejection_mask(old, roll, mask, **kwargs)[2]["rollout_corr/k3_kl"]
+    verls = H.compute_rollout_correction_and_rejection_mask(old, roll, mask, **kwargs)[2]["rollout_corr/k3_kl"]
+    assert abs(ours - truth) <= 2 * metric_floor(truth, mask.numel()), (ours, truth)
+    assert abs(ours - truth) <= abs(verls - truth)
+
+
+def test_an_inf_threshold_truncates_nothing_as_in_verl():
+    """rollout_is_threshold=inf (verl: no truncation) is accepted and gives verl's untruncated weights."""
+    old, roll, mask = _batch(11)
+    kwargs = dict(rollout_is="token", rollout_is_threshold=math.inf, rollout_rs=None, rollout_rs_threshold=None)
+    w_r = R.compute_rollout_correction_and_rejection_mask(old, roll, mask, **kwargs)[0].batch["rollout_is_weights"]
+    w_v = H.compute_rollout_correction_and_rejection_mask(old, roll, mask, **kwargs)[0].batch["rollout_is_weights"]
+    torch.testing.assert_close(w_r, w_v, rtol=2e-7 if w_r.dtype == torch.float32 else 1e-12, atol=0)
+    assert from_verl({"rollout_is": "token", "rollout_is_threshold": math.inf}).is_upper is None

@@ -127,7 +127,7 @@ class CorrectionConfig:
     loss_type: str = "ppo_clip"  # bypass + ppo_clip applies no weights (the PPO ratio already holds π_θ/μ)
     is_level: str | None = None  # None: no IS weights (metrics and RS only)
     is_mode: str = "truncate"
-    is_upper: float | None = 2.0
+    is_upper: float | None = 2.0  # None or inf: no upper bound (verl's inf threshold; stored as None)
     is_lower: float | None = None
     batch_normalize: bool = False  # divide weights by their masked mean (after truncation / masking)
     batch_norm_scope: str = "batch"  # where the caller applies it: batch | mini_batch | micro_batch
@@ -159,7 +159,8 @@ class CorrectionConfig:
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         set_ = object.__setattr__  # normalise in place (frozen dataclass)
 
-        upper = _optional("is_upper", self.is_upper)
+        no_bound = isinstance(self.is_upper, float) and self.is_upper == math.inf  # the bound of no bound
+        upper = None if no_bound else _optional("is_upper", self.is_upper)
         lower = _optional("is_lower", self.is_lower, allow_zero=True)
         if upper is not None and lower is not None and lower > upper:
             raise ValueError(f"is_lower={lower} > is_upper={upper}")

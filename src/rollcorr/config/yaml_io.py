@@ -44,18 +44,21 @@ _INT = re.compile(r"""^(?:[-+]?0b[0-1]+
     |[-+]?0x[0-9a-fA-F]+)$""", re.X)
 _FLOAT = re.compile(r"""^(?:[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?
     |[-+]?[0-9]+[eE][-+]?[0-9]+
-    |[-+]?\.(?:inf|Inf|INF)
+    |[-+]?\.?(?:inf|Inf|INF)
     |\.(?:nan|NaN|NAN))$""", re.X)
 
 
 def _plain_numbers() -> dict:
     """SafeLoader's implicit resolvers with YAML 1.1's number forms that surprise people taken out — digits with
     underscores (``1.5_3`` would be 1.53: a verl "lo_hi" window read as a number) and base 60 (``1:30`` = 90) —
-    and ``1e-4`` read as the number it is (PyYAML needs a dot and a signed exponent: ``1.0e-4``)."""
+    and ``1e-4`` and ``inf`` read as the numbers they are (PyYAML needs a dot and a signed exponent, ``1.0e-4``,
+    and reads ``inf`` as text; ``.inf`` still works)."""
     table = {}
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items():
         table[first] = [(tag, _INT if tag == "tag:yaml.org,2002:int" else _FLOAT if tag == "tag:yaml.org,2002:float"
                          else regexp) for tag, regexp in resolvers]  # fmt: skip
+    for first in "iI":  # plain inf: the resolvers are looked up by a scalar's first character
+        table.setdefault(first, []).insert(0, ("tag:yaml.org,2002:float", _FLOAT))
     return table
 
 

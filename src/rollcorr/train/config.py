@@ -519,7 +519,7 @@ def _check(ok: bool, key: str, message: str) -> None:
 
 def _positive(value: float, key: str, allow_zero: bool = False) -> None:
     ok = math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
-    _check(ok, key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    _check(ok, key, f"must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
 
 
 def _validate_loss_args(loss: str, loss_args: dict[str, Any]) -> None:
