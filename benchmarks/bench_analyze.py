@@ -22,14 +22,14 @@ dropped, and said, when it does not fit).
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from machine import load, machine  # benchmarks/machine.py (a benchmark runs as a script from its folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 BYTES_PER_TOKEN = 65  # JSONL ~45, Parquet ~18, generous
@@ -50,20 +50,8 @@ print(time.perf_counter() - t)
 """
 
 
-def machine() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())  # fmt: skip
-    flags = Path("/proc/cpuinfo").read_text()
-    simd = "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    import numpy
-    import torch
-
-    return (f"{model}, {os.cpu_count()} cores, {simd}; Python {platform.python_version()}, torch {torch.__version__}, "
-            f"numpy {numpy.__version__}")  # fmt: skip
 
 
-def load() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def generate(folder: Path, tokens: int, seed: int = 0) -> tuple[Path, Path, int]:
@@ -152,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         dropped = [s for s in sizes if s * BYTES_PER_TOKEN > free]
         sizes = [s for s in sizes if s * BYTES_PER_TOKEN <= free]
         say("rollcorr analyze: peak memory and speed (benchmarks/bench_analyze.py)")
-        say(f"machine: {machine()}")
+        say(f"machine: {machine()}; Python {sys.version.split()[0]}")
         say(f"load average before: {load()}")
         say("dumps: rows of 1-1000 tokens (uniform), float64 log-probs 1 % apart, a mask; default preset "
             "(decoupled_geo_rs_token_tis)")  # fmt: skip

@@ -25,6 +25,13 @@ verl / rollcorr and verl / drop-in.
 
 ``--sweep`` prints how the correction's time grows with B (T fixed) and with T (B fixed), one thread.
 
+``--floor`` compares ``compute_correction`` (+ ``metrics_to_floats``, the fused path) with its floor: a compiled
+kernel that reads π_old, μ and the mask once and computes only what the weights and the rules need (ℓ_c, ρ, the
+token weights for token IS, the per-row reductions the rules declare), per preset, one thread, interleaved call
+by call; the ratio is rollcorr / floor CPU time. It also prints the fixed cost of one call: the median CPU time
+of ``compute_correction`` on a 2 × 8 batch (eager: under ``MIN_POSITIONS``), where the work itself is nothing,
+over 100 calls back to back.
+
 The first call of a batch of ≥ 256 K positions compiles the fused kernel (correction/fused.py): it is in the
 warm-up call, never in the timed ones. Prints numbers; asserts nothing.
 """
@@ -35,6 +42,7 @@ import argparse
 import ctypes
 import functools
 import importlib
+import math
 import os
 import resource
 import statistics
@@ -42,6 +50,7 @@ import time
 import warnings
 
 import torch
+from machine import load, machine  # benchmarks/machine.py (a benchmark runs as a script from its folder)
 
 from rollcorr.config import preset
 
@@ -158,6 +167,98 @@ def against_verl(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, r
               f"{os.getloadavg()[0]:5.1f}")  # fmt: skip
 
 
+def floor_pass(
+    old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, bound: float,
+    token_is: tuple[str, float | None, float | None] | None, reductions: tuple[str, ...],
+) -> dict[str, torch.Tensor]:
+    """What the weights and the rules need, and nothing else: n, Σℓ_c (sequence / geometric weights), the
+    rules' declared reductions, the (B, T) token weights for token IS. One pass when compiled."""
+    from rollcorr.correction.fused import _exp
+    from rollcorr.correction.weights import apply_threshold
+
+    mf = mask.to(old.dtype)
+    lrs = (torch.where(mask, old, 0.0) - torch.where(mask, rollout, 0.0)).clamp(-bound, bound)
+    k2 = lrs.square() * 0.5
+    out = {"n": mf.sum(-1), "lr": lrs.sum(-1)}
+    if "sum_k1" in reductions:
+        out["sum_k1"] = -out["lr"]
+    if "sum_k2" in reductions:
+        out["sum_k2"] = k2.sum(-1)
+    if "max_k2" in reductions:
+        out["max_k2"] = torch.where(mask, k2, -math.inf).amax(-1)
+    if token_is is not None or "max_k3" in reductions or "sum_k3" in reductions:
+        rho = _exp(lrs)
+        k3 = rho - 1.0 - lrs
+        out["sum_k3"] = k3.sum(-1)
+        if "max_k3" in reductions:
+            out["max_k3"] = torch.where(mask, k3, -math.inf).amax(-1)
+        if token_is is not None:
+            out["w"] = apply_threshold(rho * mf, mf, *token_is)
+    return out
+
+
+def floor_pass_with_diagnostics(
+    old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, bound: float,
+    token_is: tuple[str, float | None, float | None] | None, reductions: tuple[str, ...],
+) -> dict[str, torch.Tensor]:
+    """``floor_pass`` plus the diagnostics' transcendental work, each function once per position: the
+    probabilities e^old and e^μ (probability mismatch), ρ and log1p(ρ) (k3, the JS divergence), one row sum per
+    quantity — what every call of compute_correction reports, computed as cheaply as it can be."""
+    from rollcorr.correction.fused import _exp
+
+    out = floor_pass(old, rollout, mask, bound, token_is, reductions)
+    mf = mask.to(old.dtype)
+    lrs = (torch.where(mask, old, 0.0) - torch.where(mask, rollout, 0.0)).clamp(-bound, bound)
+    rho = _exp(lrs)
+    d = (_exp(torch.where(mask, old, 0.0)) - _exp(torch.where(mask, rollout, 0.0))).abs()
+    out |= {"k3": (rho - 1.0 - lrs).sum(-1), "js": torch.log1p(rho).sum(-1), "d": d.sum(-1),
+            "d_max": d.amax(-1), "rho2": (rho * rho * mf).sum(-1)}  # fmt: skip
+    return out
+
+
+def floor(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, repeat: int) -> None:
+    from rollcorr.correction import compute_correction, fused, metrics_to_floats
+    from rollcorr.correction.rejection import rule_reductions
+
+    torch.set_num_threads(1)
+    b, t = mask.shape
+    print(f"# bench_correction --floor: {machine()}; load before {load()}")
+    print(f"# {b} x {t} float32 positions, 1 thread, median CPU time of {repeat} interleaved calls after a warm-up; "
+          "fixed cost: 2 x 8 positions, median of 100 calls back to back")  # fmt: skip
+    print("case | rollcorr ns/position | floor: rules ns/position | rollcorr / rules floor | "
+          "floor: rules + diagnostics ns/position | rollcorr / full floor | fixed ms/call")
+    tiny = _inputs(2, 8, torch.float32)
+    kernel = torch.compile(floor_pass, dynamic=False, options=fused.COMPILE_OPTIONS)
+    full_kernel = torch.compile(floor_pass_with_diagnostics, dynamic=False, options=fused.COMPILE_OPTIONS)
+    for label, (name, _) in AGAINST_VERL.items():
+        config = preset(name)
+        token_is = (config.is_mode, config.is_upper, config.is_lower) if config.is_level == "token" else None
+        reductions = tuple(sorted(rule_reductions(config) or ()))
+
+        def ours(config=config) -> None:
+            metrics_to_floats(compute_correction(old, rollout, mask, config).metrics)
+
+        def least(config=config, token_is=token_is, reductions=reductions, kernel=kernel) -> None:
+            out = kernel(old, rollout, mask, float(config.safety_bound), token_is, reductions)
+            torch.stack([v.sum() for v in out.values()]).tolist()  # the one sync, as compute_correction's
+
+        def full(config=config, token_is=token_is, reductions=reductions) -> None:
+            least(config, token_is, reductions, full_kernel)
+
+        def fixed(config=config) -> None:
+            metrics_to_floats(compute_correction(*tiny, config).metrics)
+
+        for call in (ours, least, full, fixed):  # warm up (compiles the kernels)
+            call()
+        times = [tuple(_cpu_ms(c) for c in (ours, least, full)) for _ in range(repeat)]  # interleaved
+        a, f, g = (statistics.median(x) for x in zip(*times))
+        small = statistics.median(_cpu_ms(fixed) for _ in range(100))  # back to back, as a loop of small calls
+        per = 1e6 / (b * t)
+        print(f"{label} ({name}) | {a * per:.2f} | {f * per:.2f} | {a / f:.2f} | {g * per:.2f} | {a / g:.2f} | "
+              f"{small:.2f}")  # fmt: skip
+    print(f"# load after {load()}")
+
+
 def sweep(presets: list[str], repeat: int) -> None:
     from rollcorr.correction import compute_correction, metrics_to_floats
 
@@ -196,11 +297,15 @@ def main() -> None:
     )
     ap.add_argument("--against", choices=["verl"], help="time against verl's helper, interleaved")
     ap.add_argument("--sweep", action="store_true", help="time vs B and vs T (presets: --presets)")
+    ap.add_argument("--floor", action="store_true", help="against a kernel computing only what the rules need")
     args = ap.parse_args()
     # the fused path from the first large call (unless the caller set ROLLCORR_FUSED, e.g. =0 for the eager path):
     # this benchmark measures the kernels, not the process-level break-even rule of correction/fused.py
     os.environ.setdefault("ROLLCORR_FUSED", "1")
     warnings.simplefilter("ignore")  # AllRejectedWarning: the Geo-RS window rejects these batches every call
+    if args.floor:  # its output is a results file: benchmarks/results/bench_correction_floor.txt
+        floor(*_inputs(args.batch, args.length, torch.float32), args.repeat)
+        return
     if args.against or args.sweep:
         print(f"B×T = {args.batch}×{args.length}, float32, 1 thread, load avg {os.getloadavg()[0]:.1f}, "
               f"torch {torch.__version__}")  # fmt: skip

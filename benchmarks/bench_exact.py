@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -23,18 +21,13 @@ import time
 from pathlib import Path
 
 import torch
+from machine import load, machine  # benchmarks/machine.py (a benchmark runs as a script from its folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())  # fmt: skip
-    return f"{cpu} ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} cores"
 
 
-def load() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def rates(spec: str, prompts, params, repeats: int) -> tuple[float, float]:

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from machine import load, machine  # benchmarks/machine.py (a benchmark runs as a script from its folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples/arithmetic/train.jsonl"
@@ -74,15 +74,8 @@ PARTS = (("generation", "time/generate_s"), ("π_old", "time/old_log_prob_s"), (
          ("backward", "time/backward_s"), ("AdamW", "time/optimizer_s"), ("publish", "time/publish_s"))  # fmt: skip
 
 
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())  # fmt: skip
-    simd = "AVX512" if "avx512f" in Path("/proc/cpuinfo").read_text() else "AVX2 or less"
-    return f"{cpu} ({simd}), {os.cpu_count()} cores"
 
 
-def load() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def rollcorr_steps(args, tmp: Path) -> list[dict]:

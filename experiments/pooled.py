@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from pathlib import Path
 from typing import Any
 
 from experiments.common import RESULTS, write_json

@@ -854,6 +854,8 @@ BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
     "bench:trl": ("docs/performance.md", lambda res: _bench_table(REPO / "benchmarks/results/bench_trl.txt")),
     "audit:diagnosis": ("docs/audit.md", lambda res: _diagnosis_text(res)),
     "bench:exact": ("docs/precision.md", lambda res: _bench_table(REPO / "benchmarks/results/bench_exact.txt")),
+    "bench:floor": ("docs/performance.md",
+                    lambda res: _bench_table(REPO / "benchmarks/results/bench_correction_floor.txt")),
 }
 
 

@@ -474,13 +474,13 @@ def decomposition_metrics(
 
 
 def metrics_to_floats(metrics: dict[str, Tensor | float]) -> dict[str, float]:
-    """Python floats for logging: one device sync for the whole dict."""
-    if not metrics:
-        return {}
-    keys = list(metrics)
-    first = next((v for v in metrics.values() if isinstance(v, Tensor)), None)
-    device = first.device if first is not None else None
-    values = [
-        torch.as_tensor(metrics[k], dtype=torch.float64, device=device).detach().reshape(()) for k in keys
-    ]
-    return dict(zip(keys, torch.stack(values).tolist()))
+    """Python floats for logging: one device sync for the whole dict (the 0-d tensors stacked per dtype, cast to
+    float64 together, read at once)."""
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for key, value in metrics.items():
+        if isinstance(value, Tensor):
+            by_dtype.setdefault(value.dtype, []).append(key)
+    parts = [torch.stack([metrics[k].detach().reshape(()) for k in keys]).to(torch.float64)
+             for keys in by_dtype.values()]  # fmt: skip
+    read = dict(zip((k for keys in by_dtype.values() for k in keys), torch.cat(parts).tolist() if parts else []))
+    return {k: read[k] if k in read else float(v) for k, v in metrics.items()}
