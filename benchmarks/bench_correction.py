@@ -126,7 +126,10 @@ def _cpu_ms(call) -> float:
     return (time.process_time() - start) * 1e3
 
 
-def against_verl(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, repeat: int) -> None:
+def against_verl(shapes: list[tuple[int, int]], repeat: int) -> None:
+    """The verl table: per shape and case, median CPU ms of rollcorr (fused from the first call), rollcorr
+    eager, the drop-in and verl's helper, interleaved call by call, and verl's system CPU time (page faults of
+    its fresh allocations: what ``MALLOC_MMAP_THRESHOLD_`` changes)."""
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask as helper
 
     from rollcorr.compat.verl import compute_rollout_correction_and_rejection_mask as drop_in
@@ -134,37 +137,46 @@ def against_verl(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, r
 
     torch.set_num_threads(1)
     os.environ[fused.ENV] = "1"  # the fused kernel from the first call: this measures it, not the break-even rule
-    b, t = mask.shape
-    print(f"{'case (rollcorr preset)':48s} {'rollcorr CPU ms':>15s} {'eager CPU ms':>12s} "
-          f"{'drop-in CPU ms':>14s} {'verl CPU ms':>12s} {'M tok/s':>8s} {'verl M tok/s':>12s} "
-          f"{'speed-up':>8s} {'drop-in speed-up':>16s} {'load':>5s}")  # fmt: skip
-    for label, (name, kwargs) in AGAINST_VERL.items():
-        config = preset(name)
+    allocator = os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default")
+    print(f"# bench_correction --against verl: {machine()}; load before {load()}")
+    print(f"# float32, random lengths (about 5/8 of the positions valid), 1 thread, median CPU time of {repeat} "
+          f"interleaved calls after a warm-up; MALLOC_MMAP_THRESHOLD_ = {allocator}")  # fmt: skip
+    print("shape | case | rollcorr fused ms | rollcorr eager ms | drop-in ms | verl ms | verl system ms | "
+          "verl / fused | verl / eager | verl / drop-in")
+    for b, t in shapes:
+        inputs = _inputs(b, t, torch.float32)
+        for label, (name, kwargs) in AGAINST_VERL.items():
+            config = preset(name)
 
-        def ours(config=config) -> None:
-            metrics_to_floats(compute_correction(old, rollout, mask, config).metrics)
+            def ours(config=config, inputs=inputs) -> None:
+                metrics_to_floats(compute_correction(*inputs, config).metrics)
 
-        def eager(ours=ours) -> None:  # rollcorr without the fused kernel
-            os.environ[fused.ENV] = "0"
-            try:
-                ours()
-            finally:
-                os.environ[fused.ENV] = "1"
+            def eager(ours=ours) -> None:  # rollcorr without the fused kernel
+                os.environ[fused.ENV] = "0"
+                try:
+                    ours()
+                finally:
+                    os.environ[fused.ENV] = "1"
 
-        def theirs(kwargs=kwargs) -> None:
-            helper(old, rollout, mask, **kwargs)
+            def theirs(kwargs=kwargs, inputs=inputs) -> None:
+                helper(*inputs, **kwargs)
 
-        def ours_as_verl(kwargs=kwargs) -> None:  # verl's signature and numbers, rollcorr's kernels
-            drop_in(old, rollout, mask, **kwargs)
+            def ours_as_verl(kwargs=kwargs, inputs=inputs) -> None:  # verl's signature and numbers, rollcorr's kernels
+                drop_in(*inputs, **kwargs)
 
-        for call in (ours, eager, ours_as_verl, theirs):  # warm up (the first calls compile the fused kernel)
-            call()
-        calls = (ours, eager, ours_as_verl, theirs)
-        times = [tuple(_cpu_ms(c) for c in calls) for _ in range(repeat)]  # interleaved
-        a, e, d, v = (statistics.median(x) for x in zip(*times))
-        print(f"{label + ' (' + name + ')':48s} {a:15.1f} {e:12.1f} {d:14.1f} {v:12.1f} "
-              f"{b * t / a / 1e3:8.1f} {b * t / v / 1e3:12.1f} {v / a:8.2f} {v / d:16.2f} "
-              f"{os.getloadavg()[0]:5.1f}")  # fmt: skip
+            calls = (ours, eager, ours_as_verl, theirs)
+            for call in calls:  # warm up (the first calls compile the fused kernel)
+                call()
+            times, system = [], []
+            for _ in range(repeat):  # interleaved
+                times.append(tuple(_cpu_ms(c) for c in calls[:3]))
+                r0 = resource.getrusage(resource.RUSAGE_SELF)
+                times[-1] += (_cpu_ms(theirs),)
+                system.append((resource.getrusage(resource.RUSAGE_SELF).ru_stime - r0.ru_stime) * 1e3)
+            a, e, d, v = (statistics.median(x) for x in zip(*times))
+            print(f"{b} x {t} | {label} | {a:.1f} | {e:.1f} | {d:.1f} | {v:.1f} | {statistics.median(system):.1f} | "
+                  f"{v / a:.2f} | {v / e:.2f} | {v / d:.2f}")  # fmt: skip
+    print(f"# load after {load()}")
 
 
 def floor_pass(
@@ -296,6 +308,8 @@ def main() -> None:
         help="torch.compile the correction (validate=False); compile time is reported separately",
     )
     ap.add_argument("--against", choices=["verl"], help="time against verl's helper, interleaved")
+    ap.add_argument("--shapes", nargs="+", default=None, metavar="BxT",
+                    help="--against verl: the batch shapes (default: --batch x --length)")  # fmt: skip
     ap.add_argument("--sweep", action="store_true", help="time vs B and vs T (presets: --presets)")
     ap.add_argument("--floor", action="store_true", help="against a kernel computing only what the rules need")
     args = ap.parse_args()
@@ -303,18 +317,17 @@ def main() -> None:
     # this benchmark measures the kernels, not the process-level break-even rule of correction/fused.py
     os.environ.setdefault("ROLLCORR_FUSED", "1")
     warnings.simplefilter("ignore")  # AllRejectedWarning: the Geo-RS window rejects these batches every call
+    if args.against:  # its output is a results file: benchmarks/results/bench_correction_verl*.txt
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes else None
+        against_verl(shapes or [(args.batch, args.length)], args.repeat)
+        return
     if args.floor:  # its output is a results file: benchmarks/results/bench_correction_floor.txt
         floor(*_inputs(args.batch, args.length, torch.float32), args.repeat)
         return
-    if args.against or args.sweep:
+    if args.sweep:
         print(f"B×T = {args.batch}×{args.length}, float32, 1 thread, load avg {os.getloadavg()[0]:.1f}, "
               f"torch {torch.__version__}")  # fmt: skip
-        if args.sweep:
-            sweep(
-                args.presets if args.presets != PRESETS else ["disabled", "decoupled_token_is"], args.repeat
-            )
-        else:
-            against_verl(*_inputs(args.batch, args.length, torch.float32), args.repeat)
+        sweep(args.presets if args.presets != PRESETS else ["disabled", "decoupled_token_is"], args.repeat)
         return
     impl = importlib.import_module(args.impl)
     b, t = args.batch, args.length

@@ -120,3 +120,16 @@ def mde_of_arms(arms: Sequence[tuple[float, int]], alpha: float = 0.05, family: 
     sd = math.sqrt(sum((n - 1) * s * s for s, n in usable) / df)
     (_, na), (_, nb) = usable[:2]
     return mde_from_sd(sd, math.sqrt(1 / na + 1 / nb), df, alpha, family, power)
+
+
+def detectable_ratio(ratio: float, ci_low: float, claim: float, alpha: float = 0.05,
+                     power: float = POWER) -> float:  # fmt: skip
+    """The ratio a "lower end of the (1 − alpha) interval ≥ ``claim``" rule detects with ``power``, given the
+    interval's lower half-width on the log scale: σ = (log ratio − log ci_low) / z_{1−α/2}, and the detectable
+    ratio is claim · exp((z_{1−α/2} + z_power) σ) — the ratio-scale MDE of a bootstrap interval (normal on the
+    log scale)."""
+    from statistics import NormalDist
+
+    z = NormalDist().inv_cdf
+    sigma = (math.log(ratio) - math.log(ci_low)) / z(1 - alpha / 2)
+    return claim * math.exp((z(1 - alpha / 2) + z(power)) * sigma)

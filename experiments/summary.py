@@ -525,7 +525,8 @@ FP16_TRAIN_CLAIM = "fp16 on both sides trains better than bf16 on both sides (th
 def fp16_study(r: dict[str, Any]) -> list[Row]:
     """Study 10 by its protocol (docs/fp16-study.md): part A per model (the k3 ratio's interval against 10×), part B
     (a permutation test); "pending" until each part has all its audits or runs."""
-    from experiments.fp16_study import MODELS, SEEDS
+    from experiments.fp16_study import CLAIM_RATIO, MODELS, SEEDS
+    from experiments.power import detectable_ratio
 
     s = r["summary"]
     rows = []
@@ -539,7 +540,8 @@ def fp16_study(r: dict[str, Any]) -> list[Row]:
         rows.append(Row("10 (A)", claim, t["verdict"],
                         f"k3 bf16 pair {t['k3']['bf16']:.3g} vs fp16 pair {t['k3']['fp16']:.3g}: ratio {t['ratio']:.1f}, "
                         f"95 % CI [{t['ci95'][0]:.1f}, {t['ci95'][1]:.1f}]; |Δp| ≥ 0.01: {100 * t['share_ge_0.01']['bf16']:.1f} % "
-                        f"vs {100 * t['share_ge_0.01']['fp16']:.2f} %"))  # fmt: skip
+                        f"vs {100 * t['share_ge_0.01']['fp16']:.2f} %",
+                        mde=detectable_ratio(t["ratio"], t["ci95"][0], CLAIM_RATIO)))  # fmt: skip
     b = s["tests"].get("B")
     done = sum(a["seeds"] for a in s["arms"].values())
     if not s["complete_b"] or b is None:
@@ -854,9 +856,16 @@ BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
     "bench:trl": ("docs/performance.md", lambda res: _bench_table(REPO / "benchmarks/results/bench_trl.txt")),
     "audit:diagnosis": ("docs/audit.md", lambda res: _diagnosis_text(res)),
     "bench:exact": ("docs/precision.md", lambda res: _bench_table(REPO / "benchmarks/results/bench_exact.txt")),
+    "exploratory:fp16_moe": ("docs/precision.md", lambda res: _fp16_moe_paragraph(res)),
     "bench:floor": ("docs/performance.md",
                     lambda res: _bench_table(REPO / "benchmarks/results/bench_correction_floor.txt")),
 }
+
+
+def _fp16_moe_paragraph(results: Path) -> str:
+    from experiments.fp16_exploratory import paragraph
+
+    return paragraph(results / "fp16_study" / "audits")
 
 
 def _diagnosis_text(results: Path) -> str:

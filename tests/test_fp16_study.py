@@ -44,3 +44,31 @@ def test_quick_runs_both_parts_and_assembles(tmp_path):
     assert {"A:builtin", "A:builtin:moe"} <= set(summary["tests"])  # SmolLM2 needs --model
     assert not summary["complete_a"] and not summary["complete_b"]
     assert set(summary["arms"]) == set(fs.ARMS) and all(a["seeds"] == 1 for a in summary["arms"].values())
+
+
+def test_the_exploratory_largest_prompt_reading(tmp_path):
+    """experiments/fp16_exploratory.py: the largest fp16 prompt, its share, R with and without it."""
+    import json
+
+    from experiments.fp16_exploratory import largest_prompt, paragraph
+
+    assert largest_prompt(audits=tmp_path) is None and "pending" in paragraph(tmp_path)
+    bf16 = {"k3_sum": [1.0, 1.0, 1.0], "tokens": [10, 10, 10]}
+    fp16 = {"k3_sum": [0.01, 0.9, 0.09], "tokens": [10, 10, 10]}
+    for pair, audit in (("bf16", bf16), ("fp16", fp16)):
+        (tmp_path / f"builtin-moe_{pair}.json").write_text(json.dumps(audit))
+    found = largest_prompt(audits=tmp_path)
+    assert found["prompt"] == 1 and found["share"] == pytest.approx(0.9)
+    assert found["ratio"] == pytest.approx(3.0) and found["ratio_without"] == pytest.approx(2.0 / 0.1)
+
+
+def test_a_ratio_verdict_shows_the_ratio_it_could_have_seen():
+    """A "not reproduced" of part A carries the ratio its prompts could have shown ≥ 10× with 80 % power: on the
+    log scale, the interval's lower half-width gives σ, and the detectable ratio is 10 · e^{(z₀.₉₇₅ + z₀.₈) σ}."""
+    import math
+
+    from experiments.power import detectable_ratio
+
+    sigma = math.log(2) / 1.959964
+    assert detectable_ratio(20.0, 10.0, 10.0) == pytest.approx(10 * math.exp((1.959964 + 0.841621) * sigma), rel=1e-5)
+    assert detectable_ratio(5.0, 4.0, 10.0) < detectable_ratio(5.0, 1.0, 10.0)  # a wider interval sees less
