@@ -137,10 +137,10 @@ def against_verl(shapes: list[tuple[int, int]], repeat: int) -> None:
 
     torch.set_num_threads(1)
     os.environ[fused.ENV] = "1"  # the fused kernel from the first call: this measures it, not the break-even rule
-    allocator = os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default")
+    allocator = ", ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")) or "glibc defaults"
     print(f"# bench_correction --against verl: {machine()}; load before {load()}")
     print(f"# float32, random lengths (about 5/8 of the positions valid), 1 thread, median CPU time of {repeat} "
-          f"interleaved calls after a warm-up; MALLOC_MMAP_THRESHOLD_ = {allocator}")  # fmt: skip
+          f"interleaved calls after a warm-up; allocator: {allocator}")  # fmt: skip
     print("shape | case | rollcorr fused ms | rollcorr eager ms | drop-in ms | verl ms | verl system ms | "
           "verl / fused | verl / eager | verl / drop-in")
     for b, t in shapes:

@@ -856,10 +856,52 @@ BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
     "bench:trl": ("docs/performance.md", lambda res: _bench_table(REPO / "benchmarks/results/bench_trl.txt")),
     "audit:diagnosis": ("docs/audit.md", lambda res: _diagnosis_text(res)),
     "bench:exact": ("docs/precision.md", lambda res: _bench_table(REPO / "benchmarks/results/bench_exact.txt")),
+    "bench:verl": ("docs/performance.md",
+                   lambda res: _bench_table(REPO / "benchmarks/results/bench_correction_verl.txt")),
+    "bench:verl_nommap": ("docs/performance.md",
+                          lambda res: _bench_table(REPO / "benchmarks/results/bench_correction_verl_nommap.txt")),
+    "bench:verl_ratios": ("docs/performance.md", lambda res: verl_ratio_text(
+        REPO / "benchmarks/results/bench_correction_verl_nommap.txt",
+        REPO / "benchmarks/results/bench_correction_verl.txt")),
     "exploratory:fp16_moe": ("docs/precision.md", lambda res: _fp16_moe_paragraph(res)),
     "bench:floor": ("docs/performance.md",
                     lambda res: _bench_table(REPO / "benchmarks/results/bench_correction_floor.txt")),
 }
+
+
+def bench_rows(path: Path) -> list[dict[str, str]]:
+    """A benchmark's committed ``a | b`` output as rows keyed by its header."""
+    lines = [line for line in path.read_text().splitlines() if line and not line.startswith("#")]
+    header = [c.strip() for c in lines[0].split("|")]
+    return [dict(zip(header, (c.strip() for c in line.split("|")))) for line in lines[1:]]
+
+
+def verl_ratio_text(quoted: Path, defaults: Path) -> str:
+    """The ratio to verl per shape, from the run without the allocator effect, and what the effect added."""
+
+    def span(rows: list[dict[str, str]], key: str) -> str:
+        values = [float(r[key]) for r in rows]
+        return f"{min(values):.1f}–{max(values):.1f}×"
+
+    def positions(row: dict[str, str]) -> int:
+        b, t = (int(x) for x in row["shape"].split(" x "))
+        return b * t
+
+    rows, plain = bench_rows(quoted), bench_rows(defaults)
+    fused_min = 1 << 18  # rollcorr.correction.fused.MIN_POSITIONS
+    small = [r for r in rows if positions(r) < 1 << 16]
+    middle = [r for r in rows if 1 << 16 <= positions(r) < fused_min]
+    large = [r for r in rows if positions(r) >= fused_min]
+    big = [r for r in plain if positions(r) == max(map(positions, plain))]
+    return (f"verl's CPU time over rollcorr's, per shape: {span(small, 'verl / eager')} at "
+            f"{', '.join(sorted({r['shape'] for r in small}))} (the fixed cost of a call dominates: parity); "
+            f"{span(middle, 'verl / eager')} at {', '.join(sorted({r['shape'] for r in middle}))} (eager: below the "
+            f"fused path's 256 K positions); at {', '.join(sorted({r['shape'] for r in large}, key=len))} "
+            f"{span(large, 'verl / fused')} on the fused path, {span(large, 'verl / eager')} eager, and "
+            f"{span(large, 'verl / drop-in')} for the verl drop-in. With glibc's defaults verl's system time at "
+            f"{big[0]['shape']} is {min(float(r['verl system ms']) for r in big):.0f}–"
+            f"{max(float(r['verl system ms']) for r in big):.0f} ms a call, and the fused ratio there reads "
+            f"{span(big, 'verl / fused')}: not quoted as a speed-up.")  # fmt: skip
 
 
 def _fp16_moe_paragraph(results: Path) -> str:
