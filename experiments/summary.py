@@ -863,6 +863,7 @@ BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
     "bench:verl_ratios": ("docs/performance.md", lambda res: verl_ratio_text(
         REPO / "benchmarks/results/bench_correction_verl_nommap.txt",
         REPO / "benchmarks/results/bench_correction_verl.txt")),
+    "observation:sampler_vs_generate": ("docs/engines.md", lambda res: _sampler_vs_generate(res)),
     "exploratory:fp16_moe": ("docs/precision.md", lambda res: _fp16_moe_paragraph(res)),
     "bench:floor": ("docs/performance.md",
                     lambda res: _bench_table(REPO / "benchmarks/results/bench_correction_floor.txt")),
@@ -902,6 +903,12 @@ def verl_ratio_text(quoted: Path, defaults: Path) -> str:
             f"{big[0]['shape']} is {min(float(r['verl system ms']) for r in big):.0f}–"
             f"{max(float(r['verl system ms']) for r in big):.0f} ms a call, and the fused ratio there reads "
             f"{span(big, 'verl / fused')}: not quoted as a speed-up.")  # fmt: skip
+
+
+def _sampler_vs_generate(results: Path) -> str:
+    from experiments.sampler_vs_generate import paragraph
+
+    return paragraph(results / "sampler_vs_generate")
 
 
 def _fp16_moe_paragraph(results: Path) -> str:
