@@ -863,11 +863,18 @@ BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
     "bench:verl_ratios": ("docs/performance.md", lambda res: verl_ratio_text(
         REPO / "benchmarks/results/bench_correction_verl_nommap.txt",
         REPO / "benchmarks/results/bench_correction_verl.txt")),
+    "bench:measure_engines": ("docs/training.md",
+                              lambda res: _fenced(REPO / "benchmarks/results/measure_engines_builtin.txt")),
     "observation:sampler_vs_generate": ("docs/engines.md", lambda res: _sampler_vs_generate(res)),
     "exploratory:fp16_moe": ("docs/precision.md", lambda res: _fp16_moe_paragraph(res)),
     "bench:floor": ("docs/performance.md",
                     lambda res: _bench_table(REPO / "benchmarks/results/bench_correction_floor.txt")),
 }
+
+
+def _fenced(path: Path) -> str:
+    """A committed command output, verbatim in a code block."""
+    return "```\n" + path.read_text().rstrip("\n") + "\n```"
 
 
 def bench_rows(path: Path) -> list[dict[str, str]]:

@@ -53,6 +53,7 @@ def test_readme_geo_rs_remark_holds_on_the_example_data():
 # ---------------------------------------------------------------- every fenced block of README.md and docs/
 
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+MEASURED = (ROOT / "benchmarks/results/measure_engines_builtin.txt").read_text().splitlines()[0].split("config): ", 1)[1]
 # Blocks that are run elsewhere, or that nothing can run, by (file, first line) — with the reason. Every other
 # block must be run by RUN below; test_every_block_is_run_or_says_why fails on a new block in neither.
 NOT_HERE = {
@@ -122,6 +123,10 @@ NOT_HERE = {
         "a study (20 min)",
     ("docs/results.md", "PYTHONPATH=. .venv/bin/python -m experiments.throughput --lr 2e-4"):
         "a study (18 min alone on a 2-core machine; its `--quick` path is a slow-marked test in tests/test_experiments.py)",
+    ("docs/training.md", "rollcorr train --measure-engines rollout.prompts_per_step=4 rollout.group_size=4"):
+        "tests/test_engine_choice.py::test_the_command_measures_and_trains_nothing runs it (a smaller batch)",
+    ("docs/training.md", "# VLLM_LOGGING_LEVEL=ERROR rollcorr train --measure-engines (built-in model, default config): " + MEASURED):
+        "output of `rollcorr train --measure-engines`, benchmarks/results/measure_engines_builtin.txt (a generated block)",
     ("docs/training.md", "# benchmarks/bench_train.py"): "output of benchmarks/bench_train.py",
     ("docs/training.md", "# benchmarks/bench_decode.py: CPU seconds per call, reference vs fast, one run (load average 11–13)"):
         "output of benchmarks/bench_decode.py",

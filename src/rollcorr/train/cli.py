@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "only some keys may change, see docs/training.md)")  # fmt: skip
     parser.add_argument("--print-config", action="store_true",
                         help="check and print the resolved config, then exit")  # fmt: skip
+    parser.add_argument("--measure-engines", action="store_true",
+                        help="time each sampler engine (and sync vs async) on one batch of this config's shape, "
+                             "print which is faster here, then exit (nothing is trained)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,6 +69,11 @@ def _run(args: argparse.Namespace) -> int:
         check_components(config)
         if args.print_config:
             print(yaml.safe_dump(config.to_dict(), sort_keys=False))
+            return 0
+        if args.measure_engines:
+            from rollcorr.train.engine_choice import run as measure_engines
+
+            print(measure_engines(config))
             return 0
     except ConfigError as err:
         print(f"rollcorr train: config error: {err}", file=sys.stderr)
