@@ -132,6 +132,8 @@ NOT_HERE = {
         "output of benchmarks/bench_decode.py",
     ("docs/training.md", "# PYTHONPATH=src:. python benchmarks/bench_train.py --skip-strategies --steps 8 --repeats 3"):
         "output of benchmarks/bench_train.py",
+    ("docs/analyze.md", "rollcorr analyze: peak memory and speed (benchmarks/bench_analyze.py)"):
+        "output of benchmarks/bench_analyze.py, benchmarks/results/bench_analyze.txt (a generated block)",
     ("docs/analyze.md", "import torch"):
         "tests/test_dump_formats.py::test_docs_analyze_write_dump_snippet_runs runs it and reads the dump back",
     ("docs/verl.md", "# rollcorr_plugin.py, on PYTHONPATH; run verl with VERL_USE_EXTERNAL_MODULES=rollcorr_plugin"): "tests/test_verl_live.py::test_docs_verl_snippets_run runs every block of docs/verl.md against the installed verl",
