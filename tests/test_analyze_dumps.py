@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollcorr.analyze.dumps import POSITIVE_TOL, read_dump
+from rollcorr.dumps import POSITIVE_TOL, read_dump
 
 
 def _row(n: int = 3, shift: float = 0.05, **extra):

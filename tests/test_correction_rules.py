@@ -99,9 +99,9 @@ def test_a_rule_registered_outside_makes_a_config_reject(toy_rule):
 
     from rollcorr.analyze.analysis import analyze
     from rollcorr.analyze.cli import sample_dump_path
-    from rollcorr.analyze.dumps import read_dump
     from rollcorr.analyze.render import render
     from rollcorr.correction.rejection import rejects
+    from rollcorr.dumps import read_dump
 
     config = CorrectionConfig(is_level="token", is_upper=2.5)  # no rs, veto, TRM or OPSM field set
     assert rejects(config) and not rejects(CorrectionConfig(is_level="token"))
@@ -113,8 +113,8 @@ def test_a_rule_registered_outside_makes_a_config_reject(toy_rule):
 def test_analyze_explains_a_rule_registered_outside(toy_rule):
     from rollcorr.analyze.analysis import analyze
     from rollcorr.analyze.cli import sample_dump_path
-    from rollcorr.analyze.dumps import read_dump
     from rollcorr.analyze.render import describe
+    from rollcorr.dumps import read_dump
 
     config = CorrectionConfig(is_level="token", is_upper=2.5)
     assert "toy_max_abs_log_ratio 1.28" in describe(config)
@@ -221,7 +221,7 @@ def test_the_verl_drop_in_takes_the_fused_path(kernel_calls, monkeypatch):
 def test_analyze_takes_the_fused_path(kernel_calls, monkeypatch):
     from rollcorr.analyze.analysis import analyze
     from rollcorr.analyze.cli import sample_dump_path
-    from rollcorr.analyze.dumps import read_dump
+    from rollcorr.dumps import read_dump
 
     dump = read_dump(sample_dump_path())
     config = preset("decoupled_geo_rs_token_tis")
@@ -252,7 +252,7 @@ def test_analyze_explains_a_token_rule_registered_outside():
     to choose how to explain a rule by its name, and an outside token rule crashed it: size mismatch)."""
     from rollcorr.analyze.analysis import analyze
     from rollcorr.analyze.cli import sample_dump_path
-    from rollcorr.analyze.dumps import read_dump
+    from rollcorr.dumps import read_dump
 
     rule = register_rule(Rule(
         "toy_token_abs_log_ratio",

@@ -1,4 +1,6 @@
-"""Read rollout dumps (JSONL or Parquet, one response per row): block by block, as padded (B, T) chunks.
+"""The rollout dump: the on-disk format (JSONL or Parquet, one response per row) that ``write_dump`` writes (the
+TRL drop-in, a verl run: docs/verl.md) and ``rollcorr analyze`` and ``rollcorr audit --from-log`` read, block by
+block, as padded (B, T) chunks. It lives below the apps, which all share it (docs/architecture.md).
 
 A dump row holds per-token lists for one response: the sampler's log-probs (log μ), the learner's log-probs
 (log π_old) and optionally a mask, advantages, token ids, token texts and per-token weight versions::
