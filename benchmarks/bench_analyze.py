@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BYTES_PER_TOKEN = 65  # JSONL ~45, Parquet ~18, generous
 READ_ONLY = """
 import sys, time
-from rollcorr.analyze.dumps import open_dump
+from rollcorr.dumps import open_dump
 t = time.perf_counter()
 n = sum(int(c.response_mask.numpy().sum()) for c in open_dump(sys.argv[1]).chunks())
 print(n, time.perf_counter() - t)

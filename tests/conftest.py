@@ -128,6 +128,36 @@ def protocol_held():
     return check
 
 
+# ---- the fused correction path ------------------------------------------------------------------------------
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Take the fused correction path on any batch size (what ROLLCORR_FUSED=1 does on a large batch), the kernel
+    function run eagerly (``row_pass`` is pure; tests/test_correction_perf_fused.py compiles it); the list of the
+    kernel's calls."""
+    from rollcorr.correction import fused
+
+    calls = []
+
+    def counted(*args):
+        calls.append(args)
+        return fused.row_pass(*args)
+
+    monkeypatch.setattr(fused, "MIN_POSITIONS", 0)
+    monkeypatch.setenv(fused.ENV, "1")
+    monkeypatch.setitem(fused._state, "compiled", counted)
+    monkeypatch.setitem(fused._state, "failed", False)
+    return calls
+
+
+def on_eager_path(monkeypatch, fn, *args, **kw):
+    """``fn(*args, **kw)`` with the fused correction path off (ROLLCORR_FUSED=0)."""
+    from rollcorr.correction import fused
+
+    with monkeypatch.context() as m:
+        m.setenv(fused.ENV, "0")
+        return fn(*args, **kw)
+
+
 # ---- float tolerances -------------------------------------------------------------------------------------
 # torch picks its float kernels by CPU (ATEN_CPU_CAPABILITY=default / avx2 / avx512), so two float32 paths that
 # are equal in exact arithmetic differ by an amount that no number tuned on one machine bounds. The rule of

@@ -15,14 +15,15 @@ import numpy as np
 import pytest
 import torch
 
-from rollcorr.analyze import dumps
-from rollcorr.analyze.analysis import analyze, analyze_chunks, analyze_reader, iter_chunks, quantiles
+from rollcorr import dumps
+from rollcorr.analyze.analysis import analyze, analyze_chunks, analyze_reader, iter_chunks
 from rollcorr.analyze.cli import sample_dump_path
-from rollcorr.analyze.dumps import open_dump, read_dump
+from rollcorr.chunked import quantiles
 from rollcorr.cli import main
 from rollcorr.config import CorrectionConfig
 from rollcorr.config.presets import PRESETS, preset
 from rollcorr.correction import compute_correction, metrics_to_floats
+from rollcorr.dumps import open_dump, read_dump
 
 EXTRA = {
     "token_k1": CorrectionConfig(rs=("token_k1",), rs_thresholds=("0.97_1.03",), is_level="token", is_upper=2.0),

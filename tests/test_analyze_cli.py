@@ -11,9 +11,9 @@ import torch
 
 from rollcorr.analyze.analysis import analyze
 from rollcorr.analyze.cli import DEFAULT_PRESET, load_config, parse_value, sample_dump_path
-from rollcorr.analyze.dumps import read_dump
 from rollcorr.cli import main
 from rollcorr.config.presets import PRESETS, preset
+from rollcorr.dumps import read_dump
 
 
 @pytest.fixture
@@ -299,7 +299,7 @@ class _Tokenizer:
 
 
 def _written_dump(tmp_path, correction):
-    from rollcorr.analyze.dumps import write_dump
+    from rollcorr.dumps import write_dump
 
     g = torch.Generator().manual_seed(0)
     old = -torch.rand(6, 5, generator=g) * 2
@@ -347,7 +347,7 @@ def test_written_dump_carries_token_texts(tmp_path):
 
 def test_dump_with_two_corrections_asks_which(capsys, tmp_path):
     path, _ = _written_dump(tmp_path, preset("decoupled_token_is"))
-    from rollcorr.analyze.dumps import write_dump
+    from rollcorr.dumps import write_dump
 
     write_dump(path, torch.full((1, 2), -0.5), torch.full((1, 2), -0.5), torch.ones(1, 2),
                correction=preset("icepop"))  # fmt: skip

@@ -11,7 +11,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollcorr.analyze.dumps import POSITIVE_TOL, read_dump
+from rollcorr.dumps import POSITIVE_TOL, read_dump
+
+
+def test_the_former_address_is_the_same_module(tmp_path, monkeypatch):
+    """``rollcorr.analyze.dumps`` (docs named it before the format moved below the apps) is ``rollcorr.dumps``
+    itself: the same functions, and a setting changed through either name is seen by both."""
+    import rollcorr.analyze.dumps as former
+    from rollcorr import dumps
+    from rollcorr.analyze.dumps import read_dump as former_read_dump
+    from rollcorr.analyze.dumps import write_dump as former_write_dump
+
+    assert former is dumps and former_read_dump is read_dump and former_write_dump is dumps.write_dump
+    monkeypatch.setattr(former, "READ_BYTES", 64)
+    assert dumps.READ_BYTES == 64
 
 
 def _row(n: int = 3, shift: float = 0.05, **extra):

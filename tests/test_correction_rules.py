@@ -4,127 +4,20 @@ drop-in, analyze) takes the fused path when the rules declare their reductions. 
 function eagerly here (``row_pass`` is pure; compiling changes the summation order, not the formulas;
 tests/test_correction_perf_fused.py compiles it for real), on small batches; the documented tolerance is float
 rounding: each path's error against the eager path on float64 copies of the inputs (conftest.assert_as_accurate;
-analyze's dumps are float64 already: float64 math there)."""
+analyze's dumps are float64 already: float64 math there). A rule registered from outside the package, on every
+path and in every consumer: tests/test_recipes.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
 
-from conftest import EPS32, assert_as_accurate, assert_metrics_as_accurate
+from conftest import EPS32, assert_as_accurate, assert_metrics_as_accurate, on_eager_path
 from rollcorr.config import CorrectionConfig, preset
-from rollcorr.correction import compute_correction, fused
-from rollcorr.correction.rejection import RULES, Rule, RuleOutcome, register_rule, rule_reductions
+from rollcorr.correction import compute_correction
 from test_correction_perf_fused import _assert_close, _batch, _exact  # tests/ is on sys.path (pytest rootdir)
-
-
-@pytest.fixture
-def kernel_calls(monkeypatch):
-    """Take the fused path on any batch size, the kernel function run eagerly; counts the kernel's calls."""
-    calls = []
-
-    def counted(*args):
-        calls.append(args)
-        return fused.row_pass(*args)
-
-    monkeypatch.setattr(fused, "MIN_POSITIONS", 0)
-    monkeypatch.setenv(fused.ENV, "1")
-    monkeypatch.setitem(fused._state, "compiled", counted)
-    monkeypatch.setitem(fused._state, "failed", False)
-    return calls
-
-
-def _eager(monkeypatch, fn, *args, **kw):
-    with monkeypatch.context() as m:
-        m.setenv(fused.ENV, "0")
-        return fn(*args, **kw)
-
-
-# ---- a rule registered from outside the package ----------------------------------------------------------
-def _toy_apply(name, limit, stats, context):
-    """Drop a row whose largest |ℓ_t| (clamped) exceeds log(limit): max_t k2 ≤ ½ log(limit)²."""
-    row_max_k2 = stats.row_max("k2")
-    bound = 0.5 * math.log(limit) ** 2
-    keep = row_max_k2 <= bound
-    return RuleOutcome(name, None, keep, row_max_k2, None, bound, limit)
-
-
-def _toy_metrics(outcomes, rows):
-    (o,) = outcomes
-    return {"toy_seq_fraction": rows.over_rows((~o.row_keep & rows.valid).to(rows.dtype))}
-
-
-@pytest.fixture
-def toy_rule():
-    """The toy rule is active for configurations with is_upper = 2.5 only, so no other test sees it."""
-    rule = register_rule(Rule(
-        "toy_max_abs_log_ratio",
-        active=lambda c: [("toy_max_abs_log_ratio", 1.28)] if c.is_upper == 2.5 else [],
-        reductions=lambda name, limit: frozenset({"max_k2"}),
-        apply=_toy_apply,
-        metrics=_toy_metrics,
-    ))  # fmt: skip
-    yield rule
-    RULES.remove(rule)
-
-
-def test_a_rule_registered_outside_runs_eager_and_fused_alike(toy_rule, kernel_calls, monkeypatch):
-    assert rule_reductions(CorrectionConfig(is_level="token")) == frozenset()  # off: not active
-    config = CorrectionConfig(is_level="token", is_upper=2.5)
-    assert rule_reductions(config) == {"max_k2"}
-    old, roll, mask, lp, kept = _batch(noise=0.1)
-    got = compute_correction(old, roll, mask, config)
-    assert len(kernel_calls) == 1  # the fused path ran
-    want = _eager(monkeypatch, compute_correction, old, roll, mask, config)
-    _assert_close(got, want, _exact(monkeypatch, compute_correction, old, roll, mask, config))
-    # by hand: rows whose max |ℓ| (clamped to ±20) exceeds log 1.28 lose every token
-    ell = torch.where(mask, (old - roll).double().clamp(-20, 20), 0.0)
-    valid = mask.any(-1)
-    dropped = (ell.abs().amax(-1) > math.log(1.28)) & valid
-    assert dropped.any() and not dropped[valid].all()
-    assert torch.equal(want.kept_mask, mask & ~dropped[:, None])
-    share = dropped.sum().item() / valid.sum().item()
-    assert want.metrics["rollout_corr/toy_seq_fraction"].item() == pytest.approx(share)
-    # with a rule that reads the tokens (veto) in the same config, the whole call stays eager
-    assert rule_reductions(dataclasses.replace(config, veto_threshold=1e-4)) is None
-
-
-def test_a_rule_registered_outside_makes_a_config_reject(toy_rule):
-    """Whether a config rejects is read from the rules (RULES[*].active), not from a hand list of fields: a rule
-    registered from outside counts, so analyze's "would be masked out" line and its all-rejected check see it."""
-    from rich.console import Console
-
-    from rollcorr.analyze.analysis import analyze
-    from rollcorr.analyze.cli import sample_dump_path
-    from rollcorr.analyze.dumps import read_dump
-    from rollcorr.analyze.render import render
-    from rollcorr.correction.rejection import rejects
-
-    config = CorrectionConfig(is_level="token", is_upper=2.5)  # no rs, veto, TRM or OPSM field set
-    assert rejects(config) and not rejects(CorrectionConfig(is_level="token"))
-    console = Console(record=True, width=200)
-    render(analyze(read_dump(sample_dump_path()), config), console)
-    assert "would be masked out" in console.export_text()
-
-
-def test_analyze_explains_a_rule_registered_outside(toy_rule):
-    from rollcorr.analyze.analysis import analyze
-    from rollcorr.analyze.cli import sample_dump_path
-    from rollcorr.analyze.dumps import read_dump
-    from rollcorr.analyze.render import describe
-
-    config = CorrectionConfig(is_level="token", is_upper=2.5)
-    assert "toy_max_abs_log_ratio 1.28" in describe(config)
-    dump = read_dump(sample_dump_path())
-    result = analyze(dump, config)
-    (summary,) = [r for r in result.rules if r.rule == "toy_max_abs_log_ratio"]
-    dropped = int((dump.response_mask.any(-1) & ~result.kept_mask.any(-1)).sum())
-    assert summary.level == "sequence" and summary.sequences == dropped
-    assert not any("does not match" in note for note in result.notes)
-
 
 # ---- every fusable rule, per rule --------------------------------------------------------------------------
 PER_RULE = {
@@ -150,7 +43,7 @@ def test_each_fusable_rule_matches_the_eager_path(name, verl, kernel_calls, monk
     old, roll, mask, lp, kept = _batch(noise=0.3, seed=3)
     got = compute_correction(old, roll, mask, config)
     assert len(kernel_calls) == 1
-    want = _eager(monkeypatch, compute_correction, old, roll, mask, config)
+    want = on_eager_path(monkeypatch, compute_correction, old, roll, mask, config)
     _assert_close(got, want, _exact(monkeypatch, compute_correction, old, roll, mask, config))
     assert not torch.equal(want.kept_mask, mask) and want.kept_mask.any()  # rejects some rows, not all
 
@@ -164,7 +57,7 @@ def test_version_lag_and_decomposition_take_the_fused_path(kernel_calls, monkeyp
     kw = dict(log_prob=lp, version=version, current_version=4)
     got = compute_correction(old, roll, mask, config, **kw)
     assert len(kernel_calls) == 1
-    want = _eager(monkeypatch, compute_correction, old, roll, mask, config, **kw)
+    want = on_eager_path(monkeypatch, compute_correction, old, roll, mask, config, **kw)
     _assert_close(got, want, _exact(monkeypatch, compute_correction, old, roll, mask, config, **kw))
     for key in ("staleness_mean", "staleness_max", "discrepancy_k3", "drift_k3", "total_k3"):
         assert f"rollout_corr/{key}" in got.metrics
@@ -186,7 +79,7 @@ def test_the_training_step_takes_the_fused_path(kernel_calls, monkeypatch):
     )  # fmt: skip
     got, metrics = step.attach_correction(rollout, algo, lp)
     assert len(kernel_calls) == 1
-    want, want_metrics = _eager(monkeypatch, step.attach_correction, rollout, algo, lp)
+    want, want_metrics = on_eager_path(monkeypatch, step.attach_correction, rollout, algo, lp)
     exact, _ = _exact(monkeypatch, step.attach_correction, rollout, algo, lp)
     assert torch.equal(got.kept_mask, want.kept_mask)
     # token weights under a sequence-level rejection: the floor of a length-T row reduction (metric_floor's rule)
@@ -209,7 +102,7 @@ def test_the_verl_drop_in_takes_the_fused_path(kernel_calls, monkeypatch):
     )
     weights, kept_mask, metrics = helper(old, roll, mask.float(), **kw)
     assert len(kernel_calls) == 1
-    want_w, want_mask, want = _eager(monkeypatch, helper, old, roll, mask.float(), **kw)
+    want_w, want_mask, want = on_eager_path(monkeypatch, helper, old, roll, mask.float(), **kw)
     exact_w, _, exact = _exact(monkeypatch, helper, old, roll, mask.float(), **kw)
     assert torch.equal(kept_mask, want_mask) and kept_mask.dtype == torch.float32
     w, w_eager, w_exact = (x.batch["rollout_is_weights"] for x in (weights, want_w, exact_w))
@@ -221,54 +114,15 @@ def test_the_verl_drop_in_takes_the_fused_path(kernel_calls, monkeypatch):
 def test_analyze_takes_the_fused_path(kernel_calls, monkeypatch):
     from rollcorr.analyze.analysis import analyze
     from rollcorr.analyze.cli import sample_dump_path
-    from rollcorr.analyze.dumps import read_dump
+    from rollcorr.dumps import read_dump
 
     dump = read_dump(sample_dump_path())
     config = preset("decoupled_geo_rs_token_tis")
     got = analyze(dump, config)
     assert len(kernel_calls) == 1
-    want = _eager(monkeypatch, analyze, dump, config)
+    want = on_eager_path(monkeypatch, analyze, dump, config)
     assert torch.equal(got.kept_mask, want.kept_mask) and got.notes == want.notes
     for key, value in want.metrics.items():  # float64 math (the dump's dtype)
         assert got.metrics[key] == pytest.approx(
             value, rel=2e-5, abs=1e-3 if key.endswith("_std") else 1e-6
         ), key
-
-
-def _toy_token_apply(name, limit, stats, context):
-    """Token level: a token is kept when its k2 = ½ℓ² ≤ ½ (log limit)², i.e. |ℓ| ≤ log limit."""
-    k2 = stats.token("k2")
-    bound = 0.5 * math.log(limit) ** 2
-    return RuleOutcome(name, k2 <= bound, None, k2, None, bound, limit)
-
-
-def _toy_token_metrics(outcomes, rows):
-    (o,) = outcomes  # padding has k2 = 0: only valid tokens can be rejected
-    return {"toy_token_rows": rows.over_rows((~o.token_keep).any(-1).to(rows.dtype))}
-
-
-def test_analyze_explains_a_token_rule_registered_outside():
-    """The Rule contract allows token rules; analyze explains one registered from outside at token level (it used
-    to choose how to explain a rule by its name, and an outside token rule crashed it: size mismatch)."""
-    from rollcorr.analyze.analysis import analyze
-    from rollcorr.analyze.cli import sample_dump_path
-    from rollcorr.analyze.dumps import read_dump
-
-    rule = register_rule(Rule(
-        "toy_token_abs_log_ratio",
-        active=lambda c: [("toy_token_abs_log_ratio", 1.0142)] if c.is_upper == 2.75 else [],
-        reductions=lambda name, limit: None,  # reads the (B, T) tokens
-        apply=_toy_token_apply,
-        metrics=_toy_token_metrics,
-    ))  # fmt: skip
-    try:
-        config = CorrectionConfig(is_level="token", is_upper=2.75)
-        dump = read_dump(sample_dump_path())
-        result = analyze(dump, config)
-        (summary,) = [r for r in result.rules if r.rule == "toy_token_abs_log_ratio"]
-        ell = (dump.learner_log_prob - dump.rollout_log_prob).clamp(-20, 20)
-        want = int(((0.5 * ell * ell > 0.5 * math.log(1.0142) ** 2) & dump.response_mask.bool()).sum())
-        assert summary.level == "token" and summary.tokens == want and want > 0
-        assert not any("does not match" in note for note in result.notes)
-    finally:
-        RULES.remove(rule)

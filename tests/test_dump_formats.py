@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from rollcorr.analyze.dumps import read_dump, write_dump
+from rollcorr.dumps import read_dump, write_dump
 
 
 def _jsonl(path, rows):

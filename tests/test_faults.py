@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollcorr.analyze.dumps import read_dump
 from rollcorr.cli import main
+from rollcorr.dumps import read_dump
 from rollcorr.train.checkpoint import (
     STATE_FILE,
     STATE_KEYS,

@@ -180,7 +180,7 @@ def test_killed_sampler_process_is_one_line(tmp_path, addition_model_dir, capsys
 
 
 def test_integer_advantage_past_float_range_is_a_malformed_row(tmp_path):
-    from rollcorr.analyze.dumps import read_dump
+    from rollcorr.dumps import read_dump
 
     row = {"rollout_log_probs": [-1.0, -2.0], "old_log_probs": [-1.1, -2.1]}
     text = json.dumps(row)[:-1] + ', "advantages": 1' + "0" * 400 + "}\n"  # JSON allows any integer

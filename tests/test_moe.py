@@ -247,8 +247,8 @@ def test_dumps_carry_routing_and_analyze_reports_flips(tmp_path):
     import sys
 
     from rollcorr.analyze.analysis import analyze
-    from rollcorr.analyze.dumps import read_dump, write_dump
     from rollcorr.config import CorrectionConfig
+    from rollcorr.dumps import read_dump, write_dump
 
     prompts = [i["prompt"] for i in AdditionTask(3).sample(16, seed=0, split="test")]
     r = make_sampler("hf:bf16", MOE).generate(prompts, SamplingParams(max_new_tokens=6, seed=0), n=4)
@@ -274,7 +274,7 @@ def test_dumps_carry_routing_and_analyze_reports_flips(tmp_path):
 
 
 def test_dump_reader_takes_skyrl_and_full_sequence_routing(tmp_path):
-    from rollcorr.analyze.dumps import read_dump
+    from rollcorr.dumps import read_dump
 
     seq = [[[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]], [[1, 2]]]  # 3 prompt positions + 2 response tokens
     rows = [

@@ -102,7 +102,7 @@ def test_trl_dump_carries_routed_experts_and_analyze_reports_routing(tmp_path, r
     import json
 
     from rollcorr.analyze.analysis import analyze
-    from rollcorr.analyze.dumps import read_dump
+    from rollcorr.dumps import read_dump
 
     dump_path = tmp_path / "rollouts.jsonl"
     trainer = make_trainer(tmp_path, correction="decoupled_token_is", routing_replay=replay, dump_path=dump_path,

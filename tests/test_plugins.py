@@ -1,9 +1,9 @@
-"""A sampler engine and a π_old strategy added from outside the package, through the public registration API
-(``rollcorr.engines.register_sampler``, ``rollcorr.proximal.register``), train 2 steps each.
+"""A sampler engine added from outside the package, through the public registration API
+(``rollcorr.engines.register_sampler``), trains 2 steps.
 
 The toy engine is a real sampler (the hf decode loop on the float32 model, built by the registered function)
-that says it cannot resume responses; the toy strategy is a real π_old (the learner's log-probs before the
-update, as recompute computes them) that counts its calls. The run's own metrics show both were used.
+that says it cannot resume responses; the run's own metrics show it was used. The other extension points (a
+loss, a rejection rule, a π_old strategy) added from outside: tests/test_recipes.py.
 """
 
 from __future__ import annotations
@@ -12,11 +12,9 @@ import json
 
 import pytest
 import torch
-from torch import Tensor
 
-from rollcorr import engines, proximal
+from rollcorr import engines
 from rollcorr.engines.hf import HFSampler
-from rollcorr.proximal import ProximalStrategy
 from rollcorr.train.build import check_components
 from rollcorr.train.config import ConfigError, load_config
 from rollcorr.train.loop import run
@@ -50,31 +48,11 @@ def build_counting(spec, model_path, threads: int = 0, **kwargs):
     return CountingSampler(BUILTIN if model_path is None else model_path, spec.quant)
 
 
-class CountingRecompute(ProximalStrategy):
-    """An outside π_old strategy: the learner's log-probs before the update, with a call counter."""
-
-    name = "counting_recompute"
-
-    def __init__(self, temperature: float = 1.0, max_staleness: int = 1, measure_error: bool = False):
-        super().__init__(temperature, max_staleness, measure_error)
-        self.calls = 0
-
-    def _old_log_prob(self, rollout, learner, current_version: int) -> Tensor:
-        self.calls += 1
-        out = learner.log_prob(rollout, temperature=self.temperature, grad=False)
-        return out[0] if isinstance(out, tuple) else out
-
-    def metrics(self) -> dict[str, float]:
-        return {"counting_calls": float(self.calls)}
-
-
 @pytest.fixture(scope="module", autouse=True)
 def registered():
     engines.register_sampler("counting", build_counting, CountingSampler)
-    proximal.register(CountingRecompute)
     yield
     engines.REGISTERED.pop("counting", None)
-    proximal.STRATEGIES.pop("counting_recompute", None)
 
 
 def _steps(run_dir):
@@ -107,20 +85,6 @@ def test_outside_sampler_declares_what_it_cannot_do():
         engines.parse_spec("countin")
 
 
-def test_outside_proximal_strategy_trains_two_steps(tmp_path, addition_model_dir):
-    config = load_config(None, [*TINY, f"model.path={addition_model_dir}",
-                                "algorithm.proximal.name=counting_recompute", f"trainer.out={tmp_path / 'run'}"])  # fmt: skip
-    result = run(config)
-    assert result.steps == 2 and result.stopped is None
-    assert [s["proximal/counting_calls"] for s in _steps(tmp_path / "run")] == [1.0, 2.0]
-    with pytest.raises(
-        ConfigError, match=r"^algorithm.proximal: strategy 'counting_recompute' has no option"
-    ):
-        load_config(None, ["algorithm.proximal={name: counting_recompute, beta: 0.5}"])
-
-
 def test_registration_refuses_a_clash():
-    with pytest.raises(ValueError, match="exists already"):
-        proximal.register(type("Again", (CountingRecompute,), {}))
     with pytest.raises(ValueError, match="new identifier"):
         engines.register_sampler("hf", build_counting, CountingSampler)

@@ -139,7 +139,7 @@ NOT_HERE = {
     ("docs/verl.md", "# rollcorr_plugin.py, on PYTHONPATH; run verl with VERL_USE_EXTERNAL_MODULES=rollcorr_plugin"): "tests/test_verl_live.py::test_docs_verl_snippets_run runs every block of docs/verl.md against the installed verl",
     ("docs/verl.md", "ROLLCORR_OPTIONAL=verl bash scripts/setup.sh"): "tests/test_verl_live.py::test_docs_verl_snippets_run runs every block of docs/verl.md against the installed verl (checks the setup line)",
     ("docs/verl.md", "actor_rollout_ref.actor.policy_loss.loss_mode=rollcorr_cispo"): "tests/test_verl_live.py::test_docs_verl_snippets_run runs every block of docs/verl.md against the installed verl (checks the registry has it)",
-    ("docs/verl.md", "from rollcorr.analyze.dumps import write_dump"): "tests/test_verl_live.py::test_docs_verl_snippets_run runs every block of docs/verl.md against the installed verl",
+    ("docs/verl.md", "from rollcorr.dumps import write_dump"): "tests/test_verl_live.py::test_docs_verl_snippets_run runs every block of docs/verl.md against the installed verl",
     ("docs/verl.md", "import torch"): "tests/test_verl_live.py::test_docs_verl_snippets_run runs every block of docs/verl.md against the installed verl",
     ("docs/trl.md", "ROLLCORR_OPTIONAL=trl bash scripts/setup.sh"): "tests/test_trl_live.py::test_docs_trl_snippets_run runs every block of docs/trl.md against the installed TRL (checks the setup line)",
     ("docs/trl.md", "from rollcorr.config import from_trl"): "tests/test_trl_live.py::test_docs_trl_snippets_run runs every block of docs/trl.md against the installed TRL",
@@ -272,7 +272,7 @@ def run_analyze_lines(body: str, tmp_path: Path) -> None:
 
     for name in ("dump.jsonl", "my_rollouts.jsonl"):
         shutil.copy(_sample_dump(), tmp_path / name)
-    from rollcorr.analyze.dumps import read_dump
+    from rollcorr.dumps import read_dump
 
     pytest.importorskip("pyarrow")
     import pyarrow as pa
@@ -391,7 +391,7 @@ RUN = {
     ("docs/analyze.md", '{"rollout_log_probs": [-0.01, -2.3, -0.2], "old_log_probs": [-0.012, -2.1, -0.2], "response_mask": [1, 1, 1],'):
         "dump_line",
     ("docs/analyze.md", "# corr.yaml"): "correction_yaml",
-    ("docs/analyze.md", "from rollcorr.analyze.dumps import read_dump"): "python",
+    ("docs/analyze.md", "from rollcorr.dumps import read_dump"): "python",
     ("docs/audit.md", "rollcorr audit                                  # built-in model: hf:bf16 sampler vs hf:fp32 learner"):
         "audit",
     ("docs/audit.md", "rollcorr audit --out runs/audit-builtin"): "audit",
@@ -465,7 +465,7 @@ def run_block(name: str, first: str, tmp_path: Path, addition_model_dir: Path, t
     elif kind == "audit":
         run_audit_lines(body, tmp_path)
     elif kind == "dump_line":
-        from rollcorr.analyze.dumps import read_dump
+        from rollcorr.dumps import read_dump
 
         (tmp_path / "one.jsonl").write_text(" ".join(body.split()) + "\n")
         dump = read_dump(tmp_path / "one.jsonl")

@@ -20,9 +20,9 @@ pytest.importorskip("trl", reason="trl not installed (pip install the .[trl] ext
 from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from rollcorr.analyze.dumps import read_dump  # noqa: E402
 from rollcorr.compat.trl import RollcorrGRPOTrainer, SamplerRollout, correct_trl_batch  # noqa: E402
 from rollcorr.config import from_trl  # noqa: E402
+from rollcorr.dumps import read_dump  # noqa: E402
 from rollcorr.models.builtin import load_builtin  # noqa: E402
 
 PROMPTS = ["12+7=", "30+4=", "6+21=", "18+8="]  # one length: the sampler needs no padding

@@ -599,8 +599,8 @@ def test_docs_verl_snippets_run(restore_verl, tmp_path):
     scope["dump_rollouts"](
         batch, tmp_path / "rollouts.jsonl", step=3, tokenizer=tokenizer, correction=correction
     )
-    from rollcorr.analyze.dumps import read_dump
     from rollcorr.cli import main
+    from rollcorr.dumps import read_dump
 
     dump = read_dump(tmp_path / "rollouts.jsonl")
     assert dump.token_text is not None and type(correction).from_dict(dump.correction) == correction

@@ -14,7 +14,7 @@ COMMANDS = {
     ),
     "audit": ("rollcorr.audit.cli", "measure sampler vs learner token-probability mismatch, with plots"),
     "train": ("rollcorr.train.cli", "RL training with a separate sampler and learner"),
-    "gguf-to-hf": ("rollcorr.audit.gguf_cli", "save a GGUF model as a Hugging Face folder (float32 weights)"),
+    "gguf-to-hf": ("rollcorr.convert", "save a GGUF model as a Hugging Face folder (float32 weights)"),
 }
 
 

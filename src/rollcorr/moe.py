@@ -158,6 +158,93 @@ def routing_summary(
     }
 
 
+def routing_add(
+    counts: dict | None,
+    sampler_experts: Tensor,
+    learner_experts: Tensor,
+    rollout_log_prob: Tensor,
+    old_log_prob: Tensor,
+    mask: Tensor,
+) -> dict:
+    """``routing_summary``'s sums, chunk by chunk: add one chunk's flips and |Δp| (the arguments of
+    ``routing_summary``) to the running ``counts`` (None at first) and return them; ``{"mismatch": True}`` once
+    two chunks disagree on the number of MoE layers or top-k. ``routing_result`` turns the sums into the
+    summary."""
+    if counts is not None and counts.get("mismatch"):
+        return counts
+    if sampler_experts.shape != learner_experts.shape:  # another top-k or layer count
+        return {"mismatch": True}
+    flips = routing_flips(sampler_experts, learner_experts)  # (B, T, L)
+    valid = mask.bool()
+    dp = (rollout_log_prob.double().exp() - old_log_prob.double().exp()).abs()
+    token_flipped = flips.any(-1)
+    r = counts or {"tokens": 0, "layer": torch.zeros(flips.shape[-1], dtype=torch.float64), "any": 0,
+                   "total": 0.0, "on_flipped": 0.0, "groups": {g: [0, 0.0, None] for g in ("flipped", "unflipped")}}  # fmt: skip
+    if r["layer"].numel() != flips.shape[-1]:
+        return {"mismatch": True}
+    r["tokens"] += int(valid.sum())
+    r["layer"] += flips[valid].double().sum(0)
+    r["any"] += int((token_flipped & valid).sum())
+    r["total"] += float(dp[valid].sum())
+    r["on_flipped"] += float(dp[valid & token_flipped].sum())
+    for g, sel in (("flipped", token_flipped & valid), ("unflipped", ~token_flipped & valid)):
+        d = dp[sel]
+        acc = r["groups"][g]
+        acc[0] += int(d.numel())
+        acc[1] += float(d.sum())
+        if d.numel():
+            acc[2] = float(d.max()) if acc[2] is None else max(acc[2], float(d.max()))
+    return r
+
+
+def routing_result(counts: dict) -> dict:
+    """``routing_summary``'s dict from the sums of ``routing_add``."""
+    n = counts["tokens"]
+    layers = counts["layer"] / n if n else torch.zeros_like(counts["layer"])
+    out: dict = {
+        "routing_flip_share": float(counts["layer"].sum() / (n * counts["layer"].numel())) if n else 0.0,
+        "routing_flip_token_share": counts["any"] / n if n else 0.0,
+        "routing_layer_flip_rate": [float(x) for x in layers],
+        "routing_tokens": n,
+    }
+    for g in ("flipped", "unflipped"):
+        count, total, top = counts["groups"][g]
+        out[f"abs_dp_mean_{g}"] = total / count if count else None
+        out[f"abs_dp_max_{g}"] = top
+        out[f"tokens_{g}"] = count
+    out["abs_dp_share_flipped"] = counts["on_flipped"] / counts["total"] if counts["total"] > 0 else 0.0
+    return out
+
+
+ROUTING_DOMINATES = 0.5  # flipped tokens carry more than this share of Σ|Δp|: routing is the main gap
+
+
+def routing_sentence(summary: dict) -> str | None:
+    """The routing finding in words, from ``routing_summary``'s dict (the audit's verdict, analyze's notes): how
+    often the two sides chose different experts, and, when the flipped tokens carry most of Σ|Δp|, that routing
+    is the gap to fix first (replay, R3). None when every decision agreed."""
+    if summary["routing_flip_share"] == 0:
+        return None
+    unflipped = summary["abs_dp_mean_unflipped"]  # None when every token has a flipped layer
+    others = "no token unflipped" if unflipped is None else f"vs {unflipped:.3g} on the others"
+    text = (
+        f"Routing: {_percent(summary['routing_flip_share'])} of token × layer router decisions differ between the "
+        f"sampler and the learner ({_percent(summary['routing_flip_token_share'])} of tokens have at least one "
+        f"flipped layer); those tokens carry {_percent(summary['abs_dp_share_flipped'])} of Σ|Δp| (mean |Δp| "
+        f"{summary['abs_dp_mean_flipped']:.3g}, {others})."
+    )
+    if summary["abs_dp_share_flipped"] > ROUTING_DOMINATES:
+        text += (
+            " Routing flips dominate the mismatch: replay the sampler's experts in the learner "
+            "(model.routing_replay=r3, Rollout Routing Replay) before reweighting."
+        )
+    return text
+
+
+def _percent(x: float) -> str:
+    return f"{100 * x:.2g} %" if x < 0.1 else f"{100 * x:.1f} %"
+
+
 # ---- capture --------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""``rollcorr analyze``: read rollout dumps (``rollcorr.analyze.dumps.read_dump``) and explain what a
+"""``rollcorr analyze``: read rollout dumps (``rollcorr.dumps.read_dump``) and explain what a
 correction config does to them (``rollcorr.analyze.analysis.analyze``), and show it
 (``rollcorr.analyze.render``: ``render``, ``to_json``).
 

@@ -30,7 +30,6 @@ totals are summed chunk by chunk in float64 (equal to float rounding).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -40,13 +39,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rollcorr.analyze.dumps import Dump, DumpInfo, DumpReader
+from rollcorr.chunked import one_thread, quantiles, release_memory
 from rollcorr.config.correction import CorrectionConfig
 from rollcorr.correction import fused
 from rollcorr.correction import metrics as metric_fns
 from rollcorr.correction.ratios import Rows, any_per_row, kl_stats, make_tokens, positive_tolerance
 from rollcorr.correction.rejection import RULES, RSOutcome, RuleOutcome, rejection_rules
 from rollcorr.correction.weights import apply_threshold, norm_factor, raw_weights, row_log_weight
+from rollcorr.dumps import CHUNK_POSITIONS, Dump, DumpInfo, DumpReader
+from rollcorr.moe import routing_add, routing_result, routing_sentence
 
 # statistic shown for each RS option; K1 statistics are shown as ratios (ρ = exp(−k1)), k3 = ρ − 1 − ℓ
 STATISTICS = {
@@ -208,8 +209,6 @@ def analyze_reader(reader: DumpReader, config: CorrectionConfig, source: str = "
     per-row, per-finding (and, for token rules, per-token) values listed in the module docstring. Raises
     ``ValueError`` for what only the whole dump can say (OPSM rows without advantages, rows recording
     different corrections when the config is the recorded one is checked by the caller with ``info()``)."""
-    from rollcorr.analyze.dumps import CHUNK_POSITIONS
-
     engine = _Engine(config, source, None, top=top)
     engine.check_start(reader.fields)
     with one_thread():
@@ -220,38 +219,6 @@ def analyze_reader(reader: DumpReader, config: CorrectionConfig, source: str = "
         info = reader.info()
         engine.info = info
         return engine.finish(info)
-
-
-def release_memory() -> None:
-    """Hand the allocator's free pages back to the system (glibc ``malloc_trim``; elsewhere nothing). Without it
-    the chunks' freed (B, T) buffers stay in the process heap, and peak RSS crept up with the dump's size
-    (measured: +180 MB over 10^7 tokens); with it, it stays flat."""
-    trim = _LIBC.get("trim")
-    if trim is None and "trim" not in _LIBC:
-        try:
-            import ctypes
-
-            trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            trim = None
-        _LIBC["trim"] = trim
-    if trim is not None:
-        trim(0)
-
-
-_LIBC: dict = {}
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """torch on one thread while inside: a chunk's passes are too small to share out (and on a loaded machine a
-    second OpenMP thread waiting for a busy core made them ~100× slower, measured)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def explain(dump: Dump, config: CorrectionConfig, weights: Tensor | None = None):
@@ -302,21 +269,6 @@ def _outside(value: np.ndarray, lo: float | None, hi: float | None) -> np.ndarra
         if lo is not None and lo > 0:
             out = np.where(value < lo, np.where(value > 0, lo / value, math.inf), out)
     return out
-
-
-def quantiles(x: np.ndarray, qs: Sequence[float] = (0.05, 0.5, 0.95)) -> tuple[float, ...]:
-    """``torch.quantile``'s linear interpolation (same rank and lerp formulas, float64) by selection, with no
-    size limit (torch.quantile refuses more than 2^24 values)."""
-    x = np.asarray(x, np.float64)
-    n = len(x)
-    if n == 0:
-        return tuple(math.nan for _ in qs)
-    ranks = np.asarray(qs, np.float64) * (n - 1)
-    below, above = np.floor(ranks).astype(np.int64), np.ceil(ranks).astype(np.int64)
-    part = np.partition(x, np.unique(np.concatenate([below, above])))
-    lo, hi, w = part[below], part[above], ranks - below
-    out = np.where(w < 0.5, lo + w * (hi - lo), hi - (hi - lo) * (1 - w))  # torch.lerp
-    return tuple(float(v) for v in out)
 
 
 # ---- the engine -----------------------------------------------------------------------------------------
@@ -618,7 +570,8 @@ class _Engine:
                 self.snippets.append(None)
 
     def _routing_sums(self, chunk: Dump) -> None:
-        self.routing = routing_add(self.routing, chunk)
+        self.routing = routing_add(self.routing, chunk.routed_experts, chunk.learner_routed_experts,
+                                   chunk.rollout_log_prob, chunk.learner_log_prob, chunk.response_mask)
 
     def _top_tokens(self, chunk: Dump, index: np.ndarray, tok, findings: list[dict], weights: Tensor | None) -> None:
         """Keep the ``top`` valid tokens with the largest |ℓ| so far (ties: file order), with their fate; padding
@@ -714,12 +667,10 @@ class _Engine:
             )
         r = self.routing
         if info.complete.get("routed_experts") and info.complete.get("learner_routed_experts") and r and not r.get("mismatch"):
-            from rollcorr.audit.verdict import routing_sentences
-
             routing = routing_result(r)
             out.update({f"routing/{k}": float(v) for k, v in routing.items() if isinstance(v, int | float)})
-            notes += routing_sentences({"routing": routing}) or ["routing: the sampler and the learner chose the "
-                                                                 "same experts on every token"]  # fmt: skip
+            notes.append(routing_sentence(routing) or "routing: the sampler and the learner chose the same experts "
+                         "on every token")  # fmt: skip
         f = float(factor) if factor is not None else 1.0
         weights = None
         if self.applied[1] != math.inf:
@@ -906,57 +857,6 @@ def _token_option(seq_metrics: dict[str, Tensor], tot: dict, r: RSOutcome, rows:
     return out
 
 
-def routing_add(r: dict | None, chunk: Dump) -> dict:
-    """Add a chunk's routing flips (sampler's vs learner's own experts) to the running counts ``r`` (None at
-    first); ``{"mismatch": True}`` once two chunks disagree on the number of MoE layers."""
-    from rollcorr.moe import routing_flips
-
-    if r is not None and r.get("mismatch"):
-        return r
-    if chunk.routed_experts.shape != chunk.learner_routed_experts.shape:  # another top-k or layer count
-        return {"mismatch": True}
-    flips = routing_flips(chunk.routed_experts, chunk.learner_routed_experts)  # (B, T, L)
-    valid = chunk.response_mask.bool()
-    dp = (chunk.rollout_log_prob.double().exp() - chunk.learner_log_prob.double().exp()).abs()
-    token_flipped = flips.any(-1)
-    r = r or {"tokens": 0, "layer": torch.zeros(flips.shape[-1], dtype=torch.float64), "any": 0, "total": 0.0,
-              "on_flipped": 0.0, "groups": {g: [0, 0.0, None] for g in ("flipped", "unflipped")}}  # fmt: skip
-    if r["layer"].numel() != flips.shape[-1]:
-        return {"mismatch": True}
-    r["tokens"] += int(valid.sum())
-    r["layer"] += flips[valid].double().sum(0)
-    r["any"] += int((token_flipped & valid).sum())
-    r["total"] += float(dp[valid].sum())
-    r["on_flipped"] += float(dp[valid & token_flipped].sum())
-    for g, sel in (("flipped", token_flipped & valid), ("unflipped", ~token_flipped & valid)):
-        d = dp[sel]
-        acc = r["groups"][g]
-        acc[0] += int(d.numel())
-        acc[1] += float(d.sum())
-        if d.numel():
-            acc[2] = float(d.max()) if acc[2] is None else max(acc[2], float(d.max()))
-    return r
-
-
-def routing_result(r: dict) -> dict:
-    """``moe.routing_summary``'s dict from the summed routing counts (``routing_add``)."""
-    n = r["tokens"]
-    layers = r["layer"] / n if n else torch.zeros_like(r["layer"])
-    out: dict = {
-        "routing_flip_share": float(r["layer"].sum() / (n * r["layer"].numel())) if n else 0.0,
-        "routing_flip_token_share": r["any"] / n if n else 0.0,
-        "routing_layer_flip_rate": [float(x) for x in layers],
-        "routing_tokens": n,
-    }
-    for g in ("flipped", "unflipped"):
-        count, total, top = r["groups"][g]
-        out[f"abs_dp_mean_{g}"] = total / count if count else None
-        out[f"abs_dp_max_{g}"] = top
-        out[f"tokens_{g}"] = count
-    out["abs_dp_share_flipped"] = r["on_flipped"] / r["total"] if r["total"] > 0 else 0.0
-    return out
-
-
 def _fate_hits(findings: list[dict], summaries: list[dict], b: int, t: int) -> str:
     """What the rules do to token t of row b of a chunk ("" when none removes or zeroes it)."""
     by_effect: dict[str, list[str]] = {}
@@ -1011,7 +911,7 @@ def _choose_snippet(pair: tuple | None, info: DumpInfo) -> str | None:
 def iter_chunks(dump: Dump, positions: int) -> Iterable[Dump]:
     """An in-memory dump cut into chunks of at most ``positions`` padded positions (rows grouped by length), as
     ``DumpReader.chunks`` cuts a file — for checking that a chunked analysis equals the whole one."""
-    from rollcorr.analyze.dumps import _as_dump, _Rows
+    from rollcorr.dumps import _as_dump, _Rows
 
     mask = dump.response_mask
     b, t = mask.shape

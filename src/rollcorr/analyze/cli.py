@@ -173,8 +173,8 @@ def run(args: argparse.Namespace) -> int:
             console.print(name)
         return 0
     from rollcorr.analyze.analysis import analyze_reader
-    from rollcorr.analyze.dumps import open_dump
     from rollcorr.analyze.render import render, write_json
+    from rollcorr.dumps import open_dump
 
     path = args.file if args.file is not None else sample_dump_path()
     try:

@@ -15,10 +15,10 @@ from rich.rule import Rule
 from rich.table import Table
 
 from rollcorr.analyze.analysis import STATISTICS, Analysis, exp_or_inf, fmt, kept_range
-from rollcorr.analyze.dumps import display_name
 from rollcorr.config.correction import CorrectionConfig
 from rollcorr.correction.api import PREFIX
 from rollcorr.correction.rejection import RULES, rejects
+from rollcorr.dumps import display_name
 
 
 def _fmt_against(value: float, lo: float | None, hi: float | None) -> str:

@@ -2,7 +2,7 @@
 
 Two sources:
 - live: ``collect`` samples responses with a sampler in batches and scores the same tokens with a learner;
-- a rollout dump written by any framework: ``from_log`` (through ``rollcorr.analyze.dumps.read_dump``).
+- a rollout dump written by any framework: ``from_log`` (through ``rollcorr.dumps.read_dump``).
 Both end in an ``AuditData``: (B, T) tensors plus, when known, the text of each token for the report.
 """
 
@@ -203,14 +203,14 @@ def from_log(
 
     Malformed rows are skipped by the reader and listed in ``source["malformed"]``.
     """
-    from rollcorr.analyze.dumps import read_dump
+    from rollcorr.dumps import read_dump
 
     dump = read_dump(path, rollout_field=rollout_field, learner_field=learner_field, mask_field=mask_field)
     return from_dump(dump, path=path, fields=(rollout_field, learner_field, mask_field))
 
 
 def from_dump(dump, *, path: str | Path, fields: tuple[str, str, str]) -> AuditData:
-    """Adapt a ``rollcorr.analyze.dumps.Dump`` to AuditData (token text and prompts when the dump has them; the
+    """Adapt a ``rollcorr.dumps.Dump`` to AuditData (token text and prompts when the dump has them; the
     sampler's and the learner's routed experts when it has both, for the routing section)."""
     prompts = dump.extras.get("prompt")
     if prompts is not None and not all(isinstance(p, str) for p in prompts):

@@ -3,7 +3,7 @@
 A dump whose padded (responses × longest response) size fits ``WHOLE_POSITIONS`` is audited as it always was
 (``collect.from_dump`` → ``report.write_report``, the whole dump in memory). A larger one — many rows, or one very
 long row among short ones, which would pad every row to its length — is read in chunks
-(``rollcorr.analyze.dumps.DumpReader.chunks``) and every number of ``summary.json`` is summed chunk by chunk
+(``rollcorr.dumps.DumpReader.chunks``) and every number of ``summary.json`` is summed chunk by chunk
 with the formulas of ``rollcorr.audit.stats`` (equal to float rounding): probability table, KL / χ² / ESS, the
 per-response distributions (exact quantiles over values kept per row, 4 floats a row), the position profile
 (per-position sums), the worst tokens with their context, the routing section. Only the four figures are drawn
@@ -25,13 +25,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rollcorr.analyze.analysis import one_thread, quantiles, release_memory, routing_add, routing_result
-from rollcorr.analyze.dumps import CHUNK_POSITIONS, Dump, DumpInfo, open_dump
 from rollcorr.audit import levels
 from rollcorr.audit.collect import AuditData, from_dump
+from rollcorr.chunked import one_thread, quantiles, release_memory
 from rollcorr.config.correction import LOG_RATIO_CLAMP
 from rollcorr.correction import metrics as metric_fns
 from rollcorr.correction.ratios import Rows, make_tokens
+from rollcorr.dumps import CHUNK_POSITIONS, Dump, DumpInfo, open_dump
+from rollcorr.moe import routing_add, routing_result
 
 WHOLE_POSITIONS = 1 << 21  # padded positions up to which a dump is audited whole, exactly as before
 FIGURE_ROWS = 2000  # responses the figures of a larger dump are drawn from (besides the worst one)
@@ -221,7 +222,8 @@ class _AuditSums:
         self._worst_tokens(chunk, index, abs_diff, lr)
         self._figure_rows(chunk, index, row_max)
         if chunk.routed_experts is not None and chunk.learner_routed_experts is not None:
-            self.routing = routing_add(self.routing, chunk)
+            self.routing = routing_add(self.routing, chunk.routed_experts, chunk.learner_routed_experts,
+                                       chunk.rollout_log_prob, chunk.learner_log_prob, chunk.response_mask)
 
     def _worst_tokens(self, chunk: Dump, index: np.ndarray, abs_diff: Tensor, lr: Tensor) -> None:
         k = self.worst_k

@@ -19,6 +19,7 @@ import math
 from typing import Any
 
 from rollcorr.audit.levels import level_of
+from rollcorr.moe import routing_sentence
 
 # |Δp| shares and max, the keys of ``summary["probability"]``
 SHARE_KEYS = (
@@ -62,7 +63,6 @@ REFERENCES: dict[str, dict[str, Any]] = {
 }
 SEQ_ESS_GUARD = 0.9  # sequence ESS below this: long responses' weights spread; guard at sequence level
 SEQ_ESS_BROKEN = 0.1  # sequence ESS below this: no reweighting recovers the learner's expectation
-ROUTING_DOMINATES = 0.5  # MoE: flipped tokens carry more than this share of Σ|Δp|: routing is the main gap
 
 
 # The correction to suggest at each level and the evidence it rests on: one table, updated when a study lands,
@@ -319,24 +319,9 @@ def verdict(summary: dict[str, Any]) -> list[str]:
 
 
 def routing_sentences(summary: dict[str, Any]) -> list[str]:
-    """Mixture of experts (``summary["routing"]``): how often the two sides chose different experts, and,
-    when the flipped tokens carry most of Σ|Δp|, that routing is the gap to fix first (replay, R3)."""
+    """Mixture of experts: the routing finding (``moe.routing_sentence`` of ``summary["routing"]``), or why the
+    dump's routing could not be compared (``summary["routing_note"]``)."""
     if summary.get("routing_note"):
         return [f"Mixture of experts: {summary['routing_note']}."]
-    r = summary.get("routing")
-    if not r or r["routing_flip_share"] == 0:
-        return []
-    unflipped = r["abs_dp_mean_unflipped"]  # None when every token has a flipped layer
-    others = "no token unflipped" if unflipped is None else f"vs {unflipped:.3g} on the others"
-    text = (
-        f"Routing: {_pct(r['routing_flip_share'])} of token × layer router decisions differ between the sampler "
-        f"and the learner ({_pct(r['routing_flip_token_share'])} of tokens have at least one flipped layer); "
-        f"those tokens carry {_pct(r['abs_dp_share_flipped'])} of Σ|Δp| (mean |Δp| "
-        f"{r['abs_dp_mean_flipped']:.3g}, {others})."
-    )
-    if r["abs_dp_share_flipped"] > ROUTING_DOMINATES:
-        text += (
-            " Routing flips dominate the mismatch: replay the sampler's experts in the learner "
-            "(model.routing_replay=r3, Rollout Routing Replay) before reweighting."
-        )
-    return [text]
+    text = routing_sentence(summary["routing"]) if summary.get("routing") else None
+    return [text] if text else []

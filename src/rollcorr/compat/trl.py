@@ -44,11 +44,11 @@ from typing import Any
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from rollcorr.analyze.dumps import write_dump
 from rollcorr.config.correction import CorrectionConfig
 from rollcorr.config.presets import preset
 from rollcorr.correction.api import compute_correction
 from rollcorr.correction.metrics import metrics_to_floats
+from rollcorr.dumps import write_dump
 from rollcorr.moe import attach_replay, capture_routing, response_routing, sequence_routing
 
 __all__ = ["LEARNER_PRECISIONS", "RollcorrGRPOTrainer", "SamplerRollout", "correct_trl_batch"]

@@ -216,11 +216,14 @@ def __getattr__(name: str):
 
 class _PolicyLosses(dict):
     """verl's ``POLICY_LOSS_REGISTRY``: the losses registered here (``register_policy_loss``, bypass_mode), and
-    every loss mode of the catalogue, read when asked (a loss registered later is found by name too)."""
+    every loss mode of the catalogue and every ``rollcorr_<name>``, read when asked (a loss registered later is
+    found by name too)."""
 
     def _catalogue(self) -> dict[str, PolicyLossFn]:
-        return {mode: getattr(sys.modules[__name__], f"compute_policy_loss_{mode}") for mode in verl_modes()
-                if mode != "reinforce" and not dict.__contains__(self, mode)}  # fmt: skip
+        found = {mode: getattr(sys.modules[__name__], f"compute_policy_loss_{mode}") for mode in verl_modes()
+                 if mode != "reinforce"}  # fmt: skip
+        found.update({f"rollcorr_{name}": _rollcorr_loss(name) for name in extra_losses()})
+        return {name: fn for name, fn in found.items() if not dict.__contains__(self, name)}
 
     def __missing__(self, key: str) -> PolicyLossFn:
         found = self._catalogue()
@@ -269,15 +272,24 @@ def get_policy_loss_fn(name: str) -> PolicyLossFn:
     return POLICY_LOSS_REGISTRY[name]
 
 
-# rollcorr's losses under verl's signature (registered as "rollcorr_<name>"): every loss of the catalogue but
-# those that need μ or rewards and group ids (ppo_is, vanilla_is, tis, areal, oapl), which verl's signature
-# does not pass.
-EXTRA_LOSSES = tuple(
-    name for name, spec in LOSSES.items() if not (spec.needs_rollout_log_prob or spec.needs_rewards)
-)
+def extra_losses() -> tuple[str, ...]:
+    """The catalogue's losses served under verl's signature as ``rollcorr_<name>`` now: every loss but those that
+    need μ or rewards and group ids (ppo_is, vanilla_is, tis, areal, oapl), which verl's signature does not
+    pass."""
+    return tuple(name for name, spec in LOSSES.items() if not (spec.needs_rollout_log_prob or spec.needs_rewards))
+
+
+_EXTRA_FNS: dict[str, PolicyLossFn] = {}  # one function per rollcorr_<name>, made when first asked
 
 
 def _rollcorr_loss(name: str) -> PolicyLossFn:
+    """``rollcorr_<name>``: the catalogue's loss ``name`` under verl's signature."""
+    if name not in _EXTRA_FNS:
+        _EXTRA_FNS[name] = _verl_signature(name)
+    return _EXTRA_FNS[name]
+
+
+def _verl_signature(name: str) -> PolicyLossFn:
     def loss_fn(
         old_log_prob: Tensor,
         log_prob: Tensor,
@@ -307,10 +319,6 @@ def _rollcorr_loss(name: str) -> PolicyLossFn:
     loss_fn.__name__ = loss_fn.__qualname__ = f"rollcorr_{name}"
     loss_fn.__doc__ = f"rollcorr's ``{name}`` loss (rollcorr.losses) under verl's registered signature."
     return loss_fn
-
-
-for _name in EXTRA_LOSSES:
-    POLICY_LOSS_REGISTRY[f"rollcorr_{_name}"] = _rollcorr_loss(_name)
 
 
 # ---- DataProto-level helpers -----------------------------------------------------------------------

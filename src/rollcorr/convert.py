@@ -3,8 +3,8 @@
     rollcorr gguf-to-hf SmolLM2-135M-Instruct.Q4_1.gguf models/smollm2-135m
     rollcorr train model.path=models/smollm2-135m ...
 
-The weights are dequantised to float32 (``rollcorr.engines.gguf.gguf_to_hf``). Errors print one line and exit
-with status 2 before anything is written.
+The weights are dequantised to float32 (``rollcorr.engines.gguf.gguf_to_hf``, beside the GGUF writer; ``rollcorr
+audit --gguf-file`` calls it too). Errors print one line and exit with status 2 before anything is written.
 """
 
 from __future__ import annotations
