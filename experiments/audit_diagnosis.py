@@ -77,6 +77,12 @@ def diagnosis_text(folder: Path = OUT) -> str:
     return "\n".join(text)
 
 
+def relative_paths(summary: Path) -> None:
+    """Paths inside the repository written relative to it (the model folder, the prompts file, the suggested
+    command): the committed results name no path of the machine that made them."""
+    summary.write_text(summary.read_text().replace(f"{ROOT}/", ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     from rollcorr.cli import main as rollcorr
 
@@ -97,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         for png in folder.glob("*.png"):  # the numbers are kept; the report folder's pictures are not
             png.unlink()
         (folder / "report.html").unlink()
+        relative_paths(folder / "summary.json")
     write_json({"machine": machine(), "code_commit": commit, "seconds": seconds,
                 "commands": {name: ["rollcorr", "audit", *flags] for name, flags in audits(Path("<SmolLM2 folder>")).items()}},
                args.out / "machine.json")  # fmt: skip

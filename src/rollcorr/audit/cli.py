@@ -397,6 +397,10 @@ def run(args: argparse.Namespace) -> int:
         lock = _claim(out, args.overwrite)
     except (ValueError, RunFolderError) as err:
         return _fail(str(err))
+    except OSError as err:  # a place no folder can be made (/proc, /sys), a read-only disk: one line
+        from rollcorr.safe_io import describe_os_error
+
+        return _fail(f"--out {out}: cannot write the report: no folder can be made there ({describe_os_error(err)})")
     try:
         return _audit(args, out, console)
     finally:
