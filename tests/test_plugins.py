@@ -73,7 +73,7 @@ def registered():
     engines.register_sampler("counting", build_counting, CountingSampler)
     proximal.register(CountingRecompute)
     yield
-    engines.REGISTERED.pop("counting", None)
+    engines.BACKENDS.pop("counting", None)
     proximal.STRATEGIES.pop("counting_recompute", None)
 
 

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
+from rollcorr.engines import backend_of
 from rollcorr.engines.base import SamplingParams, StateDict
 from rollcorr.rollout import Rollout
 from rollcorr.tasks.chat import model_input
@@ -167,8 +168,8 @@ class SourceSpec:
         model_path = None if config.model.path == "builtin" else _absolute(config.model.path)
         task = replace(config.task, name=_absolute(config.task.name),
                        eval_file=config.task.eval_file and _absolute(config.task.eval_file))  # fmt: skip
-        hf = config.model.sampler.split(":")[0] == "hf"  # llama.cpp and vLLM choose their own device
-        kwargs = {"device": config.model.device} if hf and config.model.device is not None else {}
+        here = backend_of(config.model.sampler).in_process  # an engine of its own (llama.cpp, vLLM) picks its device
+        kwargs = {"device": config.model.device} if here and config.model.device is not None else {}
         return cls(config.model.sampler, model_path, task, params, r.prompts_per_step, r.group_size, t.seed,
                    t.threads, kwargs)  # fmt: skip
 
