@@ -389,7 +389,7 @@ def run(args: argparse.Namespace) -> int:
     from rollcorr.train.rundir import RunFolderError
 
     out = _out_dir(args.out)
-    created = not out.exists()
+    created = [folder for folder in (out, *out.parents) if not folder.exists()]  # innermost first
     try:  # checked and locked before any work
         lock = _claim(out, args.overwrite)
     except (ValueError, RunFolderError) as err:
@@ -399,8 +399,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         lock.release()
         (out / ".lock").unlink(missing_ok=True)
-        if created and not any(out.iterdir()):  # an audit that stopped before writing leaves no empty folder
-            out.rmdir()
+        for folder in created:  # an audit that stopped before writing leaves no empty folder (nor runs/)
+            if any(folder.iterdir()):
+                break
+            folder.rmdir()
 
 
 def _audit(args, out: Path, console) -> int:
