@@ -33,17 +33,19 @@ IN_PROCESS = ("lm_head_fp32", "batch")  # changes that reach into the sampler's 
 
 def default_changes(spec: str) -> list[str]:
     """The changes worth measuring for a sampler: a bf16 one → fp16, lm_head_fp32, batch; fp16 → lm_head_fp32,
-    batch; a quantised one (int8, rtn<k>, llama.cpp) → fp32 (and batch in this process). lm_head_fp32 and batch
-    only for a sampler in this process (``Backend.in_process``)."""
+    batch; a quantised one (int8, rtn<k>, a GGUF type) → fp32 (and batch). lm_head_fp32 and batch only for a
+    sampler in this process (``Backend.in_process``), a precision only one its backend can switch to."""
     parsed, backend = parse_spec(spec), backend_of(spec)
     here = backend.in_process
-    if parsed.quant is not None or not backend.precisions:
-        return ["fp32"] + (["batch"] if here else [])
-    if parsed.dtype == "bf16":
-        return ["fp16"] + (list(IN_PROCESS) if here else [])
-    if parsed.dtype == "fp16":
-        return list(IN_PROCESS) if here else ["fp32"]
-    return ["batch"] if here else []
+    if parsed.quant is not None or parsed.dtype is None:  # quantised, or chosen by a backend's own option
+        changes = ["fp32"] + (["batch"] if here else [])
+    elif parsed.dtype == "bf16":
+        changes = ["fp16"] + (list(IN_PROCESS) if here else [])
+    elif parsed.dtype == "fp16":
+        changes = list(IN_PROCESS) if here else ["fp32"]
+    else:
+        changes = ["batch"] if here else []
+    return [c for c in changes if c not in FLOAT_DTYPES or c in backend.precisions]
 
 
 def parse_changes(text: str | None, spec: str) -> list[str]:

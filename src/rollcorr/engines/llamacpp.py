@@ -468,6 +468,7 @@ class LlamaCppSampler(DecodingSampler):
 # ---- the backend: the llamacpp spec grammar, its refusals and its sampler ------------------------------------
 
 FILE = "file"  # llamacpp:file: a GGUF file served as shipped (its type is whatever the file holds)
+GGUF_TYPE = {"fp32": "f32", "fp16": "f16"}  # the GGUF weight type of a dtype (``--whatif fp32``)
 
 
 class LlamaCppBackend(Backend):
@@ -476,6 +477,7 @@ class LlamaCppBackend(Backend):
 
     name = "llamacpp"
     extra = "llamacpp"
+    precisions = tuple(GGUF_TYPE)
 
     def parse(self, spec: str, options: list[str]) -> EngineSpec:
         if len(options) > 1:
@@ -512,8 +514,11 @@ class LlamaCppBackend(Backend):
         return LlamaCppSampler(builtin_path(model_path), **kwargs)
 
     def with_dtype(self, parsed: EngineSpec, dtype: str) -> str:
-        raise ValueError("llamacpp samplers are chosen by quantisation, not dtype (compare llamacpp:f32 or "
-                         "llamacpp:f16 as the sampler instead)")  # fmt: skip
+        """A dtype is a GGUF weight type here: fp32 → llamacpp:f32, fp16 → llamacpp:f16 (rollcorr writes no bf16)."""
+        if dtype not in self.precisions:
+            raise ValueError(f"llamacpp samplers are chosen by GGUF weight type, and rollcorr writes none in {dtype} "
+                             "(compare llamacpp:f32 or llamacpp:f16 as the sampler instead)")  # fmt: skip
+        return f"llamacpp:{GGUF_TYPE[dtype]}"
 
     def audit_kwargs(self, parsed: EngineSpec, *, rows: int, tokens: int, gguf_file: str | None) -> dict[str, Any]:
         """llama.cpp allocates its KV cache for max_batch rows × n_ctx tokens up front; the model's own context
