@@ -75,6 +75,12 @@ class Backend:
     precisions: tuple[str, ...] = ()
     extra: str | None = None
 
+    @property
+    def module(self) -> str:
+        """The module whose import registers this backend: a sampler built in a fresh interpreter
+        (``trainer.mode=async``'s sampler process, Ray workers) imports it there first. Default: the class's."""
+        return type(self).__module__
+
     # ---- the spec ---------------------------------------------------------------------------------------
     def parse(self, spec: str, options: list[str]) -> EngineSpec:
         """``options``: the lowercased fields after the name. Default: at most one, kept in ``quant``."""
@@ -151,6 +157,10 @@ class RegisteredSampler(Backend):
 
     def __init__(self, name: str, build: Callable[..., Sampler], cls: type) -> None:
         self.name, self.build, self.cls = name, build, cls
+
+    @property
+    def module(self) -> str:
+        return self.build.__module__
 
     def sampler_class(self, parsed: EngineSpec) -> type:
         return self.cls
