@@ -336,7 +336,7 @@ def _collect_live(args, console, workdir: str):
 
 
 def _check_diagnosis(args, sampler_spec: str) -> list[str] | None:
-    """--localize / --whatif checked before anything loads: N ≥ 1, hf engines for --localize, known changes
+    """--localize / --whatif checked before anything loads: N ≥ 1, a sampler in this process for --localize, known changes
     that apply to this sampler. Returns the --whatif changes (None without it)."""
     from rollcorr.audit.whatif import parse_changes
     from rollcorr.engines import backend_of
