@@ -60,6 +60,9 @@ def test_the_changes_that_apply_to_each_engine():
     assert default_changes("hf:bf16") == ["fp16", "lm_head_fp32", "batch"]
     assert default_changes("hf:int8") == ["fp32", "batch"] and default_changes("vllm:bf16") == ["fp16"]
     assert default_changes("llamacpp:q4_0") == ["fp32"] and changed_spec("hf:bf16:sdpa", "fp16") == "hf:fp16:sdpa"
+    assert changed_spec("llamacpp:q4_0", "fp32") == "llamacpp:f32" and default_changes("llamacpp") == ["fp32"]
+    with pytest.raises(ValueError, match="bf16: llamacpp samplers are chosen by GGUF weight type"):
+        parse_changes("bf16", "llamacpp:q4_0")
     assert parse_changes("fp16,batch", "hf:bf16") == ["fp16", "batch"]
     with pytest.raises(ValueError, match="unknown change 'fp8'"):
         parse_changes("fp8", "hf:bf16")

@@ -14,7 +14,8 @@ import torch
 from rollcorr.audit.collect import builtin_prompts
 from rollcorr.cli import main
 from rollcorr.engines import SamplingParams, exact, make_learner, make_sampler
-from rollcorr.engines.preflight import PreflightError, preflight, vllm_cpu_build
+from rollcorr.engines.preflight import PreflightError, preflight
+from rollcorr.engines.vllm import vllm_cpu_build
 
 
 @pytest.fixture(scope="module")

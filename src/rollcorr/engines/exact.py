@@ -1,5 +1,6 @@
-"""``hf:exact``: a sampler and a learner whose log-probs of the same tokens are bitwise identical — the sampler's
-cached decode and the learner's full forward, whatever the batch, the padding and the cache hold.
+"""The arithmetic of ``hf:exact``: a sampler and a learner whose log-probs of the same tokens are bitwise identical —
+the sampler's cached decode and the learner's full forward, whatever the batch, the padding and the cache hold
+(the two engines, ``ExactSampler`` and ``ExactLearner``, are hf engines: ``engines/hf.py``).
 
 Two float32 paths that are equal in exact arithmetic differ in the last bits when their reductions add in
 another order: a matmul blocked for 64 rows, not 1; an attention sum over 37 keys padded to 48 or to 512; a
@@ -368,57 +369,3 @@ def decode(forward: ExactForward, contexts: Sequence[Sequence[int]], budgets: Se
         last = hidden[:, 0]
         position = position + 1
     return tokens, log_mus, kepts, (~active).tolist()
-
-
-# ---- the engines ------------------------------------------------------------------------------------------
-
-from rollcorr.engines.hf import HFLearner, HFSampler, unpack  # noqa: E402  (after the pure functions above)
-
-
-class ExactSampler(HFSampler):
-    """``hf:exact`` as a sampler: float32 weights, the exact decode (``decode``); temperature only."""
-
-    def __init__(self, model_path, **kwargs) -> None:
-        kwargs.pop("dtype", None)
-        super().__init__(model_path, dtype=torch.float32, **kwargs)
-        self.forward = ExactForward(self.model)
-
-    def __repr__(self) -> str:
-        return f"ExactSampler({self.model_path!r}, version={self.version})"
-
-    def _decode(self, contexts, budgets, params, max_steps):
-        if params.top_k or params.top_p < 1.0:
-            raise ValueError("hf:exact samples at a temperature only (top_k 0, top_p 1.0): a truncated "
-                             "distribution's kept mass would need the same exact reductions")  # fmt: skip
-        gen = torch.Generator(device=self.device)
-        if params.seed is not None:
-            gen.manual_seed(params.seed)
-        else:
-            gen.seed()
-        limit = max(budgets) if max_steps is None else min(max(budgets), max_steps)
-        return decode(self.forward, contexts, budgets, params.temperature or 1.0, params.greedy, self.eos_id, gen,
-                      limit, self.device)  # fmt: skip
-
-
-class ExactLearner(HFLearner):
-    """``hf:exact`` as a learner: float32 weights trained as usual, log-probs by the exact full forward."""
-
-    def __init__(self, model_path, **kwargs) -> None:
-        kwargs.pop("dtype", None)
-        if kwargs.get("routing_replay") or kwargs.get("lora"):
-            raise ValueError("hf:exact covers dense models without LoRA")
-        super().__init__(model_path, dtype=torch.float32, **kwargs)
-        self.forward = ExactForward(self.model)
-
-    def __repr__(self) -> str:
-        return f"ExactLearner({self.model_path!r})"
-
-    def log_prob(self, rollout_or_input, *, temperature: float = 1.0, with_entropy: bool = False, grad: bool = False):
-        prompt_ids, prompt_mask, response_ids, response_mask = unpack(rollout_or_input)
-        if self.forward.model is not self.model:  # a strategy scored with other weights swapped in
-            self.forward = ExactForward(self.model)
-        dev = self.device
-        temp = 1.0 if temperature == 0 else float(temperature)
-        with torch.set_grad_enabled(grad):
-            return score(self.forward, prompt_ids.to(dev), prompt_mask.to(dev), response_ids.to(dev),
-                         response_mask.to(dev), temp, with_entropy)  # fmt: skip

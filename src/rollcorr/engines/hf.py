@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from rollcorr.engines import exact
 from rollcorr.engines.base import SamplingParams, draw, process_logits
 from rollcorr.engines.decoding import DecodingSampler, encode_prompts, finished_rows, left_pad, right_pad  # noqa: F401
 from rollcorr.engines.fake_quant import (
@@ -46,6 +47,7 @@ from rollcorr.engines.kvdecode import (
     prefix_shared_hidden,
     static_kv_supported,
 )
+from rollcorr.engines.spec import FLOAT_DTYPES, Backend, EngineSpec, register_backend
 from rollcorr.logprobs import logprobs_from_hidden, logprobs_from_logits
 from rollcorr.models.builtin import BUILTIN, load_model, resolve_dtype
 from rollcorr.moe import (
@@ -468,4 +470,129 @@ def unpack(x: Rollout | tuple[Tensor, Tensor, Tensor, Tensor]) -> tuple[Tensor, 
     return prompt_ids, prompt_mask, response_ids, response_mask
 
 
-__all__ = ["HFLearner", "HFSampler", "finished_rows", "quantize_int8"]
+# ---- hf:exact: the bitwise-exact pair (its arithmetic: engines/exact.py) --------------------------------------
+
+
+class ExactSampler(HFSampler):
+    """``hf:exact`` as a sampler: float32 weights, the exact decode (``exact.decode``); temperature only."""
+
+    def __init__(self, model_path, **kwargs) -> None:
+        kwargs.pop("dtype", None)
+        super().__init__(model_path, dtype=torch.float32, **kwargs)
+        self.forward = exact.ExactForward(self.model)
+
+    def __repr__(self) -> str:
+        return f"ExactSampler({self.model_path!r}, version={self.version})"
+
+    def _decode(self, contexts, budgets, params, max_steps):
+        if params.top_k or params.top_p < 1.0:
+            raise ValueError("hf:exact samples at a temperature only (top_k 0, top_p 1.0): a truncated "
+                             "distribution's kept mass would need the same exact reductions")  # fmt: skip
+        gen = torch.Generator(device=self.device)
+        if params.seed is not None:
+            gen.manual_seed(params.seed)
+        else:
+            gen.seed()
+        limit = max(budgets) if max_steps is None else min(max(budgets), max_steps)
+        return exact.decode(self.forward, contexts, budgets, params.temperature or 1.0, params.greedy, self.eos_id,
+                            gen, limit, self.device)  # fmt: skip
+
+
+class ExactLearner(HFLearner):
+    """``hf:exact`` as a learner: float32 weights trained as usual, log-probs by the exact full forward."""
+
+    def __init__(self, model_path, **kwargs) -> None:
+        kwargs.pop("dtype", None)
+        if kwargs.get("routing_replay") or kwargs.get("lora"):
+            raise ValueError("hf:exact covers dense models without LoRA")
+        super().__init__(model_path, dtype=torch.float32, **kwargs)
+        self.forward = exact.ExactForward(self.model)
+
+    def __repr__(self) -> str:
+        return f"ExactLearner({self.model_path!r})"
+
+    def log_prob(self, rollout_or_input, *, temperature: float = 1.0, with_entropy: bool = False, grad: bool = False):
+        prompt_ids, prompt_mask, response_ids, response_mask = unpack(rollout_or_input)
+        if self.forward.model is not self.model:  # a strategy scored with other weights swapped in
+            self.forward = exact.ExactForward(self.model)
+        dev = self.device
+        temp = 1.0 if temperature == 0 else float(temperature)
+        with torch.set_grad_enabled(grad):
+            return exact.score(self.forward, prompt_ids.to(dev), prompt_mask.to(dev), response_ids.to(dev),
+                               response_mask.to(dev), temp, with_entropy)  # fmt: skip
+
+
+# ---- the backend: the hf spec grammar, its refusals and engines ----------------------------------------------
+
+RTN = tuple(f"rtn{k}" for k in range(MIN_BITS, MAX_BITS + 1))  # hf:rtn<k>: k-bit round-to-nearest weights
+EXACT = "exact"  # hf:exact: the bitwise-exact sampler / learner pair
+DTYPES = (*FLOAT_DTYPES, "int8", *AMP, EXACT)  # the first option: a dtype, int8, an amp learner or exact
+ATTNS = ("eager", "sdpa")
+
+
+class HFBackend(Backend):
+    """``hf[:fp32|bf16|fp16|int8|rtn<k>|amp-bf16|amp-fp16|exact][:eager|sdpa]``, options in any order (default
+    fp32, eager). int8 and rtn<k> quantise a float32 sampler; amp-* are learners (float32 master weights, autocast
+    compute); exact is the bitwise-exact pair. Samplers and learners; the sampler runs in this process."""
+
+    name = "hf"
+    builds_learner = True
+    in_process = True
+    captures_routing = True
+    precisions = FLOAT_DTYPES
+
+    def parse(self, spec: str, options: list[str]) -> EngineSpec:
+        dtype = attn = quant = None
+        for opt in options:
+            if (opt in DTYPES or opt in RTN) and dtype is None and quant is None:
+                if opt == "int8" or opt in RTN:
+                    quant, dtype = opt, "fp32"
+                else:
+                    dtype = opt
+            elif opt in ATTNS and attn is None:
+                attn = opt
+            else:
+                known = (*DTYPES, RTN[0] + "…" + RTN[-1][3:], *ATTNS)
+                raise ValueError(f"unknown or repeated option {opt!r} in engine spec {spec!r}; hf accepts {known}")
+        return EngineSpec("hf", dtype=dtype or "fp32", attn=attn or "eager", quant=quant)
+
+    def check_spec(self, parsed: EngineSpec, spec: str, role: str) -> None:
+        if role == "learner" and parsed.quant is not None:
+            raise ValueError(f"{spec!r}: {parsed.quant} quantisation is for samplers; a learner trains float weights "
+                             "(use hf or hf:bf16)")  # fmt: skip
+        if role == "sampler" and parsed.dtype in AMP:
+            compute = parsed.dtype.removeprefix("amp-")
+            raise ValueError(f"hf:{parsed.dtype} is a learner (float32 master weights, {compute} compute under "
+                             f"autocast); as a sampler use hf:{compute}")  # fmt: skip
+
+    def check_trainable(self, parsed: EngineSpec, spec: str) -> None:
+        """fp16 weights cannot take AdamW steps: eps = 1e-8 rounds to 0 in fp16, so m/(√v + eps) is 0/0 = NaN
+        wherever v underflows, and every weight turns NaN within a step (there are no fp32 master weights)."""
+        if parsed.dtype == "fp16" and parsed.quant is None:
+            raise ValueError(f"{spec!r} cannot be trained (fp16 weights with no fp32 master copy: AdamW's eps rounds "
+                             "to 0 and the weights turn NaN); use hf:amp-fp16 (fp32 master weights, fp16 compute, "
+                             "loss scaling), hf:fp32 or hf:bf16 (the sampler may stay fp16)")  # fmt: skip
+
+    def sampler_class(self, parsed: EngineSpec) -> type:
+        return ExactSampler if parsed.dtype == EXACT else HFSampler
+
+    def make_sampler(self, parsed: EngineSpec, model_path, *, threads: int = 0, **kwargs) -> HFSampler:
+        """``threads`` is not the engine's: hf samplers run in torch's pool, which the process sets."""
+        if parsed.dtype == EXACT:
+            return ExactSampler(model_path, **kwargs)
+        return HFSampler(model_path, dtype=parsed.dtype, attn=parsed.attn, quant=parsed.quant, **kwargs)
+
+    def make_learner(self, parsed: EngineSpec, model_path, **kwargs) -> HFLearner:
+        if parsed.dtype == EXACT:
+            return ExactLearner(model_path, **kwargs)
+        return HFLearner(model_path, dtype=parsed.dtype, attn=parsed.attn, **kwargs)
+
+    def with_dtype(self, parsed: EngineSpec, dtype: str) -> str:
+        """The attention option is kept: hf:bf16:sdpa → hf:fp16:sdpa."""
+        attn = f":{parsed.attn}" if parsed.attn and parsed.attn != "eager" else ""
+        return super().with_dtype(parsed, dtype) + attn
+
+
+register_backend(HFBackend())
+
+__all__ = ["ExactLearner", "ExactSampler", "HFBackend", "HFLearner", "HFSampler", "finished_rows", "quantize_int8"]

@@ -20,6 +20,7 @@ are tokenized and responses decoded with the HF tokenizer so sampler and learner
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import sys
@@ -35,8 +36,9 @@ from torch import Tensor
 
 from rollcorr.engines.base import SamplingParams, draw, process_logits
 from rollcorr.engines.decoding import DecodingSampler
-from rollcorr.engines.gguf import QUANT_TYPES, mapped_safetensors, write_gguf
+from rollcorr.engines.gguf import QUANT_TYPES, SUPPORTED_ARCHITECTURES, mapped_safetensors, write_gguf
 from rollcorr.engines.preflight import install_hint
+from rollcorr.engines.spec import Backend, EngineSpec, register_backend
 from rollcorr.models.builtin import BUILTIN, builtin_path
 
 INSTALL_HINT = f"llama-cpp-python is not installed; {install_hint('llamacpp')}"
@@ -461,3 +463,73 @@ class LlamaCppSampler(DecodingSampler):
             entries = [(tokens[r][-1], len(contexts[r]) + len(tokens[r]) - 1, r, True) for r in rows]
             logits = torch.from_numpy(np.stack(self._decode_batch(entries)))
         return tokens, log_mu_out, log_kept_out, finished
+
+
+# ---- the backend: the llamacpp spec grammar, its refusals and its sampler ------------------------------------
+
+FILE = "file"  # llamacpp:file: a GGUF file served as shipped (its type is whatever the file holds)
+GGUF_TYPE = {"fp32": "f32", "fp16": "f16"}  # the GGUF weight type of a dtype (``--whatif fp32``)
+
+
+class LlamaCppBackend(Backend):
+    """``llamacpp[:f32|f16|q8_0|q4_0|file]``: rollcorr writes the model as a GGUF of that type (default q8_0), or
+    ``file`` serves a GGUF file as shipped. Samplers only, with llama.cpp's own kernels and thread pool."""
+
+    name = "llamacpp"
+    extra = "llamacpp"
+    precisions = tuple(GGUF_TYPE)
+
+    def parse(self, spec: str, options: list[str]) -> EngineSpec:
+        if len(options) > 1:
+            raise ValueError(f"llamacpp takes one option (the GGUF quantisation), got {spec!r}")
+        return EngineSpec("llamacpp", quant=options[0] if options and options[0] else None)
+
+    def check_spec(self, parsed: EngineSpec, spec: str, role: str) -> None:
+        super().check_spec(parsed, spec, role)
+        if parsed.quant is not None and parsed.quant not in (*QUANT_TYPES, FILE):
+            raise ValueError(f"{spec!r}: rollcorr writes GGUF weights as {', '.join(QUANT_TYPES)} "
+                             "(or llamacpp:file serves a GGUF file as shipped)")  # fmt: skip
+
+    def check_model(self, parsed: EngineSpec, spec: str, model_path, gguf_file: str | None) -> None:
+        """llamacpp:file needs a GGUF file; otherwise rollcorr writes the GGUF, for the architectures it knows."""
+        if parsed.quant == FILE and gguf_file is None:
+            raise ValueError(f"{spec!r} serves a GGUF file as shipped: give one (audit --gguf-file); to have "
+                             "rollcorr write the GGUF use llamacpp:q8_0 (or f32, f16, q4_0)")  # fmt: skip
+        if gguf_file is not None or model_path is None or str(model_path).startswith(BUILTIN):
+            return
+        arch = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8")).get("model_type")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"{spec!r}: the GGUF writer handles {', '.join(SUPPORTED_ARCHITECTURES)} models; "
+                             f"{str(model_path)!r} is {arch!r} (use an hf or vllm sampler)")  # fmt: skip
+
+    def sampler_class(self, parsed: EngineSpec) -> type:
+        return LlamaCppSampler
+
+    def make_sampler(self, parsed: EngineSpec, model_path, *, threads: int = 0, **kwargs) -> LlamaCppSampler:
+        """``threads`` > 0 is llama.cpp's ``n_threads`` (unless given)."""
+        if parsed.quant is not None:
+            kwargs["quant"] = parsed.quant
+        if threads > 0:
+            kwargs.setdefault("n_threads", threads)
+        return LlamaCppSampler(builtin_path(model_path), **kwargs)
+
+    def with_dtype(self, parsed: EngineSpec, dtype: str) -> str:
+        """A dtype is a GGUF weight type here: fp32 → llamacpp:f32, fp16 → llamacpp:f16 (rollcorr writes no bf16)."""
+        if dtype not in self.precisions:
+            raise ValueError(f"llamacpp samplers are chosen by GGUF weight type, and rollcorr writes none in {dtype} "
+                             "(compare llamacpp:f32 or llamacpp:f16 as the sampler instead)")  # fmt: skip
+        return f"llamacpp:{GGUF_TYPE[dtype]}"
+
+    def audit_kwargs(self, parsed: EngineSpec, *, rows: int, tokens: int, gguf_file: str | None) -> dict[str, Any]:
+        """llama.cpp allocates its KV cache for max_batch rows × n_ctx tokens up front; the model's own context
+        (8192 for SmolLM2) would cost GBs, so it is sized to what the audit needs. llamacpp:file serves the
+        audit's GGUF file as shipped (e.g. Q4_1)."""
+        kwargs: dict[str, Any] = {"max_batch": rows, "n_ctx": tokens}
+        if parsed.quant == FILE:
+            kwargs["gguf_file"] = gguf_file
+        return kwargs
+
+
+register_backend(LlamaCppBackend())
+
+__all__ = ["LlamaCppBackend", "LlamaCppSampler"]

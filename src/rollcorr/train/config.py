@@ -598,8 +598,15 @@ def validate(c: TrainConfig) -> None:
     _check(c.model.routing_replay in (None, "r3"), "model.routing_replay",
            f"unknown routing replay {c.model.routing_replay!r}; use null or r3")  # fmt: skip
     if c.model.routing_replay is not None:
-        _check(c.model.sampler.split(":")[0] == "hf", "model.routing_replay",
-               f"r3 replays the routing the sampler captures, which the hf sampler does; got {c.model.sampler!r}")  # fmt: skip
+        from rollcorr.engines import backend_of
+        from rollcorr.engines.spec import backends_that
+
+        try:
+            captures = backend_of(c.model.sampler).captures_routing
+        except ValueError:  # an unknown engine: no routing to replay (model.sampler's own check names it)
+            captures = False
+        _check(captures, "model.routing_replay", f"r3 replays the routing the sampler captures, which the "
+               f"{' / '.join(backends_that('captures_routing'))} sampler does; got {c.model.sampler!r}")  # fmt: skip
 
     _check(
         a.name in ALGORITHMS,

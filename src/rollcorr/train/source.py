@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
+from rollcorr.engines import backend_of
 from rollcorr.engines.base import SamplingParams, StateDict
 from rollcorr.rollout import Rollout
 from rollcorr.tasks.chat import model_input
@@ -151,6 +152,7 @@ class SourceSpec:
     seed: int
     threads: int = 1  # CPU threads where the sampler runs: torch's pool, llama.cpp's (0 = their default)
     sampler_kwargs: dict[str, Any] = field(default_factory=dict)
+    backend_module: str | None = None  # imported where the sampler is built: it registers the sampler's backend
 
     def __post_init__(self) -> None:
         if isinstance(self.task, str):  # a task name alone: a built-in task or a data set with its defaults
@@ -167,15 +169,22 @@ class SourceSpec:
         model_path = None if config.model.path == "builtin" else _absolute(config.model.path)
         task = replace(config.task, name=_absolute(config.task.name),
                        eval_file=config.task.eval_file and _absolute(config.task.eval_file))  # fmt: skip
-        hf = config.model.sampler.split(":")[0] == "hf"  # llama.cpp and vLLM choose their own device
-        kwargs = {"device": config.model.device} if hf and config.model.device is not None else {}
+        backend = backend_of(config.model.sampler)
+        kwargs = {"device": config.model.device} if backend.in_process and config.model.device is not None else {}
         return cls(config.model.sampler, model_path, task, params, r.prompts_per_step, r.group_size, t.seed,
-                   t.threads, kwargs)  # fmt: skip
+                   t.threads, kwargs, backend.module)  # fmt: skip
 
     def build(self) -> RolloutSource:
+        """The source, built where it runs (this process, a sampler process or a Ray worker). A backend from
+        outside rollcorr is registered by importing its module (``backend_module``) first; one defined in a
+        script (``__main__``) cannot be, there."""
+        import importlib
+
         from rollcorr.engines import make_sampler
         from rollcorr.tasks.chat import uses_chat
 
+        if self.backend_module not in (None, "__main__"):
+            importlib.import_module(self.backend_module)
         sampler = make_sampler(self.sampler, self.model_path, threads=self.threads, **self.sampler_kwargs)
         tokenizer = getattr(sampler, "tokenizer", None)
         if tokenizer is None:
