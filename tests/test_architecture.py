@@ -21,7 +21,8 @@ PACKAGE = SRC / "rollcorr"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("leaf", ("rollcorr.rollout", "rollcorr.config.correction", "rollcorr.config.loss", "rollcorr.config.yaml_io",
               "rollcorr.safe_io")),
-    ("math", ("rollcorr.correction", "rollcorr.losses", "rollcorr.advantages", "rollcorr.logprobs")),
+    ("math", ("rollcorr.correction", "rollcorr.losses", "rollcorr.advantages", "rollcorr.logprobs",
+              "rollcorr.distributed.tensors")),
     ("config", ("rollcorr.config",)),
     ("engines", ("rollcorr.engines", "rollcorr.models", "rollcorr.tasks", "rollcorr.moe")),
     ("proximal", ("rollcorr.proximal",)),
