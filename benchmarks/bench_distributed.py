@@ -12,7 +12,7 @@ step is a warm-up; the median of the rest is reported. Memory: a wider Qwen2 bui
 parameters and optimizer state per rank, and the process's peak RSS after building the learner and after the
 step. Ranks > 0 build the model on the meta
 device and get their shards from rank 0, as the trainer does (``distributed.shard.load_from_rank0``). Publishing cost: the seconds to gather the
-full weights on rank 0 (``ShardedLearner.full_state_dict``), once per publish in a run. The ``interrupt``
+full weights on rank 0 (``ShardedLearner.state_dict``), once per publish in a run. The ``interrupt``
 strategy's stall at N ≥ 2: scoring one batch (16 × 8 rows) that every rank holds, split over the ranks and
 gathered (``proximal.scoring.score_split``, what the strategy does) against every rank scoring every row (what
 it did before), the median of three calls each. Wall and CPU seconds are both printed: on a loaded machine the
@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+
+from rollcorr.distributed.ranks import ONE_PROCESS
 
 OVERRIDES = ["task.eval_prompts=0", "algorithm.correction.preset=decoupled_token_is"]
 
@@ -62,16 +64,14 @@ def _learner(wide: dict | None, skeleton: bool = False):
     return learner
 
 
-def measure(rollouts, steps: int, wide: dict | None, ranks=None) -> dict:
-    from rollcorr.distributed.shard import peak_parameter_bytes, shard_learner
+def measure(rollouts, steps: int, wide: dict | None, ranks=ONE_PROCESS) -> dict:
+    from rollcorr.distributed.shard import peak_parameter_bytes
     from rollcorr.train.build import build_proximal, build_step_config
     from rollcorr.train.step import train_step
 
     config = _config()
     step_config, proximal = build_step_config(config), build_proximal(config)
-    learner = _learner(wide, skeleton=ranks is not None and not ranks.is_main)
-    if ranks is not None:
-        learner = shard_learner(learner, ranks)
+    learner = ranks.shard(_learner(wide, skeleton=not ranks.is_main))  # one process: unsharded
     built_rss = _peak_rss_bytes()  # the peak of building (and sharding) the learner, before any step
     optimizer = torch.optim.AdamW([p for p in learner.model.parameters() if p.requires_grad], lr=1e-4)
     seconds, cpu = [], []
@@ -80,10 +80,9 @@ def measure(rollouts, steps: int, wide: dict | None, ranks=None) -> dict:
         train_step(rollouts[i % len(rollouts)], learner, optimizer, proximal, step_config, i, ranks=ranks)
         seconds.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
-    stall = _stall(learner, rollouts[0]) if ranks is not None and wide is None else {}
+    stall = _stall(learner, rollouts[0]) if ranks.world > 1 and wide is None else {}
     start, start_cpu = time.perf_counter(), time.process_time()
-    if ranks is not None:
-        learner.full_state_dict()
+    learner.state_dict()  # the weights a publish sends (sharded: gathered on rank 0)
     gather, gather_cpu = time.perf_counter() - start, time.process_time() - start_cpu
     held = peak_parameter_bytes(learner.model, optimizer)
     return {
@@ -95,7 +94,7 @@ def measure(rollouts, steps: int, wide: dict | None, ranks=None) -> dict:
         "optimizer_bytes": held["optimizer_state"],
         "peak_rss_bytes": _peak_rss_bytes(),
         "built_peak_rss_bytes": built_rss,
-        "parameters": sum(p.numel() for p in _learner(wide).model.parameters()) if ranks is None else None,
+        "parameters": sum(p.numel() for p in _learner(wide).model.parameters()) if ranks.world == 1 else None,
         **stall,
     }
 

@@ -175,7 +175,7 @@ def train(overrides: Sequence[str], run_dir: Path) -> dict[str, Any]:
     """
     import yaml
 
-    from rollcorr.train.checkpoint import checkpoint_dir
+    from rollcorr.checkpoint import checkpoint_dir
     from rollcorr.train.logging import read_metrics
     from rollcorr.train.loop import run
 

@@ -30,7 +30,7 @@ from experiments.common import (
     summary,
     write_json,
 )
-from rollcorr.train.checkpoint import latest_checkpoint
+from rollcorr.checkpoint import latest_checkpoint
 
 SYNC_EVERY = (1, 10, 50, 100)
 ARMS = {

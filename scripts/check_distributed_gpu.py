@@ -12,7 +12,7 @@ What it checks, and prints as it goes:
   3. three ``train_step``s (recompute, decoupled token TIS, GRPO, 2 mini-batches) on rollouts sampled once on
      rank 0 and broadcast, against one un-sharded fp32 learner on rank 0's GPU trained on the same batches:
      relative weight difference ≤ 1e-4 in fp32 (GPU kernels reorder sums), ≤ 5e-2 with ``--bf16``
-  4. the full-weight gather for publishing (``full_state_dict``) and its seconds
+  4. the full-weight gather for publishing (``ShardedLearner.state_dict``) and its seconds
   5. a DCP checkpoint written by every rank and read back into a fresh sharded learner
 Exit status 0 when every check passed.
 """
@@ -46,7 +46,7 @@ def main() -> int:
         return 2
 
     from rollcorr.distributed import close, init_from_env
-    from rollcorr.distributed.shard import fsdp_options, peak_parameter_bytes, shard_learner
+    from rollcorr.distributed.shard import peak_parameter_bytes
     from rollcorr.engines import make_learner
     from rollcorr.train.build import build_proximal, build_step_config
     from rollcorr.train.config import load_config
@@ -67,14 +67,14 @@ def main() -> int:
         rollouts = ranks.broadcast(rollouts)
 
         # trainer.fsdp.param_dtype=bf16 trainer.fsdp.reduce_dtype=fp32 with --bf16 (the trainer's own mapping)
-        options = fsdp_options(param_dtype="bf16", reduce_dtype="fp32") if args.bf16 else fsdp_options()
+        options = {"param_dtype": "bf16", "reduce_dtype": "fp32"} if args.bf16 else {}
         torch.manual_seed(0)
         learner = make_learner("hf:fp32", device="cpu", skeleton=not ranks.is_main)  # as the trainer builds it
         learner.model.train(False)
         whole = sum(t.numel() * t.element_size() for t in learner.model.state_dict().values())
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        sharded = shard_learner(learner, ranks, **options)
+        sharded = ranks.shard(learner, **options)
         if args.device == "cuda":
             built = torch.cuda.max_memory_allocated()
             say(ranks, f"2a. building: rank 0's GPU peaked at {built / 2**20:.2f} MiB while sharding "
@@ -91,7 +91,7 @@ def main() -> int:
                    f"{held['optimizer_state'] / 2**20:.2f} MiB of AdamW state; {args.steps} steps in {seconds:.1f} s")  # fmt: skip
 
         start = time.perf_counter()
-        full = sharded.full_state_dict()
+        full = sharded.state_dict()
         say(ranks, f"4. full-weight gather for publishing: {time.perf_counter() - start:.3f} s")
 
         if ranks.is_main:  # the reference: one un-sharded learner on rank 0's device
@@ -113,7 +113,7 @@ def main() -> int:
                        f"difference {rel:.2e} (bound {bound:g}) {'OK' if ok else 'FAILED'}")  # fmt: skip
         ok = ranks.all_true(ok)
 
-        from rollcorr.distributed.checkpoint import DCP_DIR, load_sharded
+        from rollcorr.checkpoint import DCP_DIR, load_sharded
 
         folder = ranks.broadcast(tempfile.mkdtemp() if ranks.is_main else None)
         import torch.distributed.checkpoint as dcp
@@ -121,10 +121,10 @@ def main() -> int:
 
         model_state, optim_state = get_state_dict(sharded.model, optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(Path(folder) / DCP_DIR))
-        fresh = shard_learner(make_learner("hf:fp32", device=str(ranks.device)), ranks, **options)
+        fresh = ranks.shard(make_learner("hf:fp32", device=str(ranks.device)), **options)
         fresh_opt = torch.optim.AdamW([p for p in fresh.model.parameters() if p.requires_grad], lr=3e-4)
         load_sharded(Path(folder), fresh.model, fresh_opt)
-        again = fresh.full_state_dict()
+        again = fresh.state_dict()
         if ranks.is_main:
             same = all(torch.equal(again[k], full[k]) for k in full)
             say(ranks, f"5. DCP checkpoint written by {ranks.world} ranks and read back into a fresh sharded "

@@ -25,11 +25,12 @@ PACKAGE = SRC / "rollcorr"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("leaf", ("rollcorr", "rollcorr.rollout", "rollcorr.config.correction", "rollcorr.config.loss",
               "rollcorr.config.yaml_io", "rollcorr.safe_io")),
-    ("math", ("rollcorr.correction", "rollcorr.losses", "rollcorr.advantages", "rollcorr.logprobs")),
+    ("math", ("rollcorr.correction", "rollcorr.losses", "rollcorr.advantages", "rollcorr.logprobs",
+              "rollcorr.distributed.tensors")),
     ("config", ("rollcorr.config",)),
     ("engines", ("rollcorr.engines", "rollcorr.models", "rollcorr.tasks", "rollcorr.moe")),
     ("proximal", ("rollcorr.proximal",)),
-    # rollcorr.checkpoint: the checkpoint home that train and distributed will share (named ahead of it)
+    # rollcorr.checkpoint: the checkpoint home that train and distributed share
     ("services", ("rollcorr.dumps", "rollcorr.chunked", "rollcorr.plotting", "rollcorr.distributed",
                   "rollcorr.checkpoint")),
     ("train", ("rollcorr.train",)),
@@ -39,9 +40,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 SIDE_BY_SIDE = "tools"  # the floor whose entries import nothing of each other
 
 # Wrong-way imports known today, each with what removes it; delete an entry when its import is gone (a test
-# below says when). distributed/checkpoint.py builds on train/checkpoint.py (a service reading the app above
-# it): the checkpoint home that both import, rollcorr.checkpoint, removes it.
-PENDING = {("rollcorr.distributed.checkpoint", "rollcorr.train.checkpoint")}
+# below says when). None today.
+PENDING: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path) -> str:

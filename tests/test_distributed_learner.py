@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import assert_as_accurate, assert_metrics_as_accurate
+from rollcorr.distributed.ranks import ONE_PROCESS, Ranks
 from rollcorr.distributed.split import SplitError, rank_rows
 
 WORLD = 2
@@ -62,30 +63,27 @@ def _rollouts(config) -> list:
     return [sample_batch(source, i) for i in range(STEPS)]
 
 
-def learner_and_optimizer(config, ranks=None, dtype=torch.float32):
-    """The built-in fp32 learner (seeded; sharded over ``ranks`` when given) and its AdamW, as both sides of
-    an N-ranks-vs-one-process comparison build them. ``dtype=torch.float64``: the same weights cast to float64
-    (one process only), the reference both float32 runs are measured against."""
+def learner_and_optimizer(config, ranks: Ranks = ONE_PROCESS, dtype=torch.float32):
+    """The built-in fp32 learner (seeded; laid out over ``ranks``: sharded over a process group) and its AdamW,
+    as both sides of an N-ranks-vs-one-process comparison build them. ``dtype=torch.float64``: the same weights
+    cast to float64 (one process only), the reference both float32 runs are measured against."""
     from rollcorr.engines import make_learner
     from rollcorr.train.loop import seed_everything
 
     seed_everything(0)
     learner = make_learner("hf:fp32")
     if dtype != torch.float32:
-        assert ranks is None, "the float64 reference runs in one process"
+        assert ranks is ONE_PROCESS, "the float64 reference runs in one process"
         learner.model.to(dtype)
     learner.model.train(False)
     learner.share_prompts = SHARE_PROMPTS
-    if ranks is not None:
-        from rollcorr.distributed.shard import shard_learner
-
-        learner = shard_learner(learner, ranks)
+    learner = ranks.shard(learner)
     params = [p for p in learner.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.optim.lr, betas=(0.9, 0.99), eps=1e-8)
     return learner, optimizer
 
 
-def _train(name: str, rollouts: list, ranks=None, dtype=torch.float32) -> tuple[dict, list[dict]]:
+def _train(name: str, rollouts: list, ranks: Ranks = ONE_PROCESS, dtype=torch.float32) -> tuple[dict, list[dict]]:
     """(full weights (rank 0; {} elsewhere), metrics per step) after ``STEPS`` train_steps."""
     from rollcorr.train.build import build_proximal, build_step_config
     from rollcorr.train.step import train_step
@@ -99,7 +97,7 @@ def _train(name: str, rollouts: list, ranks=None, dtype=torch.float32) -> tuple[
         result = train_step(rollouts[step], learner, optimizer, proximal, step_config, step,
                             generator=torch.Generator().manual_seed(0), ranks=ranks)  # fmt: skip
         history.append(result.metrics)
-    weights = learner.full_state_dict() if ranks is not None else learner.model.state_dict()
+    weights = learner.state_dict()  # the full weights (a sharded learner: gathered on rank 0)
     return {k: v.detach().clone() for k, v in weights.items()}, history
 
 
@@ -195,11 +193,15 @@ def test_two_ranks_equal_one_process_more_losses(float64_reference):
 
 def test_split_keeps_groups_whole():
     groups = torch.arange(8).repeat_interleave(2)  # 8 prompts × 2 responses
-    shares = [rank_rows(groups, 2, r, 2) for r in range(2)]
+    minis = [list(range(0, 8)), list(range(8, 16))]
+    shares = [rank_rows(minis, groups, r, 2) for r in range(2)]
     assert shares[0] == [[0, 1, 2, 3], [8, 9, 10, 11]]
     assert shares[1] == [[4, 5, 6, 7], [12, 13, 14, 15]]
+    assert rank_rows(minis, groups, 0, 1) == minis  # one process takes every row
     with pytest.raises(SplitError, match="prompts_per_step"):
-        rank_rows(torch.arange(3).repeat_interleave(2), 1, 0, 2)  # 3 groups over 2 ranks
+        rank_rows([list(range(6))], torch.arange(3).repeat_interleave(2), 0, 2)  # 3 groups over 2 ranks
+    with pytest.raises(SplitError, match="differ in size"):
+        rank_rows([list(range(6))], torch.tensor([0, 0, 0, 0, 1, 1]), 0, 2)  # 2 groups, but the cut is inside one
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
@@ -285,14 +287,14 @@ def test_reshard_after_forward_is_acted_on(reshard):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rollcorr.distributed.group import Ranks
-    from rollcorr.distributed.shard import decoder_layers, fsdp_options, shard_learner
+    from rollcorr.distributed.group import ProcessGroup
+    from rollcorr.distributed.shard import decoder_layers
     from rollcorr.engines import make_learner
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        ranks = Ranks(0, 1, 0, torch.device("cpu"), init_device_mesh("cpu", (1,)), "gloo")
-        learner = shard_learner(make_learner("hf:fp32"), ranks, **fsdp_options(reshard_after_forward=reshard))
+        ranks = ProcessGroup(0, 1, 0, torch.device("cpu"), init_device_mesh("cpu", (1,)), "gloo")
+        learner = ranks.shard(make_learner("hf:fp32"), reshard_after_forward=reshard)
         batch = (torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long),
                  torch.ones(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long))  # fmt: skip
         layer = decoder_layers(learner.model)[0]

@@ -15,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import assert_as_accurate, assert_same_forward
+from rollcorr.distributed.ranks import ONE_PROCESS, Ranks
 from test_distributed_learner import (  # the two-rank harness's helpers
     NOISE_ONLY,
     SANITY_OF_UPDATE,
@@ -58,7 +59,7 @@ def _rollouts(config) -> list:
     return out
 
 
-def _train(name: str, rollouts: list, ranks=None, dtype=torch.float32):
+def _train(name: str, rollouts: list, ranks: Ranks = ONE_PROCESS, dtype=torch.float32):
     """(learner, optimizer, strategy) after ``STEPS`` train_steps, publishing after each step
     as the trainer does; interrupt scores the next batch's in-flight tokens before each step. ``dtype``: as
     ``learner_and_optimizer`` (float64: the one-process reference)."""
@@ -78,9 +79,9 @@ def _train(name: str, rollouts: list, ranks=None, dtype=torch.float32):
     return learner, optimizer, proximal
 
 
-def _full(learner, ranks) -> dict[str, torch.Tensor]:
-    weights = learner.full_state_dict() if ranks is not None else learner.model.state_dict()
-    return {k: v.detach().clone() for k, v in weights.items()}
+def _full(learner) -> dict[str, torch.Tensor]:
+    """The full weights (a sharded learner: gathered on rank 0, a collective)."""
+    return {k: v.detach().clone() for k, v in learner.state_dict().items()}
 
 
 def _held_full(proximal) -> dict[str, dict[str, torch.Tensor]]:
@@ -96,7 +97,7 @@ def _worker(rank: int, port: int, names: list[str], data: str, out: str) -> None
                       MASTER_PORT=str(port))  # fmt: skip
     torch.set_num_threads(1)
     from rollcorr.distributed import close, init_from_env
-    from rollcorr.distributed.checkpoint import load_sharded, save_sharded, shard_held
+    from rollcorr.distributed.checkpoint import shard_held
     from rollcorr.train.build import build_proximal
 
     ranks = init_from_env("cpu")
@@ -105,16 +106,17 @@ def _worker(rank: int, port: int, names: list[str], data: str, out: str) -> None
         results = {}
         for name in names:
             learner, optimizer, proximal = _train(name, inputs["rollouts"][name], ranks)
-            result = {"weights": _full(learner, ranks), "extra_bytes": proximal.extra_bytes,
+            result = {"weights": _full(learner), "extra_bytes": proximal.extra_bytes,
                       "held": _held_full(proximal)}  # fmt: skip
             if name in HOLDS_WEIGHTS:
                 # a sharded checkpoint of the held state, read back on two ranks: each rank's shards exactly
                 run_dir = Path(inputs["tmp"]) / name
                 state = {"step": STEPS, "proximal": proximal.state_dict()}
-                path = save_sharded(run_dir, STEPS, state, learner, optimizer, ranks)
+                checkpointer = ranks.checkpointer(learner, optimizer)  # the trainer's: ShardedCheckpointer
+                path = checkpointer.save(run_dir, STEPS, state)
                 saved = torch.load(path / "state.pt", weights_only=False)
                 restored = build_proximal(_config(name))
-                restored.load_state_dict(load_sharded(path, learner.model, optimizer, saved["proximal"], ranks))
+                checkpointer.load(path, saved, restored)
                 result["resumed_equal"] = all(
                     torch.equal(a.to_local(), restored.held_weights()[key][k].to_local())
                     for key, copy in proximal.held_weights().items() for k, a in copy.items() if hasattr(a, "to_local")
@@ -156,7 +158,6 @@ def _close(got: dict[str, torch.Tensor], established: dict[str, torch.Tensor], r
 def _check(names: list[str], float64_reference) -> None:
     """Each strategy trained in this process and on two ranks (float32), and in this process in float64 (the
     reference: see test_distributed_learner._check_equal)."""
-    from rollcorr.distributed.checkpoint import load_sharded
     from rollcorr.engines import make_learner
     from rollcorr.train.build import build_proximal
 
@@ -165,12 +166,12 @@ def _check(names: list[str], float64_reference) -> None:
     reference = {}
     for name in names:
         learner, _, proximal = _train(name, rollouts[name])
-        reference[name] = (_full(learner, None), proximal.extra_bytes, _held_full(proximal), proximal.state_dict())
+        reference[name] = (_full(learner), proximal.extra_bytes, _held_full(proximal), proximal.state_dict())
     exact = {}
     with float64_reference():
         for name in names:
             learner, _, proximal = _train(name, rollouts[name], dtype=torch.float64)
-            exact[name] = (_full(learner, None), _held_full(proximal))
+            exact[name] = (_full(learner), _held_full(proximal))
     with tempfile.TemporaryDirectory() as tmp:
         data, out = os.path.join(tmp, "inputs.pt"), os.path.join(tmp, "ranks.pt")
         single_state = {name: reference[name][3] for name in names}
@@ -201,7 +202,7 @@ def _check(names: list[str], float64_reference) -> None:
             optimizer = torch.optim.AdamW(learner.model.parameters(), lr=1e-3)
             saved = torch.load(path / "state.pt", weights_only=False)
             one = build_proximal(_config(name))
-            one.load_state_dict(load_sharded(path, learner.model, optimizer, saved["proximal"], None))
+            ONE_PROCESS.checkpointer(learner, optimizer).load(path, saved, one)
             assert one.held_weights().keys() == held.keys()
             assert one.extra_bytes == extra_bytes, "tied weights came back as separate copies"
             for key in held:
@@ -239,8 +240,7 @@ def test_held_weights_swapped_into_a_sharded_learner_score_like_one_process():
     from torch.distributed.device_mesh import init_device_mesh
 
     from rollcorr.distributed.checkpoint import shard_held
-    from rollcorr.distributed.group import Ranks
-    from rollcorr.distributed.shard import fsdp_options, shard_learner
+    from rollcorr.distributed.group import ProcessGroup
     from rollcorr.engines import make_learner
     from rollcorr.proximal.scoring import copy_state, score
 
@@ -255,8 +255,8 @@ def test_held_weights_swapped_into_a_sharded_learner_score_like_one_process():
     assert (expected_live - expected_other).abs().max() > 1e-3
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        ranks = Ranks(0, 1, 0, torch.device("cpu"), init_device_mesh("cpu", (1,)), "gloo")
-        sharded = shard_learner(live, ranks, **fsdp_options(reshard_after_forward=False))
+        ranks = ProcessGroup(0, 1, 0, torch.device("cpu"), init_device_mesh("cpu", (1,)), "gloo")
+        sharded = ranks.shard(live, reshard_after_forward=False)
         held = {"other": copy_state(other.model)}
         shard_held(held, sharded.model)  # this rank's shards of the other weights
         assert all(hasattr(v, "to_local") for v in held["other"].values() if v.is_floating_point())
@@ -281,7 +281,6 @@ def _split_worker(rank: int, port: int, data: str, out: str) -> None:
                       MASTER_PORT=str(port))  # fmt: skip
     torch.set_num_threads(1)
     from rollcorr.distributed import close, init_from_env
-    from rollcorr.distributed.shard import shard_learner
     from rollcorr.engines import make_learner
     from rollcorr.proximal.scoring import score_split
 
@@ -289,7 +288,7 @@ def _split_worker(rank: int, port: int, data: str, out: str) -> None:
     try:
         learner = make_learner("hf:fp32", skeleton=not ranks.is_main)
         built_without_weights = all(p.is_meta for p in learner.model.parameters())
-        sharded = shard_learner(learner, ranks)
+        sharded = ranks.shard(learner)
         seen: list[int] = []
         forward = sharded.log_prob
 
@@ -302,11 +301,10 @@ def _split_worker(rank: int, port: int, data: str, out: str) -> None:
         buffers = {name: b.clone() for name, b in sharded.model.named_buffers()}
         # routing replay through the sharded root: the MoE model (rank 1 a skeleton), rollouts carrying the
         # sampler's experts, and a rank with no rows (its stand-in carries a routing too)
-        moe = shard_learner(make_learner("hf:fp32", "builtin:moe", routing_replay="r3",
-                                         skeleton=not ranks.is_main), ranks)  # fmt: skip
+        moe = ranks.shard(make_learner("hf:fp32", "builtin:moe", routing_replay="r3", skeleton=not ranks.is_main))
         replayed = [score_split(moe, rollout) for rollout in torch.load(f"{data}.moe", weights_only=False)]
         torch.save({"scores": scores, "rows_seen": seen, "skeleton": built_without_weights, "buffers": buffers,
-                    "weights": sharded.full_state_dict(), "replayed": replayed}, f"{out}.{rank}")  # fmt: skip
+                    "weights": sharded.state_dict(), "replayed": replayed}, f"{out}.{rank}")  # fmt: skip
     finally:
         close()
 
@@ -403,15 +401,14 @@ def test_rank_0_must_load_the_weights():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rollcorr.distributed.group import Ranks
-    from rollcorr.distributed.shard import shard_learner
+    from rollcorr.distributed.group import ProcessGroup
     from rollcorr.engines import make_learner
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        ranks = Ranks(0, 1, 0, torch.device("cpu"), init_device_mesh("cpu", (1,)), "gloo")
+        ranks = ProcessGroup(0, 1, 0, torch.device("cpu"), init_device_mesh("cpu", (1,)), "gloo")
         with pytest.raises(ValueError, match="rank 0 must load the model's weights"):
-            shard_learner(make_learner("hf:fp32", skeleton=True), ranks)
+            ranks.shard(make_learner("hf:fp32", skeleton=True))
     finally:
         dist.destroy_process_group()
 
@@ -423,14 +420,15 @@ def test_ranks_that_built_different_models_get_one_line_before_any_weight_moves(
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rollcorr.distributed.group import DistributedError, Ranks
+    from rollcorr.distributed.group import ProcessGroup
+    from rollcorr.distributed.ranks import DistributedError
     from rollcorr.distributed.shard import _layout, load_from_rank0
     from rollcorr.models.builtin import load_model
 
     skeleton, _ = load_model("builtin", skeleton=True)
     other = _layout(load_model("builtin:moe", skeleton=True)[0])
 
-    class OtherRank0(Ranks):
+    class OtherRank0(ProcessGroup):
         def broadcast(self, obj, src=0):  # what rank 0 would send: its own, different layout
             return other
 

@@ -50,7 +50,7 @@ def test_two_ranks_train_and_resume_at_one_and_back(tmp_path):
     # the sharded checkpoint read by one process (no group) equals the full weights rank 0 exported
     from safetensors.torch import load_file
 
-    from rollcorr.distributed.checkpoint import load_sharded
+    from rollcorr.checkpoint import load_sharded
     from rollcorr.engines import make_learner
 
     learner = make_learner("hf:fp32")
@@ -195,7 +195,7 @@ def test_a_signal_to_the_launcher_stops_every_rank_with_a_checkpoint_in_one_line
     assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
     said = [line for line in err.splitlines() if line.startswith("rollcorr train: ")]
     assert said and f"{signal.Signals(signum).name}: every rank was asked to stop" in said[-1]
-    from rollcorr.train.checkpoint import list_checkpoints
+    from rollcorr.checkpoint import list_checkpoints
 
     assert list_checkpoints(run_dir), "no checkpoint written on the way out"
 

@@ -22,9 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollcorr.cli import main
-from rollcorr.dumps import read_dump
-from rollcorr.train.checkpoint import (
+from rollcorr.checkpoint import (
     STATE_FILE,
     STATE_KEYS,
     CheckpointError,
@@ -34,6 +32,8 @@ from rollcorr.train.checkpoint import (
     save_checkpoint,
     write_manifest,
 )
+from rollcorr.cli import main
+from rollcorr.dumps import read_dump
 from rollcorr.train.config import ConfigError, load_config, save_config
 from rollcorr.train.loop import Trainer, run
 from rollcorr.train.rundir import RESUMABLE_KEYS, RunFinished, RunFolderError, RunLock, new_run_dir
@@ -109,7 +109,7 @@ def test_checkpoint_rng_state_round_trips_under_weights_only(tmp_path):
 
     import numpy as np
 
-    from rollcorr.train.checkpoint import rng_state, set_rng_state
+    from rollcorr.checkpoint import rng_state, set_rng_state
 
     torch.manual_seed(3), random.seed(3), np.random.seed(3)
     save_checkpoint(tmp_path, 1, {**dict.fromkeys(STATE_KEYS), "step": 1, "rng": rng_state()})

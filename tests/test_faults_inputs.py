@@ -193,7 +193,7 @@ def test_integer_advantage_past_float_range_is_a_malformed_row(tmp_path):
 def test_first_sigterm_ends_a_step_waiting_on_a_stopped_sampler(tmp_path, addition_model_dir):
     import threading
 
-    from rollcorr.train.checkpoint import list_checkpoints
+    from rollcorr.checkpoint import list_checkpoints
     from rollcorr.train.loop import Trainer
 
     args = ["task.name=addition:1", "rollout.prompts_per_step=2", "rollout.group_size=2", "trainer.steps=50",

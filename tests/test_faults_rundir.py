@@ -13,9 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollcorr.cli import main
-from rollcorr.safe_io import UnsafePathError, atomic_write_bytes, open_inside, write_output, writes_in_place
-from rollcorr.train.checkpoint import (
+from rollcorr.checkpoint import (
     MANIFEST_FILE,
     STATE_FILE,
     STATE_KEYS,
@@ -26,6 +24,8 @@ from rollcorr.train.checkpoint import (
     save_checkpoint,
     write_manifest,
 )
+from rollcorr.cli import main
+from rollcorr.safe_io import UnsafePathError, atomic_write_bytes, open_inside, write_output, writes_in_place
 from rollcorr.train.config import load_config
 from rollcorr.train.loop import Trainer, run
 from rollcorr.train.rundir import RunFolderError, RunLock, new_run_dir

@@ -6,9 +6,9 @@ import torch
 
 pytest.importorskip("peft", reason="LoRA needs the lora extra (peft)")
 
+from rollcorr.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
 from rollcorr.engines import make_learner  # noqa: E402
 from rollcorr.engines.lora import adapter_state_dict, lora_layers, merged_state_dict  # noqa: E402
-from rollcorr.train.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
 from rollcorr.train.config import ConfigError, load_config  # noqa: E402
 from rollcorr.train.loop import Trainer, run  # noqa: E402
 

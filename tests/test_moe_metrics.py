@@ -10,8 +10,7 @@ import torch
 
 from rollcorr.engines.hf import HFLearner
 from rollcorr.models.builtin import BUILTIN, BUILTIN_MODELS
-from rollcorr.moe import capture_routing, replay_routing, response_routing
-from rollcorr.train.step import RoutingFlips
+from rollcorr.moe import RoutingFlips, capture_routing, replay_routing, response_routing
 
 MOE = "builtin:moe"
 needs_checkpoint = pytest.mark.skipif(
@@ -117,7 +116,7 @@ def test_dense_learner_has_no_routing_metrics():
                       response_mask=torch.ones(1, 1, dtype=torch.bool), rollout_log_prob=torch.zeros(1, 1),
                       version=torch.zeros(1, 1, dtype=torch.long), group_ids=torch.zeros(1, dtype=torch.long),
                       routed_experts=torch.zeros(1, 1, 2, 2, dtype=torch.uint8))  # fmt: skip
-    flips = RoutingFlips(learner, rollout)
+    flips = RoutingFlips(learner.model, rollout)
     assert not flips.active and flips.metrics() == {}
 
 

@@ -15,9 +15,9 @@ import shutil
 import pytest
 import torch
 
+from rollcorr.checkpoint import latest_checkpoint, load_checkpoint
 from rollcorr.engines import SamplingParams, make_sampler
 from rollcorr.tasks import make_task
-from rollcorr.train.checkpoint import latest_checkpoint, load_checkpoint
 from rollcorr.train.config import load_config
 from rollcorr.train.loop import Trainer, run
 from rollcorr.train.source import RolloutSource, finished

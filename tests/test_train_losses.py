@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from conftest import assert_metrics_as_accurate
+from rollcorr.checkpoint import latest_checkpoint, load_checkpoint
 from rollcorr.config.presets import preset
 from rollcorr.correction import compute_correction
 from rollcorr.losses import LOSS_NAMES, LossConfig, policy_loss
 from rollcorr.train.build import build_step_config, check_components
-from rollcorr.train.checkpoint import latest_checkpoint, load_checkpoint
-from rollcorr.train.config import LOSS_ARGS, LOSSES, REFUSED_LOSSES, ConfigError, load_config
+from rollcorr.train.config import REFUSED_LOSSES, ConfigError, accepted_losses, load_config, loss_arg_readers
 from rollcorr.train.loop import Trainer, run
 
 pytestmark = pytest.mark.usefixtures("alternating_rewards")
@@ -67,12 +67,12 @@ def loss_overrides(loss: str) -> list[str]:
 
 
 def test_every_loss_name_is_accepted_or_refused():
-    assert set(LOSSES) | set(REFUSED_LOSSES) == set(LOSS_NAMES)
-    assert not set(LOSSES) & set(REFUSED_LOSSES)
-    assert all(set(losses) <= set(LOSSES) for losses in LOSS_ARGS.values())
+    assert set(accepted_losses()) | set(REFUSED_LOSSES) == set(LOSS_NAMES)
+    assert not set(accepted_losses()) & set(REFUSED_LOSSES)
+    assert all(set(losses) <= set(accepted_losses()) for losses in loss_arg_readers().values())
 
 
-@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("loss", accepted_losses())
 def test_every_accepted_loss_trains_two_steps(tmp_path, addition_model_dir, loss):
     config = tiny_config(tmp_path, addition_model_dir, *loss_overrides(loss), "trainer.steps=2", "trainer.mini_batches=2",
                          "trainer.micro_batch_size=3")  # fmt: skip
@@ -190,7 +190,7 @@ def test_refused_loss_names_settings_that_build(loss):
         load_config(None, [f"algorithm.loss={loss}"])
     advice = REFUSED_LOSSES[loss].split(" (")[0].split()
     assert " ".join(advice) in str(err.value) and any("correction.preset=" in a for a in advice)
-    algo, proximal = check_components(load_config(None, advice))
+    algo, proximal, _ = check_components(load_config(None, advice))
     assert algo.loss.name == "ppo_clip"
 
 

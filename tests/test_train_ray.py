@@ -169,7 +169,7 @@ def test_trainer_runs_end_to_end_on_ray_workers(ray_cluster, tmp_path):
     """The real training loop with trainer.executor=ray (on the module's cluster: Ray is already initialised)."""
     import json
 
-    from rollcorr.train.checkpoint import latest_checkpoint, load_checkpoint
+    from rollcorr.checkpoint import latest_checkpoint, load_checkpoint
     from rollcorr.train.config import load_config
     from rollcorr.train.loop import Trainer
 

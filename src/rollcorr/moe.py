@@ -32,11 +32,13 @@ flow into the router through the logits, as in R3.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
+
+from rollcorr.rollout import Rollout
 
 ROUTING_REPLAY_MODES = (None, "r3")
 
@@ -444,3 +446,46 @@ def sequence_routing(
     window = out[:, p - 1 : p - 1 + t]
     out[:, p - 1 : p - 1 + t] = torch.where(predicts >= 0, predicts, window)
     return out
+
+
+# ---- a training step's flips ------------------------------------------------------------------------------
+
+
+class RoutingFlips:
+    """``routing/flip_share`` and ``routing/flip_token_share`` of one training step (a mixture-of-experts model
+    whose rollout carries the sampler's ``routed_experts``): how far ``model``'s own routers are from the
+    sampler's choice, over the valid response tokens (``routing_flip_metrics``).
+
+    Measured in the π_θ forwards of the first PPO epoch (each row scored once; no extra forward): a
+    ``capture_routing(own=True)`` records the top-k of the learner's own router logits, so under
+    ``routing_replay=r3`` — where the layers run the sampler's experts — it still describes the routers' own
+    choice. Micro-batches are weighted by their valid tokens, which makes the shares exact over the batch;
+    ``metrics(total)`` adds the sums over data-parallel ranks (``total=ranks.all_reduce``). Inactive (no metric)
+    for a dense model or a rollout without routing."""
+
+    def __init__(self, model: nn.Module, rollout: Rollout) -> None:
+        self.model = model
+        self.active = rollout.routed_experts is not None and is_moe(model)
+        self.sums = torch.zeros(3, dtype=torch.float64)  # Σ flipped pairs / L, Σ flipped tokens, Σ valid tokens
+
+    @contextmanager
+    def scoring(self, part: Rollout, measure: bool) -> Iterator[None]:
+        """Around the learner's forward over ``part``: adds its flips when ``measure`` (the first epoch)."""
+        if not (self.active and measure):
+            yield
+            return
+        with capture_routing(self.model, own=True) as recorder:
+            yield
+        own = response_routing(recorder.take(), part.prompt_ids.shape[1], part.response_mask)
+        m = routing_flip_metrics(part.routed_experts, own, part.response_mask)
+        n = float(m["routing_tokens"])
+        self.sums += torch.tensor([m["routing_flip_share"] * n, m["routing_flip_token_share"] * n, n],
+                                  dtype=torch.float64)  # fmt: skip
+
+    def metrics(self, total: Callable[[Tensor], Tensor] = lambda sums: sums) -> dict[str, float]:
+        """The two shares from ``total(sums)`` (the sums over every rank; default: this process's)."""
+        if not self.active:
+            return {}
+        sums = total(self.sums)
+        n = max(float(sums[2]), 1.0)
+        return {"routing/flip_share": float(sums[0]) / n, "routing/flip_token_share": float(sums[1]) / n}

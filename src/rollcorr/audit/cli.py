@@ -95,7 +95,7 @@ def _run_plan(args) -> dict:
     """--from-run: what the run trains — the model folder at ``--step`` (default the newest checkpoint, else the
     run's starting model), its engines, its task and chat setting, its sampling settings — checked before anything
     loads (a missing run, config or step is one line naming it)."""
-    from rollcorr.train.checkpoint import checkpoint_dir, checkpoint_step, list_checkpoints
+    from rollcorr.checkpoint import checkpoint_dir, checkpoint_step, list_checkpoints
     from rollcorr.train.config import ConfigError, load_config
 
     given = [f"--{name.replace('_', '-')}" for name in FROM_RUN_CONFLICTS if getattr(args, name, None) not in (None, False)]

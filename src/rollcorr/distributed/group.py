@@ -9,13 +9,16 @@
               (``init_device_mesh("cpu", (N,))``: on a machine with GPUs, a CPU run that let the mesh guess its
               device type has been reported to crash inside ``fully_shard``, pytorch issue 132471)
 
-``Ranks`` is what the rest of rollcorr sees: rank, world size, device, mesh, plus the few collectives the
-trainer needs (every rank must call them in the same order, like any collective).
+``ProcessGroup`` is one rank of that group as the rest of rollcorr sees it: the ``Ranks`` surface (``ranks.py``:
+rank, world size, device, mesh, the few collectives the trainer needs) over torch.distributed, a learner sharded
+with FSDP2 (``shard.py``) and checkpointed by every rank (``checkpoint.py``). ``join`` is the one place a process
+learns its ranks: torchrun's group, or the group of one process (``ranks.ONE_PROCESS``).
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -25,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rollcorr.distributed.ranks import ONE_PROCESS, DistributedError, Ranks
+
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # How long a collective may wait. Ranks > 0 wait in a broadcast while rank 0 alone samples, evaluates or starts a
 # Ray cluster (minutes for a large model), so this is long; a rank that *dies* does not rely on it: torch's
@@ -32,29 +37,13 @@ ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 COLLECTIVE_TIMEOUT_S = 1800.0
 
 
-class DistributedError(RuntimeError):
-    """A rank could not join the group, or the launcher's environment is incomplete."""
-
-
 @dataclass
-class Ranks:
-    """One rank's view of the data-parallel group."""
-
-    rank: int
-    world: int
-    local_rank: int
-    device: torch.device
-    mesh: Any  # torch.distributed.device_mesh.DeviceMesh
-    backend: str
-
-    @property
-    def is_main(self) -> bool:
-        """Rank 0 alone logs, evaluates, publishes to samplers and writes the run folder."""
-        return self.rank == 0
+class ProcessGroup(Ranks):
+    """One of torchrun's N processes (N ≥ 1): rank ``rank`` of ``world``, collectives over torch.distributed, the
+    learner sharded over ``mesh`` with FSDP2 (at N = 1 too: one code path under torchrun)."""
 
     # ---- collectives (all ranks call them, in the same order) ------------------------------------
     def all_reduce(self, x: Tensor, op: str = "sum") -> Tensor:
-        """A copy of ``x`` reduced over every rank (op: sum | max | min)."""
         out = x.detach().clone().to(self.device)
         dist.all_reduce(
             out, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
@@ -62,22 +51,40 @@ class Ranks:
         return out.to(x.device)
 
     def all_true(self, flag: bool) -> bool:
-        """True when ``flag`` holds on every rank (so all ranks take the same branch around a collective)."""
         return bool(self.all_reduce(torch.tensor([1.0 if flag else 0.0]), "min").item() > 0)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """``obj`` from rank ``src`` on every rank (pickled; tensors arrive on the CPU)."""
         box = [obj if self.rank == src else None]
         dist.broadcast_object_list(box, src=src, device=self.device if self.device.type == "cuda" else None)
         return box[0]
 
     def gather_rows(self, x: Tensor) -> Tensor:
-        """(B_r, T) per rank → (Σ B_r, T) on every rank, rank 0's rows first. Every rank must pass the same
-        number of rows (the batch is split evenly, ``split.rank_rows``)."""
         local = x.detach().contiguous().to(self.device)
         parts = [torch.empty_like(local) for _ in range(self.world)]
         dist.all_gather(parts, local)
         return torch.cat(parts, 0).to(x.device)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    # ---- the learner on these ranks ---------------------------------------------------------------
+    def learner_device(self, model_device: str | None) -> str | None:
+        """Host memory: ``shard`` moves each FSDP unit to ``device`` as it shards it, so no GPU ever holds more
+        than its shards and one unit's full weights while the model is built."""
+        return "cpu"
+
+    def shard(self, learner, **fsdp: Any):
+        """``learner`` (an ``HFLearner``; a skeleton on ranks > 0) sharded over the group: ``ShardedLearner``
+        with ``fsdp_options(**fsdp)`` (``reshard_after_forward``, ``param_dtype``, ``reduce_dtype``)."""
+        from rollcorr.distributed.shard import ShardedLearner, fsdp_options
+
+        return ShardedLearner(learner, self, **fsdp_options(**fsdp))
+
+    def checkpointer(self, learner, optimizer: torch.optim.Optimizer):
+        """Every rank writes its shards (DCP), rank 0 the rest: ``ShardedCheckpointer``."""
+        from rollcorr.distributed.checkpoint import ShardedCheckpointer
+
+        return ShardedCheckpointer(learner, optimizer, self)
 
 
 def backend_for(device: torch.device) -> str:
@@ -104,8 +111,16 @@ def launched() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
-def init_from_env(device: str | None = None, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Ranks:
-    """Join the group torchrun describes in the environment (or return the one already joined).
+@functools.cache
+def join() -> Ranks:
+    """This process's ranks, made once: one of torchrun's processes (``init_from_env``), or, started without
+    torchrun, the group of one process (``ONE_PROCESS``). ``joined`` and ``agree`` are the run's first
+    collectives (``train.loop.run``)."""
+    return init_from_env() if launched() else ONE_PROCESS
+
+
+def init_from_env(device: str | None = None, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> ProcessGroup:
+    """Join the group torchrun describes in the environment (the process group is set up once per process).
 
     ``device``: "cpu", "cuda" or None (cuda when available and ``LOCAL_RANK`` < the GPU count, else cpu).
     ``timeout_s`` bounds every collective (a live but stuck peer; see ``COLLECTIVE_TIMEOUT_S``).
@@ -127,9 +142,7 @@ def init_from_env(device: str | None = None, timeout_s: float = COLLECTIVE_TIMEO
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
-    ranks = Ranks(rank=rank, world=world, local_rank=local, device=dev, mesh=mesh, backend=backend)
-    joined(ranks)
-    return ranks
+    return ProcessGroup(rank=rank, world=world, local_rank=local, device=dev, mesh=mesh, backend=backend)
 
 
 def joined(ranks: Ranks, timeout_s: float = JOIN_TIMEOUT_S) -> None:
@@ -165,6 +178,7 @@ def agree(ranks: Ranks, facts: dict[str, Any]) -> None:
 
 
 def close() -> None:
-    """Leave the group (idempotent)."""
+    """Leave the group (idempotent); a later ``join`` joins afresh."""
+    join.cache_clear()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

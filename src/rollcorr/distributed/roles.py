@@ -4,6 +4,8 @@
                 config, metrics, checkpoints' state.pt); each rollout it gets is broadcast to every rank
     rank > 0    ``FollowerExecutor`` receives that rollout; ``SilentLogger``, ``NoLock``: no files written
 
+A run of one process is rank 0 of a group of one: it leads, and its broadcasts return what they are given.
+
 The model work is split (``train/step.py``); everything that talks to the sampler or the disk stays on rank 0,
 so the executors and the π_old strategies need no notion of a rank: every rank gets the same rollouts (and,
 when a strategy pauses the sampler, the same in-flight ones) and calls the strategy's hooks alike.
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollcorr.distributed.group import Ranks
+from rollcorr.distributed.ranks import Ranks
 
 
 class LeaderExecutor:

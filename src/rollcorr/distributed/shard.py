@@ -21,6 +21,8 @@ a layer's full weights exist only while it runs. Gradients are reduce-scattered 
 (FSDP's default), so ``train/step.py`` scales each rank's loss by N (``Ranks.world``) to get the sum the
 global-batch normalisation needs.
 
+``group.ProcessGroup.shard`` builds one (``Ranks.shard``: what the trainer calls, with ``fsdp_options``).
+
 Why FSDP2 and not DDP: DDP keeps the whole model and optimizer state on every rank (it all-reduces gradients
 only), so it cannot train a model that does not fit one process; FSDP2 with ``reshard_after_forward=False``
 keeps parameters gathered between forward and backward (DDP's speed, ZeRO-2's memory) and is what
@@ -35,9 +37,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rollcorr.distributed.group import Ranks
+from rollcorr.distributed.ranks import DistributedError, Ranks
+from rollcorr.distributed.tensors import local_tensor
 from rollcorr.engines.hf import unpack
-from rollcorr.proximal.scoring import local_tensor  # a DTensor's shard; other tensors as they are
 from rollcorr.rollout import Rollout
 
 
@@ -83,7 +85,8 @@ class ShardedLearner:
     """An ``HFLearner`` whose model is sharded over ``ranks`` with FSDP2; same ``log_prob`` contract.
 
     ``model`` is the (sharded) transformers model: its parameters are ``DTensor`` shards, which is what the
-    optimizer is built on. ``full_state_dict()`` gathers the full weights (rank 0 gets them, on the CPU).
+    optimizer is built on (``model.state_dict()``: this rank's shards). ``state_dict()`` is the Learner
+    protocol's, the weights a sampler takes: the full weights, gathered (rank 0 gets them, on the CPU).
     ``reshard_after_forward`` and ``mp_policy`` are FSDP2's own options (``trainer.fsdp``, ``fsdp_options``).
 
     Scoring is a collective (``collective``): every rank calls ``log_prob`` the same number of times, a rank
@@ -136,10 +139,6 @@ class ShardedLearner:
     def named_parameters(self):
         return self.model.named_parameters()
 
-    def state_dict(self) -> dict[str, Tensor]:
-        """This rank's shards (``DTensor`` values), for ``torch.distributed.checkpoint``."""
-        return self.model.state_dict()
-
     def reshard(self) -> None:
         """Free every gathered copy of the weights. With ``reshard_after_forward=False`` FSDP2 keeps every unit's
         after a forward (the root's too: the option is passed explicitly, so FSDP2's keep-the-root default is
@@ -166,7 +165,7 @@ class ShardedLearner:
         outs = tuple(x[:rows].to(home) for x in outs)
         return outs if isinstance(out, tuple) else outs[0]
 
-    def full_state_dict(self) -> dict[str, Tensor]:
+    def state_dict(self) -> dict[str, Tensor]:
         """The full weights on rank 0 (CPU tensors; other ranks get {}), called on every rank.
 
         One ``gather`` of every rank's shards packed into one buffer (FSDP2 shards dim 0 as ``torch.chunk``
@@ -246,8 +245,6 @@ def load_from_rank0(model: nn.Module, full: dict[str, Tensor], ranks: Ranks) -> 
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from rollcorr.distributed.group import DistributedError
-
     layout = _layout(model)
     if not ranks.all_true(ranks.broadcast(layout) == layout):
         raise DistributedError("the ranks built different models (the names, shapes or dtypes of some rank's "
@@ -259,17 +256,6 @@ def load_from_rank0(model: nn.Module, full: dict[str, Tensor], ranks: Ranks) -> 
     with torch.no_grad():
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
-
-
-def shard_learner(learner, ranks: Ranks, **kwargs: Any) -> ShardedLearner:
-    """``learner`` (an ``HFLearner``) sharded over ``ranks`` in place; see ``ShardedLearner``."""
-    return ShardedLearner(learner, ranks, **kwargs)
-
-
-def full_value(x: Tensor) -> Tensor:
-    """The full (replicated) value of a ``DTensor`` reduction such as a gradient norm; others unchanged."""
-    full = getattr(x, "full_tensor", None)
-    return full() if full is not None else x
 
 
 def peak_parameter_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

@@ -13,6 +13,11 @@ from rollcorr.losses.common import detached, masked_mean
 from rollcorr.losses.registry import LossSpec, register_loss
 
 
+def value_temperature(beta: float, beta1: float | None) -> float:
+    """OAPL's β₁, the temperature of the soft value V̂: β when not set (None)."""
+    return beta if beta1 is None else beta1
+
+
 def oapl_loss(
     log_prob: Tensor,
     rollout_log_prob: Tensor,
@@ -33,7 +38,7 @@ def oapl_loss(
     mask = kept_mask.bool()
     if keep is None:
         keep = mask.any(-1)
-    value = oapl_value(rewards, group_ids, beta1=beta if beta1 is None else beta1, keep=keep)
+    value = oapl_value(rewards, group_ids, beta1=value_temperature(beta, beta1), keep=keep)
     target = rewards.to(log_prob.dtype) - value.to(log_prob.dtype)
     diff = torch.where(mask, log_prob - rollout_log_prob, torch.zeros_like(log_prob))
     pred = beta * diff.sum(-1)

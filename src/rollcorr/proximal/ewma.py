@@ -32,8 +32,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from rollcorr.distributed.tensors import local_tensor
 from rollcorr.proximal.base import ProximalStrategy
-from rollcorr.proximal.scoring import copy_state, copy_tensors, local_tensor, score, tensor_bytes
+from rollcorr.proximal.scoring import copy_state, copy_tensors, score, tensor_bytes
 from rollcorr.rollout import Rollout
 
 

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from rollcorr.distributed.tensors import local_tensor  # a DTensor's shard; other tensors as they are
 from rollcorr.rollout import Rollout
 
 
@@ -76,13 +77,14 @@ def score(learner, rollout: Rollout, temperature: float = 1.0, model: nn.Module 
 @torch.no_grad()
 def score_split(learner, rollout: Rollout, temperature: float = 1.0) -> Tensor:
     """(B, T) like ``score`` with the learner's current weights, for a rollout that every rank holds alike (the
-    in-flight rollouts rank 0 broadcasts): a learner sharded over N ranks (``scores_together``, its ``ranks``)
-    scores rows r, r + N, r + 2N, … on rank r and gathers the others' scores, so each rank runs the forward over
-    ⌈B / N⌉ rows instead of B; one process: ``score``. Every rank gets the same (B, T)."""
-    ranks = getattr(learner, "ranks", None) if scores_together(learner) else None
+    in-flight rollouts rank 0 broadcasts). A learner that scores together with the other ranks of its group
+    (``scores_together``: sharded over its ``ranks``, N of them) scores rows r, r + N, r + 2N, … on rank r and
+    gathers the others' scores, so each rank runs the forward over ⌈B / N⌉ rows instead of B; any other learner
+    scores them all (``score``). Every rank gets the same (B, T)."""
     batch = rollout.batch_size
-    if ranks is None or ranks.world == 1 or batch == 0:
+    if not scores_together(learner) or batch == 0:
         return score(learner, rollout, temperature)
+    ranks = learner.ranks
     per_rank = -(-batch // ranks.world)
     mine = list(range(ranks.rank, batch, ranks.world))
     padded = torch.zeros((per_rank, *rollout.response_ids.shape[1:]), dtype=torch.float32)
@@ -93,12 +95,6 @@ def score_split(learner, rollout: Rollout, temperature: float = 1.0) -> Tensor:
         rows = list(range(rank, batch, ranks.world))
         out[rows] = gathered[rank * per_rank : rank * per_rank + len(rows)]
     return out.to(rollout.response_ids.device)
-
-
-def local_tensor(x: Tensor) -> Tensor:
-    """This rank's shard of a ``DTensor`` (a sharded learner's weights); any other tensor unchanged."""
-    to_local = getattr(x, "to_local", None)
-    return to_local() if to_local is not None else x
 
 
 def _storage_key(t: Tensor) -> tuple[int, int]:

@@ -1,12 +1,13 @@
 """Building a run's parts from a ``TrainConfig``: the one place that knows which class serves which setting.
 
-    check_components(config)   everything checkable before a model loads (run by ``rollcorr train`` first)
+    check_components(config)   everything checkable before a model loads; returns what it built to check it
+                               (the step's settings, the π_old strategy, the task), used by the run as is
     build_step_config(config)  the settings of one training step (loss, correction, advantages, batches)
     build_proximal(config)     the π_old strategy
-    build_learner(config)      the learner (sharded over the data-parallel ranks) and its optimizer
+    build_learner(config, ranks)  the learner (this rank's: sharded over a process group) and its optimizer
     make_executor(config)      the executor (``trainer.executor`` × ``trainer.mode``), its sampler built where
                                it runs; ``follow_sampler`` connects a strategy that follows the sampler to it;
-                               ``rank_executor`` puts it on rank 0 of a data-parallel learner
+                               ``rank_executor`` puts it on rank 0 (the leader of any group, one process too)
     build_evaluator(config)    greedy evaluation on held-out prompts (None without any)
 
 Nothing here trains: the loop (``rollcorr.train.loop``) receives the parts.
@@ -20,10 +21,14 @@ from typing import Any
 
 import torch
 
+from rollcorr.distributed.ranks import ONE_PROCESS, Ranks
+from rollcorr.distributed.roles import FollowerExecutor, LeaderExecutor
 from rollcorr.engines import backend_of, make_learner, make_sampler, parse_spec, sampler_class
 from rollcorr.engines.preflight import PreflightError, preflight
 from rollcorr.losses import LossConfig
+from rollcorr.losses.oapl import value_temperature
 from rollcorr.proximal import ProximalStrategy, make_proximal
+from rollcorr.tasks import Task
 from rollcorr.tasks.chat import uses_chat
 from rollcorr.train.config import ConfigError, TrainConfig
 from rollcorr.train.eval import GreedyEvaluator
@@ -34,10 +39,11 @@ from rollcorr.train.source import SourceSpec, mode_lag
 from rollcorr.train.step import StepConfig
 
 
-def check_components(config: TrainConfig) -> tuple[StepConfig, ProximalStrategy]:
+def check_components(config: TrainConfig) -> tuple[StepConfig, ProximalStrategy, Task]:
     """What the config names exists and can do what the config asks, checked without loading a model:
     engine specs, optional packages and the model folder (before any run folder), a trainable learner, the
-    task, the sampler's and the executor's capabilities. Returns the step's settings and the strategy."""
+    task, the sampler's and the executor's capabilities. Returns what it built on the way — the step's
+    settings, the π_old strategy and the task — for the run to use (each is built once)."""
     step_config = build_step_config(config)
     proximal = build_proximal(config)
     for key, spec in (("sampler", config.model.sampler), ("learner", config.model.learner)):
@@ -46,7 +52,7 @@ def check_components(config: TrainConfig) -> tuple[StepConfig, ProximalStrategy]
         except PreflightError as err:
             raise ConfigError(f"model.{'path' if err.field == 'path' else key}: {err}") from None
     check_trainable_learner(config)
-    build_task(config)
+    task = build_task(config)
     if config.trainer.partial_rollouts and not sampler_class(config.model.sampler).can_resume:
         raise ConfigError(
             f"trainer.partial_rollouts: sampler {config.model.sampler!r} cannot resume responses"
@@ -62,7 +68,7 @@ def check_components(config: TrainConfig) -> tuple[StepConfig, ProximalStrategy]
                           "exact old log-probs at trainer.ranks > 1")  # fmt: skip
     check_fsdp(config)
     check_device(config)
-    return step_config, proximal
+    return step_config, proximal, task
 
 
 def check_device(config: TrainConfig) -> None:
@@ -134,7 +140,9 @@ def build_step_config(config: TrainConfig) -> StepConfig:
             norm_constant=float(config.rollout.max_new_tokens),
             oapl_beta=a.oapl_beta,
             oapl_beta1=a.oapl_beta1,
-            check_inputs=True,
+            # each input of the loss is checked once per step, where it is made: π_θ by the step (each
+            # micro-batch), π_old by its strategy, log μ and the masks by the correction, the rewards by train_step
+            check_inputs=False,
             **{key: float(value) for key, value in a.loss_args.items()},  # checked by config.validate
         )
     except ValueError as err:
@@ -146,7 +154,7 @@ def build_step_config(config: TrainConfig) -> StepConfig:
         norm_std=a.resolved("norm_std"),
         dynamic_sampling=a.resolved("dynamic_sampling"),
         baseline_excludes_rejected=a.baseline_excludes_rejected,
-        oapl_beta1=a.oapl_beta if a.oapl_beta1 is None else a.oapl_beta1,
+        oapl_beta1=value_temperature(a.oapl_beta, a.oapl_beta1),
         temperature=config.rollout.temperature,
         mini_batches=config.trainer.mini_batches,
         micro_batch_size=config.trainer.micro_batch_size,
@@ -210,20 +218,17 @@ def _model_path(config: TrainConfig) -> str | None:
     return None if config.model.path == "builtin" else config.model.path
 
 
-def build_learner(config: TrainConfig, ranks=None) -> tuple[Any, torch.optim.Optimizer]:
-    """The learner (eval mode: no dropout, it scores exactly what it trains) and its AdamW optimizer. With
-    ``ranks`` (``rollcorr.distributed``) the learner is sharded first, so the optimizer holds this rank's
-    1/N of every weight (the DTensor shards); ranks > 0 build the model as a skeleton and get their shards
-    from rank 0, so only rank 0 ever holds the whole model, and it holds it in host memory (sharding moves
-    each unit to the rank's device)."""
-    skeleton = ranks is not None and not ranks.is_main
-    device = "cpu" if ranks is not None else None  # None: one process, the default device
+def build_learner(config: TrainConfig, ranks: Ranks = ONE_PROCESS) -> tuple[Any, torch.optim.Optimizer]:
+    """This rank's learner (eval mode: no dropout, it scores exactly what it trains) and its AdamW optimizer.
+    The learner is laid out over ``ranks`` first (``Ranks.shard``): one process keeps it whole on
+    ``model.device``; in a process group it is sharded, so the optimizer holds this rank's 1/N of every weight
+    (the DTensor shards), ranks > 0 build the model as a skeleton and get their shards from rank 0, and rank 0
+    builds it in host memory (sharding moves each unit to the rank's device)."""
     m = config.model
-    device = device or m.device  # one process: model.device (None: CUDA when available)
     try:
-        learner = make_learner(m.learner, _model_path(config), routing_replay=m.routing_replay, skeleton=skeleton,
-                               device=device, gradient_checkpointing=m.gradient_checkpointing,
-                               lora=m.lora.learner_kwargs())  # fmt: skip
+        learner = make_learner(m.learner, _model_path(config), routing_replay=m.routing_replay,
+                               skeleton=not ranks.is_main, device=ranks.learner_device(m.device),
+                               gradient_checkpointing=m.gradient_checkpointing, lora=m.lora.learner_kwargs())  # fmt: skip
     except ValueError as err:
         if str(err).startswith("model.lora"):
             raise ConfigError(str(err)) from None
@@ -231,11 +236,9 @@ def build_learner(config: TrainConfig, ranks=None) -> tuple[Any, torch.optim.Opt
             raise ConfigError(f"model.routing_replay: {err}") from None
         raise
     learner.model.train(False)
-    if ranks is not None:
-        from rollcorr.distributed.shard import fsdp_options, shard_learner
-
-        f = config.trainer.fsdp
-        learner = shard_learner(learner, ranks, **fsdp_options(f.reshard_after_forward, f.param_dtype, f.reduce_dtype))
+    f = config.trainer.fsdp
+    learner = ranks.shard(learner, reshard_after_forward=f.reshard_after_forward, param_dtype=f.param_dtype,
+                          reduce_dtype=f.reduce_dtype)  # fmt: skip
     o = config.optim
     optimizer = torch.optim.AdamW(
         [p for p in learner.model.parameters() if p.requires_grad],
@@ -244,11 +247,10 @@ def build_learner(config: TrainConfig, ranks=None) -> tuple[Any, torch.optim.Opt
     return learner, optimizer
 
 
-def rank_executor(config: TrainConfig, ranks) -> Executor:
-    """The executor of one data-parallel rank: rank 0 runs ``make_executor(config)`` and broadcasts each
-    rollout (``LeaderExecutor``), the other ranks receive it (``FollowerExecutor``)."""
-    from rollcorr.distributed.roles import FollowerExecutor, LeaderExecutor
-
+def rank_executor(config: TrainConfig, ranks: Ranks) -> Executor:
+    """The executor of one rank: rank 0 runs ``make_executor(config)`` and broadcasts each rollout
+    (``LeaderExecutor``; one process is rank 0 of 1, its broadcasts go nowhere), the other ranks receive it
+    (``FollowerExecutor``)."""
     if ranks.is_main:
         return LeaderExecutor(make_executor(config), ranks)
     return FollowerExecutor(ranks)

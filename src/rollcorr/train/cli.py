@@ -47,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import yaml
 
+    from rollcorr.distributed.group import DistributedError, launched
+    from rollcorr.train.build import check_components
     from rollcorr.train.config import ConfigError, load_config
 
     try:
@@ -64,30 +66,26 @@ def _run(args: argparse.Namespace) -> int:
             if args.out is not None:
                 overrides.append(f"trainer.out={args.out}")
             config = load_config(args.config, overrides)
-        from rollcorr.train.build import check_components
-
-        check_components(config)
         if args.print_config:
+            check_components(config)
             print(yaml.safe_dump(config.to_dict(), sort_keys=False))
             return 0
         if args.measure_engines:
+            check_components(config)
             from rollcorr.train.engine_choice import run as measure_engines
 
             print(measure_engines(config))
             return 0
+        under_launcher = launched()
+        if config.trainer.ranks > 1 and not under_launcher:  # start the N learner processes (distributed/launch.py)
+            check_components(config)  # once, before any process starts (each then checks its own, in the run)
+            return _launch(args, config)
     except ConfigError as err:
         print(f"rollcorr train: config error: {err}", file=sys.stderr)
         return 2
-
-    from rollcorr.distributed.group import DistributedError, launched
-
-    try:
-        under_launcher = launched()
     except DistributedError as err:  # RANK / WORLD_SIZE / ... left in the shell: one line, before any collective
         print(f"rollcorr train: {err}", file=sys.stderr)
         return 2
-    if config.trainer.ranks > 1 and not under_launcher:  # start the N learner processes (distributed/launch.py)
-        return _launch(args, config)
     if under_launcher:
         from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -116,15 +114,19 @@ def _train(args: argparse.Namespace, config) -> int:
     """Train in this process (one of several under torchrun: rank 0 prints the summary)."""
     from transformers.utils import logging as hf_logging
 
-    from rollcorr.distributed.group import DistributedError
+    from rollcorr.checkpoint import CheckpointError
+    from rollcorr.distributed.group import DistributedError, join
     from rollcorr.engines.preflight import PreflightError
     from rollcorr.safe_io import UnsafePathError, describe_os_error
-    from rollcorr.train.checkpoint import CheckpointError
     from rollcorr.train.config import ConfigError
     from rollcorr.train.loop import run as run_training
     from rollcorr.train.rundir import RunFinished, RunFolderError
 
-    main = os.environ.get("RANK", "0") == "0"
+    try:
+        main = join().is_main  # this process's ranks, as the run gets them (``run`` joins the same group)
+    except DistributedError as err:  # the launcher's environment is incomplete: nothing started yet
+        print(f"rollcorr train: {err}", file=sys.stderr)
+        return 2
 
     hf_logging.disable_progress_bar()  # checkpoints call save_pretrained; rollcorr's own bar is the one to read
     try:

@@ -15,19 +15,21 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from rollcorr.advantages import ESTIMATORS
 from rollcorr.config.correction import CorrectionConfig
 from rollcorr.config.loss import AGG_MODES
 from rollcorr.config.presets import PresetError, resolve
 from rollcorr.config.yaml_io import YamlError, excerpt, load_yaml, load_yaml_file
+from rollcorr.distributed.split import split_problem
 from rollcorr.losses import LOSSES as LOSS_CATALOGUE
 from rollcorr.losses import LossConfig, loss_spec
+from rollcorr.moe import ROUTING_REPLAY_MODES
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 
-MODES = ("sync", "simulated_async", "async")
+MODES = ("sync", "simulated_async", "async")  # trainer.mode (the sampler's version lag: source.mode_lag)
 SCHEDULES = ("constant", "cosine")
 EXECUTORS = ("local", "ray")
-ADVANTAGES = ("grpo", "rloo", "drgrpo", "oapl")
 
 
 def accepted_losses() -> tuple[str, ...]:
@@ -36,7 +38,6 @@ def accepted_losses() -> tuple[str, ...]:
     return tuple(name for name, spec in LOSS_CATALOGUE.items() if not spec.builds_own_weights)
 
 
-LOSSES = accepted_losses()  # the built-in ones
 # The IS losses build their own train/infer weight; in the trainer that weight is the correction's job, so each
 # is refused with the settings that give the same loss (ppo_clip times the correction's w).
 REFUSED_LOSSES: dict[str, str] = {
@@ -64,8 +65,6 @@ def loss_arg_readers() -> dict[str, tuple[str, ...]]:
                 out[key] = (*out.get(key, ()), name)
     return out
 
-
-LOSS_ARGS = loss_arg_readers()  # the built-in losses' arguments
 
 # Per-algorithm defaults; a field left at None in AlgorithmConfig takes the value from this table. The loss's
 # own settings (LOSS_SETTINGS) go with the algorithm's loss only: with another algorithm.loss, an unset clip or
@@ -238,7 +237,7 @@ class AlgorithmConfig:
     oapl_beta: float = field(default_factory=lambda: loss_spec("oapl").options["oapl_beta"])
     oapl_beta1: float | None = None  # OAPL soft-value temperature β₁ (None = β)
     oapl_sync_every: int = 4  # OAPL: publish weights to the sampler every N learner steps
-    # the loss's own hyper-parameters: {<LossConfig field of LOSS_ARGS>: value}, e.g. {"sapo_tau_pos": 1.0}
+    # the loss's own hyper-parameters: {<LossConfig field of loss_arg_readers()>: value}, e.g. {"sapo_tau_pos": 1.0}
     loss_args: dict[str, Any] = field(default_factory=dict)
     # the correction, resolved when the config is read from {"preset": name, <CorrectionConfig field>: value}
     correction: CorrectionConfig = field(default_factory=lambda: resolve({"preset": "decoupled_token_is"}))
@@ -523,7 +522,7 @@ def _positive(value: float, key: str, allow_zero: bool = False) -> None:
 
 
 def _validate_loss_args(loss: str, loss_args: dict[str, Any]) -> None:
-    """Each key a LOSS_ARGS field read by ``loss``, each value a number LossConfig accepts."""
+    """Each key a ``loss_arg_readers`` field read by ``loss``, each value a number LossConfig accepts."""
     values = {}
     readers = loss_arg_readers()
     for key, value in loss_args.items():
@@ -553,11 +552,8 @@ def _validate_correction(a: AlgorithmConfig, loss: str) -> None:
     ``algorithm.loss`` follows the correction (``AlgorithmConfig.resolved``); an explicit one that disagrees is
     refused.
     """
-    c = a.correction
+    c = a.correction  # loss_type=reinforce is bypass-only: CorrectionConfig's own rule, checked when it was read
     if c.loss_type == "reinforce":
-        if c.mode != "bypass":
-            raise ConfigError("algorithm.correction.loss_type: 'reinforce' applies in bypass mode only (the weight "
-                              "π_θ/μ replaces the PPO ratio); decoupled corrections use loss_type=ppo_clip")  # fmt: skip
         if loss_spec(loss).has_ratio:  # gpg = REINFORCE without its metric
             raise ConfigError(f"algorithm.loss: {loss!r} has its own ratio, but the correction has loss_type=reinforce "
                               "(its weight min(π_θ/μ, C) is already the ratio, so it would count twice); leave "
@@ -595,7 +591,7 @@ def validate(c: TrainConfig) -> None:
         _check(bool(lora.target_modules), "model.lora.target_modules", "needs at least one module name")
         _check(c.trainer.ranks == 1, "model.lora",
                "LoRA trains in one process; a data-parallel learner (trainer.ranks > 1) shards full weights")  # fmt: skip
-    _check(c.model.routing_replay in (None, "r3"), "model.routing_replay",
+    _check(c.model.routing_replay in ROUTING_REPLAY_MODES, "model.routing_replay",
            f"unknown routing replay {c.model.routing_replay!r}; use null or r3")  # fmt: skip
     if c.model.routing_replay is not None:
         from rollcorr.engines import backend_of
@@ -621,8 +617,8 @@ def validate(c: TrainConfig) -> None:
     accepted = accepted_losses()
     _check(loss in accepted, "algorithm.loss", f"unknown loss {loss!r}; use one of {accepted}")
     _validate_loss_args(loss, a.loss_args)
-    _check(a.resolved("advantage") in ADVANTAGES, "algorithm.advantage",
-           f"unknown advantage estimator {a.advantage!r}; use one of {ADVANTAGES}")  # fmt: skip
+    _check(a.resolved("advantage") in ESTIMATORS, "algorithm.advantage",
+           f"unknown advantage estimator {a.advantage!r}; use one of {ESTIMATORS}")  # fmt: skip
     _check(a.resolved("aggregation") in AGG_MODES, "algorithm.aggregation",
            f"unknown aggregation {a.aggregation!r}; use one of {AGG_MODES}")  # fmt: skip
     _positive(a.resolved("clip_low"), "algorithm.clip_low", allow_zero=True)
@@ -635,7 +631,7 @@ def validate(c: TrainConfig) -> None:
     _positive(a.oapl_sync_every, "algorithm.oapl_sync_every")
     if loss_spec(loss).regresses_on_rollout != (a.resolved("advantage") == "oapl"):
         raise ConfigError("algorithm.loss: the oapl loss and the oapl advantage go together")
-    if r.group_size < 2 and a.resolved("advantage") in ("grpo", "rloo", "drgrpo", "oapl"):
+    if r.group_size < 2:  # every estimator's baseline is a group's
         raise ConfigError(
             f"rollout.group_size: {a.resolved('advantage')} needs groups of >= 2, got {r.group_size}"
         )
@@ -680,16 +676,10 @@ def validate(c: TrainConfig) -> None:
         _check(0 <= seed < 2**32, key, f"must be in [0, 2**32), got {seed}")
     _positive(t.threads, "trainer.threads", allow_zero=True)
     _positive(t.mini_batches, "trainer.mini_batches")
-    _check(c.batch_size % t.mini_batches == 0, "trainer.mini_batches",
-           f"{t.mini_batches} does not divide the batch of {c.batch_size} responses")  # fmt: skip
-    _check(t.mini_batches == 1 or c.batch_size // t.mini_batches % r.group_size == 0, "trainer.mini_batches",
-           "each mini-batch must hold whole groups (batch / mini_batches must be a multiple of group_size)")  # fmt: skip
     _positive(t.ranks, "trainer.ranks")
-    groups_per_mini = r.prompts_per_step // t.mini_batches if t.mini_batches <= r.prompts_per_step else 0
-    _check(t.ranks == 1 or groups_per_mini % t.ranks == 0 and groups_per_mini > 0, "trainer.ranks",
-           f"each rank takes whole prompts' groups of every mini-batch: rollout.prompts_per_step "
-           f"({r.prompts_per_step}) must be a multiple of trainer.mini_batches × trainer.ranks "
-           f"({t.mini_batches} × {t.ranks})")  # fmt: skip
+    problem = split_problem(r.prompts_per_step, t.mini_batches, t.ranks)  # whole groups per mini-batch and rank
+    if problem is not None:
+        raise ConfigError(f"{problem[0]}: {problem[1]}")
     for key in ("param_dtype", "reduce_dtype"):
         value = getattr(t.fsdp, key)
         _check(value is None or value in FSDP_DTYPES, f"trainer.fsdp.{key}",

@@ -22,7 +22,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollcorr.engines.lora import load_trainable_state_dict, trainable_state_dict
+from rollcorr.checkpoint import (
+    checkpoint_dir,
+    load_latest_intact,
+    recover_checkpoints,
+    rng_state,
+    set_rng_state,
+)
+from rollcorr.distributed.group import agree, join, joined
+from rollcorr.distributed.ranks import ONE_PROCESS, Ranks
+from rollcorr.distributed.roles import NoLock, SilentLogger
 from rollcorr.engines.preflight import check_prompts
 from rollcorr.safe_io import UnsafePathError
 from rollcorr.tasks.chat import model_input, uses_chat
@@ -30,19 +39,9 @@ from rollcorr.train.alerts import RunAlerts, lr_warning
 from rollcorr.train.build import (
     build_evaluator,
     build_learner,
-    build_task,
     check_components,
     follow_sampler,
-    make_executor,
     rank_executor,
-)
-from rollcorr.train.checkpoint import (
-    checkpoint_dir,
-    load_latest_intact,
-    recover_checkpoints,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
 )
 from rollcorr.train.config import ConfigError, TrainConfig, config_from_dict, save_config
 from rollcorr.train.rundir import (
@@ -137,11 +136,29 @@ def open_resume(run_dir: Path, config: TrainConfig) -> tuple[dict[str, Any] | No
     return state, messages
 
 
-def open_run_dir(config: TrainConfig, run_dir: Path | None, resume: Path | None, overwrite: bool
-                 ) -> tuple[Path, RunLock, dict[str, Any] | None, list[str]]:  # fmt: skip
-    """(folder, its lock, state to resume from or None, messages): a new run gets an empty (or, with
-    ``overwrite``, emptied) folder; a resumed one its checked checkpoint. Nothing is written before the lock
-    is held and every check passed."""
+def open_run_dir(config: TrainConfig, run_dir: Path | None, resume: Path | None, overwrite: bool,
+                 ranks: Ranks = ONE_PROCESS) -> tuple[Path, Any, dict[str, Any] | None, list[str]]:  # fmt: skip
+    """(folder, its lock, state to resume from or None, messages). Rank 0 opens it: a new run gets an empty
+    (or, with ``overwrite``, emptied) folder, a resumed one its checked checkpoint; nothing is written before
+    the lock is held and every check passed. The other ranks get its folder (or its error) by broadcast, no
+    lock, and read the same checkpoint (``load_latest_intact`` after rank 0 tidied the folder)."""
+    opened, error = None, None
+    if ranks.is_main:
+        try:
+            opened = _open_run_dir(config, run_dir, resume, overwrite)
+        except Exception as err:  # every rank raises it
+            error = err
+    folder, error = ranks.broadcast((None if opened is None else opened[0], error))
+    if error is not None:
+        raise error
+    if ranks.is_main:
+        return opened
+    state = load_latest_intact(folder)[1] if resume is not None else None
+    return folder, NoLock(), state, []
+
+
+def _open_run_dir(config: TrainConfig, run_dir: Path | None, resume: Path | None, overwrite: bool
+                  ) -> tuple[Path, RunLock, dict[str, Any] | None, list[str]]:  # fmt: skip
     if resume is not None:
         folder = Path(resume)
         lock = RunLock(folder)
@@ -171,54 +188,30 @@ def open_run_dir(config: TrainConfig, run_dir: Path | None, resume: Path | None,
 # ---------------------------------------------------------------- the run
 
 
-def open_on_ranks(config: TrainConfig, run_dir: Path | None, resume: Path | None, overwrite: bool, ranks
-                  ) -> tuple[Path, Any, dict[str, Any] | None, list[str]]:  # fmt: skip
-    """``open_run_dir`` on rank 0; the other ranks get its folder (or its error) by broadcast, no lock, and read
-    the same checkpoint (``load_latest_intact`` after rank 0 tidied the folder)."""
-    from rollcorr.distributed.roles import NoLock
-
-    opened, error = None, None
-    if ranks.is_main:
-        try:
-            opened = open_run_dir(config, run_dir, resume, overwrite)
-        except Exception as err:  # every rank raises it
-            error = err
-    folder, error = ranks.broadcast((None if opened is None else opened[0], error))
-    if error is not None:
-        raise error
-    if ranks.is_main:
-        return opened
-    state = load_latest_intact(folder)[1] if resume is not None else None
-    return folder, NoLock(), state, []
-
-
 class Trainer:
     """Holds what lives for the whole run: learner, optimizer, executor, π_old strategy, logger, evaluator.
 
-    ``ranks`` (rollcorr.distributed): one of N data-parallel learner processes; rank 0 alone samples,
-    evaluates, logs and writes (``distributed/roles.py``), every rank trains on its rows.
+    ``ranks`` (rollcorr.distributed): this process's place in the data-parallel group — one of N learner
+    processes, or, by default, the group of one process. Rank 0 alone samples, evaluates, logs and writes
+    (``distributed/roles.py``); every rank trains on its rows.
     """
 
     def __init__(self, config: TrainConfig, run_dir: Path | None = None, resume: Path | None = None,
-                 overwrite: bool = False, ranks=None):  # fmt: skip
+                 overwrite: bool = False, ranks: Ranks = ONE_PROCESS):  # fmt: skip
         self.config = config
         self.ranks = ranks
-        self.main = ranks is None or ranks.is_main
-        self.step_config, self.proximal = check_components(config)
+        self.step_config, self.proximal, self.task = check_components(config)
         # the run folder: checked, locked and (on resume) validated against its checkpoint before any write
-        if ranks is None:
-            self.run_dir, self.lock, state, notes = open_run_dir(config, run_dir, resume, overwrite)
-        else:
-            self.run_dir, self.lock, state, notes = open_on_ranks(config, run_dir, resume, overwrite, ranks)
+        self.run_dir, self.lock, state, notes = open_run_dir(config, run_dir, resume, overwrite, ranks)
         try:
-            if self.main:
+            if ranks.is_main:
                 save_config(config, self.run_dir / "config.yaml")
             self._build(config, state, resume is not None, notes)
         except BaseException:
-            if resume is None and self.main:  # a new run that could not start (a model that does not load)
+            if resume is None and ranks.is_main:  # a new run that could not start (a model that does not load)
                 clear_run_dir(self.run_dir)
             self.lock.release()
-            if resume is None and self.main:
+            if resume is None and ranks.is_main:
                 (self.run_dir / LOCK_FILE).unlink(missing_ok=True)
                 if not any(self.run_dir.iterdir()):
                     self.run_dir.rmdir()
@@ -231,12 +224,13 @@ class Trainer:
         from rollcorr.train.logging import RunLogger, SampleLog
 
         t = config.trainer
+        main = self.ranks.is_main
         seed_everything(t.seed)
-        self.learner, self.optimizer = build_learner(config, self.ranks)  # sharded over the ranks, if any
+        self.learner, self.optimizer = build_learner(config, self.ranks)  # laid out over the ranks
+        self.checkpointer = self.ranks.checkpointer(self.learner, self.optimizer)
         from rollcorr.train.amp import LossScaler
 
         self.loss_scaler = LossScaler.for_learner(config.model.learner)  # fp16 mixed precision only
-        self.task = build_task(config)
         # a user's prompts, as the sampler will get them: encodable, and within the model's positions (the hf
         # sampler would run past them)
         try:
@@ -249,12 +243,12 @@ class Trainer:
                       f"task.name: {config.task.name} prompt")  # fmt: skip
         # the sampler is built where it runs: here (sync, simulated_async), in a sampler process (async) or in
         # Ray actors (trainer.executor=ray)
-        self.executor = make_executor(config) if self.ranks is None else rank_executor(config, self.ranks)
+        self.executor = rank_executor(config, self.ranks)
         if self.proximal.follows_sampler:
             follow_sampler(self.proximal, self.executor, self.learner)
         self.evaluates = config.task.eval_prompts > 0  # every rank: the weights are gathered for rank 0
         self.evaluated_at: int | None = None
-        self.evaluator = build_evaluator(config, self.task, self.learner.tokenizer) if self.main else None
+        self.evaluator = build_evaluator(config, self.task, self.learner.tokenizer) if main else None
         # the loss's own randomness (clip_cov's token draw): one stream per run, saved in checkpoints
         self.loss_generator = torch.Generator().manual_seed(t.seed)
         self.step = 0
@@ -264,25 +258,23 @@ class Trainer:
         self.final_accuracy: float | None = None
         if state is not None:
             self._restore(state, checkpoint_dir(self.run_dir, int(state["step"])))  # the one that loaded
-        if resumed and self.main:  # keep every intact metrics line up to the checkpoint (none from step 0: its
+        if resumed and main:  # keep every intact metrics line up to the checkpoint (none from step 0: its
             # evaluation runs again, so a kept step-0 line would be written twice)
             for name in (METRICS_FILE, SAMPLES_FILE):
                 notes.append(repair_metrics(self.run_dir, self.step if state is not None and self.step > 0 else -1, name))
         self.stop_signal: int | None = None
         self._waiting_for_sampler = False
         self.told_checkpoint_size = False
-        if self.main:
+        if main:
             self.logger = RunLogger(self.run_dir, t.steps, tensorboard=t.tensorboard, wandb=t.wandb, progress=t.progress,
                                     config=config.to_dict(), resume_step=self.step if resumed else None,
                                     wandb_project=t.wandb_project)  # fmt: skip
         else:
-            from rollcorr.distributed.roles import SilentLogger
-
             self.logger = SilentLogger()
         for note in notes:
             if note:
                 self.logger.message(note)
-        self.samples = SampleLog(self.run_dir, self.learner.tokenizer, self.logger.tb) if self.main else None
+        self.samples = SampleLog(self.run_dir, self.learner.tokenizer, self.logger.tb) if main else None
         if not resumed:
             n_params = sum(p.numel() for p in self.learner.model.parameters())  # a DTensor counts its whole size
             said = lr_warning(n_params, config.optim.lr)
@@ -291,13 +283,11 @@ class Trainer:
 
     # ---- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        sharded = self.ranks is not None  # weights and optimizer state go to dcp/ (distributed/checkpoint.py)
-        weights = None if sharded else trainable_state_dict(self.learner.model)
+        """The run's state for a checkpoint; the learner's weights and optimizer state are the checkpointer's
+        (``Ranks.checkpointer``: in state.pt for one process, in dcp/ for a sharded learner)."""
         return {
             "step": self.step,
             "version": self.version,
-            "model": weights,
-            "optimizer": None if sharded else self.optimizer.state_dict(),
             "executor": self.executor.state_dict(),
             "proximal": self.proximal.state_dict(),
             "rng": rng_state(),
@@ -308,8 +298,8 @@ class Trainer:
         }
 
     def save(self) -> Path:
-        path = self._save()
-        if self.main and not self.told_checkpoint_size:  # once a run: what each checkpoint costs
+        path = self.checkpointer.save(self.run_dir, self.step, self.state_dict(), keep=self.config.trainer.keep_checkpoints)
+        if self.ranks.is_main and not self.told_checkpoint_size:  # once a run: what each checkpoint costs
             self.told_checkpoint_size = True
             size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
             keep = self.config.trainer.keep_checkpoints
@@ -317,34 +307,13 @@ class Trainer:
                                 f"{keep} (trainer.keep_checkpoints), up to {keep * size / 1e9:.2f} GB")  # fmt: skip
         return path
 
-    def _save(self) -> Path:
-        if self.ranks is not None:
-            from rollcorr.distributed.checkpoint import save_sharded
-
-            return save_sharded(self.run_dir, self.step, self.state_dict(), self.learner, self.optimizer, self.ranks,
-                                keep=self.config.trainer.keep_checkpoints)  # fmt: skip
-        return save_checkpoint(self.run_dir, self.step, self.state_dict(), self.learner.model, self.learner.tokenizer,
-                               keep=self.config.trainer.keep_checkpoints, export=self.learner.state_dict())  # fmt: skip
-
     def _restore(self, state: dict[str, Any], path: Path) -> None:
-        from rollcorr.distributed.checkpoint import SHARDED, load_full, load_sharded, shard_held
-
-        proximal = state["proximal"]
-        if isinstance(state["model"], str) and state["model"] == SHARDED:  # from N ranks: resharded to ours
-            proximal = load_sharded(path, self.learner.model, self.optimizer, proximal, self.ranks)
-        elif self.ranks is not None:  # a one-process checkpoint: every rank keeps its shards
-            load_full(self.learner.model, self.optimizer, state["model"], state["optimizer"])
-        else:
-            load_trainable_state_dict(self.learner.model, state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+        self.checkpointer.load(path, state, self.proximal)  # weights, optimizer, the strategy (resharded to ours)
         self.step, self.version = int(state["step"]), int(state["version"])
         self.bad_steps = int(state["loop"]["bad_steps"])
         self.initial_accuracy = state["loop"]["initial_accuracy"]
         if self.loss_scaler is not None and state.get("loss_scaler"):  # fp16 amp: the scale where it was
             self.loss_scaler.load_state_dict(state["loss_scaler"])
-        self.proximal.load_state_dict(proximal)
-        if self.ranks is not None:  # a one-process checkpoint's weight copies: every rank keeps its shards
-            shard_held(self.proximal.held_weights(), self.learner.model)
         self.executor.load_state_dict(state["executor"])
         set_rng_state(state["rng"])
         # checkpoints written before the loss generator was saved restart its stream at the seed
@@ -362,9 +331,9 @@ class Trainer:
         return o.lr * scale
 
     def _weights(self) -> dict[str, torch.Tensor]:
-        """The full weights for the sampler and the evaluator (data-parallel: gathered on every rank's call,
-        rank 0 gets them, once per publish)."""
-        return self.learner.full_state_dict() if self.ranks is not None else self.learner.state_dict()
+        """The full weights for the sampler and the evaluator (a sharded learner gathers them on every rank's
+        call, rank 0 gets them, once per publish)."""
+        return self.learner.state_dict()
 
     def _evaluate(self) -> dict[str, float]:
         if not self.evaluates:
@@ -384,8 +353,6 @@ class Trainer:
 
     def _stopping(self) -> bool:
         """A signal arrived (on any rank: all stop after the same step)."""
-        if self.ranks is None:
-            return self.stop_signal is not None
         return not self.ranks.all_true(self.stop_signal is None)
 
     def _on_signal(self, signum: int, _frame) -> None:
@@ -454,7 +421,7 @@ class Trainer:
         summary = self.alerts.summary()
         if summary:
             self.logger.message(summary)
-        if t.plot and self.main:
+        if t.plot and self.ranks.is_main:
             from rollcorr.train.logging import read_metrics
             from rollcorr.train.plots import plot_run
 
@@ -469,9 +436,10 @@ class Trainer:
         t = self.config.trainer
         step_start = time.perf_counter()
         # async: a signal while the sampler process is awaited ends the step at once (a stopped or slow sampler
-        # cannot hold the first SIGTERM); the flag is set before stop_signal is read, so none slips between
-        # data-parallel: the ranks stop together after a step (``_stopping``), never one of them mid-collective
-        self._waiting_for_sampler = self.config.trainer.mode == "async" and self.ranks is None
+        # cannot hold the first SIGTERM); the flag is set before stop_signal is read, so none slips between.
+        # A lone rank only: the ranks of a group stop together after a step (``_stopping``), never one of them
+        # mid-collective
+        self._waiting_for_sampler = self.config.trainer.mode == "async" and self.ranks.world == 1
         try:
             if self._waiting_for_sampler and self.stop_signal is not None:
                 raise TrainingStopped(f"{signal.Signals(self.stop_signal).name} at step {self.step}; continue "
@@ -486,13 +454,14 @@ class Trainer:
         # still holds `version`
         in_flight = self.executor.pause() if self.proximal.pauses_sampler else []
         stall = self.proximal.before_publish(self.learner, in_flight)
+        lr = self._lr(self.step)
         for group in self.optimizer.param_groups:
-            group["lr"] = self._lr(self.step)
+            group["lr"] = lr
 
         result = train_step(rollout, self.learner, self.optimizer, self.proximal, self.step_config, self.version,
                             generator=self.loss_generator, ranks=self.ranks, loss_scaler=self.loss_scaler)  # fmt: skip
         metrics.update(result.metrics)
-        metrics["learner/ranks"] = float(1 if self.ranks is None else self.ranks.world)
+        metrics["learner/ranks"] = float(self.ranks.world)
         metrics["proximal/stall_s"] = float(stall)
         self.step += 1
         self.version += 1
@@ -507,7 +476,7 @@ class Trainer:
             self.bad_steps = 0
         metrics["train/bad_steps_in_row"] = float(self.bad_steps)
         metrics["time/step_s"] = time.perf_counter() - step_start
-        metrics["train/lr"] = self._lr(self.step - 1)
+        metrics["train/lr"] = lr
 
         ev: dict[str, float] = {}
         if t.eval_every and self.step % t.eval_every == 0 or self.step == t.steps:
@@ -560,18 +529,15 @@ def rank_facts(config: TrainConfig, run_dir, resume, overwrite: bool) -> dict[st
 def run(config: TrainConfig, run_dir: Path | None = None, resume: Path | None = None,
         overwrite: bool = False) -> RunResult:  # fmt: skip
     """Train with ``config``; ``resume`` continues the run in that folder from its newest checkpoint;
-    ``overwrite`` replaces the run in a non-empty ``trainer.out`` (otherwise refused)."""
+    ``overwrite`` replaces the run in a non-empty ``trainer.out`` (otherwise refused). In one of torchrun's
+    processes this process is one rank of the data-parallel learner (docs/distributed.md), else a group of one."""
     if config.trainer.threads > 0:
         torch.set_num_threads(config.trainer.threads)
-    from rollcorr.distributed import init_from_env, launched
-
-    ranks = init_from_env() if launched() else None  # one of torchrun's processes (docs/distributed.md)
-    if ranks is not None:
-        from rollcorr.distributed.group import agree
-
-        agree(ranks, rank_facts(config, run_dir, resume, overwrite))  # one config on every rank, before any work
-        if config.trainer.ranks not in (1, ranks.world):
-            raise ConfigError(f"trainer.ranks: {config.trainer.ranks}, but torchrun started {ranks.world} processes; "
-                              "leave trainer.ranks unset under torchrun")  # fmt: skip
+    ranks = join()
+    joined(ranks)  # every rank is here (the missing ones named) ...
+    agree(ranks, rank_facts(config, run_dir, resume, overwrite))  # ... with one config, before any work
+    if config.trainer.ranks not in (1, ranks.world):
+        raise ConfigError(f"trainer.ranks: {config.trainer.ranks}, but this run has {ranks.world} learner process(es); "
+                          "`rollcorr train trainer.ranks=N` starts N (leave trainer.ranks unset under torchrun)")  # fmt: skip
     trainer = Trainer(config, run_dir=run_dir, resume=resume, overwrite=overwrite, ranks=ranks)
     return trainer.run()

@@ -201,7 +201,9 @@ def _absolute(path: str) -> str:
 def mode_lag(mode: str, lag: int) -> int | None:
     """``trainer.mode`` → the sampler's version lag: ``sync`` 0, ``simulated_async`` ``lag`` (fixed,
     deterministic), ``async`` None (the freshest weights the sampler can get, within ``max_staleness``)."""
-    lags = {"sync": 0, "simulated_async": lag, "async": None}
+    from rollcorr.train.config import MODES
+
+    lags = dict(zip(MODES, (0, lag, None)))
     if mode not in lags:
         raise ValueError(f"trainer.mode: unknown mode {mode!r}; use one of {sorted(lags)}")
     return lags[mode]

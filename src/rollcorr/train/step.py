@@ -11,36 +11,35 @@
 
 The learner's weight version does not change inside ``train_step``: the caller publishes afterwards.
 
-Data-parallel (``ranks``, rollcorr.distributed): every rank holds the whole rewarded rollout, but runs the model
-— π_old, log π_θ, backward — only on its rows (``distributed.split``: whole groups, an equal share of each
-mini-batch). The per-token log-probs are all-gathered (one (B, T) tensor each), so the correction, its
-``rollout_corr/*`` metrics (quantile-free, but maxima, minima, std and ESS exact too), the advantages and the
-reward metrics are computed on the global batch on every rank, exactly as one process does. Each rank's loss
-is scaled by its share of the global loss count (``losses.aggregation.loss_count``), so the summed gradient is
-the one-process gradient.
+Data-parallel from the first line (``ranks``, rollcorr.distributed; one process is a group of one, whose
+collectives return their input): every rank holds the whole rewarded rollout, but runs the model — π_old,
+log π_θ, backward — only on its rows (``distributed.split``: whole groups, an equal share of each mini-batch).
+The per-token log-probs are all-gathered (one (B, T) tensor each), so the correction, its ``rollout_corr/*``
+metrics (quantile-free, but maxima, minima, std and ESS exact too), the advantages and the reward metrics are
+computed on the global batch on every rank. Each part's loss is scaled by its share of the global
+mini-batch's loss count (``count_of``), so the gradient summed over ranks and micro-batches is the
+global-batch gradient.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from rollcorr.advantages import compute_advantages
 from rollcorr.config.correction import CorrectionConfig
-from rollcorr.distributed.shard import local_tensor as _local  # a DTensor's shard; other tensors as they are
+from rollcorr.correction.weights import LOCAL
+from rollcorr.distributed.ranks import ONE_PROCESS, Ranks
+from rollcorr.distributed.split import rank_rows
+from rollcorr.distributed.tensors import local_tensor
 from rollcorr.losses import LossConfig, masked_mean, policy_loss
 from rollcorr.losses.aggregation import loss_count
+from rollcorr.moe import RoutingFlips
 from rollcorr.rollout import Rollout
-
-if TYPE_CHECKING:
-    from rollcorr.distributed.group import Ranks
 
 
 @dataclass(frozen=True)
@@ -71,16 +70,24 @@ class StepConfig:
 
 @dataclass
 class StepResult:
-    """What one step did. ``applied`` is False when a non-finite loss/gradient made it skip the update."""
+    """What one step did: its metrics, and the optimizer steps skipped for a non-finite loss, gradient or weight."""
 
     metrics: dict[str, float] = field(default_factory=dict)
-    applied: bool = True
     skipped_updates: int = 0
     rollout: Rollout | None = None  # the global batch as trained: old log-probs, weights, kept mask, advantages
 
 
 def _float_metrics(metrics: dict[str, Tensor | float]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
+
+
+def check_rewards(rollout: Rollout) -> None:
+    """The task's rewards (B,) are finite: the advantages, the loss and the reward metrics read them."""
+    bad = ~torch.isfinite(rollout.rewards.float())
+    if bad.any():
+        rows = bad.nonzero().flatten().tolist()
+        raise ValueError(f"rollout.rewards: {len(rows)} non-finite reward(s) (rows {rows[:8]}); a task's reward "
+                         "must be a finite number")  # fmt: skip
 
 
 def reward_metrics(rollout: Rollout) -> dict[str, float]:
@@ -179,10 +186,9 @@ def _loss(config: StepConfig, part: Rollout, log_prob: Tensor, generator: torch.
     )
 
 
-def _finite_on(mask: Tensor, *tensors: Tensor | None) -> bool:
-    """Every given (B, T) tensor is finite where ``mask`` is set (None: not used by this loss)."""
-    on = mask.bool()
-    return all(bool(torch.isfinite(t.detach()[on]).all()) for t in tensors if t is not None)
+def _finite_on(mask: Tensor, x: Tensor) -> bool:
+    """(B, T) ``x`` is finite where ``mask`` is set."""
+    return bool(torch.isfinite(x.detach()[mask.bool()]).all())
 
 
 def renormalize(part: Rollout, config: StepConfig, scope: str) -> Rollout:
@@ -199,80 +205,51 @@ def renormalize(part: Rollout, config: StepConfig, scope: str) -> Rollout:
     return part.replace(is_weights=part.is_weights / factor)
 
 
+def mini_batch_rows(batch_size: int, mini_batches: int) -> list[list[int]]:
+    """Rows of each mini-batch: ``mini_batches`` equal runs of consecutive rows (whole groups: the config's rule,
+    ``distributed.split.split_problem``)."""
+    size = batch_size // mini_batches
+    return [list(range(i, i + size)) for i in range(0, batch_size, size)]
+
+
 def _micro_batches(n: int, size: int) -> list[list[int]]:
     size = n if size <= 0 else size
     return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
 
 def count_of(config: StepConfig, part: Rollout) -> float | None:
-    """The count ``config.loss`` divides by on ``part`` (``losses.aggregation.loss_count``; None: token-sum)."""
+    """The count ``config.loss`` divides by on ``part`` (``losses.aggregation.loss_count``: tokens or sequences;
+    None: token-sum). A part's loss scaled by count(part) / count(global mini-batch) — on any rank, in any
+    micro-batch — adds up to the global mini-batch's loss (verl's global-batch normalisation)."""
     count = loss_count(part.kept_mask, config.loss.agg_mode, denominator=config.loss.denominator,
                        denominator_mask=part.response_mask, per_sequence=config.loss.per_sequence)  # fmt: skip
     return None if count is None else float(count)
 
 
-def shares_of(rollout: Rollout, config: StepConfig, ranks: Ranks | None) -> list[list[int]]:
-    """Per mini-batch, the global rows this rank trains on (all of them without ``ranks``)."""
-    from rollcorr.distributed.split import mini_batch_rows, rank_rows
+@dataclass(frozen=True)
+class RowSplit:
+    """A batch's rows (global indices) as this rank trains on them (``distributed.split``; one process: all)."""
 
-    if ranks is None:
-        return mini_batch_rows(rollout.batch_size, config.mini_batches)
-    return rank_rows(rollout.group_ids, config.mini_batches, ranks.rank, ranks.world)
+    mini_batches: list[list[int]]  # every mini-batch's rows
+    shares: list[list[int]]  # this rank's share of each mini-batch
+    order: list[int]  # every rank's rows, rank 0's first: the order ``Ranks.gather_rows`` returns them in
 
+    @classmethod
+    def of(cls, rollout: Rollout, config: StepConfig, ranks: Ranks) -> RowSplit:
+        minis = mini_batch_rows(rollout.batch_size, config.mini_batches)
+        per_rank = [rank_rows(minis, rollout.group_ids, r, ranks.world) for r in range(ranks.world)]
+        return cls(minis, per_rank[ranks.rank], [row for rows in per_rank for share in rows for row in share])
 
-def gather_rows(x: Tensor, rollout: Rollout, config: StepConfig, ranks: Ranks) -> Tensor:
-    """Every rank's (rows of its share, T) tensor → the (B, T) tensor in the rollout's row order."""
-    from rollcorr.distributed.split import rank_rows
+    @property
+    def own_rows(self) -> list[int]:
+        return [row for share in self.shares for row in share]
 
-    order = [row for r in range(ranks.world)
-             for rows in rank_rows(rollout.group_ids, config.mini_batches, r, ranks.world) for row in rows]  # fmt: skip
-    gathered = ranks.gather_rows(x)
-    full = torch.empty_like(gathered)
-    full[torch.tensor(order, device=full.device)] = gathered
-    return full
-
-
-class RoutingFlips:
-    """``routing/flip_share`` and ``routing/flip_token_share`` of one step (mixture-of-experts models whose
-    rollout carries the sampler's ``routed_experts``): how far the learner's own routers are from the
-    sampler's choice, over the valid response tokens (``rollcorr.moe.routing_flip_metrics``).
-
-    Measured in the π_θ forwards of the first PPO epoch (each row scored once; no extra forward): a
-    ``capture_routing(own=True)`` records the top-k of the learner's own router logits, so under
-    ``routing_replay=r3`` — where the layers run the sampler's experts — it still describes the routers' own
-    choice. Micro-batches are weighted by their valid tokens, which makes the shares exact over the batch;
-    with ``ranks`` the sums are added over ranks. Inactive (no metric) for a dense model or a rollout
-    without routing."""
-
-    def __init__(self, learner, rollout: Rollout) -> None:
-        from rollcorr.moe import is_moe
-
-        self.model = learner.model
-        self.active = rollout.routed_experts is not None and is_moe(self.model)
-        self.sums = torch.zeros(3, dtype=torch.float64)  # Σ flipped pairs / L, Σ flipped tokens, Σ valid tokens
-
-    @contextmanager
-    def scoring(self, part: Rollout, measure: bool) -> Iterator[None]:
-        """Around the learner's forward over ``part``: adds its flips when ``measure`` (the first epoch)."""
-        if not (self.active and measure):
-            yield
-            return
-        from rollcorr.moe import capture_routing, response_routing, routing_flip_metrics
-
-        with capture_routing(self.model, own=True) as recorder:
-            yield
-        own = response_routing(recorder.take(), part.prompt_ids.shape[1], part.response_mask)
-        m = routing_flip_metrics(part.routed_experts, own, part.response_mask)
-        n = float(m["routing_tokens"])
-        self.sums += torch.tensor([m["routing_flip_share"] * n, m["routing_flip_token_share"] * n, n],
-                                  dtype=torch.float64)  # fmt: skip
-
-    def metrics(self, ranks: Ranks | None = None) -> dict[str, float]:
-        if not self.active:
-            return {}
-        sums = self.sums if ranks is None else ranks.all_reduce(self.sums)
-        n = max(float(sums[2]), 1.0)
-        return {"routing/flip_share": float(sums[0]) / n, "routing/flip_token_share": float(sums[1]) / n}
+    def gather(self, x: Tensor, ranks: Ranks) -> Tensor:
+        """Every rank's (rows of its shares, T) tensor → the (B, T) tensor in the batch's row order."""
+        gathered = ranks.gather_rows(x)
+        full = torch.empty_like(gathered)
+        full[torch.tensor(self.order, device=full.device)] = gathered
+        return full
 
 
 def optimize(
@@ -280,18 +257,18 @@ def optimize(
     learner,
     optimizer: torch.optim.Optimizer,
     config: StepConfig,
+    split: RowSplit,
     after_optimizer_step=None,
     generator: torch.Generator | None = None,
-    ranks: Ranks | None = None,
+    ranks: Ranks = ONE_PROCESS,
     loss_scaler=None,
 ) -> tuple[dict[str, float], int, int]:
     """PPO epochs × mini-batches of optimizer steps over ``rollout``'s kept tokens (``kept_mask``).
 
-    Micro-batches accumulate gradients; each micro loss is scaled by its share of the mini-batch's loss count
-    (``count_of``: tokens, sequences, or none for token-sum), so the accumulated gradient equals the mini-batch
-    one. With ``ranks`` this rank's micro-batches cover its share of each global mini-batch and the share is
-    of the *global* count (the gradients are then summed over ranks); the loss metrics are summed likewise
-    (each weighted by its part's share: exact for metrics averaged as the loss is).
+    This rank's micro-batches cover its share of each global mini-batch (``split``; one process: all of it) and accumulate gradients; each micro loss is scaled by its share of the global mini-batch's loss count
+    (``count_of``: tokens, sequences, or none for token-sum), so the gradient summed over micro-batches and
+    ranks equals the mini-batch one; the loss metrics are summed likewise (each weighted by its part's share:
+    exact for metrics averaged as the loss is).
     Returns (metrics averaged over optimizer steps, optimizer steps applied, steps skipped as non-finite).
     A mini-batch whose gradient is exactly zero is counted in ``train/zero_grad_minibatches``; with
     ``config.skip_zero_grad`` it takes no optimizer step (counted in ``train/zero_grad_skips``; not a bad step).
@@ -301,12 +278,11 @@ def optimize(
     params = [p for p in learner.model.parameters() if p.requires_grad]
     sums: dict[str, float] = {}
     applied = skipped = zero_grad_skips = zero_grads = nonfinite_weights = amp_overflows = 0
-    agree_max = None if ranks is None else (lambda x: ranks.all_reduce(x, "max"))
-    guarded_step = GuardedStep(optimizer, params, agree_max=agree_max)
-    # FSDP reduce-scatters the *mean* of the ranks' gradients: scale by N to get their sum
-    grad_scale = 1.0 if ranks is None else float(ranks.world)
-    batches = list(zip(shares_of(rollout, config, None), shares_of(rollout, config, ranks)))
-    routing = RoutingFlips(learner, rollout)
+    guarded_step = GuardedStep(optimizer, params, ranks)
+    # a sharded learner's gradients are reduce-scattered as the *mean* over ranks: scale by N to get their sum
+    grad_scale = float(ranks.world)
+    batches = list(zip(split.mini_batches, split.shares))
+    routing = RoutingFlips(learner.model, rollout)
     seconds = dict.fromkeys(("loss_forward", "backward", "optimizer"), 0.0)  # where optimize's time goes
     for epoch in range(config.ppo_epochs):
         for rows, own_rows in batches:
@@ -329,12 +305,11 @@ def optimize(
                     )
                 # diverged weights give NaN/inf log-probs: a bad step, not a loss error
                 loss, metrics = None, {}
-                ok = _finite_on(part.response_mask, log_prob, part.old_log_prob)
+                ok = _finite_on(part.response_mask, log_prob)  # π_old was checked by its strategy
                 if ok:
                     loss, metrics = _loss(config, part, log_prob, generator)
                     ok = bool(torch.isfinite(loss))
-                if ranks is not None:
-                    ok = ranks.all_true(ok)  # every rank takes the same branch around FSDP's collectives
+                ok = ranks.all_true(ok)  # every rank takes the same branch around FSDP's collectives
                 seconds["loss_forward"] += time.perf_counter() - clock
                 if not ok:
                     finite = False
@@ -353,14 +328,12 @@ def optimize(
                 step_metrics["actor/entropy"] = step_metrics.get("actor/entropy", 0.0) + tokens * float(
                     masked_mean(entropy.detach(), part.response_mask)
                 )
-            if finite and ranks is not None and step_metrics:
+            if finite and step_metrics:  # summed over ranks (in one order on every rank)
                 keys = sorted(step_metrics)
                 summed = ranks.all_reduce(torch.tensor([step_metrics[k] for k in keys], dtype=torch.float64))
-                step_metrics = dict(zip(keys, summed.tolist()))
+                step_metrics = {k: summed[keys.index(k)].item() for k in step_metrics}
             if finite and loss_scaler is not None:  # unscale; an overflow skips this step (not a bad step)
-                unscaled = loss_scaler.unscale(params)
-                if ranks is not None:
-                    unscaled = ranks.all_true(unscaled)
+                unscaled = ranks.all_true(loss_scaler.unscale(params))
                 loss_scaler.update(unscaled)
                 if not unscaled:
                     optimizer.zero_grad(set_to_none=True)
@@ -399,7 +372,7 @@ def optimize(
         metrics["train/amp_overflow_skips"] = float(amp_overflows)
         metrics["train/amp_loss_scale"] = float(loss_scaler.scale)
     metrics.update({f"time/{name}_s": value for name, value in seconds.items()})
-    metrics.update(routing.metrics(ranks))
+    metrics.update(routing.metrics(ranks.all_reduce))
     return metrics, applied, skipped
 
 
@@ -412,14 +385,14 @@ class GuardedStep:
     Before each step the weights and the optimizer's state tensors are copied (``copy_``) into buffers
     allocated once, then one max-abs pass (one sync) checks the result; no deep copy, no state_dict.
 
-    Sharded parameters (FSDP2 ``DTensor``): each rank saves, checks and restores its own shards, and
-    ``agree_max`` (a max over ranks) makes every rank take the same decision.
+    Sharded parameters (FSDP2 ``DTensor``): each rank saves, checks and restores its own shards, and a max over
+    ``ranks`` makes every rank take the same decision.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: list[Tensor], agree_max=None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[Tensor], ranks: Ranks = ONE_PROCESS) -> None:
         self.optimizer, self.params = optimizer, params
-        self.agree_max = agree_max
-        self._weights = [torch.empty_like(_local(p)) for p in params]
+        self.ranks = ranks
+        self._weights = [torch.empty_like(local_tensor(p)) for p in params]
         self._state: dict[tuple[int, str], Tensor] = {}  # (param index, state key) → buffer
         self._limits = [math.sqrt(torch.finfo(p.dtype).max) for p in params]
 
@@ -434,7 +407,7 @@ class GuardedStep:
             entry = {}
             for key, value in state.items():
                 if isinstance(value, Tensor):
-                    value = _local(value)
+                    value = local_tensor(value)
                     buf = self._state.get((i, key))
                     if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
                         buf = self._state[(i, key)] = torch.empty_like(value)
@@ -448,25 +421,24 @@ class GuardedStep:
     def __call__(self) -> bool:
         """Take the step; False (and nothing changed) if a weight became unusable."""
         for buf, p in zip(self._weights, self.params):
-            buf.copy_(_local(p))
+            buf.copy_(local_tensor(p))
         saved = self._save_state()
         self.optimizer.step()
-        largest = torch.stack([_local(p).abs().amax().float() / lim if _local(p).numel()
-                               else torch.zeros((), device=_local(p).device)  # an empty shard (N > rows)
+        largest = torch.stack([local_tensor(p).abs().amax().float() / lim if local_tensor(p).numel()
+                               else torch.zeros((), device=local_tensor(p).device)  # an empty shard (N > rows)
                                for p, lim in zip(self.params, self._limits)]).max()  # fmt: skip
-        if self.agree_max is not None:
-            largest = self.agree_max(largest.nan_to_num(nan=math.inf))
-        if bool(largest <= 1.0):  # NaN compares False
+        largest = self.ranks.all_reduce(largest.nan_to_num(nan=math.inf), "max")
+        if bool(largest <= 1.0):
             return True
         for p, buf, entry in zip(self.params, self._weights, saved):
-            _local(p).copy_(buf)
+            local_tensor(p).copy_(buf)
             if entry is None:
                 self.optimizer.state.pop(p, None)
                 continue
             state = self.optimizer.state[p]
             for key, value in entry.items():
                 if isinstance(value, Tensor):
-                    _local(state[key]).copy_(value)
+                    local_tensor(state[key]).copy_(value)
                 else:
                     state[key] = value
         return False
@@ -494,22 +466,23 @@ def train_step(
     config: StepConfig,
     version: int,
     generator: torch.Generator | None = None,
-    ranks: Ranks | None = None,
+    ranks: Ranks = ONE_PROCESS,
     loss_scaler=None,
 ) -> StepResult:
     """One walk from a rewarded rollout to updated learner weights (see module docstring).
 
     ``version`` is the learner's current weight version (the rollout's tokens carry their own, ≤ version);
     ``generator`` is the run's stream for the loss's random draw (clip_cov; None = torch's global RNG).
-    ``ranks``: data-parallel (every rank passes the same global ``rollout``; see the module docstring).
+    ``ranks``: this rank of the data-parallel group (every rank passes the same global ``rollout``; see the
+    module docstring).
     """
+    check_rewards(rollout)
     metrics = {**reward_metrics(rollout), **rollout.lag_metrics(version)}
-    own = rollout
-    if ranks is not None:
-        own = rollout.select([row for rows in shares_of(rollout, config, ranks) for row in rows])
+    split = RowSplit.of(rollout, config, ranks)
+    own = rollout if split.own_rows == list(range(rollout.batch_size)) else rollout.select(split.own_rows)
 
-    def everyone(x: Tensor | None) -> Tensor | None:  # this rank's rows → the global batch's
-        return x if ranks is None or x is None else gather_rows(x, rollout, config, ranks)
+    def everyone(x: Tensor) -> Tensor:  # this rank's rows → the global batch's
+        return split.gather(x, ranks)
 
     # π_old by the chosen strategy (timed, with its memory cost and, when measurable, its error)
     start = time.perf_counter()
@@ -528,11 +501,6 @@ def train_step(
             current = learner.log_prob(own, temperature=config.temperature, grad=False)
             current = current[0] if isinstance(current, tuple) else current
     current = everyone(current) if (bypass or exact) else None  # read only then
-    group = None
-    if ranks is not None:
-        from rollcorr.correction.weights import LOCAL
-
-        group = LOCAL  # the correction sees the global batch on every rank: no all-reduce
 
     # OPSM reads the advantages: then they are computed before the correction, every valid sequence in the
     # baselines (as DeepSeek-V3.2 and slime do), and the loss uses the same ones; otherwise after it, with
@@ -541,7 +509,8 @@ def train_step(
         rollout, used, adv_metrics = attach_advantages(rollout.replace(kept_mask=rollout.response_mask.bool()), config)
 
     # correction: IS weights, rejection mask, the verl-named diagnostics
-    rollout, corr_metrics = attach_correction(rollout, config, current if (bypass or exact) else None, group=group)
+    # the correction sees the global batch on every rank: its batch normalisation needs no all-reduce (LOCAL)
+    rollout, corr_metrics = attach_correction(rollout, config, current, group=LOCAL)
     metrics.update(corr_metrics)
     proximal.after_correction(rollout, version)  # the strategy sees the keep share and the measured lag
 
@@ -563,11 +532,11 @@ def train_step(
 
     start = time.perf_counter()
     opt_metrics, applied, skipped = optimize(
-        rollout, learner, optimizer, config,
+        rollout, learner, optimizer, config, split,
         after_optimizer_step=proximal.after_optimizer_step, generator=generator, ranks=ranks, loss_scaler=loss_scaler,
     )  # fmt: skip
     metrics.update(opt_metrics)
     metrics["time/optimize_s"] = time.perf_counter() - start
     metrics["train/skipped_updates"] = float(skipped)
     metrics["train/applied_updates"] = float(applied)
-    return StepResult(metrics=metrics, applied=skipped == 0 and applied > 0, skipped_updates=skipped, rollout=rollout)
+    return StepResult(metrics=metrics, skipped_updates=skipped, rollout=rollout)

@@ -18,6 +18,14 @@ A run folder is untrusted input (it may come from a colleague or a bucket): ``st
 ``torch.load(weights_only=True)``, which builds tensors, numbers, strings and containers only — plus the one
 rollcorr type a checkpoint holds (``Rollout``, the async executor's queued batches). The RNG states are stored
 as plain tensors and lists for that reason.
+
+The learner's part — its weights and the optimizer's state — is a ``Checkpointer``'s: this module's writes them
+into ``state.pt`` (a learner one process holds whole); ``distributed.checkpoint.ShardedCheckpointer`` extends it
+for a learner sharded over ranks, whose every rank writes its shards into ``dcp/`` in the format of
+``torch.distributed.checkpoint`` (DCP). Either reads both kinds: a checkpoint of N ranks resumes in one process
+(``load_sharded``: DCP reads without a process group) and a one-process checkpoint on N ranks. The trainer gets
+its checkpointer from its ranks (``Ranks.checkpointer``); this module imports neither the trainer nor the
+distributed package.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rollcorr.engines.lora import load_trainable_state_dict, trainable_state_dict
 from rollcorr.rollout import Rollout
 from rollcorr.safe_io import UnsafePathError, check_inside_dir, describe_os_error, read_bytes_inside
 
@@ -43,6 +52,9 @@ STATE_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
 STATE_KEYS = ("step", "version", "model", "optimizer", "executor", "proximal", "rng", "loop", "config")
 SAFE_TYPES = [Rollout]  # the only non-builtin type a state.pt may contain (queued async batches)
+DCP_DIR = "dcp"  # a sharded checkpoint's weights, optimizer state and held π_old tensors (DCP's format)
+SHARDED = "dcp"  # the value of state["model"] / state["optimizer"] when the tensors are in dcp/
+HELD = "__dcp__"  # a marker dict {HELD: key, "shape", "dtype"} in state.pt where a held DTensor was
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -163,7 +175,7 @@ def save_checkpoint(
 def commit_checkpoint(run_dir: Path, step: int, tmp: Path, keep: int = 2) -> Path:
     """Rename the complete, fsynced ``tmp`` (manifest included) into ``step_N`` (through ``.old-step_N`` when it
     exists) and keep the newest ``keep`` checkpoints. Shared by one-process and sharded
-    (``distributed/checkpoint.py``) saves."""
+    (``distributed.checkpoint``) saves."""
     final = checkpoint_dir(run_dir, step)
     if final.exists():
         old = final.parent / f".old-{final.name}"
@@ -325,3 +337,83 @@ def load_latest_intact(run_dir: Path) -> tuple[Path | None, dict[str, Any] | Non
             skipped.append(f"{path.name}: has no {MANIFEST_FILE} (saved by an older rollcorr): loaded unchecked")
         return path, state, skipped
     return None, None, skipped
+
+
+# ---------------------------------------------------------------- the learner's part
+
+
+def _markers(obj: Any) -> list[dict]:
+    if isinstance(obj, dict):
+        return [obj] if HELD in obj else [m for v in obj.values() for m in _markers(v)]
+    return []
+
+
+def _join_held(obj: Any, loaded: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        return loaded[obj[HELD]] if HELD in obj else {k: _join_held(v, loaded) for k, v in obj.items()}
+    return obj
+
+
+def whole_tensor(marker: dict) -> torch.Tensor:
+    """Where DCP loads a held tensor in one process: an empty tensor of its whole shape and dtype."""
+    return torch.empty(marker["shape"], dtype=getattr(torch, marker["dtype"]))
+
+
+def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, proximal: Any = None,
+                 held_target=whole_tensor) -> Any:  # fmt: skip
+    """Weights and optimizer state from ``path/dcp`` (a checkpoint N ranks wrote) into ``model`` (sharded or not)
+    and ``optimizer``, resharded to this run's layout; returns ``proximal`` (the π_old strategy's state from
+    state.pt) with its held tensors loaded into ``held_target(marker)`` (whole tensors by default; a sharded run's
+    shards, ``ShardedCheckpointer.held_target``). Works without a process group (one process)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    target = {"model": model_state, "optimizer": optim_state}
+    markers = _markers(proximal)
+    if markers:
+        target["proximal"] = {m[HELD]: held_target(m) for m in markers}  # a tied tensor once
+    with warnings.catch_warnings():  # one process reading N ranks' shards is the intent, not a mistake
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(target, checkpoint_id=str(Path(path) / DCP_DIR))
+    set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optimizer"])
+    return _join_held(proximal, target.get("proximal", {}))
+
+
+class Checkpointer:
+    """The learner's weights and optimizer state in a run's checkpoints, for a learner this process holds whole:
+    both go into ``state.pt`` (a LoRA learner's: its adapters), the weights a sampler takes into ``model/``.
+
+    ``save(run_dir, step, state)`` writes checkpoint ``step`` from the run's ``state`` (everything but the
+    learner's tensors); ``load(path, state, proximal)`` puts a loaded checkpoint's weights and optimizer state
+    back, and the π_old strategy's state into ``proximal`` (its held weights as this run lays them out).
+    """
+
+    def __init__(self, learner, optimizer: torch.optim.Optimizer) -> None:
+        self.learner, self.optimizer = learner, optimizer
+
+    def save(self, run_dir: Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:
+        model = self.learner.model
+        state = {**state, "model": trainable_state_dict(model), "optimizer": self.optimizer.state_dict()}
+        return save_checkpoint(run_dir, step, state, model, self.learner.tokenizer, keep=keep,
+                               export=self.learner.state_dict())  # fmt: skip
+
+    def load(self, path: Path, state: dict[str, Any], proximal) -> None:
+        if isinstance(state["model"], str) and state["model"] == SHARDED:  # written by N ranks: resharded to ours
+            held = load_sharded(path, self.learner.model, self.optimizer, state["proximal"], self.held_target)
+        else:
+            self.load_whole(state["model"], state["optimizer"])
+            held = state["proximal"]
+        proximal.load_state_dict(held)
+
+    # ---- what a sharded learner's checkpointer changes ---------------------------------------------------
+    def load_whole(self, weights: dict[str, torch.Tensor], optim_state: dict[str, Any]) -> None:
+        """A one-process checkpoint's weights and ``optimizer.state_dict()``."""
+        load_trainable_state_dict(self.learner.model, weights)
+        self.optimizer.load_state_dict(optim_state)
+
+    def held_target(self, marker: dict) -> torch.Tensor:
+        """Where DCP loads a held tensor of a sharded checkpoint (``load_sharded``)."""
+        return whole_tensor(marker)
