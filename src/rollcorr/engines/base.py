@@ -53,6 +53,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def truncated(self) -> bool:
+        """Top-k or top-p cuts the distribution drawn from (greedy draws the argmax: nothing is cut)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
 
 @runtime_checkable
 class Sampler(Protocol):

@@ -18,6 +18,7 @@ and ``vllm`` load when an engine is built). The hooks, in the order they are cal
     backend.check_trainable(parsed, spec)                   # a learner that cannot take optimizer steps (none)
     backend.with_dtype(parsed, dtype)                       # the same sampler in another dtype (``precisions``)
     backend.audit_kwargs(parsed, rows=, tokens=, gguf_file=)    # extra make_sampler kwargs an audit needs ({})
+    backend.no_kept_mass(parsed)                            # why its sampler reports no top-k/top-p kept mass (None)
     backend.shown(parsed, spec)                             # the spec as reports name it (as the user wrote it)
 
 Every hook raises ``ValueError`` with one line naming the problem; ``preflight`` turns those of ``check_spec`` and
@@ -130,6 +131,23 @@ class Backend:
     def shown(self, parsed: EngineSpec, spec: str) -> str:
         """The spec as reports and the terminal name it; default: as the user wrote it."""
         return spec
+
+    def no_kept_mass(self, parsed: EngineSpec) -> str | None:
+        """Why this sampler cannot report the probability mass top-k / top-p kept (``Rollout.log_kept_mass``),
+        which a comparison with its distribution before truncation needs; None (default) when it reports it."""
+        return None
+
+
+def check_kept_mass(spec: str, truncated: bool, needs_full: bool, key: str) -> None:
+    """ValueError (one line, naming ``key``) when a comparison with the sampler's distribution before top-k /
+    top-p (``needs_full``) meets truncated sampling on a sampler that does not report the mass it kept."""
+    if not (truncated and needs_full):
+        return
+    reason = backend_of(spec).no_kept_mass(parse_spec(spec))
+    if reason is not None:
+        raise ValueError(f"{key}: comparing with {spec}'s distribution before top-k/top-p needs the probability "
+                         f"mass they kept, and {reason}; compare with the distribution it drew from instead, or "
+                         "sample without top-k/top-p")  # fmt: skip
 
 
 # ---- the registry -----------------------------------------------------------------------------------------

@@ -224,9 +224,6 @@ def check_params(params: SamplingParams) -> None:
         )
 
 
-def is_truncated(params: SamplingParams) -> bool:
-    return not params.greedy and (params.top_k > 0 or params.top_p < 1.0)
-
 
 class VLLMSampler(DecodingSampler):
     """A ``Sampler`` on a ``vllm.LLM`` engine (CPU or GPU). ``version`` is the weight version it holds.
@@ -353,7 +350,7 @@ class VLLMSampler(DecodingSampler):
         """``DecodingSampler.generate``; ``log_kept_mass`` is None under top-k / top-p (vLLM does not report it)."""
         check_params(params)
         rollout = super().generate(prompts, params, **kwargs)
-        return rollout.replace(log_kept_mass=None) if is_truncated(params) else rollout
+        return rollout.replace(log_kept_mass=None) if params.truncated else rollout
 
     def _decode(
         self, contexts: list[list[int]], budgets: list[int], params: SamplingParams, max_steps: int | None
@@ -434,6 +431,14 @@ class VLLMBackend(Backend):
     def shown(self, parsed: EngineSpec, spec: str) -> str:
         """The default dtype said out loud: "vllm" is shown as "vllm:bf16"."""
         return str(parsed)
+
+    def no_kept_mass(self, parsed: EngineSpec) -> str:
+        """vLLM returns the sampled token's processed log-prob only. Its own record of the kept support
+        (``return_sampling_mask``, vLLM 0.32) exists only in its Model Runner V2, which needs Triton."""
+        if vllm_cpu_build():
+            return ("vLLM reports none: its sampling mask (return_sampling_mask) needs its Model Runner V2, which "
+                    "needs Triton, and the CPU build (vllm-cpu) has none")  # fmt: skip
+        return "vLLM reports none (rollcorr does not read its return_sampling_mask, a Model Runner V2 feature)"
 
 
 register_backend(VLLMBackend())

@@ -25,6 +25,7 @@ from rollcorr.distributed.ranks import ONE_PROCESS, Ranks
 from rollcorr.distributed.roles import FollowerExecutor, LeaderExecutor
 from rollcorr.engines import backend_of, make_learner, make_sampler, parse_spec, sampler_class
 from rollcorr.engines.preflight import PreflightError, preflight
+from rollcorr.engines.spec import check_kept_mass
 from rollcorr.losses import LossConfig
 from rollcorr.losses.oapl import value_temperature
 from rollcorr.proximal import ProximalStrategy, make_proximal
@@ -35,7 +36,7 @@ from rollcorr.train.eval import GreedyEvaluator
 from rollcorr.train.executors import AsyncExecutor, Executor, LaggedExecutor
 from rollcorr.train.ray_executor import RayExecutor
 from rollcorr.train.sampler_process import ProcessSource
-from rollcorr.train.source import SourceSpec, mode_lag
+from rollcorr.train.source import SourceSpec, mode_lag, sampling_params
 from rollcorr.train.step import StepConfig
 
 
@@ -52,6 +53,12 @@ def check_components(config: TrainConfig) -> tuple[StepConfig, ProximalStrategy,
         except PreflightError as err:
             raise ConfigError(f"model.{'path' if err.field == 'path' else key}: {err}") from None
     check_trainable_learner(config)
+    try:
+        check_kept_mass(config.model.sampler, sampling_params(config).truncated,
+                        config.algorithm.correction.sampler_distribution == "full",
+                        "algorithm.correction.sampler_distribution=full")  # fmt: skip
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     task = build_task(config)
     if config.trainer.partial_rollouts and not sampler_class(config.model.sampler).can_resume:
         raise ConfigError(

@@ -110,7 +110,8 @@ def measure(config) -> tuple[list[EngineTiming], float]:
     """Every candidate's timing and the learner's seconds per step."""
     import torch
 
-    from rollcorr.engines import SamplingParams, make_learner
+    from rollcorr.engines import make_learner
+    from rollcorr.train.source import sampling_params
 
     if config.trainer.threads > 0:
         torch.set_num_threads(config.trainer.threads)
@@ -122,8 +123,7 @@ def measure(config) -> tuple[list[EngineTiming], float]:
 
     tokenizer = AutoTokenizer.from_pretrained(builtin_path(config.model.path), local_files_only=True)
     prompts = _prompts(config, tokenizer)
-    params = SamplingParams(max_new_tokens=config.rollout.max_new_tokens, temperature=config.rollout.temperature,
-                            seed=config.trainer.seed)  # fmt: skip
+    params = sampling_params(config)
     timings, batch = [], None
     for spec in candidates(config):
         timing, rollout = time_sampler(spec, config, prompts, params, weights)

@@ -139,6 +139,14 @@ def sample_batch(source: Source, index: int, chunk_tokens: int | None = None, pa
     return rollout
 
 
+def sampling_params(config) -> SamplingParams:
+    """A ``TrainConfig``'s sampling parameters (``rollout.*``, seeded with ``trainer.seed``): the one place they
+    are read, by the run's sampler, its checks and ``--measure-engines``."""
+    r = config.rollout
+    return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                          seed=config.trainer.seed)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class SourceSpec:
     """Everything needed to build a ``RolloutSource`` where the sampler runs (picklable; paths absolute)."""
@@ -164,8 +172,7 @@ class SourceSpec:
     def from_config(cls, config) -> SourceSpec:
         """The sampler side of a ``TrainConfig`` (the one place its sampling parameters are read)."""
         r, t = config.rollout, config.trainer
-        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
-                                top_p=r.top_p, seed=t.seed)  # fmt: skip
+        params = sampling_params(config)
         model_path = None if config.model.path == "builtin" else _absolute(config.model.path)
         task = replace(config.task, name=_absolute(config.task.name),
                        eval_file=config.task.eval_file and _absolute(config.task.eval_file))  # fmt: skip
