@@ -355,3 +355,30 @@ def test_ctrl_c_during_start_up_is_one_line_and_leaves_no_folder(tmp_path, addit
     out = tmp_path / "run"
     assert main(["train", "--out", str(out), *TINY, f"model.path={addition_model_dir}"]) == 130
     assert capsys.readouterr().err.strip() == "rollcorr train: interrupted" and not out.exists()
+
+
+def test_read_only_config_is_never_replaced_by_a_resume(run_copy, capsys):
+    config = run_copy / "config.yaml"
+    before = config.read_bytes()
+    config.chmod(0o444)
+    inode = config.stat().st_ino
+    assert main(["train", "--resume", str(run_copy), "trainer.steps=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "config.yaml is read-only" in err[0] and "make it writable" in err[0]
+    assert config.read_bytes() == before and config.stat().st_ino == inode  # not replaced by a rename either
+    config.chmod(0o644)  # made writable, the same resume runs and records its change
+    assert resume(run_copy, "trainer.steps=3").steps == 3
+    assert "steps: 3" in config.read_text()
+
+
+def test_a_resume_that_fails_to_start_leaves_config_yaml_as_it_was(run_copy, monkeypatch):
+    config = run_copy / "config.yaml"
+    before = config.read_bytes()
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the learner could not be built")  # any failure while building the run
+
+    monkeypatch.setattr("rollcorr.train.loop.Trainer._build", fail)
+    with pytest.raises(RuntimeError, match="could not be built"):
+        resume(run_copy, "trainer.steps=3")
+    assert config.read_bytes() == before

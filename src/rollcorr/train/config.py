@@ -508,6 +508,26 @@ def save_config(config: TrainConfig, path: Path) -> None:
     atomic_write_bytes(path, yaml.safe_dump(config.to_dict(), sort_keys=False).encode())
 
 
+def config_differs(config: TrainConfig, path: Path, resuming: bool) -> bool:
+    """Whether ``path`` (a run's config.yaml) must be rewritten for ``config``: always for a new run; on resume
+    only when the command's overrides changed it. A read-only config.yaml that would change is a
+    ``ConfigError`` before any work (the file is the user's: it is never replaced behind its mode)."""
+    if not resuming:
+        return True
+    text = yaml.safe_dump(config.to_dict(), sort_keys=False)
+    try:
+        if path.read_text(encoding="utf-8") == text:
+            return False
+    except OSError:
+        return True
+    if not path.stat().st_mode & 0o222:  # no write bit for anyone (checked by mode: root may write anyway)
+        raise ConfigError(
+            f"{path} is read-only and this resume's overrides would change it: make it writable, or resume "
+            "without overrides"
+        )
+    return True
+
+
 # ---------------------------------------------------------------- validation
 
 

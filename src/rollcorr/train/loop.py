@@ -43,8 +43,9 @@ from rollcorr.train.build import (
     follow_sampler,
     rank_executor,
 )
-from rollcorr.train.config import ConfigError, TrainConfig, config_from_dict, save_config
+from rollcorr.train.config import ConfigError, TrainConfig, config_differs, config_from_dict, save_config
 from rollcorr.train.rundir import (
+    CONFIG_FILE,
     LOCK_FILE,
     METRICS_FILE,
     SAMPLES_FILE,
@@ -77,6 +78,7 @@ class RunResult:
     final_accuracy: float | None
     seconds: float
     stopped: str | None = None
+    stop_signal: int | None = None  # the signal that stopped the run (on any rank), if one did
 
 
 def missing_log_probs_error(proximal, config: TrainConfig) -> ConfigError:
@@ -164,6 +166,7 @@ def _open_run_dir(config: TrainConfig, run_dir: Path | None, resume: Path | None
         lock = RunLock(folder)
         try:
             state, notes = open_resume(folder, config)
+            config_differs(config, folder / CONFIG_FILE, resuming=True)  # a read-only one that would change: refused
         except BaseException:
             lock.release()
             raise
@@ -204,9 +207,12 @@ class Trainer:
         # the run folder: checked, locked and (on resume) validated against its checkpoint before any write
         self.run_dir, self.lock, state, notes = open_run_dir(config, run_dir, resume, overwrite, ranks)
         try:
-            if ranks.is_main:
-                save_config(config, self.run_dir / "config.yaml")
+            if resume is None and ranks.is_main:
+                save_config(config, self.run_dir / CONFIG_FILE)
             self._build(config, state, resume is not None, notes)
+            # a resume's overrides are recorded once it started: one that fails changes nothing
+            if resume is not None and ranks.is_main and config_differs(config, self.run_dir / CONFIG_FILE, True):
+                save_config(config, self.run_dir / CONFIG_FILE)
         except BaseException:
             if resume is None and ranks.is_main:  # a new run that could not start (a model that does not load)
                 clear_run_dir(self.run_dir)
@@ -381,7 +387,7 @@ class Trainer:
     def _run(self) -> RunResult:
         t = self.config.trainer
         start = time.perf_counter()
-        stopped = None
+        stopped = stop_signal = None
         self.alerts = RunAlerts.of_run(self.run_dir)  # a resumed run keeps its counts
         try:
             if self.step == 0:
@@ -401,17 +407,18 @@ class Trainer:
             ev = {}
             while self.step < t.steps and not self._stopping():
                 ev = self._one_step()
-            if self.step < t.steps:
-                signaled = self.stop_signal is not None
-                name = signal.Signals(self.stop_signal).name if signaled else "a signal on another rank"
-                raise TrainingStopped(f"{name} at step {self.step}; continue with "
-                                      f"rollcorr train --resume {self.run_dir}")  # fmt: skip
+            if self.step < t.steps:  # every rank is here: the ranks stop together (``_stopping``)
+                stop_signal = int(self.ranks.all_reduce(torch.tensor([float(self.stop_signal or 0)]), "max").item())
+                where = "" if self.stop_signal is not None else " on another rank"
+                raise TrainingStopped(f"{signal.Signals(stop_signal).name}{where} at step {self.step}; continue "
+                                      f"with rollcorr train --resume {self.run_dir}")  # fmt: skip
             if self.evaluates and self.evaluated_at != self.step:  # the final step was not an eval step
                 ev = self._evaluate()
                 self.logger.log(self.step, ev, advance=False)
             self.final_accuracy = ev.get("eval/accuracy")
         except TrainingStopped as err:
             stopped = str(err)
+            stop_signal = stop_signal if self.stop_signal is None else self.stop_signal
             self.logger.message(f"[red]stopped:[/red] {err}")
         finally:
             self.executor.close()
@@ -430,7 +437,7 @@ class Trainer:
             self.samples.close()
         self.logger.close()
         return RunResult(self.run_dir, self.step, self.version, self.initial_accuracy, self.final_accuracy, seconds,
-                         stopped)  # fmt: skip
+                         stopped, stop_signal)  # fmt: skip
 
     def _one_step(self) -> dict[str, float]:
         t = self.config.trainer
