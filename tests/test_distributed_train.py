@@ -147,6 +147,39 @@ def test_killed_rank_stops_every_rank_and_the_run_resumes(tmp_path):
     assert max(r["step"] for r in _steps(run_dir)) == step + 1
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_signal_to_one_rank_stops_every_rank_and_the_launcher_says_which(tmp_path):
+    """SIGTERM to rank 1 alone (a scheduler preempting one process): the ranks agree to stop after the same step,
+    the checkpoint is written, and the launcher says which signal reached which rank — not "failed" with an
+    error "printed above" that nobody printed."""
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "rollcorr", "train", "trainer.ranks=2", "trainer.steps=500",
+            "trainer.checkpoint_every=0", *SMALL, "--out", str(run_dir)]  # fmt: skip
+    launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not ((run_dir / "metrics.jsonl").is_file() and _steps(run_dir)):
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            time.sleep(0.5)
+        assert _steps(run_dir), "no step was trained"
+        os.kill(_workers(launcher.pid)[1], signal.SIGTERM)
+        _, err = launcher.communicate(timeout=180)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert launcher.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in err and "printed above" not in err, err[-3000:]
+    said = [line for line in err.splitlines() if line.startswith("rollcorr train: ")]
+    assert len(said) == 1 and "SIGTERM reached rank 1: every rank stopped after the same step" in said[0], err
+    assert f"--resume {run_dir}" in said[0]
+    assert "SIGTERM on another rank at step" in err  # rank 0's own account of why it stopped
+    from rollcorr.checkpoint import list_checkpoints
+
+    (checkpoint,) = list_checkpoints(run_dir)
+    assert int(checkpoint.name.split("_")[1]) == max(r["step"] for r in _steps(run_dir))
+
+
 def test_failure_line_names_the_exception_the_signal_or_the_exit_code(tmp_path, monkeypatch):
     """The launcher's one line reads a raising rank's error file as torch's ``record`` writes it."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure, record

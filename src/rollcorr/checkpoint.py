@@ -318,7 +318,41 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     bad = _non_finite_weights(state["model"])
     if bad:
         raise CheckpointError(f"{file}: {bad}")
+    if state["model"] == "dcp":
+        check_shard_files(path)
     return state
+
+
+def check_shard_files(path: Path) -> None:
+    """A sharded checkpoint's ``dcp/`` is whole by its own index: every file ``dcp/.metadata`` names exists, is a
+    regular file and holds the bytes the index points into; ``CheckpointError`` naming the first that is not.
+    The manifest checks every byte; this still holds when the manifest is gone (so a missing or cut shard falls
+    back to an older checkpoint instead of failing inside ``torch.distributed.checkpoint``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder = Path(path) / DCP_DIR
+    index = folder / ".metadata"
+    if not os.path.lexists(index):
+        raise CheckpointError(f"{index}: missing (the index of the checkpoint's shards)")
+    try:
+        storage = FileSystemReader(str(folder)).read_metadata().storage_data
+        ends: dict[str, int] = {}
+        for info in storage.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), int(info.offset) + int(info.length))
+    except Exception as err:  # a cut or foreign index
+        raise CheckpointError(f"{index}: unreadable shard index ({type(err).__name__})") from None
+    for name, end in sorted(ends.items()):
+        file = folder / name
+        if ".." in Path(name).parts or Path(name).is_absolute():
+            raise CheckpointError(f"{index}: names a file outside the checkpoint ({name!r})")
+        try:
+            info = os.lstat(file)
+        except OSError:
+            raise CheckpointError(f"{file}: missing (a shard named by {DCP_DIR}/.metadata)") from None
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{file}: not a regular file (a link?); refused")
+        if info.st_size < end:
+            raise CheckpointError(f"{file}: cut short ({info.st_size} bytes; its index reads up to byte {end})")
 
 
 def load_latest_intact(run_dir: Path) -> tuple[Path | None, dict[str, Any] | None, list[str]]:

@@ -12,22 +12,27 @@ Faults: when a worker exits with an error or is killed, the agent (polling every
 connection — and ``launch`` prints one line naming the first rank that failed and why. A SIGINT, SIGTERM or
 SIGHUP to the launcher: the agent passes SIGTERM to every worker (each finishes its step and saves a checkpoint,
 as one process does) and ``launch`` says so in one line instead of the agent's ``SignalException`` traceback.
+A signal sent to one worker alone stops every rank after the same step too (the ranks agree on it); that
+worker exits 128 + the signal's number and ``launch`` says which signal reached which rank. A worker that
+refused to start (exit 2: a bad override, a run folder it will not touch) has said why in one line; ``launch``
+adds nothing (no "continue with --resume", which would not apply).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import uuid
 
 FAILED_EXIT = 1
+REFUSED_EXIT = 2  # ``rollcorr train``'s exit code for a refusal (bad input, a run folder it will not touch)
+SIGNAL_EXIT = 128  # a rank stopped by a signal under the launcher exits 128 + its number (the shell's way)
 
 
 def _cause(failure) -> str:
     """A worker's failure in words: the signal that killed it, its exception (recorded by
     ``torch.distributed.elastic``'s ``record``), or its exit code."""
-    import signal
-
     exitcode = failure.exitcode or 0
     if exitcode < 0:
         try:
@@ -58,7 +63,15 @@ def launch(train_args: list[str], nprocs: int, run_dir: str | None = None) -> in
         elastic_launch(config, entrypoint=sys.executable)("-m", "rollcorr", "train", *train_args)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
+        exitcode = failure.exitcode or 0
         where = f"; continue with rollcorr train --resume {run_dir}" if run_dir else ""
+        if exitcode == REFUSED_EXIT:  # a refusal before training: the rank said it in one line; nothing to resume
+            return REFUSED_EXIT
+        if SIGNAL_EXIT < exitcode < SIGNAL_EXIT + signal.NSIG:  # a rank stopped on a signal, every rank with it
+            name = signal.Signals(exitcode - SIGNAL_EXIT).name
+            print(f"rollcorr train: {name} reached rank {rank}: every rank stopped after the same step with a "
+                  f"checkpoint{where}", file=sys.stderr)  # fmt: skip
+            return exitcode
         print(f"rollcorr train: rank {rank} of {nprocs} failed: {_cause(failure)}; every rank stopped{where}",
               file=sys.stderr)  # fmt: skip
         return FAILED_EXIT

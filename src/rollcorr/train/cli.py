@@ -115,7 +115,7 @@ def _train(args: argparse.Namespace, config) -> int:
     from transformers.utils import logging as hf_logging
 
     from rollcorr.checkpoint import CheckpointError
-    from rollcorr.distributed.group import DistributedError, join
+    from rollcorr.distributed.group import DistributedError, join, launched
     from rollcorr.engines.preflight import PreflightError
     from rollcorr.safe_io import UnsafePathError, describe_os_error
     from rollcorr.train.config import ConfigError
@@ -146,11 +146,13 @@ def _train(args: argparse.Namespace, config) -> int:
         if main:
             print(f"rollcorr train: {done}")
         return 0
-    except ConfigError as err:  # a resume override the checkpoint cannot take
-        print(f"rollcorr train: config error: {err}", file=sys.stderr)
+    except ConfigError as err:  # a resume override the checkpoint cannot take (rank 0's check: said once)
+        if main:
+            print(f"rollcorr train: config error: {err}", file=sys.stderr)
         return 2
-    except RunFolderError as err:
-        print(f"rollcorr train: {err}", file=sys.stderr)
+    except RunFolderError as err:  # rank 0 checks the run folder and every rank raises its error: said once
+        if main:
+            print(f"rollcorr train: {err}", file=sys.stderr)
         return 2
     except DistributedError as err:  # ranks started differently, or one that never joined: rank 0 says it once
         if main:
@@ -172,8 +174,10 @@ def _train(args: argparse.Namespace, config) -> int:
             print(details, file=sys.stderr)
         return 1
     acc = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    # stopped on a signal under the launcher: 128 + its number, so the launcher says "stopped", not "failed"
+    stopped_exit = 128 + result.stop_signal if result.stop_signal and launched() else 1
     if not main:
-        return 1 if result.stopped else 0
+        return stopped_exit if result.stopped else 0
     print(
         f"run folder: {result.run_dir}\n"
         f"steps: {result.steps}  wall time: {result.seconds:.1f} s  "
@@ -181,5 +185,5 @@ def _train(args: argparse.Namespace, config) -> int:
     )
     if result.stopped:
         print(f"stopped early: {result.stopped}", file=sys.stderr)
-        return 1
+        return stopped_exit
     return 0
