@@ -868,6 +868,8 @@ BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
                               lambda res: _fenced(REPO / "benchmarks/results/measure_engines_builtin.txt")),
     "observation:sampler_vs_generate": ("docs/engines.md", lambda res: _sampler_vs_generate(res)),
     "exploratory:fp16_moe": ("docs/precision.md", lambda res: _fp16_moe_paragraph(res)),
+    "bench:startup": ("docs/performance.md",
+                      lambda res: _bench_table(REPO / "benchmarks/results/bench_startup.txt")),
     "bench:floor": ("docs/performance.md",
                     lambda res: _bench_table(REPO / "benchmarks/results/bench_correction_floor.txt")),
 }

@@ -67,3 +67,18 @@ def test_train_with_an_audit_flag_points_to_the_dotted_key(capsys, argv, hint):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert hint in err and len(err.strip().splitlines()) == 1
+
+
+def test_no_help_text_loads_torch():
+    """Every sub-command's --help is argument parsing only: torch (about 2 s to import) is not loaded."""
+    import subprocess
+    import sys
+
+    code = ("import sys, contextlib, io\nfrom rollcorr.cli import COMMANDS, main\n"
+            "for name in COMMANDS:\n"
+            "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+            "        main([name, '--help'])\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))\n")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout

@@ -2,9 +2,22 @@
 
 from rollcorr.train import load_config, run
 result = run(load_config(None, ["trainer.steps=50", "algorithm.name=dapo"]))
+
+The names below load on first use (PEP 562), so ``rollcorr train --help`` imports no torch.
 """
 
-from rollcorr.train.config import ConfigError, TrainConfig, load_config
-from rollcorr.train.loop import RunResult, Trainer, run
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOMES = {"ConfigError": "config", "TrainConfig": "config", "load_config": "config", "RunResult": "loop",
+          "Trainer": "loop", "run": "loop"}  # fmt: skip
 
 __all__ = ["ConfigError", "RunResult", "TrainConfig", "Trainer", "load_config", "run"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'rollcorr.train' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"rollcorr.train.{_HOMES[name]}"), name)
