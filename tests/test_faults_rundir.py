@@ -382,3 +382,62 @@ def test_a_resume_that_fails_to_start_leaves_config_yaml_as_it_was(run_copy, mon
     with pytest.raises(RuntimeError, match="could not be built"):
         resume(run_copy, "trainer.steps=3")
     assert config.read_bytes() == before
+
+
+def test_audit_out_of_file_descriptors_is_one_line_and_leaves_no_half_report(tmp_path):
+    """`ulimit -n 5` … `8` on `rollcorr audit --from-log`: each either writes the whole report or stops with one
+    line and leaves no folder — never a chained traceback, never a stray PNG in a report folder."""
+    import resource
+    import subprocess
+    import sys
+
+    from rollcorr.dumps import write_dump
+
+    dump = tmp_path / "dump.jsonl"
+    log_prob = -torch.rand(16, 8, generator=torch.Generator().manual_seed(0))
+    write_dump(dump, rollout_log_prob=log_prob, learner_log_prob=log_prob - 0.01, response_mask=torch.ones(16, 8))
+    failed = 0
+    for n in range(5, 9):
+        out = tmp_path / f"report{n}"
+
+        def limit(n=n):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+
+        proc = subprocess.run([sys.executable, "-m", "rollcorr.cli", "audit", "--from-log", str(dump), "--out",
+                               str(out)], capture_output=True, text=True, preexec_fn=limit, timeout=300)  # fmt: skip
+        if proc.returncode == 0:
+            assert {"summary.json", "report.html"} <= {p.name for p in out.iterdir()}
+            continue
+        failed += 1
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "too many open files" in lines[0], proc.stderr[-2000:]
+        assert not out.exists(), sorted(p.name for p in out.iterdir())
+    assert failed, "no limit was low enough to fail: the case went untested"
+
+
+def test_memory_limit_is_one_line_at_any_moment(tmp_path):
+    """`ulimit -v` of 0.6, 0.9 and 1.2 GB on `rollcorr train` (they run out while importing torch, while
+    building the models, or while training): each is one line saying it ran out of memory, never a
+    MemoryError or allocator traceback, and what was written before stays readable."""
+    import resource
+    import subprocess
+    import sys
+
+    failed = 0
+    for gib in (0.6, 0.9, 1.2):
+        out = tmp_path / f"run{gib}"
+
+        def limit(size=int(gib * 2**30)):
+            resource.setrlimit(resource.RLIMIT_AS, (size, size))
+
+        proc = subprocess.run([sys.executable, "-m", "rollcorr.cli", "train", "trainer.steps=2", "trainer.eval_every=0",
+                               "trainer.progress=false", "trainer.plot=false", f"trainer.out={out}"],
+                              capture_output=True, text=True, preexec_fn=limit, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        if proc.returncode == 0:
+            continue
+        failed += 1
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
+        assert lines[0].startswith("rollcorr train: out of memory (") and "Traceback" not in proc.stderr
+    assert failed, "no limit was low enough to fail: the case went untested"

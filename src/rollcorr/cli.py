@@ -76,7 +76,29 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_missing", None):
         print(f"rollcorr {args.command}: not available in this build", file=sys.stderr)
         return 2
-    return int(importlib.import_module(args._module).run(args) or 0)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except (MemoryError, RuntimeError) as err:  # a memory limit (ulimit -v, a container) hit anywhere in the command
+        if not out_of_memory(err):
+            raise
+        print(f"rollcorr {args.command}: out of memory ({_first_line(err) or type(err).__name__}); nothing is "
+              "half-written (a training run keeps its last checkpoint: --resume it with more memory)",
+              file=sys.stderr)  # fmt: skip
+        return 1
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is an allocation that failed: Python's MemoryError, torch's CPU allocator refusing (a
+    RuntimeError "DefaultCPUAllocator: can't allocate memory"), or a thread whose stack could not be mapped."""
+    text = str(err)
+    return isinstance(err, MemoryError) or any(
+        sign in text for sign in ("can't allocate memory", "std::bad_alloc", "can't start new thread")
+    )
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:200] if text else ""
 
 
 if __name__ == "__main__":

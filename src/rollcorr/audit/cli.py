@@ -13,6 +13,7 @@ path and GGUF file, engine specs. Errors print one line naming the problem and e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 import time
@@ -213,10 +214,15 @@ def _claim(out: Path, overwrite: bool):
     out.mkdir(parents=True, exist_ok=True)
     lock = RunLock(out)
     if overwrite:
-        for name in held:
-            if name in REPORT_FILES or name.endswith(".png"):
-                (out / name).unlink()
+        _remove_report(out)
     return lock
+
+
+def _remove_report(out: Path) -> None:
+    """Delete the report files in ``out`` (summary, HTML, PNGs), leaving anything else."""
+    for path in out.iterdir():
+        if path.name in REPORT_FILES or path.suffix == ".png":
+            path.unlink(missing_ok=True)
 
 
 def _prepare_prompts(prompts: list[str], args, tokenizer) -> list[str | list[int]]:
@@ -400,15 +406,20 @@ def run(args: argparse.Namespace) -> int:
         from rollcorr.safe_io import describe_os_error
 
         return _fail(f"--out {out}: cannot write the report: no folder can be made there ({describe_os_error(err)})")
+    code = 1
     try:
-        return _audit(args, out, console)
+        code = _audit(args, out, console)
+        return code
     finally:
         lock.release()
-        (out / ".lock").unlink(missing_ok=True)
-        for folder in created:  # an audit that stopped before writing leaves no empty folder (nor runs/)
-            if any(folder.iterdir()):
-                break
-            folder.rmdir()
+        with contextlib.suppress(OSError):  # e.g. no file descriptor left: what could be tidied is
+            (out / ".lock").unlink(missing_ok=True)
+            if code != 0:  # a half-written report is no report (the folder held none before: _claim)
+                _remove_report(out)
+            for folder in created:  # an audit that stopped before writing leaves no empty folder (nor runs/)
+                if any(folder.iterdir()):
+                    break
+                folder.rmdir()
 
 
 def _audit(args, out: Path, console) -> int:
@@ -431,10 +442,14 @@ def _audit(args, out: Path, console) -> int:
         return _fail(str(err))
     try:
         summary = log.write(out, worst_k=args.worst) if log is not None else write_report(data, out, worst_k=args.worst)
-    except OSError as err:  # a read-only place (/proc, /sys), a full disk: one line
+    except OSError as err:  # a read-only place (/proc, /sys), a full disk, no file descriptor left: one line
         from rollcorr.safe_io import describe_os_error
 
-        return _fail(f"--out {out}: cannot write the report ({describe_os_error(err)})")
+        failed = f"--out {out}: cannot write the report ({describe_os_error(err)})"
+    else:
+        failed = None
+    if failed is not None:  # ``run`` removes what was written, once the lock's descriptor is free too
+        return _fail(failed)
     print_summary(summary, console)
     malformed = summary["source"].get("malformed_rows")
     if malformed:
