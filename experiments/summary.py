@@ -513,7 +513,7 @@ def dose_response(r: dict[str, Any]) -> list[Row]:
     ]  # fmt: skip
     if s.get("answer"):
         rows.append(Row("9 (its answer)", "dose-response: how much mismatch uncorrected RL tolerates on this task",
-                        h1["verdict"], s["answer"],
+                        h1["verdict"], s["answer"].rstrip("."),
                         mde=h1["mde_slope"]))  # fmt: skip
     return rows
 
@@ -825,6 +825,21 @@ def readme_confirmatory(results: Path = RESULTS) -> str:
     return text
 
 
+def readme_dose(results: Path = RESULTS) -> str:
+    """The README's verdict on study 9 (dose-response), once complete: each hypothesis's verdict with its
+    estimate, interval and Holm-adjusted p, then the study's answer; empty while runs are missing."""
+    s = load("dose_response", results)["summary"]
+    if not s.get("complete"):
+        return ""
+    h1, h2 = s["tests"]["H1"], s["tests"]["H2"]
+    return (f"Study 9 (dose-response: samplers whose weights are rounded to 4, 3 and 2 bits, ten seeds an arm, "
+            f"[protocol](docs/dose-study.md)): \"{DOSE_CLAIMS['H1']}\" is **{h1['verdict']}** (slope "
+            f"{h1['slope']:+.3f} per dose step, 95 % CI [{h1['ci95'][0]:+.3f}, {h1['ci95'][1]:+.3f}], Holm p = "
+            f"{h1['p_holm']:.2g}); \"{DOSE_CLAIMS['H2']}\" is **{h2['verdict']}** (TIS − uncorrected "
+            f"{h2['difference']:+.3f} over the doses, 95 % CI [{h2['ci95'][0]:+.3f}, {h2['ci95'][1]:+.3f}], Holm p = "
+            f"{h2['p_holm']:.2g}). The per-dose reading is in docs/results.md.")  # fmt: skip
+
+
 def _rung_verdicts(s: dict[str, Any], total: int) -> str:
     if not s["complete"]:
         return f"**pending** — {finished_runs(s)} of {total} runs finished"
@@ -850,7 +865,8 @@ def _study_verdicts(study: str, results: Path = RESULTS) -> str:
 BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
     "summary": ("docs/results.md", lambda res: summary_table([x for s in STUDIES for x in rows(s, res)])),
     **{f"verdicts:{s}": (spec.page, partial(_study_verdicts, s)) for s, spec in STUDIES.items()},
-    "verdicts": ("README.md", lambda res: readme_sentence(res) + "\n\n" + readme_confirmatory(res)),
+    "verdicts": ("README.md", lambda res: "\n\n".join(
+        [readme_sentence(res), readme_confirmatory(res), *filter(None, [readme_dose(res)])])),
     "exploratory:pooled": ("docs/results.md", lambda res: _pooled_paragraph(res)),
     "recipe:instruct": ("docs/tasks.md", lambda res: _recipe_text(res)),
     "bench:trl": ("docs/performance.md", lambda res: _bench_table(REPO / "benchmarks/results/bench_trl.txt")),
@@ -868,11 +884,44 @@ BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
                               lambda res: _fenced(REPO / "benchmarks/results/measure_engines_builtin.txt")),
     "observation:sampler_vs_generate": ("docs/engines.md", lambda res: _sampler_vs_generate(res)),
     "exploratory:fp16_moe": ("docs/precision.md", lambda res: _fp16_moe_paragraph(res)),
+    "reading:dose_response": ("docs/results.md", lambda res: dose_reading(load("dose_response", res))),
     "bench:startup": ("docs/performance.md",
                       lambda res: _bench_table(REPO / "benchmarks/results/bench_startup.txt")),
     "bench:floor": ("docs/performance.md",
                     lambda res: _bench_table(REPO / "benchmarks/results/bench_correction_floor.txt")),
 }
+
+
+def dose_reading(results: dict) -> str:
+    """Study 9's per-dose reading: the protocol's secondary comparisons (each arm against fp32/ppo), which carry
+    no verdict, said with their intervals, collapses and what each could have seen."""
+    s = results["summary"]
+    if not s.get("complete"):
+        return ""
+    sec, arms = s["secondary"], s["arms"]
+    fp32 = arms["fp32/ppo"]["final_score_mean"]
+
+    def cost(arm: str) -> str:
+        t = sec[f"{arm} vs fp32/ppo"]
+        lo, hi = t["ci95"]
+        return (f"{t['difference']:+.3f} [{lo:+.3f}, {hi:+.3f}], {t['collapses'][0]} of 10 collapsed, could have "
+                f"seen {t['mde']:.3f}")
+
+    def recovered(dose: str) -> str:
+        lost = sec[f"{dose}/ppo vs fp32/ppo"]["difference"]
+        kept = sec[f"{dose}/tis vs fp32/ppo"]["difference"]
+        return f"{(kept - lost) / -lost:.0%}" if lost < 0 else "n/a"
+
+    k3 = {d: arms[f"{d}/ppo"]["training_mismatch_median"]["k3_kl"] for d in ("rtn4", "rtn3", "rtn2")}
+    lines = [
+        "**Reading by dose (the protocol's secondary comparisons, each arm against fp32/ppo at "
+        f"{fp32:.3f}; no verdict).** Uncorrected: rtn4 {cost('rtn4/ppo')}; rtn3 {cost('rtn3/ppo')}; rtn2 "
+        f"{cost('rtn2/ppo')}. Token TIS: rtn4 {cost('rtn4/tis')}; rtn3 {cost('rtn3/tis')}; rtn2 {cost('rtn2/tis')}. "
+        f"Of the uncorrected loss, TIS recovered {recovered('rtn3')} at rtn3 and {recovered('rtn2')} at rtn2. "
+        f"The training k3 (median over each arm's runs) was {k3['rtn4']:.4f} at rtn4, {k3['rtn3']:.4f} at rtn3 "
+        f"and {k3['rtn2']:.3f} at rtn2.",
+    ]
+    return "\n".join(lines)
 
 
 def analyze_bench_text(path: Path) -> str:
