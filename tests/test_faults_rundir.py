@@ -331,6 +331,8 @@ def test_file_size_limit_is_one_line_and_keeps_the_last_checkpoint(tmp_path, add
     assert not [
         p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp-")
     ]  # no half-written copy
+    saved = list_checkpoints(out)  # the line says what is there, never a checkpoint that is not
+    assert saved or "keeps its last checkpoint" not in proc.stderr, proc.stderr
 
 
 def test_out_that_cannot_be_created_is_one_line(tmp_path, addition_model_dir, capsys):
@@ -441,3 +443,20 @@ def test_memory_limit_is_one_line_at_any_moment(tmp_path):
         assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
         assert lines[0].startswith("rollcorr train: out of memory (") and "Traceback" not in proc.stderr
     assert failed, "no limit was low enough to fail: the case went untested"
+
+
+def test_a_stopped_run_says_what_its_folder_holds(tmp_path, run_copy):
+    """The line after a failed write or a dead sampler names the newest checkpoint that is there, says when there
+    is none, and names no folder it was not given."""
+    import argparse
+
+    from rollcorr.train.cli import _resume_hint
+
+    def hint(resume=None, out=None):
+        return _resume_hint(argparse.Namespace(resume=resume, out=out))
+
+    newest = list_checkpoints(run_copy)[-1].name
+    assert hint(resume=run_copy) == f"{run_copy} keeps its last checkpoint ({newest}): continue with rollcorr " \
+                                    f"train --resume {run_copy}"  # fmt: skip
+    assert hint(out=tmp_path / "new") == f"{tmp_path / 'new'} holds no checkpoint yet"
+    assert "RUN_DIR" in hint() and "keeps" not in hint()

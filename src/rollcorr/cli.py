@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         if not out_of_memory(err):
             raise
         print(f"rollcorr {args.command}: out of memory ({_first_line(err) or type(err).__name__}); nothing is "
-              "half-written (a training run keeps its last checkpoint: --resume it with more memory)",
+              "half-written (a training run's checkpoints are whole: --resume it with more memory)",
               file=sys.stderr)  # fmt: skip
         return 1
 

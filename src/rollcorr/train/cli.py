@@ -110,6 +110,23 @@ def _launch(args: argparse.Namespace, config) -> int:
     return launch(argv, config.trainer.ranks, str(run_dir))
 
 
+def _resume_hint(args: argparse.Namespace) -> str:
+    """What a stopped run left, said as it is: the newest checkpoint of the run folder (when the command named the
+    folder), that there is none yet, or — a new run in a folder chosen at start — how to continue."""
+    from rollcorr.checkpoint import list_checkpoints
+
+    folder = args.resume if args.resume is not None else args.out
+    if folder is None:
+        return "checkpoints are never half-written: continue with rollcorr train --resume RUN_DIR once fixed"
+    try:
+        saved = list_checkpoints(folder)
+    except Exception:  # an unreadable or vanished folder: say nothing it cannot show
+        saved = []
+    if not saved:
+        return f"{folder} holds no checkpoint yet"
+    return f"{folder} keeps its last checkpoint ({saved[-1].name}): continue with rollcorr train --resume {folder}"
+
+
 def _train(args: argparse.Namespace, config) -> int:
     """Train in this process (one of several under torchrun: rank 0 prints the summary)."""
     from transformers.utils import logging as hf_logging
@@ -139,8 +156,7 @@ def _train(args: argparse.Namespace, config) -> int:
         return 2
     except OSError as err:  # a full disk, a file-size limit, a read-only folder: nothing lost, one line
         where = f"{err.filename}: " if err.filename else ""
-        print(f"rollcorr train: {where}{describe_os_error(err)}; the run folder keeps its last checkpoint "
-              f"(continue with rollcorr train --resume RUN_DIR once fixed)", file=sys.stderr)  # fmt: skip
+        print(f"rollcorr train: {where}{describe_os_error(err)}; {_resume_hint(args)}", file=sys.stderr)
         return 1
     except RunFinished as done:
         if main:
@@ -168,8 +184,7 @@ def _train(args: argparse.Namespace, config) -> int:
         if not isinstance(cause, SamplerProcessError):
             raise
         first, _, details = str(cause).partition("\n")
-        print(f"rollcorr train: {first}; the run folder keeps its last checkpoint (continue with rollcorr train "
-              f"--resume RUN_DIR)", file=sys.stderr)  # fmt: skip
+        print(f"rollcorr train: {first}; {_resume_hint(args)}", file=sys.stderr)
         if details:  # an exception inside the sampler: its own traceback, once
             print(details, file=sys.stderr)
         return 1
