@@ -94,7 +94,7 @@ NOT_HERE = {
     ("docs/distributed.md", "rollcorr train: rank 1 of 2 failed: killed by SIGKILL; every rank stopped; continue with rollcorr train --resume runs/20261201-114300-1a2b3c"):
         "an example of output; tests/test_distributed_train.py::test_killed_rank_stops_every_rank_and_the_run_resumes "
         "checks the line",
-    ("docs/distributed.md", "rollcorr train: SIGTERM reached rank 1: every rank stopped after the same step with a checkpoint; continue with rollcorr train --resume runs/20261201-114300-1a2b3c"):
+    ("docs/distributed.md", "rollcorr train: SIGTERM: every rank stopped after the same step with a checkpoint; continue with rollcorr train --resume runs/20261201-114300-1a2b3c"):
         "an example of output; tests/test_distributed_train.py::"
         "test_a_signal_to_one_rank_stops_every_rank_and_the_launcher_says_which checks the line",
     ("docs/distributed.md", "# on the Ray head:      ray start --head --port 6379        (then `ray start --address head:6379` on sampler machines)"):

@@ -12,15 +12,17 @@ Faults: when a worker exits with an error or is killed, the agent (polling every
 connection — and ``launch`` prints one line naming the first rank that failed and why. A SIGINT, SIGTERM or
 SIGHUP to the launcher: the agent passes SIGTERM to every worker (each finishes its step and saves a checkpoint,
 as one process does) and ``launch`` says so in one line instead of the agent's ``SignalException`` traceback.
-A signal sent to one worker alone stops every rank after the same step too (the ranks agree on it); that
-worker exits 128 + the signal's number and ``launch`` says which signal reached which rank. A worker that
+A signal sent to one worker alone stops every rank after the same step too (the ranks agree on it); each
+exits 128 + the signal's number and ``launch`` names the signal. A worker that
 refused to start (exit 2: a bad override, a run folder it will not touch) has said why in one line; ``launch``
 adds nothing (no "continue with --resume", which would not apply).
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import resource  # imported here: once descriptors run out, an import fails too
 import signal
 import sys
 import uuid
@@ -48,8 +50,22 @@ def _cause(failure) -> str:
     return f"exited with code {exitcode} (its own error is printed above)"
 
 
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:200] if text else type(err).__name__
+
+
+def _fd_hint(err: BaseException) -> str:
+    """When the error is (or reads like) running out of file descriptors: the limit and what to do."""
+    if getattr(err, "errno", None) != errno.EMFILE and "uv loop" not in str(err) and "open files" not in str(err):
+        return ""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return f" (open files are limited to {soft} here, `ulimit -n`; the ranks' sockets need more: raise it)"
+
+
 def launch(train_args: list[str], nprocs: int, run_dir: str | None = None) -> int:
     """Run ``rollcorr train <train_args>`` as ``nprocs`` worker processes on this machine; the exit code."""
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -63,17 +79,22 @@ def launch(train_args: list[str], nprocs: int, run_dir: str | None = None) -> in
         elastic_launch(config, entrypoint=sys.executable)("-m", "rollcorr", "train", *train_args)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
-        exitcode = failure.exitcode or 0
+        codes = {f.exitcode or 0 for f in err.failures.values()}
         where = f"; continue with rollcorr train --resume {run_dir}" if run_dir else ""
-        if exitcode == REFUSED_EXIT:  # a refusal before training: the rank said it in one line; nothing to resume
+        if REFUSED_EXIT in codes:  # a refusal before training: rank 0 said it in one line; nothing to resume
             return REFUSED_EXIT
-        if SIGNAL_EXIT < exitcode < SIGNAL_EXIT + signal.NSIG:  # a rank stopped on a signal, every rank with it
-            name = signal.Signals(exitcode - SIGNAL_EXIT).name
-            print(f"rollcorr train: {name} reached rank {rank}: every rank stopped after the same step with a "
-                  f"checkpoint{where}", file=sys.stderr)  # fmt: skip
-            return exitcode
+        stops = sorted(c for c in codes if SIGNAL_EXIT < c < SIGNAL_EXIT + signal.NSIG)
+        if stops:  # the ranks stopped together on a signal (they agree on it after a step), with a checkpoint
+            name = signal.Signals(stops[0] - SIGNAL_EXIT).name
+            print(f"rollcorr train: {name}: every rank stopped after the same step with a checkpoint{where}",
+                  file=sys.stderr)  # fmt: skip
+            return stops[0]
         print(f"rollcorr train: rank {rank} of {nprocs} failed: {_cause(failure)}; every rank stopped{where}",
               file=sys.stderr)  # fmt: skip
+        return FAILED_EXIT
+    except (OSError, DistError) as err:  # the agent itself could not start (its store, its sockets, its pipes)
+        print(f"rollcorr train: the launcher could not start {nprocs} ranks: {_first_line(err)}{_fd_hint(err)}; "
+              "nothing was trained", file=sys.stderr)  # fmt: skip
         return FAILED_EXIT
     except SignalException as err:  # the agent stopped the workers (SIGTERM to each, which checkpoints and stops)
         where = f"; continue with rollcorr train --resume {run_dir}" if run_dir else ""

@@ -127,6 +127,16 @@ def _resume_hint(args: argparse.Namespace) -> str:
     return f"{folder} keeps its last checkpoint ({saved[-1].name}): continue with rollcorr train --resume {folder}"
 
 
+def _leave_together(ranks, code: int) -> int:
+    """``code``, once every rank is here: rank 0's check stopped them all, and a rank leaving first would have
+    the launcher stop the others (SIGTERM) while rank 0 is still saying why."""
+    import contextlib
+
+    with contextlib.suppress(Exception):  # a group already broken: leave as we are
+        ranks.barrier()
+    return code
+
+
 def _train(args: argparse.Namespace, config) -> int:
     """Train in this process (one of several under torchrun: rank 0 prints the summary)."""
     from transformers.utils import logging as hf_logging
@@ -140,7 +150,8 @@ def _train(args: argparse.Namespace, config) -> int:
     from rollcorr.train.rundir import RunFinished, RunFolderError
 
     try:
-        main = join().is_main  # this process's ranks, as the run gets them (``run`` joins the same group)
+        ranks = join()  # this process's ranks, as the run gets them (``run`` joins the same group)
+        main = ranks.is_main
     except DistributedError as err:  # the launcher's environment is incomplete: nothing started yet
         print(f"rollcorr train: {err}", file=sys.stderr)
         return 2
@@ -161,15 +172,15 @@ def _train(args: argparse.Namespace, config) -> int:
     except RunFinished as done:
         if main:
             print(f"rollcorr train: {done}")
-        return 0
+        return _leave_together(ranks, 0)
     except ConfigError as err:  # a resume override the checkpoint cannot take (rank 0's check: said once)
         if main:
             print(f"rollcorr train: config error: {err}", file=sys.stderr)
-        return 2
+        return _leave_together(ranks, 2)
     except RunFolderError as err:  # rank 0 checks the run folder and every rank raises its error: said once
         if main:
             print(f"rollcorr train: {err}", file=sys.stderr)
-        return 2
+        return _leave_together(ranks, 2)
     except DistributedError as err:  # ranks started differently, or one that never joined: rank 0 says it once
         if main:
             print(f"rollcorr train: {err}", file=sys.stderr)
