@@ -459,4 +459,9 @@ def test_a_stopped_run_says_what_its_folder_holds(tmp_path, run_copy):
     assert hint(resume=run_copy) == f"{run_copy} keeps its last checkpoint ({newest}): continue with rollcorr " \
                                     f"train --resume {run_copy}"  # fmt: skip
     assert hint(out=tmp_path / "new") == f"{tmp_path / 'new'} holds no checkpoint yet"
+    started = tmp_path / "started"  # a run that had begun (its config.yaml is written) but saved nothing
+    started.mkdir()
+    (started / "config.yaml").write_text((run_copy / "config.yaml").read_text())
+    assert hint(out=started) == f"{started} holds no checkpoint yet: rollcorr train --resume {started} starts " \
+                                "it again from step 0"  # fmt: skip
     assert "RUN_DIR" in hint() and "keeps" not in hint()

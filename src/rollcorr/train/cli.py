@@ -112,7 +112,8 @@ def _launch(args: argparse.Namespace, config) -> int:
 
 def _resume_hint(args: argparse.Namespace) -> str:
     """What a stopped run left, said as it is: the newest checkpoint of the run folder (when the command named the
-    folder), that there is none yet, or — a new run in a folder chosen at start — how to continue."""
+    folder), that there is none yet (and, when the run had started there, that ``--resume`` restarts it from step
+    0: ``loop.open_resume``), or — a new run in a folder chosen at start — how to continue."""
     from rollcorr.checkpoint import list_checkpoints
 
     folder = args.resume if args.resume is not None else args.out
@@ -123,7 +124,9 @@ def _resume_hint(args: argparse.Namespace) -> str:
     except Exception:  # an unreadable or vanished folder: say nothing it cannot show
         saved = []
     if not saved:
-        return f"{folder} holds no checkpoint yet"
+        if not os.path.isfile(Path(folder) / "config.yaml"):  # nothing was started there: nothing to continue
+            return f"{folder} holds no checkpoint yet"
+        return f"{folder} holds no checkpoint yet: rollcorr train --resume {folder} starts it again from step 0"
     return f"{folder} keeps its last checkpoint ({saved[-1].name}): continue with rollcorr train --resume {folder}"
 
 
