@@ -445,6 +445,26 @@ def test_memory_limit_is_one_line_at_any_moment(tmp_path):
     assert failed, "no limit was low enough to fail: the case went untested"
 
 
+def test_a_lost_memory_error_under_a_limit_is_out_of_memory():
+    """Under ``ulimit -v`` an allocation can fail without a MemoryError: CPython's "SystemError: error return
+    without exception set" (importing torch at 0.6 GB) or the loader's "ImportError: ... failed to map segment
+    from shared object" (importing safetensors at 0.9 GB). Under an address-space limit both are out of memory;
+    without one they are real errors and are not hidden."""
+    import subprocess
+    import sys
+
+    check = ("import resource; from rollcorr.cli import out_of_memory; "
+             "errs = [SystemError('error return without exception set'), "
+             "ImportError('x.so: failed to map segment from shared object'), SystemError('another internal error')]; "
+             "soft, hard = resource.getrlimit(resource.RLIMIT_AS); "
+             "free = [out_of_memory(e) for e in errs] if soft == resource.RLIM_INFINITY else [False, False, False]; "
+             "resource.setrlimit(resource.RLIMIT_AS, (2**45 if hard == resource.RLIM_INFINITY else hard, hard)); "
+             "print(*free, *[out_of_memory(e) for e in errs])")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "False", "False", "True", "True", "False"]
+
+
 def test_a_stopped_run_says_what_its_folder_holds(tmp_path, run_copy):
     """The line after a failed write or a dead sampler names the newest checkpoint that is there, says when there
     is none, and names no folder it was not given."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import resource
 import sys
 
 # sub-command -> module exposing add_arguments(parser) and run(args) -> int
@@ -78,22 +80,48 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
-    except (MemoryError, RuntimeError) as err:  # a memory limit (ulimit -v, a container) hit anywhere in the command
+    except (MemoryError, RuntimeError, SystemError, OSError, ImportError) as err:  # a memory limit hit anywhere
         if not out_of_memory(err):
             raise
-        print(f"rollcorr {args.command}: out of memory ({_first_line(err) or type(err).__name__}); nothing is "
+        print(f"rollcorr {args.command}: out of memory ({_what_ran_out(err)}); nothing is "
               "half-written (a training run's checkpoints are whole: --resume it with more memory)",
               file=sys.stderr)  # fmt: skip
         return 1
 
 
+# how an allocation that failed reads when it does not arrive as a MemoryError
+ALLOCATION_FAILED = ("can't allocate memory", "cannot allocate memory", "std::bad_alloc", "can't start new thread")
+# how it reads when only the address-space limit (ulimit -v) tells it from an internal error: CPython's C function
+# that lost its MemoryError, the dynamic loader unable to map a library while a module is imported
+LIMIT_HIT = {SystemError: "error return without exception set", ImportError: "failed to map segment"}
+
+
 def out_of_memory(err: BaseException) -> bool:
-    """Whether ``err`` is an allocation that failed: Python's MemoryError, torch's CPU allocator refusing (a
-    RuntimeError "DefaultCPUAllocator: can't allocate memory"), or a thread whose stack could not be mapped."""
-    text = str(err)
-    return isinstance(err, MemoryError) or any(
-        sign in text for sign in ("can't allocate memory", "std::bad_alloc", "can't start new thread")
-    )
+    """Whether ``err`` is an allocation that failed anywhere in a command: Python's MemoryError, an OSError
+    ENOMEM, torch's CPU allocator refusing (a RuntimeError "DefaultCPUAllocator: can't allocate memory"), a
+    thread whose stack could not be mapped — or, in a process with an address-space limit, the two ways a
+    failed allocation shows up under ``ulimit -v`` while torch and transformers are imported (LIMIT_HIT)."""
+    text = str(err).lower()
+    for kind, sign in LIMIT_HIT.items():
+        if isinstance(err, kind):
+            return sign in text and address_space_limit() is not None
+    if isinstance(err, OSError):
+        return err.errno == errno.ENOMEM
+    return isinstance(err, MemoryError) or any(sign in text for sign in ALLOCATION_FAILED)
+
+
+def address_space_limit() -> int | None:
+    """The process's address-space limit in bytes (``ulimit -v``), or None when there is none. (``resource`` is
+    imported with this module: under the limit, importing it in the handler can itself fail to map.)"""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _what_ran_out(err: BaseException) -> str:
+    """The allocator's words, or the address-space limit when CPython lost them."""
+    if isinstance(err, (SystemError, ImportError)):
+        return f"an allocation failed under the address-space limit of {address_space_limit() / 2**30:.2g} GiB"
+    return _first_line(err) or type(err).__name__
 
 
 def _first_line(err: BaseException) -> str:
