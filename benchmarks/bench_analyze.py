@@ -2,6 +2,7 @@
 
     python benchmarks/bench_analyze.py                      # 1e5 1e6 1e7 1e8 tokens → benchmarks/results/bench_analyze.txt
     python benchmarks/bench_analyze.py --sizes 1e5 1e6 --out -          # smaller, printed only
+    python benchmarks/bench_analyze.py --fused-vs-eager --sizes 1e5 1e6 1e7   # → benchmarks/results/bench_analyze_fused.txt
 
 Each dump is generated streaming into a temporary folder (removed afterwards): rows of 1 … 1000 tokens (uniform),
 a learner's log-probs log(U(0.05, 1)) and a sampler's 1 % (Gaussian, σ = 0.01 nat) apart, a mask; JSONL by
@@ -17,12 +18,24 @@ and the dump that used to fail: 10^5 one-token rows plus one 10^5-token row (``r
 (asked: ≤ 2). The machine (CPU, cores, load average before and after) heads the output; timings depend on it,
 memory hardly. Needs about 6.5 GB free in the temporary folder for 10^8 tokens (checked first: the top size is
 dropped, and said, when it does not fit).
+
+``--fused-vs-eager`` measures the compile tax instead (issue #38: a short command must not pay for compiling the
+fused correction kernel): per size, the wall time of a fresh ``rollcorr analyze`` of the Parquet dump with the
+default environment and with ``ROLLCORR_FUSED=0`` (never fused), ``--repeats`` of each interleaved, and the ratio
+of their medians (default / eager: ≤ 1 means the default costs nothing over eager); then, in a fresh process, the
+first call of the verl drop-in (``rollcorr.compat.verl``) on a 256 × 8192 float32 batch: its rollout correction
+and its vanilla policy loss, in seconds against the 1 s asked, and the same correction with ``ROLLCORR_FUSED=1``
+and an empty Inductor cache (the compile the default avoids).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,14 +61,54 @@ with open(sys.argv[1], "rb") as f:
         orjson.loads(line)
 print(time.perf_counter() - t)
 """
+VERL_FIRST_CALL = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+out = {"torch": time.perf_counter() - t0}
+t0 = time.perf_counter()
+try:
+    import verl.protocol  # in a verl run verl is imported before the drop-in is called
+    out["verl"] = time.perf_counter() - t0
+except ImportError:
+    out["verl"] = None
+t0 = time.perf_counter()
+import rollcorr.compat.verl as rc
+out["rollcorr"] = time.perf_counter() - t0
+B, T = 256, 8192  # a realistic verl batch: 2.1 M positions, above the fused path's 256 K
+g = torch.Generator().manual_seed(0)
+rollout = -torch.rand(B, T, generator=g) * 4 - 1e-3
+old = (rollout + 0.05 * torch.randn(B, T, generator=g)).clamp(max=-1e-4)
+mask = (torch.arange(T)[None] < torch.randint(T // 4, T + 1, (B,), generator=g)[:, None]).float()
+log_prob = old + 0.01 * torch.randn(B, T, generator=g)
+advantages = torch.randn(B, 1, generator=g).expand(B, T)
 
 
+def correction():
+    return rc.compute_rollout_correction_and_rejection_mask(
+        old, rollout, mask, rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k3",
+        rollout_rs_threshold=0.01)[0]
 
 
+def loss():
+    return float(rc.compute_policy_loss_vanilla(old, log_prob, advantages, mask, "token-mean", {"clip_ratio": 0.2},
+                                                weights.batch["rollout_is_weights"])[0])
 
 
-def generate(folder: Path, tokens: int, seed: int = 0) -> tuple[Path, Path, int]:
-    """(JSONL, Parquet, rows) of exactly ``tokens`` tokens, written a batch of rows at a time."""
+for name, call in [("correction", correction), ("loss", loss)] if sys.argv[1] == "all" else [("correction", correction)]:
+    for n in (1, 2):
+        w, c = time.perf_counter(), time.process_time()
+        result = call()
+        out[f"{name}{n}"] = (time.perf_counter() - w, time.process_time() - c)
+        if name == "correction":
+            weights = result
+print(json.dumps(out))
+"""
+
+
+def generate(folder: Path, tokens: int, seed: int = 0, with_jsonl: bool = True) -> tuple[Path, Path, int]:
+    """(JSONL, Parquet, rows) of exactly ``tokens`` tokens, written a batch of rows at a time (no JSONL file
+    when not ``with_jsonl``)."""
     import numpy as np
     import orjson
     import pyarrow as pa
@@ -66,7 +119,7 @@ def generate(folder: Path, tokens: int, seed: int = 0) -> tuple[Path, Path, int]
     schema = pa.schema([("rollout_log_probs", pa.list_(pa.float64())), ("old_log_probs", pa.list_(pa.float64())),
                         ("response_mask", pa.list_(pa.int8()))])  # fmt: skip
     written = rows = 0
-    with open(jsonl, "wb") as f, pq.ParquetWriter(parquet, schema) as w:
+    with open(jsonl if with_jsonl else os.devnull, "wb") as f, pq.ParquetWriter(parquet, schema) as w:
         while written < tokens:
             lengths = rng.integers(1, 1001, size=2000)
             ends = written + np.cumsum(lengths)
@@ -78,9 +131,10 @@ def generate(folder: Path, tokens: int, seed: int = 0) -> tuple[Path, Path, int]
             mask = np.ones(total, np.int8)
             offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
             opt = orjson.OPT_SERIALIZE_NUMPY
-            f.write(b"".join(orjson.dumps({"rollout_log_probs": roll[a:b], "old_log_probs": old[a:b],
-                                           "response_mask": mask[a:b]}, option=opt) + b"\n"
-                             for a, b in zip(offsets[:-1], offsets[1:])))  # fmt: skip
+            if with_jsonl:
+                f.write(b"".join(orjson.dumps({"rollout_log_probs": roll[a:b], "old_log_probs": old[a:b],
+                                               "response_mask": mask[a:b]}, option=opt) + b"\n"
+                                 for a, b in zip(offsets[:-1], offsets[1:])))  # fmt: skip
             w.write_table(pa.table({
                 "rollout_log_probs": pa.ListArray.from_arrays(pa.array(offsets), pa.array(roll)),
                 "old_log_probs": pa.ListArray.from_arrays(pa.array(offsets), pa.array(old)),
@@ -118,6 +172,73 @@ def run_measured(argv: list[str]) -> tuple[float, float, int, str]:
     return kib / 1024, wall, code, text
 
 
+def timed(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """(wall, CPU) seconds of ``argv`` in a fresh process (start to exit, CPU: user + system of the child) with
+    ``env``; raises when it fails."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    done = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[:4])} … failed ({done.returncode}): {done.stderr[-500:]}")
+    return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+
+
+def verl_first_call(what: str, env: dict[str, str]) -> dict[str, float]:
+    """Seconds of a fresh process's import of the verl drop-in and of its first calls (``VERL_FIRST_CALL``)."""
+    done = subprocess.run([sys.executable, "-c", VERL_FIRST_CALL, what], cwd=ROOT, env=env, capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def fused_vs_eager(sizes: list[int], repeats: int, tmp: str | None) -> list[str]:
+    """The compile-tax lines (``#`` notes and ``a | b`` rows, as docs/performance.md quotes them)."""
+    rollcorr = [sys.executable, "-m", "rollcorr.cli", "analyze"]
+    default = {k: v for k, v in os.environ.items() if k != "ROLLCORR_FUSED"}
+    eager = {**default, "ROLLCORR_FUSED": "0"}
+    lines = [f"# bench_analyze --fused-vs-eager: {machine()}; load before {load()}; Parquet dumps (rows of 1-1000 "
+             f"tokens), default preset; median wall and CPU time (user + system) of {repeats} fresh `rollcorr analyze` "
+             f"processes per size and environment, interleaved (imports included)",
+             "tokens | default wall s | ROLLCORR_FUSED=0 wall s | default / eager, wall | default CPU s | "
+             "ROLLCORR_FUSED=0 CPU s | default / eager, CPU"]  # fmt: skip
+    print("\n".join(lines), flush=True)
+    with tempfile.TemporaryDirectory(dir=tmp, prefix="bench-analyze-") as folder:
+        for size in sizes:
+            _, parquet, _ = generate(Path(folder), size, with_jsonl=False)
+            times: dict[str, list[tuple[float, float]]] = {"default": [], "eager": []}
+            for r in range(repeats):  # interleaved, the order alternating
+                for name in ("default", "eager") if r % 2 == 0 else ("eager", "default"):
+                    times[name].append(timed([*rollcorr, str(parquet)], default if name == "default" else eager))
+            parquet.unlink()
+            (dw, dc), (ew, ec) = ([statistics.median(t[i] for t in times[name]) for i in (0, 1)]
+                                  for name in ("default", "eager"))  # fmt: skip
+            lines.append(f"{size:.0e} | {dw:.2f} | {ew:.2f} | {dw / ew:.2f} | {dc:.2f} | {ec:.2f} | {dc / ec:.2f}")
+            print(lines[-1], flush=True)
+    calls = verl_first_call("all", default)
+    with tempfile.TemporaryDirectory(prefix="bench-inductor-") as cache:
+        compiled = verl_first_call("correction", {**default, "ROLLCORR_FUSED": "1", "TORCHINDUCTOR_CACHE_DIR": cache})
+
+    def row(name: str, key: str, found: dict) -> str:
+        (w1, c1), (w2, _) = found[f"{key}1"], found[f"{key}2"]
+        return f"{name} | {w1:.2f} | {c1:.2f} | {w2:.2f} | {w1 / w2:.2f} | {'yes' if w1 <= 1.0 else 'no'}"
+
+    verl = "not installed" if calls["verl"] is None else f"{calls['verl']:.2f} s"
+    lines += [f"# verl drop-in in a fresh process, default environment: import torch {calls['torch']:.2f} s, "
+              f"import verl.protocol {verl} (a verl run has it; the drop-in returns verl's DataProto), import "
+              f"rollcorr.compat.verl {calls['rollcorr']:.2f} s; then each function called twice on one 256 x 8192 "
+              f"float32 batch",
+              "verl drop-in call (256 x 8192) | first call wall s | first call CPU s | second call wall s | "
+              "first / second | first <= 1 s",
+              row("compute_rollout_correction_and_rejection_mask (token TIS + seq_mean_k3 RS)", "correction", calls),
+              row("compute_policy_loss_vanilla (token-mean, with the IS weights)", "loss", calls),
+              row("the same correction with ROLLCORR_FUSED=1 and an empty Inductor cache (compiles)", "correction",
+                  compiled),
+              f"# load after {load()}"]  # fmt: skip
+    print("\n".join(lines[-6:]), flush=True)
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["1e5", "1e6", "1e7", "1e8"], help="dump sizes in tokens")
@@ -125,8 +246,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="results file ('-': print only)")  # fmt: skip
     parser.add_argument("--tmp", default=None, help="folder for the generated dumps (default: the system's)")
     parser.add_argument("--no-pathological", action="store_true", help="skip the one-long-row dump")
+    parser.add_argument("--fused-vs-eager", action="store_true",
+                        help="the compile tax: default vs ROLLCORR_FUSED=0 per size, the verl drop-in's first call "
+                             "(default --out: benchmarks/results/bench_analyze_fused.txt)")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=3, help="--fused-vs-eager: fresh processes per size and "
+                        "environment")  # fmt: skip
     args = parser.parse_args(argv)
     sizes = sorted(int(float(s)) for s in args.sizes)
+    if args.fused_vs_eager:
+        out = args.out if "--out" in (argv or sys.argv) else str(ROOT / "benchmarks/results/bench_analyze_fused.txt")
+        lines = fused_vs_eager(sizes, args.repeats, args.tmp)
+        if out != "-":
+            Path(out).write_text("\n".join(lines) + "\n")
+            print(f"wrote {out}")
+        return 0
     rollcorr = [sys.executable, "-m", "rollcorr.cli"]
     lines: list[str] = []
 

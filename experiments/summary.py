@@ -889,6 +889,8 @@ BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
                       lambda res: _bench_table(REPO / "benchmarks/results/bench_startup.txt")),
     "bench:floor": ("docs/performance.md",
                     lambda res: _bench_table(REPO / "benchmarks/results/bench_correction_floor.txt")),
+    "bench:compile_tax": ("docs/performance.md",
+                          lambda res: _bench_table(REPO / "benchmarks/results/bench_analyze_fused.txt")),
 }
 
 

@@ -33,3 +33,47 @@ def test_the_floor_paragraph_follows_from_the_committed_output():
     prose = " ".join((ROOT / "docs/performance.md").read_text().split())
     assert "Against the full floor the correction is within 2× for every preset" in prose
     assert "The fixed cost of a call — the metrics' many small tensor operations — is about 1 ms." in prose
+
+
+def _rows(name: str) -> list[list[str]]:
+    """The ``a | b | c`` rows of a committed benchmark output (``#`` notes and header rows included)."""
+    lines = (ROOT / "benchmarks/results" / name).read_text().splitlines()
+    return [[c.strip() for c in line.split("|")] for line in lines if not line.startswith("#")]
+
+
+SUPERSCRIPT = str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹")
+
+
+def test_the_compile_tax_paragraph_quotes_the_committed_output():
+    """#38: default / ROLLCORR_FUSED=0 wall time of a fresh `rollcorr analyze` per dump size, and the verl
+    drop-in's first calls, as benchmarks/results/bench_analyze_fused.txt has them (the table itself is a
+    generated block, checked by tests/test_results_docs.py)."""
+    rows = _rows("bench_analyze_fused.txt")
+    sizes = {int(float(r[0])): (float(r[3]), float(r[6])) for r in rows if len(r) == 7 and r[0][0].isdigit()}
+    assert sorted(sizes)[0] == 10**5 and len(sizes) >= 3
+    calls = {r[0].split(" (")[0]: r for r in rows if len(r) == 6 and r[1][0].isdigit()}
+    correction = calls["compute_rollout_correction_and_rejection_mask"]
+    loss = calls["compute_policy_loss_vanilla"]
+    compiled = calls["the same correction with ROLLCORR_FUSED=1 and an empty Inductor cache"]
+    prose = " ".join((ROOT / "docs/performance.md").read_text().split())
+    exponents = ", ".join(f"10{str(len(str(s)) - 1).translate(SUPERSCRIPT)}" for s in sorted(sizes))
+    assert f"At every dump size measured ({exponents} tokens)" in prose
+    wall, cpu = ([ratios[i] for ratios in sizes.values()] for i in (0, 1))
+    assert f"{min(wall):.2f}–{max(wall):.2f} times the wall time and {min(cpu):.2f}–{max(cpu):.2f} times the CPU time" in prose
+    assert (f"first rollout correction on a 256 × 8192 batch took {correction[1]} s wall ({correction[2]} s CPU; "
+            f"its second call {correction[3]} s wall)" in prose)  # fmt: skip
+    assert f"its first policy loss {loss[1]} s" in prose
+    within = correction[5] == loss[5] == "yes"  # the file's "first <= 1 s" column
+    assert ("both ≤ 1 s" in prose) == within and ("over the 1 s asked" in prose) != within
+    assert float(correction[2]) <= 1.0 and float(loss[2]) <= 1.0  # the CPU time is within it either way
+    assert f"the same first correction takes {compiled[1]} s" in prose
+
+
+def test_the_run_end_sentence_quotes_the_committed_output():
+    """#38: curves.png off the critical path, as benchmarks/results/bench_startup.txt measured it."""
+    rows = {r[0]: r for r in _rows("bench_startup.txt") if len(r) == 3}
+    before = float(rows["curves.png drawn in the run's process (before)"][1])
+    now, ratio = rows["curves.png drawn by a background process (now)"][1:]
+    prose = " ".join((ROOT / "docs/performance.md").read_text().split())
+    assert f"{before:.2f} s with the plot drawn in the run's process, {now} s with it drawn in the background" in prose
+    assert f"({ratio} of the time, {before - float(now):.1f} s sooner)" in prose

@@ -63,7 +63,7 @@ def test_sync_run_writes_run_folder_and_learns_something(tmp_path, addition_mode
     result = run(config)
     out = result.run_dir
     assert result.steps == 3 and result.stopped is None
-    assert (out / "config.yaml").is_file() and (out / "curves.png").stat().st_size > 10_000
+    assert (out / "config.yaml").is_file() and result.wait_for_plot().stat().st_size > 10_000
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert (latest_checkpoint(out) / "model" / "model.safetensors").is_file()
     steps = step_records(out)

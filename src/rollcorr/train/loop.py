@@ -13,9 +13,10 @@ from __future__ import annotations
 import math
 import random
 import signal
+import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,13 @@ class RunResult:
     seconds: float
     stopped: str | None = None
     stop_signal: int | None = None  # the signal that stopped the run (on any rank), if one did
+    plotter: subprocess.Popen | None = field(default=None, repr=False, compare=False)  # writes curves.png
+
+    def wait_for_plot(self, timeout_s: float = 300.0) -> Path:
+        """``curves.png`` once the background process that draws it after the run is done (trainer.plot)."""
+        from rollcorr.train.plots import wait_for_plot
+
+        return wait_for_plot(self.run_dir, self.plotter, timeout_s)
 
 
 def missing_log_probs_error(proximal, config: TrainConfig) -> ConfigError:
@@ -428,16 +436,16 @@ class Trainer:
         summary = self.alerts.summary()
         if summary:
             self.logger.message(summary)
-        if t.plot and self.ranks.is_main:
-            from rollcorr.train.logging import read_metrics
-            from rollcorr.train.plots import plot_run
-
-            plot_run(read_metrics(self.run_dir), self.run_dir / "curves.png")
         if self.samples is not None:
             self.samples.close()
         self.logger.close()
+        plotter = None
+        if t.plot and self.ranks.is_main:  # curves.png from a detached process, once metrics.jsonl is complete
+            from rollcorr.train.plots import start_plot
+
+            plotter = start_plot(self.run_dir)
         return RunResult(self.run_dir, self.step, self.version, self.initial_accuracy, self.final_accuracy, seconds,
-                         stopped, stop_signal)  # fmt: skip
+                         stopped, stop_signal, plotter)  # fmt: skip
 
     def _one_step(self) -> dict[str, float]:
         t = self.config.trainer
