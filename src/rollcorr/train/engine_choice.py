@@ -9,7 +9,8 @@ the correction, forward + backward and the optimizer step of every mini-batch (`
 publish of the new weights to the sampler. The first step of a trial is a warm-up (first calls; in async the
 first batch, which nothing overlaps); up to ``TIMED_STEPS`` more are timed, so an async trial's steps include
 the contention of the two processes on the machine's cores. ``trainer.threads`` applies as in a run (0: torch's
-default, in this process and in the sampler process).
+default, in this process and in the sampler process). Trials use the local executor in one process, whatever
+``trainer.executor`` and ``trainer.ranks`` say.
 
 The budget (default ``BUDGET_S`` seconds) starts once the learner is loaded. Trials run in this order, each
 started only while the budget lasts — the first always runs, a started trial runs to its end (an engine's
