@@ -32,8 +32,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--print-config", action="store_true",
                         help="check and print the resolved config, then exit")  # fmt: skip
     parser.add_argument("--measure-engines", action="store_true",
-                        help="time each sampler engine (and sync vs async) on one batch of this config's shape, "
-                             "print which is faster here, then exit (nothing is trained)")  # fmt: skip
+                        help="time real steps of this config with each sampler engine, sync and async, within a "
+                             "time budget; print which is faster here, then exit (no run folder is made)")  # fmt: skip
+    parser.add_argument("--measure-budget", default=None, metavar="SECONDS",
+                        help="with --measure-engines: seconds for the whole measurement (default 10); what does not "
+                             "fit is listed as skipped")  # fmt: skip
+
+
+def measure_budget(args: argparse.Namespace) -> float:
+    """``--measure-budget`` in seconds (default 10), checked before anything is built."""
+    from rollcorr.train.config import ConfigError
+    from rollcorr.train.engine_choice import BUDGET_S
+
+    if args.measure_budget is None:
+        return BUDGET_S
+    if not args.measure_engines:
+        raise ConfigError("--measure-budget: only with --measure-engines")
+    try:
+        budget = float(args.measure_budget)
+    except ValueError:
+        budget = float("nan")
+    if not 0 < budget < float("inf"):
+        raise ConfigError(f"--measure-budget: {args.measure_budget!r} is not a positive number of seconds")
+    return budget
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,6 +73,7 @@ def _run(args: argparse.Namespace) -> int:
     from rollcorr.train.config import ConfigError, load_config
 
     try:
+        budget = measure_budget(args)
         if args.resume is not None:
             if args.config is not None:
                 raise ConfigError("--resume: the run's own config.yaml is used; drop --config")
@@ -74,7 +96,7 @@ def _run(args: argparse.Namespace) -> int:
             check_components(config)
             from rollcorr.train.engine_choice import run as measure_engines
 
-            print(measure_engines(config))
+            print(measure_engines(config, budget))
             return 0
         under_launcher = launched()
         if config.trainer.ranks > 1 and not under_launcher:  # start the N learner processes (distributed/launch.py)

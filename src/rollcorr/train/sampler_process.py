@@ -219,7 +219,7 @@ class ProcessSource:
         self._conn = Connection(ours.detach())
         _send(self._conn, (self.spec, layout, size, int(version)))
         if not self._conn.poll(self.start_timeout_s):
-            self.close()
+            self.close(timeout_s=0)  # still starting, it could answer a close only once started: end it now
             raise SamplerProcessError(f"the sampler process did not start in {self.start_timeout_s:.0f} s")
         self._reply(self._process, self._conn, "start")
 
