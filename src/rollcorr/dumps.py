@@ -1074,11 +1074,37 @@ def _aligned(per_row: list, starts: np.ndarray, n: np.ndarray, suspect: np.ndarr
     return out
 
 
+def _arrow_nulls(arr) -> np.ndarray:
+    """(len(arr),) bool: where an Arrow array (primitive or list) is null, from its validity bitmap (numpy alone:
+    ``pyarrow.compute`` costs a quarter of a second to import)."""
+    if arr.null_count == 0:
+        return np.zeros(len(arr), bool)
+    bits = np.frombuffer(arr.buffers()[0], np.uint8)
+    return np.unpackbits(bits, count=arr.offset + len(arr), bitorder="little")[arr.offset :] == 0
+
+
+def _arrow_numbers(arr, dtype) -> np.ndarray:
+    """A primitive Arrow array of integers, floats or bools as a new numpy array of ``dtype`` (integers convert
+    as a cast does; entries at nulls are arbitrary), read from its data buffer (``Array.to_numpy`` would import
+    pandas)."""
+    import pyarrow as pa
+
+    end = arr.offset + len(arr)
+    if len(arr) == 0:
+        return np.zeros(0, dtype)
+    if pa.types.is_boolean(arr.type):
+        values = np.unpackbits(np.frombuffer(arr.buffers()[1], np.uint8), count=end, bitorder="little")
+    else:
+        t = arr.type
+        kind = "f" if pa.types.is_floating(t) else "i" if pa.types.is_signed_integer(t) else "u"
+        values = np.frombuffer(arr.buffers()[1], np.dtype(f"{kind}{t.bit_width // 8}"), count=end)
+    return values[arr.offset :].astype(dtype)
+
+
 def _gather_arrow(batch, lines: np.ndarray, names: dict[str, str | None], extra_fields: Sequence[str]) -> _Gathered | None:
     """A Parquet record batch → columns, straight from Arrow's buffers; None when a column is of a kind this
     does not read (then the batch goes through its Python rows)."""
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     size = batch.num_rows
     schema = batch.schema
@@ -1101,17 +1127,20 @@ def _gather_arrow(batch, lines: np.ndarray, names: dict[str, str | None], extra_
         return None
 
     def offsets(col) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        off = col.offsets.to_numpy().astype(np.int64)
-        return off, np.diff(off), col.is_null().to_numpy(zero_copy_only=False)
+        # the offsets buffer, read by numpy (``Array.to_numpy`` would import pandas)
+        width = np.int64 if pa.types.is_large_list(col.type) else np.int32
+        off = np.frombuffer(col.buffers()[1], width, count=col.offset + len(col) + 1)[col.offset :].astype(np.int64)
+        return off, np.diff(off), _arrow_nulls(col)
 
     def values(col, off, dtype) -> tuple[np.ndarray, np.ndarray | None]:
+        """(the list entries as ``dtype``: NaN at null entries for float64, anything for int64; where the nulls
+        are, or None)"""
         v = col.values.slice(int(off[0]), int(off[-1] - off[0]))
-        nulls = v.is_null().to_numpy(zero_copy_only=False) if v.null_count else None
-        if dtype == np.float64:
-            return pc.cast(v, pa.float64(), safe=False).to_numpy(zero_copy_only=False), nulls
-        if pa.types.is_boolean(v.type):
-            v = pc.cast(v, pa.int64())
-        return v.fill_null(0).to_numpy(zero_copy_only=False).astype(dtype, copy=False), nulls
+        nulls = _arrow_nulls(v) if v.null_count else None
+        out = _arrow_numbers(v, dtype)
+        if nulls is not None and dtype == np.float64:
+            out[nulls] = np.nan
+        return out, nulls
 
     r_off, n, r_null = offsets(r_col)
     l_off, l_n, l_null = offsets(l_col)
@@ -1161,8 +1190,8 @@ def _gather_arrow(batch, lines: np.ndarray, names: dict[str, str | None], extra_
         if col is None:
             continue
         if role == "advantages" and (pa.types.is_floating(col.type) or pa.types.is_integer(col.type)):
-            has[role] = ~col.is_null().to_numpy(zero_copy_only=False) & ~suspect
-            per_row = pc.cast(col, pa.float64(), safe=False).fill_null(0.0).to_numpy(zero_copy_only=False)
+            has[role] = ~_arrow_nulls(col) & ~suspect
+            per_row = _arrow_numbers(col, np.float64)
             numeric[role] = np.repeat(np.where(has[role], per_row, 0.0), n)
             adv_scalar = has[role].copy()
             continue
