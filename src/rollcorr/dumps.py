@@ -22,10 +22,12 @@ Two ways in:
   time, plus the per-row bookkeeping (line numbers of rows lacking an optional field). ``rollcorr analyze``
   and ``rollcorr audit --from-log`` read this way.
 
-Rows are checked column by column: JSON lines are decoded with orjson, each field's lists of a block are
-converted to one numpy array and the checks run on the arrays; a row any check flags goes through the exact
-per-row checks (``_parse_row``, the standard library's ``json``), which give the reason reported. Parquet is
-read in record batches (``iter_batches``), list columns straight from Arrow's buffers.
+Rows are checked column by column: JSON lines are decoded with orjson, each row's lists are converted in one C
+call each (``array``) and joined into one numpy array per field and block, and the checks run on the arrays; a
+row any check flags goes through the exact per-row checks (``_parse_row``, the standard library's ``json``),
+which give the reason reported. Parquet is read in record batches (``iter_batches``), list columns straight
+from Arrow's buffers by numpy (offsets, validity bitmaps, values; neither ``pyarrow.compute`` nor pandas is
+imported).
 
 The log-prob fields (and every alias choice) are resolved from the keys of the first blocks of rows (JSONL: read
 until a block holds both log-prob fields, ``FIRST_BLOCKS`` × ``READ_BYTES`` at most; Parquet: the schema); an
