@@ -3,6 +3,7 @@
     python benchmarks/bench_analyze.py                      # 1e5 1e6 1e7 1e8 tokens → benchmarks/results/bench_analyze.txt
     python benchmarks/bench_analyze.py --sizes 1e5 1e6 --out -          # smaller, printed only
     python benchmarks/bench_analyze.py --fused-vs-eager --sizes 1e5 1e6 1e7   # → benchmarks/results/bench_analyze_fused.txt
+    python benchmarks/bench_analyze.py --read-vs HEAD~2 --sizes 1e5 1e6 1e7     # → benchmarks/results/bench_analyze_read_ab.txt
 
 Each dump is generated streaming into a temporary folder (removed afterwards): rows of 1 … 1000 tokens (uniform),
 a learner's log-probs log(U(0.05, 1)) and a sampler's 1 % (Gaussian, σ = 0.01 nat) apart, a mask; JSONL by
@@ -31,6 +32,7 @@ and an empty Inductor cache (the compile the default avoids).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import resource
@@ -38,6 +40,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -239,6 +242,42 @@ def fused_vs_eager(sizes: list[int], repeats: int, tmp: str | None) -> list[str]
     return lines
 
 
+def read_vs(rev: str, sizes: list[int], repeats: int, tmp: str | None) -> list[str]:
+    """Reading alone (``READ_ONLY``), this checkout's ``src`` against git revision ``rev``'s (``git archive``), in
+    fresh processes, ``repeats`` of each interleaved (the order alternating) per dump: median tokens / s and the
+    ratio after / before."""
+    lines = [f"# bench_analyze --read-vs {rev}: {machine()}; load before {load()}; reading only (open_dump(FILE).chunks(), "
+             f"timed inside a fresh process, imports excluded), median of {repeats} per side, interleaved; dumps as "
+             f"bench_analyze.py generates them",
+             f"format | tokens | before ({rev}) M tokens/s | after (this checkout) M tokens/s | after / before"]  # fmt: skip
+    print("\n".join(lines), flush=True)
+    with tempfile.TemporaryDirectory(dir=tmp, prefix="bench-analyze-") as name:
+        folder = Path(name)
+        archive = subprocess.run(["git", "archive", rev, "src"], cwd=ROOT, capture_output=True, check=True).stdout
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(folder / "before", filter="data")
+        envs = {side: {**os.environ, "PYTHONPATH": str(src)}
+                for side, src in (("before", folder / "before" / "src"), ("after", ROOT / "src"))}  # fmt: skip
+        for size in sizes:
+            jsonl, parquet, _ = generate(folder, size)
+            for kind, path in (("jsonl", jsonl), ("parquet", parquet)):
+                rates: dict[str, list[float]] = {"before": [], "after": []}
+                for r in range(repeats):
+                    for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
+                        done = subprocess.run([sys.executable, "-c", READ_ONLY, str(path)], cwd=folder, env=envs[side],
+                                              capture_output=True, text=True, check=True)  # fmt: skip
+                        n, seconds = done.stdout.split()[-2:]
+                        rates[side].append(int(n) / float(seconds) / 1e6)
+                before, after = statistics.median(rates["before"]), statistics.median(rates["after"])
+                lines.append(f"{kind} | {size:.0e} | {before:.2f} | {after:.2f} | {after / before:.2f}")
+                print(lines[-1], flush=True)
+            jsonl.unlink()
+            parquet.unlink()
+    lines.append(f"# load after {load()}")
+    print(lines[-1], flush=True)
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["1e5", "1e6", "1e7", "1e8"], help="dump sizes in tokens")
@@ -249,10 +288,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fused-vs-eager", action="store_true",
                         help="the compile tax: default vs ROLLCORR_FUSED=0 per size, the verl drop-in's first call "
                              "(default --out: benchmarks/results/bench_analyze_fused.txt)")  # fmt: skip
-    parser.add_argument("--repeats", type=int, default=3, help="--fused-vs-eager: fresh processes per size and "
-                        "environment")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=3, help="--fused-vs-eager, --read-vs: fresh processes per "
+                        "size and side")  # fmt: skip
+    parser.add_argument("--read-vs", metavar="REV", default=None,
+                        help="reading alone, this checkout vs git revision REV, interleaved (default --out: "
+                             "benchmarks/results/bench_analyze_read_ab.txt)")  # fmt: skip
     args = parser.parse_args(argv)
     sizes = sorted(int(float(s)) for s in args.sizes)
+    if args.read_vs:
+        out = args.out if "--out" in (argv or sys.argv) else str(ROOT / "benchmarks/results/bench_analyze_read_ab.txt")
+        lines = read_vs(args.read_vs, sizes, args.repeats, args.tmp)
+        if out != "-":
+            Path(out).write_text("\n".join(lines) + "\n")
+            print(f"wrote {out}")
+        return 0
     if args.fused_vs_eager:
         out = args.out if "--out" in (argv or sys.argv) else str(ROOT / "benchmarks/results/bench_analyze_fused.txt")
         lines = fused_vs_eager(sizes, args.repeats, args.tmp)

@@ -891,6 +891,8 @@ BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
                     lambda res: _bench_table(REPO / "benchmarks/results/bench_correction_floor.txt")),
     "bench:compile_tax": ("docs/performance.md",
                           lambda res: _bench_table(REPO / "benchmarks/results/bench_analyze_fused.txt")),
+    "bench:read_ab": ("docs/performance.md",
+                      lambda res: _bench_table(REPO / "benchmarks/results/bench_analyze_read_ab.txt")),
 }
 
 
@@ -945,13 +947,20 @@ def analyze_bench_text(path: Path) -> str:
 
     largest = max(r[1] for r in rows)
     peak = {fmt: next(r[2] for r in rows if r[0] == fmt and r[1] == largest) for fmt in ("jsonl", "parquet")}
+    where = re.search(r"^machine: ([^;]+)", text, re.M)
+    earlier = re.search(r"^not rerun: (\S+) tokens.*?machine: ([^;]+); the reader of commit (\w+)", text, re.M)
+    note = ""
+    if earlier:  # rows kept from an earlier run on another machine and reader, said so
+        power = str(len(str(int(float(earlier[1])))) - 1).translate(str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹"))
+        note = (f" The 10{power}-token rows at the end are an earlier run's, not rerun here ({earlier[2]}, the reader "
+                f"of commit {earlier[3]}): they show the memory bound at that size, not this reader's speed.")
     return (_fenced(path) + "\n\n"
             f"Peak memory grows {ratio[1]}× (JSONL) and {ratio[2]}× (Parquet) from 10⁶ to 10{str(len(str(largest)) - 1).translate(str.maketrans('0123456789', '⁰¹²³⁴⁵⁶⁷⁸⁹'))} tokens: "
             f"bounded, {peak['jsonl']} MB and {peak['parquet']} MB at the largest size. A whole `rollcorr analyze` "
             f"reads and corrects {span('jsonl', 3)} M tokens/s from JSONL and {span('parquet', 3)} M tokens/s from "
             f"Parquet (imports included); reading alone is {span('jsonl', 4)} M tokens/s (JSONL) and "
             f"{span('parquet', 4)} M tokens/s (Parquet), where decoding the JSON lines alone (orjson) reaches "
-            f"{ceiling[1]} M tokens/s on this machine.")  # fmt: skip
+            f"{ceiling[1]} M tokens/s on this machine ({where[1] if where else 'see its first lines'})." + note)  # fmt: skip
 
 
 def _fenced(path: Path) -> str:

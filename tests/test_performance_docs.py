@@ -77,3 +77,15 @@ def test_the_run_end_sentence_quotes_the_committed_output():
     prose = " ".join((ROOT / "docs/performance.md").read_text().split())
     assert f"{before:.2f} s with the plot drawn in the run's process, {now} s with it drawn in the background" in prose
     assert f"({ratio} of the time, {before - float(now):.1f} s sooner)" in prose
+
+
+def test_the_reading_paragraph_quotes_the_committed_output():
+    """#38: reading a dump alone, this reader against the one before (bench_analyze.py --read-vs), as
+    benchmarks/results/bench_analyze_read_ab.txt has it (the table itself is a generated block)."""
+    rows = [r for r in _rows("bench_analyze_read_ab.txt") if len(r) == 5 and r[1][0].isdigit()]
+    prose = " ".join((ROOT / "docs/performance.md").read_text().split())
+    for fmt, name in (("jsonl", "JSONL"), ("parquet", "Parquet")):
+        ratio = [float(r[4]) for r in rows if r[0] == fmt]
+        after = [float(r[3]) for r in rows if r[0] == fmt]
+        assert len(ratio) >= 3
+        assert f"{min(ratio):.2f}–{max(ratio):.2f}× faster from {name} (now {min(after):.2f}–{max(after):.2f} M tokens/s" in prose

@@ -22,10 +22,12 @@ Two ways in:
   time, plus the per-row bookkeeping (line numbers of rows lacking an optional field). ``rollcorr analyze``
   and ``rollcorr audit --from-log`` read this way.
 
-Rows are checked column by column: JSON lines are decoded with orjson, each field's lists of a block are
-converted to one numpy array and the checks run on the arrays; a row any check flags goes through the exact
-per-row checks (``_parse_row``, the standard library's ``json``), which give the reason reported. Parquet is
-read in record batches (``iter_batches``), list columns straight from Arrow's buffers.
+Rows are checked column by column: JSON lines are decoded with orjson, each row's lists are converted in one C
+call each (``array``) and joined into one numpy array per field and block, and the checks run on the arrays; a
+row any check flags goes through the exact per-row checks (``_parse_row``, the standard library's ``json``),
+which give the reason reported. Parquet is read in record batches (``iter_batches``), list columns straight
+from Arrow's buffers by numpy (offsets, validity bitmaps, values; neither ``pyarrow.compute`` nor pandas is
+imported).
 
 The log-prob fields (and every alias choice) are resolved from the keys of the first blocks of rows (JSONL: read
 until a block holds both log-prob fields, ``FIRST_BLOCKS`` × ``READ_BYTES`` at most; Parquet: the schema); an
@@ -891,6 +893,50 @@ def _only(values: list, types: frozenset) -> bool:
     return set(map(type, values)) <= types
 
 
+_ARRAY_CODE = {"float": "d", "binary": "d", "int": "q"}
+
+
+def _row_array(values: list, kind: str = "float") -> array.array | None:
+    """One row's list as an ``array`` (float64; int64 for ``kind="int"``), or None when it holds anything else
+    (None, strings, lists; integers past float range, or past int64 for "int"; floats for "int"). ``array``
+    converts a list in one C loop; integers convert to float64 as ``float()`` does, and a bool reads as 1 / 0
+    (``_bool_entries`` finds those)."""
+    try:
+        return array.array(_ARRAY_CODE[kind], values)
+    except (TypeError, OverflowError):
+        return None
+
+
+def _joined(parts: list, dtype) -> np.ndarray:
+    """Per-row ``array``s as one writable flat array (one copy)."""
+    return np.frombuffer(bytearray().join(parts), dtype)
+
+
+def _bool_entries(flat: np.ndarray, n: np.ndarray, lists: list, raws: list[bytes] | None,
+                  suspect: np.ndarray) -> None:  # fmt: skip
+    """Mark in ``suspect`` the rows whose number list (``lists[i]``, flattened into ``flat``) holds a JSON
+    ``true`` / ``false``, which ``array`` read as 1.0 / 0.0: only entries equal to 0 or 1 can be one, so only
+    those entries' types are looked at (a row with many such entries: its line is searched for ``true`` /
+    ``false`` first, and its whole list checked only when the line has one)."""
+    cand = np.flatnonzero((flat == 0) | (flat == 1))
+    if not len(cand):
+        return
+    ends = np.cumsum(n)
+    row_of = np.searchsorted(ends, cand, side="right")
+    pos = cand - (ends - n)[row_of]
+    rows, first, counts = np.unique(row_of, return_index=True, return_counts=True)
+    for i, a, c in zip(rows.tolist(), first.tolist(), counts.tolist()):
+        values = lists[i]
+        if c > 16:
+            if raws is not None and b"true" not in raws[i] and b"false" not in raws[i]:
+                continue
+            bad = not _only(values, _NUMBER)
+        else:
+            bad = any(type(values[p]) is bool for p in pos[a : a + c].tolist())
+        if bad:
+            suspect[i] = True
+
+
 @dataclass
 class _Gathered:
     """One block's candidate rows, column by column (``rows``, with every row's values in place; rows flagged
@@ -901,49 +947,12 @@ class _Gathered:
     adv_scalar: np.ndarray  # (R,) bool: the row's advantage is one number (broadcast)
 
 
-def _numbers(flat: list, kind: str = "float") -> np.ndarray | None:
-    """A flat list of numbers as one array (float64; int64 for ``kind="int"``; 0/1 lists for ``"binary"``), or
-    None when it holds anything else (None, strings, lists; integers past float range, or past int64 for
-    "int"; floats for "int"). Integers convert to float64 as ``float()`` does. (``array`` converts a list in
-    one C loop; it reads a bool as 1 / 0, which is why lines holding ``true`` / ``false`` are checked entry by
-    entry.)"""
-    try:
-        if kind == "float":
-            return np.frombuffer(array.array("d", flat), np.float64)
-        try:
-            return np.frombuffer(array.array("q", flat), np.int64)
-        except TypeError:
-            if kind == "int":
-                return None
-            return np.frombuffer(array.array("d", flat), np.float64)
-    except (TypeError, OverflowError):
-        return None
-
-
-def _flat_or_per_row(flat: list, per_row: list, suspect: np.ndarray, kind: str = "float") -> np.ndarray:
-    """``flat`` as one array; when that fails, row by row (``per_row[i]``: row i's list or None), marking the rows
-    whose list is not numbers in ``suspect`` (their entries become 0)."""
-    a = _numbers(flat, kind)
-    if a is not None:
-        return a
-    dtype = np.int64 if kind == "int" else np.float64
-    parts = []
-    for i, values in enumerate(per_row):
-        if values is None:
-            continue
-        row = _numbers(values, kind)
-        if row is None:
-            suspect[i] = True
-            row = np.zeros(len(values), dtype)
-        parts.append(row)
-    return np.concatenate(parts) if parts else np.zeros(0, dtype)
-
-
 def _gather_objects(objs: list[dict], lines: np.ndarray, raws: list[bytes] | None, names: dict[str, str | None],
                     extra_fields: Sequence[str]) -> _Gathered:  # fmt: skip
     """Decoded rows → columns. Structure is checked here row by row (types, list lengths); numbers column by
-    column. A row with ``true`` / ``false`` in its line (or any row without a raw line, e.g. Parquet's Python
-    rows) has its number lists' entry types checked too (numpy reads a bool as 1.0)."""
+    column, each row's list converted in one C call (``_row_array``) and joined. Booleans are found from the
+    converted values (``_bool_entries``); a row with ``true`` / ``false`` in its line (or any row without a raw
+    line, e.g. Parquet's Python rows) has its optional per-token lists' entry types checked too."""
     rn, ln, mn = names["rollout"], names["learner"], names["mask"]
     an, tn, vn = names["advantages"], names["tokens"], names["version"]
     ttn, xn = names["token_text"], names["text"]
@@ -952,8 +961,10 @@ def _gather_objects(objs: list[dict], lines: np.ndarray, raws: list[bytes] | Non
     n = np.zeros(size, np.int64)
     suspect = np.zeros(size, bool)
     adv_scalar = np.zeros(size, bool)
-    flat_r: list = []
-    flat_l: list = []
+    parts_r: list = []
+    parts_l: list = []
+    lists_r: list = [None] * size
+    lists_l: list = [None] * size
     mask_rows: list = [None] * size
     numeric_rows: dict[str, list] = {"advantages": [None] * size, "tokens": [None] * size, "version": [None] * size}
     token_text: list = [None] * size
@@ -961,29 +972,36 @@ def _gather_objects(objs: list[dict], lines: np.ndarray, raws: list[bytes] | Non
     routed: dict[str, list] = {role: [None] * size for role in ROUTED}
     extras: dict[str, list] = {key: [None] * size for key in extra_fields}
     correction: list = [None] * size
+    optional = [(role, name, kinds) for role, name, kinds in
+                (("advantages", an, _NUMBER), ("tokens", tn, _INT), ("version", vn, _INT)) if name is not None]  # fmt: skip
     for i, obj in enumerate(objs):
         r, lp = obj.get(rn), obj.get(ln)
         if type(r) is not list or type(lp) is not list or len(r) != len(lp) or not r:
             suspect[i] = True
             continue
         k = len(r)
-        strict = raws is None or b"true" in raws[i] or b"false" in raws[i]
-        if strict and not (_only(r, _NUMBER) and _only(lp, _NUMBER)):
-            suspect[i] = True
-            continue
         m = obj.get(mn) if mn is not None else None
         if m is not None and (type(m) is not list or len(m) != k):
             suspect[i] = True
             continue
+        ar, al = _row_array(r), _row_array(lp)
+        if ar is None or al is None:
+            suspect[i] = True
+            continue
+        strict = None  # the line holds true / false: computed when an optional list needs it
         try:
-            for role, name, kinds in (("advantages", an, _NUMBER), ("tokens", tn, _INT), ("version", vn, _INT)):
-                value = obj.get(name) if name is not None else None
+            for role, name, kinds in optional:
+                value = obj.get(name)
                 if value is None:
                     continue
                 if role == "advantages" and type(value) in (float, int):
                     numeric_rows[role][i] = [float(value)] * k  # OverflowError: past float range
                     adv_scalar[i] = True
-                elif type(value) is list and len(value) == k and (not strict or _only(value, kinds)):
+                elif type(value) is list and len(value) == k:
+                    if strict is None:
+                        strict = raws is None or b"true" in raws[i] or b"false" in raws[i]
+                    if strict and not _only(value, kinds):
+                        raise _BadRow
                     numeric_rows[role][i] = value
                 else:
                     raise _BadRow
@@ -1001,8 +1019,9 @@ def _gather_objects(objs: list[dict], lines: np.ndarray, raws: list[bytes] | Non
             token_text[i] = routed["routed_experts"][i] = routed["learner_routed_experts"][i] = None
             continue
         n[i] = k
-        flat_r.extend(r)
-        flat_l.extend(lp)
+        parts_r.append(ar)
+        parts_l.append(al)
+        lists_r[i], lists_l[i] = r, lp
         if m is not None and m.count(1) != k:  # all ones (1, 1.0, true): every position valid, as without a mask
             mask_rows[i] = m
         if xn is not None and type(x := obj.get(xn)) is str:
@@ -1013,10 +1032,10 @@ def _gather_objects(objs: list[dict], lines: np.ndarray, raws: list[bytes] | Non
             correction[i] = c
     starts = np.cumsum(n) - n
     total = int(n.sum())
-    rows_r = [obj.get(rn) if not suspect[i] else None for i, obj in enumerate(objs)]
-    rollout = _flat_or_per_row(flat_r, rows_r, suspect)
-    learner = _flat_or_per_row(flat_l, [obj.get(ln) if v is not None else None for obj, v in zip(objs, rows_r)],
-                               suspect)  # fmt: skip
+    rollout = _joined(parts_r, np.float64)
+    learner = _joined(parts_l, np.float64)
+    _bool_entries(rollout, n, lists_r, raws, suspect)
+    _bool_entries(learner, n, lists_l, raws, suspect)
     mask = _aligned(mask_rows, starts, n, suspect, total, "binary", fill=1.0)
     numeric = {}
     has = {}
@@ -1033,31 +1052,61 @@ def _aligned(per_row: list, starts: np.ndarray, n: np.ndarray, suspect: np.ndarr
              fill: float = 0) -> np.ndarray:  # fmt: skip
     """Per-row lists (None: absent → ``fill``) as one flat array aligned with the rows' segments; rows whose list
     is not numbers (integers for ``kind="int"``; all 0/1 for ``"binary"``) are marked in ``suspect``."""
-    out = np.full(total, fill, dtype=np.int64 if kind == "int" else np.float64)
-    present = [i for i, v in enumerate(per_row) if v is not None and not suspect[i]]
+    dtype = np.int64 if kind == "int" else np.float64
+    out = np.full(total, fill, dtype=dtype)
+    parts, present = [], []
+    for i, v in enumerate(per_row):
+        if v is None or suspect[i]:
+            continue
+        a = _row_array(v, kind)
+        if a is None:
+            suspect[i] = True
+        else:
+            parts.append(a)
+            present.append(i)
     if not present:
         return out
     sel = np.array(present, np.int64)
-    flat: list = []
-    for i in present:
-        flat.extend(per_row[i])
-    suspect_sub = np.zeros(len(present), bool)
-    values = _flat_or_per_row(flat, [per_row[i] for i in present], suspect_sub, kind)
+    values = _joined(parts, dtype)
     if kind == "binary":
         bad = ~((values == 0) | (values == 1))
         if bad.any():
-            seg = np.repeat(np.arange(len(present)), n[sel])
-            suspect_sub[np.unique(seg[bad])] = True
-    suspect[sel[suspect_sub]] = True
+            suspect[np.unique(np.repeat(sel, n[sel])[bad])] = True
     out[_segments(starts[sel], n[sel])] = values
     return out
+
+
+def _arrow_nulls(arr) -> np.ndarray:
+    """(len(arr),) bool: where an Arrow array (primitive or list) is null, from its validity bitmap (numpy alone:
+    ``pyarrow.compute`` costs a quarter of a second to import)."""
+    if arr.null_count == 0:
+        return np.zeros(len(arr), bool)
+    bits = np.frombuffer(arr.buffers()[0], np.uint8)
+    return np.unpackbits(bits, count=arr.offset + len(arr), bitorder="little")[arr.offset :] == 0
+
+
+def _arrow_numbers(arr, dtype) -> np.ndarray:
+    """A primitive Arrow array of integers, floats or bools as a new numpy array of ``dtype`` (integers convert
+    as a cast does; entries at nulls are arbitrary), read from its data buffer (``Array.to_numpy`` would import
+    pandas)."""
+    import pyarrow as pa
+
+    end = arr.offset + len(arr)
+    if len(arr) == 0:
+        return np.zeros(0, dtype)
+    if pa.types.is_boolean(arr.type):
+        values = np.unpackbits(np.frombuffer(arr.buffers()[1], np.uint8), count=end, bitorder="little")
+    else:
+        t = arr.type
+        kind = "f" if pa.types.is_floating(t) else "i" if pa.types.is_signed_integer(t) else "u"
+        values = np.frombuffer(arr.buffers()[1], np.dtype(f"{kind}{t.bit_width // 8}"), count=end)
+    return values[arr.offset :].astype(dtype)
 
 
 def _gather_arrow(batch, lines: np.ndarray, names: dict[str, str | None], extra_fields: Sequence[str]) -> _Gathered | None:
     """A Parquet record batch → columns, straight from Arrow's buffers; None when a column is of a kind this
     does not read (then the batch goes through its Python rows)."""
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     size = batch.num_rows
     schema = batch.schema
@@ -1080,17 +1129,20 @@ def _gather_arrow(batch, lines: np.ndarray, names: dict[str, str | None], extra_
         return None
 
     def offsets(col) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        off = col.offsets.to_numpy().astype(np.int64)
-        return off, np.diff(off), col.is_null().to_numpy(zero_copy_only=False)
+        # the offsets buffer, read by numpy (``Array.to_numpy`` would import pandas)
+        width = np.int64 if pa.types.is_large_list(col.type) else np.int32
+        off = np.frombuffer(col.buffers()[1], width, count=col.offset + len(col) + 1)[col.offset :].astype(np.int64)
+        return off, np.diff(off), _arrow_nulls(col)
 
     def values(col, off, dtype) -> tuple[np.ndarray, np.ndarray | None]:
+        """(the list entries as ``dtype``: NaN at null entries for float64, anything for int64; where the nulls
+        are, or None)"""
         v = col.values.slice(int(off[0]), int(off[-1] - off[0]))
-        nulls = v.is_null().to_numpy(zero_copy_only=False) if v.null_count else None
-        if dtype == np.float64:
-            return pc.cast(v, pa.float64(), safe=False).to_numpy(zero_copy_only=False), nulls
-        if pa.types.is_boolean(v.type):
-            v = pc.cast(v, pa.int64())
-        return v.fill_null(0).to_numpy(zero_copy_only=False).astype(dtype, copy=False), nulls
+        nulls = _arrow_nulls(v) if v.null_count else None
+        out = _arrow_numbers(v, dtype)
+        if nulls is not None and dtype == np.float64:
+            out[nulls] = np.nan
+        return out, nulls
 
     r_off, n, r_null = offsets(r_col)
     l_off, l_n, l_null = offsets(l_col)
@@ -1140,8 +1192,8 @@ def _gather_arrow(batch, lines: np.ndarray, names: dict[str, str | None], extra_
         if col is None:
             continue
         if role == "advantages" and (pa.types.is_floating(col.type) or pa.types.is_integer(col.type)):
-            has[role] = ~col.is_null().to_numpy(zero_copy_only=False) & ~suspect
-            per_row = pc.cast(col, pa.float64(), safe=False).fill_null(0.0).to_numpy(zero_copy_only=False)
+            has[role] = ~_arrow_nulls(col) & ~suspect
+            per_row = _arrow_numbers(col, np.float64)
             numeric[role] = np.repeat(np.where(has[role], per_row, 0.0), n)
             adv_scalar = has[role].copy()
             continue
