@@ -107,14 +107,17 @@ def _worker(rank: int, port: int, names: list[str], data: str, out: str) -> None
     torch.set_num_threads(1)
     from rollcorr.distributed import close, init_from_env
 
-    ranks = init_from_env("cpu")
     try:
-        rollouts = torch.load(data, weights_only=False)
-        results = {name: _train(name, rollouts[name], ranks) for name in names}
-        if ranks.is_main:
-            torch.save(results, out)
+        _work(init_from_env("cpu"), names, data, out)
     finally:
-        close()
+        close()  # after the work's references to the group (models, the device mesh) are gone
+
+
+def _work(ranks: Ranks, names: list[str], data: str, out: str) -> None:
+    rollouts = torch.load(data, weights_only=False)
+    results = {name: _train(name, rollouts[name], ranks) for name in names}
+    if ranks.is_main:
+        torch.save(results, out)
 
 
 def _free_port() -> int:

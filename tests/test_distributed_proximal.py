@@ -97,42 +97,46 @@ def _worker(rank: int, port: int, names: list[str], data: str, out: str) -> None
                       MASTER_PORT=str(port))  # fmt: skip
     torch.set_num_threads(1)
     from rollcorr.distributed import close, init_from_env
+
+    try:
+        _work(init_from_env("cpu"), names, data, out)
+    finally:
+        close()  # after the work's references to the group (models, the device mesh) are gone
+
+
+def _work(ranks, names: list[str], data: str, out: str) -> None:
     from rollcorr.distributed.checkpoint import shard_held
     from rollcorr.train.build import build_proximal
 
-    ranks = init_from_env("cpu")
-    try:
-        inputs = torch.load(data, weights_only=False)
-        results = {}
-        for name in names:
-            learner, optimizer, proximal = _train(name, inputs["rollouts"][name], ranks)
-            result = {"weights": _full(learner), "extra_bytes": proximal.extra_bytes,
-                      "held": _held_full(proximal)}  # fmt: skip
-            if name in HOLDS_WEIGHTS:
-                # a sharded checkpoint of the held state, read back on two ranks: each rank's shards exactly
-                run_dir = Path(inputs["tmp"]) / name
-                state = {"step": STEPS, "proximal": proximal.state_dict()}
-                checkpointer = ranks.checkpointer(learner, optimizer)  # the trainer's: ShardedCheckpointer
-                path = checkpointer.save(run_dir, STEPS, state)
-                saved = torch.load(path / "state.pt", weights_only=False)
-                restored = build_proximal(_config(name))
-                checkpointer.load(path, saved, restored)
-                result["resumed_equal"] = all(
-                    torch.equal(a.to_local(), restored.held_weights()[key][k].to_local())
-                    for key, copy in proximal.held_weights().items() for k, a in copy.items() if hasattr(a, "to_local")
-                )  # fmt: skip
-                result["checkpoint"] = str(path)
-                # a one-process strategy state, sharded onto the two ranks (trainer: shard_held after load)
-                single = build_proximal(_config(name))
-                single.load_state_dict(inputs["single_state"][name])
-                shard_held(single.held_weights(), learner.model)
-                result["from_one_process"] = _held_full(single)
-                result["from_one_process_bytes"] = single.extra_bytes
-            results[name] = result
-        if ranks.is_main:
-            torch.save(results, out)
-    finally:
-        close()
+    inputs = torch.load(data, weights_only=False)
+    results = {}
+    for name in names:
+        learner, optimizer, proximal = _train(name, inputs["rollouts"][name], ranks)
+        result = {"weights": _full(learner), "extra_bytes": proximal.extra_bytes,
+                  "held": _held_full(proximal)}  # fmt: skip
+        if name in HOLDS_WEIGHTS:
+            # a sharded checkpoint of the held state, read back on two ranks: each rank's shards exactly
+            run_dir = Path(inputs["tmp"]) / name
+            state = {"step": STEPS, "proximal": proximal.state_dict()}
+            checkpointer = ranks.checkpointer(learner, optimizer)  # the trainer's: ShardedCheckpointer
+            path = checkpointer.save(run_dir, STEPS, state)
+            saved = torch.load(path / "state.pt", weights_only=False)
+            restored = build_proximal(_config(name))
+            checkpointer.load(path, saved, restored)
+            result["resumed_equal"] = all(
+                torch.equal(a.to_local(), restored.held_weights()[key][k].to_local())
+                for key, copy in proximal.held_weights().items() for k, a in copy.items() if hasattr(a, "to_local")
+            )  # fmt: skip
+            result["checkpoint"] = str(path)
+            # a one-process strategy state, sharded onto the two ranks (trainer: shard_held after load)
+            single = build_proximal(_config(name))
+            single.load_state_dict(inputs["single_state"][name])
+            shard_held(single.held_weights(), learner.model)
+            result["from_one_process"] = _held_full(single)
+            result["from_one_process_bytes"] = single.extra_bytes
+        results[name] = result
+    if ranks.is_main:
+        torch.save(results, out)
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -281,32 +285,36 @@ def _split_worker(rank: int, port: int, data: str, out: str) -> None:
                       MASTER_PORT=str(port))  # fmt: skip
     torch.set_num_threads(1)
     from rollcorr.distributed import close, init_from_env
+
+    try:
+        _split_work(init_from_env("cpu"), data, out)
+    finally:
+        close()  # after the work's references to the group (models, the device mesh) are gone
+
+
+def _split_work(ranks, data: str, out: str) -> None:
     from rollcorr.engines import make_learner
     from rollcorr.proximal.scoring import score_split
 
-    ranks = init_from_env("cpu")
-    try:
-        learner = make_learner("hf:fp32", skeleton=not ranks.is_main)
-        built_without_weights = all(p.is_meta for p in learner.model.parameters())
-        sharded = ranks.shard(learner)
-        seen: list[int] = []
-        forward = sharded.log_prob
+    learner = make_learner("hf:fp32", skeleton=not ranks.is_main)
+    built_without_weights = all(p.is_meta for p in learner.model.parameters())
+    sharded = ranks.shard(learner)
+    seen: list[int] = []
+    forward = sharded.log_prob
 
-        def counting(rollout, **kwargs):
-            seen.append(rollout.batch_size)
-            return forward(rollout, **kwargs)
+    def counting(rollout, **kwargs):
+        seen.append(rollout.batch_size)
+        return forward(rollout, **kwargs)
 
-        sharded.log_prob = counting
-        scores = [score_split(sharded, rollout) for rollout in torch.load(data, weights_only=False)]
-        buffers = {name: b.clone() for name, b in sharded.model.named_buffers()}
-        # routing replay through the sharded root: the MoE model (rank 1 a skeleton), rollouts carrying the
-        # sampler's experts, and a rank with no rows (its stand-in carries a routing too)
-        moe = ranks.shard(make_learner("hf:fp32", "builtin:moe", routing_replay="r3", skeleton=not ranks.is_main))
-        replayed = [score_split(moe, rollout) for rollout in torch.load(f"{data}.moe", weights_only=False)]
-        torch.save({"scores": scores, "rows_seen": seen, "skeleton": built_without_weights, "buffers": buffers,
-                    "weights": sharded.state_dict(), "replayed": replayed}, f"{out}.{rank}")  # fmt: skip
-    finally:
-        close()
+    sharded.log_prob = counting
+    scores = [score_split(sharded, rollout) for rollout in torch.load(data, weights_only=False)]
+    buffers = {name: b.clone() for name, b in sharded.model.named_buffers()}
+    # routing replay through the sharded root: the MoE model (rank 1 a skeleton), rollouts carrying the
+    # sampler's experts, and a rank with no rows (its stand-in carries a routing too)
+    moe = ranks.shard(make_learner("hf:fp32", "builtin:moe", routing_replay="r3", skeleton=not ranks.is_main))
+    replayed = [score_split(moe, rollout) for rollout in torch.load(f"{data}.moe", weights_only=False)]
+    torch.save({"scores": scores, "rows_seen": seen, "skeleton": built_without_weights, "buffers": buffers,
+                "weights": sharded.state_dict(), "replayed": replayed}, f"{out}.{ranks.rank}")  # fmt: skip
 
 
 @pytest.mark.timeout(300)
