@@ -465,3 +465,27 @@ def test_a_stopped_run_says_what_its_folder_holds(tmp_path, run_copy):
     assert hint(out=started) == f"{started} holds no checkpoint yet: rollcorr train --resume {started} starts " \
                                 "it again from step 0"  # fmt: skip
     assert "RUN_DIR" in hint() and "keeps" not in hint()
+
+
+@pytest.mark.slow
+def test_memory_limit_swept_finely_through_the_imports_is_one_line(tmp_path):
+    """`ulimit -v` from 0.55 to 0.75 GB in 10 MB steps, where the limit lands inside the imports: besides
+    MemoryError, a compiled module that cannot be mapped (ImportError "failed to map segment from shared
+    object"), the import system's ENOMEM (OSError) and CPython's own "error return without exception set"
+    (SystemError) each were a 16-42-line traceback; every one is now the out-of-memory line."""
+    import resource
+    import subprocess
+    import sys
+
+    for mb in range(550, 751, 10):
+
+        def limit(size=mb * 2**20):
+            resource.setrlimit(resource.RLIMIT_AS, (size, size))
+
+        proc = subprocess.run([sys.executable, "-m", "rollcorr.cli", "train", "trainer.steps=2", "trainer.eval_every=0",
+                               "trainer.progress=false", "trainer.plot=false", f"trainer.out={tmp_path / f'run{mb}'}"],
+                              capture_output=True, text=True, preexec_fn=limit, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode in (0, 1) and len(lines) <= 1 and "Traceback" not in proc.stderr, (mb, proc.stderr[-3000:])
+        assert proc.returncode == 0 or "out of memory" in lines[0] or "cannot allocate memory" in lines[0], (mb, lines)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
+import resource  # imported here: under the memory limit it reports, loading its module could fail too
 import sys
 
 # sub-command -> module exposing add_arguments(parser) and run(args) -> int
@@ -57,6 +60,7 @@ def train_flag_hint(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    as_command = argv is None  # the `rollcorr` command itself (its entry point, python -m rollcorr), not a caller
     argv = sys.argv[1:] if argv is None else list(argv)
     # the sub-command is the first argument that names one (top-level options take no values)
     command = next((a for a in argv if a in COMMANDS), "")
@@ -78,22 +82,49 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
-    except (MemoryError, RuntimeError) as err:  # a memory limit (ulimit -v, a container) hit anywhere in the command
+    except (MemoryError, RuntimeError, ImportError, SystemError, OSError) as err:  # a memory limit hit anywhere
         if not out_of_memory(err):
             raise
         print(f"rollcorr {args.command}: out of memory ({_first_line(err) or type(err).__name__}); nothing is "
               "half-written (a training run's checkpoints are whole: --resume it with more memory)",
               file=sys.stderr)  # fmt: skip
+        if as_command:  # the interpreter's own teardown at the limit prints "Exception ignored ... MemoryError"
+            sys.stdout.flush()  # dozens of times (half-imported modules): the line said, leave without it
+            sys.stderr.flush()
+            os._exit(1)
         return 1
 
 
 def out_of_memory(err: BaseException) -> bool:
     """Whether ``err`` is an allocation that failed: Python's MemoryError, torch's CPU allocator refusing (a
-    RuntimeError "DefaultCPUAllocator: can't allocate memory"), or a thread whose stack could not be mapped."""
+    RuntimeError "DefaultCPUAllocator: can't allocate memory"), an OSError ENOMEM (the import system listing a
+    folder), a thread whose stack could not be mapped; and, in a process whose address space is limited
+    (`ulimit -v`), a compiled module that could not be mapped (an ImportError "failed to map segment from shared
+    object": safetensors' or tokenizers' at 0.6 GB) or the interpreter failing inside an import at the limit (a
+    SystemError "error return without exception set" in torch's)."""
     text = str(err)
-    return isinstance(err, MemoryError) or any(
+    if isinstance(err, MemoryError) or getattr(err, "errno", None) == errno.ENOMEM or any(
         sign in text for sign in ("can't allocate memory", "std::bad_alloc", "can't start new thread")
-    )
+    ):
+        return True
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY or not isinstance(err, (ImportError, SystemError)):
+        return False
+    if "failed to map segment from shared object" in text:  # dlopen's mmap failed: ENOMEM under the limit
+        return True
+    return _peak_address_space() >= 0.9 * limit  # at the limit: the failure is the allocation's
+
+
+def _peak_address_space() -> int:
+    """This process's largest address space so far in bytes (VmPeak), 0 when it cannot be read."""
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"VmPeak:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _first_line(err: BaseException) -> str:
