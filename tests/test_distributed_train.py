@@ -288,19 +288,19 @@ def test_a_distributed_environment_left_in_the_shell_is_one_line_at_once(tmp_pat
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_too_few_file_descriptors_for_the_launcher_is_one_line(tmp_path):
-    """`ulimit -n` 16, 20 and 24 under `trainer.ranks=2`: the launcher's own store and sockets run out (c10d's
+    """`ulimit -n` 12 to 24 under `trainer.ranks=2`: the launcher's own store and sockets run out (c10d's
     "Failed to init uv loop", EMFILE): one rollcorr line naming the limit, never the agent's traceback."""
     import resource
 
     failed = 0
-    for n in (16, 20, 24):
+    for n in (12, 14, 16, 20, 24):  # 12-14: c10d retried its connections for minutes (a hang), then a traceback
 
         def limit(n=n):
             resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
 
         done = subprocess.run([sys.executable, "-m", "rollcorr", "train", "trainer.ranks=2", "trainer.steps=1", *SMALL,
                                f"trainer.out={tmp_path / f'run{n}'}"], capture_output=True, text=True, env=_env(),
-                              preexec_fn=limit, timeout=300)  # fmt: skip
+                              preexec_fn=limit, timeout=60)  # fmt: skip
         if done.returncode == 0:
             continue
         failed += 1
