@@ -143,6 +143,22 @@ def test_overwrite_only_replaces_a_run_folder(tmp_path, addition_model_dir):
     assert (other / "thesis.tex").read_text() == "keep me"
 
 
+def test_a_folder_of_other_files_is_refused_without_resume_or_overwrite_advice(tmp_path, addition_model_dir):
+    """A non-empty --out that holds no run: neither `--resume` (nothing to continue) nor `--overwrite` (refused
+    for a folder that is not a run) is offered; one line, exit 2, the files untouched."""
+    other = tmp_path / "thesis"
+    other.mkdir()
+    (other / "thesis.tex").write_text("keep me")
+    done = subprocess.run([sys.executable, "-m", "rollcorr", "train", "--out", str(other), *TINY,
+                           f"model.path={addition_model_dir}", "trainer.steps=1"], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert "holds no run" in line and "thesis.tex" in line and "choose another --out" in line, line
+    assert "--resume" not in line and "--overwrite" not in line, line
+    assert sorted(p.name for p in other.iterdir()) == ["thesis.tex"]
+
+
 def test_default_run_folders_are_unique():
     names = {new_run_dir(None) for _ in range(50)}
     assert len(names) == 50 and all(n.parent == Path("runs") for n in names)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
-import resource
+import os
+import resource  # imported here: under the memory limit it reports, loading its module could fail too
 import sys
 
 # sub-command -> module exposing add_arguments(parser) and run(args) -> int
@@ -59,6 +60,7 @@ def train_flag_hint(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    as_command = argv is None  # the `rollcorr` command itself (its entry point, python -m rollcorr), not a caller
     argv = sys.argv[1:] if argv is None else list(argv)
     # the sub-command is the first argument that names one (top-level options take no values)
     command = next((a for a in argv if a in COMMANDS), "")
@@ -80,47 +82,56 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
-    except (MemoryError, RuntimeError, SystemError, OSError, ImportError) as err:  # a memory limit hit anywhere
+    except (MemoryError, RuntimeError, ImportError, SystemError, OSError) as err:  # a memory limit hit anywhere
         if not out_of_memory(err):
             raise
         print(f"rollcorr {args.command}: out of memory ({_what_ran_out(err)}); nothing is "
               "half-written (a training run's checkpoints are whole: --resume it with more memory)",
               file=sys.stderr)  # fmt: skip
+        if as_command:  # the interpreter's own teardown at the limit prints "Exception ignored ... MemoryError"
+            sys.stdout.flush()  # dozens of times (half-imported modules): the line said, leave without it
+            sys.stderr.flush()
+            os._exit(1)
         return 1
 
 
-# how an allocation that failed reads when it does not arrive as a MemoryError
-ALLOCATION_FAILED = ("can't allocate memory", "cannot allocate memory", "std::bad_alloc", "can't start new thread")
-# how it reads when only the address-space limit (ulimit -v) tells it from an internal error: CPython's C function
-# that lost its MemoryError, the dynamic loader unable to map a library while a module is imported
-LIMIT_HIT = {SystemError: "error return without exception set", ImportError: "failed to map segment"}
-
-
 def out_of_memory(err: BaseException) -> bool:
-    """Whether ``err`` is an allocation that failed anywhere in a command: Python's MemoryError, an OSError
-    ENOMEM, torch's CPU allocator refusing (a RuntimeError "DefaultCPUAllocator: can't allocate memory"), a
-    thread whose stack could not be mapped — or, in a process with an address-space limit, the two ways a
-    failed allocation shows up under ``ulimit -v`` while torch and transformers are imported (LIMIT_HIT)."""
-    text = str(err).lower()
-    for kind, sign in LIMIT_HIT.items():
-        if isinstance(err, kind):
-            return sign in text and address_space_limit() is not None
-    if isinstance(err, OSError):
-        return err.errno == errno.ENOMEM
-    return isinstance(err, MemoryError) or any(sign in text for sign in ALLOCATION_FAILED)
+    """Whether ``err`` is an allocation that failed: Python's MemoryError, torch's CPU allocator refusing (a
+    RuntimeError "DefaultCPUAllocator: can't allocate memory"), an OSError ENOMEM (the import system listing a
+    folder), a thread whose stack could not be mapped; and, in a process whose address space is limited
+    (`ulimit -v`), a compiled module that could not be mapped (an ImportError "failed to map segment from shared
+    object": safetensors' or tokenizers' at 0.6 GB) or the interpreter failing inside an import at the limit (a
+    SystemError "error return without exception set" in torch's)."""
+    text = str(err)
+    if isinstance(err, MemoryError) or getattr(err, "errno", None) == errno.ENOMEM or any(
+        sign in text for sign in ("can't allocate memory", "std::bad_alloc", "can't start new thread")
+    ):
+        return True
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY or not isinstance(err, (ImportError, SystemError)):
+        return False
+    if "failed to map segment from shared object" in text:  # dlopen's mmap failed: ENOMEM under the limit
+        return True
+    return _peak_address_space() >= 0.9 * limit  # at the limit: the failure is the allocation's
 
 
-def address_space_limit() -> int | None:
-    """The process's address-space limit in bytes (``ulimit -v``), or None when there is none. (``resource`` is
-    imported with this module: under the limit, importing it in the handler can itself fail to map.)"""
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    return None if soft == resource.RLIM_INFINITY else soft
+def _peak_address_space() -> int:
+    """This process's largest address space so far in bytes (VmPeak), 0 when it cannot be read."""
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"VmPeak:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _what_ran_out(err: BaseException) -> str:
-    """The allocator's words, or the address-space limit when CPython lost them."""
-    if isinstance(err, (SystemError, ImportError)):
-        return f"an allocation failed under the address-space limit of {address_space_limit() / 2**30:.2g} GiB"
+    """The allocator's words, or the address-space limit when the failure lost them (ImportError, SystemError)."""
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if isinstance(err, (ImportError, SystemError)) and limit != resource.RLIM_INFINITY:
+        return f"an allocation failed under the address-space limit of {limit / 2**30:.2g} GiB"
     return _first_line(err) or type(err).__name__
 
 

@@ -17,6 +17,7 @@ learns its ranks: torchrun's group, or the group of one process (``ranks.ONE_PRO
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import functools
 import os
@@ -139,6 +140,7 @@ def init_from_env(device: str | None = None, timeout_s: float = COLLECTIVE_TIMEO
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world, device_id=dev if dev.type == "cuda" else None,
                                 timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+        atexit.register(_leave_at_exit)
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
@@ -175,6 +177,25 @@ def agree(ranks: Ranks, facts: dict[str, Any]) -> None:
                 raise DistributedError(f"rank {rank} was started differently from rank 0: {key} is "
                                        f"{other.get(key)!r} there, {reference.get(key)!r} on rank 0; every rank must "
                                        "get the same command line and files (nothing was trained)")  # fmt: skip
+
+
+LEAVE_TIMEOUT_S = 10.0  # how long leaving the group at exit may take (a peer stuck in a collective never holds it)
+
+
+def _leave_at_exit() -> None:
+    """Leave the group while the interpreter is still whole. A worker that exits with gloo's group alive (held
+    by the device mesh) aborts now and then as its threads are torn down — "terminate called without an active
+    exception", SIGABRT — which the launcher then reports as a failed rank with a resume hint, after a refusal
+    that had said why in one line. References to the mesh are dropped first: destroying the group under a live
+    mesh still aborts."""
+    import gc
+    import threading
+
+    join.cache_clear()
+    gc.collect()
+    leaving = threading.Thread(target=close, name="rollcorr-leave-group", daemon=True)
+    leaving.start()
+    leaving.join(LEAVE_TIMEOUT_S)
 
 
 def close() -> None:

@@ -63,8 +63,18 @@ def _fd_hint(err: BaseException) -> str:
     return f" (open files are limited to {soft} here, `ulimit -n`; the ranks' sockets need more: raise it)"
 
 
+MIN_OPEN_FILES = 64  # below this the agent's store and the ranks' sockets run out: with `ulimit -n` 12-14 c10d
+# retried its connections for minutes (a hang, then a RendezvousConnectionError traceback); 16-24 fail at once
+
+
 def launch(train_args: list[str], nprocs: int, run_dir: str | None = None) -> int:
     """Run ``rollcorr train <train_args>`` as ``nprocs`` worker processes on this machine; the exit code."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < MIN_OPEN_FILES:
+        print(f"rollcorr train: the launcher could not start {nprocs} ranks: open files are limited to {soft} here "
+              f"(`ulimit -n`); the ranks' store and sockets need at least {MIN_OPEN_FILES}: raise it; nothing was "
+              "trained", file=sys.stderr)  # fmt: skip
+        return FAILED_EXIT
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

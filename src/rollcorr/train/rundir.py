@@ -85,10 +85,14 @@ def check_new_run_dir(run_dir: Path, overwrite: bool = False) -> None:
     if not contents:
         return
     is_run = (run_dir / CONFIG_FILE).is_file() or (run_dir / METRICS_FILE).is_file()
-    if not overwrite:
-        what = "holds a run" if is_run else f"is not empty ({len(contents)} entries)"
+    if not overwrite and not is_run:  # the user's own files: neither --resume nor --overwrite applies
         raise RunFolderError(
-            f"--out {run_dir}: {what}; continue it with `rollcorr train --resume {run_dir}`, replace it with "
+            f"--out {run_dir}: is not empty ({len(contents)} entries, e.g. {contents[0].name}) and holds no run; "
+            "choose another --out (nothing there was touched)"
+        )
+    if not overwrite:
+        raise RunFolderError(
+            f"--out {run_dir}: holds a run; continue it with `rollcorr train --resume {run_dir}`, replace it with "
             f"--overwrite, or choose another --out"
         )
     if not is_run:
