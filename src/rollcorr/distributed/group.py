@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import functools
+import gc
 import os
 import re
 from dataclasses import dataclass
@@ -187,19 +188,18 @@ def _leave_at_exit() -> None:
     by the device mesh) aborts now and then as its threads are torn down — "terminate called without an active
     exception", SIGABRT — which the launcher then reports as a failed rank with a resume hint, after a refusal
     that had said why in one line. References to the mesh are dropped first: destroying the group under a live
-    mesh still aborts."""
-    import gc
+    mesh still aborts (``close`` drops them)."""
     import threading
 
-    join.cache_clear()
-    gc.collect()
     leaving = threading.Thread(target=close, name="rollcorr-leave-group", daemon=True)
     leaving.start()
     leaving.join(LEAVE_TIMEOUT_S)
 
 
 def close() -> None:
-    """Leave the group (idempotent); a later ``join`` joins afresh."""
+    """Leave the group (idempotent); a later ``join`` joins afresh. The cached group and whatever cycles still
+    reach the device mesh are dropped first: destroying the group under a live mesh aborts now and then."""
     join.cache_clear()
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
