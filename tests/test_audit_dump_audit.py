@@ -55,6 +55,19 @@ def test_a_small_dump_is_audited_whole(tmp_path):
     _close(build_summary(from_log(path)), build_summary(log.data))
 
 
+def test_many_short_rows_are_audited_in_chunks(tmp_path):
+    """Rows count, not only padded positions: 10⁵ one-token rows fit the whole path's positions but cost ~17 KB
+    a response there (1.9 GB); past ``WHOLE_ROWS`` responses the dump is read in chunks."""
+    rows = fl.WHOLE_ROWS + 1
+    path = tmp_path / "short.jsonl"
+    line = json.dumps({"rollout_log_probs": [math.log(0.5)], "old_log_probs": [math.log(0.52)]}) + "\n"
+    path.write_text(line * rows)
+    assert rows * 1 <= fl.WHOLE_POSITIONS
+    log = fl.audit_log(path)
+    assert log.data is None and log.summary is not None
+    assert log.summary["n_responses"] == rows and log.summary["probability"]["prob_diff_max"] == pytest.approx(0.02)
+
+
 def test_one_long_row_among_short_ones(tmp_path, monkeypatch, capsys):
     """5000 one-token rows and one 20000-token row: padded whole that is 10^8 positions; read in chunks it is
     the rows' own size, through the command line."""

@@ -1,8 +1,9 @@
 """``rollcorr audit --from-log`` in bounded memory: the audit of a rollout dump read chunk by chunk.
 
-A dump whose padded (responses × longest response) size fits ``WHOLE_POSITIONS`` is audited as it always was
-(``collect.from_dump`` → ``report.write_report``, the whole dump in memory). A larger one — many rows, or one very
-long row among short ones, which would pad every row to its length — is read in chunks
+A dump whose padded (responses × longest response) size fits ``WHOLE_POSITIONS`` and whose responses number at
+most ``WHOLE_ROWS`` is audited as it always was (``collect.from_dump`` → ``report.write_report``, the whole dump
+in memory: ~17 KB a response besides its tokens, so 10⁵ one-token rows took 1.9 GB). A larger one — many rows,
+or one very long row among short ones, which would pad every row to its length — is read in chunks
 (``rollcorr.dumps.DumpReader.chunks``) and every number of ``summary.json`` is summed chunk by chunk
 with the formulas of ``rollcorr.audit.stats`` (equal to float rounding): probability table, KL / χ² / ESS, the
 per-response distributions (exact quantiles over values kept per row, 4 floats a row), the position profile
@@ -35,6 +36,7 @@ from rollcorr.dumps import CHUNK_POSITIONS, Dump, DumpInfo, open_dump
 from rollcorr.moe import routing_add, routing_result
 
 WHOLE_POSITIONS = 1 << 21  # padded positions up to which a dump is audited whole, exactly as before
+WHOLE_ROWS = 1 << 13  # responses up to which it is (the whole path's per-response cost: ~140 MB at this many)
 FIGURE_ROWS = 2000  # responses the figures of a larger dump are drawn from (besides the worst one)
 FIGURE_POSITIONS = 1 << 22  # padded positions those figures' responses may take
 CONTEXT_TOKENS = 12  # as report.CONTEXT_TOKENS
@@ -77,12 +79,13 @@ def audit_log(
     worst_k: int = 10,
     positions: int = CHUNK_POSITIONS,
     whole_positions: int = WHOLE_POSITIONS,
+    whole_rows: int = WHOLE_ROWS,
 ) -> LogAudit:
     """Read a dump (JSONL / Parquet, a file, ``-`` or a FIFO) for the audit, chunk by chunk; see the module
     docstring. Raises ``ValueError`` / ``FileNotFoundError`` as ``read_dump`` does."""
     reader = open_dump(path, rollout_field=rollout_field, learner_field=learner_field, mask_field=mask_field)
     sums = _AuditSums(worst_k)
-    held: list[Dump] | None = []  # the chunks, while the whole dump would fit whole_positions padded
+    held: list[Dump] | None = []  # the chunks, while the whole dump would fit whole_positions padded, whole_rows
     longest = 0
     with one_thread():
         for i, chunk in enumerate(reader.chunks(positions)):
@@ -92,7 +95,8 @@ def audit_log(
             if held is not None:
                 longest = max(longest, chunk.response_mask.shape[1])
                 held.append(chunk)
-                if (sum(len(c) for c in held)) * longest > whole_positions:
+                rows = sum(len(c) for c in held)
+                if rows > whole_rows or rows * longest > whole_positions:
                     held = None
         info = reader.info()
         fields = (rollout_field, learner_field, mask_field)

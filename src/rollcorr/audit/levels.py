@@ -59,22 +59,34 @@ def row_hits(abs_diff: Tensor, mask: Tensor) -> tuple[dict[str, Tensor], Tensor]
     return hits, mask.sum(dim=1).double()
 
 
+PICK_BLOCK = 1 << 20  # bootstrap indices drawn at once (8 MB: blocks the allocator reuses)
+
+
 def share_intervals(hits: dict[str, Tensor], counts: Tensor, n: int = BOOTSTRAP, seed: int = STAT_SEED) -> dict[str, Any]:
     """Each share of valid tokens at or above a threshold, with a 95 % percentile-bootstrap interval over
     responses (``n`` resamples of the responses with a token, each response's tokens kept together).
 
-    ``hits`` {name: (B,)} and ``counts`` (B,) from ``row_hits``. Returns {name: {"share", "ci95"}}.
+    ``hits`` {name: (B,)} and ``counts`` (B,) from ``row_hits``. Returns {name: {"share", "ci95"}}. The
+    resamples are drawn in blocks of at most ``PICK_BLOCK`` indices (the same draws as one (n, B) tensor, which
+    at 10⁵ responses took 1.6 GB).
     """
     rows = counts > 0
     counts = counts[rows]
+    hits = {name: hits[name][rows] for name in THRESHOLDS}
     g = torch.Generator().manual_seed(seed)
-    picks = torch.randint(0, counts.numel(), (n, counts.numel()), generator=g)
-    total = counts[picks].sum(dim=1)
+    per_block = max(1, PICK_BLOCK // max(counts.numel(), 1))
+    total, hit_sums = [], {name: [] for name in THRESHOLDS}
+    for start in range(0, n, per_block):
+        picks = torch.randint(0, counts.numel(), (min(per_block, n - start), counts.numel()), generator=g)
+        total.append(counts[picks].sum(dim=1))
+        for name in THRESHOLDS:
+            hit_sums[name].append(hits[name][picks].sum(dim=1))
+    total_t = torch.cat(total)
     probs = torch.tensor([0.025, 0.975], dtype=torch.float64)
     out = {}
     for name in THRESHOLDS:
-        h = hits[name][rows]
-        lo, hi = torch.quantile(h[picks].sum(dim=1) / total, probs).tolist()
+        h = hits[name]
+        lo, hi = torch.quantile(torch.cat(hit_sums[name]) / total_t, probs).tolist()
         out[name] = {"share": float(h.sum() / counts.sum()), "ci95": [lo, hi]}
     return out
 
