@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
-    except (MemoryError, RuntimeError, ImportError, SystemError, OSError) as err:  # a memory limit hit anywhere
+    except Exception as err:  # a memory limit hit anywhere (any error: under `ulimit -v` many lose their MemoryError)
         if not out_of_memory(err):
             raise
         print(f"rollcorr {args.command}: out of memory ({_what_ran_out(err)}); nothing is "
@@ -99,20 +99,36 @@ def out_of_memory(err: BaseException) -> bool:
     """Whether ``err`` is an allocation that failed: Python's MemoryError, torch's CPU allocator refusing (a
     RuntimeError "DefaultCPUAllocator: can't allocate memory"), an OSError ENOMEM (the import system listing a
     folder), a thread whose stack could not be mapped; and, in a process whose address space is limited
-    (`ulimit -v`), a compiled module that could not be mapped (an ImportError "failed to map segment from shared
-    object": safetensors' or tokenizers' at 0.6 GB) or the interpreter failing inside an import at the limit (a
-    SystemError "error return without exception set" in torch's)."""
-    text = str(err)
-    if isinstance(err, MemoryError) or getattr(err, "errno", None) == errno.ENOMEM or any(
-        sign in text for sign in ("can't allocate memory", "std::bad_alloc", "can't start new thread")
-    ):
+    (`ulimit -v`), a failure that lost its MemoryError: a compiled module that could not be mapped (an
+    ImportError "failed to map segment from shared object": safetensors' or tokenizers' at 0.6 GB), or any
+    error raised once the process has reached the limit (``_at_the_limit``) — CPython's SystemError "error
+    return without exception set" and torch's RuntimeError "Unable to instantiate PyTypeObject for …" inside
+    ``import torch`` at 0.55 GB are the allocation's, not bugs."""
+    if _allocator_said_so(err):
         return True
-    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    if limit == resource.RLIM_INFINITY or not isinstance(err, (ImportError, SystemError)):
+    if _address_space_limit() is None:
         return False
-    if "failed to map segment from shared object" in text:  # dlopen's mmap failed: ENOMEM under the limit
-        return True
-    return _peak_address_space() >= 0.9 * limit  # at the limit: the failure is the allocation's
+    return "failed to map segment from shared object" in str(err) or _at_the_limit()
+
+
+def _allocator_said_so(err: BaseException) -> bool:
+    """An allocation failure that says so itself (any process, limit or not)."""
+    text = str(err)
+    return isinstance(err, MemoryError) or getattr(err, "errno", None) == errno.ENOMEM or any(
+        sign in text for sign in ("can't allocate memory", "std::bad_alloc", "can't start new thread")
+    )
+
+
+def _address_space_limit() -> int | None:
+    """The process's address-space limit in bytes (``ulimit -v``), None when there is none."""
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _at_the_limit() -> bool:
+    """Whether this process's address space has reached 90 % of its limit (then a failure is the allocation's)."""
+    limit = _address_space_limit()
+    return limit is not None and _peak_address_space() >= 0.9 * limit
 
 
 def _peak_address_space() -> int:
@@ -128,11 +144,11 @@ def _peak_address_space() -> int:
 
 
 def _what_ran_out(err: BaseException) -> str:
-    """The allocator's words, or the address-space limit when the failure lost them (ImportError, SystemError)."""
-    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    if isinstance(err, (ImportError, SystemError)) and limit != resource.RLIM_INFINITY:
-        return f"an allocation failed under the address-space limit of {limit / 2**30:.2g} GiB"
-    return _first_line(err) or type(err).__name__
+    """The allocator's words, or the address-space limit when the failure lost them."""
+    limit = _address_space_limit()
+    if _allocator_said_so(err) or limit is None:
+        return _first_line(err) or type(err).__name__
+    return f"an allocation failed under the address-space limit of {limit / 2**30:.2g} GiB"
 
 
 def _first_line(err: BaseException) -> str:
