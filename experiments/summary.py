@@ -840,6 +840,38 @@ def readme_dose(results: Path = RESULTS) -> str:
             f"{h2['p_holm']:.2g}). The per-dose reading is in docs/results.md.")  # fmt: skip
 
 
+def readme_fp16(results: Path = RESULTS) -> str:
+    """The README's verdict on study 10 (fp16 on both sides): part A per model with its ratio and interval, and
+    part B — its verdict with the difference, interval, p and the effect it could have seen, the collapses, the
+    fp16 overflow skips and each arm's training-time k3 — or how many of its runs are in."""
+    from experiments.fp16_study import CLAIM_RATIO, MODELS, SEEDS
+    from experiments.power import detectable_ratio
+
+    s = load("fp16_study", results)["summary"]
+    if not s["complete_a"]:
+        return ""
+    part_a = []
+    for model in MODELS:
+        t = s["tests"][f"A:{model}"]
+        seen = detectable_ratio(t["ratio"], t["ci95"][0], CLAIM_RATIO)
+        could = f"; could have seen {seen:.1f}×" if t["verdict"] == "not reproduced" and seen is not None else ""
+        part_a.append(f"{model} **{t['verdict']}** ({t['ratio']:.1f}×, 95 % CI [{t['ci95'][0]:.1f}, "
+                      f"{t['ci95'][1]:.1f}]{could})")  # fmt: skip
+    text = (f"Study 10 (fp16 on both sides, [protocol](docs/fp16-study.md)), part A — {FP16_CLAIM}, by the audit's "
+            f"k3 ratio of the bf16 pair to the fp16 pair: {'; '.join(part_a)}. ")  # fmt: skip
+    b, arms = s["tests"].get("B"), s["arms"]
+    if not s["complete_b"] or b is None:
+        done = sum(a["seeds"] for a in arms.values())
+        return text + f"Part B — {FP16_TRAIN_CLAIM}: **pending** ({done} of {2 * len(SEEDS)} runs finished)."
+    fp16, bf16 = arms["fp16/ppo"], arms["bf16/ppo"]
+    could = f"; an effect below {b['mde']:.3f} could not have been seen" if b["verdict"] == "not reproduced" else ""
+    return text + (f"Part B — {FP16_TRAIN_CLAIM}: **{b['verdict']}** (fp16/ppo − bf16/ppo = "
+                   f"{b['difference']:+.3f}, 95 % CI [{b['ci95'][0]:+.3f}, {b['ci95'][1]:+.3f}], permutation p = "
+                   f"{b['p_value']:.3g}{could}); sustained collapses {fp16['collapses']} (fp16) and {bf16['collapses']} "
+                   f"(bf16) of ten, {fp16['overflow_skips']:.0f} fp16 overflow skips, training-time k3 "
+                   f"{fp16['k3_median']:.2g} (fp16) against {bf16['k3_median']:.2g} (bf16).")  # fmt: skip
+
+
 def _rung_verdicts(s: dict[str, Any], total: int) -> str:
     if not s["complete"]:
         return f"**pending** — {finished_runs(s)} of {total} runs finished"
@@ -866,7 +898,7 @@ BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
     "summary": ("docs/results.md", lambda res: summary_table([x for s in STUDIES for x in rows(s, res)])),
     **{f"verdicts:{s}": (spec.page, partial(_study_verdicts, s)) for s, spec in STUDIES.items()},
     "verdicts": ("README.md", lambda res: "\n\n".join(
-        [readme_sentence(res), readme_confirmatory(res), *filter(None, [readme_dose(res)])])),
+        [readme_sentence(res), readme_confirmatory(res), *filter(None, [readme_dose(res), readme_fp16(res)])])),
     "exploratory:pooled": ("docs/results.md", lambda res: _pooled_paragraph(res)),
     "recipe:instruct": ("docs/tasks.md", lambda res: _recipe_text(res)),
     "bench:trl": ("docs/performance.md", lambda res: _bench_table(REPO / "benchmarks/results/bench_trl.txt")),

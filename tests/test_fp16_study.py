@@ -72,3 +72,31 @@ def test_a_ratio_verdict_shows_the_ratio_it_could_have_seen():
     sigma = math.log(2) / 1.959964
     assert detectable_ratio(20.0, 10.0, 10.0) == pytest.approx(10 * math.exp((1.959964 + 0.841621) * sigma), rel=1e-5)
     assert detectable_ratio(5.0, 4.0, 10.0) < detectable_ratio(5.0, 1.0, 10.0)  # a wider interval sees less
+
+
+def test_the_readme_paragraph_gives_part_b_its_verdict_once_complete(tmp_path):
+    """experiments.summary.readme_fp16: part A's verdicts always, part B "pending" with its count until all
+    twenty runs are in, then its verdict with the interval, p, the effect it could have seen, collapses,
+    overflow skips and the training-time k3 of each arm."""
+    from experiments import summary
+
+    results = json.loads((ROOT / "experiments/results/fp16_study/results.json").read_text())
+    s = results["summary"]
+    (tmp_path / "fp16_study").mkdir()
+
+    def paragraph(**changes):
+        (tmp_path / "fp16_study" / "results.json").write_text(json.dumps({**results, "summary": {**s, **changes}}))
+        return summary.readme_fp16(tmp_path)
+
+    arms = {"fp16/ppo": {"seeds": 10, "final_score_mean": 0.6, "final_score_std": 0.04, "collapses": 0,
+                         "overflow_skips": 3.0, "k3_median": 1.5e-6},
+            "bf16/ppo": {"seeds": 10, "final_score_mean": 0.61, "final_score_std": 0.04, "collapses": 1,
+                         "overflow_skips": 0.0, "k3_median": 1.1e-4}}  # fmt: skip
+    b = {"difference": -0.01, "ci95": [-0.05, 0.03], "p_value": 0.6, "verdict": "not reproduced", "mde": 0.052}
+    pending = paragraph(complete_b=False, arms={k: {**v, "seeds": 7} for k, v in arms.items()})
+    assert "builtin **reproduced**" in pending and "**pending** (14 of 20 runs finished)" in pending
+    done = paragraph(complete_b=True, arms=arms, tests={**s["tests"], "B": b})
+    assert "**not reproduced** (fp16/ppo − bf16/ppo = -0.010, 95 % CI [-0.050, +0.030], permutation p = 0.6" in done
+    assert "an effect below 0.052 could not have been seen" in done
+    assert "sustained collapses 0 (fp16) and 1 (bf16) of ten, 3 fp16 overflow skips" in done
+    assert "training-time k3 1.5e-06 (fp16) against 0.00011 (bf16)" in done
