@@ -6,6 +6,7 @@ With no arguments: the built-in model learns the built-in addition task with the
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from pathlib import Path
@@ -191,6 +192,8 @@ def _train(args: argparse.Namespace, config) -> int:
         print(f"rollcorr train: config error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # a full disk, a file-size limit, a read-only folder: nothing lost, one line
+        if err.errno == errno.ENOMEM:  # out of memory is said in one place, rollcorr.cli's handler
+            raise
         where = f"{err.filename}: " if err.filename else ""
         print(f"rollcorr train: {where}{describe_os_error(err)}; {_resume_hint(args)}", file=sys.stderr)
         return 1
