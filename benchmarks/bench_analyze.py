@@ -11,7 +11,8 @@ orjson, Parquet by pyarrow, a batch of rows at a time. Then, each in a fresh pro
 
 - ``rollcorr analyze FILE`` (default preset): peak RSS (the child's ``ru_maxrss``, by ``/usr/bin/time``), wall time
   (process start to exit, imports included), tokens / s;
-- reading only (``open_dump(FILE).chunks()``, timed inside the process, imports excluded): tokens / s;
+- reading only (``open_dump(FILE).chunks()``, timed inside the process, imports excluded): tokens per second of
+  wall time and per second of the process's CPU time (the second hardly moves with the machine's load);
 - for the JSONL of 10^6 tokens, ``orjson.loads`` of every line alone: the ceiling of JSONL reading here.
 
 and the dump that used to fail: 10^5 one-token rows plus one 10^5-token row (``rollcorr analyze`` and
@@ -52,9 +53,9 @@ BYTES_PER_TOKEN = 65  # JSONL ~45, Parquet ~18, generous
 READ_ONLY = """
 import sys, time
 from rollcorr.dumps import open_dump
-t = time.perf_counter()
+t, cpu = time.perf_counter(), time.process_time()
 n = sum(int(c.response_mask.numpy().sum()) for c in open_dump(sys.argv[1]).chunks())
-print(n, time.perf_counter() - t)
+print(n, time.perf_counter() - t, time.process_time() - cpu)
 """
 ORJSON_ONLY = """
 import sys, time, orjson
@@ -266,7 +267,7 @@ def read_vs(rev: str, sizes: list[int], repeats: int, tmp: str | None) -> list[s
                     for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
                         done = subprocess.run([sys.executable, "-c", READ_ONLY, str(path)], cwd=folder, env=envs[side],
                                               capture_output=True, text=True, check=True)  # fmt: skip
-                        n, seconds = done.stdout.split()[-2:]
+                        n, seconds, _ = done.stdout.split()[-3:]
                         rates[side].append(int(n) / float(seconds) / 1e6)
                 before, after = statistics.median(rates["before"]), statistics.median(rates["after"])
                 lines.append(f"{kind} | {size:.0e} | {before:.2f} | {after:.2f} | {after / before:.2f}")
@@ -330,9 +331,10 @@ def main(argv: list[str] | None = None) -> int:
             say(f"dropped for lack of disk space ({free / 1e9:.1f} GB free): {', '.join(f'{s:.0e}' for s in dropped)}")
         say()
         header = (f"{'format':<8}{'tokens':>12}{'rows':>9}{'file MB':>10}{'peak RSS MB':>13}{'wall s':>9}"
-                  f"{'tokens/s':>11}{'read tokens/s':>15}")  # fmt: skip
+                  f"{'tokens/s':>11}{'read tokens/s':>15}{'read tokens/CPU s':>19}")  # fmt: skip
         say(header)
         peaks: dict[tuple[str, int], float] = {}
+        reads: dict[tuple[str, int], tuple[float, float]] = {}  # M tokens / s of reading: wall, CPU
         ceiling = None
         for size in sizes:
             jsonl, parquet, rows = generate(folder, size)
@@ -342,10 +344,11 @@ def main(argv: list[str] | None = None) -> int:
                     say(f"{kind} {size}: rollcorr analyze failed ({code}): {text[-500:]}")
                     continue
                 _, _, code, text = run_measured([sys.executable, "-c", READ_ONLY, str(path)])
-                n, seconds = text.split()[-2:]
+                n, seconds, cpu = text.split()[-3:]
                 peaks[kind, size] = rss
+                reads[kind, size] = (int(n) / float(seconds) / 1e6, int(n) / float(cpu) / 1e6)
                 say(f"{kind:<8}{size:>12,}{rows:>9,}{path.stat().st_size / 1e6:>10.1f}{rss:>13.0f}{wall:>9.1f}"
-                    f"{size / wall / 1e6:>9.2f} M{int(n) / float(seconds) / 1e6:>13.2f} M")  # fmt: skip
+                    f"{size / wall / 1e6:>9.2f} M{reads[kind, size][0]:>13.2f} M{reads[kind, size][1]:>17.2f} M")  # fmt: skip
             if size == 10**6:
                 _, _, _, text = run_measured([sys.executable, "-c", ORJSON_ONLY, str(jsonl)])
                 ceiling = size / float(text.split()[-1]) / 1e6
@@ -357,6 +360,12 @@ def main(argv: list[str] | None = None) -> int:
             ratios = ", ".join(f"{kind} {peaks[kind, top] / peaks[kind, 10**6]:.2f}" for kind in ("jsonl", "parquet")
                                if (kind, top) in peaks and (kind, 10**6) in peaks)  # fmt: skip
             say(f"peak RSS at {top:.0e} tokens / at 1e+06 tokens: {ratios} (asked: <= 2)")
+        for kind in ("jsonl", "parquet"):
+            big = [size for size in sizes if size >= 10**6 and (kind, size) in reads]
+            if big:
+                wall, cpu = (min(reads[kind, size][i] for size in big) for i in (0, 1))
+                say(f"{kind} reading at >= 1e+06 tokens, the slowest size: {wall:.2f} M tokens/s wall, {cpu:.2f} M "
+                    f"per CPU second (asked: >= 5 M)")  # fmt: skip
         if ceiling is not None:
             say(f"orjson.loads alone on the 1e+06-token JSONL: {ceiling:.2f} M tokens/s (the JSONL ceiling here)")
         if not args.no_pathological:

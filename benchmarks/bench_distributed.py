@@ -1,22 +1,28 @@
-"""The data-parallel learner on this machine: train steps/s at N = 1 and N = 2 ranks, and the bytes each rank
-holds for parameters + AdamW state (FSDP2 shards: ≈ 1/N per rank).
+"""The data-parallel learner on this machine: steps/s of the default run at N = 1 and N = 2 ranks (replicated
+and sharded), of ``train_step`` alone, and the memory each rank holds.
 
-    python benchmarks/bench_distributed.py                     # builtin model, 6 timed steps; wide model, 1 step
-    python benchmarks/bench_distributed.py --steps 3 --skip-memory
+    python benchmarks/bench_distributed.py > benchmarks/results/bench_distributed.txt
+    python benchmarks/bench_distributed.py --runs 1 --run-steps 20 --skip-memory       # quicker
 
-Speed: the real ``train_step`` (recompute π_old, decoupled token TIS, GRPO, 2 mini-batches) on the built-in
-model and the default batch (16 prompts × 8 responses), on fixed rollouts sampled once; N = 1 is today's
-one-process path, N = 2 two gloo processes (torch.multiprocessing) with the model sharded by FSDP2. The first
-step is a warm-up; the median of the rest is reported. Memory: a wider Qwen2 built from the built-in config
-(``--hidden``, ``--layers``; random weights, the built-in tokenizer), one step, then the local shards' bytes of
-parameters and optimizer state per rank, and the process's peak RSS after building the learner and after the
-step. Ranks > 0 build the model on the meta
-device and get their shards from rank 0, as the trainer does (``distributed.shard.load_from_rank0``). Publishing cost: the seconds to gather the
-full weights on rank 0 (``ShardedLearner.state_dict``), once per publish in a run. The ``interrupt``
-strategy's stall at N ≥ 2: scoring one batch (16 × 8 rows) that every rank holds, split over the ranks and
-gathered (``proximal.scoring.score_split``, what the strategy does) against every rank scoring every row (what
-it did before), the median of three calls each. Wall and CPU seconds are both printed: on a loaded machine the
-wall time is mostly waiting for a core.
+The default run: ``rollcorr train`` with the default config (no plot, no progress bar) for ``--run-steps``
+steps at N = 1, N = 2 replicated (``trainer.data_parallel=replicate``: whole model per rank, one gradient
+all-reduce per optimizer step, every rank sampling its share of each batch) and N = 2 sharded (FSDP2, rank 0
+sampling), ``--runs`` of each interleaved, each a fresh command; per run the median of ``time/step_s`` (the
+step from asking for the batch to publishing the new weights; evaluations are outside it) over the steps after
+the first three; the steps/s ratio to N = 1 (asked: ≥ 1.3 at N = 2).
+
+``train_step`` alone: the real ``train_step`` (recompute π_old, decoupled token TIS, GRPO, 2 mini-batches) on
+the built-in model and the default batch (16 prompts × 8 responses), on fixed rollouts sampled once, one thread
+per rank; the first step is a warm-up, the median of the rest is reported, wall and CPU seconds (on a loaded
+machine the wall time is mostly waiting for a core). Publishing cost: the seconds to gather the full weights on
+rank 0 (``ShardedLearner.state_dict``; a replicated learner holds them). The ``interrupt`` strategy's stall at
+N = 2 sharded: scoring one batch that every rank holds, split over the ranks and gathered
+(``proximal.scoring.score_split``) against every rank scoring every row, the median of three calls each.
+
+Memory: a wider Qwen2 built from the built-in config (``--hidden``, ``--layers``; random weights, the built-in
+tokenizer), built as the trainer builds it (ranks > 0 as skeletons that receive rank 0's weights), one step,
+then the bytes of parameters and optimizer state this rank holds and the process's peak RSS (``VmHWM``) after
+building and after the step, and the ratio of the peak per rank at N = 2 to N = 1 for each layout.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from machine import load, machine  # benchmarks/machine.py (a benchmark runs as a script from its folder)
 
 from rollcorr.distributed.ranks import ONE_PROCESS
 
@@ -64,14 +71,14 @@ def _learner(wide: dict | None, skeleton: bool = False):
     return learner
 
 
-def measure(rollouts, steps: int, wide: dict | None, ranks=ONE_PROCESS) -> dict:
+def measure(rollouts, steps: int, wide: dict | None, ranks=ONE_PROCESS, layout: str = "shard") -> dict:
     from rollcorr.distributed.shard import peak_parameter_bytes
     from rollcorr.train.build import build_proximal, build_step_config
     from rollcorr.train.step import train_step
 
     config = _config()
     step_config, proximal = build_step_config(config), build_proximal(config)
-    learner = ranks.shard(_learner(wide, skeleton=not ranks.is_main))  # one process: unsharded
+    learner = ranks.shard(_learner(wide, skeleton=not ranks.is_main), layout)  # one process: whole
     built_rss = _peak_rss_bytes()  # the peak of building (and sharding) the learner, before any step
     optimizer = torch.optim.AdamW([p for p in learner.model.parameters() if p.requires_grad], lr=1e-4)
     seconds, cpu = [], []
@@ -128,7 +135,8 @@ def _stall(learner, rollout) -> dict[str, float]:
     return out
 
 
-def _worker(rank: int, world: int, port: int, data: str, steps: int, wide: dict | None, out: str) -> None:
+def _worker(rank: int, world: int, port: int, data: str, steps: int, wide: dict | None, out: str,
+            layout: str = "shard") -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))  # fmt: skip
     torch.set_num_threads(1)
@@ -139,7 +147,7 @@ def _worker(rank: int, world: int, port: int, data: str, steps: int, wide: dict 
 
     ranks = init_from_env("cpu")
     try:
-        result = measure(torch.load(data, weights_only=False), steps, wide, ranks)
+        result = measure(torch.load(data, weights_only=False), steps, wide, ranks, layout)
         torch.save(result, f"{out}.{rank}")
     finally:
         close()
@@ -151,40 +159,88 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(world: int, rollouts, steps: int, wide: dict | None) -> list[dict]:
+def run(world: int, rollouts, steps: int, wide: dict | None, layout: str = "shard") -> list[dict]:
     """One dict per rank, each rank a fresh process (N = 1 too, without a process group: the memory figures
     are then each process's own)."""
     with tempfile.TemporaryDirectory() as tmp:
         data, out = os.path.join(tmp, "rollouts.pt"), os.path.join(tmp, "result")
         torch.save(rollouts, data)
-        mp.spawn(_worker, args=(world, _free_port(), data, steps, wide, out), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, _free_port(), data, steps, wide, out, layout), nprocs=world, join=True)
         return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
+
+
+def default_run(world: int, layout: str, steps: int, out: str) -> dict:
+    """``rollcorr train`` with the default config (the built-in model and task; no plot, no progress bar) at
+    ``world`` ranks, in fresh processes: the median of ``time/step_s`` (next batch, π_old, correction,
+    optimizer steps, publish; the evaluations are outside it) over the steps after the first three, and the
+    wall time of the whole command."""
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "rollcorr", "train", f"trainer.steps={steps}", "trainer.plot=false",
+            "trainer.progress=false", "--out", out]  # fmt: skip
+    if world > 1:
+        args += [f"trainer.ranks={world}", f"trainer.data_parallel={layout}"]
+    start = time.perf_counter()
+    subprocess.run(args, check=True, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    lines = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+    seconds = [r["time/step_s"] for r in lines if "time/step_s" in r][3:]
+    return {"step_s": statistics.median(seconds), "wall_s": wall}
+
+
+def default_runs(steps: int, repeats: int) -> dict[str, list[dict]]:
+    """``default_run`` for N = 1 and N = 2 in both layouts, ``repeats`` times, interleaved."""
+    cases = {"N=1": (1, "replicate"), "N=2 replicate": (2, "replicate"), "N=2 shard": (2, "shard")}
+    found: dict[str, list[dict]] = {name: [] for name in cases}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(repeats):
+            for name, (world, layout) in cases.items():
+                found[name].append(default_run(world, layout, steps, os.path.join(tmp, f"{repeat}-{world}-{layout}")))
+    return found
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6, help="train steps per N (the first is a warm-up)")
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--steps", type=int, default=6, help="train_step calls per case (the first is a warm-up)")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--run-steps", type=int, default=40, help="steps of each default run")
+    parser.add_argument("--runs", type=int, default=3, help="default runs per case, interleaved")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--skip-runs", action="store_true")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from rollcorr.train.source import SourceSpec, sample_batch
 
+    print(f"# bench_distributed: {machine()}; load before {load()}", flush=True)
+    results: dict = {"load_average_start": os.getloadavg()[0]}
+    if not args.skip_runs:
+        runs = default_runs(args.run_steps, args.runs)
+        results["default_runs"] = runs
+        print(f"## the default run (rollcorr train, {args.run_steps} steps; median time/step_s over steps 4+ of each "
+              f"run, median of {args.runs} interleaved runs per case)")  # fmt: skip
+        base = statistics.median(r["step_s"] for r in runs["N=1"])
+        for name, found in runs.items():
+            step = statistics.median(r["step_s"] for r in found)
+            wall = statistics.median(r["wall_s"] for r in found)
+            print(f"default run, {name}: {1 / step:.2f} steps/s ({step * 1e3:.0f} ms/step), command wall {wall:.1f} s; "
+                  f"steps/s ratio to N=1 {base / step:.2f} (asked at N=2: >= 1.3)", flush=True)  # fmt: skip
     source = SourceSpec.from_config(_config()).build()
     rollouts = [sample_batch(source, i) for i in range(3)]
-    results: dict = {"load_average_start": os.getloadavg()[0]}
-    for world in args.ranks:
-        per_rank = run(world, rollouts, args.steps, None)
-        results[f"speed_N{world}"] = per_rank
+    print(f"## train_step alone ({args.steps - 1} timed calls after a warm-up, fixed rollouts, 1 thread per rank)")
+    cases = [(1, "replicate"), (2, "replicate"), (2, "shard")]
+    for world, layout in cases:
+        per_rank = run(world, rollouts, args.steps, None, layout)
+        results[f"speed_N{world}_{layout}"] = per_rank
         cpu = max(r["step_cpu_s"] for r in per_rank)
-        print(f"builtin model, N={world}: {1 / per_rank[0]['step_s']:.3f} steps/s wall ({per_rank[0]['step_s']:.2f} s/step), "
+        name = "N=1" if world == 1 else f"N={world} {layout}"
+        print(f"builtin model, {name}: {1 / per_rank[0]['step_s']:.3f} steps/s wall ({per_rank[0]['step_s']:.2f} s/step), "
               f"CPU s/step per rank {cpu:.2f} (max over ranks); full-weight gather "
               f"{per_rank[0]['publish_gather_s'] * 1e3:.0f} ms wall, {per_rank[0]['publish_gather_cpu_s'] * 1e3:.0f} ms CPU",
               flush=True)  # fmt: skip
-        if world > 1:
+        if world > 1 and layout == "shard":
             split, every = (max(r[k] for r in per_rank) for k in ("stall_split_cpu_s", "stall_every_row_cpu_s"))
             print(f"interrupt's stall, N={world}, {rollouts[0].batch_size} in-flight rows: CPU s per rank (max over ranks) "
                   f"split over the ranks {split:.3f}, every rank scoring every row {every:.3f}; ratio {split / every:.2f}",
@@ -195,19 +251,22 @@ def main() -> None:
             "intermediate_size": 4 * args.hidden,
             "num_hidden_layers": args.layers,
         }
-        for world in args.ranks:
-            per_rank = run(world, rollouts, 1, wide)
-            results[f"memory_N{world}"] = per_rank
+        print(f"## memory per rank: a wide model ({args.hidden}x{args.layers}), one step")
+        peaks = {}
+        for world, layout in cases:
+            per_rank = run(world, rollouts, 1, wide, layout)
+            results[f"memory_N{world}_{layout}"] = per_rank
+            name = "N=1" if world == 1 else f"N={world} {layout}"
+            peaks[name] = max(m["peak_rss_bytes"] for m in per_rank)
             for r, m in enumerate(per_rank):
-                print(f"wide model ({args.hidden}×{args.layers}), N={world} rank {r}: parameters "
-                      f"{m['parameters_bytes'] / 2**20:.1f} MiB + AdamW state {m['optimizer_bytes'] / 2**20:.1f} MiB; "
-                      f"peak RSS after building {m['built_peak_rss_bytes'] / 2**20:.0f} MiB, after a step "
-                      f"{m['peak_rss_bytes'] / 2**20:.0f} MiB; full-weight gather {m['publish_gather_s'] * 1e3:.0f} ms",
-                      flush=True)  # fmt: skip
+                print(f"wide model, {name} rank {r}: parameters {m['parameters_bytes'] / 2**20:.1f} MiB + AdamW state "
+                      f"{m['optimizer_bytes'] / 2**20:.1f} MiB; peak RSS after building "
+                      f"{m['built_peak_rss_bytes'] / 2**20:.0f} MiB, after a step {m['peak_rss_bytes'] / 2**20:.0f} MiB; "
+                      f"full-weight gather {m['publish_gather_s'] * 1e3:.0f} ms", flush=True)  # fmt: skip
+        for name in ("N=2 replicate", "N=2 shard"):
+            print(f"wide model, peak RSS per rank (max over ranks) {name} / N=1: {peaks[name] / peaks['N=1']:.2f}")
     results["load_average_end"] = os.getloadavg()[0]
-    print(
-        f"load average (1 min): {results['load_average_start']:.1f} at start, {results['load_average_end']:.1f} at end"
-    )
+    print(f"# load after {load()}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,6 +1,7 @@
-"""Two gloo processes on the CPU train the built-in model with FSDP2 to the same weights and metrics as one
-process on the same global batch: the trainer's own ``train_step`` (π_old by recompute, the correction, the
-advantages, the loss), three batches, several losses and corrections."""
+"""Two gloo processes on the CPU train the built-in model — sharded with FSDP2, and replicated with one gradient
+all-reduce per optimizer step — to the same weights and metrics as one process on the same global batch: the
+trainer's own ``train_step`` (π_old by recompute, the correction, the advantages, the loss), three batches,
+several losses and corrections."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def _rollouts(config) -> list:
     return [sample_batch(source, i) for i in range(STEPS)]
 
 
-def learner_and_optimizer(config, ranks: Ranks = ONE_PROCESS, dtype=torch.float32):
+def learner_and_optimizer(config, ranks: Ranks = ONE_PROCESS, dtype=torch.float32, layout: str = "shard"):
     """The built-in fp32 learner (seeded; laid out over ``ranks``: sharded over a process group) and its AdamW,
     as both sides of an N-ranks-vs-one-process comparison build them. ``dtype=torch.float64``: the same weights
     cast to float64 (one process only), the reference both float32 runs are measured against."""
@@ -77,20 +78,21 @@ def learner_and_optimizer(config, ranks: Ranks = ONE_PROCESS, dtype=torch.float3
         learner.model.to(dtype)
     learner.model.train(False)
     learner.share_prompts = SHARE_PROMPTS
-    learner = ranks.shard(learner)
+    learner = ranks.shard(learner, layout)
     params = [p for p in learner.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.optim.lr, betas=(0.9, 0.99), eps=1e-8)
     return learner, optimizer
 
 
-def _train(name: str, rollouts: list, ranks: Ranks = ONE_PROCESS, dtype=torch.float32) -> tuple[dict, list[dict]]:
+def _train(name: str, rollouts: list, ranks: Ranks = ONE_PROCESS, dtype=torch.float32,
+           layout: str = "shard") -> tuple[dict, list[dict]]:  # fmt: skip
     """(full weights (rank 0; {} elsewhere), metrics per step) after ``STEPS`` train_steps."""
     from rollcorr.train.build import build_proximal, build_step_config
     from rollcorr.train.step import train_step
 
     config = _config(name)
     step_config, proximal = build_step_config(config), build_proximal(config)
-    learner, optimizer = learner_and_optimizer(config, ranks, dtype)
+    learner, optimizer = learner_and_optimizer(config, ranks, dtype, layout)
     proximal.on_publish(0, learner.model)
     history = []
     for step in range(STEPS):
@@ -101,21 +103,22 @@ def _train(name: str, rollouts: list, ranks: Ranks = ONE_PROCESS, dtype=torch.fl
     return {k: v.detach().clone() for k, v in weights.items()}, history
 
 
-def _worker(rank: int, port: int, names: list[str], data: str, out: str) -> None:
+def _worker(rank: int, port: int, names: list[str], data: str, out: str, layout: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))  # fmt: skip
     torch.set_num_threads(1)
     from rollcorr.distributed import close, init_from_env
 
     try:
-        _work(init_from_env("cpu"), names, data, out)
+        _work(init_from_env("cpu"), names, data, out, layout)
     finally:
         close()  # after the work's references to the group (models, the device mesh) are gone
 
 
-def _work(ranks: Ranks, names: list[str], data: str, out: str) -> None:
+def _work(ranks: Ranks, names: list[str], data: str, out: str, layout: str) -> None:
     rollouts = torch.load(data, weights_only=False)
-    results = {name: _train(name, rollouts[name], ranks) for name in names}
+    results = {name: _train(name, rollouts[name], ranks, layout=layout) for name in names}
+    assert ranks.layout == layout
     if ranks.is_main:
         torch.save(results, out)
 
@@ -130,7 +133,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def _check_equal(names: list[str], float64_reference) -> None:
+def _check_equal(names: list[str], float64_reference, layout: str = "shard") -> None:
     """Train ``names`` in this process and on two ranks (float32), and in this process in float64; assert that
     the two-rank weights and metrics are as close to the float64 run's as the one-process ones are.
 
@@ -150,7 +153,7 @@ def _check_equal(names: list[str], float64_reference) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data, out = os.path.join(tmp, "rollouts.pt"), os.path.join(tmp, "ranks.pt")
         torch.save(rollouts, data)
-        mp.spawn(_worker, args=(_free_port(), names, data, out), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(_free_port(), names, data, out, layout), nprocs=WORLD, join=True)
         sharded = torch.load(out, weights_only=False)
     learner = make_learner("hf:fp32")
     w0, model_config = learner.model.state_dict(), learner.model.config
@@ -182,16 +185,18 @@ def _check_equal(names: list[str], float64_reference) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_two_ranks_equal_one_process(float64_reference):
+@pytest.mark.parametrize("layout", ["shard", "replicate"])
+def test_two_ranks_equal_one_process(float64_reference, layout):
     """ppo_clip token-mean with decoupled token TIS, two mini-batches."""
-    _check_equal(["ppo_token_tis"], float64_reference)
+    _check_equal(["ppo_token_tis"], float64_reference, layout)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_ranks_equal_one_process_more_losses(float64_reference):
+@pytest.mark.parametrize("layout", ["shard", "replicate"])
+def test_two_ranks_equal_one_process_more_losses(float64_reference, layout):
     """Sequence IS + rejection + batch normalisation; ppo_clip seq-mean-token-mean, gspo, oapl."""
-    _check_equal(["seq_is_rs_norm", "ppo_seq_mean", "gspo", "oapl"], float64_reference)
+    _check_equal(["seq_is_rs_norm", "ppo_seq_mean", "gspo", "oapl"], float64_reference, layout)
 
 
 def test_split_keeps_groups_whole():

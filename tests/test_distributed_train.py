@@ -36,26 +36,40 @@ def _steps(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_two_ranks_train_and_resume_at_one_and_back(tmp_path):
+@pytest.mark.parametrize("layout", ["shard", "replicate"])
+def test_two_ranks_train_and_resume_at_one_and_back(tmp_path, layout):
+    """Sharded: the checkpoint's weights and AdamW state in DCP's format, read by one process. Replicated: one
+    process's checkpoint, written by rank 0; every rank sampled its share of each batch. Both resume at N=1 and
+    back at N=2."""
     run_dir = tmp_path / "run"
-    done = _train(
-        "trainer.ranks=2", "trainer.steps=3", "trainer.checkpoint_every=2", *SMALL, "--out", str(run_dir)
-    )
+    done = _train("trainer.ranks=2", "trainer.steps=3", "trainer.checkpoint_every=2", f"trainer.data_parallel={layout}",
+                  *SMALL, "--out", str(run_dir))  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "greedy accuracy" in done.stdout and done.stdout.count("run folder:") == 1  # rank 0 alone prints
+    said = {"shard": "sharded over 2 ranks by FSDP2 (trainer.data_parallel=shard; its training state 15 MiB); rank "
+                     "0 samples every batch",
+            "replicate": "replicated on 2 ranks (one gradient all-reduce per optimizer step; trainer.data_parallel="
+                         "replicate; its training state 15 MiB); every rank samples its share of each batch"}  # fmt: skip
+    assert f"data-parallel learner: {said[layout]}" in done.stdout + done.stderr
     assert [r["learner/ranks"] for r in _steps(run_dir)] == [2.0, 2.0, 2.0]
     last = run_dir / "checkpoints" / "step_000003"
-    assert (last / "dcp" / ".metadata").is_file() and (last / "model" / "config.json").is_file()
+    assert (last / "model" / "config.json").is_file()
+    assert (last / "dcp" / ".metadata").is_file() is (layout == "shard")
 
-    # the sharded checkpoint read by one process (no group) equals the full weights rank 0 exported
     from safetensors.torch import load_file
 
-    from rollcorr.checkpoint import load_sharded
+    from rollcorr.checkpoint import load_checkpoint, load_sharded
     from rollcorr.engines import make_learner
 
+    # the checkpoint read by one process (no group) equals the full weights rank 0 exported
     learner = make_learner("hf:fp32")
     optimizer = torch.optim.AdamW(learner.model.parameters(), lr=1e-3)
-    load_sharded(last, learner.model, optimizer)
+    if layout == "shard":
+        load_sharded(last, learner.model, optimizer)
+    else:
+        state = load_checkpoint(last)
+        learner.model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
     exported = load_file(last / "model" / "model.safetensors")
     for name, value in learner.model.state_dict().items():
         if name in exported:
@@ -71,15 +85,16 @@ def test_two_ranks_train_and_resume_at_one_and_back(tmp_path):
     assert [r["step"] for r in _steps(run_dir)] == [1, 2, 3, 4, 5]
 
 
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_held_weight_strategy_trains_and_resumes_across_rank_counts(tmp_path):
+@pytest.mark.parametrize(("layout", "share"), [("shard", 0.5), ("replicate", 1.0)])
+def test_held_weight_strategy_trains_and_resumes_across_rank_counts(tmp_path, layout, share):
     """EWMA on stale tokens (simulated_async) at N=2, resumed at N=1 and back at N=2 by the trainer itself:
-    the average's shards go through the sharded checkpoint; each rank holds about half of one process's copy."""
+    sharded, the average's shards go through the sharded checkpoint and each rank holds about half of one
+    process's copy; replicated, each rank holds a whole copy and rank 0 checkpoints it."""
     run_dir = tmp_path / "run"
     args = ["trainer.mode=simulated_async", "algorithm.proximal.name=ewma", "trainer.checkpoint_every=2",
-            "trainer.mini_batches=1", *SMALL]  # fmt: skip
+            "trainer.mini_batches=1", f"trainer.data_parallel={layout}", *SMALL]  # fmt: skip
     done = _train("trainer.ranks=2", "trainer.steps=3", *args, "--out", str(run_dir))
     assert done.returncode == 0, done.stderr[-3000:]
     one = _train("--resume", str(run_dir), "trainer.steps=4", "trainer.ranks=1")
@@ -90,7 +105,8 @@ def test_held_weight_strategy_trains_and_resumes_across_rank_counts(tmp_path):
     assert [r["learner/ranks"] for r in steps] == [2.0, 2.0, 2.0, 1.0, 2.0]
     assert steps[-1]["proximal/ewma_beta"] > 0  # the average is not the live weights
     whole = steps[3]["proximal/extra_bytes"]
-    assert all(0.45 * whole <= r["proximal/extra_bytes"] <= 0.55 * whole for r in steps if r["learner/ranks"] == 2)
+    assert all((share - 0.05) * whole <= r["proximal/extra_bytes"] <= (share + 0.05) * whole
+               for r in steps if r["learner/ranks"] == 2)  # fmt: skip
     # the resumed runs continue the average (its weight Σβ^j), not a fresh copy of the live weights (weight 1)
     assert steps[4]["proximal/ewma_weight"] >= steps[3]["proximal/ewma_weight"] > 1.0
 

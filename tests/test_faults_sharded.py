@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-SMALL = ["rollout.prompts_per_step=4", "rollout.group_size=4", "task.eval_prompts=8", "trainer.progress=false",
+SMALL = ["trainer.data_parallel=shard", "rollout.prompts_per_step=4", "rollout.group_size=4", "task.eval_prompts=8", "trainer.progress=false",
          "trainer.plot=false", "trainer.tensorboard=false", "trainer.eval_every=0"]  # fmt: skip
 
 pytestmark = pytest.mark.slow

@@ -42,7 +42,9 @@ COLLECTIVE_TIMEOUT_S = 1800.0
 @dataclass
 class ProcessGroup(Ranks):
     """One of torchrun's N processes (N ≥ 1): rank ``rank`` of ``world``, collectives over torch.distributed, the
-    learner sharded over ``mesh`` with FSDP2 (at N = 1 too: one code path under torchrun)."""
+    learner replicated on every rank or sharded over ``mesh`` with FSDP2 (``layout``, chosen by ``shard``)."""
+
+    layout: str = "shard"  # how ``shard`` laid out the learner: replicate | shard
 
     # ---- collectives (all ranks call them, in the same order) ------------------------------------
     def all_reduce(self, x: Tensor, op: str = "sum") -> Tensor:
@@ -60,6 +62,11 @@ class ProcessGroup(Ranks):
         dist.broadcast_object_list(box, src=src, device=self.device if self.device.type == "cuda" else None)
         return box[0]
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
     def gather_rows(self, x: Tensor) -> Tensor:
         local = x.detach().contiguous().to(self.device)
         parts = [torch.empty_like(local) for _ in range(self.world)]
@@ -70,20 +77,51 @@ class ProcessGroup(Ranks):
         dist.barrier()
 
     # ---- the learner on these ranks ---------------------------------------------------------------
+    @property
+    def holds_whole_model(self) -> bool:
+        return self.layout == "replicate"
+
     def learner_device(self, model_device: str | None) -> str | None:
         """Host memory: ``shard`` moves each FSDP unit to ``device`` as it shards it, so no GPU ever holds more
         than its shards and one unit's full weights while the model is built."""
         return "cpu"
 
-    def shard(self, learner, **fsdp: Any):
-        """``learner`` (an ``HFLearner``; a skeleton on ranks > 0) sharded over the group: ``ShardedLearner``
-        with ``fsdp_options(**fsdp)`` (``reshard_after_forward``, ``param_dtype``, ``reduce_dtype``)."""
+    def shard(self, learner, layout: str = "shard", **fsdp: Any):
+        """``learner`` (an ``HFLearner``; a skeleton on ranks > 0) laid out over the group by ``layout``
+        (``trainer.data_parallel``): ``replicate`` — ``ReplicatedLearner``, whole on every rank; ``shard`` —
+        ``ShardedLearner`` with ``fsdp_options(**fsdp)`` (``reshard_after_forward``, ``param_dtype``,
+        ``reduce_dtype``); ``auto`` — replicate when every rank fits the whole training state
+        (``replicate.fits_replicated``) and no FSDP option is set, else shard. Sets ``self.layout``."""
+        from rollcorr.distributed import replicate
         from rollcorr.distributed.shard import ShardedLearner, fsdp_options
 
-        return ShardedLearner(learner, self, **fsdp_options(**fsdp))
+        if layout not in ("auto", "replicate", "shard"):
+            raise ValueError(f"layout must be auto, replicate or shard, got {layout!r}")
+        options = fsdp_options(**fsdp)
+        if layout == "auto":
+            fits = replicate.fits_replicated(replicate.training_state_bytes(learner.model),
+                                             replicate.rank_memory_bytes(self))  # fmt: skip
+            layout = "replicate" if self.all_true(fits and options == fsdp_options()) else "shard"
+        self.layout = layout
+        if layout == "replicate":
+            return replicate.ReplicatedLearner(learner, self)
+        return ShardedLearner(learner, self, **options)
+
+    def reduce_gradients(self, params: list[Tensor]) -> None:
+        """A replicated learner's gradients: their mean over the ranks, one all-reduce per dtype (a sharded
+        learner's were reduce-scattered during the backward)."""
+        if self.layout == "replicate":
+            from rollcorr.distributed.replicate import all_reduce_gradients
+
+            all_reduce_gradients(params, self)
 
     def checkpointer(self, learner, optimizer: torch.optim.Optimizer):
-        """Every rank writes its shards (DCP), rank 0 the rest: ``ShardedCheckpointer``."""
+        """Replicated: rank 0 writes one process's checkpoint (``ReplicatedCheckpointer``). Sharded: every rank
+        writes its shards (DCP), rank 0 the rest (``ShardedCheckpointer``)."""
+        if self.layout == "replicate":
+            from rollcorr.distributed.replicate import ReplicatedCheckpointer
+
+            return ReplicatedCheckpointer(learner, optimizer, self)
         from rollcorr.distributed.checkpoint import ShardedCheckpointer
 
         return ShardedCheckpointer(learner, optimizer, self)

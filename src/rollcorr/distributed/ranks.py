@@ -50,6 +50,10 @@ class Ranks:
         """``obj`` from rank ``src`` on every rank (pickled; tensors arrive on the CPU)."""
         return obj
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (pickled), in rank order, on every rank."""
+        return [obj]
+
     def gather_rows(self, x: Tensor) -> Tensor:
         """(B_r, T) per rank → (Σ B_r, T) on every rank, rank 0's rows first. Every rank must pass the same
         number of rows (the batch is split evenly, ``split.rank_share``)."""
@@ -59,14 +63,25 @@ class Ranks:
         """Every rank waits here until all have arrived."""
 
     # ---- the learner on these ranks ---------------------------------------------------------------------
+    @property
+    def holds_whole_model(self) -> bool:
+        """Whether this rank's learner holds the whole model (one process; a replicated learner), so that a
+        sampler on this rank can take its weights without gathering them."""
+        return True
+
     def learner_device(self, model_device: str | None) -> str | None:
         """Where this rank builds the learner before ``shard``: ``model.device`` (None: CUDA when available)."""
         return model_device
 
-    def shard(self, learner, **fsdp: Any):
-        """This rank's learner: ``learner`` as built (a ``ProcessGroup`` shards it with FSDP2; ``fsdp``: the
-        ``trainer.fsdp`` keys, ``shard.fsdp_options``)."""
+    def shard(self, learner, layout: str = "shard", **fsdp: Any):
+        """This rank's learner: ``learner`` as built (a ``ProcessGroup`` lays it out over its ranks by
+        ``layout``, ``trainer.data_parallel``: replicated, or sharded with FSDP2 with ``fsdp``, the
+        ``trainer.fsdp`` keys)."""
         return learner
+
+    def reduce_gradients(self, params: list[Tensor]) -> None:
+        """After a mini-batch's backward: the gradients as the optimizer must see them. Nothing to do here
+        (one process; a sharded learner's are reduce-scattered during the backward)."""
 
     def checkpointer(self, learner, optimizer: torch.optim.Optimizer):
         """What writes and reads the learner's weights and optimizer state in the run's checkpoints."""

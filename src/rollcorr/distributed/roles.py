@@ -1,8 +1,11 @@
-"""What each rank plays in a data-parallel run: rank 0 leads, the others follow.
+"""What each rank plays in a data-parallel run: rank 0 leads, the others follow — or every rank samples its share.
 
     rank 0      the executor (sync / async sampler process / Ray samplers), the evaluator, the run folder (lock,
                 config, metrics, checkpoints' state.pt); each rollout it gets is broadcast to every rank
     rank > 0    ``FollowerExecutor`` receives that rollout; ``SilentLogger``, ``NoLock``: no files written
+    every rank  ``ShareExecutor`` (a replicated learner with an in-process sampler, sync or simulated_async):
+                each rank samples its 1/N of every batch's prompts with its own sampler and its own copy of the
+                weights, and the ranks exchange their shares, so the sampler's work is not serialised on rank 0
 
 A run of one process is rank 0 of a group of one: it leads, and its broadcasts return what they are given.
 
@@ -38,6 +41,25 @@ class LeaderExecutor:
         in_flight = self.inner.pause()
         self.ranks.broadcast(in_flight)
         return in_flight
+
+
+class ShareExecutor:
+    """Every rank's executor, sampling this rank's share of each batch (``SourceSpec.share``), plus the exchange
+    of the shares: each rank gets the whole batch, rank 0's prompts first (the order one source samples them in).
+    Each rank publishes its own learner's weights to its own sampler (they are equal on every rank). Its
+    metrics are this rank's; the sampler's version is the same on every rank."""
+
+    def __init__(self, executor, ranks: Ranks) -> None:
+        self.inner, self.ranks = executor, ranks
+
+    def __getattr__(self, name: str) -> Any:  # start, publish, pause, resume, state_dict, close, source, ...
+        return getattr(self.inner, name)
+
+    def next_rollout(self, step: int, version: int):
+        from rollcorr.rollout import Rollout
+
+        part, metrics = self.inner.next_rollout(step, version)
+        return Rollout.concat(self.ranks.all_gather_object(part)), metrics
 
 
 class FollowerExecutor:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from rollcorr.distributed.ranks import ONE_PROCESS, Ranks
-from rollcorr.distributed.roles import FollowerExecutor, LeaderExecutor
+from rollcorr.distributed.roles import FollowerExecutor, LeaderExecutor, ShareExecutor
 from rollcorr.engines import backend_of, make_learner, make_sampler, parse_spec, sampler_class
 from rollcorr.engines.preflight import PreflightError, preflight
 from rollcorr.engines.spec import check_kept_mass
@@ -115,6 +115,11 @@ def check_fsdp(config: TrainConfig) -> None:
         changed = next(f.name for f in dataclasses.fields(fsdp) if getattr(fsdp, f.name) != getattr(FSDPConfig(), f.name))
         raise ConfigError(f"trainer.fsdp.{changed}: applies to a data-parallel learner only (trainer.ranks > 1 "
                           "or torchrun); this run trains in one process, unsharded")  # fmt: skip
+    if fsdp != FSDPConfig() and config.trainer.data_parallel == "replicate":
+        changed = next(f.name for f in dataclasses.fields(fsdp) if getattr(fsdp, f.name) != getattr(FSDPConfig(), f.name))
+        raise ConfigError(f"trainer.fsdp.{changed}: applies to a sharded learner, and trainer.data_parallel=replicate "
+                          "keeps the whole model on every rank (set trainer.data_parallel=shard, or leave it auto: "
+                          "an FSDP option then shards)")  # fmt: skip
     for key in ("param_dtype", "reduce_dtype"):
         if getattr(fsdp, key) is not None and not torch.cuda.is_available():
             raise ConfigError(f"trainer.fsdp.{key}: FSDP2 mixed precision is for CUDA ranks, and this machine has "
@@ -244,8 +249,8 @@ def build_learner(config: TrainConfig, ranks: Ranks = ONE_PROCESS) -> tuple[Any,
         raise
     learner.model.train(False)
     f = config.trainer.fsdp
-    learner = ranks.shard(learner, reshard_after_forward=f.reshard_after_forward, param_dtype=f.param_dtype,
-                          reduce_dtype=f.reduce_dtype)  # fmt: skip
+    learner = ranks.shard(learner, config.trainer.data_parallel, reshard_after_forward=f.reshard_after_forward,
+                          param_dtype=f.param_dtype, reduce_dtype=f.reduce_dtype)  # fmt: skip
     o = config.optim
     optimizer = torch.optim.AdamW(
         [p for p in learner.model.parameters() if p.requires_grad],
@@ -254,10 +259,41 @@ def build_learner(config: TrainConfig, ranks: Ranks = ONE_PROCESS) -> tuple[Any,
     return learner, optimizer
 
 
+def samples_on_every_rank(config: TrainConfig, ranks: Ranks) -> bool:
+    """Whether each rank of a data-parallel run samples its share of every batch (``ShareExecutor``): the
+    learner is whole on every rank (replicated), so each rank's sampler takes its weights locally, and the sampler
+    runs in the learner's process (``trainer.executor=local``, ``sync`` or ``simulated_async``). Otherwise rank 0
+    samples every batch (an async sampler process, Ray workers, a sharded learner)."""
+    local = config.trainer.executor == "local" and mode_lag(config.trainer.mode, config.trainer.lag) is not None
+    return ranks.world > 1 and ranks.holds_whole_model and local
+
+
+def data_parallel_note(config: TrainConfig, ranks: Ranks, learner) -> str | None:
+    """What a data-parallel run chose, in one line (None in one process): the learner's layout and why, and who
+    samples."""
+    if ranks.world == 1:
+        return None
+    from rollcorr.distributed.replicate import training_state_bytes
+
+    state = training_state_bytes(learner.model) / 2**20  # a DTensor counts its whole size
+    why = f"trainer.data_parallel={config.trainer.data_parallel}; its training state {state:,.0f} MiB"
+    if ranks.holds_whole_model:
+        layout = f"replicated on {ranks.world} ranks (one gradient all-reduce per optimizer step; {why})"
+    else:
+        layout = f"sharded over {ranks.world} ranks by FSDP2 ({why})"
+    who = ("every rank samples its share of each batch" if samples_on_every_rank(config, ranks)
+           else "rank 0 samples every batch")  # fmt: skip
+    return f"data-parallel learner: {layout}; {who}"
+
+
 def rank_executor(config: TrainConfig, ranks: Ranks) -> Executor:
-    """The executor of one rank: rank 0 runs ``make_executor(config)`` and broadcasts each rollout
-    (``LeaderExecutor``; one process is rank 0 of 1, its broadcasts go nowhere), the other ranks receive it
-    (``FollowerExecutor``)."""
+    """The executor of one rank: each rank samples its share of each batch and the ranks exchange them
+    (``ShareExecutor``, when ``samples_on_every_rank``), or rank 0 runs ``make_executor(config)`` and broadcasts
+    each rollout (``LeaderExecutor``; one process is rank 0 of 1, its broadcasts go nowhere) and the other ranks
+    receive it (``FollowerExecutor``)."""
+    if samples_on_every_rank(config, ranks):
+        spec = dataclasses.replace(SourceSpec.from_config(config), share=(ranks.rank, ranks.world))
+        return ShareExecutor(make_executor(config, spec), ranks)
     if ranks.is_main:
         return LeaderExecutor(make_executor(config), ranks)
     return FollowerExecutor(ranks)

@@ -276,6 +276,7 @@ class OptimConfig:
 
 
 FSDP_DTYPES = ("fp32", "bf16", "fp16")
+DATA_PARALLEL = ("auto", "replicate", "shard")  # trainer.data_parallel
 
 
 @dataclass
@@ -310,6 +311,8 @@ class TrainerConfig:
     seed: int = 0
     threads: int = 1  # torch intra-op threads (1 is fastest for the built-in model; 0 = torch's default)
     ranks: int = 1  # learner processes (data-parallel, FSDP2; docs/distributed.md); torchrun: its world size
+    data_parallel: str = "auto"  # ranks > 1: replicate (whole model per rank, one gradient all-reduce per optimizer
+    #                               step) | shard (FSDP2) | auto (replicate when it fits a rank's memory; docs/distributed.md)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # the sharding's options (data-parallel runs only)
     eval_every: int = 50  # greedy evaluation every N steps (and at start and end), 0 = only start/end
     checkpoint_every: int = 50  # 0 = only at the end
@@ -700,6 +703,8 @@ def validate(c: TrainConfig) -> None:
     problem = split_problem(r.prompts_per_step, t.mini_batches, t.ranks)  # whole groups per mini-batch and rank
     if problem is not None:
         raise ConfigError(f"{problem[0]}: {problem[1]}")
+    _check(t.data_parallel in DATA_PARALLEL, "trainer.data_parallel",
+           f"expected one of {list(DATA_PARALLEL)}, got {t.data_parallel!r}")  # fmt: skip
     for key in ("param_dtype", "reduce_dtype"):
         value = getattr(t.fsdp, key)
         _check(value is None or value in FSDP_DTYPES, f"trainer.fsdp.{key}",

@@ -41,6 +41,7 @@ from rollcorr.train.build import (
     build_evaluator,
     build_learner,
     check_components,
+    data_parallel_note,
     follow_sampler,
     rank_executor,
 )
@@ -285,7 +286,7 @@ class Trainer:
                                     wandb_project=t.wandb_project)  # fmt: skip
         else:
             self.logger = SilentLogger()
-        for note in notes:
+        for note in [*notes, data_parallel_note(config, self.ranks, self.learner)]:
             if note:
                 self.logger.message(note)
         self.samples = SampleLog(self.run_dir, self.learner.tokenizer, self.logger.tb) if main else None

@@ -51,10 +51,13 @@ class RolloutSource:
     """
 
     def __init__(self, sampler, task, tokenizer, params, prompts_per_step: int, group_size: int, seed: int,
-                 chat: bool = False):  # fmt: skip
+                 chat: bool = False, share: tuple[int, int] = (0, 1)):  # fmt: skip
         self.sampler, self.task, self.tokenizer = sampler, task, tokenizer
         self.params, self.prompts_per_step, self.group_size = params, prompts_per_step, group_size
         self.seed = seed
+        # (r, N): this source samples the r-th of N equal slices of each batch's prompts (data-parallel ranks
+        # that each sample their share, ``distributed.roles.ShareExecutor``), with a sampling stream of its own
+        self.share = share
         self.chat = chat  # prompts through the tokenizer's chat template (rollcorr.tasks.chat)
         # called with every generated chunk, before any newer weights are loaded (e.g. the old-logit model)
         self.listeners: list[Callable[[Rollout], Any]] = []
@@ -65,9 +68,16 @@ class RolloutSource:
         return (self.seed * 1_000_003 + index) % (2**31 - 1)
 
     def _request(self, index: int) -> tuple[list[str | list[int]], Any, list[dict], list[int]]:
+        """Batch ``index``'s prompts (this source's share of them), sampling parameters and group ids. The prompts
+        are drawn for the whole batch, so the N shares together are the batch one source would sample."""
         items = self.task.sample(self.prompts_per_step, seed=self._batch_seed(index), split="train")
-        params = replace(self.params, seed=self._batch_seed(index))
-        group_ids = [index * self.prompts_per_step + j for j in range(self.prompts_per_step)]
+        rank, world = self.share
+        size = self.prompts_per_step // world
+        first = rank * size
+        seed = self._batch_seed(index) if world == 1 else (self._batch_seed(index) * world + rank) % (2**31 - 1)
+        params = replace(self.params, seed=seed)
+        group_ids = [index * self.prompts_per_step + j for j in range(first, first + size)]
+        items = items[first : first + size]
         return [model_input(self.tokenizer, it["prompt"], self.chat) for it in items], params, items, group_ids
 
     def sample(self, index: int, partial: Rollout | None = None, max_steps: int | None = None) -> Rollout:
@@ -161,6 +171,7 @@ class SourceSpec:
     threads: int = 1  # CPU threads where the sampler runs: torch's pool, llama.cpp's (0 = their default)
     sampler_kwargs: dict[str, Any] = field(default_factory=dict)
     backend_module: str | None = None  # imported where the sampler is built: it registers the sampler's backend
+    share: tuple[int, int] = (0, 1)  # (r, N): sample the r-th of N slices of each batch's prompts (RolloutSource)
 
     def __post_init__(self) -> None:
         if isinstance(self.task, str):  # a task name alone: a built-in task or a data set with its defaults
@@ -197,7 +208,8 @@ class SourceSpec:
         if tokenizer is None:
             raise ValueError(f"sampler {self.sampler!r} exposes no tokenizer to decode responses for rewards")
         return RolloutSource(sampler, self.task.build(), tokenizer, self.params, self.prompts_per_step,
-                             self.group_size, self.seed, chat=uses_chat(tokenizer, self.task.chat))  # fmt: skip
+                             self.group_size, self.seed, chat=uses_chat(tokenizer, self.task.chat),
+                             share=self.share)  # fmt: skip
 
 
 def _absolute(path: str) -> str:

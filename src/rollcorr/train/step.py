@@ -328,6 +328,8 @@ def optimize(
                 step_metrics["actor/entropy"] = step_metrics.get("actor/entropy", 0.0) + tokens * float(
                     masked_mean(entropy.detach(), part.response_mask)
                 )
+            if finite:  # a replicated learner's gradients averaged over the ranks (else nothing to do)
+                ranks.reduce_gradients(params)
             if finite and step_metrics:  # summed over ranks (in one order on every rank)
                 keys = sorted(step_metrics)
                 summed = ranks.all_reduce(torch.tensor([step_metrics[k] for k in keys], dtype=torch.float64))
