@@ -178,9 +178,10 @@ def default_run(world: int, layout: str, steps: int, out: str) -> dict:
     import sys
 
     args = [sys.executable, "-m", "rollcorr", "train", f"trainer.steps={steps}", "trainer.plot=false",
-            "trainer.progress=false", "--out", out]  # fmt: skip
+            "trainer.progress=false"]  # fmt: skip
     if world > 1:
         args += [f"trainer.ranks={world}", f"trainer.data_parallel={layout}"]
+    args += ["--out", out]
     start = time.perf_counter()
     subprocess.run(args, check=True, capture_output=True, text=True)
     wall = time.perf_counter() - start
