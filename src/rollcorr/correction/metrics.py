@@ -19,6 +19,17 @@ from rollcorr.config.correction import LOG_RATIO_CLAMP
 from rollcorr.correction.ratios import Rows, RSOutcome, Tokens, any_per_row, check_mask, check_tensor
 
 Metrics = dict[str, Tensor]
+# The metrics that describe the sampler/learner mismatch rather than the correction applied to it: verl's
+# off-policy metrics, the divergences, the probability mismatch and the discrepancy/drift split.
+# ``compute_correction(..., diagnostics=False)`` leaves them out (and does not compute what they read).
+DIAGNOSTIC_METRICS = frozenset({
+    "training_ppl", "training_log_ppl", "kl", "k3_kl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
+    "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq",
+    "gen_kl", "policy_kl", "js_divergence", "token_mult_prob_error", "log_ratio_mean", "log_ratio_abs_mean",
+    "prob_diff_seq_max_mean", "prob_diff_seq_mean_mean", "prob_diff_mean", "prob_diff_max", "prob_diff_frac_lt_1e-3",
+    "prob_diff_frac_ge_0.01", "prob_diff_frac_ge_0.05", "prob_diff_frac_ge_0.1", "prob_pearson",
+    "discrepancy_k3", "drift_k3", "total_k3",
+})  # fmt: skip
 PPL_LOG_CAP = 80.0  # rollcorr's PPL metrics saturate at e^80 (finite in float32); verl's overflow to inf
 
 
@@ -167,7 +178,8 @@ def rs_option_metrics(r: RSOutcome, tok: Rows) -> Metrics:
     seq_w = tok.valid_f  # per-option seq metrics are over valid rows in verl too
     nv = tok.num_rows
     # over valid rows: max, −min and max |·| of the row statistic; mean of it and of the row flags
-    seq_max, neg_min, seq_max_dev = torch.stack([seq, -seq, seq.abs()]).masked_fill(tok.invalid, -math.inf).amax(-1)
+    extremes = torch.stack([seq, -seq, seq.abs()]).masked_fill(tok.invalid, -math.inf)
+    seq_max, neg_min, seq_max_dev = extremes.amax(-1)
     seq_min = -neg_min
 
     def seq_shares(*flags: Tensor) -> tuple[Tensor, ...]:
@@ -288,8 +300,8 @@ def offpolicy_from_sums(
     ppl = neg_mean.clamp(max=ppl_cap).exp()
     ratio = diff.clamp(-ratio_cap, ratio_cap).exp()
     chi2 = (2.0 * lr_row.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).exp()
-    means = rows.over_rows(torch.stack([ppl[0], neg_mean[0], ppl[1], neg_mean[1], diff, diff.abs(), ratio, chi2]))
-    m = means.unbind()
+    per_row = [ppl[0], neg_mean[0], ppl[1], neg_mean[1], diff, diff.abs(), ratio, chi2]
+    m = rows.over_rows(torch.stack(per_row)).unbind()
     return {
         "training_ppl": m[0],
         "training_log_ppl": m[1],
@@ -509,5 +521,6 @@ def metrics_to_floats(metrics: dict[str, Tensor | float]) -> dict[str, float]:
         parts = [torch.stack([v if v.dim() == 0 else v.reshape(()) for v in (metrics[k] for k in keys)])
                  for keys in by_dtype.values()]  # fmt: skip
         flat = torch.cat([p.to(torch.float64) for p in parts]) if parts else None
-    read = dict(zip((k for keys in by_dtype.values() for k in keys), flat.tolist() if flat is not None else []))
+    names = (k for keys in by_dtype.values() for k in keys)
+    read = dict(zip(names, flat.tolist() if flat is not None else []))
     return {k: read[k] if k in read else float(v) for k, v in metrics.items()}
