@@ -28,9 +28,11 @@ verl / rollcorr and verl / drop-in.
 ``--floor`` compares ``compute_correction`` (+ ``metrics_to_floats``, the fused path) with its floor: a compiled
 kernel that reads π_old, μ and the mask once and computes only what the weights and the rules need (ℓ_c, ρ, the
 token weights for token IS, the per-row reductions the rules declare), per preset, one thread, interleaved call
-by call; the ratio is rollcorr / floor CPU time. It also prints the fixed cost of one call: the median CPU time
-of ``compute_correction`` on a 2 × 8 batch (eager: under ``MIN_POSITIONS``), where the work itself is nothing,
-over 100 calls back to back.
+by call; the ratio is rollcorr / floor CPU time. A second kernel adds the diagnostics' transcendental work (the
+full floor). ``compute_correction(..., diagnostics=False)`` (the weights', the rules' and the counts' metrics
+only) is timed against the rules floor too. It also prints the fixed cost of one call: the median CPU time of
+``compute_correction`` (every metric) on a 2 × 8 batch (eager: under ``MIN_POSITIONS``), where the work itself
+is nothing, over 100 calls back to back.
 
 The first call of a batch of ≥ 256 K positions compiles the fused kernel (correction/fused.py): it is in the
 warm-up call, never in the timed ones. Prints numbers; asserts nothing.
@@ -181,10 +183,11 @@ def against_verl(shapes: list[tuple[int, int]], repeat: int) -> None:
 
 def floor_pass(
     old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, bound: float,
-    token_is: tuple[str, float | None, float | None] | None, reductions: tuple[str, ...],
+    token_is: tuple[str, float | None, float | None] | None, reductions: tuple[str, ...], row_one: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
     """What the weights and the rules need, and nothing else: n, Σℓ_c (sequence / geometric weights), the
-    rules' declared reductions, the (B, T) token weights for token IS. One pass when compiled."""
+    rules' declared reductions, the (B, T) token weights and their row sums for token IS. One pass over the
+    inputs when compiled. row_one: (rows, 1) ones. ``floor`` runs it through ``in_pieces``."""
     from rollcorr.correction.fused import _exp
     from rollcorr.correction.weights import apply_threshold
 
@@ -201,24 +204,29 @@ def floor_pass(
     if token_is is not None or "max_k3" in reductions or "sum_k3" in reductions:
         rho = _exp(lrs)
         k3 = rho - 1.0 - lrs
-        out["sum_k3"] = k3.sum(-1)
+        if "sum_k3" in reductions:
+            out["sum_k3"] = k3.sum(-1)
         if "max_k3" in reductions:
             out["max_k3"] = torch.where(mask, k3, -math.inf).amax(-1)
         if token_is is not None:
-            out["w"] = apply_threshold(rho * mf, mf, *token_is)
+            # the row loop writes w (one pass over the inputs, as fused.row_pass) when a reduction reads w (Σ w
+            # per row: what batch normalisation and the IS mean read) and a (B, 1) operand keeps Inductor from
+            # flattening w's loop (× row_one, exact); without both: 1.6× slower here
+            w = apply_threshold(rho * mf, mf, *token_is) * row_one
+            out["w"], out["w_sum"] = w, w.sum(-1)
     return out
 
 
 def floor_pass_with_diagnostics(
     old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, bound: float,
-    token_is: tuple[str, float | None, float | None] | None, reductions: tuple[str, ...],
+    token_is: tuple[str, float | None, float | None] | None, reductions: tuple[str, ...], row_one: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
     """``floor_pass`` plus the diagnostics' transcendental work, each function once per position: the
     probabilities e^old and e^μ (probability mismatch), ρ and log1p(ρ) (k3, the JS divergence), one row sum per
     quantity — what every call of compute_correction reports, computed as cheaply as it can be."""
     from rollcorr.correction.fused import _exp
 
-    out = floor_pass(old, rollout, mask, bound, token_is, reductions)
+    out = floor_pass(old, rollout, mask, bound, token_is, reductions, row_one)
     mf = mask.to(old.dtype)
     lrs = (torch.where(mask, old, 0.0) - torch.where(mask, rollout, 0.0)).clamp(-bound, bound)
     rho = _exp(lrs)
@@ -226,6 +234,23 @@ def floor_pass_with_diagnostics(
     out |= {"k3": (rho - 1.0 - lrs).sum(-1), "js": torch.log1p(rho).sum(-1), "d": d.sum(-1),
             "d_max": d.amax(-1), "rho2": (rho * rho * mf).sum(-1)}  # fmt: skip
     return out
+
+
+def in_pieces(body):
+    """``body`` (a floor kernel) on each row as ``fused.split_for(T)`` pieces, combined back to rows, as
+    fused.row_pass reduces them: the floor uses every trick the correction uses."""
+    from rollcorr.correction import fused
+
+    def run(old, rollout, mask, bound, token_is, reductions, row_one):
+        b, t = mask.shape
+        k = fused.split_for(t)
+        if k == 1:
+            return body(old, rollout, mask, bound, token_is, reductions, row_one)
+        pieces = (x.reshape(b * k, t // k) for x in (old, rollout, mask))
+        out = body(*pieces, bound, token_is, reductions, row_one)
+        return {key: fused._combine(key, v, b) for key, v in out.items()}
+
+    return run
 
 
 def floor(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, repeat: int) -> None:
@@ -238,10 +263,14 @@ def floor(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, repeat: 
     print(f"# {b} x {t} float32 positions, 1 thread, median CPU time of {repeat} interleaved calls after a warm-up; "
           "fixed cost: 2 x 8 positions, median of 100 calls back to back")  # fmt: skip
     print("case | rollcorr ns/position | floor: rules ns/position | rollcorr / rules floor | "
-          "floor: rules + diagnostics ns/position | rollcorr / full floor | fixed ms/call")
+          "floor: rules + diagnostics ns/position | rollcorr / full floor | "
+          "rollcorr diagnostics=False ns/position | diagnostics=False / rules floor | fixed ms/call")
     tiny = _inputs(2, 8, torch.float32)
-    kernel = torch.compile(floor_pass, dynamic=False, options=fused.COMPILE_OPTIONS)
-    full_kernel = torch.compile(floor_pass_with_diagnostics, dynamic=False, options=fused.COMPILE_OPTIONS)
+    row_one = torch.ones(b * fused.split_for(t), 1)  # (rows, 1) ones: see floor_pass
+    kernel = torch.compile(in_pieces(floor_pass), dynamic=False, options=fused.COMPILE_OPTIONS)
+    full_kernel = torch.compile(
+        in_pieces(floor_pass_with_diagnostics), dynamic=False, options=fused.COMPILE_OPTIONS
+    )
     for label, (name, _) in AGAINST_VERL.items():
         config = preset(name)
         token_is = (config.is_mode, config.is_upper, config.is_lower) if config.is_level == "token" else None
@@ -250,9 +279,13 @@ def floor(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, repeat: 
         def ours(config=config) -> None:
             metrics_to_floats(compute_correction(old, rollout, mask, config).metrics)
 
+        def rules_only(config=config) -> None:  # the option that skips the diagnostics
+            metrics_to_floats(compute_correction(old, rollout, mask, config, diagnostics=False).metrics)
+
         def least(config=config, token_is=token_is, reductions=reductions, kernel=kernel) -> None:
-            out = kernel(old, rollout, mask, float(config.safety_bound), token_is, reductions)
-            torch.stack([v.sum() for v in out.values()]).tolist()  # the one sync, as compute_correction's
+            out = kernel(old, rollout, mask, float(config.safety_bound), token_is, reductions, row_one)
+            # the one sync, as compute_correction's (of the (B,) reductions: the weights are not read again)
+            torch.stack([v.sum() for v in out.values() if v.dim() == 1]).tolist()
 
         def full(config=config, token_is=token_is, reductions=reductions) -> None:
             least(config, token_is, reductions, full_kernel)
@@ -260,14 +293,15 @@ def floor(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, repeat: 
         def fixed(config=config) -> None:
             metrics_to_floats(compute_correction(*tiny, config).metrics)
 
-        for call in (ours, least, full, fixed):  # warm up (compiles the kernels)
+        for call in (ours, least, full, rules_only, fixed):  # warm up (compiles the kernels)
             call()
-        times = [tuple(_cpu_ms(c) for c in (ours, least, full)) for _ in range(repeat)]  # interleaved
-        a, f, g = (statistics.median(x) for x in zip(*times))
+        calls = (ours, least, full, rules_only)
+        times = [tuple(_cpu_ms(c) for c in calls) for _ in range(repeat)]  # interleaved
+        a, f, g, r = (statistics.median(x) for x in zip(*times))
         small = statistics.median(_cpu_ms(fixed) for _ in range(100))  # back to back, as a loop of small calls
         per = 1e6 / (b * t)
         print(f"{label} ({name}) | {a * per:.2f} | {f * per:.2f} | {a / f:.2f} | {g * per:.2f} | {a / g:.2f} | "
-              f"{small:.2f}")  # fmt: skip
+              f"{r * per:.2f} | {r / f:.2f} | {small:.2f}")  # fmt: skip
     print(f"# load after {load()}")
 
 

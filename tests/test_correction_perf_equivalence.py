@@ -121,6 +121,41 @@ def test_masked_reductions_match_their_definitions():
     assert torch.equal(any_per_row(mask[:, :1].expand(mask.shape)), mask[:, 0])  # stride-0 view
 
 
+@pytest.mark.parametrize("verl", [False, True])
+def test_stacked_row_reductions_match_one_row_at_a_time(verl):
+    """Rows.over_rows / rows_max / rows_min on k per-row values stacked (k, B) give, bit for bit, what each
+    gives alone (the metrics stack their (B,) values to make one operation of k)."""
+    old, roll, mask, _ = _batch(torch.float32)
+    mask[2] = False  # a row without a valid token
+    rows = make_tokens(old, roll, mask, bound=20.0, verl=verl)
+    stacked = torch.randn(5, mask.shape[0], dtype=torch.float32) * 100
+    for reduce in (rows.over_rows, rows.rows_max, rows.rows_min):
+        assert torch.equal(reduce(stacked), torch.stack([reduce(x) for x in stacked]))
+    x = stacked[0]
+    valid = mask.any(dim=-1)
+    if verl:
+        assert torch.equal(rows.over_rows(x), x.mean()) and torch.equal(rows.rows_max(x), x.max())
+    else:
+        assert torch.equal(rows.over_rows(x), torch.where(valid, x, 0).sum() / valid.sum())
+        assert torch.equal(rows.rows_max(x), x[valid].max()) and torch.equal(rows.rows_min(x), x[valid].min())
+
+
+def test_bool_masks_combine_as_bytes():
+    """compute_correction's kept mask ``mask ∧ keep`` (api._masked: the bool masks' uint8 bytes, a vectorised
+    ``&``) is ``mask & keep``, for a (B, 1) row keep, a (B, T) keep and a non-contiguous mask."""
+    from rollcorr.correction.api import _masked
+
+    _, _, mask, _ = _batch(torch.float32)
+    g = torch.Generator().manual_seed(3)
+    row_keep = torch.rand(mask.shape[0], 1, generator=g) > 0.5
+    keep = torch.rand(mask.shape, generator=g) > 0.3
+    transposed = mask.t().contiguous().t()
+    for m, k in ((mask, row_keep), (mask, keep), (transposed, keep), (mask[:, ::2], keep[:, ::2])):
+        got = _masked(m, k)
+        assert got.dtype == torch.bool and torch.equal(got, m & k)
+    assert torch.equal(_masked(mask.float(), row_keep), (mask & row_keep).float())
+
+
 def test_scratch_and_overwrite_do_not_change_metrics():
     old, roll, mask, _ = _batch(torch.float32)
     tok = make_tokens(old, roll, mask, bound=20.0, verl=False)

@@ -15,6 +15,7 @@ import torch
 from conftest import EPS32, assert_as_accurate, assert_metrics_as_accurate
 from rollcorr.config import CorrectionConfig, preset
 from rollcorr.correction import compute_correction, fused
+from rollcorr.correction.metrics import DIAGNOSTIC_METRICS
 
 CONFIGS = [
     preset("disabled"),
@@ -281,3 +282,103 @@ def test_short_commands_stay_eager_until_compiling_pays(monkeypatch):
     monkeypatch.setenv(fused.ENV, "0")
     monkeypatch.setitem(fused._state, "seen", 10 * fused.BREAKEVEN_POSITIONS)
     assert fused.plan(config, large) is None
+
+
+def _without_diagnostics(want, got):
+    """``got`` (diagnostics=False) is ``want`` (the default) less the diagnostic metrics, every value, the
+    weights and the mask bit for bit; returns the keys left out."""
+    dropped = [k for k in want.metrics if k not in got.metrics]
+    assert list(got.metrics) == [k for k in want.metrics if k not in dropped]
+    assert {k.removeprefix("rollout_corr/") for k in dropped} <= DIAGNOSTIC_METRICS
+    assert not any(k.removeprefix("rollout_corr/") in DIAGNOSTIC_METRICS for k in got.metrics)
+    for key, value in got.metrics.items():
+        assert torch.equal(value, want.metrics[key]) or (value.isnan() and want.metrics[key].isnan()), key
+    assert (got.is_weights is None) == (want.is_weights is None)
+    assert got.is_weights is None or torch.equal(got.is_weights, want.is_weights)
+    assert torch.equal(got.kept_mask, want.kept_mask)
+    return dropped
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.mode}-{c.is_level}-{c.is_mode}-{c.rs}")
+@pytest.mark.parametrize("path", ["eager", "fused"])
+def test_diagnostics_false_leaves_out_only_the_diagnostics(config, path, monkeypatch):
+    """``diagnostics=False`` computes every weight, rule and count metric exactly as the default and leaves out
+    the mismatch diagnostics (metrics.DIAGNOSTIC_METRICS), on either path (fused: the kernel run eagerly)."""
+    if path == "fused":
+        monkeypatch.setattr(fused, "MIN_POSITIONS", 0)
+        monkeypatch.setenv(fused.ENV, "1")
+        monkeypatch.setitem(fused._state, "compiled", fused.row_pass)
+        monkeypatch.setitem(fused._state, "failed", False)
+    else:
+        monkeypatch.setenv(fused.ENV, "0")
+    args = (config, *_batch(noise=30.0))  # the clamp matters
+    dropped = _without_diagnostics(_call(*args), _call(*args, diagnostics=False))
+    assert len(dropped) == 28  # off-policy 13, divergence 6, probability mismatch 9
+
+
+def test_diagnostics_false_leaves_out_the_whole_documented_set(monkeypatch):
+    """With π_θ given in decoupled mode (the discrepancy/drift split) every name of DIAGNOSTIC_METRICS is one
+    the default reports, and diagnostics=False leaves each of them out."""
+    monkeypatch.setenv(fused.ENV, "0")
+    old, roll, mask, lp, _ = _batch()
+    config = preset("decoupled_seq_is_rs")
+    want = compute_correction(old, roll, mask, config, lp)
+    dropped = _without_diagnostics(want, compute_correction(old, roll, mask, config, lp, diagnostics=False))
+    assert {k.removeprefix("rollout_corr/") for k in dropped} == DIAGNOSTIC_METRICS
+
+
+def test_the_kernel_writes_token_weights_with_its_row_loop_operand(eager_kernel):
+    """``row_one`` ((B, 1) ones) only shapes Inductor's loops: the kernel's outputs are the same without it."""
+    old, roll, mask, _, _ = _batch()
+    args = (old, roll, mask, 20.0, 1e-6, 1e-6, ("truncate", 2.0, None), ("sum_k1",), False, True)
+    with_one = fused.row_pass(*args, row_one=torch.ones(old.shape[0], 1))
+    plain = fused.row_pass(*args)
+    assert list(with_one) == list(plain)
+    assert all(torch.equal(with_one[k], plain[k]) for k in plain)
+
+
+@pytest.mark.parametrize("diagnostics", [True, False])
+def test_compiled_kernel_on_rows_it_splits(diagnostics, monkeypatch):
+    """The real compiled kernel on rows of 8192 positions, which it reduces as two pieces of 4096
+    (fused.split_for), with and without the diagnostics (each its own variant), against the eager path, both
+    measured against float64, as test_compiled_kernel_matches_eager_path does for unsplit rows."""
+    if fused._state["failed"]:
+        pytest.skip("the fused kernel could not be compiled on this machine")
+    monkeypatch.setenv(fused.ENV, "1")
+    t = 8192
+    assert fused.split_for(t) == 2
+    args = (preset("decoupled_geo_rs_token_tis"), *_batch(b=fused.MIN_POSITIONS // t, t=t, noise=0.05))
+    got = _call(*args, diagnostics=diagnostics)
+    if fused._state["failed"]:
+        pytest.skip("the fused kernel could not be compiled here")
+    want = _eager(monkeypatch, *args, diagnostics=diagnostics)
+    _assert_close(got, want, _reference(monkeypatch, *args, diagnostics=diagnostics))
+    assert got.is_weights.shape == want.is_weights.shape and got.is_weights.is_contiguous()
+    assert any(k.removeprefix("rollout_corr/") in DIAGNOSTIC_METRICS for k in got.metrics) == diagnostics
+
+
+@pytest.mark.parametrize("t", [8192, 8190, 12288, 8191, 4096])
+def test_split_rows_give_the_whole_rows_reductions(t):
+    """row_pass with ``split`` reduces each row as fused.split_for(t) pieces (2 for 8192 and 8190, 4 for 12288,
+    1 for an odd or short row) and combines them: counts, maxima and minima equal to the whole rows', sums as
+    accurate (against the same reductions in float64: conftest.assert_as_accurate, a row of t terms), the
+    token weights the same values as (B·k, T / k) pieces."""
+    old, roll, mask, _, _ = _batch(b=3, t=t, noise=0.3)
+    k = fused.split_for(t)
+    assert k == {8192: 2, 8190: 2, 12288: 4}.get(t, 1)
+    args = (20.0, 1e-6, 1e-6, ("truncate", 2.0, None), ("sum_k1", "max_k2"), False, True)
+    whole = fused.row_pass(old, roll, mask, *args, row_one=torch.ones(3, 1))
+    split = fused.row_pass(old, roll, mask, *args, row_one=torch.ones(3 * k, 1), split=True)
+    one = torch.ones(3, 1, dtype=torch.float64)
+    exact = fused.row_pass(old.double(), roll.double(), mask, *args, row_one=one)
+    assert list(split) == list(whole)
+    assert torch.equal(split["w"].view(3, t), whole["w"])
+    counts = {"n", "bad_old", "bad_rollout", "small_diff_count", "ge0", "ge1", "ge2", "high", "low"}
+    extremes = {"max_k2", "d_max", "w_max", "w_min"}
+    for key in whole.keys() - {"w"}:
+        got, established, reference = split[key], whole[key], exact[key]
+        if key in counts | extremes:  # integers below 2^24, and maxima / minima: exact either way
+            assert torch.equal(got, established), key
+        else:  # a float32 sum of t terms: within t·ε₃₂ of its magnitude
+            floor = t * EPS32 * float(reference.abs().sum())
+            assert_as_accurate(got, established, reference, floor=floor, what=key)

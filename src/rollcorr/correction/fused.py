@@ -11,6 +11,10 @@ one loop per row reads π_old, μ and the mask once and keeps every per-token qu
     the rules' reductions, when a rule declares them (``rejection.Rule.reductions``): Σ ℓ_c (sum_k1), Σ k2
     (sum_k2), max k2, max k3; verl mode: Σ (e^ℓ − 1 − ℓ) unclamped (verl's k3_kl)
     token IS: the (B, T) weights w = threshold(ρ·mask) and per row Σ w, Σ w², Σ ρ, #ρ > hi, #ρ < lo, max / min w
+    ``compute_correction(..., diagnostics=False)``: only n, the invalid counts, Σ ℓ, the rules' and token IS's
+
+Rows of 4 096 < T ≤ 16 384 positions that 2 or 4 divides are reduced as 2 or 4 pieces (``split_for``): Inductor
+keeps the accumulators of rows up to 4 096 long in registers, longer ones in memory.
 
 The kernel is a backend of the same rule list, not a second one: ``compute_correction`` runs
 ``rejection.rejection_rules`` on a ``KernelStatistics`` (these per-row values) instead of the eager
@@ -45,6 +49,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -104,12 +109,75 @@ def row_pass(
     token_is: tuple[str, float | None, float | None] | None,
     reductions: tuple[str, ...] = (),
     verl: bool = False,
+    diagnostics: bool = True,
+    row_one: Tensor | None = None,
+    split: bool = False,
 ) -> dict[str, Tensor]:
     """The per-row reductions listed in the module docstring: (B,) tensors in the compute dtype, plus the
     (B, T) token weights ``w`` when ``token_is`` = (mode, upper, lower) is given. ``reductions``: those the
-    rules declare ("sum_k1": Σ ℓ_c, negated; "sum_k2", "max_k2", "max_k3"; Σ k3 is always there), computed only
-    when a rule reads them. ``verl``: also Σ of the unclamped k3 (verl's k3_kl). ``mask``: (B, T) bool. Pure;
-    ``torch.compile`` turns it into one loop over the batch."""
+    rules declare ("sum_k1": Σ ℓ_c, negated; "sum_k2", "max_k2", "sum_k3", "max_k3"), computed only when a rule
+    reads them. ``verl``: also Σ of the unclamped k3 (verl's k3_kl). ``diagnostics``: also the off-policy,
+    divergence and probability-mismatch reductions (False: only n, the validity counts, Σ ℓ, the rules' and the
+    token weights' — what ``compute_correction(..., diagnostics=False)`` reads). ``mask``: (B, T) bool.
+    ``row_one``: (B·split, 1) ones, multiplied into w (exact): a per-row operand keeps Inductor from flattening
+    w's loop to one dimension, so the row loop that computes the reductions also writes w (without it w is
+    written by a separate pass over (B, T), recomputing ρ). ``split`` (contiguous inputs): reduce each row as
+    k = ``split_for(T)`` pieces of T / k positions, then add (max, min) the pieces' results; w is then returned
+    as its (B·k, T / k) pieces, for the caller to view as (B, T). Pure; ``torch.compile`` turns it into one
+    loop over the batch."""
+    b, t = mask.shape
+    k = split_for(t) if split else 1
+    if k == 1:
+        return _row_pass(old, rollout, mask, bound, tol_old, tol_rollout, token_is, reductions, verl, diagnostics,
+                         row_one)  # fmt: skip
+    pieces = (x.reshape(b * k, t // k) for x in (old, rollout, mask))
+    out = _row_pass(*pieces, bound, tol_old, tol_rollout, token_is, reductions, verl, diagnostics, row_one)
+    return {key: _combine(key, v, b) for key, v in out.items()}
+
+
+SPLIT_LENGTH = 4096  # Inductor sums a longer float32 row through memory (its cascade helper)
+
+
+def split_for(t: int) -> int:
+    """How many pieces ``row_pass`` reduces a row of t positions in: 2 or 4 where that divides t into pieces of
+    ≤ ``SPLIT_LENGTH`` (4 096 < t ≤ 16 384), else 1. Each value of it is a kernel variant of its own.
+
+    Inductor sums a float32 row longer than 4 096 through a "cascade" helper held in memory (a load and a store
+    per accumulator per 16 positions; its cascading starts only past 16 × 4 096 positions, so at these lengths
+    it adds no accuracy), shorter ones in registers: on 256 × 8192 the kernel with every diagnostic (~30 sums)
+    took ~15–20 % less as 512 × 4096 pieces. Each piece is summed as before, the pieces' sums then added."""
+    if t <= SPLIT_LENGTH:
+        return 1
+    return next((k for k in (2, 4) if t % k == 0 and t // k <= SPLIT_LENGTH), 1)
+
+
+def _combine(key: str, v: Tensor, b: int) -> Tensor:
+    """A ``_row_pass`` output over (B·k) row pieces back to the batch's B rows: maxima / minima of the pieces,
+    sums of the rest; the weights stay (B·k, T / k) pieces."""
+    if key == "w":  # left as the (B·k, T / k) pieces: the caller views them as (B, T) (in a compiled graph a
+        return v  # recompiled kernel copied them back one element at a time, unable to prove k · (T / k) = T)
+    pieces = v.reshape(b, -1)
+    if key in ("max_k2", "max_k3", "d_max", "w_max"):
+        return pieces.amax(dim=-1)
+    if key == "w_min":
+        return pieces.amin(dim=-1)
+    return pieces.sum(dim=-1)
+
+
+def _row_pass(
+    old: Tensor,
+    rollout: Tensor,
+    mask: Tensor,
+    bound: float,
+    tol_old: float,
+    tol_rollout: float,
+    token_is: tuple[str, float | None, float | None] | None,
+    reductions: tuple[str, ...],
+    verl: bool,
+    diagnostics: bool,
+    row_one: Tensor | None,
+) -> dict[str, Tensor]:
+    """``row_pass`` on rows as they are (the pieces, when it splits them)."""
     dtype = compute_dtype(old, rollout)
     o = torch.where(mask, old.to(dtype), 0.0)
     r = torch.where(mask, rollout.to(dtype), 0.0)
@@ -123,16 +191,12 @@ def row_pass(
         # a valid log-prob must be finite and ≤ tol (NaN fails both comparisons)
         "bad_old": rsum(mask & ~((o > -math.inf) & (o <= tol_old))),
         "bad_rollout": rsum(mask & ~((r > -math.inf) & (r <= tol_rollout))),
-        "old": rsum(o),
-        "rollout": rsum(r),
     }
     lr = o - r
     lrs = lr.clamp(-bound, bound)
-    rho = _exp(lrs)  # 1 on padding; every term below is 0 there
+    rho = _exp(lrs)  # 1 on padding; every term below is 0 there (computed only where read)
     k2 = lrs.square() * 0.5  # (the k2 and max statistics only when a sequence rule reads them)
     k3 = rho - 1.0 - lrs
-    rho_lr = rho * lrs
-    softplus = torch.where(lrs > 20.0, lrs, torch.log1p(rho))  # torch's softplus(ℓ_c), from ρ = e^ℓ_c
     if "sum_k1" in reductions:
         out["sum_k1"] = -rsum(lrs)
     if "sum_k2" in reductions:
@@ -141,11 +205,51 @@ def row_pass(
         out["max_k2"] = torch.where(mask, k2, -math.inf).amax(dim=-1)
     if "max_k3" in reductions:
         out["max_k3"] = torch.where(mask, k3, -math.inf).amax(dim=-1)
+    out["lr"] = rsum(lr)
+    if diagnostics or "sum_k3" in reductions:
+        out["sum_k3"] = rsum(k3)
+    if diagnostics:
+        out |= _diagnostic_sums(o, r, mask, mf, lr, lrs, rho, k3, verl, rsum)
+    if token_is is not None:
+        mode, upper, lower = token_is
+        lo, hi = metric_fns.is_band(upper, lower)
+        raw = rho * mf
+        w = apply_threshold(raw, mf, mode, upper, lower)
+        if row_one is not None:
+            w = w * row_one
+        out |= {
+            "w": w,
+            "w_sum": rsum(w),
+            "w_sq": rsum(w * w),
+            "raw": rsum(raw),
+            "high": rsum(raw > hi),
+            "low": rsum(mask & (raw < lo)),
+            "w_max": w.amax(dim=-1),
+            "w_min": torch.where(mask, w, math.inf).amin(dim=-1),
+        }
+    return out
+
+
+def _diagnostic_sums(
+    o: Tensor,
+    r: Tensor,
+    mask: Tensor,
+    mf: Tensor,
+    lr: Tensor,
+    lrs: Tensor,
+    rho: Tensor,
+    k3: Tensor,
+    verl: bool,
+    rsum: Callable[[Tensor], Tensor],
+) -> dict[str, Tensor]:
+    """``row_pass``'s reductions for the off-policy, divergence and probability-mismatch metrics (module
+    docstring), from the masked log-probs o, r (0 on padding), ℓ, ℓ_c, ρ = e^ℓ_c and k3 = ρ − 1 − ℓ_c."""
+    out = {"old": rsum(o), "rollout": rsum(r)}
     if verl:  # verl's k3_kl: e^ℓ − 1 − ℓ of the unclamped ℓ (0 on padding)
         out["k3_unclamped"] = rsum(_exp(lr) - 1.0 - lr)
+    rho_lr = rho * lrs
+    softplus = torch.where(lrs > 20.0, lrs, torch.log1p(rho))  # torch's softplus(ℓ_c), from ρ = e^ℓ_c
     out |= {
-        "lr": rsum(lr),
-        "sum_k3": rsum(k3),
         "rho2": rsum(torch.where(mask, rho * rho, 0.0)),
         "policy_kl": rsum(rho_lr - rho + 1.0),
         "js": rsum((rho_lr - (softplus - math.log(2.0)) * (rho + 1.0)) * 0.5),
@@ -167,21 +271,6 @@ def row_pass(
     }
     for i, threshold in enumerate(metric_fns.PROB_SHARES):
         out[f"ge{i}"] = rsum(d >= threshold)
-    if token_is is not None:
-        mode, upper, lower = token_is
-        lo, hi = metric_fns.is_band(upper, lower)
-        raw = rho * mf
-        w = apply_threshold(raw, mf, mode, upper, lower)
-        out |= {
-            "w": w,
-            "w_sum": rsum(w),
-            "w_sq": rsum(w * w),
-            "raw": rsum(raw),
-            "high": rsum(raw > hi),
-            "low": rsum(mask & (raw < lo)),
-            "w_max": w.amax(dim=-1),
-            "w_min": torch.where(mask, w, math.inf).amin(dim=-1),
-        }
     return out
 
 
@@ -292,21 +381,29 @@ def row_statistics(
     *,
     names: tuple[str, str],
     validate: bool,
+    diagnostics: bool = True,
 ) -> tuple[KernelStatistics, dict[str, Tensor]] | None:
     """Run the kernel for ``compute_correction``: (the rules' statistics, with ``.rows``; every per-row sum),
     or None when the kernel is unavailable. Raises the eager path's ``ValueError`` for an empty mask or an
-    invalid log-prob (``validate``)."""
+    invalid log-prob (``validate``). ``diagnostics``: also the diagnostics' reductions (``row_pass``)."""
     mask_bool = mask if mask.dtype == torch.bool else mask != 0
     if validate and mask.dtype != torch.bool:
         check_binary_mask("response_mask", mask)
     token_is = (config.is_mode, config.is_upper, config.is_lower) if config.is_level == "token" else None
     tols = (positive_tolerance(anchor.dtype), positive_tolerance(rollout.dtype))
+    dtype = compute_dtype(anchor, rollout)
+    b, t = mask.shape
+    split = all(x.is_contiguous() for x in (anchor, rollout, mask_bool))  # reshaping them is free
+    rows = b * (split_for(t) if split else 1)  # the kernel's rows (pieces of rows when it splits them)
     s = run_row_pass(
         anchor, rollout, mask_bool, float(config.safety_bound), *tols, token_is, tuple(sorted(reductions)),
-        config.verl_compat,
+        config.verl_compat, diagnostics, None if token_is is None else anchor.new_ones(rows, 1, dtype=dtype),
+        split,
     )  # fmt: skip
     if s is None:
         return None
+    if "w" in s:
+        s["w"] = s["w"].view(b, t)  # the pieces' weights (row_pass), contiguous: a view
     count_dtype = mask.dtype if mask.dtype.is_floating_point else torch.get_default_dtype()
     rows = rows_from(s, tuple(mask.shape), verl=config.verl_compat, count_dtype=count_dtype)
     if validate:  # one sync, as in the eager path
@@ -342,4 +439,6 @@ def is_weights(
         rows, upper, lower, mode, row_log=row_log, w_sum=(row_w * rows.n).sum(),
         w_sq=(row_w.square() * rows.n).sum(), w_row_sum=row_w * rows.n, raw_row_sum=row_raw * rows.n, oob=oob,
     )  # fmt: skip
-    return torch.where(mask, row_w[:, None], 0.0), metrics
+    # w_bt = 1[valid] · w_row, as the eager path's raw_weights (the mask's bytes as floats: a broadcast
+    # ``torch.where`` on a bool mask is ~4× slower on 256 × 8192)
+    return mask.view(torch.uint8).to(row_w.dtype).mul_(row_w[:, None]), metrics

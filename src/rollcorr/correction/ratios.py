@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -123,21 +124,39 @@ class Rows:
             return count
         return (count.to(self.count_dtype) + 1e-8).to(count.dtype)
 
+    @cached_property
+    def n_den(self) -> Tensor:
+        """(B,) the per-row masked-mean denominator: ``den(n)`` in verl mode, n clamped to ≥ 1 otherwise."""
+        return self.den(self.n) if self.verl else self.n.clamp_min(1)
+
+    @cached_property
+    def valid_f(self) -> Tensor:
+        """(B,) ``valid`` in the compute dtype (1.0 / 0.0)."""
+        return self.valid.to(self.dtype)
+
+    @cached_property
+    def invalid(self) -> Tensor:
+        """(B,) bool, rows without a valid token (``~valid``, computed once per batch)."""
+        return ~self.valid
+
     def row_mean_of_sum(self, row_sum: Tensor) -> Tensor:
-        """(B,) per-row masked mean from the (B,) row sums Σ_t x (0 for all-padding rows)."""
-        return row_sum / (self.den(self.n) if self.verl else self.n.clamp_min(1))
+        """(…, B) per-row masked mean from the row sums Σ_t x (0 for all-padding rows)."""
+        return row_sum / self.n_den
 
     def over_rows(self, x: Tensor) -> Tensor:
-        """Mean of a (B,) per-row value: over all rows in verl mode, over rows with a valid token otherwise."""
+        """Mean of a (B,) per-row value: over all rows in verl mode, over rows with a valid token otherwise.
+        x may be (k, B), k per-row values stacked: then (k,) means, each the same as for its row alone."""
         if self.verl:
-            return x.mean()
-        return torch.where(self.valid, x, 0).sum() / self.num_rows
+            return x.mean(dim=-1)
+        return torch.where(self.valid, x, 0).sum(dim=-1) / self.num_rows
 
     def rows_max(self, x: Tensor) -> Tensor:
-        return (x if self.verl else x.masked_fill(~self.valid, float("-inf"))).max()
+        """Max of a (B,) (or stacked (k, B)) per-row value over the rows that count (all in verl mode)."""
+        return (x if self.verl else x.masked_fill(self.invalid, float("-inf"))).amax(dim=-1)
 
     def rows_min(self, x: Tensor) -> Tensor:
-        return (x if self.verl else x.masked_fill(~self.valid, float("inf"))).min()
+        """Min of a (B,) (or stacked (k, B)) per-row value over the rows that count (all in verl mode)."""
+        return (x if self.verl else x.masked_fill(self.invalid, float("inf"))).amin(dim=-1)
 
 
 @dataclass(frozen=True)
