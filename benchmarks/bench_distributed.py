@@ -208,6 +208,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--run-steps", type=int, default=40, help="steps of each default run")
     parser.add_argument("--runs", type=int, default=3, help="default runs per case, interleaved")
+    parser.add_argument("--wide-steps", type=int, default=3, help="train_step calls on the wide model per case")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-runs", action="store_true")
     parser.add_argument("--json", default=None, help="also write the results here")
@@ -252,20 +253,24 @@ def main() -> None:
             "intermediate_size": 4 * args.hidden,
             "num_hidden_layers": args.layers,
         }
-        print(f"## memory per rank: a wide model ({args.hidden}x{args.layers}), one step")
-        peaks = {}
+        print(f"## a wide model ({args.hidden}x{args.layers}): memory per rank, and {args.wide_steps} train_step "
+              "calls (the median after the first)")  # fmt: skip
+        peaks, seconds = {}, {}
         for world, layout in cases:
-            per_rank = run(world, rollouts, 1, wide, layout)
+            per_rank = run(world, rollouts, args.wide_steps, wide, layout)
             results[f"memory_N{world}_{layout}"] = per_rank
             name = "N=1" if world == 1 else f"N={world} {layout}"
             peaks[name] = max(m["peak_rss_bytes"] for m in per_rank)
+            seconds[name] = per_rank[0]["step_s"]
             for r, m in enumerate(per_rank):
                 print(f"wide model, {name} rank {r}: parameters {m['parameters_bytes'] / 2**20:.1f} MiB + AdamW state "
                       f"{m['optimizer_bytes'] / 2**20:.1f} MiB; peak RSS after building "
                       f"{m['built_peak_rss_bytes'] / 2**20:.0f} MiB, after a step {m['peak_rss_bytes'] / 2**20:.0f} MiB; "
                       f"full-weight gather {m['publish_gather_s'] * 1e3:.0f} ms", flush=True)  # fmt: skip
         for name in ("N=2 replicate", "N=2 shard"):
-            print(f"wide model, peak RSS per rank (max over ranks) {name} / N=1: {peaks[name] / peaks['N=1']:.2f}")
+            print(f"wide model, {name}: peak RSS per rank (max over ranks) / N=1's {peaks[name] / peaks['N=1']:.2f}; "
+                  f"train_step {seconds[name]:.2f} s against N=1's {seconds['N=1']:.2f} s, steps/s ratio "
+                  f"{seconds['N=1'] / seconds[name]:.2f}")  # fmt: skip
     results["load_average_end"] = os.getloadavg()[0]
     print(f"# load after {load()}")
     if args.json:

@@ -611,3 +611,20 @@ def test_resuming_from_a_step_0_checkpoint_logs_step_0_once(tmp_path, addition_m
     assert [r["step"] for r in lines(result.run_dir)] == [0]
     assert resume(result.run_dir, "trainer.steps=2").steps == 2
     assert [r["step"] for r in lines(result.run_dir)].count(0) == 1
+
+
+def test_guarded_step_limits_follow_each_weights_dtype():
+    """Unusable means |w| > √max of the weight's own dtype: 1e20 is fine in float64 (limit 1.3e154) and not in
+    float32 (limit 1.8e19); an empty tensor (a shard when N > rows) is nothing to check."""
+    from rollcorr.train.step import GuardedStep
+
+    wide = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    narrow, empty = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(0))
+    opt = torch.optim.SGD([wide, narrow, empty], lr=1.0)
+    step = GuardedStep(opt, [wide, narrow, empty])
+    wide.grad, narrow.grad, empty.grad = torch.full((2,), -1e20, dtype=torch.float64), torch.zeros(2), torch.zeros(0)
+    assert step() and float(wide[0]) == 1e20
+    narrow.grad, wide.grad = torch.full((2,), -1e20), torch.zeros(2, dtype=torch.float64)
+    assert not step() and torch.equal(narrow.detach(), torch.zeros(2))  # undone
+    narrow.grad = torch.tensor([0.0, float("nan")])
+    assert not step() and torch.equal(narrow.detach(), torch.zeros(2))

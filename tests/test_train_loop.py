@@ -68,6 +68,16 @@ def test_sync_run_writes_run_folder_and_learns_something(tmp_path, addition_mode
     assert (latest_checkpoint(out) / "model" / "model.safetensors").is_file()
     steps = step_records(out)
     assert [r["step"] for r in steps] == [1, 2, 3]
+    # TensorBoard holds every finite scalar of every step, as metrics.jsonl has it (float32 in the event file)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    board.Reload()
+    for key in ("reward/mean", "loss/policy", "rollout_corr/kl", "time/step_s"):
+        logged = {e.step: e.value for e in board.Scalars(key)}
+        assert logged == {r["step"]: float(torch.tensor(r[key], dtype=torch.float32)) for r in steps}, key
+    finite = {k for r in steps for k, v in r.items() if k != "step" and v is not None and math.isfinite(v)}
+    assert finite <= set(board.Tags()["scalars"])
     for r in steps:
         assert r["staleness/lag_max"] == 0.0  # synchronous: every token from the current version
         assert r["proximal/exact_token_fraction"] == 1.0

