@@ -186,8 +186,11 @@ def default_run(world: int, layout: str, steps: int, out: str) -> dict:
     subprocess.run(args, check=True, capture_output=True, text=True)
     wall = time.perf_counter() - start
     lines = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
-    seconds = [r["time/step_s"] for r in lines if "time/step_s" in r][3:]
-    return {"step_s": statistics.median(seconds), "wall_s": wall}
+    steps = [r for r in lines if "time/step_s" in r][3:]
+    return {"wall_s": wall, **{f"{part}_s": statistics.median(r[f"time/{part}_s"] for r in steps) for part in PARTS}}
+
+
+PARTS = ("step", "generate", "old_log_prob", "correction", "optimize", "loss_forward", "backward", "optimizer")
 
 
 def default_runs(steps: int, repeats: int) -> dict[str, list[dict]]:
@@ -229,6 +232,12 @@ def main() -> None:
             wall = statistics.median(r["wall_s"] for r in found)
             print(f"default run, {name}: {1 / step:.2f} steps/s ({step * 1e3:.0f} ms/step), command wall {wall:.1f} s; "
                   f"steps/s ratio to N=1 {base / step:.2f} (asked at N=2: >= 1.3)", flush=True)  # fmt: skip
+        print("where a step's time goes, rank 0, ms (median over steps and runs): case | "
+              + " | ".join(PARTS[1:]) + " | optimize's rest (collectives, waits, metrics)")  # fmt: skip
+        for name, found in runs.items():
+            ms = {part: 1e3 * statistics.median(r[f"{part}_s"] for r in found) for part in PARTS}
+            rest = ms["optimize"] - ms["loss_forward"] - ms["backward"] - ms["optimizer"]
+            print(f"parts, {name} | " + " | ".join(f"{ms[part]:.0f}" for part in PARTS[1:]) + f" | {rest:.0f}")
     source = SourceSpec.from_config(_config()).build()
     rollouts = [sample_batch(source, i) for i in range(3)]
     print(f"## train_step alone ({args.steps - 1} timed calls after a warm-up, fixed rollouts, 1 thread per rank)")
