@@ -141,6 +141,8 @@ NOT_HERE = {
         "output of benchmarks/bench_decode.py",
     ("docs/training.md", "# PYTHONPATH=src:. python benchmarks/bench_train.py --skip-strategies --steps 8 --repeats 3"):
         "output of benchmarks/bench_train.py",
+    ("docs/performance.md", (ROOT / "benchmarks/results/bench_distributed.txt").read_text().splitlines()[0]):
+        "output of benchmarks/bench_distributed.py, benchmarks/results/bench_distributed.txt (a generated block)",
     ("docs/analyze.md", "rollcorr analyze: peak memory and speed (benchmarks/bench_analyze.py)"):
         "output of benchmarks/bench_analyze.py, benchmarks/results/bench_analyze.txt (a generated block)",
     ("docs/analyze.md", "import torch"):
