@@ -132,12 +132,14 @@ def _workers(launcher: int) -> dict[int, int]:
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the workers through /proc")
 def test_killed_rank_stops_every_rank_and_the_run_resumes(tmp_path):
     run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "rollcorr", "train", "trainer.ranks=2", "trainer.steps=40",
+    # steps enough that the run is still going when a rank is killed (it is, after its first checkpoints)
+    args = [sys.executable, "-m", "rollcorr", "train", "trainer.ranks=2", "trainer.steps=5000",
             "trainer.checkpoint_every=1", *SMALL, "--out", str(run_dir)]  # fmt: skip
     launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     try:
         deadline = time.monotonic() + 400
-        while not (run_dir / "checkpoints" / "step_000001").is_dir():
+        # any committed checkpoint (the run keeps the newest two: step_000001 may be gone by the next look)
+        while not list((run_dir / "checkpoints").glob("step_*")):
             assert launcher.poll() is None, launcher.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "no checkpoint within 400 s"
             time.sleep(0.5)
