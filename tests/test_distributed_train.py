@@ -222,6 +222,25 @@ def test_failure_line_names_the_exception_the_signal_or_the_exit_code(tmp_path, 
     )
 
 
+def test_the_rank_named_is_the_one_that_died_not_one_the_agent_stopped(tmp_path):
+    """A rank killed (SIGKILL) makes the agent stop the others with SIGTERM; whichever failure it records first,
+    the launcher names the killed rank. Only when every rank was stopped so is one of them named."""
+    import signal as signals
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from rollcorr.distributed.launch import _root_failure
+
+    missing = str(tmp_path / "none.json")
+    stopped = ProcessFailure(local_rank=0, pid=1, exitcode=-int(signals.SIGTERM), error_file=missing)
+    killed = ProcessFailure(local_rank=1, pid=2, exitcode=-int(signals.SIGKILL), error_file=missing)
+    stopped.timestamp, killed.timestamp = 1, 2  # the agent's SIGTERM recorded first: the race seen in CI
+    rank, failure = _root_failure(ChildFailedError("train", {0: stopped, 1: killed}))
+    assert rank == 1 and failure is killed
+    rank, _ = _root_failure(ChildFailedError("train", {0: stopped}))
+    assert rank == 0
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])

@@ -32,6 +32,18 @@ REFUSED_EXIT = 2  # ``rollcorr train``'s exit code for a refusal (bad input, a r
 SIGNAL_EXIT = 128  # a rank stopped by a signal under the launcher exits 128 + its number (the shell's way)
 
 
+def _root_failure(err) -> tuple[int, object]:
+    """The failed rank to name: the first failure that is not the agent's own teardown. When one rank dies the
+    agent stops the others with SIGTERM before they run any handler (killed by SIGTERM); which failure it
+    records first is a race, so such a rank is named only when every failure is one."""
+    own = -int(signal.SIGTERM)
+    causes = {rank: failure for rank, failure in err.failures.items() if (failure.exitcode or 0) != own}
+    if not causes:
+        return err.get_first_failure()
+    rank = min(causes, key=lambda r: (causes[r].timestamp, r))
+    return rank, causes[rank]
+
+
 def _cause(failure) -> str:
     """A worker's failure in words: the signal that killed it, its exception (recorded by
     ``torch.distributed.elastic``'s ``record``), or its exit code."""
@@ -88,7 +100,7 @@ def launch(train_args: list[str], nprocs: int, run_dir: str | None = None) -> in
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "rollcorr", "train", *train_args)
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
+        rank, failure = _root_failure(err)
         codes = {f.exitcode or 0 for f in err.failures.values()}
         where = f"; continue with rollcorr train --resume {run_dir}" if run_dir else ""
         if REFUSED_EXIT in codes:  # a refusal before training: rank 0 said it in one line; nothing to resume
