@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rollcorr.distributed.ranks import ONE_PROCESS, DistributedError, Ranks
+from rollcorr.distributed.ranks import LAYOUTS, ONE_PROCESS, DistributedError, Ranks
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # How long a collective may wait. Ranks > 0 wait in a broadcast while rank 0 alone samples, evaluates or starts a
@@ -95,8 +95,8 @@ class ProcessGroup(Ranks):
         from rollcorr.distributed import replicate
         from rollcorr.distributed.shard import ShardedLearner, fsdp_options
 
-        if layout not in ("auto", "replicate", "shard"):
-            raise ValueError(f"layout must be auto, replicate or shard, got {layout!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         options = fsdp_options(**fsdp)
         if layout == "auto":
             fits = replicate.fits_replicated(replicate.training_state_bytes(learner.model),

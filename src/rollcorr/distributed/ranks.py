@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+LAYOUTS = ("auto", "replicate", "shard")  # how ``shard`` may lay a learner out (``trainer.data_parallel``)
+
 
 class DistributedError(RuntimeError):
     """A rank could not join the group, the launcher's environment is incomplete, or the ranks disagree."""

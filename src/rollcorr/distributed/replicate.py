@@ -31,7 +31,8 @@ import torch
 from torch import Tensor, nn
 
 from rollcorr.checkpoint import Checkpointer
-from rollcorr.distributed.ranks import DistributedError, Ranks
+from rollcorr.distributed.ranks import Ranks
+from rollcorr.distributed.shard import require_same_layout
 
 REPLICATE_SHARE = 0.25  # auto: replicate while parameters + gradients + AdamW state take ≤ this share of a rank's memory
 TRAINING_COPIES = 4  # parameters, gradients, AdamW's exp_avg and exp_avg_sq
@@ -116,7 +117,7 @@ def all_reduce_gradients(params: list[Tensor], ranks: Ranks) -> None:
 
 
 def _layout(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, dtype) of every parameter and buffer, in order: what every rank must build alike."""
+    """(name, shape, dtype) of every parameter (tied ones once) and buffer, in the order they are broadcast."""
     entries = list(model.named_parameters()) + [(f"buffer:{n}", b) for n, b in model.named_buffers()]
     return [(name, tuple(t.shape), str(t.dtype)) for name, t in entries]
 
@@ -139,10 +140,7 @@ class ReplicatedLearner:
             model.tie_weights()
         else:
             model.to(ranks.device)
-        layout = _layout(model)
-        if not ranks.all_true(ranks.broadcast(layout) == layout):
-            raise DistributedError("the ranks built different models (the names, shapes or dtypes of some rank's "
-                                   "weights and buffers differ from rank 0's): every rank must build the same model")  # fmt: skip
+        require_same_layout(_layout(model), ranks)  # parameters deduplicated: a tie lost on a rank shows
         broadcast_from_rank0([*dict(model.named_parameters()).values(), *dict(model.named_buffers()).values()], ranks)
         learner.device = ranks.device
         self.model, self.tokenizer = model, learner.tokenizer

@@ -236,6 +236,14 @@ def _layout(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
     return [(name, tuple(t.shape), str(t.dtype)) for name, t in entries]
 
 
+def require_same_layout(layout: list, ranks: Ranks) -> None:
+    """DistributedError unless every rank built the model ``layout`` describes as rank 0 did (every rank calls
+    it; the weights then travel from rank 0 in that order)."""
+    if not ranks.all_true(ranks.broadcast(layout) == layout):
+        raise DistributedError("the ranks built different models (the names, shapes or dtypes of some rank's "
+                               "weights and buffers differ from rank 0's): every rank must build the same model")  # fmt: skip
+
+
 def load_from_rank0(model: nn.Module, full: dict[str, Tensor], ranks: Ranks) -> None:
     """Fill every rank's shards of the sharded ``model`` from rank 0's weights (``full``: rank 0's whole
     state dict taken before sharding; ``{}`` elsewhere), and its buffers (rotary frequencies and other
@@ -245,10 +253,7 @@ def load_from_rank0(model: nn.Module, full: dict[str, Tensor], ranks: Ranks) -> 
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    layout = _layout(model)
-    if not ranks.all_true(ranks.broadcast(layout) == layout):
-        raise DistributedError("the ranks built different models (the names, shapes or dtypes of some rank's "
-                               "weights and buffers differ from rank 0's): every rank must build the same model")  # fmt: skip
+    require_same_layout(_layout(model), ranks)
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
         model.to_empty(device=ranks.device)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)

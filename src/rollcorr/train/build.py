@@ -110,13 +110,12 @@ def check_fsdp(config: TrainConfig) -> None:
     from rollcorr.distributed.group import launched
     from rollcorr.train.config import FSDPConfig
 
-    fsdp = config.trainer.fsdp
-    if fsdp != FSDPConfig() and config.trainer.ranks == 1 and not launched():
-        changed = next(f.name for f in dataclasses.fields(fsdp) if getattr(fsdp, f.name) != getattr(FSDPConfig(), f.name))
+    fsdp, default = config.trainer.fsdp, FSDPConfig()
+    changed = next((f.name for f in dataclasses.fields(fsdp) if getattr(fsdp, f.name) != getattr(default, f.name)), None)
+    if changed is not None and config.trainer.ranks == 1 and not launched():
         raise ConfigError(f"trainer.fsdp.{changed}: applies to a data-parallel learner only (trainer.ranks > 1 "
                           "or torchrun); this run trains in one process, unsharded")  # fmt: skip
-    if fsdp != FSDPConfig() and config.trainer.data_parallel == "replicate":
-        changed = next(f.name for f in dataclasses.fields(fsdp) if getattr(fsdp, f.name) != getattr(FSDPConfig(), f.name))
+    if changed is not None and config.trainer.data_parallel == "replicate":
         raise ConfigError(f"trainer.fsdp.{changed}: applies to a sharded learner, and trainer.data_parallel=replicate "
                           "keeps the whole model on every rank (set trainer.data_parallel=shard, or leave it auto: "
                           "an FSDP option then shards)")  # fmt: skip

@@ -20,6 +20,7 @@ from rollcorr.config.correction import CorrectionConfig
 from rollcorr.config.loss import AGG_MODES
 from rollcorr.config.presets import PresetError, resolve
 from rollcorr.config.yaml_io import YamlError, excerpt, load_yaml, load_yaml_file
+from rollcorr.distributed.ranks import LAYOUTS
 from rollcorr.distributed.split import split_problem
 from rollcorr.losses import LOSSES as LOSS_CATALOGUE
 from rollcorr.losses import LossConfig, loss_spec
@@ -276,7 +277,7 @@ class OptimConfig:
 
 
 FSDP_DTYPES = ("fp32", "bf16", "fp16")
-DATA_PARALLEL = ("auto", "replicate", "shard")  # trainer.data_parallel
+DATA_PARALLEL = LAYOUTS  # trainer.data_parallel
 
 
 @dataclass
