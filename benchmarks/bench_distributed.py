@@ -5,9 +5,11 @@ and sharded), of ``train_step`` alone, and the memory each rank holds.
     python benchmarks/bench_distributed.py --runs 1 --run-steps 20 --skip-memory       # quicker
 
 The default run: ``rollcorr train`` with the default config (no plot, no progress bar) for ``--run-steps``
-steps at N = 1, N = 2 replicated (``trainer.data_parallel=replicate``: whole model per rank, one gradient
-all-reduce per optimizer step, every rank sampling its share of each batch) and N = 2 sharded (FSDP2, rank 0
-sampling), ``--runs`` of each interleaved, each a fresh command; per run the median of ``time/step_s`` (the
+steps at N = 1, N = 1 on half the batch (one rank's share, no communication: the most N = 2 could reach), N = 2
+replicated (``trainer.data_parallel=replicate``: whole model per rank, one gradient all-reduce per optimizer
+step, every rank sampling its share of each batch), the same with its collectives over gloo's sockets instead of
+shared memory (``ROLLCORR_HOST_MEMORY=0``) and N = 2 sharded (FSDP2, rank 0 sampling), ``--runs`` of each
+interleaved, each a fresh command; per run the median of ``time/step_s`` (the
 step from asking for the batch to publishing the new weights; evaluations are outside it) over the steps after
 the first three; the steps/s ratio to N = 1 (asked: ≥ 1.3 at N = 2).
 
@@ -169,21 +171,21 @@ def run(world: int, rollouts, steps: int, wide: dict | None, layout: str = "shar
         return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
 
 
-def default_run(world: int, layout: str, steps: int, out: str) -> dict:
+def default_run(world: int, layout: str, steps: int, out: str, overrides=(), env=None) -> dict:
     """``rollcorr train`` with the default config (the built-in model and task; no plot, no progress bar) at
-    ``world`` ranks, in fresh processes: the median of ``time/step_s`` (next batch, π_old, correction,
-    optimizer steps, publish; the evaluations are outside it) over the steps after the first three, and the
-    wall time of the whole command."""
+    ``world`` ranks, in fresh processes (``overrides`` and ``env`` added): the median of ``time/step_s`` (next
+    batch, π_old, correction, optimizer steps, publish; the evaluations are outside it) over the steps after the
+    first three, and the wall time of the whole command."""
     import subprocess
     import sys
 
     args = [sys.executable, "-m", "rollcorr", "train", f"trainer.steps={steps}", "trainer.plot=false",
-            "trainer.progress=false"]  # fmt: skip
+            "trainer.progress=false", *overrides]  # fmt: skip
     if world > 1:
         args += [f"trainer.ranks={world}", f"trainer.data_parallel={layout}"]
     args += ["--out", out]
     start = time.perf_counter()
-    subprocess.run(args, check=True, capture_output=True, text=True)
+    subprocess.run(args, check=True, capture_output=True, text=True, env={**os.environ, **(env or {})})
     wall = time.perf_counter() - start
     lines = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in lines if "time/step_s" in r][3:]
@@ -193,14 +195,26 @@ def default_run(world: int, layout: str, steps: int, out: str) -> dict:
 PARTS = ("step", "generate", "old_log_prob", "correction", "optimize", "loss_forward", "backward", "optimizer")
 
 
+# name: (ranks, layout, overrides, environment). "N=1, half the batch" is one rank's work at N = 2 with no
+# communication (8 of the 16 prompts): the most N = 2 could reach. "over gloo" keeps the trainer's collectives
+# on gloo's sockets instead of the shared memory of ranks on one host (distributed/host_memory.py).
+DEFAULT_RUN_CASES = {
+    "N=1": (1, "replicate", (), {}),
+    "N=1, half the batch": (1, "replicate", ("rollout.prompts_per_step=8",), {}),
+    "N=2 replicate": (2, "replicate", (), {}),
+    "N=2 replicate over gloo": (2, "replicate", (), {"ROLLCORR_HOST_MEMORY": "0"}),
+    "N=2 shard": (2, "shard", (), {}),
+}
+
+
 def default_runs(steps: int, repeats: int) -> dict[str, list[dict]]:
-    """``default_run`` for N = 1 and N = 2 in both layouts, ``repeats`` times, interleaved."""
-    cases = {"N=1": (1, "replicate"), "N=2 replicate": (2, "replicate"), "N=2 shard": (2, "shard")}
-    found: dict[str, list[dict]] = {name: [] for name in cases}
+    """``default_run`` for each of ``DEFAULT_RUN_CASES``, ``repeats`` times, interleaved."""
+    found: dict[str, list[dict]] = {name: [] for name in DEFAULT_RUN_CASES}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(repeats):
-            for name, (world, layout) in cases.items():
-                found[name].append(default_run(world, layout, steps, os.path.join(tmp, f"{repeat}-{world}-{layout}")))
+            for index, (name, (world, layout, overrides, env)) in enumerate(DEFAULT_RUN_CASES.items()):
+                out = os.path.join(tmp, f"{repeat}-{index}")
+                found[name].append(default_run(world, layout, steps, out, overrides, env))
     return found
 
 
@@ -210,7 +224,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--run-steps", type=int, default=40, help="steps of each default run")
-    parser.add_argument("--runs", type=int, default=3, help="default runs per case, interleaved")
+    parser.add_argument("--runs", type=int, default=5, help="default runs per case, interleaved")
     parser.add_argument("--wide-steps", type=int, default=3, help="train_step calls on the wide model per case")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-runs", action="store_true")

@@ -42,7 +42,7 @@ def _worker(rank: int, port: int, fn, *args) -> None:
 
 
 def _gradients(ranks, out: str) -> None:
-    from rollcorr.distributed.replicate import all_reduce_gradients
+    from rollcorr.distributed.replicate import GradientAverager
 
     a, b, c = (torch.zeros(3, requires_grad=True) for _ in range(3))
     d = torch.zeros(2, dtype=torch.float64, requires_grad=True)  # a second dtype: its own buffer
@@ -50,7 +50,7 @@ def _gradients(ranks, out: str) -> None:
         a.grad, d.grad = torch.full((3,), 1.0), torch.full((2,), 4.0, dtype=torch.float64)
     else:
         a.grad, b.grad = torch.full((3,), 3.0), torch.full((3,), 2.0)
-    all_reduce_gradients([a, b, c, d], ranks)
+    GradientAverager()([a, b, c, d], ranks)
     torch.save({name: None if p.grad is None else p.grad.clone() for name, p in zip("abcd", (a, b, c, d))},
                f"{out}.{ranks.rank}")  # fmt: skip
 

@@ -8,6 +8,9 @@
     mesh      a 1-D ``DeviceMesh`` over every rank, built for the device type explicitly
               (``init_device_mesh("cpu", (N,))``: on a machine with GPUs, a CPU run that let the mesh guess its
               device type has been reported to crash inside ``fully_shard``, pytorch issue 132471)
+    host      CPU ranks all on one host: the trainer's collectives (``all_reduce``, ``gather_rows``,
+              ``all_gather_object``, a replicated learner's gradients) through shared memory, a spin barrier
+              between writing and reading (``host_memory.py``); ``ROLLCORR_HOST_MEMORY=0`` keeps them on gloo
 
 ``ProcessGroup`` is one rank of that group as the rest of rollcorr sees it: the ``Ranks`` surface (``ranks.py``:
 rank, world size, device, mesh, the few collectives the trainer needs) over torch.distributed, a learner sharded
@@ -23,7 +26,7 @@ import functools
 import gc
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,14 +48,18 @@ class ProcessGroup(Ranks):
     learner replicated on every rank or sharded over ``mesh`` with FSDP2 (``layout``, chosen by ``shard``)."""
 
     layout: str = "shard"  # how ``shard`` laid out the learner: replicate | shard
+    host: Any = None  # ``host_memory.HostMemory`` when every rank is a CPU rank of this host, else None (gloo)
+    _averager: Any = field(default=None, repr=False)  # a replicated learner's ``GradientAverager`` (its buffers)
 
     # ---- collectives (all ranks call them, in the same order) ------------------------------------
-    def all_reduce(self, x: Tensor, op: str = "sum") -> Tensor:
-        out = x.detach().clone().to(self.device)
+    def all_reduce(self, x: Tensor, op: str = "sum", out: Tensor | None = None) -> Tensor:
+        if self.host is not None:
+            return self.host.all_reduce(x, op, out)
+        reduced = x.detach().clone().to(self.device) if out is None or out.device != self.device else out.copy_(x)
         dist.all_reduce(
-            out, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+            reduced, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
         )
-        return out.to(x.device)
+        return reduced.to(x.device) if out is None else out.copy_(reduced)
 
     def all_true(self, flag: bool) -> bool:
         return bool(self.all_reduce(torch.tensor([1.0 if flag else 0.0]), "min").item() > 0)
@@ -63,11 +70,18 @@ class ProcessGroup(Ranks):
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
+        if self.host is not None:
+            return self.host.all_gather_object(obj, fallback=self._gloo_all_gather_object)
+        return self._gloo_all_gather_object(obj)
+
+    def _gloo_all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, obj)
         return out
 
     def gather_rows(self, x: Tensor) -> Tensor:
+        if self.host is not None:
+            return self.host.all_gather(x).flatten(0, 1).to(x.device)
         local = x.detach().contiguous().to(self.device)
         parts = [torch.empty_like(local) for _ in range(self.world)]
         dist.all_gather(parts, local)
@@ -107,13 +121,21 @@ class ProcessGroup(Ranks):
             return replicate.ReplicatedLearner(learner, self)
         return ShardedLearner(learner, self, **options)
 
-    def reduce_gradients(self, params: list[Tensor]) -> None:
-        """A replicated learner's gradients: their mean over the ranks, one all-reduce per dtype (a sharded
-        learner's were reduce-scattered during the backward)."""
-        if self.layout == "replicate":
-            from rollcorr.distributed.replicate import all_reduce_gradients
+    @property
+    def backward_is_collective(self) -> bool:
+        return self.layout == "shard"
 
-            all_reduce_gradients(params, self)
+    def reduce_gradients(self, params: list[Tensor], finite: bool = True) -> bool:
+        """A replicated learner's gradients: their mean over the ranks, one all-reduce per dtype that also
+        carries ``finite`` (a sharded learner's were reduce-scattered during the backward, its ranks agreed on
+        ``finite`` before it)."""
+        if self.layout != "replicate":
+            return finite
+        if self._averager is None:
+            from rollcorr.distributed.replicate import GradientAverager
+
+            self._averager = GradientAverager()
+        return self._averager(params, self, finite)
 
     def checkpointer(self, learner, optimizer: torch.optim.Optimizer):
         """Replicated: rank 0 writes one process's checkpoint (``ReplicatedCheckpointer``). Sharded: every rank
@@ -183,7 +205,12 @@ def init_from_env(device: str | None = None, timeout_s: float = COLLECTIVE_TIMEO
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
-    return ProcessGroup(rank=rank, world=world, local_rank=local, device=dev, mesh=mesh, backend=backend)
+    group = ProcessGroup(rank=rank, world=world, local_rank=local, device=dev, mesh=mesh, backend=backend)
+    if dev.type == "cpu" and world > 1 and os.environ.get("ROLLCORR_HOST_MEMORY", "1") != "0":
+        from rollcorr.distributed.host_memory import HostMemory
+
+        group.host = HostMemory.open(rank, world, group.broadcast, group.all_true, dist.barrier, timeout_s)
+    return group
 
 
 def joined(ranks: Ranks, timeout_s: float = JOIN_TIMEOUT_S) -> None:

@@ -40,9 +40,10 @@ class Ranks:
         return self.rank == 0
 
     # ---- collectives (all ranks call them, in the same order); one process: the input itself -------------
-    def all_reduce(self, x: Tensor, op: str = "sum") -> Tensor:
-        """A copy of ``x`` reduced over every rank (op: sum | max | min)."""
-        return x.detach().clone()
+    def all_reduce(self, x: Tensor, op: str = "sum", out: Tensor | None = None) -> Tensor:
+        """``x`` reduced over every rank (op: sum | max | min): into ``out`` (like ``x``; ``x`` itself may be
+        it), or a new tensor."""
+        return x.detach().clone() if out is None else out.copy_(x)
 
     def all_true(self, flag: bool) -> bool:
         """True when ``flag`` holds on every rank (so all ranks take the same branch around a collective)."""
@@ -81,9 +82,18 @@ class Ranks:
         ``trainer.fsdp`` keys)."""
         return learner
 
-    def reduce_gradients(self, params: list[Tensor]) -> None:
-        """After a mini-batch's backward: the gradients as the optimizer must see them. Nothing to do here
-        (one process; a sharded learner's are reduce-scattered during the backward)."""
+    @property
+    def backward_is_collective(self) -> bool:
+        """Whether the learner's forward and backward run collectives (a sharded learner's all-gathers and
+        reduce-scatters), so that every rank must agree to run them before any does."""
+        return False
+
+    def reduce_gradients(self, params: list[Tensor], finite: bool = True) -> bool:
+        """After a mini-batch's backward, on every rank (one whose loss was not finite too): the gradients as
+        the optimizer must see them; returns whether the loss was finite on every rank. Nothing to reduce here
+        (one process; a sharded learner's gradients are reduce-scattered during the backward, and its ranks
+        agreed on ``finite`` before it)."""
+        return finite
 
     def checkpointer(self, learner, optimizer: torch.optim.Optimizer):
         """What writes and reads the learner's weights and optimizer state in the run's checkpoints."""

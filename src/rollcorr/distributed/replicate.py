@@ -6,7 +6,7 @@ stay those of one process).
                rank 0's parameters and buffers in one broadcast per dtype (``broadcast_from_rank0``)
     forward    each rank scores its own rows with the whole model: no collective in any forward or backward
     gradients  after a mini-batch's backward, every gradient is packed into one buffer per dtype and
-               all-reduced once (``all_reduce_gradients``): the mean over ranks, as FSDP2's reduce-scatter gives,
+               all-reduced once (``GradientAverager``): the mean over ranks, as FSDP2's reduce-scatter gives,
                so ``train/step.py`` scales each rank's loss by N alike for both layouts
     optimizer  AdamW on the whole parameters, on every rank, from the same gradients: the ranks stay equal
 
@@ -83,37 +83,60 @@ def broadcast_from_rank0(tensors: list[Tensor], ranks: Ranks) -> None:
                 offset += t.numel()
 
 
-@torch.no_grad()
-def all_reduce_gradients(params: list[Tensor], ranks: Ranks) -> None:
-    """Each parameter's gradient replaced by its mean over the ranks, in one all-reduce per dtype.
+class GradientAverager:
+    """A replicated learner's gradients averaged over the ranks, one all-reduce per dtype, in buffers kept from one
+    optimizer step to the next (a fresh buffer of the gradients' size each step costs its page faults again:
+    about as much as the reduction itself on a CPU).
 
     A parameter no rank gave a gradient keeps ``grad = None`` (AdamW then leaves it alone, as in one
     process); one that some ranks did not reach (a rank with no rows) counts as zero there. Each group's
     buffer carries one extra slot per parameter, 1 where this rank has its gradient, so the ranks learn which
-    is which in the same collective."""
-    import torch.distributed as dist
+    is which in the same collective; the first group one more, 1 where this rank's loss was not finite (no
+    collective of its own: a replicated learner's backward has none, so the ranks need not agree before it)."""
 
-    for group in _by_dtype(params).values():
-        dtype = group[0].dtype
-        have = [p.grad is not None for p in group]
-        flat = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=dtype, device=p.device)
-                for p in group]  # fmt: skip
-        flat.append(torch.tensor(have, dtype=dtype, device=group[0].device))
-        packed = torch.cat(flat).to(ranks.device)
-        dist.all_reduce(packed)
-        packed = packed.to(group[0].device)
-        reached = packed[-len(group) :] > 0
-        packed[: -len(group)].div_(ranks.world)
-        offset = 0
-        for p, any_rank in zip(group, reached.tolist()):
-            values = packed[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
-            if not any_rank:
-                p.grad = None
-            elif p.grad is None:
-                p.grad = values.clone()
-            else:
-                p.grad.copy_(values)
+    def __init__(self) -> None:
+        self._buffers: dict[torch.dtype, Tensor] = {}
+
+    @torch.no_grad()
+    def __call__(self, params: list[Tensor], ranks: Ranks, finite: bool = True) -> bool:
+        """Each gradient in ``params`` replaced by its mean over ``ranks``; whether ``finite`` (this rank's loss
+        was finite) held on every rank."""
+        groups = list(_by_dtype(params).values())
+        if not groups:
+            return ranks.all_true(finite)
+        every_rank_finite = finite
+        for index, group in enumerate(groups):
+            dtype, device = group[0].dtype, group[0].device
+            have = [p.grad is not None for p in group] + ([not finite] if index == 0 else [])
+            size = sum(p.numel() for p in group) + len(have)
+            packed = self._buffers.get(dtype)
+            if packed is None or packed.numel() != size or packed.device != device:
+                packed = self._buffers[dtype] = torch.empty(size, dtype=dtype, device=device)
+            offset = 0
+            for p in group:
+                values = packed[offset : offset + p.numel()]
+                if p.grad is None:
+                    values.zero_()
+                else:
+                    values.copy_(p.grad.reshape(-1))
+                offset += p.numel()
+            packed[offset:] = torch.tensor(have, dtype=dtype)
+            ranks.all_reduce(packed, out=packed)
+            slots = packed[offset:].tolist()
+            if index == 0:
+                every_rank_finite = slots.pop() == 0  # a count of ranks, > 0 even where the dtype rounds it
+            packed[:offset].div_(ranks.world)
+            offset = 0
+            for p, reached in zip(group, slots):
+                values = packed[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if reached == 0:
+                    p.grad = None
+                elif p.grad is None:
+                    p.grad = values.clone()
+                else:
+                    p.grad.copy_(values)
+        return every_rank_finite
 
 
 def _layout(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:

@@ -265,10 +265,11 @@ def optimize(
 ) -> tuple[dict[str, float], int, int]:
     """PPO epochs × mini-batches of optimizer steps over ``rollout``'s kept tokens (``kept_mask``).
 
-    This rank's micro-batches cover its share of each global mini-batch (``split``; one process: all of it) and accumulate gradients; each micro loss is scaled by its share of the global mini-batch's loss count
+    This rank's micro-batches cover its share of each global mini-batch (``split``; one process: all of it)
+    and accumulate gradients; each micro loss is scaled by its share of the global mini-batch's loss count
     (``count_of``: tokens, sequences, or none for token-sum), so the gradient summed over micro-batches and
     ranks equals the mini-batch one; the loss metrics are summed likewise (each weighted by its part's share:
-    exact for metrics averaged as the loss is).
+    exact for metrics averaged as the loss is), over the ranks once at the end.
     Returns (metrics averaged over optimizer steps, optimizer steps applied, steps skipped as non-finite).
     A mini-batch whose gradient is exactly zero is counted in ``train/zero_grad_minibatches``; with
     ``config.skip_zero_grad`` it takes no optimizer step (counted in ``train/zero_grad_skips``; not a bad step).
@@ -276,7 +277,8 @@ def optimize(
     gets ``routing/flip_share`` and ``routing/flip_token_share`` from the first epoch's forwards (``RoutingFlips``).
     """
     params = [p for p in learner.model.parameters() if p.requires_grad]
-    sums: dict[str, float] = {}
+    own_sums: dict[str, float] = {}  # this rank's part of the applied mini-batches' loss metrics
+    grad_norms = 0.0  # the applied mini-batches' (global) gradient norms
     applied = skipped = zero_grad_skips = zero_grads = nonfinite_weights = amp_overflows = 0
     guarded_step = GuardedStep(optimizer, params, ranks)
     # a sharded learner's gradients are reduce-scattered as the *mean* over ranks: scale by N to get their sum
@@ -309,7 +311,8 @@ def optimize(
                 if ok:
                     loss, metrics = _loss(config, part, log_prob, generator)
                     ok = bool(torch.isfinite(loss))
-                ok = ranks.all_true(ok)  # every rank takes the same branch around FSDP's collectives
+                if ranks.backward_is_collective:  # every rank takes the same branch around FSDP's collectives
+                    ok = ranks.all_true(ok)
                 seconds["loss_forward"] += time.perf_counter() - clock
                 if not ok:
                     finite = False
@@ -328,12 +331,8 @@ def optimize(
                 step_metrics["actor/entropy"] = step_metrics.get("actor/entropy", 0.0) + tokens * float(
                     masked_mean(entropy.detach(), part.response_mask)
                 )
-            if finite:  # a replicated learner's gradients averaged over the ranks (else nothing to do)
-                ranks.reduce_gradients(params)
-            if finite and step_metrics:  # summed over ranks (in one order on every rank)
-                keys = sorted(step_metrics)
-                summed = ranks.all_reduce(torch.tensor([step_metrics[k] for k in keys], dtype=torch.float64))
-                step_metrics = {k: summed[keys.index(k)].item() for k in step_metrics}
+            # a replicated learner's gradients averaged over the ranks, with whether every rank's loss was finite
+            finite = ranks.reduce_gradients(params, finite)
             if finite and loss_scaler is not None:  # unscale; an overflow skips this step (not a bad step)
                 unscaled = ranks.all_true(loss_scaler.unscale(params))
                 loss_scaler.update(unscaled)
@@ -362,11 +361,16 @@ def optimize(
             applied += 1
             if after_optimizer_step is not None:
                 after_optimizer_step(learner.model)
-            step_metrics["loss/grad_norm"] = grad_norm
+            grad_norms += grad_norm
             for k, v in step_metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
+                own_sums[k] = own_sums.get(k, 0.0) + v
     optimizer.zero_grad(set_to_none=True)
-    metrics = {k: v / max(applied, 1) for k, v in sums.items()}
+    # the loss metrics summed over the ranks once (every rank applied the same mini-batches: the same keys)
+    keys = sorted(own_sums)
+    summed = ranks.all_reduce(torch.tensor([own_sums[k] for k in keys], dtype=torch.float64)) if keys else None
+    metrics = {k: summed[keys.index(k)].item() / max(applied, 1) for k in own_sums}
+    if applied:
+        metrics["loss/grad_norm"] = grad_norms / applied
     metrics["train/zero_grad_skips"] = float(zero_grad_skips)
     metrics["train/nonfinite_weight_steps"] = float(nonfinite_weights)
     metrics["train/zero_grad_minibatches"] = float(zero_grads)
@@ -388,7 +392,8 @@ class GuardedStep:
     allocated once, then one max-abs pass (one sync) checks the result; no deep copy, no state_dict.
 
     Sharded parameters (FSDP2 ``DTensor``): each rank saves, checks and restores its own shards, and a max over
-    ``ranks`` makes every rank take the same decision.
+    ``ranks`` makes every rank take the same decision. A replicated learner's ranks hold equal weights (the same
+    AdamW step from the same all-reduced gradients), so each decides alone, as every other rank does.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[Tensor], ranks: Ranks = ONE_PROCESS) -> None:
@@ -440,7 +445,9 @@ class GuardedStep:
         norms = [weights[i].abs().amax().double() for i in self._checked]
         ratios = (torch.stack(norms) / self._limits.to(norms[0].device) if norms
                   else torch.zeros(1, dtype=torch.float64))  # fmt: skip
-        largest = self.ranks.all_reduce(ratios.max().nan_to_num(nan=math.inf), "max")
+        largest = ratios.max().nan_to_num(nan=math.inf)
+        if not self.ranks.holds_whole_model:  # shards: the largest over the ranks
+            largest = self.ranks.all_reduce(largest, "max")
         if bool(largest <= 1.0):
             return True
         for p, buf, entry in zip(self.params, self._weights, saved):
@@ -509,11 +516,15 @@ def train_step(
     bypass = config.correction.mode == "bypass"
     exact = proximal.is_exact(rollout, version)  # π_old is π_train(v_gen) for every token
     current = proximal.current_log_prob(prox)
+    free = current is prox.old_log_prob  # recompute: π_θ is π_old, gathered above
     if current is None and (bypass or exact):
         with torch.no_grad():
             current = learner.log_prob(own, temperature=config.temperature, grad=False)
             current = current[0] if isinstance(current, tuple) else current
-    current = everyone(current) if (bypass or exact) else None  # read only then
+    if bypass or exact:  # read only then
+        current = rollout.old_log_prob if free else everyone(current)
+    else:
+        current = None
 
     # OPSM reads the advantages: then they are computed before the correction, every valid sequence in the
     # baselines (as DeepSeek-V3.2 and slime do), and the loss uses the same ones; otherwise after it, with
