@@ -47,9 +47,10 @@ ARRIVED, PID = 0, 1  # a rank's flags: how many barriers it has reached, its pro
 # with a store fence), and loads are not reordered with older loads: a rank that sees another's arrival count
 # sees the slot it wrote before. Other architectures need fences Python cannot issue: gloo's barrier there.
 SPIN_ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-SPIN_S = 100e-6  # a barrier's wait: spinning this long, then yielding the core, then short sleeps
-YIELD_S = 2e-3
-SLEEP_S = 50e-6
+SPIN_S = 100e-6  # a barrier's wait: spinning this long, then yielding the core until YIELD_S, then sleeping
+YIELD_S = 2e-3  # a hundredth of the time waited so far, between SLEEP_S and MAX_SLEEP_S (a rank that waits
+SLEEP_S = 50e-6  # seconds for rank 0's evaluation or checkpoint wakes ~1000 times a second, not 20 000)
+MAX_SLEEP_S = 1e-3
 CHECK_S = 0.5  # how often a waiting rank checks that the ranks it waits for still run
 _REDUCE = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}  # over the ranks' slots (dim 0), into ``out``
 
@@ -170,9 +171,9 @@ class SpinBarrier:
     """Every rank waits until every rank has arrived: each rank counts its arrivals in its own cache line of the
     shared mapping and waits until every count reaches its own — a few microseconds when the ranks arrive
     together, against 0.1–0.7 ms for gloo's barrier through a socket. A wait spins ``SPIN_S``, then yields the
-    core, then sleeps in short steps (a rank that waits long leaves the core to others); every ``CHECK_S`` it
-    checks that the ranks it waits for still run (a killed rank fails the barrier at once, as a closed socket
-    fails gloo's) and after ``timeout_s`` it gives up, as gloo's collectives do."""
+    core, then sleeps in steps growing with the wait (a rank that waits long leaves the core to others); every
+    ``CHECK_S`` it checks that the ranks it waits for still run (a killed rank fails the barrier at once, as a
+    closed socket fails gloo's) and after ``timeout_s`` it gives up, as gloo's collectives do."""
 
     def __init__(self, flags: Tensor, rank: int, timeout_s: float) -> None:
         self.flags, self.rank, self.timeout_s = flags, rank, timeout_s
@@ -194,7 +195,7 @@ class SpinBarrier:
             if now - start < YIELD_S:
                 os.sched_yield()
             else:
-                time.sleep(SLEEP_S)
+                time.sleep(min(max(SLEEP_S, (now - start) / 100), MAX_SLEEP_S))
             if now - checked > CHECK_S:
                 checked = now
                 self._check(now - start)
