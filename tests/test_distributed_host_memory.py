@@ -23,6 +23,7 @@ from rollcorr.distributed.host_memory import (
     HostMemory,
     chunk_bytes_for,
 )
+from rollcorr.distributed.ranks import DistributedError
 
 WORLD = 2
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this machine")
@@ -69,7 +70,7 @@ def _collectives(ranks, out: str) -> None:
     # slots of their own with gloo's barrier between writing and reading (what a CPU other than x86 gets)
     other = HostMemory.open(ranks.rank, WORLD, ranks.broadcast, ranks.all_true, dist.barrier, 60.0,
                             chunk_bytes=MIN_CHUNK_BYTES)  # fmt: skip
-    synced_by_gloo = dataclasses.replace(ranks, host=HostMemory(other.slots, ranks.rank, WORLD, dist.barrier))
+    synced_by_gloo = dataclasses.replace(ranks, host=HostMemory(other.flags, other.slots, ranks.rank, WORLD, dist.barrier))
     generator = torch.Generator().manual_seed(ranks.rank)
     results = {}
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64):
@@ -94,6 +95,10 @@ def _collectives(ranks, out: str) -> None:
     results["objects"] = ranks.all_gather_object(payload)
     large = bytes(MIN_CHUNK_BYTES) if ranks.rank == 1 else b""  # one rank's pickle does not fit a slot: gloo
     results["large"] = [len(o) for o in chunked.all_gather_object(large)]
+    try:  # a collective called with other shapes on the ranks fails on every rank, as gloo's does
+        ranks.all_reduce(torch.ones(3 + ranks.rank))
+    except DistributedError as err:
+        results["mismatch"] = str(err)
     torch.save(results, f"{out}.{ranks.rank}")
 
 
@@ -113,6 +118,8 @@ def test_every_collective_equals_gloos():
         assert [o["rank"] for o in results["objects"]] == [0, 1]
         assert torch.equal(results["objects"][1]["tensor"], torch.arange(3) + 1)
         assert results["large"] == [0, MIN_CHUNK_BYTES]
+        assert results["mismatch"] == ("a collective got tensors of different sizes on the ranks ([12, 16] bytes in "
+                                       "rank order): every rank must pass the same shape and dtype")  # fmt: skip
     for key in zero:  # every rank got the same bits
         if isinstance(key, tuple):
             assert torch.equal(zero[key], one[key]), key
@@ -148,7 +155,6 @@ def test_gradients_averaged_with_whether_every_rank_was_finite(host_memory):
 def _abandoned(ranks, how: str, out: str) -> None:
     """Rank 1 exits (``exit``) or stays away (``late``) while rank 0 waits at the spin barrier."""
     from rollcorr.distributed.host_memory import SpinBarrier
-    from rollcorr.distributed.ranks import DistributedError
 
     host = HostMemory.open(ranks.rank, WORLD, ranks.broadcast, ranks.all_true, dist.barrier, 1.0)
     assert isinstance(host.barrier, SpinBarrier)

@@ -42,7 +42,8 @@ CHUNK_BYTES = 8 << 20  # one rank's slot: a 2 M-parameter fp32 gradient in one p
 MIN_CHUNK_BYTES = 1 << 20  # below this the barriers of many chunks cost more than gloo's socket
 HEADER_BYTES = 8  # an object's pickled size, ahead of its bytes in the slot; rank 0's mark, ahead of the flags
 LINE_BYTES = 64  # a cache line: the mapping's header, then each rank's flags on a line of their own
-ARRIVED, PID = 0, 1  # a rank's flags: how many barriers it has reached, its process id
+ARRIVED, PID, SIZE = 0, 1, 2  # a rank's flags: how many barriers it has reached, its process id, and (at
+# SIZE + half) the bytes it wrote to that half: ranks that pass tensors of different sizes fail, not mix them up
 # Stores become visible to other cores in program order (x86's total store order; glibc's non-temporal copies end
 # with a store fence), and loads are not reordered with older loads: a rank that sees another's arrival count
 # sees the slot it wrote before. Other architectures need fences Python cannot issue: gloo's barrier there.
@@ -71,7 +72,8 @@ class HostMemory:
     ``barrier``: what every rank calls between writing its slot and reading the others' (``SpinBarrier`` on
     x86, gloo's ``barrier`` elsewhere). Build it with ``open`` (every rank)."""
 
-    def __init__(self, slots: Tensor, rank: int, world: int, barrier) -> None:
+    def __init__(self, flags: Tensor, slots: Tensor, rank: int, world: int, barrier) -> None:
+        self.flags = flags  # (world, 8) int64: each rank's line (``ARRIVED``, ``PID``, ``SIZE``), shared
         self.slots = slots  # (2, world, chunk_bytes) uint8, shared by every rank
         self.rank, self.world, self.barrier = rank, world, barrier
         self.chunk_bytes = slots.shape[-1]
@@ -114,15 +116,24 @@ class HostMemory:
         slots[:, rank].zero_()  # this rank's pages faulted in now, not inside a collective later
         if SPIN_ORDERED:
             barrier = SpinBarrier(flags, rank, timeout_s)
-        return cls(slots, rank, world, barrier)
+        return cls(flags, slots, rank, world, barrier)
 
-    def _exchange(self, payload: Tensor) -> Tensor:
+    def _exchange(self, payload: Tensor, same_size: bool = True) -> Tensor:
         """This rank's bytes (≤ a slot) written to its slot of the next half, the barrier, and that half:
-        (world, chunk_bytes) uint8, every rank's slot (read it before the next exchange but one)."""
-        half = self.slots[self._half]
+        (world, chunk_bytes) uint8, every rank's slot (read it before the next exchange but one).
+        ``same_size``: DistributedError when another rank wrote another number of bytes (a tensor collective
+        called with different shapes: gloo refuses it too)."""
+        half_index = self._half
+        half = self.slots[half_index]
         self._half ^= 1
         half[self.rank, : payload.numel()].copy_(payload)
+        self.flags[self.rank, SIZE + half_index] = payload.numel()
         self.barrier()
+        if same_size:
+            sizes = self.flags[:, SIZE + half_index].tolist()
+            if len(set(sizes)) > 1:
+                raise DistributedError(f"a collective got tensors of different sizes on the ranks ({sizes} bytes "
+                                       "in rank order): every rank must pass the same shape and dtype")  # fmt: skip
         return half
 
     def all_reduce(self, x: Tensor, op: str = "sum", out: Tensor | None = None) -> Tensor:
@@ -159,7 +170,7 @@ class HostMemory:
         payload[:HEADER_BYTES].view(torch.int64)[0] = len(data)
         if fits:
             payload[HEADER_BYTES:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        half = self._exchange(payload)
+        half = self._exchange(payload, same_size=False)
         sizes = [int(s) for s in half[:, :HEADER_BYTES].contiguous().view(torch.int64).reshape(-1)]
         if any(size + HEADER_BYTES > self.chunk_bytes for size in sizes):
             return fallback(obj)
