@@ -223,8 +223,9 @@ def test_failure_line_names_the_exception_the_signal_or_the_exit_code(tmp_path, 
 
 
 def test_the_rank_named_is_the_one_that_died_not_one_the_agent_stopped(tmp_path):
-    """A rank killed (SIGKILL) makes the agent stop the others with SIGTERM; whichever failure it records first,
-    the launcher names the killed rank. Only when every rank was stopped so is one of them named."""
+    """A rank killed (SIGKILL) makes the agent stop the others with SIGTERM, and the others' collectives fail;
+    whichever failure it records first, the launcher names the killed rank. Only when every rank was stopped so
+    is one of them named."""
     import signal as signals
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -239,6 +240,13 @@ def test_the_rank_named_is_the_one_that_died_not_one_the_agent_stopped(tmp_path)
     assert rank == 1 and failure is killed
     rank, _ = _root_failure(ChildFailedError("train", {0: stopped}))
     assert rank == 0
+    # rank 0's collective failed because rank 1 was killed, both stamped in the same second: the killed one
+    failed = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=missing)
+    failed.timestamp = killed.timestamp
+    rank, failure = _root_failure(ChildFailedError("train", {0: failed, 1: killed}))
+    assert rank == 1 and failure is killed
+    rank, failure = _root_failure(ChildFailedError("train", {0: failed}))  # an error alone: that rank
+    assert rank == 0 and failure is failed
 
 
 @pytest.mark.slow

@@ -35,8 +35,6 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from rollcorr.distributed.ranks import DistributedError
-
 SHM_DIR = Path("/dev/shm")
 CHUNK_BYTES = 8 << 20  # one rank's slot: a 2 M-parameter fp32 gradient in one piece
 MIN_CHUNK_BYTES = 1 << 20  # below this the barriers of many chunks cost more than gloo's socket
@@ -54,6 +52,12 @@ SLEEP_S = 50e-6  # seconds for rank 0's evaluation or checkpoint wakes ~1000 tim
 MAX_SLEEP_S = 1e-3
 CHECK_S = 0.5  # how often a waiting rank checks that the ranks it waits for still run
 _REDUCE = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}  # over the ranks' slots (dim 0), into ``out``
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective could not complete: a rank it waited for exited, the wait passed the collective timeout, or
+    the ranks passed different sizes — what gloo raises as its backend's RuntimeError, so the run stops as it
+    does when gloo's collective fails (the launcher names the rank that died)."""
 
 
 def chunk_bytes_for(world: int, free_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> int | None:
@@ -121,7 +125,7 @@ class HostMemory:
     def _exchange(self, payload: Tensor, same_size: bool = True) -> Tensor:
         """This rank's bytes (≤ a slot) written to its slot of the next half, the barrier, and that half:
         (world, chunk_bytes) uint8, every rank's slot (read it before the next exchange but one).
-        ``same_size``: DistributedError when another rank wrote another number of bytes (a tensor collective
+        ``same_size``: ``CollectiveFailed`` when another rank wrote another number of bytes (a tensor collective
         called with different shapes: gloo refuses it too)."""
         half_index = self._half
         half = self.slots[half_index]
@@ -132,7 +136,7 @@ class HostMemory:
         if same_size:
             sizes = self.flags[:, SIZE + half_index].tolist()
             if len(set(sizes)) > 1:
-                raise DistributedError(f"a collective got tensors of different sizes on the ranks ({sizes} bytes "
+                raise CollectiveFailed(f"a collective got tensors of different sizes on the ranks ({sizes} bytes "
                                        "in rank order): every rank must pass the same shape and dtype")  # fmt: skip
         return half
 
@@ -212,14 +216,14 @@ class SpinBarrier:
                 self._check(now - start)
 
     def _check(self, waited_s: float) -> None:
-        """DistributedError when a rank this one waits for has exited, or the wait passed ``timeout_s``."""
+        """``CollectiveFailed`` when a rank this one waits for has exited, or the wait passed ``timeout_s``."""
         late = [r for r, count in enumerate(self.arrived.tolist()) if count < self.round]
         for r in late:
             if not _running(self.pids[r]):
-                raise DistributedError(f"rank {r} (process {self.pids[r]}) exited while rank {self.rank} waited for it "
+                raise CollectiveFailed(f"rank {r} (process {self.pids[r]}) exited while rank {self.rank} waited for it "
                                        "in a collective")  # fmt: skip
         if waited_s > self.timeout_s:
-            raise DistributedError(f"rank(s) {', '.join(map(str, late))} did not reach a collective within "
+            raise CollectiveFailed(f"rank(s) {', '.join(map(str, late))} did not reach a collective within "
                                    f"{self.timeout_s:.0f} s (rank {self.rank} waited)")  # fmt: skip
 
 

@@ -9,7 +9,7 @@ directly (docs/distributed.md); each worker reads its rank from the environment 
 
 Faults: when a worker exits with an error or is killed, the agent (polling every 0.2 s) stops the others
 (SIGTERM, then SIGKILL) — a survivor blocked in a collective with the dead peer also fails at once on the closed
-connection — and ``launch`` prints one line naming the first rank that failed and why. A SIGINT, SIGTERM or
+connection, or within half a second at the shared-memory barrier — and ``launch`` prints one line naming the first rank that failed and why. A SIGINT, SIGTERM or
 SIGHUP to the launcher: the agent passes SIGTERM to every worker (each finishes its step and saves a checkpoint,
 as one process does) and ``launch`` says so in one line instead of the agent's ``SignalException`` traceback.
 A signal sent to one worker alone stops every rank after the same step too (the ranks agree on it); each
@@ -35,13 +35,18 @@ SIGNAL_EXIT = 128  # a rank stopped by a signal under the launcher exits 128 + i
 def _root_failure(err) -> tuple[int, object]:
     """The failed rank to name: the first failure that is not the agent's own teardown. When one rank dies the
     agent stops the others with SIGTERM before they run any handler (killed by SIGTERM); which failure it
-    records first is a race, so such a rank is named only when every failure is one."""
+    records first is a race, so such a rank is named only when every failure is one. A rank killed by another
+    signal comes before ranks that exited with an error: theirs is then the collective that failed because it
+    was gone (gloo's closed socket, the shared-memory barrier's check), often within the same second, and the
+    agent's timestamps are whole seconds."""
     own = -int(signal.SIGTERM)
     causes = {rank: failure for rank, failure in err.failures.items() if (failure.exitcode or 0) != own}
     if not causes:
         return err.get_first_failure()
-    rank = min(causes, key=lambda r: (causes[r].timestamp, r))
-    return rank, causes[rank]
+    killed = {rank: failure for rank, failure in causes.items() if (failure.exitcode or 0) < 0}
+    pool = killed or causes
+    rank = min(pool, key=lambda r: (pool[r].timestamp, r))
+    return rank, pool[rank]
 
 
 def _cause(failure) -> str:
