@@ -47,9 +47,10 @@ def test_two_ranks_train_and_resume_at_one_and_back(tmp_path, layout):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "greedy accuracy" in done.stdout and done.stdout.count("run folder:") == 1  # rank 0 alone prints
     said = {"shard": "sharded over 2 ranks by FSDP2 (trainer.data_parallel=shard; its training state 15 MiB); rank "
-                     "0 samples every batch",
+                     "0 samples every batch; the trainer's collectives over shared memory",
             "replicate": "replicated on 2 ranks (one gradient all-reduce per optimizer step; trainer.data_parallel="
-                         "replicate; its training state 15 MiB); every rank samples its share of each batch"}  # fmt: skip
+                         "replicate; its training state 15 MiB); every rank samples its share of each batch; "
+                         "the trainer's collectives over shared memory"}  # fmt: skip
     assert f"data-parallel learner: {said[layout]}" in done.stdout + done.stderr
     assert [r["learner/ranks"] for r in _steps(run_dir)] == [2.0, 2.0, 2.0]
     last = run_dir / "checkpoints" / "step_000003"

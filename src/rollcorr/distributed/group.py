@@ -90,6 +90,10 @@ class ProcessGroup(Ranks):
     def barrier(self) -> None:
         dist.barrier()
 
+    @property
+    def transport(self) -> str:
+        return "shared memory" if self.host is not None else self.backend
+
     # ---- the learner on these ranks ---------------------------------------------------------------
     @property
     def holds_whole_model(self) -> bool:

@@ -65,6 +65,11 @@ class Ranks:
     def barrier(self) -> None:
         """Every rank waits here until all have arrived."""
 
+    @property
+    def transport(self) -> str:
+        """What carries the trainer's collectives: "none" (one process), "shared memory", "gloo" or "nccl"."""
+        return "none"
+
     # ---- the learner on these ranks ---------------------------------------------------------------------
     @property
     def holds_whole_model(self) -> bool:

@@ -268,8 +268,8 @@ def samples_on_every_rank(config: TrainConfig, ranks: Ranks) -> bool:
 
 
 def data_parallel_note(config: TrainConfig, ranks: Ranks, learner) -> str | None:
-    """What a data-parallel run chose, in one line (None in one process): the learner's layout and why, and who
-    samples."""
+    """What a data-parallel run chose, in one line (None in one process): the learner's layout and why, who
+    samples, and what carries the collectives (shared memory between CPU ranks of one host, else gloo or NCCL)."""
     if ranks.world == 1:
         return None
     from rollcorr.distributed.replicate import training_state_bytes
@@ -282,7 +282,7 @@ def data_parallel_note(config: TrainConfig, ranks: Ranks, learner) -> str | None
         layout = f"sharded over {ranks.world} ranks by FSDP2 ({why})"
     who = ("every rank samples its share of each batch" if samples_on_every_rank(config, ranks)
            else "rank 0 samples every batch")  # fmt: skip
-    return f"data-parallel learner: {layout}; {who}"
+    return f"data-parallel learner: {layout}; {who}; the trainer's collectives over {ranks.transport}"
 
 
 def rank_executor(config: TrainConfig, ranks: Ranks) -> Executor:
