@@ -73,8 +73,6 @@ def check_amp(device: str, learner_spec: str, sampler_spec: str) -> dict:
 
 
 def check_exact(device: str) -> dict:
-    import torch
-
     from rollcorr.audit.collect import builtin_prompts
     from rollcorr.engines import SamplingParams, make_learner, make_sampler
 
