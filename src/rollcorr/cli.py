@@ -80,14 +80,21 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_missing", None):
         print(f"rollcorr {args.command}: not available in this build", file=sys.stderr)
         return 2
+    # said as it is when even saying why fails at the limit (made now, while there is memory to make it)
+    last_words = (f"rollcorr {args.command}: out of memory; nothing is half-written (a training run's checkpoints "
+                  "are whole: --resume it with more memory)\n").encode()  # fmt: skip
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except Exception as err:  # a memory limit hit anywhere (any error: under `ulimit -v` many lose their MemoryError)
-        if not out_of_memory(err):
-            raise
-        print(f"rollcorr {args.command}: out of memory ({_what_ran_out(err)}); nothing is "
-              "half-written (a training run's checkpoints are whole: --resume it with more memory)",
-              file=sys.stderr)  # fmt: skip
+        try:
+            if not out_of_memory(err):
+                raise
+            print(f"rollcorr {args.command}: out of memory ({_what_ran_out(err)}); nothing is "
+                  "half-written (a training run's checkpoints are whole: --resume it with more memory)",
+                  file=sys.stderr)  # fmt: skip
+        except MemoryError:  # the check or the message ran out too: the words made before, and leave
+            os.write(2, last_words)
+            os._exit(1)
         if as_command:  # the interpreter's own teardown at the limit prints "Exception ignored ... MemoryError"
             sys.stdout.flush()  # dozens of times (half-imported modules): the line said, leave without it
             sys.stderr.flush()
