@@ -140,29 +140,32 @@ class HostMemory:
                                        "in rank order): every rank must pass the same shape and dtype")  # fmt: skip
         return half
 
+    def _exchanged(self, flat: Tensor):
+        """``flat`` (1-D, contiguous; the same size and dtype on every rank) exchanged slot-sized piece by piece:
+        yields (start, count, every rank's piece as a (world, count) view of ``flat``'s dtype), to be read before
+        the next piece is asked for."""
+        per_chunk = self.chunk_bytes // flat.element_size()
+        for start in range(0, max(flat.numel(), 1), per_chunk):
+            piece = flat[start : start + per_chunk]
+            half = self._exchange(piece.view(torch.uint8))
+            yield start, piece.numel(), half[:, : piece.numel() * flat.element_size()].view(flat.dtype)
+
     def all_reduce(self, x: Tensor, op: str = "sum", out: Tensor | None = None) -> Tensor:
         """``x`` (CPU; the same shape and dtype on every rank) reduced over the ranks (sum | max | min), slot-sized
         chunk by chunk, every rank's slots in rank order: into ``out`` (contiguous, like ``x``; ``x`` itself
         may be it), or a new tensor."""
         flat = x.detach().contiguous().reshape(-1)
         out = torch.empty_like(flat) if out is None else out.view(-1)
-        per_chunk = self.chunk_bytes // flat.element_size()
-        for start in range(0, max(flat.numel(), 1), per_chunk):
-            piece = flat[start : start + per_chunk]
-            half = self._exchange(piece.view(torch.uint8))
-            slots = half[:, : piece.numel() * flat.element_size()].view(flat.dtype)
-            _REDUCE[op](slots, 0, out=out[start : start + piece.numel()])
+        for start, count, pieces in self._exchanged(flat):
+            _REDUCE[op](pieces, 0, out=out[start : start + count])
         return out.view(x.shape)
 
     def all_gather(self, x: Tensor) -> Tensor:
         """(world, *x.shape): every rank's ``x`` (the same shape and dtype on every rank), rank 0's first."""
         flat = x.detach().contiguous().reshape(-1)
         out = torch.empty((self.world, flat.numel()), dtype=flat.dtype)
-        per_chunk = self.chunk_bytes // flat.element_size()
-        for start in range(0, max(flat.numel(), 1), per_chunk):
-            piece = flat[start : start + per_chunk]
-            half = self._exchange(piece.view(torch.uint8))
-            out[:, start : start + piece.numel()] = half[:, : piece.numel() * flat.element_size()].view(flat.dtype)
+        for start, count, pieces in self._exchanged(flat):
+            out[:, start : start + count] = pieces
         return out.view(self.world, *x.shape)
 
     def all_gather_object(self, obj, fallback) -> list:
