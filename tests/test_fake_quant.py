@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rollcorr.engines import SamplingParams, make_learner, make_sampler, parse_spec
-from rollcorr.engines.fake_quant import BLOCK, quantizable, rtn_bits, rtn_quantize
+from rollcorr.engines.fake_quant import BLOCK, quantizable, rtn_bits, rtn_quantize, straight_through
 from rollcorr.tasks import AdditionTask
 
 PROMPTS = [item["prompt"] for item in AdditionTask(3).sample(8, seed=7, split="test")]
@@ -77,8 +77,62 @@ def test_spec_and_learner_rules():
     for bad in ("hf:rtn9", "hf:rtn1", "hf:rtn4:bf16", "vllm:rtn4"):
         with pytest.raises(ValueError, match="unknown or repeated option"):
             parse_spec(bad)
-    with pytest.raises(ValueError, match="rtn4 quantisation is for samplers"):
-        make_learner("hf:rtn4")
+    with pytest.raises(ValueError, match="int8 quantisation is for samplers"):
+        make_learner("hf:int8")
+    assert make_learner("hf:rtn4").rtn_bits == 4  # a learner with a rounded, straight-through forward
+    for kwargs in ({"gradient_checkpointing": True}, {"lora": {"r": 2}}):
+        with pytest.raises(ValueError, match="does not combine with gradient checkpointing or LoRA"):
+            make_learner("hf:rtn4", **kwargs)
+
+
+# ---- hf:rtn<k> as a learner: the mismatch removed (straight-through) --------------------------------------
+
+
+def test_straight_through_forward_reads_the_samplers_rounded_weights_bit_for_bit():
+    learner = make_learner("hf:rtn2")
+    sampler = make_sampler("hf:rtn2")
+    rounded = sampler.model.state_dict()
+    masters = {name: p.detach().clone() for name, p in learner.model.named_parameters()}
+    with straight_through(learner.model, 2):
+        for name, value in learner.model.named_parameters(remove_duplicate=False):
+            assert torch.equal(value, rounded[name]), name
+        assert learner.model.lm_head.weight is learner.model.model.embed_tokens.weight  # still tied
+    for name, param in learner.model.named_parameters():  # the float32 masters are back, untouched
+        assert isinstance(param, torch.nn.Parameter) and torch.equal(param, masters[name]), name
+
+
+def test_rtn_learner_scores_the_rtn_sampler_as_an_fp32_learner_scores_an_fp32_sampler():
+    """The mismatch is removed: |p_μ − p_π| of an hf:rtn2 sampler and learner stays at the level of an fp32 pair
+    (the same float32 arithmetic: a KV-cache decode against a full forward), while an fp32 learner of the same
+    rollout is orders of magnitude further off."""
+    params = SamplingParams(max_new_tokens=6, seed=2)
+    rollout = make_sampler("hf:rtn2").generate(PROMPTS, params, n=4)
+    mask = rollout.response_mask
+
+    def gap(learner):
+        return (learner.log_prob(rollout).exp() - rollout.rollout_log_prob.exp())[mask].abs()
+
+    same, other = gap(make_learner("hf:rtn2")), gap(make_learner("hf:fp32"))
+    assert same.numel() > 100
+    assert (same < 1e-3).float().mean() >= 0.999 and same.max() < 1e-2  # the fp32 pair's bounds (test_engines_hf)
+    assert other.max() > 0.1
+
+
+def test_straight_through_gradient_is_the_rounded_models_gradient():
+    """∂L/∂W of the rtn learner equals ∂L/∂Ŵ of an fp32 learner holding the rounded weights as its own: the
+    same forward on the same values, and a straight-through backward that passes the gradient on unchanged."""
+    rollout = make_sampler("hf:rtn3").generate(PROMPTS[:4], SamplingParams(max_new_tokens=5, seed=4), n=2)
+    qat = make_learner("hf:rtn3")
+    plain = make_learner("hf:fp32")
+    with torch.no_grad():
+        for param in plain.parameters():
+            if quantizable("", param):
+                param.copy_(rtn_quantize(param, 3))
+    for learner in (qat, plain):
+        (learner.log_prob(rollout, grad=True) * rollout.response_mask).sum().backward()
+    qat_grads = dict(qat.named_parameters())
+    for name, param in plain.named_parameters():
+        assert param.grad is not None and torch.equal(qat_grads[name].grad, param.grad), name
 
 
 def test_the_sampler_holds_rounded_weights_and_rounds_each_publish():
@@ -112,3 +166,17 @@ def test_fewer_bits_give_more_mismatch():
         k3[spec] = (log_ratio.exp() - 1 - log_ratio).mean().item()
     assert k3["hf:fp32"] < k3["hf:rtn8"] < k3["hf:rtn4"] < k3["hf:rtn2"]
     assert k3["hf:rtn2"] > 10 * k3["hf:rtn4"] > 100 * k3["hf:rtn8"]
+
+
+def test_a_sharded_layout_refuses_an_rtn_learner_before_any_model_loads():
+    """FSDP2 gathers a sharded learner's weights in its own hooks, which the rounded forward cannot see: refused
+    at the config check (``Backend.can_shard``); ``auto`` replicates instead (``ProcessGroup.shard``)."""
+    from rollcorr.train.build import check_components
+    from rollcorr.train.config import ConfigError, load_config
+
+    overrides = ["model.sampler=hf:rtn2", "model.learner=hf:rtn2", "trainer.ranks=2"]
+    with pytest.raises(ConfigError, match=r"^model\.learner: 'hf:rtn2' cannot be sharded .* trainer\.data_parallel="
+                                          r"replicate or auto$"):  # fmt: skip
+        check_components(load_config(None, [*overrides, "trainer.data_parallel=shard"]))
+    check_components(load_config(None, [*overrides, "trainer.data_parallel=auto"]))
+    assert not make_learner("hf:rtn2").can_shard and make_learner("hf:fp32").can_shard

@@ -422,6 +422,8 @@ RUN = {
         "audit",
     ("docs/engines.md", "rollcorr train model.sampler=hf:rtn3 algorithm.correction.preset=tis               # train through a 3-bit one"):
         "train",
+    ("docs/engines.md", "rollcorr train --config chain model.sampler=hf:rtn2 model.learner=hf:rtn2   # no mismatch left to correct"):
+        "train",
     ("docs/logprobs.md", "from rollcorr.logprobs import logprobs_from_hidden, logprobs_from_logits"): "python",
     ("docs/losses.md", "from rollcorr.losses import LossConfig, policy_loss"): "python",
     ("docs/architecture.md", "import torch"): "python",

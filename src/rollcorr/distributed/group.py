@@ -109,16 +109,18 @@ class ProcessGroup(Ranks):
         (``trainer.data_parallel``): ``replicate`` — ``ReplicatedLearner``, whole on every rank; ``shard`` —
         ``ShardedLearner`` with ``fsdp_options(**fsdp)`` (``reshard_after_forward``, ``param_dtype``,
         ``reduce_dtype``); ``auto`` — replicate when every rank fits the whole training state
-        (``replicate.fits_replicated``) and no FSDP option is set, else shard. Sets ``self.layout``."""
+        (``replicate.fits_replicated``) or the learner cannot be sharded (``can_shard``) and no FSDP option is set,
+        else shard. Sets ``self.layout``."""
         from rollcorr.distributed import replicate
         from rollcorr.distributed.shard import ShardedLearner, fsdp_options
 
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         options = fsdp_options(**fsdp)
-        if layout == "auto":
+        if layout == "auto":  # a learner that cannot be sharded (``can_shard``) is replicated
             fits = replicate.fits_replicated(replicate.training_state_bytes(learner.model),
                                              replicate.rank_memory_bytes(self))  # fmt: skip
+            fits = fits or not getattr(learner, "can_shard", True)
             layout = "replicate" if self.all_true(fits and options == fsdp_options()) else "shard"
         self.layout = layout
         if layout == "replicate":

@@ -102,6 +102,9 @@ class ShardedLearner:
     ) -> None:
         from torch.distributed.fsdp import fully_shard
 
+        if not getattr(learner, "can_shard", True):
+            raise ValueError(f"{learner!r} cannot be sharded (FSDP2 gathers the weights in its own hooks, outside the "
+                             "learner's forward): use trainer.data_parallel=replicate")  # fmt: skip
         self.ranks = ranks
         self.inner = learner
         learner.share_prompts = False  # transformers' decoder forward: FSDP gathers each layer in its forward

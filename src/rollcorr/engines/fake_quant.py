@@ -16,11 +16,18 @@ Q4_0's grid (Q4_0 rounds halves up; its activations are also quantised to 8 bits
 Every 2-D floating weight whose rows split into whole blocks is quantised — linear layers, the token
 embedding and the lm-head (tied or not) —; 1-D tensors (norms, biases) and matrices with a row length that
 is not a multiple of 32 stay float32, as llama.cpp's converter keeps them.
+
+The same rounding as a *learner* (``model.learner=hf:rtn<k>``) removes the mismatch instead of correcting it,
+as quantisation-aware training does: the learner keeps float32 master weights W and computes every forward
+with Ŵ = W + sg(rtn_k(W) − W) (``straight_through``; sg = stop-gradient), so its log-probs are the rounded
+sampler's and its gradient ∂L/∂Ŵ is applied to W unchanged (the straight-through estimator).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -72,3 +79,27 @@ def rtn_quantize_model(model: nn.Module, bits: int) -> int:
         param.copy_(rtn_quantize(param, bits))
         done.add(id(param))
     return len(done)
+
+
+@contextmanager
+def straight_through(model: nn.Module, bits: int) -> Iterator[None]:
+    """Inside the block every quantizable weight W of ``model`` reads as Ŵ = W + sg(rtn_k(W) − W): forwards
+    compute with the ``bits``-bit rounded weights (bit for bit the ones ``rtn_quantize_model`` gives a sampler:
+    Ŵ is formed as rtn_k(W) + (W − sg(W)), whose second term is exactly 0), and a backward pass gives W the gradient of Ŵ unchanged (straight-through). Tied weights are rounded once and
+    stay tied. The parameters are put back on exit; a backward run after the block still reaches them."""
+    rounded: dict[int, Tensor] = {}
+    slots: list[tuple[nn.Module, str, nn.Parameter]] = []
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None or not quantizable(name, param):
+                continue
+            if id(param) not in rounded:  # rtn_k(W) + (W − sg(W)): the value is rtn_k(W) bit for bit, the gradient W's
+                rounded[id(param)] = rtn_quantize(param, bits) + (param - param.detach())
+            slots.append((module, name, param))
+    try:
+        for module, name, param in slots:
+            module._parameters[name] = rounded[id(param)]
+        yield
+    finally:
+        for module, name, param in slots:
+            module._parameters[name] = param

@@ -15,7 +15,9 @@ Learner: full-sequence forwards over prompt + response (Llama-family models: eac
 and its keys/values shared by the responses to it, ``kvdecode.prefix_shared_hidden``), log-softmax at the
 response tokens (logits / the sampling temperature), optional entropy, lm-head applied in vocabulary chunks
 (rollcorr.logprobs). ``routing_replay="r3"`` (MoE models): every forward replays the rollout's routed experts
-(rollcorr.moe.replay_routing; the gate weights come from the learner's own router logits).
+(rollcorr.moe.replay_routing; the gate weights come from the learner's own router logits). ``hf:rtn<k>`` as a
+learner: float32 master weights, every forward through the k-bit rounded ones (straight-through gradient), so
+an ``hf:rtn<k>`` sampler and its learner compute with the same weights — the mismatch removed, not corrected.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from rollcorr.engines.fake_quant import (
     rtn_bits,
     rtn_quantize,
     rtn_quantize_model,
+    straight_through,
 )
 from rollcorr.engines.kvdecode import (
     LlamaBlocks,
@@ -272,7 +275,11 @@ class HFLearner:
     ``dtype`` "amp-bf16" / "amp-fp16": mixed precision as production learners run it — float32 master weights
     (and so float32 AdamW state), every forward under ``torch.autocast`` in bf16 / fp16 (matmuls in the low
     dtype, norms and softmax statistics as autocast keeps them), the lm-head's matmul in the low dtype with the
-    log-softmax statistics in float32. An fp16 learner's gradients need loss scaling (``train.amp.LossScaler``)."""
+    log-softmax statistics in float32. An fp16 learner's gradients need loss scaling (``train.amp.LossScaler``).
+
+    ``quant`` "rtn<k>": float32 master weights, every forward through the k-bit rounded weights with a
+    straight-through gradient (``fake_quant.straight_through``) — the learner of an ``hf:rtn<k>`` sampler with
+    the mismatch removed rather than corrected, as quantisation-aware training does."""
 
     def __init__(
         self,
@@ -286,6 +293,7 @@ class HFLearner:
         skeleton: bool = False,
         gradient_checkpointing: bool = False,
         lora: dict | None = None,
+        quant: str | None = None,
     ) -> None:
         """``skeleton``: the model's structure on the meta device, no weights read or held (a data-parallel
         rank > 0: ``distributed.shard.ShardedLearner`` fills its shards from rank 0); it cannot score until
@@ -297,6 +305,12 @@ class HFLearner:
             raise ValueError(f"chunk_size must be ≥ 1, got {chunk_size}")
         if routing_replay not in ROUTING_REPLAY_MODES:
             raise ValueError(f"unknown routing_replay {routing_replay!r}; use one of {ROUTING_REPLAY_MODES}")
+        self.rtn_bits = rtn_bits(quant)  # hf:rtn<k> as a learner: forwards through the rounded weights
+        if quant is not None and self.rtn_bits is None:
+            raise ValueError(f"a learner takes rtn<k> quantisation only (a straight-through forward), got {quant!r}")
+        if self.rtn_bits is not None and (gradient_checkpointing or lora is not None):
+            raise ValueError(f"hf:{quant} as a learner does not combine with gradient checkpointing or LoRA (both "
+                             "recompute or add weights outside its rounded forward)")  # fmt: skip
         self.autocast = AMP.get(dtype) if isinstance(dtype, str) else None  # None: compute in the weights' dtype
         self.dtype = torch.float32 if self.autocast is not None else resolve_dtype(dtype)
         self.device = torch.device(device) if device is not None else default_device()
@@ -319,6 +333,8 @@ class HFLearner:
 
     def __repr__(self) -> str:
         kind = f"amp-{str(self.autocast).removeprefix('torch.')}" if self.autocast else str(self.dtype).removeprefix("torch.")
+        if self.rtn_bits is not None:
+            kind = f"rtn{self.rtn_bits} straight-through"
         return f"HFLearner({self.model_path!r}, {kind})"
 
     def computing(self):
@@ -326,6 +342,17 @@ class HFLearner:
         if self.autocast is None:
             return nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast)
+
+    @property
+    def can_shard(self) -> bool:
+        """Whether FSDP2 may shard this learner: not an rtn<k> one (FSDP gathers the weights in its own forward
+        hooks, which the rounded forward cannot see)."""
+        return self.rtn_bits is None
+
+    def rounding(self):
+        """The context of a whole scoring pass (forward and lm-head): ``hf:rtn<k>``'s straight-through rounded
+        weights, or nothing."""
+        return nullcontext() if self.rtn_bits is None else straight_through(self.model, self.rtn_bits)
 
     def state_dict(self) -> dict[str, Tensor]:
         """The weights a sampler or an exported model takes: the model's own, or with LoRA the merged ones."""
@@ -382,7 +409,7 @@ class HFLearner:
             raise ValueError("empty prompt: the first response token has no context to be scored from")
 
         checkpointing = grad and self.gradient_checkpointing
-        with torch.set_grad_enabled(grad), self.replaying(rollout_or_input) as replay, \
+        with torch.set_grad_enabled(grad), self.replaying(rollout_or_input) as replay, self.rounding(), \
                 checkpointed_layers(self.model) if checkpointing else nullcontext():  # fmt: skip
             with self.computing():
                 if self.share_prompts and not checkpointing and static_kv_supported(self.model):  # (may be swapped in)
@@ -532,7 +559,8 @@ ATTNS = ("eager", "sdpa")
 
 class HFBackend(Backend):
     """``hf[:fp32|bf16|fp16|int8|rtn<k>|amp-bf16|amp-fp16|exact][:eager|sdpa]``, options in any order (default
-    fp32, eager). int8 and rtn<k> quantise a float32 sampler; amp-* are learners (float32 master weights, autocast
+    fp32, eager). int8 and rtn<k> quantise a float32 sampler (rtn<k> as a learner: a rounded forward with a
+    straight-through gradient to float32 master weights); amp-* are learners (float32 master weights, autocast
     compute); exact is the bitwise-exact pair. Samplers and learners; the sampler runs in this process."""
 
     name = "hf"
@@ -557,9 +585,9 @@ class HFBackend(Backend):
         return EngineSpec("hf", dtype=dtype or "fp32", attn=attn or "eager", quant=quant)
 
     def check_spec(self, parsed: EngineSpec, spec: str, role: str) -> None:
-        if role == "learner" and parsed.quant is not None:
-            raise ValueError(f"{spec!r}: {parsed.quant} quantisation is for samplers; a learner trains float weights "
-                             "(use hf or hf:bf16)")  # fmt: skip
+        if role == "learner" and parsed.quant == "int8":
+            raise ValueError(f"{spec!r}: int8 quantisation is for samplers; a learner trains float weights (use hf, "
+                             "hf:bf16, or hf:rtn<k>: float32 master weights with a rounded forward)")  # fmt: skip
         if role == "sampler" and parsed.dtype in AMP:
             compute = parsed.dtype.removeprefix("amp-")
             raise ValueError(f"hf:{parsed.dtype} is a learner (float32 master weights, {compute} compute under "
@@ -573,6 +601,10 @@ class HFBackend(Backend):
                              "to 0 and the weights turn NaN); use hf:amp-fp16 (fp32 master weights, fp16 compute, "
                              "loss scaling), hf:fp32 or hf:bf16 (the sampler may stay fp16)")  # fmt: skip
 
+    def can_shard(self, parsed: EngineSpec) -> bool:
+        """Not an rtn<k> learner: FSDP2 gathers the weights in hooks its rounded forward cannot see."""
+        return parsed.quant is None
+
     def sampler_class(self, parsed: EngineSpec) -> type:
         return ExactSampler if parsed.dtype == EXACT else HFSampler
 
@@ -585,7 +617,7 @@ class HFBackend(Backend):
     def make_learner(self, parsed: EngineSpec, model_path, **kwargs) -> HFLearner:
         if parsed.dtype == EXACT:
             return ExactLearner(model_path, **kwargs)
-        return HFLearner(model_path, dtype=parsed.dtype, attn=parsed.attn, **kwargs)
+        return HFLearner(model_path, dtype=parsed.dtype, attn=parsed.attn, quant=parsed.quant, **kwargs)
 
     def with_dtype(self, parsed: EngineSpec, dtype: str) -> str:
         """The attention option is kept: hf:bf16:sdpa → hf:fp16:sdpa."""

@@ -101,6 +101,10 @@ class Backend:
     def check_trainable(self, parsed: EngineSpec, spec: str) -> None:
         """ValueError when this learner cannot take optimizer steps (checked by ``rollcorr train``); default none."""
 
+    def can_shard(self, parsed: EngineSpec) -> bool:
+        """Whether this learner may be sharded by FSDP2 (``trainer.data_parallel=shard``); default yes."""
+        return True
+
     # ---- the engines ------------------------------------------------------------------------------------
     def sampler_class(self, parsed: EngineSpec) -> type:
         """The class ``make_sampler`` builds, without building it (the trainer asks it ``can_resume``)."""

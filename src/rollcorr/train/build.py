@@ -106,11 +106,16 @@ def build_task(config: TrainConfig):
 
 
 def check_fsdp(config: TrainConfig) -> None:
-    """``trainer.fsdp``: options of a data-parallel learner only; mixed precision only where it can act (CUDA)."""
+    """``trainer.fsdp``: options of a data-parallel learner only; mixed precision only where it can act (CUDA); a
+    sharded layout only for a learner that can be sharded (``Backend.can_shard``)."""
     from rollcorr.distributed.group import launched
     from rollcorr.train.config import FSDPConfig
 
     fsdp, default = config.trainer.fsdp, FSDPConfig()
+    learner, parallel = config.model.learner, config.trainer.ranks > 1 or launched()
+    if parallel and config.trainer.data_parallel == "shard" and not backend_of(learner).can_shard(parse_spec(learner)):
+        raise ConfigError(f"model.learner: {learner!r} cannot be sharded (FSDP2 gathers the weights outside its "
+                          "forward); use trainer.data_parallel=replicate or auto")  # fmt: skip
     changed = next((f.name for f in dataclasses.fields(fsdp) if getattr(fsdp, f.name) != getattr(default, f.name)), None)
     if changed is not None and config.trainer.ranks == 1 and not launched():
         raise ConfigError(f"trainer.fsdp.{changed}: applies to a data-parallel learner only (trainer.ranks > 1 "
