@@ -184,6 +184,8 @@ NOT_HERE = {
         "the fp16 study (audits on SmolLM2 and CPU-hours of runs); tests/test_fp16_study.py runs its --quick path",
     ("docs/dose-study.md", "PYTHONPATH=. nice -n 10 taskset -c 0 .venv/bin/python -m experiments.dose_response --part 1/2 &   # one process per core"):
         "the dose-response study (CPU-hours); tests/test_dose_response.py runs its --quick path and its rules",
+    ("docs/correction-study.md", "PYTHONPATH=. nice -n 10 taskset -c 0 .venv/bin/python -m experiments.correction_study --part 1/2 &   # one process per core"):
+        "the correction study (CPU-hours); tests/test_correction_study.py runs its --quick path and its rules",
     ("docs/confirm-collapse.md", "PYTHONPATH=. .venv/bin/python -m experiments.confirm_collapse --part 1/2 &   # one process per core"):
         "the confirmatory study (CPU-hours); tests/test_confirm_collapse.py runs its --quick path and its rules",
     ("docs/distributed.md", "PYTHONPATH=. .venv/bin/python -m experiments.distributed_accuracy     # 6 runs; an N=2 run uses both cores"):
