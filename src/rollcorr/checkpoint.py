@@ -17,7 +17,11 @@ folder cannot make a save or a prune touch a folder elsewhere.
 A run folder is untrusted input (it may come from a colleague or a bucket): ``state.pt`` is read with
 ``torch.load(weights_only=True)``, which builds tensors, numbers, strings and containers only — plus the one
 rollcorr type a checkpoint holds (``Rollout``, the async executor's queued batches). The RNG states are stored
-as plain tensors and lists for that reason.
+as plain tensors and lists for that reason. A sharded checkpoint's ``dcp/.metadata`` (a pickle that torch's
+reader would load with plain ``pickle.load``) goes through ``read_dcp_index``, an unpickler that builds only
+DCP's metadata classes, and its non-tensor values (``DataOnlyPlanner``) through ``weights_only`` loads: a
+checksum written beside the files would prove nothing, since whoever crafts the folder rewrites it too
+(docs/security.md).
 
 The learner's part — its weights and the optimizer's state — is a ``Checkpointer``'s: this module's writes them
 into ``state.pt`` (a learner one process holds whole); ``distributed.checkpoint.ShardedCheckpointer`` extends it
@@ -34,10 +38,12 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
 import stat
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -328,23 +334,16 @@ def check_shard_files(path: Path) -> None:
     regular file and holds the bytes the index points into; ``CheckpointError`` naming the first that is not.
     The manifest checks every byte; this still holds when the manifest is gone (so a missing or cut shard falls
     back to an older checkpoint instead of failing inside ``torch.distributed.checkpoint``)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     folder = Path(path) / DCP_DIR
-    index = folder / ".metadata"
+    index = folder / DCP_INDEX
     if not os.path.lexists(index):
         raise CheckpointError(f"{index}: missing (the index of the checkpoint's shards)")
-    try:
-        storage = FileSystemReader(str(folder)).read_metadata().storage_data
-        ends: dict[str, int] = {}
-        for info in storage.values():
-            ends[info.relative_path] = max(ends.get(info.relative_path, 0), int(info.offset) + int(info.length))
-    except Exception as err:  # a cut or foreign index
-        raise CheckpointError(f"{index}: unreadable shard index ({type(err).__name__})") from None
+    metadata = read_dcp_index(index)
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
     for name, end in sorted(ends.items()):
         file = folder / name
-        if ".." in Path(name).parts or Path(name).is_absolute():
-            raise CheckpointError(f"{index}: names a file outside the checkpoint ({name!r})")
         try:
             info = os.lstat(file)
         except OSError:
@@ -353,6 +352,102 @@ def check_shard_files(path: Path) -> None:
             raise CheckpointError(f"{file}: not a regular file (a link?); refused")
         if info.st_size < end:
             raise CheckpointError(f"{file}: cut short ({info.st_size} bytes; its index reads up to byte {end})")
+    for key, info in metadata.storage_data.items():  # the non-tensor values, data only (torch would unpickle them)
+        if type(metadata.state_dict_metadata.get(key.fqn)).__name__ == "BytesStorageMetadata":
+            with open(folder / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                load_dcp_value(f.read(info.length), f"{folder / info.relative_path}: the value of {key.fqn!r}")
+
+
+# ---------------------------------------------------------------- DCP's files, read without running code
+
+DCP_INDEX = ".metadata"  # DCP's index of a checkpoint's shards: a pickle of its Metadata dataclasses
+_DCP = "torch.distributed.checkpoint"
+# every global a DCP index of torch 2.13 names (docs/security.md): plain dataclasses, an Enum, torch.Size, a
+# layout looked up by name, a path; torch's dtypes (``torch.float32``, ...) are allowed by their type
+DCP_INDEX_GLOBALS = frozenset({
+    *((f"{_DCP}.metadata", name) for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
+      "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")),
+    (f"{_DCP}.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+})  # fmt: skip
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Python's "restricting globals" unpickler: a global outside ``DCP_INDEX_GLOBALS`` (and not a torch dtype) is
+    refused before it is looked up, so nothing but those classes can be built or called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in DCP_INDEX_GLOBALS or dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}")
+
+
+def read_dcp_index(index: Path) -> Any:
+    """``dcp/.metadata`` as DCP's ``Metadata``, built by ``_IndexUnpickler`` (no code runs), every shard it points
+    into a plain file name of the folder; ``CheckpointError`` naming the file and what is wrong."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        metadata = _IndexUnpickler(io.BytesIO(read_bytes_inside(index))).load()
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"{index}: refused: {err} (a shard index holds only DCP's metadata classes; "
+                              "nothing in it was run)") from None  # fmt: skip
+    except Exception as err:  # a cut or foreign index, a link, a read error
+        raise CheckpointError(f"{index}: unreadable shard index ({type(err).__name__})") from None
+    storage = getattr(metadata, "storage_data", None) if isinstance(metadata, Metadata) else None
+    if not isinstance(storage, dict) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CheckpointError(f"{index}: not a shard index (no storage table)")
+    for key, info in storage.items():
+        if not isinstance(getattr(key, "fqn", None), str):
+            raise CheckpointError(f"{index}: not a shard index (an entry without a name)")
+        name = getattr(info, "relative_path", None)
+        where = (getattr(info, "offset", None), getattr(info, "length", None))
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+            raise CheckpointError(f"{index}: names a file outside the checkpoint ({name!r})")
+        if not all(type(n) is int and n >= 0 for n in where) or getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{index}: a shard entry of {name!r} is not a plain (offset, length)")
+    return metadata
+
+
+def load_dcp_value(data: bytes, where: str) -> Any:
+    """A DCP "bytes" item (a value that is not a tensor: an optimizer's lr, betas) by ``torch.load(weights_only=True)``;
+    ``CheckpointError`` naming ``where`` when it holds anything but data."""
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as err:
+        found = re.search(r"GLOBAL ([\w.]+)", str(err))
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        why = f"it calls {found.group(1)!r}" if found else first
+        raise CheckpointError(f"{where}: refused to load: {why} (a checkpoint holds only tensors, numbers and "
+                              "strings)") from None  # fmt: skip
+
+
+@cache
+def _safe_dcp() -> tuple[type, type]:
+    """(reader, planner) for ``dcp.load``: torch's own, except that the index is read by ``read_dcp_index`` and a
+    non-tensor value (an optimizer's lr, betas: DCP's "bytes" items, which torch loads with ``weights_only=False``)
+    is decoded by ``torch.load(weights_only=True)`` first and handed on re-serialised from that data."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class IndexCheckedReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = read_dcp_index(Path(self.path) / DCP_INDEX)
+            metadata.storage_meta = metadata.storage_meta or StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class DataOnlyPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            clean = io.BytesIO()
+            torch.save(load_dcp_value(value.read(), f"{DCP_DIR}/: the value of {read_item.dest_index.fqn!r}"), clean)
+            clean.seek(0)
+            super().load_bytes(read_item, clean)
+
+    return IndexCheckedReader, DataOnlyPlanner
 
 
 def load_latest_intact(run_dir: Path) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
@@ -411,7 +506,8 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         target["proximal"] = {m[HELD]: held_target(m) for m in markers}  # a tied tensor once
     with warnings.catch_warnings():  # one process reading N ranks' shards is the intent, not a mistake
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(target, checkpoint_id=str(Path(path) / DCP_DIR))
+        reader, planner = _safe_dcp()
+        dcp.load(target, storage_reader=reader(str(Path(path) / DCP_DIR)), planner=planner())
     set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optimizer"])
     return _join_held(proximal, target.get("proximal", {}))
 

@@ -126,6 +126,12 @@ def _run_plan(args) -> dict:
         model = None if model == "builtin" else model
     elif not Path(model).is_dir():
         raise FileNotFoundError(f"--from-run {run}: the model folder {model} is missing")
+    from rollcorr.tasks.verifiers import check_named_reward
+
+    module = config.task.reward and config.task.reward.partition(":")[0]
+    check_named_reward(config.task.reward, f"--from-run {run}: its config.yaml",
+                       f"import it yourself first: python -c 'import sys, {module}; from rollcorr.cli import main; "
+                       "sys.exit(main())' audit --from-run ... (docs/security.md)")  # fmt: skip
     try:
         task = config.task.build()
     except (ValueError, FileNotFoundError) as err:

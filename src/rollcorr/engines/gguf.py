@@ -590,7 +590,7 @@ def gguf_to_hf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Path
     if merges is not None and merges.contents() == [f"{NO_MERGE} {NO_MERGE}"]:
         tokenizer = _no_merge_tokenizer(reader)
     else:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, trust_remote_code=False)
     config.tie_word_embeddings = all(name != "lm_head.weight" for name, _, _ in entries)
     config.architectures = [{"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[model_type]]
 

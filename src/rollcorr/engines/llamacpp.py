@@ -138,8 +138,8 @@ class LlamaCppSampler(DecodingSampler):
 
         self.model_dir = _resolve_model_dir(model_path)
         self.quant = quant
-        self.config = AutoConfig.from_pretrained(self.model_dir, local_files_only=True)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        self.config = AutoConfig.from_pretrained(self.model_dir, local_files_only=True, trust_remote_code=False)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True, trust_remote_code=False)
         self.eos_id = self.tokenizer.eos_token_id
         if self.eos_id is None:
             raise ValueError("tokenizer has no eos_token: generation could never stop")

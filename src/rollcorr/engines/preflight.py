@@ -225,7 +225,7 @@ def check_tokenizer_fits(path: Path, data: dict) -> None:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 - any tokenizer file transformers cannot read
         raise PreflightError("path", f"{str(path)!r}: its tokenizer does not load "
                              f"({str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__})") from None  # fmt: skip

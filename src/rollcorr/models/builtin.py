@@ -182,7 +182,8 @@ def load_model(
         raise ValueError(f"model path {str(path)!r} is not a directory (expected a Hugging Face model dir)")
     if gguf_file is None and not (path / "config.json").exists():
         raise FileNotFoundError(f"{str(path)!r} has no config.json: not a Hugging Face model directory")
-    extra = {} if gguf_file is None else {"gguf_file": gguf_file}
+    # never a model's own code (config.json's auto_map): transformers would otherwise ask on the terminal
+    extra = {"trust_remote_code": False, **({} if gguf_file is None else {"gguf_file": gguf_file})}
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, **extra)
     if skeleton:
         from transformers import AutoConfig

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Protocol, runtime_checkable
+
+from rollcorr.user_code import UserCodeError, call_each
 
 SPLITS = ("train", "test")
 
@@ -15,7 +19,9 @@ class Task(Protocol):
     ``reward`` needs (e.g. ``"answer"``); the same (n, seed, split) always gives the same items.
     ``held_out(n, seed)`` returns the items greedy evaluation scores: a data set's held-out rows, each once in
     a fixed order (at most n); a generated task's n fresh test-split problems.
-    ``reward(item, response_text)`` scores one decoded response (special tokens already removed) in [0, 1].
+    ``reward(item, response_text)`` scores one decoded response (special tokens already removed) in [0, 1];
+    it is called through ``rewards`` (below), which bounds its time and checks its value.
+    ``reward_name`` (optional): how an error names the reward, e.g. "reward 'my_mod:score'".
     An item's ``"prompt"`` is text, or a conversation (a list of {"role", "content"} messages) that the chat
     template turns into the model's input (``rollcorr.tasks.chat``).
     """
@@ -39,8 +45,50 @@ def check_count(n: int) -> None:
         raise ValueError(f"number of items must be a non-negative int, got {n!r}")
 
 
-def rewards(task: Task, items: list[dict[str, Any]], responses: list[str]) -> list[float]:
-    """``task.reward`` over a batch; raises if items and responses have different lengths."""
+REWARD_TIMEOUT_S = 5.0  # task.reward_timeout's default: seconds one reward call may take
+
+
+def rewards(task: Task, items: list[dict[str, Any]], responses: list[str], timeout: float | None = None,
+            clip: bool = False, rows: str = "the batch") -> list[float]:  # fmt: skip
+    """``task.reward`` of each (item, response), called through the door for user code (``rollcorr.user_code``:
+    each call bounded by ``timeout`` seconds, a failure one line naming the reward and the row of ``rows``) and
+    checked by ``checked_reward``; ``UserCodeError`` when one fails. Raises if items and responses differ in number."""
     if len(items) != len(responses):
         raise ValueError(f"{len(items)} items but {len(responses)} responses")
-    return [float(task.reward(item, text)) for item, text in zip(items, responses)]
+    name = getattr(task, "reward_name", None) or f"the reward of task {task.name!r}"
+
+    def what(i: int) -> str:
+        return f"{name} on row {i} of {rows} (prompt {_excerpt(items[i].get('prompt'))})"
+
+    values = call_each(task.reward, list(zip(items, responses)), what, timeout, "task.reward_timeout")
+    return [checked_reward(value, what(i), clip) for i, value in enumerate(values)]
+
+
+def checked_reward(value: Any, what: str, clip: bool = False) -> float:
+    """A reward as a float in [0, 1]: a finite real number (an int, a float, True/False as 1/0, a one-element
+    NumPy or torch value); out of [0, 1] refused, or clipped into it when ``clip`` (``task.reward_clip``).
+    ``UserCodeError`` naming ``what`` otherwise."""
+    if hasattr(value, "item") and not isinstance(value, numbers.Real):
+        try:
+            value = value.item()
+        except (ValueError, RuntimeError):  # more than one element
+            pass
+    if not isinstance(value, numbers.Real):
+        raise UserCodeError(f"{what} returned {_excerpt(value)} ({type(value).__name__}); a reward is a number in "
+                            "[0, 1]")  # fmt: skip
+    value = float(value)
+    if not math.isfinite(value):
+        raise UserCodeError(f"{what} returned {value}; a reward is a finite number in [0, 1]")
+    if not 0.0 <= value <= 1.0:
+        if not clip:
+            raise UserCodeError(f"{what} returned {value:g}, outside [0, 1]; fix the function, or clip rewards into "
+                                "[0, 1] with task.reward_clip=true")  # fmt: skip
+        value = min(max(value, 0.0), 1.0)
+    return value
+
+
+def _excerpt(value: Any, width: int = 60) -> str:
+    if isinstance(value, list) and value and isinstance(value[-1], dict):  # a conversation: its last message
+        value = value[-1].get("content")
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 1] + "…"

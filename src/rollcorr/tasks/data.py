@@ -165,6 +165,7 @@ class DataTask:
             self.reward_fn = resolve_reward(reward)
         except ValueError as err:
             raise DataError(str(err), "reward") from None
+        self.reward_name = f"reward {reward if isinstance(reward, str) else getattr(reward, '__qualname__', 'fn')!r}"
         self.name = f"data:{self.path.name}"
         splits = load_items(self.path, prompt_key, answer_key)
         if eval_file is not None:
@@ -204,5 +205,6 @@ class DataTask:
         check_count(n)
         return [dict(item) for item in self.by_split["test"][:n]]
 
-    def reward(self, item: dict[str, Any], response_text: str) -> float:
-        return float(self.reward_fn(item, response_text))
+    def reward(self, item: dict[str, Any], response_text: str) -> Any:
+        """The reward function's value as it returned it (``tasks.base.rewards`` checks it)."""
+        return self.reward_fn(item, response_text)

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import re
+import sys
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -115,6 +117,22 @@ def math_equivalent(item: dict[str, Any], response_text: str) -> float:
     return 1.0 if gold and guess and verify(gold, guess, timeout_seconds=None) else 0.0
 
 
+def check_signature(fn: RewardFn, label: Any) -> RewardFn:
+    """``fn`` if it can be called as ``fn(item, response_text)``; ValueError naming ``label`` and its signature
+    otherwise (said when the task is built, not at the first response)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (a function written in C): its first call will tell
+        return fn
+    try:
+        signature.bind({}, "")
+    except TypeError:
+        name = getattr(fn, "__name__", "fn")
+        raise ValueError(f"reward {label!r}: {name}{signature} cannot be called as {name}(item, "
+                         "response_text)") from None  # fmt: skip
+    return fn
+
+
 REWARDS: dict[str, RewardFn] = {}
 NEEDS: dict[str, tuple[str, str]] = {"math": ("math_verify", "math")}  # reward → (module, the extra holding it)
 
@@ -125,7 +143,7 @@ def register_reward(name: str, fn: RewardFn) -> None:
         raise ValueError(f"a reward name must be an identifier, got {name!r}")
     if not callable(fn):
         raise TypeError(f"reward {name!r} must be callable, got {type(fn).__name__}")
-    REWARDS[name] = fn
+    REWARDS[name] = check_signature(fn, name)
 
 
 for _name, _fn in (("exact", exact), ("last_number", last_number), ("boxed", boxed), ("gsm8k", gsm8k),
@@ -133,11 +151,29 @@ for _name, _fn in (("exact", exact), ("last_number", last_number), ("boxed", box
     register_reward(_name, _fn)
 
 
+def reward_module(reward: Any) -> str | None:
+    """The module ``task.reward`` would import: ``"pkg.mod"`` of ``"pkg.mod:fn"``; None for a registered name."""
+    if not isinstance(reward, str) or reward in REWARDS:
+        return None
+    module, sep, _ = reward.partition(":")
+    return module if sep and module else None
+
+
+def check_named_reward(reward: Any, source: str, how: str) -> None:
+    """A ``task.reward`` read from a file rollcorr did not get from the user (a run folder's config.yaml) imports
+    nothing by itself: its module must be one this process imported already (the user named it: a plugin, a
+    script of theirs); ValueError naming ``source`` and saying ``how`` to name it otherwise (docs/security.md)."""
+    module = reward_module(reward)
+    if module is not None and module not in sys.modules:
+        raise ValueError(f"{source} names the reward module {module!r} (task.reward {reward!r}); a run folder's "
+                         f"file never imports code by itself: {how}")  # fmt: skip
+
+
 def resolve_reward(reward: str | RewardFn) -> RewardFn:
     """A name of ``REWARDS`` or ``"package.module:function"`` → the function; ValueError naming the problem
     (an unknown name, a module that does not import, a missing function, a missing optional package)."""
     if callable(reward):
-        return reward
+        return check_signature(reward, getattr(reward, "__qualname__", reward))
     if not isinstance(reward, str):
         raise ValueError(f"reward must be a name or 'module:function', got {reward!r}")
     if reward in REWARDS:
@@ -155,4 +191,4 @@ def resolve_reward(reward: str | RewardFn) -> RewardFn:
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ValueError(f"reward module {module_name!r} has no function {fn_name!r}")
-    return fn
+    return check_signature(fn, reward)

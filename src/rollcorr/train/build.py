@@ -324,4 +324,5 @@ def build_evaluator(config: TrainConfig, task, tokenizer) -> GreedyEvaluator | N
         return None
     sampler = make_sampler("hf:fp32", _model_path(config), device=config.model.device)
     return GreedyEvaluator(sampler, task, tokenizer, config.task.eval_prompts, config.rollout.max_new_tokens,
-                           config.task.eval_seed, chat=uses_chat(tokenizer, config.task.chat))  # fmt: skip
+                           config.task.eval_seed, chat=uses_chat(tokenizer, config.task.chat),
+                           reward_limits=(config.task.reward_timeout, config.task.reward_clip))  # fmt: skip

@@ -84,6 +84,7 @@ def _run(args: argparse.Namespace) -> int:
             if not os.path.lexists(config_path):
                 raise ConfigError(f"--resume: {str(config_path)!r} does not exist (not a run folder?)")
             config = load_config(config_path, args.overrides, inside_run=True)  # a link there is refused
+            _check_run_reward(config, args)
         else:
             overrides = list(args.overrides)
             if args.out is not None:
@@ -114,6 +115,21 @@ def _run(args: argparse.Namespace) -> int:
 
         return record(_train)(args, config)  # a raising rank's error reaches the launcher's one-line report
     return _train(args, config)
+
+
+def _check_run_reward(config, args: argparse.Namespace) -> None:
+    """--resume: the run folder's ``task.reward`` module is imported only when the command names it again
+    (``task.reward=...``) or this process imported it already (docs/security.md); ConfigError otherwise."""
+    from rollcorr.tasks.verifiers import check_named_reward
+    from rollcorr.train.config import ConfigError, parse_override
+
+    if any(parse_override(text)[0] == ["task", "reward"] for text in args.overrides):
+        return
+    how = f"name it again on the command line: rollcorr train --resume {args.resume} task.reward={config.task.reward}"
+    try:
+        check_named_reward(config.task.reward, f"--resume: {args.resume / 'config.yaml'}", how)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _launch(args: argparse.Namespace, config) -> int:
@@ -174,6 +190,7 @@ def _train(args: argparse.Namespace, config) -> int:
     from rollcorr.train.config import ConfigError
     from rollcorr.train.loop import run as run_training
     from rollcorr.train.rundir import RunFinished, RunFolderError
+    from rollcorr.user_code import UserCodeError
 
     try:
         ranks = join()  # this process's ranks, as the run gets them (``run`` joins the same group)
@@ -215,6 +232,9 @@ def _train(args: argparse.Namespace, config) -> int:
         return 2
     except FloatingPointError as err:  # the weights diverged (NaN logits in the sampler): no traceback to read
         print(f"rollcorr train: {err}", file=sys.stderr)
+        return 1
+    except UserCodeError as err:  # a reward that raised, hung or returned what it may not: its one line
+        print(f"rollcorr train: {err}; {_resume_hint(args)}", file=sys.stderr)
         return 1
     except RuntimeError as err:  # the sampler process died, failed or stopped beating: one line, not a chain
         from rollcorr.train.sampler_process import SamplerProcessError

@@ -141,6 +141,8 @@ class TaskConfig:
     eval_file: str | None = None  # data sets: the held-out rows (else the data's split / every 10th row)
     eval_prompts: int = 200  # greedy evaluation: at most this many held-out prompts (each once), 0 = none
     eval_seed: int = 12345
+    reward_timeout: float | None = 5.0  # seconds one reward call may take, then the run stops (null: no limit)
+    reward_clip: bool = False  # a reward outside [0, 1] is clipped into it instead of stopping the run
 
     def build(self):
         """The task (``rollcorr.tasks.make_task``); ValueError / FileNotFoundError naming the problem."""
@@ -604,6 +606,8 @@ def validate(c: TrainConfig) -> None:
     _positive(r.top_k, "rollout.top_k", allow_zero=True)
     _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     _positive(c.task.eval_prompts, "task.eval_prompts", allow_zero=True)
+    _check(c.task.reward_timeout is None or 0 < c.task.reward_timeout < float("inf"), "task.reward_timeout",
+           f"must be a number of seconds > 0 (or null: no limit), got {c.task.reward_timeout}")  # fmt: skip
     device = c.model.device
     _check(device is None or device in ("cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit()),
            "model.device", f"expected cpu, cuda or cuda:<index> (or null: CUDA when available), got {device!r}")  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from rollcorr.engines import SamplingParams
+from rollcorr.tasks.base import rewards as task_rewards
 from rollcorr.tasks.chat import model_input
 
 
@@ -18,8 +19,9 @@ class GreedyEvaluator:
     """
 
     def __init__(self, sampler, task, tokenizer, n_prompts: int, max_new_tokens: int, seed: int,
-                 chat: bool = False):  # fmt: skip
+                 chat: bool = False, reward_limits: tuple[float | None, bool] = (None, False)):  # fmt: skip
         self.sampler, self.task, self.tokenizer = sampler, task, tokenizer
+        self.reward_limits = reward_limits  # (task.reward_timeout, task.reward_clip): tasks.base.rewards
         self.items = task.held_out(n_prompts, seed)
         self.inputs = [model_input(tokenizer, it["prompt"], chat) for it in self.items]
         self.params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, seed=seed)
@@ -33,7 +35,7 @@ class GreedyEvaluator:
         rollout = self.sampler.generate(self.inputs, self.params, n=1, meta=self.items)
         ids = [row[mask].tolist() for row, mask in zip(rollout.response_ids, rollout.response_mask.bool())]
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        rewards = [float(self.task.reward(item, text)) for item, text in zip(self.items, texts)]
+        rewards = task_rewards(self.task, self.items, texts, *self.reward_limits, rows="the greedy evaluation")
         self.last = [{"item": item, "response": text, "reward": r} for item, text, r in zip(self.items, texts, rewards)]
         return {
             "eval/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),

@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Protocol
 from rollcorr.engines.base import StateDict
 from rollcorr.rollout import Rollout
 from rollcorr.train.source import Source, admissible, copy_weights, finished, lagged_version, sample_batch
+from rollcorr.user_code import UserCodeError
 
 
 class Executor(Protocol):
@@ -215,6 +216,8 @@ class AsyncExecutor(Executor):
                     self.cond.wait(timeout=0.5)
                 if self.error is not None:
                     err = self.error
+                    if isinstance(err, UserCodeError):  # a reward that failed: said as it is
+                        raise UserCodeError(str(err)) from None
                     raise RuntimeError(f"the sampler failed: {type(err).__name__}: {err}") from err
                 _index, rollout, generate_s = self.queue.popleft()
                 self.cond.notify_all()

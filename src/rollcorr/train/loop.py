@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rollcorr import user_code
 from rollcorr.checkpoint import (
     checkpoint_dir,
     load_latest_intact,
@@ -371,14 +372,17 @@ class Trainer:
         return not self.ranks.all_true(self.stop_signal is None)
 
     def _on_signal(self, signum: int, _frame) -> None:
-        """First SIGINT/SIGTERM/SIGHUP: finish the current step, save a checkpoint, stop. A second one: stop now."""
+        """First SIGINT/SIGTERM/SIGHUP: finish the current step, save a checkpoint, stop. A second one: stop now.
+        While the sampler is awaited (async) or user code runs here (a reward: ``rollcorr.user_code``), the step is
+        left at once instead: nothing of it is kept, the checkpoint is the one of the step before."""
         self.stop_signal = signum
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
         self.logger.message(f"[yellow]{signal.Signals(signum).name}:[/yellow] saving a checkpoint after this "
                             "step (send it again to stop at once)")  # fmt: skip
-        if self._waiting_for_sampler:  # async: nothing of this step happened yet; do not wait on the sampler
-            raise TrainingStopped(f"{signal.Signals(signum).name} at step {self.step} (while waiting for the "
-                                  f"sampler); continue with rollcorr train --resume {self.run_dir}")  # fmt: skip
+        running = "waiting for the sampler" if self._waiting_for_sampler else user_code.waiting()
+        if running:  # do not wait on the sampler, nor on user code that may never return
+            raise TrainingStopped(f"{signal.Signals(signum).name} at step {self.step} (while {running}); "
+                                  f"continue with rollcorr train --resume {self.run_dir}")  # fmt: skip
 
     def run(self) -> RunResult:
         """Train to ``trainer.steps``; a SIGINT, SIGTERM or SIGHUP (the terminal closed) stops after the current step

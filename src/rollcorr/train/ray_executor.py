@@ -56,6 +56,7 @@ from rollcorr.train.source import (
     sample_batch,
     trained_version,
 )
+from rollcorr.user_code import UserCodeError
 
 # sane defaults for a local cluster on a small, shared machine (the user's environment wins)
 LOCAL_RAY_ENV = {
@@ -335,6 +336,8 @@ class RayExecutor(Executor):
                 self.retry.add(index)
                 continue
             except ray.exceptions.RayTaskError as err:
+                if isinstance(getattr(err, "cause", None), UserCodeError):  # a reward that failed: said as it is
+                    raise UserCodeError(str(err.cause)) from None
                 raise RuntimeError(f"sampler worker failed on batch {index}: {err}") from err
             if finished(rollout):
                 self.done[index] = (rollout, info)

@@ -56,6 +56,7 @@ import torch
 from rollcorr.engines.base import StateDict
 from rollcorr.rollout import Rollout
 from rollcorr.train.source import SourceSpec
+from rollcorr.user_code import UserCodeError
 
 Layout = list[tuple[str, torch.dtype, tuple[int, ...], int]]  # (name, dtype, shape, byte offset)
 ALIGN = 64
@@ -152,6 +153,8 @@ def serve(conn_fd: int, weights_fd: int) -> None:
         try:
             result = source.load_weights(shared, *args) if op == "load" else source.sample(*args)
             message = ("ok", result)
+        except UserCodeError as err:  # a reward that failed: its own line is the whole story
+            message = ("user_error", str(err))
         except BaseException as err:  # noqa: BLE001
             message = ("error", _describe(err))
         busy.clear()
@@ -259,6 +262,8 @@ class ProcessSource:
             raise SamplerProcessError(
                 f"the sampler process (pid {process.pid}) died during {op!r} (exit code {code})"
             ) from None
+        if status == "user_error":
+            raise UserCodeError(value)
         if status == "error":  # the exception's own line first, then where it happened
             raise SamplerProcessError(f"{value.splitlines()[-1]} (in the sampler process, during {op!r}; its "
                                       f"traceback:)\n{value}")  # fmt: skip

@@ -30,6 +30,7 @@ import torch
 from rollcorr.engines import backend_of
 from rollcorr.engines.base import SamplingParams, StateDict
 from rollcorr.rollout import Rollout
+from rollcorr.tasks.base import rewards as task_rewards
 from rollcorr.tasks.chat import model_input
 
 
@@ -51,8 +52,10 @@ class RolloutSource:
     """
 
     def __init__(self, sampler, task, tokenizer, params, prompts_per_step: int, group_size: int, seed: int,
-                 chat: bool = False, share: tuple[int, int] = (0, 1)):  # fmt: skip
+                 chat: bool = False, share: tuple[int, int] = (0, 1),
+                 reward_limits: tuple[float | None, bool] = (None, False)):  # fmt: skip
         self.sampler, self.task, self.tokenizer = sampler, task, tokenizer
+        self.reward_limits = reward_limits  # (task.reward_timeout, task.reward_clip): tasks.base.rewards
         self.params, self.prompts_per_step, self.group_size = params, prompts_per_step, group_size
         self.seed = seed
         # (r, N): this source samples the r-th of N equal slices of each batch's prompts (data-parallel ranks
@@ -93,10 +96,11 @@ class RolloutSource:
         return self.reward(rollout) if finished(rollout) else rollout
 
     def reward(self, rollout: Rollout) -> Rollout:
-        """Decode each response (special tokens removed) and score it with the task."""
+        """Decode each response (special tokens removed) and score it with the task (through the door for user
+        code: a reward that fails, hangs or returns what it may not is a ``UserCodeError`` naming it and the row)."""
         ids = [row[mask].tolist() for row, mask in zip(rollout.response_ids, rollout.response_mask.bool())]
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        rewards = [float(self.task.reward(item, text)) for item, text in zip(rollout.meta, texts)]
+        rewards = task_rewards(self.task, rollout.meta, texts, *self.reward_limits)
         return rollout.replace(rewards=torch.tensor(rewards, dtype=torch.float32))
 
     def load_weights(self, weights: StateDict, version: int) -> None:
@@ -207,9 +211,10 @@ class SourceSpec:
         tokenizer = getattr(sampler, "tokenizer", None)
         if tokenizer is None:
             raise ValueError(f"sampler {self.sampler!r} exposes no tokenizer to decode responses for rewards")
+        limits = (self.task.reward_timeout, self.task.reward_clip)
         return RolloutSource(sampler, self.task.build(), tokenizer, self.params, self.prompts_per_step,
                              self.group_size, self.seed, chat=uses_chat(tokenizer, self.task.chat),
-                             share=self.share)  # fmt: skip
+                             share=self.share, reward_limits=limits)  # fmt: skip
 
 
 def _absolute(path: str) -> str:

@@ -1,0 +1,477 @@
+"""Hostile input, one row per surface: each test builds what an attacker or an accident would hand rollcorr and
+checks the one thing that must hold (nothing runs, one line names the problem, the run stops or goes on as said).
+
+The table (a new surface gets its section and its rows here, named ``test_<surface>__<case>``):
+
+    surface                         what must hold
+    ------------------------------  ------------------------------------------------------------------------------
+    checkpoint (DCP index, values)  a crafted pickle in ``dcp/.metadata`` or a DCP value runs nothing; a resume
+                                    falls back to the older checkpoint with a line naming the refused global
+    run config (--from-run,         a reward module named by a run folder's config.yaml is not imported unless the
+      --resume)                     user named or imported it; one line says how
+    reward (user code)              a reward that raises, returns None / text / NaN / inf / out of [0, 1], has the
+                                    wrong signature or hangs: one line naming it and the row, in every executor;
+                                    clipped only with task.reward_clip; SIGTERM while it hangs saves a checkpoint
+    src/ (the audit of loaders)     every pickle / torch.load / yaml.load / dynamic import / eval / exec in src/ is
+                                    listed, with why it is safe, in docs/security.md
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import os
+import pickle
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollcorr.checkpoint import (
+    DCP_DIR,
+    DCP_INDEX,
+    STATE_FILE,
+    CheckpointError,
+    check_shard_files,
+    checkpoint_dir,
+    read_dcp_index,
+    write_manifest,
+)
+from rollcorr.cli import main
+from rollcorr.train.config import load_config, save_config
+from rollcorr.train.loop import run
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["task.name=addition:1", "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=4",
+        "task.eval_prompts=0", "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false",
+        "trainer.mini_batches=1", "optim.lr=1e-3"]  # fmt: skip
+
+
+class Marker:
+    """A pickle that, when loaded by a plain unpickler, creates ``path`` (the proof that code ran)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.path)!r}, 'w').write('ran')",))
+
+
+def _dcp_folder(folder: Path) -> Path:
+    """A real DCP checkpoint (``dcp.save`` in one process) of a small model and its AdamW state, in ``folder/dcp``."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder / DCP_DIR))
+    return folder
+
+
+# ---------------------------------------------------------------- checkpoint: DCP's index and values
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory, addition_model_dir):
+    """A finished 2-step run (checkpoints at 1 and 2), kept pristine beside its path."""
+    base = tmp_path_factory.mktemp("hostile")
+    config = load_config(None, [*TINY, f"model.path={addition_model_dir}", f"trainer.out={base / 'run'}",
+                                "trainer.steps=2", "trainer.checkpoint_every=1"])  # fmt: skip
+    result = run(config)
+    return result.run_dir, result.run_dir.rename(base / "pristine")
+
+
+@pytest.fixture
+def run_copy(two_checkpoints):
+    folder, pristine = two_checkpoints
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(pristine, folder, ignore=shutil.ignore_patterns(".lock"))
+    return folder
+
+
+@pytest.mark.usefixtures("alternating_rewards")
+def test_checkpoint__crafted_dcp_index_runs_nothing_on_resume(run_copy, tmp_path, capsys):
+    """The newest checkpoint says its weights are in dcp/ and dcp/.metadata is a pickle whose loading runs code
+    (torch's reader would ``pickle.load`` it): the resume refuses that checkpoint in one line naming the global,
+    nothing runs, and the run continues from the older one — the checksum manifest rewritten to match."""
+    marker = tmp_path / "ran"
+    newest = checkpoint_dir(run_copy, 2)
+    state = torch.load(newest / STATE_FILE, weights_only=True)
+    state["model"] = state["optimizer"] = "dcp"
+    torch.save(state, newest / STATE_FILE)
+    (newest / DCP_DIR).mkdir()
+    (newest / DCP_DIR / DCP_INDEX).write_bytes(pickle.dumps(Marker(marker)))
+    write_manifest(newest)
+    capsys.readouterr()
+    result = run(load_config(run_copy / "config.yaml", ["trainer.steps=3"], inside_run=True), resume=run_copy)
+    out = capsys.readouterr().out
+    assert not marker.exists()
+    assert result.steps == 3 and "from step_000001" in out
+    said = [line for line in out.splitlines() if "skipped checkpoint step_000002" in line]
+    assert len(said) == 1 and "refused: it names builtins.exec" in said[0], out
+
+
+def test_checkpoint__crafted_dcp_value_runs_nothing(tmp_path):
+    """A non-tensor value of a DCP checkpoint (the optimizer's lr: DCP's "bytes" items, which torch loads with
+    ``weights_only=False``) replaced by a pickle that runs code: refused with the value named, nothing runs."""
+    marker = tmp_path / "ran"
+    folder = _dcp_folder(tmp_path / "ckpt")
+    check_shard_files(folder)  # the real one passes
+    metadata = read_dcp_index(folder / DCP_DIR / DCP_INDEX)
+    key = next(k for k in metadata.storage_data if k.fqn.endswith("param_groups.0.lr"))
+    info = metadata.storage_data[key]
+    shard = folder / DCP_DIR / info.relative_path
+    payload = io.BytesIO()
+    torch.save(Marker(marker), payload)
+    info.offset, info.length = shard.stat().st_size, len(payload.getvalue())
+    with shard.open("ab") as f:
+        f.write(payload.getvalue())
+    (folder / DCP_DIR / DCP_INDEX).write_bytes(pickle.dumps(metadata))  # a well-formed index pointing at it
+    with pytest.raises(CheckpointError, match=r"the value of 'optimizer.param_groups.0.lr': refused to load"):
+        check_shard_files(folder)
+    assert not marker.exists()
+
+
+def test_checkpoint__dcp_index_naming_a_file_outside_is_refused(tmp_path):
+    folder = _dcp_folder(tmp_path / "ckpt")
+    metadata = read_dcp_index(folder / DCP_DIR / DCP_INDEX)
+    next(iter(metadata.storage_data.values())).relative_path = "../../etc/passwd"
+    (folder / DCP_DIR / DCP_INDEX).write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match="names a file outside the checkpoint"):
+        check_shard_files(folder)
+
+
+def test_checkpoint__a_real_dcp_checkpoint_loads_through_the_restricted_reader(tmp_path):
+    """The allow-list is the one torch's DCP writes today: a checkpoint saved now loads back, values equal."""
+    from rollcorr.checkpoint import load_sharded
+
+    folder = _dcp_folder(tmp_path / "ckpt")
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    load_sharded(folder, model, optimizer)
+    assert optimizer.param_groups[0]["lr"] == 1e-3  # AdamW's default, as saved
+
+
+# ---------------------------------------------------------------- run config: modules a run folder names
+
+
+def _run_naming(tmp_path: Path, reward: str) -> Path:
+    """A run folder whose config.yaml trains a data set scored by ``reward`` (no checkpoint: the starting model)."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n' * 10)
+    folder = tmp_path / "run"
+    folder.mkdir()
+    save_config(load_config(None, [f"task.name={data}"]), folder / "config.yaml")
+    text = (folder / "config.yaml").read_text().replace("reward: null", f"reward: {reward}")
+    (folder / "config.yaml").write_text(text)
+    return folder
+
+
+def test_run_config__from_run_imports_no_module_the_run_names(tmp_path, monkeypatch, capsys):
+    """``audit --from-run RUN`` whose config.yaml names ``sidefx:score``, a module whose import writes a file:
+    one line says the run names it and how to import it yourself; the module was never imported."""
+    marker = tmp_path / "imported"
+    (tmp_path / "sidefx_hostile.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n"
+                                                "def score(item, text):\n    return 1.0\n")  # fmt: skip
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run_dir = _run_naming(tmp_path, "sidefx_hostile:score")
+    assert main(["audit", "--from-run", str(run_dir), "-n", "2", "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert not marker.exists()
+    assert len(err.strip().splitlines()) == 1 and "names the reward module 'sidefx_hostile'" in err, err
+    assert "import sys, sidefx_hostile" in err
+
+
+def test_run_config__resume_imports_no_module_the_run_names(tmp_path, monkeypatch, capsys):
+    """``train --resume RUN`` whose config.yaml names a side-effect module: one line saying how to name it, nothing
+    imported; named again on the command line (``task.reward=...``), the run goes on with it."""
+    marker = tmp_path / "imported"
+    (tmp_path / "sidefx_resume.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n"
+                                               "def score(item, text):\n    return 1.0\n")  # fmt: skip
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run_dir = _run_naming(tmp_path, "sidefx_resume:score")
+    small = ["trainer.steps=1", "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false"]
+    assert main(["train", "--resume", str(run_dir), *small]) == 2
+    err = capsys.readouterr().err
+    assert not marker.exists()
+    assert len(err.strip().splitlines()) == 1 and "names the reward module 'sidefx_resume'" in err, err
+    assert f"rollcorr train --resume {run_dir} task.reward=sidefx_resume:score" in err
+    assert main(["train", "--resume", str(run_dir), "task.reward=sidefx_resume:score", *small]) == 0
+    assert marker.exists()
+
+
+def test_run_config__from_run_takes_a_module_the_user_imported(tmp_path, monkeypatch, capsys):
+    """The same run once the user imported the module (``python -c 'import mod; ...'``, a plugin): accepted."""
+    (tmp_path / "mine_hostile.py").write_text("def score(item, text):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import mine_hostile  # noqa: F401 — the user's own import
+
+    run_dir = _run_naming(tmp_path, "mine_hostile:score")
+    assert main(["audit", "--from-run", str(run_dir), "-n", "2", "--max-new-tokens", "2", "--out",
+                 str(tmp_path / "a")]) == 0  # fmt: skip
+
+
+def test_run_config__the_docs_line_audits_a_run_with_your_reward(tmp_path):
+    """docs/security.md's command, as written, on a run folder naming a reward module of the test's."""
+    line = next(b for b in re.findall(r"```bash\n(.*?)```", (ROOT / "docs/security.md").read_text(), re.S)
+                if "--from-run" in b).strip()  # fmt: skip
+    (tmp_path / "my_rewards.py").write_text("def score(item, text):\n    return float(item['answer'] in text)\n")
+    run_dir = _run_naming(tmp_path, "my_rewards:score")
+    (tmp_path / "runs").mkdir()
+    run_dir.rename(tmp_path / "runs" / "x")
+    argv = [sys.executable if a == "python" else a for a in shlex.split(line)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(tmp_path)])}
+    done = subprocess.run([*argv, "--max-new-tokens", "2", "--out", str(tmp_path / "audit")], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "audit" / "report.html").is_file()
+
+
+# ---------------------------------------------------------------- reward: user code that fails is contained
+
+BAD_REWARDS = '''import math
+import time
+
+
+def raises(item, text):
+    raise ValueError("no answer in " + repr(text[:0]))
+
+
+def exits(item, text):
+    raise SystemExit(3)
+
+
+def nan(item, text):
+    return math.nan
+
+
+def inf(item, text):
+    return math.inf
+
+
+def none(item, text):
+    return None
+
+
+def text(item, text):
+    return "1"
+
+
+def two(item, text):
+    return 2.0
+
+
+def minus(item, text):
+    return -5.0
+
+
+def hangs(item, text):
+    time.sleep(3600)
+
+
+def one_arg(item):
+    return 1.0
+
+
+def half(item, text):
+    return 0.5
+'''
+
+
+@pytest.fixture
+def bad_rewards(tmp_path, monkeypatch):
+    """A module of broken rewards on the path of this process and of the processes it starts; its data set."""
+    (tmp_path / "bad_rewards.py").write_text(BAD_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = [str(tmp_path), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(path))
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(f'{{"prompt": "{a}+{b}=", "answer": "{a + b}"}}\n' for a in range(4) for b in range(3)))
+    return data
+
+
+# (function, task.reward_clip, what the one line says)
+REWARD_CASES = [
+    ("raises", False, r"failed: ValueError: no answer in '' \(bad_rewards.py:\d+\)"),
+    ("exits", False, r"failed: SystemExit: 3"),
+    ("nan", False, r"returned nan; a reward is a finite number in \[0, 1\]"),
+    ("inf", False, r"returned inf; a reward is a finite number"),
+    ("none", False, r"returned None \(NoneType\); a reward is a number in \[0, 1\]"),
+    ("text", False, r"returned '1' \(str\)"),
+    ("two", False, r"returned 2, outside \[0, 1\]; .* task.reward_clip=true"),
+    ("minus", False, r"returned -5, outside \[0, 1\]"),
+]
+
+
+@pytest.mark.parametrize(("name", "clip", "said"), REWARD_CASES)
+def test_reward__a_bad_value_or_exception_is_one_line_naming_the_reward_and_row(bad_rewards, name, clip, said):
+    from rollcorr.tasks import DataTask
+    from rollcorr.tasks.base import rewards
+    from rollcorr.user_code import UserCodeError
+
+    task = DataTask(bad_rewards, f"bad_rewards:{name}")
+    items = task.sample(3, seed=0)
+    with pytest.raises(UserCodeError) as caught:
+        rewards(task, items, ["7", "8", "9"], timeout=60.0, clip=clip)
+    line = str(caught.value)
+    assert "\n" not in line and re.search(said, line), line
+    assert line.startswith(f"reward 'bad_rewards:{name}' on row 0 of the batch (prompt ")
+
+
+def test_reward__clip_when_the_config_says_so(bad_rewards):
+    from rollcorr.tasks import DataTask
+    from rollcorr.tasks.base import rewards
+
+    item = [{"prompt": "p", "answer": "1"}]
+    assert rewards(DataTask(bad_rewards, "bad_rewards:two"), item, ["x"], clip=True) == [1.0]
+    assert rewards(DataTask(bad_rewards, "bad_rewards:minus"), item, ["x"], clip=True) == [0.0]
+    assert rewards(DataTask(bad_rewards, "bad_rewards:half"), item, ["x"]) == [0.5]
+
+
+def test_reward__a_call_past_its_time_limit_is_abandoned_with_a_line(bad_rewards):
+    from rollcorr.tasks import DataTask
+    from rollcorr.tasks.base import rewards
+    from rollcorr.user_code import UserCodeError
+
+    task = DataTask(bad_rewards, "bad_rewards:hangs")
+    with pytest.raises(UserCodeError, match=r"on row 0 of the batch .* gave no answer in 0.2 s "
+                                            r"\(task.reward_timeout=0.2\); it was abandoned"):  # fmt: skip
+        rewards(task, task.sample(2, seed=0), ["1", "2"], timeout=0.2)
+    half = DataTask(bad_rewards, "bad_rewards:half")  # the next call gets a fresh worker
+    assert rewards(half, task.sample(2, seed=0), ["1", "2"], timeout=0.2) == [0.5, 0.5]
+
+
+def test_reward__a_wrong_signature_is_refused_before_any_model_loads(bad_rewards, capsys):
+    assert main(["train", f"task.name={bad_rewards}", "task.reward=bad_rewards:one_arg", "trainer.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "task.reward" in err and "one_arg(item) cannot be called as one_arg(item, response_text)" in err, err
+
+
+SMALL = ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=3", "task.eval_prompts=0",
+         "trainer.steps=2", "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false"]  # fmt: skip
+
+
+def _train(tmp_path: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rollcorr", "train", *SMALL, f"trainer.out={tmp_path / 'run'}",
+                           *overrides], capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def _one_line(done, *expected: str) -> str:
+    lines = [line for line in done.stderr.splitlines() if line.startswith("rollcorr train:")]
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert len(lines) == 1 and all(e in lines[0] for e in expected), done.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("mode", ["sync", "simulated_async", "async"])
+def test_reward__a_raising_reward_stops_every_executor_in_one_line(bad_rewards, tmp_path, mode):
+    """The same line whether the reward ran here (sync, simulated_async) or in the sampler process (async)."""
+    done = _train(tmp_path, f"task.name={bad_rewards}", "task.reward=bad_rewards:raises", f"trainer.mode={mode}")
+    _one_line(done, "reward 'bad_rewards:raises' on row 0 of the batch", "failed: ValueError: no answer in ''")
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_reward__a_raising_reward_on_a_ray_worker_is_the_same_line(bad_rewards, tmp_path):
+    done = _train(tmp_path, f"task.name={bad_rewards}", "task.reward=bad_rewards:raises", "trainer.executor=ray",
+                  "trainer.ray_workers=1")  # fmt: skip
+    _one_line(done, "reward 'bad_rewards:raises' on row 0 of the batch", "failed: ValueError: no answer in ''")
+
+
+def test_reward__a_reward_that_hangs_stops_the_run_at_its_time_limit(bad_rewards, tmp_path):
+    done = _train(tmp_path, f"task.name={bad_rewards}", "task.reward=bad_rewards:hangs", "task.reward_timeout=0.5")
+    _one_line(done, "reward 'bad_rewards:hangs' on row 0", "gave no answer in 0.5 s (task.reward_timeout=0.5)")
+
+
+def test_reward__sigterm_while_a_reward_hangs_saves_a_checkpoint(tmp_path, monkeypatch):
+    """A reward that never returns from the second step on, no time limit: SIGTERM stops the run at once with a
+    line naming the reward, and the checkpoint of step 1 is saved (the run saves none until its end otherwise)."""
+    started = tmp_path / "hanging"
+    (tmp_path / "late_hang.py").write_text(
+        "import time\n"
+        "calls = 0\n"
+        "def score(item, text):\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    if calls > 4:  # the second step's batch\n"
+        f"        open({str(started)!r}, 'w').close()\n"
+        "        time.sleep(3600)\n"
+        "    return float(calls % 2)\n"
+    )  # fmt: skip
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+2=", "answer": "3"}\n' * 12)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT / "src")])}
+    proc = subprocess.Popen([sys.executable, "-m", "rollcorr", "train", *SMALL, f"trainer.out={tmp_path / 'run'}",
+                             f"task.name={data}", "task.reward=late_hang:score", "task.reward_timeout=null",
+                             "trainer.checkpoint_every=0"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        while not started.exists() and proc.poll() is None:
+            time.sleep(0.2)
+        assert started.exists(), proc.communicate()[1][-3000:]
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert "SIGTERM at step 1 (while reward 'late_hang:score' on row 0 of the batch" in err, err[-3000:]
+    assert (tmp_path / "run" / "checkpoints" / "step_000001" / STATE_FILE).is_file()
+
+
+# ---------------------------------------------------------------- src/: every loader and dynamic import listed
+
+# what can run code from the bytes or the names it is given: deserialisers and imports by name (matched on the
+# call's dotted name as written; a method by its last part)
+LOADERS = {"pickle.load", "pickle.loads", "pickle.Unpickler", "marshal.loads", "torch.load", "torch.jit.load",
+           "np.load", "numpy.load", "yaml.load", "yaml.unsafe_load", "yaml.full_load", "importlib.import_module",
+           "import_module", "__import__", "eval", "exec", "runpy.run_path", "runpy.run_module"}  # fmt: skip
+METHODS = {"from_pretrained", "load_from_disk"}
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return node.id if isinstance(node, ast.Name) else "?"
+
+
+def _calls_in_src() -> set[tuple[str, str]]:
+    """(file under src/, call) for every call of ``LOADERS`` / ``METHODS`` and every class built on one."""
+    found = set()
+    for path in sorted((ROOT / "src" / "rollcorr").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            named = [node.func] if isinstance(node, ast.Call) else getattr(node, "bases", [])
+            for target in named:
+                name = _dotted(target)
+                if name in LOADERS or name.rpartition(".")[2] in METHODS:
+                    call = name if name in LOADERS else name.rpartition(".")[2]
+                    found.add((path.relative_to(ROOT / "src").as_posix(), call))
+    return found
+
+
+def test_src__every_deserialisation_and_dynamic_import_is_in_security_md():
+    """docs/security.md lists each (file, call) pair of src/ that reads code-capable data or imports by name,
+    with why it is safe; a new one fails here until the page says why it is safe, and a row whose call is gone
+    fails too (the page stays true)."""
+    page = (ROOT / "docs" / "security.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^\| `([\w/]+\.py)` \| `([\w.]+)` \|", page, flags=re.M))
+    found = _calls_in_src()
+    assert found, "the pattern finds nothing: it is broken"
+    assert sorted(found - listed) == [], "calls in src/ that docs/security.md does not list"
+    assert sorted(listed - found) == [], "rows of docs/security.md whose call is no longer in src/"
