@@ -12,6 +12,15 @@ The table (a new surface gets its section and its rows here, named ``test_<surfa
     reward (user code)              a reward that raises, returns None / text / NaN / inf / out of [0, 1], has the
                                     wrong signature or hangs: one line naming it and the row, in every executor;
                                     clipped only with task.reward_clip; SIGTERM while it hangs saves a checkpoint
+    data (task rows)                an answer a built-in verifier cannot read (list, dict, boolean, NaN) is refused
+                                    naming its line; an unknown split value too; an evaluation with no held-out
+                                    rows refused at start; held-out rows repeating training prompts counted, said
+    analyze                         routing the audit cannot compare (another top-k on each side or on some rows,
+                                    routing on half the rows) is said; stdin closed is no traceback
+    options                         hf:exact with top-k/top-p refused at the config check; --whatif "," refused;
+                                    a truncated run config.yaml names the keys it lacks
+    amp, ports                      an fp16 loss scale that flushes every gradient is named; torchrun's busy port
+                                    is documented, trainer.ranks=N picks a free one
     src/ (the audit of loaders)     every pickle / torch.load / yaml.load / dynamic import / eval / exec in src/ is
                                     listed, with why it is safe, in docs/security.md
 """
@@ -433,6 +442,206 @@ def test_reward__sigterm_while_a_reward_hangs_saves_a_checkpoint(tmp_path, monke
     assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
     assert "SIGTERM at step 1 (while reward 'late_hang:score' on row 0 of the batch" in err, err[-3000:]
     assert (tmp_path / "run" / "checkpoints" / "step_000001" / STATE_FILE).is_file()
+
+
+# ---------------------------------------------------------------- data: rows that cannot mean what they say
+
+
+def _jsonl(tmp_path: Path, rows: list[str], name: str = "data.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_text("".join(row + "\n" for row in rows))
+    return path
+
+
+@pytest.mark.parametrize(("answer", "reward", "said"), [
+    ("[1, 2]", "exact", "is a list ([1, 2]); reward 'exact' reads the answer as text, '[1, 2]'"),
+    ('{"a": 1}', "exact", "is a dict"),
+    ("true", "last_number", "is a boolean (True); reward 'last_number' reads the answer as text, 'True'"),
+    ("NaN", "exact", "is nan (not a finite number): no response can equal it"),
+    ("-Infinity", "last_number", "is -inf (not a finite number)"),
+])  # fmt: skip
+def test_data__an_answer_a_builtin_verifier_cannot_read_is_refused_naming_its_line(tmp_path, answer, reward, said):
+    from rollcorr.tasks import DataError, DataTask
+
+    rows = ['{"prompt": "1+1=", "answer": "2"}'] * 2 + [f'{{"prompt": "2+2=", "answer": {answer}}}']
+    with pytest.raises(DataError) as caught:
+        DataTask(_jsonl(tmp_path, rows), reward)
+    assert str(caught.value).startswith(f"{tmp_path / 'data.jsonl'}, line 3: field 'answer' ") and said in str(caught.value)
+    assert caught.value.field == "answer_key"
+
+
+def test_data__your_own_reward_gets_the_answer_as_it_is(tmp_path, monkeypatch):
+    """The documented rule: a module:function reward reads the value itself (a list of accepted answers here)."""
+    (tmp_path / "any_of.py").write_text("def score(item, text):\n    return float(text in item['answer'])\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from rollcorr.tasks import DataTask
+    from rollcorr.tasks.base import rewards
+
+    task = DataTask(_jsonl(tmp_path, ['{"prompt": "a square root of 4?", "answer": ["2", "-2"]}'] * 3), "any_of:score")
+    assert rewards(task, task.sample(2, seed=0), ["-2", "3"]) == [1.0, 0.0]
+
+
+def test_data__an_unknown_split_is_refused_listing_the_known_ones(tmp_path, capsys):
+    rows = ['{"prompt": "1+1=", "answer": "2", "split": "train"}', '{"prompt": "2+2=", "answer": "4", "split": "validation"}']
+    data = _jsonl(tmp_path, rows)
+    assert main(["train", f"task.name={data}", "trainer.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"{data}, line 2: split 'validation' is none of 'train', 'test'" in err, err
+
+
+def test_data__an_evaluation_with_no_rows_is_refused_at_start(tmp_path, capsys):
+    """Rows that all train and an evaluation asked for (the default 200 prompts): refused before any model loads,
+    instead of a run that ends "n/a -> n/a"; task.eval_prompts=0 trains without evaluation."""
+    data = _jsonl(tmp_path, ['{"prompt": "1+1=", "answer": "2"}'] * 9)  # every 10th row is held out: none of 9
+    assert main(["train", f"task.name={data}", "trainer.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "task.eval_prompts: 200 held-out prompts asked, but" in err and "has no held-out rows (every 10th row is " \
+        "held out, and it has 9 rows)" in err, err  # fmt: skip
+
+
+def test_data__held_out_rows_that_repeat_training_prompts_are_counted_and_said(tmp_path, capsys):
+    from rollcorr.tasks import DataTask
+
+    rows = [f'{{"prompt": "{a}+1=", "answer": "{a + 1}"}}' for a in range(9)] + ['{"prompt": "3+1=", "answer": "4"}']
+    rows += [f'{{"prompt": "{a}+2=", "answer": "{a + 2}"}}' for a in range(9)] + ['{"prompt": "9+9=", "answer": "18"}']
+    data = _jsonl(tmp_path, rows)
+    assert DataTask(data).notes == [f"{data}: 1 of 2 held-out rows repeat a training prompt (greedy accuracy on them "
+                                    "measures what the model saw in training)"]  # fmt: skip
+    assert main(["train", f"task.name={data}", *SMALL, "trainer.steps=1", f"trainer.out={tmp_path / 'run'}"]) == 0
+    assert "1 of 2 held-out rows repeat a training prompt" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- analyze: what the audit says, analyze says
+
+
+def _routing_dump(tmp_path: Path, make_row, n: int = 6) -> Path:
+    import json
+
+    rows = []
+    for i in range(n):
+        row = {"rollout_log_probs": [-1.0, -0.5], "old_log_probs": [-1.1, -0.4], "response_mask": [1, 1]}
+        rows.append(json.dumps({**row, **make_row(i)}))
+    path = tmp_path / "dump.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+K2, K3 = [[[1, 2]], [[0, 3]]], [[[1, 2, 3]], [[0, 3, 4]]]
+
+
+@pytest.mark.parametrize(("make_row", "note"), [
+    (lambda i: {"routed_experts": K2, "learner_routed_experts": K3},
+     "routing not compared: the sampler's routing has (layers, top-k) (1, 2) and the learner's (1, 3)"),
+    (lambda i: {"routed_experts": K2, **({"learner_routed_experts": K2} if i % 2 else {})},
+     "routing not compared: the learner's are on 3 of 6 rows"),
+    (lambda i: {"routed_experts": K2 if i % 2 else K3, "learner_routed_experts": K2 if i % 2 else K3},
+     "the sampler's routed experts have several (layers, top-k) shapes"),
+])  # fmt: skip
+def test_analyze__routing_that_cannot_be_compared_is_said(tmp_path, capsys, make_row, note):
+    import json
+
+    out = tmp_path / "analysis.json"
+    assert main(["analyze", str(_routing_dump(tmp_path, make_row)), "--json", str(out)]) == 0
+    assert any(note in line for line in json.loads(out.read_text())["notes"]), json.loads(out.read_text())["notes"]
+    assert note in capsys.readouterr().out.replace("\n", " ")
+
+
+def test_analyze__standard_input_closed_is_no_traceback(tmp_path):
+    """``rollcorr analyze F 0<&-`` reads F; ``rollcorr analyze - 0<&-`` says there is nothing to read."""
+    dump = _routing_dump(tmp_path, lambda i: {})
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    for argv, code in (([str(dump)], 0), (["-"], 2)):
+        command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "rollcorr", "analyze", *argv])
+        done = subprocess.run(["bash", "-c", f"exec {command} 0<&-"], capture_output=True, text=True, env=env,
+                              timeout=300)  # fmt: skip
+        assert done.returncode == code and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip() == ("rollcorr analyze: -: standard input is closed, so there is no dump to read; give "
+                                   "the dump's path")  # fmt: skip
+
+
+# ---------------------------------------------------------------- options checked before anything loads
+
+
+def test_options__exact_pair_with_top_k_is_refused_at_the_config_check(tmp_path, capsys):
+    argv = ["train", "model.sampler=hf:exact", "model.learner=hf:exact", "rollout.top_k=5", "trainer.steps=1",
+            f"trainer.out={tmp_path / 'run'}"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rollcorr train: config error: rollout.top_k: 5 asks hf:exact to truncate its distribution")
+    assert len(err.splitlines()) == 1 and not (tmp_path / "run").exists()
+    assert main(["audit", "--sampler", "hf:exact", "--learner", "hf:exact", "--top-p", "0.9", "--out",
+                 str(tmp_path / "a")]) == 2  # fmt: skip
+    assert "--top-p: 0.9 asks hf:exact to truncate" in capsys.readouterr().err
+
+
+def test_options__an_empty_whatif_list_is_refused(tmp_path, capsys):
+    for text in (",", " , ,"):
+        assert main(["audit", "--whatif", text, "--out", str(tmp_path / "a")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"--whatif {text!r}: names no change; give some of fp32" in err, err
+
+
+def test_run_config__a_truncated_config_says_which_keys_it_lacks(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    save_config(load_config(None, []), run_dir / "config.yaml")
+    lines = (run_dir / "config.yaml").read_text().splitlines()
+    cut = next(i for i, line in enumerate(lines) if line.startswith("rollout:"))
+    (run_dir / "config.yaml").write_text("\n".join(lines[:cut]) + "\n")  # model and task: the rest is gone
+    assert main(["audit", "--from-run", str(run_dir), "-n", "2", "--max-new-tokens", "2", "--out",
+                 str(tmp_path / "a")]) == 0  # fmt: skip
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert f"note: --from-run {run_dir}: its config.yaml has no rollout.prompts_per_step, rollout.group_size" in out
+    assert "cut short, edited or written by an older rollcorr; their defaults are used" in out
+
+
+# ---------------------------------------------------------------- the trainer's words: fp16 underflow, ports
+
+
+@pytest.mark.usefixtures("alternating_rewards")
+def test_amp__a_loss_scale_that_underflows_every_gradient_is_named(tmp_path, addition_model_dir, capsys):
+    """An fp16 loss scale of 2^-100 flushes every gradient to 0: the zero-gradient warning names the scale, not
+    "loss terms cancel"."""
+    from rollcorr.train.loop import Trainer
+
+    out = tmp_path / "run"
+    config = load_config(None, [*TINY, f"model.path={addition_model_dir}", "model.learner=hf:amp-fp16",
+                                "model.sampler=hf:fp16", "trainer.steps=1", f"trainer.out={out}"])  # fmt: skip
+    trainer = Trainer(config, run_dir=out)
+    trainer.loss_scaler.scale = 2.0**-100
+    trainer.run()
+    said = [line for line in capsys.readouterr().out.replace("\n", " ").split("warning: ") if "gradient was" in line]
+    assert said and "the fp16 loss scale has fallen to 7.88861e-31" in said[0], said
+    assert "cancel or are all clipped" not in said[0]
+
+
+def test_ports__torchrun_on_a_busy_port_fails_as_the_docs_say_and_ranks_pick_a_free_one(monkeypatch):
+    """docs/distributed.md: torchrun --master-port P with P taken ends in torch's EADDRINUSE line before rollcorr
+    runs; ``trainer.ranks=N`` rendezvouses on port 0 (the system picks a free one)."""
+    import socket
+
+    from rollcorr.distributed import launch
+
+    page = (ROOT / "docs" / "distributed.md").read_text().replace("\n", " ")
+    assert "name: EADDRINUSE, message: address already in use" in page
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                               "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "rollcorr", "train"],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode != 0 and "name: EADDRINUSE, message: address already in use" in done.stderr.strip().splitlines()[-1]
+    seen = {}
+
+    def fake_launch(config, entrypoint):
+        seen["endpoint"] = config.rdzv_endpoint
+        return lambda *args: None
+
+    monkeypatch.setattr("torch.distributed.launcher.api.elastic_launch", fake_launch)
+    assert launch.launch(["trainer.steps=1"], 2) == 0 and seen["endpoint"].endswith(":0")
 
 
 # ---------------------------------------------------------------- src/: every loader and dynamic import listed

@@ -743,7 +743,9 @@ def _open_source(path: str | Path) -> tuple[Path, str, Any, bool]:
     character device (``<(cat f)``, ``/dev/stdin``) is read as a stream. Parquet (by suffix, or the ``PAR1``
     magic bytes) that is not seekable is copied to a temporary file first (its index sits at the end)."""
     if str(path) == STDIN:
-        label, stream = Path(STDIN), sys.stdin.buffer
+        label, stream = Path(STDIN), _stdin()
+        if stream is None:
+            raise ValueError("-: standard input is closed, so there is no dump to read; give the dump's path")
     else:
         label = Path(path)
         if label.is_dir():
@@ -777,6 +779,11 @@ def _open_source(path: str | Path) -> tuple[Path, str, Any, bool]:
     return label, "jsonl", stream, gz
 
 
+def _stdin() -> Any:
+    """Standard input's binary stream; None when the process was started with it closed (``0<&-``)."""
+    return getattr(sys.stdin, "buffer", None)
+
+
 def _jsonl_blocks(stream, gz: bool, path: Path) -> Iterator[list[tuple[int, bytes | _BadRow]]]:
     """Blocks of (1-based line number, raw line or a ``_BadRow`` where a .gz broke); blank lines skipped, a
     leading UTF-8 byte-order mark dropped."""
@@ -799,7 +806,7 @@ def _jsonl_blocks(stream, gz: bool, path: Path) -> Iterator[list[tuple[int, byte
 def _line_blocks(stream, gz: bool, path: Path) -> Iterator[list[bytes] | _BadRow]:
     """The stream's lines (without ``\\n``), ``READ_BYTES`` at a time; a gzip stream is inflated chunk by chunk
     so every line before a truncation or corruption is still read (then one ``_BadRow`` says where it broke)."""
-    with contextlib.nullcontext(stream) if stream is sys.stdin.buffer else stream:
+    with contextlib.nullcontext(stream) if stream is _stdin() else stream:
         pending: list[bytes] = []
 
         def split(data: bytes) -> list[bytes]:

@@ -671,6 +671,8 @@ class _Engine:
             out.update({f"routing/{k}": float(v) for k, v in routing.items() if isinstance(v, int | float)})
             notes.append(routing_sentence(routing) or "routing: the sampler and the learner chose the same experts "
                          "on every token")  # fmt: skip
+        elif info.routing_note:  # routing in the dump that cannot be compared: said, as the audit says it
+            notes.append(info.routing_note)
         f = float(factor) if factor is not None else 1.0
         weights = None
         if self.applied[1] != math.inf:

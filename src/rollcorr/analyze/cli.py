@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if not console.is_terminal:  # piped or captured: rich would fall back to 80 columns
         console = Console(width=110)
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)  # an error is one line, never wrapped at 80 columns
     if args.list_presets:
         from rollcorr.config.presets import PRESETS
 

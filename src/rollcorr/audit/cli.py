@@ -97,7 +97,7 @@ def _run_plan(args) -> dict:
     run's starting model), its engines, its task and chat setting, its sampling settings — checked before anything
     loads (a missing run, config or step is one line naming it)."""
     from rollcorr.checkpoint import checkpoint_dir, checkpoint_step, list_checkpoints
-    from rollcorr.train.config import ConfigError, load_config
+    from rollcorr.train.config import ConfigError, load_config, missing_keys
 
     given = [f"--{name.replace('_', '-')}" for name in FROM_RUN_CONFLICTS if getattr(args, name, None) not in (None, False)]
     if given:
@@ -111,6 +111,10 @@ def _run_plan(args) -> dict:
         config = load_config(run / "config.yaml", inside_run=True)
     except ConfigError as err:
         raise ValueError(f"--from-run {run}: its config.yaml cannot be read ({err})") from None
+    missing = missing_keys(run / "config.yaml")
+    note = missing and (f"--from-run {run}: its config.yaml has no {', '.join(missing[:6])}"
+                        f"{f' (and {len(missing) - 6} more)' if len(missing) > 6 else ''}: cut short, edited or "
+                        "written by an older rollcorr; their defaults are used")  # fmt: skip
     steps = {checkpoint_step(p): p for p in list_checkpoints(run)}
     if args.step is not None:
         if args.step not in steps:
@@ -137,7 +141,7 @@ def _run_plan(args) -> dict:
     except (ValueError, FileNotFoundError) as err:
         raise ValueError(f"--from-run {run}: its task cannot be rebuilt here ({err})") from None
     r = config.rollout
-    return {"run": str(run), "step": step, "model": model, "task": task, "chat": config.task.chat,
+    return {"run": str(run), "step": step, "model": model, "task": task, "chat": config.task.chat, "note": note,
             "sampler": config.model.sampler, "learner": config.model.learner,
             "sampling": {"max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_k": r.top_k,
                          "top_p": r.top_p}}  # fmt: skip
@@ -256,7 +260,7 @@ def _collect_live(args, console, workdir: str):
 
     from rollcorr.audit.collect import builtin_prompts, collect, from_rollout, learner_routing, load_prompts
     from rollcorr.engines import SamplingParams, backend_of, make_learner, make_sampler, parse_spec
-    from rollcorr.engines.spec import check_kept_mass
+    from rollcorr.engines.spec import check_kept_mass, check_truncation
 
     if args.num_responses < 1 or args.batch_size < 1:
         raise ValueError(f"-n and --batch-size must be >= 1, got {args.num_responses} and {args.batch_size}")
@@ -264,6 +268,8 @@ def _collect_live(args, console, workdir: str):
     if args.step is not None and plan is None:
         raise ValueError("--step picks a checkpoint of --from-run RUN; give the run")
     # line-numbered prompt errors before anything is loaded
+    if plan is not None and plan["note"]:
+        console.print(f"[yellow]note:[/] {plan['note']}", highlight=False, soft_wrap=True)
     if plan is not None:  # the run's training prompts (text or conversations; the template comes later)
         prompts = [item["prompt"] for item in plan["task"].sample(args.num_responses, seed=args.seed, split="train")]
         args.model, args.sampler, args.learner = plan["model"], args.sampler or plan["sampler"], args.learner or plan["learner"]
@@ -274,6 +280,7 @@ def _collect_live(args, console, workdir: str):
     params = SamplingParams(**sampling, seed=args.seed)
     sampler_spec, learner_spec, model, gguf_file = _check_engines(args)
     changes = _check_diagnosis(args, sampler_spec)
+    check_truncation(sampler_spec, params.top_k, params.top_p, ("--top-k", "--top-p"))
     check_kept_mass(sampler_spec, params.truncated, args.sampler_dist == "full", "--sampler-dist full")
     from transformers.utils import logging as hf_logging
 

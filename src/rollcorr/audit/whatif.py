@@ -54,8 +54,12 @@ def parse_changes(text: str | None, spec: str) -> list[str]:
     if not text:
         return default_changes(spec)
     backend = backend_of(spec)
+    named = [c.strip() for c in text.split(",") if c.strip()]
+    if not named:  # "," or " , ": a list of nothing would measure nothing and say nothing
+        raise ValueError(f"--whatif {text!r}: names no change; give some of {', '.join(CHANGES)} (comma-separated), "
+                         "or --whatif alone for the ones that apply to the sampler")  # fmt: skip
     out = []
-    for change in (c.strip() for c in text.split(",") if c.strip()):
+    for change in named:
         if change not in CHANGES:
             raise ValueError(f"--whatif: unknown change {change!r}; use any of {', '.join(CHANGES)}")
         if change in IN_PROCESS and not backend.in_process:

@@ -512,9 +512,8 @@ class ExactSampler(HFSampler):
         return f"ExactSampler({self.model_path!r}, version={self.version})"
 
     def _decode(self, contexts, budgets, params, max_steps):
-        if params.top_k or params.top_p < 1.0:
-            raise ValueError("hf:exact samples at a temperature only (top_k 0, top_p 1.0): a truncated "
-                             "distribution's kept mass would need the same exact reductions")  # fmt: skip
+        if params.top_k or params.top_p < 1.0:  # refused before: engines.spec.check_truncation
+            raise ValueError(f"hf:exact: top_k {params.top_k}, top_p {params.top_p}: {NO_TRUNCATION}")
         gen = torch.Generator(device=self.device)
         if params.seed is not None:
             gen.manual_seed(params.seed)
@@ -553,6 +552,8 @@ class ExactLearner(HFLearner):
 
 RTN = tuple(f"rtn{k}" for k in range(MIN_BITS, MAX_BITS + 1))  # hf:rtn<k>: k-bit round-to-nearest weights
 EXACT = "exact"  # hf:exact: the bitwise-exact sampler / learner pair
+NO_TRUNCATION = ("hf:exact samples at a temperature only (a truncated distribution's kept mass would need the same "
+                 "exact reductions)")  # fmt: skip
 DTYPES = (*FLOAT_DTYPES, "int8", *AMP, EXACT)  # the first option: a dtype, int8, an amp learner or exact
 ATTNS = ("eager", "sdpa")
 
@@ -607,6 +608,9 @@ class HFBackend(Backend):
 
     def sampler_class(self, parsed: EngineSpec) -> type:
         return ExactSampler if parsed.dtype == EXACT else HFSampler
+
+    def no_truncation(self, parsed: EngineSpec) -> str | None:
+        return NO_TRUNCATION if parsed.dtype == EXACT else None
 
     def make_sampler(self, parsed: EngineSpec, model_path, *, threads: int = 0, **kwargs) -> HFSampler:
         """``threads`` is not the engine's: hf samplers run in torch's pool, which the process sets."""

@@ -136,10 +136,24 @@ class Backend:
         """The spec as reports and the terminal name it; default: as the user wrote it."""
         return spec
 
+    def no_truncation(self, parsed: EngineSpec) -> str | None:
+        """Why this sampler cannot sample with top-k / top-p, or None (default) when it can."""
+        return None
+
     def no_kept_mass(self, parsed: EngineSpec) -> str | None:
         """Why this sampler cannot report the probability mass top-k / top-p kept (``Rollout.log_kept_mass``),
         which a comparison with its distribution before truncation needs; None (default) when it reports it."""
         return None
+
+
+def check_truncation(spec: str, top_k: int, top_p: float, keys: tuple[str, str]) -> None:
+    """ValueError (one line, naming the key of ``keys`` = (top-k's, top-p's) that asks for it) when top-k / top-p
+    sampling meets a sampler that cannot do it (``Backend.no_truncation``), before anything loads."""
+    reason = backend_of(spec).no_truncation(parse_spec(spec)) if top_k or top_p < 1.0 else None
+    if reason is not None:
+        key, value = (keys[0], top_k) if top_k else (keys[1], top_p)
+        raise ValueError(f"{key}: {value} asks {spec} to truncate its distribution, and {reason}; sample with "
+                         "top_k 0 and top_p 1.0, or use another sampler")  # fmt: skip
 
 
 def check_kept_mass(spec: str, truncated: bool, needs_full: bool, key: str) -> None:

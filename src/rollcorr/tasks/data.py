@@ -8,11 +8,13 @@ Formats (docs/tasks.md), detected from the content, not the name:
 
 Each row needs a prompt (``prompt_key``, default "prompt"): a non-empty string, or a conversation — a list of
 ``{"role": ..., "content": ...}`` messages (the chat template makes the model's input) — and an answer
-(``answer_key``, default "answer") that the reward reads. Other fields are kept on the item (a custom reward
-can read them). A bad row is one line naming the file, the row and the field.
+(``answer_key``, default "answer") that the reward reads: for a built-in verifier text or a finite number (a
+list, a mapping, a boolean or NaN is refused: ``check_answer``), for your own reward any value. Other fields are
+kept on the item (a custom reward can read them). A bad row is one line naming the file, the row and the field.
 
 Splits: ``eval_file`` given → its rows are the held-out set and every row of the main file trains; else a
-``split`` field ("train" / "test") on the rows; else every 10th row (index % 10 == 9) is held out. Training
+``split`` field ("train" / "test"; any other value is refused) on the rows; else every 10th row (index % 10 ==
+9) is held out. Held-out rows that repeat a training prompt are counted (``notes``, said when a run starts). Training
 draws with replacement (deterministic per seed and batch); evaluation takes every held-out row once, in file
 order (``held_out(n)``: the first n).
 """
@@ -20,12 +22,13 @@ order (``held_out(n)``: the first n).
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 from typing import Any
 
-from rollcorr.tasks.base import check_count, check_split
-from rollcorr.tasks.verifiers import RewardFn, resolve_reward
+from rollcorr.tasks.base import SPLITS, check_count, check_split
+from rollcorr.tasks.verifiers import READS_ANSWER_AS_TEXT, RewardFn, resolve_reward
 
 MAX_BAD_SAMPLE = 120  # characters of a bad value quoted in an error
 
@@ -126,8 +129,10 @@ def check_messages(value: Any, where: str) -> None:
                         f'{{"role": ..., "content": ...}} messages, got {_excerpt(value)}')  # fmt: skip
 
 
-def to_item(row: dict[str, Any], prompt_key: str, answer_key: str, where: str) -> dict[str, Any]:
-    """A row → an item with "prompt" and "answer" (the other fields kept); DataError naming the problem."""
+def to_item(row: dict[str, Any], prompt_key: str, answer_key: str, where: str, text_reward: str | None = None
+            ) -> dict[str, Any]:  # fmt: skip
+    """A row → an item with "prompt" and "answer" (the other fields kept); DataError naming the problem.
+    ``text_reward``: the name of a built-in verifier, which reads the answer as text (``check_answer``)."""
     for key, role in ((prompt_key, "prompt_key"), (answer_key, "answer_key")):
         if key not in row:
             raise DataError(f"{where}: no field {key!r} (task.{role}); the row has {sorted(row)[:12]}", role)
@@ -139,19 +144,68 @@ def to_item(row: dict[str, Any], prompt_key: str, answer_key: str, where: str) -
                         f"got {_excerpt(prompt)}")  # fmt: skip
     if row[answer_key] is None:
         raise DataError(f"{where}: field {answer_key!r} is null")
+    if text_reward is not None:
+        check_answer(row[answer_key], f"{where}: field {answer_key!r}", text_reward)
     return {**row, "prompt": prompt, "answer": row[answer_key]}
 
 
-def load_items(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer"
-               ) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
-    """{split: items} of a data set (see the module docstring); DataError for anything unusable."""
+def check_answer(answer: Any, what: str, reward: str) -> None:
+    """The rule of the built-in verifiers (``READS_ANSWER_AS_TEXT``): they compare ``str(answer)``, so an answer
+    is text or a finite number. A list, a mapping or a boolean would be compared as its Python text ("[1, 2]",
+    "True": with ``last_number`` nothing could ever score) and NaN / ±inf equal no response: DataError naming it.
+    A reward of your own (``module:function``) gets the value as it is, unchecked."""
+    if isinstance(answer, bool) or not isinstance(answer, str | int | float):
+        kind = "a boolean" if isinstance(answer, bool) else f"a {type(answer).__name__}"
+        raise DataError(f"{what} is {kind} ({_excerpt(answer)}); reward {reward!r} reads the answer as text, "
+                        f"{str(answer)!r}: give it as text or a number, or score it with your own reward "
+                        "(task.reward=module:function gets it as it is)", "answer_key")  # fmt: skip
+    if isinstance(answer, float) and not math.isfinite(answer):
+        raise DataError(f"{what} is {answer} (not a finite number): no response can equal it", "answer_key")
+
+
+Labelled = list[tuple[str, dict[str, Any]]]  # (where: "data.jsonl, line 3", the item)
+
+
+def load_items(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer",
+               text_reward: str | None = None) -> dict[str, Labelled]:  # fmt: skip
+    """{split: [(where, item)]} of a data set (see the module docstring); DataError for anything unusable."""
     out = {}
     for split, rows in read_rows(path).items():
         where = f"{path}" + (f" (split {split!r})" if split else "")
         if not rows:
             raise DataError(f"{where}: no rows")
-        out[split] = [to_item(row, prompt_key, answer_key, f"{where}, {label}") for label, row in rows]
+        out[split] = [(f"{where}, {label}", to_item(row, prompt_key, answer_key, f"{where}, {label}", text_reward))
+                      for label, row in rows]  # fmt: skip
     return out
+
+
+def split_rows(path: Path, rows: Labelled) -> tuple[list[dict], list[dict], str]:
+    """A file's rows → (train, held out, the rule that chose them): by their ``split`` field when any row has one
+    ("train" / "test"; another value is refused naming its row: it would be neither), else every 10th row."""
+    if any("split" in item for _, item in rows):
+        for where, item in rows:
+            if item.get("split", "train") not in SPLITS:
+                raise DataError(f"{where}: split {item['split']!r} is none of {', '.join(map(repr, SPLITS))} (rows "
+                                "of split 'test' are held out, the others train)", "name")  # fmt: skip
+        test = [item for _, item in rows if item.get("split") == "test"]
+        return [item for _, item in rows if item.get("split", "train") == "train"], test, "no row has split 'test'"
+    train = [item for i, (_, item) in enumerate(rows) if i % 10 != 9]
+    held = [item for i, (_, item) in enumerate(rows) if i % 10 == 9]
+    return train, held, f"every 10th row is held out, and it has {len(rows)} rows"
+
+
+def _key(prompt: Any) -> str:
+    return prompt.strip() if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
+def duplicates_note(path: Path, train: list[dict], test: list[dict]) -> str | None:
+    """A line saying how many held-out rows repeat a training prompt (their accuracy measures recall), or None."""
+    seen = {_key(item["prompt"]) for item in train}
+    repeated = sum(_key(item["prompt"]) in seen for item in test)
+    if not repeated:
+        return None
+    return (f"{path}: {repeated} of {len(test)} held-out rows repeat a training prompt (greedy accuracy on them "
+            "measures what the model saw in training)")  # fmt: skip
 
 
 class DataTask:
@@ -167,30 +221,29 @@ class DataTask:
             raise DataError(str(err), "reward") from None
         self.reward_name = f"reward {reward if isinstance(reward, str) else getattr(reward, '__qualname__', 'fn')!r}"
         self.name = f"data:{self.path.name}"
-        splits = load_items(self.path, prompt_key, answer_key)
+        text = reward if isinstance(reward, str) and reward in READS_ANSWER_AS_TEXT else None
+        splits = load_items(self.path, prompt_key, answer_key, text)
+        items = lambda labelled: [item for _, item in labelled]  # noqa: E731
         if eval_file is not None:
-            train = [item for rows in splits.values() for item in rows]
+            train = [item for rows in splits.values() for item in items(rows)]
             try:
-                held = load_items(eval_file, prompt_key, answer_key)
+                held = load_items(eval_file, prompt_key, answer_key, text)
             except (DataError, FileNotFoundError) as err:
                 raise DataError(str(err), "eval_file") from None
-            test = [item for rows in held.values() for item in rows]
+            test, rule = [item for rows in held.values() for item in items(rows)], ""
         elif set(splits) != {""}:  # a DatasetDict: its own splits
             if "train" not in splits:
                 raise DataError(f"{self.path}: the DatasetDict has no 'train' split (it has {sorted(splits)})")
-            train, test = splits["train"], splits.get("test", splits.get("validation", []))
+            train, test = items(splits["train"]), items(splits.get("test", splits.get("validation", [])))
+            rule = "the DatasetDict has no 'test' or 'validation' split"
         else:
-            rows = splits[""]
-            if any("split" in item for item in rows):
-                train = [item for item in rows if item.get("split", "train") == "train"]
-                test = [item for item in rows if item.get("split") == "test"]
-            else:
-                train = [item for i, item in enumerate(rows) if i % 10 != 9]
-                test = [item for i, item in enumerate(rows) if i % 10 == 9]
+            train, test, rule = split_rows(self.path, splits[""])
         if not train:
             raise DataError(f"{self.path}: no training rows (every row is held out)")
         self.by_split = {"train": train, "test": test}
         self.items = train + test  # every prompt the run can see (checked against the model before training)
+        self.held_out_rule = rule  # why there are no held-out rows, when there are none
+        self.notes = [note for note in [duplicates_note(self.path, train, test)] if note]  # said when a run starts
 
     def sample(self, n: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
         """``n`` items drawn with replacement from ``split`` (the train rows when ``split`` has none)."""

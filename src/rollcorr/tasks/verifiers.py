@@ -134,6 +134,7 @@ def check_signature(fn: RewardFn, label: Any) -> RewardFn:
 
 
 REWARDS: dict[str, RewardFn] = {}
+READS_ANSWER_AS_TEXT = ("exact", "last_number", "boxed", "gsm8k", "math")  # they compare str(item["answer"])
 NEEDS: dict[str, tuple[str, str]] = {"math": ("math_verify", "math")}  # reward → (module, the extra holding it)
 
 

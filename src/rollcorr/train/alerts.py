@@ -133,11 +133,16 @@ def describe(step: int, condition: str, metrics: dict[str, float]) -> str:
                 f"{g('eval/accuracy', 0.0):.3f} since the previous evaluation; updates that undo this many answers "
                 f"usually mean the learning rate (optim.lr={g('train/lr', 0.0):g}) is too large for this model: "
                 f"{LR_ADVICE}.")  # fmt: skip
-    why = (
-        "every kept group's responses got the same reward, so every advantage was 0"
-        if g("advantage/abs_mean", 1.0) == 0
-        else "the kept tokens' loss terms cancel or are all clipped"
-    )
+    scale = g("train/amp_loss_scale")  # fp16 mixed precision only
+    if scale is not None and scale < 1.0:
+        why = (f"the fp16 loss scale has fallen to {scale:g} (it halves at every overflow), which shrinks every "
+               "gradient before fp16 holds it, and fp16 flushes those below 6e-8 to 0: the loss overflows fp16 at "
+               "any scale (an unstable loss, a learning rate too large) or needs bf16's range "
+               "(model.learner=hf:amp-bf16)")  # fmt: skip
+    elif g("advantage/abs_mean", 1.0) == 0:
+        why = "every kept group's responses got the same reward, so every advantage was 0"
+    else:
+        why = "the kept tokens' loss terms cancel or are all clipped"
     return f"step {step}: the gradient was exactly 0 ({why}); {no_step}."
 
 

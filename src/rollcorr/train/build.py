@@ -25,7 +25,7 @@ from rollcorr.distributed.ranks import ONE_PROCESS, Ranks
 from rollcorr.distributed.roles import FollowerExecutor, LeaderExecutor, ShareExecutor
 from rollcorr.engines import backend_of, make_learner, make_sampler, parse_spec, sampler_class
 from rollcorr.engines.preflight import PreflightError, preflight
-from rollcorr.engines.spec import check_kept_mass
+from rollcorr.engines.spec import check_kept_mass, check_truncation
 from rollcorr.losses import LossConfig
 from rollcorr.losses.oapl import value_temperature
 from rollcorr.proximal import ProximalStrategy, make_proximal
@@ -54,6 +54,8 @@ def check_components(config: TrainConfig) -> tuple[StepConfig, ProximalStrategy,
             raise ConfigError(f"model.{'path' if err.field == 'path' else key}: {err}") from None
     check_trainable_learner(config)
     try:
+        check_truncation(config.model.sampler, config.rollout.top_k, config.rollout.top_p,
+                         ("rollout.top_k", "rollout.top_p"))  # fmt: skip
         check_kept_mass(config.model.sampler, sampling_params(config).truncated,
                         config.algorithm.correction.sampler_distribution == "full",
                         "algorithm.correction.sampler_distribution=full")  # fmt: skip
@@ -98,11 +100,17 @@ def build_task(config: TrainConfig):
     from rollcorr.tasks import DataError
 
     try:
-        return config.task.build()
+        task = config.task.build()
     except DataError as err:
         raise ConfigError(f"task.{err.field}: {err}") from None
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(f"task.name: {err}") from None
+    if config.task.eval_prompts > 0 and not task.held_out(1, config.task.eval_seed):  # "n/a -> n/a", said now
+        why = getattr(task, "held_out_rule", "")
+        raise ConfigError(f"task.eval_prompts: {config.task.eval_prompts} held-out prompts asked, but "
+                          f"{config.task.name} has no held-out rows{f' ({why})' if why else ''}; give some (a "
+                          "split field of 'test', task.eval_file) or train without evaluation: task.eval_prompts=0")  # fmt: skip
+    return task
 
 
 def check_fsdp(config: TrainConfig) -> None:

@@ -500,6 +500,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config
 
 
+def missing_keys(path: Path) -> list[str]:
+    """The keys a run writes to its config.yaml (all of them: ``save_config``) that the file at ``path`` lacks, as
+    ``section.key``: a file cut short or edited, or written by an older rollcorr (their defaults are used)."""
+    data = load_yaml_file(path, inside_run=True) or {}
+    missing = []
+    for section, values in TrainConfig().to_dict().items():
+        given = data.get(section) if isinstance(data, dict) else None
+        if not isinstance(values, dict):
+            missing += [] if isinstance(data, dict) and section in data else [section]
+            continue
+        missing += [f"{section}.{key}" for key in values if not isinstance(given, dict) or key not in given]
+    return missing
+
+
 def config_from_dict(data: dict[str, Any]) -> TrainConfig:
     config = _from_dict(TrainConfig, data, "")
     validate(config)

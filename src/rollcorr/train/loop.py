@@ -287,7 +287,7 @@ class Trainer:
                                     wandb_project=t.wandb_project)  # fmt: skip
         else:
             self.logger = SilentLogger()
-        for note in [*notes, data_parallel_note(config, self.ranks, self.learner)]:
+        for note in [*notes, *getattr(self.task, "notes", []), data_parallel_note(config, self.ranks, self.learner)]:
             if note:
                 self.logger.message(note)
         self.samples = SampleLog(self.run_dir, self.learner.tokenizer, self.logger.tb) if main else None
