@@ -24,7 +24,7 @@ PACKAGE = SRC / "rollcorr"
 # __init__ only: the version).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("leaf", ("rollcorr", "rollcorr.rollout", "rollcorr.config.correction", "rollcorr.config.loss",
-              "rollcorr.config.yaml_io", "rollcorr.safe_io", "rollcorr.user_code")),
+              "rollcorr.config.yaml_io", "rollcorr.safe_io", "rollcorr.user_code", "rollcorr.plugins")),
     ("math", ("rollcorr.correction", "rollcorr.losses", "rollcorr.advantages", "rollcorr.logprobs",
               "rollcorr.distributed.tensors")),
     ("config", ("rollcorr.config",)),

@@ -43,9 +43,9 @@ def doc_block(first_line_start: str) -> str:
 
 
 def doc_commands() -> dict[str, list[str]]:
-    """The recipe's command lines, by sub-command: ["python", "-c", CODE, "train", ...]."""
-    lines = [shlex.split(line) for line in doc_block("python -c ").splitlines() if line.strip()]
-    return {argv[3]: argv for argv in lines}
+    """The recipe's command lines, by sub-command: ["rollcorr", "train", "plugins=jitter_engine", ...]."""
+    lines = [shlex.split(line) for line in doc_block("rollcorr train plugins=").splitlines() if line.strip()]
+    return {argv[1]: argv for argv in lines}
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +65,11 @@ def outside(tmp_path_factory):
 
 
 def run_doc_command(command: str, extra: list[str], folder: Path, cwd: Path) -> subprocess.CompletedProcess:
-    """A command of the recipe as written, plus ``extra`` arguments, in a fresh interpreter that finds the
-    recipe's module on its path (and this checkout's rollcorr)."""
+    """A command of the recipe as written (``rollcorr`` as ``python -m rollcorr``), plus ``extra`` arguments, in
+    a fresh interpreter that finds the recipe's module on its path (and this checkout's rollcorr)."""
     argv = doc_commands()[command]
     path = os.pathsep.join([str(folder), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, *argv[1:], *extra], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", *argv, *extra], cwd=cwd, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": path}, timeout=900)  # fmt: skip
 
 

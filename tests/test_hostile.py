@@ -204,7 +204,7 @@ def test_run_config__from_run_imports_no_module_the_run_names(tmp_path, monkeypa
     err = capsys.readouterr().err
     assert not marker.exists()
     assert len(err.strip().splitlines()) == 1 and "names the reward module 'sidefx_hostile'" in err, err
-    assert "import sys, sidefx_hostile" in err
+    assert "rollcorr audit --plugins sidefx_hostile --from-run" in err
 
 
 def test_run_config__resume_imports_no_module_the_run_names(tmp_path, monkeypatch, capsys):
@@ -244,7 +244,7 @@ def test_run_config__the_docs_line_audits_a_run_with_your_reward(tmp_path):
     run_dir = _run_naming(tmp_path, "my_rewards:score")
     (tmp_path / "runs").mkdir()
     run_dir.rename(tmp_path / "runs" / "x")
-    argv = [sys.executable if a == "python" else a for a in shlex.split(line)]
+    argv = [sys.executable, "-m", *shlex.split(line)]  # rollcorr as python -m rollcorr (this checkout's)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(tmp_path)])}
     done = subprocess.run([*argv, "--max-new-tokens", "2", "--out", str(tmp_path / "audit")], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=600)  # fmt: skip

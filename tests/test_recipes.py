@@ -22,7 +22,12 @@ after the registration works (its hand list of modes raised KeyError); analyze e
 rule (it crashed: size mismatch); whether a config rejects is read from ``RULES`` (an outside rule makes
 analyze's report say "would be masked out"). The fourth, one reading of an override (``rs_thresholds=1.5_3``
 is the window [1.5, 3.0] in train and analyze alike), is tests/test_overrides.py. The engine recipe
-(``register_sampler``) is tests/test_plugins.py.
+(``register_sampler``) is tests/test_plugins.py; the four from a plugin named in the config, in every process of
+a run, tests/test_plugins_config.py.
+
+A rule from outside is on only where a config names it (``CorrectionConfig.rules``, with its options), never by
+being registered: each test names its toy rule, and ``test_a_registered_rule_is_off_until_a_config_names_it``
+checks the switch.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -209,23 +215,42 @@ def token_rule_metrics(outcomes, rows):
     return {"toy_token_rows": rows.over_rows((~o.token_keep).any(-1).to(rows.dtype))}
 
 
+def limit_option(default: float):
+    """The toy rules' one option, ``limit`` (> 1), from the config's ``rules.<name>`` mapping."""
+
+    def parse(options):
+        limit = float(options.get("limit", default))
+        if not limit > 1:
+            raise ValueError(f"limit must be > 1, got {limit}")
+        return limit
+
+    return parse
+
+
 TOY_RULES = {
-    "sequence": Rule(SEQ_RULE, active=lambda config: [(SEQ_RULE, SEQ_LIMIT)],
+    "sequence": Rule(SEQ_RULE, options=limit_option(SEQ_LIMIT),
                      reductions=lambda name, limit: frozenset({"max_k2"}),  # what the fused kernel must compute
                      apply=drop_far_rows, metrics=seq_rule_metrics),
-    "token": Rule(TOKEN_RULE, active=lambda config: [(TOKEN_RULE, TOKEN_LIMIT)],
+    "token": Rule(TOKEN_RULE, options=limit_option(TOKEN_LIMIT),
                   reductions=lambda name, limit: None,  # reads the (B, T) tokens: the call stays eager
                   apply=drop_far_tokens, metrics=token_rule_metrics),
 }  # fmt: skip
 METRIC = {"sequence": "rollout_corr/toy_seq_fraction", "token": "rollout_corr/toy_token_rows"}
+NAMED = {"sequence": {SEQ_RULE: {"limit": SEQ_LIMIT}}, "token": {TOKEN_RULE: {}}}  # the token rule: its default
 
 
 @pytest.fixture(params=["sequence", "token"])
 def toy_rule(request):
-    """One toy rule, registered for the test only (a registered rule applies to every correction)."""
+    """One toy rule, registered for the test only (on where a config names it: ``CorrectionConfig.rules``)."""
     rule = register_rule(TOY_RULES[request.param])
     yield request.param
     RULES.remove(rule)
+
+
+def named(level: str) -> str:
+    """The toy rule of ``level`` named with its options, as a ``rules=`` override's value."""
+    ((name, options),) = NAMED[level].items()
+    return f"{{{name}: {{{', '.join(f'{k}: {v}' for k, v in options.items())}}}}}"
 
 
 def kept_by_hand(level: str, old: Tensor, rollout: Tensor, mask: Tensor) -> Tensor:
@@ -240,7 +265,7 @@ def test_rule_in_compute_correction_eager_and_fused(toy_rule, kernel_calls, monk
     """With the fused path forced (the kernel run eagerly, conftest.kernel_calls): the sequence rule is served by
     the kernel, the token rule keeps the call eager; either way the result is the eager one, and the rule's keep
     is its definition."""
-    config = CorrectionConfig(is_level="token")  # token IS, no rule of its own: the toy is the only one
+    config = CorrectionConfig(is_level="token", rules=NAMED[toy_rule])  # token IS and the toy, the only rule
     old, roll, mask, _, _ = _batch(noise=0.02)
     got = compute_correction(old, roll, mask, config)
     want = on_eager_path(monkeypatch, compute_correction, old, roll, mask, config)
@@ -268,8 +293,8 @@ def test_rule_makes_a_config_reject(toy_rule):
 
     from rollcorr.analyze.render import describe, render
 
-    config = CorrectionConfig(is_level="token")  # no rs, veto, TRM or OPSM field set
-    assert rejects(config)
+    config = CorrectionConfig(is_level="token", rules=NAMED[toy_rule])  # no rs, veto, TRM or OPSM field set
+    assert rejects(config) and not rejects(CorrectionConfig(is_level="token"))
     name, limit = (SEQ_RULE, SEQ_LIMIT) if toy_rule == "sequence" else (TOKEN_RULE, TOKEN_LIMIT)
     assert f"{name} {limit:.4g}" in describe(config)  # the rule named in the config's one-line summary
     console = Console(record=True, width=200)
@@ -281,7 +306,8 @@ def test_rule_in_rollcorr_analyze(toy_rule, tmp_path):
     """``rollcorr analyze`` (the command) explains the rule on its level, with the counts of its definition, and
     its explanation matches the correction's mask."""
     out = tmp_path / "analysis.json"
-    assert main(["analyze", str(sample_dump_path()), "--preset", "decoupled_token_is", "--json", str(out)]) == 0
+    assert main(["analyze", str(sample_dump_path()), "--preset", "decoupled_token_is", "--set",
+                 f"rules={named(toy_rule)}", "--json", str(out)]) == 0  # fmt: skip
     report = json.loads(out.read_text())
     (summary,) = [r for r in report["rules"] if r["rule"] in (SEQ_RULE, TOKEN_RULE)]
     dump = read_dump(sample_dump_path())
@@ -302,7 +328,8 @@ def test_rule_in_the_verl_drop_in(toy_rule):
     from rollcorr.compat.verl import compute_rollout_correction_and_rejection_mask as verl_correction
 
     old, roll, mask, _, _ = _batch(noise=0.02)
-    _, kept_mask, _ = verl_correction(old, roll, mask.float(), rollout_is="token", rollout_is_threshold=2.0)
+    _, kept_mask, _ = verl_correction(old, roll, mask.float(), rollout_is="token", rollout_is_threshold=2.0,
+                                      rules=NAMED[toy_rule])  # fmt: skip
     keep = kept_by_hand(toy_rule, old, roll, mask)
     assert kept_mask.dtype == torch.float32 and torch.equal(kept_mask.bool(), keep)
     assert keep[mask].any() and not keep[mask].all()
@@ -312,8 +339,30 @@ def test_rule_in_the_verl_drop_in(toy_rule):
 def test_rule_in_rollcorr_train(toy_rule, tmp_path, addition_model_dir):
     """The training step's correction applies the rule: its metric is logged each step (how much it drops
     depends on the sampler's numerics, not asserted)."""
-    steps = train(tmp_path, addition_model_dir, "algorithm.correction.preset=decoupled_token_is")
+    steps = train(tmp_path, addition_model_dir, "algorithm.correction.preset=decoupled_token_is",
+                  f"algorithm.correction.rules={named(toy_rule)}")  # fmt: skip
     assert all(0.0 <= s[METRIC[toy_rule]] <= 1.0 for s in steps)
+
+
+def test_a_registered_rule_is_off_until_a_config_names_it(toy_rule):
+    """Registering a rule makes its name known; only ``rules`` turns it on (as ``algorithm.loss`` chooses a
+    loss): the same correction without it equals the one with no rule registered at all, and a name no rule
+    answers to, a built-in rule's kind, or options the rule refuses are one ValueError each."""
+    old, roll, mask, _, _ = _batch(noise=0.02)
+    plain = CorrectionConfig(is_level="token")
+    off = compute_correction(old, roll, mask, plain)
+    assert torch.equal(off.kept_mask, mask.bool()) and not any("toy" in key for key in off.metrics)
+    on = compute_correction(old, roll, mask, plain.replace(rules=NAMED[toy_rule]))
+    assert not torch.equal(on.kept_mask, mask.bool()) and METRIC[toy_rule] in on.metrics
+    name = SEQ_RULE if toy_rule == "sequence" else TOKEN_RULE
+    for rules, said in (({"toy_misspelt": {}}, "rules: 'toy_misspelt' is no registered rule; rules registered from "
+                                               f"outside: ['{name}']"),
+                        ({"rs": {}}, "rules: 'rs' is a built-in rule, set by its own fields"),
+                        ({name: {"limit": 0.5}}, f"rules.{name}: limit must be > 1, got 0.5")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(said)):
+            compute_correction(old, roll, mask, plain.replace(rules=rules))
+        with pytest.raises(ConfigError, match="^" + re.escape(f"algorithm.correction.{said}")):  # the key first
+            load_config(None, [f"algorithm.correction.rules={rules}".replace("'", "")])
 
 
 # ---- a π_old strategy -------------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ COMMANDS = {
     "train": ("rollcorr.train.cli", "RL training with a separate sampler and learner"),
     "gguf-to-hf": ("rollcorr.convert", "save a GGUF model as a Hugging Face folder (float32 weights)"),
 }
+# the commands that take --plugins (train names its plugins in its config: plugins=[...])
+TAKE_PLUGINS = ("analyze", "audit")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -38,12 +40,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             if err.name != module:
                 raise
             p.set_defaults(_missing=module)
+        if name in TAKE_PLUGINS:
+            p.add_argument("--plugins", action="append", default=[], metavar="MODULE[,MODULE]",
+                           help="modules to import first: they register engines, rules, losses, rewards "
+                                "(docs/plugins.md); installed plugins load without it")  # fmt: skip
     return parser
 
 
 # `rollcorr train` takes dotted keys, not the audit's flags: the key each such flag means there
 TRAIN_KEYS = {"--sampler": "model.sampler", "--learner": "model.learner", "--model": "model.path",
-              "--steps": "trainer.steps", "--seed": "trainer.seed", "--preset": "algorithm.correction.preset"}  # fmt: skip
+              "--steps": "trainer.steps", "--seed": "trainer.seed", "--preset": "algorithm.correction.preset",
+              "--plugins": "plugins"}  # fmt: skip
 
 
 def train_flag_hint(argv: list[str]) -> str | None:
@@ -52,6 +59,8 @@ def train_flag_hint(argv: list[str]) -> str | None:
         flag, _, value = arg.partition("=")
         if flag in TRAIN_KEYS:
             value = value or (argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("-") else "...")
+            if flag == "--plugins":
+                value = f"[{value}]"
             return (
                 f"rollcorr train: {flag} is not an option of train; settings are dotted keys: "
                 f"rollcorr train {TRAIN_KEYS[flag]}={value}"
@@ -80,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_missing", None):
         print(f"rollcorr {args.command}: not available in this build", file=sys.stderr)
         return 2
+    if args.command in TAKE_PLUGINS and (refused := import_plugins(args.plugins)):
+        print(f"rollcorr {args.command}: error: {refused}", file=sys.stderr)
+        return 2
     # said as it is when even saying why fails at the limit (made now, while there is memory to make it)
     last_words = (f"rollcorr {args.command}: out of memory; nothing is half-written (a training run's checkpoints "
                   "are whole: --resume it with more memory)\n").encode()  # fmt: skip
@@ -100,6 +112,19 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.flush()
             os._exit(1)
         return 1
+
+
+def import_plugins(given: list[str]) -> str | None:
+    """Import the installed plugins and those ``--plugins`` names (``rollcorr.plugins``); the one line that says
+    why one failed, None when all imported."""
+    from rollcorr.plugins import PluginError, load_plugins
+
+    names = [name.strip() for text in given for name in text.split(",") if name.strip()]
+    try:
+        load_plugins(names, source="--plugins")
+    except PluginError as err:
+        return str(err)
+    return None
 
 
 def out_of_memory(err: BaseException) -> bool:

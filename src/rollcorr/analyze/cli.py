@@ -94,6 +94,7 @@ def load_config(
     """
     from rollcorr.config.correction import CorrectionConfig
     from rollcorr.config.presets import resolve
+    from rollcorr.correction.rejection import check_rules
 
     data: dict[str, Any] = {}
     source: list[str] = []
@@ -147,7 +148,9 @@ def load_config(
     if overrides:
         source.append("--set " + " ".join(overrides))
     spec = {**base, **data} if preset_name is None else {"preset": preset_name, **data}
-    return resolve(spec), ", ".join(source)
+    config = resolve(spec)
+    check_rules(config)  # rules from outside it names: registered (--plugins, installed), options they take
+    return config, ", ".join(source)
 
 
 def _preset_name(config: Any) -> str:

@@ -159,7 +159,7 @@ def describe(config: CorrectionConfig) -> str:
         if config.batch_normalize:
             parts.append(f"batch-normalised per {config.batch_norm_scope}")
     for rule in RULES:  # the one rule list, in the order compute_correction applies it
-        for name, threshold in rule.active(config):
+        for name, threshold in rule.instances(config):
             parts.append(_describe_rule(name, threshold))
     if rejects(config):
         parts.append(f"loss denominator: {config.denominator}")

@@ -134,8 +134,7 @@ def _run_plan(args) -> dict:
 
     module = config.task.reward and config.task.reward.partition(":")[0]
     check_named_reward(config.task.reward, f"--from-run {run}: its config.yaml",
-                       f"import it yourself first: python -c 'import sys, {module}; from rollcorr.cli import main; "
-                       "sys.exit(main())' audit --from-run ... (docs/security.md)")  # fmt: skip
+                       f"name it yourself: rollcorr audit --plugins {module} --from-run ... (docs/security.md)")  # fmt: skip
     try:
         task = config.task.build()
     except (ValueError, FileNotFoundError) as err:

@@ -89,9 +89,11 @@ def compute_rollout_correction_and_rejection_mask(
     rollout_rs_threshold: str | float | None = None,
     *,
     strict_verl: bool = False,
+    rules: Any = None,
 ) -> tuple[Any, Tensor, dict[str, float]]:
     """(IS weights wrapped as verl's ``DataProto`` {"rollout_is_weights": (B, T)} or None, response_mask
-    after rejection (input dtype), ``rollout_corr/*`` metrics as floats)."""
+    after rejection (input dtype), ``rollout_corr/*`` metrics as floats). ``rules`` (rollcorr's own): rejection
+    rules registered from outside, by name with their options (``CorrectionConfig.rules``), ANDed into the mask."""
     _require_tensors(old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob, response_mask=response_mask)
     if old_log_prob.shape != rollout_log_prob.shape:
         raise ValueError(
@@ -112,6 +114,8 @@ def compute_rollout_correction_and_rejection_mask(
         },
         exact=True,
     )
+    if rules:
+        config = config.replace(rules=rules)
     result = _correct(old_log_prob, rollout_log_prob, response_mask, config, strict_verl)
     metrics = {k: v for k, v in result.metrics.items() if _is_verl_key(k)}
     return _wrap(result.is_weights), result.kept_mask, metrics_to_floats(metrics)

@@ -12,13 +12,15 @@ One frozen dataclass drives both the driver-side correction (decoupled mode) and
   KL between the Bernoulli distributions of the sampled token under π_old and μ) take a single upper bound.
 - Sequence drops beyond verl: ``veto_threshold`` (any ρ_t below it), ``veto_upper`` (any ρ_t above it),
   TRM ``trm_max_k2`` / ``trm_mean_k3``, OPSM ``opsm_delta`` (needs advantages at call time).
+- Rules registered from outside the package (``correction.rejection.register_rule``, docs/plugins.md): on only
+  when ``rules`` names them, ``{rule name: {option: value}}`` (or a list of names: no options).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from rollcorr.config.loss import DENOMINATORS
@@ -119,6 +121,33 @@ def parse_rs_threshold(option: str, spec: Any, *, name: str = "rs_thresholds") -
     return _number(where, spec)
 
 
+def _normalise_rules(rules: Any) -> dict[str, dict[str, Any]]:
+    """``rules`` as {rule name: {option: value}}: from such a mapping (options may be null: none), a list of
+    names or one comma-separated string of them. Whether each name is a registered rule is the rule list's
+    question (``correction.rejection.check_rules``): this leaf knows no rule."""
+    if rules is None:
+        return {}
+    if isinstance(rules, str):
+        rules = [part.strip() for part in rules.split(",") if part.strip()]
+    if isinstance(rules, list | tuple):
+        if len(set(rules)) != len(rules):
+            raise ValueError(f"rules names a rule twice: {list(rules)!r:.120}")
+        rules = dict.fromkeys(rules)
+    if not isinstance(rules, Mapping):
+        raise ValueError(f"rules must map rule names to their options, e.g. {{my_rule: {{limit: 1.05}}}}, got "
+                         f"{rules!r:.80}")  # fmt: skip
+    out: dict[str, dict[str, Any]] = {}
+    for name, options in rules.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"rules: a rule name must be a non-empty string, got {name!r:.80}")
+        if options is not None and not isinstance(options, Mapping):
+            raise ValueError(f"rules.{name}: its options must be a mapping {{option: value}}, got {options!r:.80}")
+        if options is not None and not all(isinstance(key, str) for key in options):
+            raise ValueError(f"rules.{name}: option names must be strings, got {list(options)!r:.80}")
+        out[name] = dict(options or {})
+    return out
+
+
 @dataclass(frozen=True)
 class CorrectionConfig:
     """How to weight and reject tokens given π_old (or π_θ in bypass) and the sampler's μ."""
@@ -138,6 +167,7 @@ class CorrectionConfig:
     trm_max_k2: float | None = None  # TRM: keep iff max_t ½ℓ² ≤ δ_max
     trm_mean_k3: float | None = None  # TRM: keep iff mean_t (e^ℓ − 1 − ℓ) ≤ δ_avg
     opsm_delta: float | None = None  # OPSM: drop iff A < 0 and mean_t(log μ − log π_θ) > δ
+    rules: dict[str, dict[str, Any]] = field(default_factory=dict)  # rules from outside, by name: their options
     denominator: str = "kept"  # loss denominator after rejection: kept | original | batch
     sampler_distribution: str = "truncated"  # "full": log μ_full = rollout_log_prob + log_kept_mass
     verl_compat: bool = False  # reproduce verl exactly (K1 window on −log ρ, all rows in seq metrics, …)
@@ -186,6 +216,7 @@ class CorrectionConfig:
         set_(self, "trm_max_k2", _optional("trm_max_k2", self.trm_max_k2))
         set_(self, "trm_mean_k3", _optional("trm_mean_k3", self.trm_mean_k3))
         set_(self, "opsm_delta", _optional("opsm_delta", self.opsm_delta, allow_zero=True))
+        set_(self, "rules", _normalise_rules(self.rules))
         bound = _number("safety_bound", self.safety_bound)
         if bound > 80:
             raise ValueError(f"safety_bound must be <= 80 so exp stays finite in float32, got {bound}")
@@ -227,6 +258,10 @@ class CorrectionConfig:
             )
         parsed = tuple(parse_rs_threshold(o, t) for o, t in zip(options, thresholds))
         return tuple(options), parsed
+
+    def __hash__(self) -> int:
+        """Hashable as before ``rules`` (a mapping) was a field: the rules count by their names."""
+        return hash(tuple(frozenset(self.rules) if f.name == "rules" else getattr(self, f.name) for f in fields(self)))
 
     # ---- derived views -------------------------------------------------------------------------
     @property

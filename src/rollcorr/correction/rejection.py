@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -223,7 +223,12 @@ class Rule:
     """One kind of rejection rule, declared once: ``rejection_rules`` applies every registered kind, for the
     eager path and the fused one alike.
 
-    active(config) → [(rule name, threshold), …] the instances ``config`` sets (none: the rule is off).
+    instances(config) → [(rule name, threshold), …] the instances ``config`` sets (none: the rule is off). A
+    built-in rule answers through ``active(config)``, which reads its ``CorrectionConfig`` fields; a rule
+    registered from outside leaves ``active`` out and is on only where the config names it,
+    ``config.rules[kind]`` (chosen by name, as a loss is): one instance named ``kind`` whose threshold is
+    ``options(config.rules[kind])`` — the rule's own options, checked there (a ValueError says what is wrong) —
+    or the options mapping itself when the rule has no ``options``.
     reductions(name, threshold) → the per-row reductions the instance reads (``sum_k1``, ``sum_k2``,
     ``sum_k3``, ``max_k2``, ``max_k3``), or None when it needs the (B, T) tokens (then the fused path does
     not apply). apply(name, threshold, statistics, context) → ``RuleOutcome`` (context: log_prob, advantages).
@@ -231,10 +236,30 @@ class Rule:
     """
 
     kind: str
-    active: Callable[[CorrectionConfig], list[tuple[str, Any]]]
+    active: Callable[[CorrectionConfig], list[tuple[str, Any]]] | None = field(default=None, kw_only=True)
     reductions: Callable[[str, Any], frozenset[str] | None]
     apply: Callable[[str, Any, Statistics, dict[str, Tensor | None]], RuleOutcome]
     metrics: Callable[[list[RuleOutcome], Rows], dict[str, Tensor]]
+    options: Callable[[Mapping[str, Any]], Any] | None = field(default=None, kw_only=True)
+
+    @property
+    def by_name(self) -> bool:
+        """A rule from outside: on only where ``config.rules`` names it."""
+        return self.active is None
+
+    def instances(self, config: CorrectionConfig) -> list[tuple[str, Any]]:
+        """[(rule name, threshold), …]: the instances ``config`` sets, none when the rule is off."""
+        if self.active is not None:
+            return self.active(config)
+        if self.kind not in config.rules:
+            return []
+        options = config.rules[self.kind]
+        if self.options is None:
+            return [(self.kind, options)]
+        try:
+            return [(self.kind, self.options(options))]
+        except (TypeError, ValueError, KeyError) as err:
+            raise ValueError(f"rules.{self.kind}: {err}") from None
 
 
 RULES: list[Rule] = []  # in the order they are applied and reported
@@ -243,11 +268,26 @@ RULES: list[Rule] = []  # in the order they are applied and reported
 def rejects(config: CorrectionConfig) -> bool:
     """Whether ``config`` sets any rejection rule: one registered rule with an active instance (``RULES`` is
     the one place that knows, built-in rules and registered ones alike)."""
-    return any(rule.active(config) for rule in RULES)
+    return any(rule.instances(config) for rule in RULES)
+
+
+def check_rules(config: CorrectionConfig) -> None:
+    """ValueError naming a rule ``config.rules`` names that is no rule registered from outside (a misspelt name,
+    a plugin not imported, a built-in rule — set by its own fields), or options its rule refuses."""
+    by_kind = {rule.kind: rule for rule in RULES}
+    for name in config.rules:
+        rule = by_kind.get(name)
+        if rule is None or not rule.by_name:
+            outside = sorted(kind for kind, r in by_kind.items() if r.by_name)
+            why = "a built-in rule, set by its own fields" if rule is not None else "no registered rule"
+            raise ValueError(f"rules: {name!r} is {why}; rules registered from outside: {outside or 'none'} (a "
+                             "plugin registers one: docs/plugins.md)")  # fmt: skip
+        rule.instances(config)  # its options, parsed by the rule
 
 
 def register_rule(rule: Rule) -> Rule:
-    """Add a kind of rejection rule (after the built-in ones). Returns it."""
+    """Add a kind of rejection rule (after the built-in ones). Returns it. A rule from outside (no ``active``)
+    is on only where a config names it (``CorrectionConfig.rules``), never by being registered."""
     if any(r.kind == rule.kind for r in RULES):
         raise ValueError(f"a rejection rule of kind {rule.kind!r} is already registered")
     RULES.append(rule)
@@ -258,7 +298,7 @@ def rule_reductions(config: CorrectionConfig) -> frozenset[str] | None:
     """The per-row reductions ``config``'s rules read, or None when one of them needs the (B, T) tokens."""
     needed: set[str] = set()
     for rule in RULES:
-        for name, threshold in rule.active(config):
+        for name, threshold in rule.instances(config):
             got = rule.reductions(name, threshold)
             if got is None:
                 return None
@@ -279,12 +319,14 @@ def rejection_rules(
     ``kind``. ``compute_correction`` ANDs their keeps into the mask; ``analyze`` explains each. source: the
     ``Tokens`` (or a ``Statistics``: eager or the fused kernel's). k3: ``kl_stats(tok, "k3")`` if already
     built. log_prob: π_θ for OPSM (default: the anchor). advantages: (B,) or (B, T), needed by OPSM."""
+    if config.rules:
+        check_rules(config)  # a rule named but not registered would otherwise be silently off
     stats = source if not isinstance(source, Tokens) else Statistics(source, k3)
     context = {"log_prob": log_prob, "advantages": advantages}
     return [
         dataclasses.replace(rule.apply(name, threshold, stats, context), kind=rule.kind)
         for rule in RULES
-        for name, threshold in rule.active(config)
+        for name, threshold in rule.instances(config)
     ]
 
 
@@ -398,11 +440,10 @@ def _opsm_metrics(outcomes: list[RuleOutcome], rows: Rows) -> dict[str, Tensor]:
     }
 
 
-register_rule(Rule("rs", lambda c: list(zip(c.rs, c.rs_thresholds)), _rs_reductions, _rs_apply, _rs_metrics))
-register_rule(Rule("veto", _veto_active, lambda name, limit: None, _veto_apply, _veto_metrics))
-register_rule(Rule("trm", _trm_active, lambda name, delta: frozenset({"max_k2", "sum_k3"}), _trm_apply,
-                   _trm_metrics))  # fmt: skip
-register_rule(Rule(
-    "opsm", lambda c: [] if c.opsm_delta is None else [("opsm", c.opsm_delta)], lambda name, delta: None,
-    _opsm_apply, _opsm_metrics,
-))  # fmt: skip
+register_rule(Rule("rs", _rs_reductions, _rs_apply, _rs_metrics,
+                   active=lambda c: list(zip(c.rs, c.rs_thresholds))))  # fmt: skip
+register_rule(Rule("veto", lambda name, limit: None, _veto_apply, _veto_metrics, active=_veto_active))
+register_rule(Rule("trm", lambda name, delta: frozenset({"max_k2", "sum_k3"}), _trm_apply, _trm_metrics,
+                   active=_trm_active))  # fmt: skip
+register_rule(Rule("opsm", lambda name, delta: None, _opsm_apply, _opsm_metrics,
+                   active=lambda c: [] if c.opsm_delta is None else [("opsm", c.opsm_delta)]))  # fmt: skip

@@ -20,11 +20,13 @@ from rollcorr.config.correction import CorrectionConfig
 from rollcorr.config.loss import AGG_MODES
 from rollcorr.config.presets import PresetError, resolve
 from rollcorr.config.yaml_io import YamlError, excerpt, load_yaml, load_yaml_file
+from rollcorr.correction.rejection import check_rules
 from rollcorr.distributed.ranks import LAYOUTS
 from rollcorr.distributed.split import split_problem
 from rollcorr.losses import LOSSES as LOSS_CATALOGUE
 from rollcorr.losses import LossConfig, loss_spec
 from rollcorr.moe import ROUTING_REPLAY_MODES
+from rollcorr.plugins import PluginError, load_plugins, not_loaded, plugin_names
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 
@@ -189,9 +191,14 @@ def _correction(data: Any, key: str) -> CorrectionConfig:
     if isinstance(data, CorrectionConfig):
         return data
     try:
-        return resolve(data)
+        config = resolve(data)
     except PresetError as err:
         raise ConfigError(f"{key}.{err}" if err.key else f"{key}: {err}") from None
+    try:
+        check_rules(config)  # the rules it names from outside: registered (by a plugin), with options they take
+    except ValueError as err:
+        raise ConfigError(f"{key}.{err}") from None
+    return config
 
 
 def _proximal(data: Any, key: str) -> ProximalConfig:
@@ -331,6 +338,9 @@ class TrainerConfig:
 
 @dataclass
 class TrainConfig:
+    # modules imported before anything else is read (they register losses, rules, engines, strategies, rewards:
+    # docs/plugins.md); installed plugins (entry-point group rollcorr.plugins) need no line here
+    plugins: list[str] = field(default_factory=list)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -495,6 +505,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             f"config file {str(path)!r}: expected a mapping of sections, got {type(data).__name__}"
         )
     data = apply_overrides(data, presets + list(overrides or []))
+    data["plugins"] = import_plugins(data.get("plugins"), overrides or [], path if inside_run else None)
     config = _from_dict(TrainConfig, data, "")
     validate(config)
     return config
@@ -512,6 +523,26 @@ def missing_keys(path: Path) -> list[str]:
             continue
         missing += [f"{section}.{key}" for key in values if not isinstance(given, dict) or key not in given]
     return missing
+
+
+def import_plugins(value: Any, overrides: list[str], run_file: Path | None = None) -> list[str]:
+    """The config's ``plugins``, imported (``rollcorr.plugins.load_plugins``, installed plugins first) before any
+    name they register is read. A run folder's config.yaml (``run_file``) imports nothing by itself: its plugins
+    are those the command line names again (``plugins=[...]``) or that this process imported already
+    (``--plugins``, installed ones); any other is a ``ConfigError`` saying how to name it."""
+    try:
+        names = plugin_names(value)
+        told = run_file is None or any(parse_override(text)[0] == ["plugins"] for text in overrides)
+        load_plugins(names if told else ())
+    except PluginError as err:
+        raise ConfigError(str(err)) from None
+    missing = not_loaded(names)
+    if missing:
+        listed = ",".join(missing)
+        raise ConfigError(f"plugins: {run_file} names {listed}, not imported: a run folder's file never imports "
+                          f"code; name them yourself (rollcorr train --resume RUN_DIR plugins=[{listed}]; rollcorr "
+                          f"audit --plugins {listed})")  # fmt: skip
+    return names
 
 
 def config_from_dict(data: dict[str, Any]) -> TrainConfig:

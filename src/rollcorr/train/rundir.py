@@ -41,6 +41,7 @@ CONFIG_FILE = "config.yaml"
 # how long the run goes, never what a step computes. ``trainer.steps`` must stay >= the checkpoint's step
 # (note: with ``optim.schedule=cosine`` a new ``trainer.steps`` reshapes the remaining learning-rate decay).
 RESUMABLE_KEYS = (
+    "plugins",  # which modules are imported (what a run uses of them is named by other keys, checked here)
     "trainer.steps",
     "trainer.eval_every",
     "trainer.checkpoint_every",

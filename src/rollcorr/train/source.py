@@ -176,6 +176,7 @@ class SourceSpec:
     sampler_kwargs: dict[str, Any] = field(default_factory=dict)
     backend_module: str | None = None  # imported where the sampler is built: it registers the sampler's backend
     share: tuple[int, int] = (0, 1)  # (r, N): sample the r-th of N slices of each batch's prompts (RolloutSource)
+    plugins: tuple[str, ...] = ()  # the run's plugins (rollcorr.plugins), imported where the source is built
 
     def __post_init__(self) -> None:
         if isinstance(self.task, str):  # a task name alone: a built-in task or a data set with its defaults
@@ -194,17 +195,20 @@ class SourceSpec:
         backend = backend_of(config.model.sampler)
         kwargs = {"device": config.model.device} if backend.in_process and config.model.device is not None else {}
         return cls(config.model.sampler, model_path, task, params, r.prompts_per_step, r.group_size, t.seed,
-                   t.threads, kwargs, backend.module)  # fmt: skip
+                   t.threads, kwargs, backend.module, plugins=tuple(config.plugins))  # fmt: skip
 
     def build(self) -> RolloutSource:
-        """The source, built where it runs (this process, a sampler process or a Ray worker). A backend from
-        outside rollcorr is registered by importing its module (``backend_module``) first; one defined in a
-        script (``__main__``) cannot be, there."""
+        """The source, built where it runs (this process, a sampler process or a Ray worker). The run's plugins
+        and the installed ones are imported first (``rollcorr.plugins``: the sampler, the task and its reward may
+        be theirs), and so is the module that registered the sampler's backend (``backend_module``; one defined
+        in a script, ``__main__``, cannot be, there)."""
         import importlib
 
         from rollcorr.engines import make_sampler
+        from rollcorr.plugins import load_plugins
         from rollcorr.tasks.chat import uses_chat
 
+        load_plugins(self.plugins)
         if self.backend_module not in (None, "__main__"):
             importlib.import_module(self.backend_module)
         sampler = make_sampler(self.sampler, self.model_path, threads=self.threads, **self.sampler_kwargs)
