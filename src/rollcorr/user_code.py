@@ -11,7 +11,10 @@
 - a signal arrives while the caller waits        → the caller's signal handler runs at once (the wait is
   interruptible), and may raise: ``waiting()`` tells it what user code the main thread is waiting for.
 
-What the value must be is the caller's to check (a reward: ``rollcorr.tasks.base.checked_reward``).
+``call_each(fn, calls, what, timeout)`` makes a batch of such calls (a batch's rewards) with one thread switch
+per batch, not per call. User code therefore never runs on the main thread:
+a signal-based timeout inside it (``signal.alarm``) is not available there; ``timeout`` is the limit. What the
+value must be is the caller's to check (a reward: ``rollcorr.tasks.base.checked_reward``).
 """
 
 from __future__ import annotations
