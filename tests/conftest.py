@@ -87,7 +87,7 @@ def alternating_rewards(monkeypatch):
     """
     from rollcorr.train.source import RolloutSource
 
-    def alternate(self, rollout):
+    def alternate(self, rollout, episodes=None):
         rows = torch.arange(rollout.response_ids.shape[0])
         return rollout.replace(rewards=(rows % 2 == 0).float())
 

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("math", ("rollcorr.correction", "rollcorr.losses", "rollcorr.advantages", "rollcorr.logprobs",
               "rollcorr.distributed.tensors")),
     ("config", ("rollcorr.config",)),
-    ("engines", ("rollcorr.engines", "rollcorr.models", "rollcorr.tasks", "rollcorr.moe")),
+    ("engines", ("rollcorr.engines", "rollcorr.models", "rollcorr.tasks", "rollcorr.envs", "rollcorr.moe")),
     ("proximal", ("rollcorr.proximal",)),
     # rollcorr.checkpoint: the checkpoint home that train and distributed share
     ("services", ("rollcorr.dumps", "rollcorr.chunked", "rollcorr.plotting", "rollcorr.distributed",

@@ -444,6 +444,9 @@ RUN = {
     ("docs/engines.md", "rollcorr train --config chain model.sampler=hf:rtn2 model.learner=hf:rtn2   # no mismatch left to correct"):
         "train",
     ("docs/logprobs.md", "from rollcorr.logprobs import logprobs_from_hidden, logprobs_from_logits"): "python",
+    ("docs/multi-turn.md", "from rollcorr.envs import Turn, register_env"): "python",
+    ("docs/multi-turn.md", "rollcorr train --config chain_turns          # the built-in chain model, two turns per trajectory"):
+        "train",
     ("docs/losses.md", "from rollcorr.losses import LossConfig, policy_loss"): "python",
     ("docs/architecture.md", "import torch"): "python",
     ("docs/architecture.md", "import math"): "python",

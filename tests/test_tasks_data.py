@@ -228,7 +228,8 @@ def test_the_sampler_and_the_evaluator_send_the_same_templated_ids(chat_tokenize
         got = rollout.prompt_ids[row][rollout.prompt_mask[row].bool()].tolist()
         assert got == template_ids(chat_tokenizer, messages_of(prompt))
     evaluator = GreedyEvaluator(sampler, task, chat_tokenizer, 10, 3, seed=0, chat=True)
-    assert evaluator.inputs[0] == template_ids(chat_tokenizer, messages_of(evaluator.items[0]["prompt"]))
+    assert evaluator.renderer.prompt(evaluator.items[0]["prompt"]) == template_ids(chat_tokenizer,
+                                                                                  messages_of(evaluator.items[0]["prompt"]))
     assert len(evaluator.items) == 1  # every 10th row of 10 is held out: one, once
 
 

@@ -9,6 +9,11 @@ group G of kept responses with rewards r_j, n = |G|:
   RLOO      A_i =  r_i − mean_{j∈G, j≠i} r_j = n/(n−1) · (r_i − mean_G r)
   OAPL      A_i =  r_i − V̂(x),  V̂(x) = β₁ · log mean_{j∈G} exp(r_j / β₁)   (soft value; β₁ → ∞ gives the mean)
 
+Multi-turn trajectories take the trajectory's reward (the sum of its turns') broadcast over every model token,
+or, per turn (``turn_advantages``), the reward still to come from each turn, R_{i,k} = Σ_{j ≥ k} r_{i,j},
+compared within the group among the trajectories that reached turn k: GRPO's A_{i,k} = (R_{i,k} − mean_{G_k} R)
+/ (std_{G_k} R + eps), each estimator alike, and A_{i,k} given to the model tokens of turn k.
+
 `keep` (B,) bool removes responses from every baseline (rejected by the correction: docs/spec.md §3, "rejected
 tokens are invisible downstream"); removed responses get advantage 0. A group with a single
 kept response gets advantage 0 (no baseline information), where verl instead uses mean 0 / std 1.
@@ -31,6 +36,8 @@ __all__ = [
     "oapl_advantages",
     "oapl_value",
     "rloo_advantages",
+    "rewards_to_go",
+    "turn_advantages",
     "uniform_group_filter",
 ]
 
@@ -188,3 +195,33 @@ def compute_advantages(
     else:
         adv = oapl_advantages(rewards, group_ids, beta1=beta1, keep=used)
     return broadcast(adv, response_mask), used
+
+
+def rewards_to_go(turn_rewards: Tensor, turns: Tensor) -> Tensor:
+    """(B, K) per-turn rewards r_{i,k}, (B,) the number of turns of each row → (B, K) R_{i,k} = Σ_{k ≤ j < turns_i}
+    r_{i,j}, 0 from a row's last turn on."""
+    present = torch.arange(turn_rewards.shape[1])[None] < turns[:, None]
+    r = torch.where(present, turn_rewards.float(), 0.0)
+    return torch.where(present, r.flip(1).cumsum(1).flip(1), 0.0)
+
+
+def turn_advantages(estimator: str, turn_rewards: Tensor, turns: Tensor, group_ids: Tensor, turn: Tensor,
+                    response_mask: Tensor, **options) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Per-turn advantages of multi-turn trajectories: ((B, T) advantages, (B,) bool rows used).
+
+    ``turn_rewards`` (B, K) each row's turn rewards (anything past its ``turns``), ``turn`` (B, T) the turn of
+    each token. Each (row, turn k) is one entry of ``compute_advantages`` with reward R_{i,k}
+    (``rewards_to_go``) in group (group id, k), so a turn is compared with the same turn of its group; the
+    tokens of turn k get A_{i,k}. ``options``: ``compute_advantages``'s (``keep`` per row)."""
+    k = turn_rewards.shape[1]
+    rows, ks = (torch.arange(k)[None] < turns[:, None]).nonzero(as_tuple=True)
+    togo = rewards_to_go(turn_rewards, turns)[rows, ks]
+    keep = options.pop("keep", None)
+    flat_keep = None if keep is None else keep.bool()[rows]
+    cell_adv, cell_used = compute_advantages(estimator, togo, group_ids[rows] * k + ks, torch.ones(len(rows), 1),
+                                             keep=flat_keep, **options)  # fmt: skip
+    by_turn = torch.zeros(turn_rewards.shape, dtype=cell_adv.dtype)
+    by_turn[rows, ks] = cell_adv[:, 0]
+    used = torch.zeros(turns.shape, dtype=torch.bool).index_put_((rows,), cell_used, accumulate=True)
+    adv = by_turn.gather(1, turn.clamp(0, k - 1)) * response_mask.to(by_turn.dtype)
+    return adv, used

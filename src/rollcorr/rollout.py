@@ -2,6 +2,12 @@
 
 Every stage reads the fields it needs and adds its own; nothing reaches back. Shapes:
 B responses, P prompt positions (left-padded), T response positions (right-padded).
+
+One turn or many, one type: a multi-turn trajectory is a response whose positions alternate the model's turns
+and what the environment said between them (tool results, feedback). ``response_mask`` marks the tokens the
+model wrote — the only ones any loss, correction or metric reads —, ``observation_mask`` the environment's,
+which every forward attends to as context (``token_mask``: both). A single-turn rollout is the case with no
+observation tokens (``observation_mask`` None), so nothing downstream of the sampler branches on it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,11 @@ class Rollout:
                         last prompt token for t = 0, y_{t-1} after); None for a dense model (rollcorr.moe)
       prompt_routed_experts  (B, P, L, k) the same for every prompt position (aligned with prompt_ids; its
                         last column is the routing of routed_experts[:, 0]), so a replay covers the context too
+      observation_mask  (B, T) bool, True on tokens the environment wrote between the model's turns (the ids as the
+                        sampler appended them: never re-tokenised); rollout_log_prob and log_kept_mass hold 0
+                        there; None: a single-turn batch (no such token)
+      turn              (B, T) int64, the model turn each token belongs to (0, 1, ...: an observation carries the
+                        index of the turn it answers); None: a single-turn batch (every token in turn 0)
     Added later:
       rewards           (B,) float32                      (task)
       old_log_prob      (B, T) float32                    (proximal strategy)
@@ -53,6 +64,8 @@ class Rollout:
     log_kept_mass: Tensor | None = None
     routed_experts: Tensor | None = None
     prompt_routed_experts: Tensor | None = None
+    observation_mask: Tensor | None = None
+    turn: Tensor | None = None
     meta: list[dict[str, Any]] = field(default_factory=list)
     rewards: Tensor | None = None
     old_log_prob: Tensor | None = None
@@ -67,7 +80,7 @@ class Rollout:
                 f"prompt_ids {tuple(self.prompt_ids.shape)} / prompt_mask {tuple(self.prompt_mask.shape)} "
                 f"do not match {b} responses"
             )
-        for name in ("response_mask", "rollout_log_prob", "version", "log_kept_mass"):
+        for name in ("response_mask", "rollout_log_prob", "version", "log_kept_mass", "observation_mask", "turn"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (b, t):
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {(b, t)}")
@@ -77,6 +90,9 @@ class Rollout:
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, expected ({b}, {width}, layers, top_k)")
         if tuple(self.group_ids.shape) != (b,):
             raise ValueError(f"group_ids has shape {tuple(self.group_ids.shape)}, expected {(b,)}")
+        if self.observation_mask is not None and (self.observation_mask.bool() & self.response_mask.bool()).any():
+            raise ValueError("a token is marked both as the model's (response_mask) and the environment's "
+                             "(observation_mask)")  # fmt: skip
 
     @property
     def batch_size(self) -> int:
@@ -88,9 +104,25 @@ class Rollout:
         return torch.cat([self.prompt_ids, self.response_ids], dim=1)
 
     @property
+    def token_mask(self) -> Tensor:
+        """(B, T) bool: every real token of the response side, the model's and the environment's."""
+        if self.observation_mask is None:
+            return self.response_mask.bool()
+        return self.response_mask.bool() | self.observation_mask.bool()
+
+    @property
     def attention_mask(self) -> Tensor:
-        """(B, P + T) bool, True on real tokens."""
-        return torch.cat([self.prompt_mask.bool(), self.response_mask.bool()], dim=1)
+        """(B, P + T) bool, True on real tokens (the environment's included)."""
+        return torch.cat([self.prompt_mask.bool(), self.token_mask], dim=1)
+
+    @property
+    def turns(self) -> Tensor:
+        """(B,) int64: the number of model turns of each response (1 for a single-turn batch)."""
+        if self.turn is None:
+            return torch.ones(self.batch_size, dtype=torch.long)
+        mask = self.response_mask.bool()
+        last = torch.where(mask, self.turn, torch.full_like(self.turn, -1)).max(1).values
+        return last + 1
 
     # ---- the version lag: its one home ---------------------------------------------------------------
     # lag_t = v_learner − v_gen(t): how many learner versions ago the weights that sampled token t were
@@ -135,6 +167,49 @@ class Rollout:
         valid = int(self.response_mask.bool().sum())
         return float((self.kept_mask.bool() & self.response_mask.bool()).sum()) / valid if valid else 1.0
 
+    def next_turn(self) -> list[int]:
+        """Per row, the turn index of the next token the model writes: the turn after an observation when the
+        row ends with one (the environment has spoken), else the row's current turn (0 for an empty row)."""
+        if self.turn is None:
+            return [0] * self.batch_size
+        valid, observed = self.token_mask, self.observation_mask
+        out = []
+        for i in range(self.batch_size):
+            n = int(valid[i].sum())
+            out.append(0 if n == 0 else int(self.turn[i, n - 1]) + bool(observed is not None and observed[i, n - 1]))
+        return out
+
+    def with_observations(self, observations: dict[int, list[int]], version: int) -> Rollout:
+        """Row i's ``observations[i]`` (token ids) appended after its last real token as the environment's:
+        ``observation_mask`` True, ``response_mask`` False, log-probs 0, ``version``, the turn of the model turn
+        they answer; the row is marked unfinished (``meta[i]["finished"] = False``) so that the sampler continues
+        it, and what later stages computed is dropped. Rows not in ``observations`` are untouched."""
+        if self.routed_experts is not None:
+            raise ValueError("observations between turns are not supported with a mixture of experts' routing")
+        valid = self.token_mask
+        turn = self.turn if self.turn is not None else torch.zeros_like(self.response_ids)
+        observed = self.observation_mask if self.observation_mask is not None else torch.zeros_like(valid)
+        log_mu = self.rollout_log_prob if self.rollout_log_prob is not None else torch.zeros(valid.shape)
+        kept = self.log_kept_mass if self.log_kept_mass is not None else torch.zeros(valid.shape)
+        columns = {"response_ids": (self.response_ids, 0), "response_mask": (self.response_mask.bool(), False),
+                   "rollout_log_prob": (log_mu, 0.0), "log_kept_mass": (kept, 0.0), "version": (self.version, version),
+                   "observation_mask": (observed.bool(), True), "turn": (turn, None)}  # fmt: skip
+        rows = {name: [col[i][valid[i]].tolist() for i in range(self.batch_size)] for name, (col, _) in columns.items()}
+        for i, ids in observations.items():
+            current = rows["turn"][i][-1] if rows["turn"][i] else 0
+            for name, (_, fill) in columns.items():
+                rows[name][i] += list(ids) if name == "response_ids" else [current if fill is None else fill] * len(ids)
+        width = max(len(r) for r in rows["response_ids"])
+        out = {name: _right_pad(rows[name], col.dtype, width) for name, (col, _) in columns.items()}
+        for name in ("rollout_log_prob", "log_kept_mass"):  # what the sampler gave none of stays None
+            if getattr(self, name) is None:
+                out[name] = None
+        meta = [dict(m) for m in self.meta] if self.meta else [{} for _ in range(self.batch_size)]
+        for i in observations:
+            meta[i]["finished"] = False
+        return self.replace(**out, meta=meta, rewards=None, old_log_prob=None, is_weights=None, kept_mask=None,
+                            advantages=None)  # fmt: skip
+
     def select(self, index: Tensor | list[int]) -> Rollout:
         """A new Rollout holding the rows in ``index`` (tensors indexed, ``meta`` picked)."""
         idx = torch.as_tensor(index, dtype=torch.long)
@@ -178,6 +253,11 @@ class Rollout:
                 out[f.name] = [m for v in values for m in v]
             elif all(v is None for v in values):
                 out[f.name] = None
+            elif f.name in ("observation_mask", "turn"):  # None is its zero: no observation, every token turn 0
+                kinds = {"observation_mask": torch.bool, "turn": torch.long}
+                values = [torch.zeros(r.response_ids.shape, dtype=kinds[f.name]) if v is None else v
+                          for r, v in zip(parts, values)]  # fmt: skip
+                out[f.name] = torch.cat([right(v, t, 0) for v in values])
             elif any(v is None for v in values):
                 raise ValueError(f"cannot concat rollouts where only some have {f.name}")
             elif f.name in ("prompt_ids", "prompt_mask", "prompt_routed_experts"):
@@ -188,3 +268,12 @@ class Rollout:
             else:
                 out[f.name] = torch.cat(values)
         return Rollout(**out)
+
+
+def _right_pad(rows: list[list], dtype: torch.dtype, width: int) -> Tensor:
+    """Per-row lists → a (B, width) tensor of ``dtype``, zero after each row's entries."""
+    out = torch.zeros((len(rows), width), dtype=dtype)
+    for i, row in enumerate(rows):
+        if row:
+            out[i, : len(row)] = torch.as_tensor(row, dtype=dtype)
+    return out

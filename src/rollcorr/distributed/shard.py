@@ -59,7 +59,7 @@ class _ScoringRoot(nn.Module):
 def one_row_stand_in(rollout_or_input):
     """A one-row input of the same widths, for a rank with no rows to join the collectives with: ids and masks
     1; a Rollout's routed experts (routing replay) expert j in top-k slot j, so the replay stays valid."""
-    prompt_ids, prompt_mask, response_ids, response_mask = (x.new_ones((1, x.shape[1])) for x in unpack(rollout_or_input))
+    prompt_ids, prompt_mask, response_ids, response_mask = (x.new_ones((1, x.shape[1])) for x in unpack(rollout_or_input)[:4])
     if not isinstance(rollout_or_input, Rollout):
         return prompt_ids, prompt_mask, response_ids, response_mask
 

@@ -170,56 +170,70 @@ class DecodingSampler:
         )
 
     def _resume(self, rollout: Rollout, params: SamplingParams, max_steps: int | None) -> Rollout:
-        """Continue the unfinished rows of ``rollout`` with the current weights; finished rows untouched."""
+        """Continue the unfinished rows of ``rollout`` with the current weights; finished rows untouched.
+
+        A row's context is its prompt and every real token after it — the model's and the environment's
+        (``Rollout.token_mask``), as they are: nothing is re-tokenised. ``max_new_tokens`` caps each model turn:
+        the budget of a row is what its current turn has not used (all of it after an observation)."""
         done = finished_rows(rollout)
         todo = (~done).nonzero().flatten().tolist()
         if not todo:
             return rollout
-        prompt_mask, resp_mask = rollout.prompt_mask.bool(), rollout.response_mask.bool()
-        old = [rollout.response_ids[i][resp_mask[i]].tolist() for i in range(rollout.batch_size)]
+        prompt_mask, valid = rollout.prompt_mask.bool(), rollout.token_mask
+        old = [rollout.response_ids[i][valid[i]].tolist() for i in range(rollout.batch_size)]
         contexts = [rollout.prompt_ids[i][prompt_mask[i]].tolist() + old[i] for i in todo]
-        budgets = [params.max_new_tokens - len(old[i]) for i in todo]
+        next_turn = rollout.next_turn()
+        budgets = [params.max_new_tokens - self._turn_tokens(rollout, i, next_turn[i]) for i in todo]
         if min(budgets) < 1:
             raise ValueError(
                 "an unfinished row already holds max_new_tokens tokens: resume with the same params"
             )
         if rollout.rollout_log_prob is None:
             raise ValueError("cannot resume a rollout without rollout_log_prob")
-        params = replace(params, seed=resume_seed(params.seed, int(resp_mask.sum())))
+        params = replace(params, seed=resume_seed(params.seed, int(valid.sum())))
         tokens, log_mu, log_kept, finished = self._decode(contexts, budgets, params, max_steps)
         routing = self._take_routing()
-        new_version = [[self.version] * len(t) for t in tokens]
         merged = [old[i] + (tokens[todo.index(i)] if i in todo else []) for i in range(rollout.batch_size)]
         width = max(len(r) for r in merged)
 
         def extend(field: Tensor | None, new_rows: list[list], value: float, dtype: torch.dtype) -> Tensor:
             """Row i: its valid old entries, then (if resumed) its new ones; right-padded to ``width``."""
             field = torch.zeros_like(rollout.version, dtype=dtype) if field is None else field
-            rows = [field[i][resp_mask[i]].tolist() for i in range(rollout.batch_size)]
+            rows = [field[i][valid[i]].tolist() for i in range(rollout.batch_size)]
             for j, i in enumerate(todo):
                 rows[i] = rows[i] + list(new_rows[j])
             return right_pad(rows, value, dtype, width)
 
+        def constant(values: list) -> list[list]:
+            """Per resumed row, its value repeated over its new tokens."""
+            return [[values[j]] * len(t) for j, t in enumerate(tokens)]
+
         routed = {"routed_experts": None, "prompt_routed_experts": None}
         if routing is not None and rollout.routed_experts is not None:  # old tokens keep the routing they had
-            old_rows = [rollout.routed_experts[i][resp_mask[i]] for i in range(rollout.batch_size)]
+            old_rows = [rollout.routed_experts[i][valid[i]] for i in range(rollout.batch_size)]
             for j, i in enumerate(todo):
                 old_rows[i] = torch.cat([old_rows[i], routing[1][j].to(old_rows[i].dtype)])
             prompt_rows = [rollout.prompt_routed_experts[i][prompt_mask[i]] if rollout.prompt_routed_experts
                            is not None else rollout.routed_experts[i, :0] for i in range(rollout.batch_size)]  # fmt: skip
             routed = self._routing_fields((prompt_rows, old_rows), rollout.prompt_ids.shape[1], width)
+        turns = {}
+        if rollout.turn is not None:  # a trajectory: the new tokens are the model's, in the turn they continue
+            turns = {"observation_mask": extend(rollout.observation_mask, constant([False] * len(todo)), False,
+                                                torch.bool),
+                     "turn": extend(rollout.turn, constant([next_turn[i] for i in todo]), 0, torch.long)}  # fmt: skip
         metas = [dict(m) for m in rollout.meta] if rollout.meta else [{} for _ in merged]
         for j, i in enumerate(todo):
             metas[i]["finished"] = finished[j]
             metas[i]["response_text"] = self.tokenizer.decode(merged[i], skip_special_tokens=True)
         return rollout.replace(
             response_ids=right_pad(merged, self.pad_id, torch.long, width),
-            response_mask=right_pad([[1] * len(r) for r in merged], 0, torch.bool, width),
+            response_mask=extend(rollout.response_mask.bool(), constant([True] * len(todo)), False, torch.bool),
             rollout_log_prob=extend(rollout.rollout_log_prob, log_mu, 0.0, torch.float32),
             log_kept_mass=extend(rollout.log_kept_mass, log_kept, 0.0, torch.float32),
-            version=extend(rollout.version, new_version, 0, torch.long),
+            version=extend(rollout.version, constant([self.version] * len(todo)), 0, torch.long),
             meta=metas,
             **routed,
+            **turns,
             # anything computed from the unfinished rows is stale now
             rewards=None,
             old_log_prob=None,
@@ -227,3 +241,11 @@ class DecodingSampler:
             kept_mask=None,
             advantages=None,
         )
+
+    @staticmethod
+    def _turn_tokens(rollout: Rollout, row: int, turn: int) -> int:
+        """How many tokens the model wrote in ``turn`` of ``row`` (its whole response for a single turn)."""
+        mask = rollout.response_mask[row].bool()
+        if rollout.turn is None:
+            return int(mask.sum())
+        return int((mask & (rollout.turn[row] == turn)).sum())

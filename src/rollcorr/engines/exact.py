@@ -297,9 +297,13 @@ def logical(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def score(forward: ExactForward, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
-          response_mask: Tensor, temperature: float, with_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+          response_mask: Tensor, temperature: float, with_entropy: bool = False,
+          scored: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """log p(y_t) (B, T) float32 of the response tokens by one exact full forward (0 on padding) [, the entropy
-    of each position's distribution (ordinary sums: a diagnostic, not needed bit for bit)]."""
+    of each position's distribution (ordinary sums: a diagnostic, not needed bit for bit)]. The forward attends
+    to ``response_mask``'s tokens; ``scored`` (default the same) are the ones given a log-prob (a trajectory's
+    model tokens, not the environment's)."""
+    scored = response_mask if scored is None else scored
     ids = torch.cat([prompt_ids, response_ids], 1)
     mask = torch.cat([prompt_mask.bool(), response_mask.bool()], 1)
     packed, valid, _ = logical(ids, mask)
@@ -313,10 +317,10 @@ def score(forward: ExactForward, prompt_ids: Tensor, prompt_mask: Tensor, respon
     where = (p_len[:, None] - 1 + torch.arange(t, device=ids.device)[None]).clamp(max=width - 1)
     picked = hidden.gather(1, where[..., None].expand(-1, -1, hidden.shape[-1]))
     full = forward.log_probs(picked, temperature)
-    log_p = full.gather(-1, response_ids[..., None]).squeeze(-1).masked_fill(~response_mask.bool(), 0.0)
+    log_p = full.gather(-1, response_ids[..., None]).squeeze(-1).masked_fill(~scored.bool(), 0.0)
     if not with_entropy:
         return log_p
-    entropy = -(full.exp() * full).nan_to_num(0.0).sum(-1).masked_fill(~response_mask.bool(), 0.0)
+    entropy = -(full.exp() * full).nan_to_num(0.0).sum(-1).masked_fill(~scored.bool(), 0.0)
     return log_p, entropy
 
 

@@ -397,13 +397,13 @@ class HFLearner:
         exist. A head that is not a bias-free ``nn.Linear`` (e.g. int8-quantised) gives its logits to
         ``logprobs_from_logits`` instead.
         """
-        prompt_ids, prompt_mask, response_ids, response_mask = unpack(rollout_or_input)
+        prompt_ids, prompt_mask, response_ids, token_mask, response_mask = unpack(rollout_or_input)
         if not (temperature >= 0):
             raise ValueError(f"temperature must be ≥ 0, got {temperature!r}")
         temp = 1.0 if temperature == 0 else float(temperature)
         dev = self.device
         ids = torch.cat([prompt_ids, response_ids], 1).to(dev)
-        mask = torch.cat([prompt_mask.bool(), response_mask.bool()], 1).to(dev)
+        mask = torch.cat([prompt_mask.bool(), token_mask.bool()], 1).to(dev)
         p, t = prompt_ids.shape[1], response_ids.shape[1]
         if p == 0:
             raise ValueError("empty prompt: the first response token has no context to be scored from")
@@ -479,10 +479,12 @@ def replay_context(model: nn.Module, mode: str | None, rollout: Rollout | tuple)
     return replay_routing(model, ids)
 
 
-def unpack(x: Rollout | tuple[Tensor, Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(prompt_ids, prompt_mask, response_ids, response_mask) from a Rollout or a 4-tuple, checked."""
+def unpack(x: Rollout | tuple[Tensor, Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(prompt_ids, prompt_mask, response_ids, token_mask, response_mask) from a Rollout or a 4-tuple
+    (prompt_ids, prompt_mask, response_ids, response_mask), checked: a forward attends to ``token_mask`` (the
+    environment's tokens of a multi-turn Rollout too) and scores ``response_mask`` (the model's)."""
     if isinstance(x, Rollout):
-        return x.prompt_ids, x.prompt_mask, x.response_ids, x.response_mask
+        return x.prompt_ids, x.prompt_mask, x.response_ids, x.token_mask, x.response_mask
     if not (isinstance(x, tuple | list) and len(x) == 4):
         raise TypeError(
             "log_prob expects a Rollout or (prompt_ids, prompt_mask, response_ids, response_mask)"
@@ -494,7 +496,7 @@ def unpack(x: Rollout | tuple[Tensor, Tensor, Tensor, Tensor]) -> tuple[Tensor, 
         )
     if prompt_mask.shape != prompt_ids.shape or response_mask.shape != response_ids.shape:
         raise ValueError("masks must have the shapes of their ids")
-    return prompt_ids, prompt_mask, response_ids, response_mask
+    return prompt_ids, prompt_mask, response_ids, response_mask, response_mask
 
 
 # ---- hf:exact: the bitwise-exact pair (its arithmetic: engines/exact.py) --------------------------------------
@@ -538,14 +540,14 @@ class ExactLearner(HFLearner):
         return f"ExactLearner({self.model_path!r})"
 
     def log_prob(self, rollout_or_input, *, temperature: float = 1.0, with_entropy: bool = False, grad: bool = False):
-        prompt_ids, prompt_mask, response_ids, response_mask = unpack(rollout_or_input)
+        prompt_ids, prompt_mask, response_ids, token_mask, response_mask = unpack(rollout_or_input)
         if self.forward.model is not self.model:  # a strategy scored with other weights swapped in
             self.forward = exact.ExactForward(self.model)
         dev = self.device
         temp = 1.0 if temperature == 0 else float(temperature)
         with torch.set_grad_enabled(grad):
             return exact.score(self.forward, prompt_ids.to(dev), prompt_mask.to(dev), response_ids.to(dev),
-                               response_mask.to(dev), temp, with_entropy)  # fmt: skip
+                               token_mask.to(dev), temp, with_entropy, scored=response_mask.to(dev))  # fmt: skip
 
 
 # ---- the backend: the hf spec grammar, its refusals and engines ----------------------------------------------

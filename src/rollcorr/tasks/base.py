@@ -58,7 +58,7 @@ def rewards(task: Task, items: list[dict[str, Any]], responses: list[str], timeo
     name = getattr(task, "reward_name", None) or f"the reward of task {task.name!r}"
 
     def what(i: int) -> str:
-        return f"{name} on row {i} of {rows} (prompt {_excerpt(items[i].get('prompt'))})"
+        return f"{name} on row {i} of {rows} (prompt {excerpt(items[i].get('prompt'))})"
 
     values = call_each(task.reward, list(zip(items, responses)), what, timeout, "task.reward_timeout")
     return [checked_reward(value, what(i), clip) for i, value in enumerate(values)]
@@ -74,7 +74,7 @@ def checked_reward(value: Any, what: str, clip: bool = False) -> float:
         except (ValueError, RuntimeError):  # more than one element
             pass
     if not isinstance(value, numbers.Real):
-        raise UserCodeError(f"{what} returned {_excerpt(value)} ({type(value).__name__}); a reward is a number in "
+        raise UserCodeError(f"{what} returned {excerpt(value)} ({type(value).__name__}); a reward is a number in "
                             "[0, 1]")  # fmt: skip
     value = float(value)
     if not math.isfinite(value):
@@ -87,7 +87,7 @@ def checked_reward(value: Any, what: str, clip: bool = False) -> float:
     return value
 
 
-def _excerpt(value: Any, width: int = 60) -> str:
+def excerpt(value: Any, width: int = 60) -> str:
     if isinstance(value, list) and value and isinstance(value[-1], dict):  # a conversation: its last message
         value = value[-1].get("content")
     text = repr(value)

@@ -96,7 +96,8 @@ def check_device(config: TrainConfig) -> None:
 
 
 def build_task(config: TrainConfig):
-    """The run's task from ``task.*``; ConfigError naming the key at fault (``DataError.field``)."""
+    """The run's environment from ``task.*`` (the task's items, played through ``task.env`` or as one turn);
+    ConfigError naming the key at fault (``DataError.field``)."""
     from rollcorr.tasks import DataError
 
     try:
@@ -110,7 +111,10 @@ def build_task(config: TrainConfig):
         raise ConfigError(f"task.eval_prompts: {config.task.eval_prompts} held-out prompts asked, but "
                           f"{config.task.name} has no held-out rows{f' ({why})' if why else ''}; give some (a "
                           "split field of 'test', task.eval_file) or train without evaluation: task.eval_prompts=0")  # fmt: skip
-    return task
+    try:
+        return config.task.environment(task)
+    except ValueError as err:
+        raise ConfigError(f"task.env: {err}") from None
 
 
 def check_fsdp(config: TrainConfig) -> None:
@@ -175,6 +179,7 @@ def build_step_config(config: TrainConfig) -> StepConfig:
         loss=loss,
         correction=correction,
         advantage=a.resolved("advantage"),
+        advantage_level=a.advantage_level,
         norm_std=a.resolved("norm_std"),
         dynamic_sampling=a.resolved("dynamic_sampling"),
         baseline_excludes_rejected=a.baseline_excludes_rejected,
@@ -333,4 +338,4 @@ def build_evaluator(config: TrainConfig, task, tokenizer) -> GreedyEvaluator | N
     sampler = make_sampler("hf:fp32", _model_path(config), device=config.model.device)
     return GreedyEvaluator(sampler, task, tokenizer, config.task.eval_prompts, config.rollout.max_new_tokens,
                            config.task.eval_seed, chat=uses_chat(tokenizer, config.task.chat),
-                           reward_limits=(config.task.reward_timeout, config.task.reward_clip))  # fmt: skip
+                           limits=config.task.limits())  # fmt: skip

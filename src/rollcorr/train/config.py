@@ -145,6 +145,10 @@ class TaskConfig:
     eval_seed: int = 12345
     reward_timeout: float | None = 5.0  # seconds one reward call may take, then the run stops (null: no limit)
     reward_clip: bool = False  # a reward outside [0, 1] is clipped into it instead of stopping the run
+    # multi-turn: {name: <registered environment>, <its options>, max_turns: N, max_tokens: N} (null: one turn,
+    # scored by the task's reward). max_turns caps the model turns, max_tokens the response-side tokens (the
+    # model's and the environment's) of a trajectory; both optional (docs/multi-turn.md)
+    env: dict[str, Any] | None = None
 
     def build(self):
         """The task (``rollcorr.tasks.make_task``); ValueError / FileNotFoundError naming the problem."""
@@ -152,6 +156,22 @@ class TaskConfig:
 
         return make_task(self.name, self.reward, prompt_key=self.prompt_key, answer_key=self.answer_key,
                          eval_file=self.eval_file)  # fmt: skip
+
+    def limits(self):
+        """What bounds a trajectory and the user code it calls (``rollcorr.envs.Limits``): ``task.env``'s
+        max_turns / max_tokens, ``task.reward_timeout`` / ``task.reward_clip``."""
+        from rollcorr.envs import Limits
+
+        env = self.env or {}
+        return Limits(env.get("max_turns"), env.get("max_tokens"), self.reward_timeout, self.reward_clip)
+
+    def environment(self, task=None):
+        """The run's environment over the task's items (``task``, default ``build()``'s; ``rollcorr.envs.make_env``):
+        the task itself as a one-turn environment without ``env``."""
+        from rollcorr.envs import make_env
+
+        options = {k: v for k, v in (self.env or {}).items() if k not in ("max_turns", "max_tokens")}
+        return make_env(self.build() if task is None else task, options or None)
 
 
 @dataclass
@@ -228,7 +248,8 @@ def _proximal(data: Any, key: str) -> ProximalConfig:
 SECTIONS = {CorrectionConfig: _correction, ProximalConfig: _proximal}
 # the key that selects a section's base: overriding it starts the section afresh ({preset: X} drops the old
 # preset's field overrides, {name: X} the old strategy's options)
-SELECTORS = {("algorithm", "correction"): "preset", ("algorithm", "proximal"): "name"}
+ADVANTAGE_LEVELS = ("trajectory", "turn")
+SELECTORS = {("algorithm", "correction"): "preset", ("algorithm", "proximal"): "name", ("task", "env"): "name"}
 
 
 @dataclass
@@ -237,6 +258,9 @@ class AlgorithmConfig:
     loss: str | None = None  # None = the algorithm's default (see ALGORITHMS)
     advantage: str | None = None
     norm_std: bool | None = None
+    # multi-turn trajectories: "trajectory" (its reward over every model token) or "turn" (each turn the reward
+    # still to come from it, compared with the same turn of its group: advantages.turn_advantages)
+    advantage_level: str = "trajectory"
     aggregation: str | None = None  # None = the algorithm's own (GRPO: token-mean, GSPO: seq-mean-token-mean)
     clip_low: float | None = None
     clip_high: float | None = None
@@ -427,6 +451,18 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a list of names, e.g. [q_proj, v_proj], got {excerpt(value)}")
         return list(value)
     return value
+
+
+def _check_env(env: dict[str, Any] | None) -> None:
+    """``task.env``: a mapping with a ``name``; its limits, when given, positive integers."""
+    if env is None:
+        return
+    if not isinstance(env.get("name"), str) or not env["name"]:
+        raise ConfigError(f"task.env: expected {{name: <environment>, ...}}, got {excerpt(env)}")
+    for key in ("max_turns", "max_tokens"):
+        value = env.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"task.env.{key}: expected a positive integer, got {excerpt(value)}")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -653,6 +689,9 @@ def validate(c: TrainConfig) -> None:
     _positive(c.task.eval_prompts, "task.eval_prompts", allow_zero=True)
     _check(c.task.reward_timeout is None or 0 < c.task.reward_timeout < float("inf"), "task.reward_timeout",
            f"must be a number of seconds > 0 (or null: no limit), got {c.task.reward_timeout}")  # fmt: skip
+    _check_env(c.task.env)
+    _check(c.algorithm.advantage_level in ADVANTAGE_LEVELS, "algorithm.advantage_level",
+           f"expected one of {list(ADVANTAGE_LEVELS)}, got {c.algorithm.advantage_level!r}")  # fmt: skip
     device = c.model.device
     _check(device is None or device in ("cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit()),
            "model.device", f"expected cpu, cuda or cuda:<index> (or null: CUDA when available), got {device!r}")  # fmt: skip

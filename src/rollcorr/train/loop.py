@@ -213,7 +213,7 @@ class Trainer:
                  overwrite: bool = False, ranks: Ranks = ONE_PROCESS):  # fmt: skip
         self.config = config
         self.ranks = ranks
-        self.step_config, self.proximal, self.task = check_components(config)
+        self.step_config, self.proximal, self.env = check_components(config)
         # the run folder: checked, locked and (on resume) validated against its checkpoint before any write
         self.run_dir, self.lock, state, notes = open_run_dir(config, run_dir, resume, overwrite, ranks)
         try:
@@ -251,7 +251,8 @@ class Trainer:
         # sampler would run past them)
         try:
             chat = uses_chat(self.learner.tokenizer, config.task.chat)
-            inputs = [model_input(self.learner.tokenizer, item["prompt"], chat) for item in getattr(self.task, "items", [])]
+            data_items = getattr(getattr(self.env, "task", self.env), "items", [])  # a data set's rows
+            inputs = [model_input(self.learner.tokenizer, item["prompt"], chat) for item in data_items]
         except ValueError as err:  # no template, a template that fails, a conversation with task.chat=false
             raise ConfigError(f"task.chat: {err}") from None
         check_prompts(self.learner.tokenizer, inputs, config.rollout.max_new_tokens,
@@ -264,7 +265,7 @@ class Trainer:
             follow_sampler(self.proximal, self.executor, self.learner)
         self.evaluates = config.task.eval_prompts > 0  # every rank: the weights are gathered for rank 0
         self.evaluated_at: int | None = None
-        self.evaluator = build_evaluator(config, self.task, self.learner.tokenizer) if main else None
+        self.evaluator = build_evaluator(config, self.env, self.learner.tokenizer) if main else None
         # the loss's own randomness (clip_cov's token draw): one stream per run, saved in checkpoints
         self.loss_generator = torch.Generator().manual_seed(t.seed)
         self.step = 0
@@ -287,7 +288,7 @@ class Trainer:
                                     wandb_project=t.wandb_project)  # fmt: skip
         else:
             self.logger = SilentLogger()
-        for note in [*notes, *getattr(self.task, "notes", []), data_parallel_note(config, self.ranks, self.learner)]:
+        for note in [*notes, *getattr(getattr(self.env, "task", self.env), "notes", []), data_parallel_note(config, self.ranks, self.learner)]:
             if note:
                 self.logger.message(note)
         self.samples = SampleLog(self.run_dir, self.learner.tokenizer, self.logger.tb) if main else None

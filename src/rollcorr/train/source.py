@@ -20,18 +20,16 @@ runs; this module decides nothing about time.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
-
 from rollcorr.engines import backend_of
 from rollcorr.engines.base import SamplingParams, StateDict
+from rollcorr.envs import Episodes, Limits, Renderer, as_environment
 from rollcorr.rollout import Rollout
-from rollcorr.tasks.base import rewards as task_rewards
-from rollcorr.tasks.chat import model_input
 
 
 def copy_weights(state_dict: StateDict) -> StateDict:
@@ -45,23 +43,27 @@ def finished(rollout: Rollout) -> bool:
 
 
 class RolloutSource:
-    """The sampler worker: prompts for batch ``index`` → G sampled responses each → rewards.
+    """The sampler worker: prompts for batch ``index`` → G trajectories each, played with the environment →
+    rewards (a task is a one-turn environment: ``envs.SingleTurn``).
 
     Owned by one thread at a time. ``seed`` and ``index`` fix the prompts and the sampling seed, so the same
-    weights give the same batch.
+    weights give the same batch. A batch sampled chunk by chunk keeps its episodes here between calls
+    (``live``); a partial batch whose episodes are not here (handed to another Ray worker, or restored from
+    a checkpoint: an environment's state is not saved) is played again from its start.
     """
 
-    def __init__(self, sampler, task, tokenizer, params, prompts_per_step: int, group_size: int, seed: int,
-                 chat: bool = False, share: tuple[int, int] = (0, 1),
-                 reward_limits: tuple[float | None, bool] = (None, False)):  # fmt: skip
-        self.sampler, self.task, self.tokenizer = sampler, task, tokenizer
-        self.reward_limits = reward_limits  # (task.reward_timeout, task.reward_clip): tasks.base.rewards
+    def __init__(self, sampler, env, tokenizer, params, prompts_per_step: int, group_size: int, seed: int,
+                 chat: bool = False, share: tuple[int, int] = (0, 1), limits: Limits = Limits()):  # fmt: skip
+        self.sampler, self.env, self.tokenizer = sampler, as_environment(env), tokenizer
         self.params, self.prompts_per_step, self.group_size = params, prompts_per_step, group_size
         self.seed = seed
         # (r, N): this source samples the r-th of N equal slices of each batch's prompts (data-parallel ranks
         # that each sample their share, ``distributed.roles.ShareExecutor``), with a sampling stream of its own
         self.share = share
         self.chat = chat  # prompts through the tokenizer's chat template (rollcorr.tasks.chat)
+        self.renderer = Renderer(tokenizer, chat)
+        self.limits = limits  # trajectories' turns and tokens; user code's time limit, rewards' clipping
+        self.live: dict[int, tuple[Episodes, str]] = {}  # batch index → its episodes, and the key its rows carry
         # called with every generated chunk, before any newer weights are loaded (e.g. the old-logit model)
         self.listeners: list[Callable[[Rollout], Any]] = []
         # called as (weights, version) whenever the sampler loads weights, from the thread that loads them
@@ -70,10 +72,11 @@ class RolloutSource:
     def _batch_seed(self, index: int) -> int:
         return (self.seed * 1_000_003 + index) % (2**31 - 1)
 
-    def _request(self, index: int) -> tuple[list[str | list[int]], Any, list[dict], list[int]]:
-        """Batch ``index``'s prompts (this source's share of them), sampling parameters and group ids. The prompts
-        are drawn for the whole batch, so the N shares together are the batch one source would sample."""
-        items = self.task.sample(self.prompts_per_step, seed=self._batch_seed(index), split="train")
+    def _request(self, index: int) -> tuple[list[dict], Any, list[int]]:
+        """Batch ``index``'s rows (this source's share of its prompts, each repeated G times), sampling parameters
+        and group ids. The prompts are drawn for the whole batch, so the N shares together are the batch one
+        source would sample."""
+        items = self.env.sample(self.prompts_per_step, seed=self._batch_seed(index), split="train")
         rank, world = self.share
         size = self.prompts_per_step // world
         first = rank * size
@@ -81,27 +84,43 @@ class RolloutSource:
         params = replace(self.params, seed=seed)
         group_ids = [index * self.prompts_per_step + j for j in range(first, first + size)]
         items = items[first : first + size]
-        return [model_input(self.tokenizer, it["prompt"], self.chat) for it in items], params, items, group_ids
+        g = self.group_size
+        return [it for it in items for _ in range(g)], params, [gid for gid in group_ids for _ in range(g)]
 
     def sample(self, index: int, partial: Rollout | None = None, max_steps: int | None = None) -> Rollout:
         """Batch ``index`` — started, or ``partial``'s unfinished rows continued with the current weights —
-        for at most ``max_steps`` decode steps (None: to the end); rewarded once every row is finished."""
-        prompts, params, items, group_ids = self._request(index)
-        rollout = self.sampler.generate(
-            prompts, params, n=self.group_size, meta=items, group_ids=group_ids, resume=partial,
-            max_steps=max_steps,
-        )  # fmt: skip
+        for at most ``max_steps`` decode steps (None: every episode to its end); rewarded once every episode
+        is over."""
+        rows, params, group_ids = self._request(index)
+        key = partial.meta[0].get("episodes") if partial is not None and partial.meta else None
+        if partial is not None and self.live.get(index, (None, None))[1] != key:
+            partial = None  # its episodes are elsewhere: played again from the start
+        if partial is None:
+            episodes = Episodes(self.env, rows, self.renderer, self.limits, params.max_new_tokens)
+            key = uuid.uuid4().hex
+            self.live[index] = (episodes, key)
+            meta = [{**item, "episodes": key} for item in rows]
+            rollout = self.sampler.generate(episodes.prompts(), params, meta=meta, group_ids=group_ids,
+                                            max_steps=max_steps)  # fmt: skip
+        else:
+            episodes = self.live[index][0]
+            rollout = self.sampler.generate(None, params, resume=partial, max_steps=max_steps)
         for listener in self.listeners:
             listener(rollout)
-        return self.reward(rollout) if finished(rollout) else rollout
+        rollout = episodes.advance(rollout, self.version)
+        while max_steps is None and not finished(rollout):
+            rollout = self.sampler.generate(None, params, resume=rollout)
+            for listener in self.listeners:
+                listener(rollout)
+            rollout = episodes.advance(rollout, self.version)
+        if not finished(rollout):
+            return rollout
+        del self.live[index]
+        return self.reward(rollout, episodes)
 
-    def reward(self, rollout: Rollout) -> Rollout:
-        """Decode each response (special tokens removed) and score it with the task (through the door for user
-        code: a reward that fails, hangs or returns what it may not is a ``UserCodeError`` naming it and the row)."""
-        ids = [row[mask].tolist() for row, mask in zip(rollout.response_ids, rollout.response_mask.bool())]
-        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        rewards = task_rewards(self.task, rollout.meta, texts, *self.reward_limits)
-        return rollout.replace(rewards=torch.tensor(rewards, dtype=torch.float32))
+    def reward(self, rollout: Rollout, episodes: Episodes) -> Rollout:
+        """A finished batch with its rewards: each trajectory's sum over its turns (``Episodes.rewarded``)."""
+        return episodes.rewarded(rollout)
 
     def load_weights(self, weights: StateDict, version: int) -> None:
         self.sampler.load_weights(weights, version)
@@ -215,10 +234,9 @@ class SourceSpec:
         tokenizer = getattr(sampler, "tokenizer", None)
         if tokenizer is None:
             raise ValueError(f"sampler {self.sampler!r} exposes no tokenizer to decode responses for rewards")
-        limits = (self.task.reward_timeout, self.task.reward_clip)
-        return RolloutSource(sampler, self.task.build(), tokenizer, self.params, self.prompts_per_step,
+        return RolloutSource(sampler, self.task.environment(), tokenizer, self.params, self.prompts_per_step,
                              self.group_size, self.seed, chat=uses_chat(tokenizer, self.task.chat),
-                             share=self.share, reward_limits=limits)  # fmt: skip
+                             share=self.share, limits=self.task.limits())  # fmt: skip
 
 
 def _absolute(path: str) -> str:

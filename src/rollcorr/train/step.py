@@ -30,12 +30,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from rollcorr.advantages import compute_advantages
+from rollcorr.advantages import compute_advantages, turn_advantages
 from rollcorr.config.correction import CorrectionConfig
 from rollcorr.correction.weights import LOCAL
 from rollcorr.distributed.ranks import ONE_PROCESS, Ranks
 from rollcorr.distributed.split import rank_rows
 from rollcorr.distributed.tensors import local_tensor
+from rollcorr.envs import episode_metrics
 from rollcorr.losses import LossConfig, masked_mean, policy_loss
 from rollcorr.losses.aggregation import loss_count
 from rollcorr.moe import RoutingFlips
@@ -61,6 +62,7 @@ class StepConfig:
     grad_clip: float = 1.0
     skip_zero_grad: bool = True  # no optimizer step when the gradient is exactly zero (see optimize)
     publish_every: int = 1  # weights go to the sampler every N versions (OAPL: algorithm.oapl_sync_every)
+    advantage_level: str = "trajectory"  # multi-turn: "turn" gives each turn its reward-to-go's advantage
 
     @property
     def advantages_first(self) -> bool:
@@ -91,6 +93,7 @@ def check_rewards(rollout: Rollout) -> None:
 
 
 def reward_metrics(rollout: Rollout) -> dict[str, float]:
+    """Rewards and lengths (the model's tokens); a batch of trajectories adds ``env/…`` (``episode_metrics``)."""
     rewards = rollout.rewards.float()
     lengths = rollout.response_mask.float().sum(1)
     return {
@@ -98,6 +101,7 @@ def reward_metrics(rollout: Rollout) -> dict[str, float]:
         "reward/accuracy": float((rewards >= 1.0).float().mean()),
         "response/length_mean": float(lengths.mean()),
         "response/tokens": float(lengths.sum()),
+        **episode_metrics(rollout),
     }
 
 
@@ -140,16 +144,19 @@ def attach_advantages(rollout: Rollout, config: StepConfig) -> tuple[Rollout, Te
     """
     valid = rollout.response_mask.bool().any(1)
     kept = rollout.kept_mask.any(1) if config.baseline_excludes_rejected else valid
-    adv, used = compute_advantages(
-        config.advantage,
-        rollout.rewards.float(),
-        rollout.group_ids,
-        rollout.kept_mask,
-        keep=kept & valid,
-        norm_std=config.norm_std,
-        beta1=config.oapl_beta1,
-        filter_uniform_groups=config.dynamic_sampling,
-    )
+    options = dict(keep=kept & valid, norm_std=config.norm_std, beta1=config.oapl_beta1,
+                   filter_uniform_groups=config.dynamic_sampling)  # fmt: skip
+    if config.advantage_level == "turn" and rollout.turn is not None:
+        turns = rollout.turns
+        per_turn = [m.get("turn_rewards", [float(r)]) for m, r in zip(rollout.meta, rollout.rewards.tolist())]
+        table = torch.zeros(rollout.batch_size, int(turns.max()))
+        for i, values in enumerate(per_turn):
+            table[i, : len(values)] = torch.tensor(values[: table.shape[1]])
+        adv, used = turn_advantages(config.advantage, table, turns, rollout.group_ids, rollout.turn,
+                                    rollout.kept_mask, **options)  # fmt: skip
+    else:
+        adv, used = compute_advantages(config.advantage, rollout.rewards.float(), rollout.group_ids,
+                                       rollout.kept_mask, **options)  # fmt: skip
     metrics = {
         "advantage/abs_mean": float(adv.abs().sum() / rollout.kept_mask.sum().clamp_min(1)),
         "advantage/used_fraction": float(used.float().mean()),
