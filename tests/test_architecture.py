@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engines", ("rollcorr.engines", "rollcorr.models", "rollcorr.tasks", "rollcorr.envs", "rollcorr.moe")),
     ("proximal", ("rollcorr.proximal",)),
     # rollcorr.checkpoint: the checkpoint home that train and distributed share
-    ("services", ("rollcorr.dumps", "rollcorr.chunked", "rollcorr.plotting", "rollcorr.distributed",
+    ("services", ("rollcorr.dumps", "rollcorr.turns", "rollcorr.chunked", "rollcorr.plotting", "rollcorr.distributed",
                   "rollcorr.checkpoint")),
     ("train", ("rollcorr.train",)),
     ("tools", ("rollcorr.audit", "rollcorr.analyze", "rollcorr.compat", "rollcorr.convert")),

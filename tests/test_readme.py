@@ -397,6 +397,10 @@ def run_library_snippets(name: str, first: str, tmp_path: Path, addition_model_d
         rollout = make_sampler("hf:bf16", str(addition_model_dir)).generate(["1+2="], SamplingParams(max_new_tokens=3, seed=0), n=2)
         scope = exec_python(body, tmp_path, learner=learner, rollout=rollout, current_version=0)  # fmt: skip
         assert scope["rollout"].old_log_prob.shape == rollout.response_ids.shape
+    elif first.startswith("# a verl agent-loop row"):  # the turns it prints are the ones its comment says
+        scope = exec_python(body, tmp_path)
+        turns = [(t["turn"], t["tokens"]) for t in scope["summary"]["turns"]["turns"]]
+        assert f"# {turns}" in body and turns == [(0, 3), (1, 2)]
     elif first.startswith("from rollcorr.audit"):
         scope = exec_python(body, tmp_path)
         assert (tmp_path / "runs" / "my-audit" / "report.html").is_file()
@@ -445,6 +449,8 @@ RUN = {
         "train",
     ("docs/logprobs.md", "from rollcorr.logprobs import logprobs_from_hidden, logprobs_from_logits"): "python",
     ("docs/multi-turn.md", "from rollcorr.envs import Turn, register_env"): "python",
+    ("docs/multi-turn.md", "# a verl agent-loop row: the tool's two tokens inside the response, at response_mask 0, log-prob filler 0.0"):
+        "python",
     ("docs/multi-turn.md", "rollcorr train --config chain_turns          # the built-in chain model, two turns per trajectory"):
         "train",
     ("docs/losses.md", "from rollcorr.losses import LossConfig, policy_loss"): "python",

@@ -82,6 +82,7 @@ FIELD_ALIASES: dict[str, tuple[str, ...]] = {
         "infer_logprobs",
         "rollout_logprobs",
         "logprobs",  # AReaL (the inference engine's log-probs, beside prox_logp)
+        "response_logprobs",  # verl's AgentLoopOutput (rollout_log_probs once in the batch)
     ),
     "learner": (
         "old_log_probs",  # verl, slime, SkyRL, OpenRLHF
@@ -97,6 +98,9 @@ FIELD_ALIASES: dict[str, tuple[str, ...]] = {
     "token_text": ("token_text", "token_texts", "response_tokens_text"),
     "text": ("response_text", "response", "completion"),
     "version": ("version", "versions", "token_versions"),
+    # multi-turn: the model turn each token belongs to (rollcorr's Rollout.turn); without it a turn is a run of
+    # mask-1 tokens (rollcorr.turns)
+    "turn": ("turn", "turns"),
     # mixture of experts: per token, per MoE layer, the top-k expert ids (rollcorr.moe)
     "routed_experts": (
         "routed_experts",  # rollcorr, verl (router_replay R3), NeMo-RL, vLLM's enable_return_routed_experts
@@ -107,7 +111,7 @@ FIELD_ALIASES: dict[str, tuple[str, ...]] = {
 
 DEFAULT_FIELDS = {role: names[0] for role, names in FIELD_ALIASES.items()}
 CORRECTION_FIELD = "correction"  # the CorrectionConfig that produced the row (keys differing from the default)
-PER_TOKEN = ("advantages", "tokens", "version")  # optional per-token numeric fields (``Dump.partial``)
+PER_TOKEN = ("advantages", "tokens", "version", "turn")  # optional per-token numeric fields (``Dump.partial``)
 ROUTED = ("routed_experts", "learner_routed_experts")
 STDIN = "-"
 
@@ -133,6 +137,7 @@ class Dump:
     token_text        per-row lists of per-token strings, or None
     text              per-row response strings, or None
     version           (B, T) int64 weight version per token, or None
+    turn              (B, T) int64 the model turn of each token (multi-turn trajectories), or None
     routed_experts    (B, T, L, k) int64 the sampler's experts per response token and MoE layer, or None
     learner_routed_experts  (B, T, L, k) int64 the learner's own experts for the same tokens, or None
     line_numbers      source line (JSONL) / row (Parquet) of each of the B rows, 1-based
@@ -162,6 +167,7 @@ class Dump:
     routed_experts: Tensor | None = None
     learner_routed_experts: Tensor | None = None
     extras: dict[str, list[Any]] = field(default_factory=dict)
+    turn: Tensor | None = None
     total_rows: int = 0
     partial: dict[str, list[int]] = field(default_factory=dict)
     correction: dict[str, Any] | None = None
@@ -247,7 +253,7 @@ class _Rows:
     rollout: np.ndarray  # float64, 0 at mask-0 positions
     learner: np.ndarray  # float64, 0 at mask-0 positions
     mask: np.ndarray  # bool
-    numeric: dict[str, np.ndarray]  # "advantages" float64 (0 at mask-0), "tokens" / "version" int64
+    numeric: dict[str, np.ndarray]  # "advantages" float64 (0 at mask-0), "tokens" / "version" / "turn" int64
     has: dict[str, np.ndarray]  # role -> (R,) bool
     token_text: list
     text: list
@@ -354,6 +360,7 @@ def _as_dump(rows: _Rows, sel: np.ndarray, path: Path, fields: dict[str, str], e
         token_text=every(rows.token_text),
         text=every(rows.text),
         version=numeric("version"),
+        turn=numeric("turn"),
         routed_experts=_routing_tensor([rows.routed["routed_experts"][i] for i in pick], t),
         learner_routed_experts=_routing_tensor([rows.routed["learner_routed_experts"][i] for i in pick], t),
         extras={key: [rows.extras[key][i] for i in pick] for key in extra_fields},
@@ -389,6 +396,7 @@ def _wanted(rollout_field: str, learner_field: str, mask_field: str, advantages_
         "version": version_field,
         "routed_experts": routed_experts_field,
         "learner_routed_experts": DEFAULT_FIELDS["learner_routed_experts"],
+        "turn": DEFAULT_FIELDS["turn"],
     }
     if fields:
         unknown = set(fields) - set(wanted)
@@ -961,7 +969,7 @@ def _gather_objects(objs: list[dict], lines: np.ndarray, raws: list[bytes] | Non
     converted values (``_bool_entries``); a row with ``true`` / ``false`` in its line (or any row without a raw
     line, e.g. Parquet's Python rows) has its optional per-token lists' entry types checked too."""
     rn, ln, mn = names["rollout"], names["learner"], names["mask"]
-    an, tn, vn = names["advantages"], names["tokens"], names["version"]
+    an, tn, vn, un = names["advantages"], names["tokens"], names["version"], names["turn"]
     ttn, xn = names["token_text"], names["text"]
     routed_names = [(role, names[role]) for role in ROUTED if names[role] is not None]
     size = len(objs)
@@ -973,14 +981,15 @@ def _gather_objects(objs: list[dict], lines: np.ndarray, raws: list[bytes] | Non
     lists_r: list = [None] * size
     lists_l: list = [None] * size
     mask_rows: list = [None] * size
-    numeric_rows: dict[str, list] = {"advantages": [None] * size, "tokens": [None] * size, "version": [None] * size}
+    numeric_rows: dict[str, list] = {role: [None] * size for role in PER_TOKEN}
     token_text: list = [None] * size
     text: list = [None] * size
     routed: dict[str, list] = {role: [None] * size for role in ROUTED}
     extras: dict[str, list] = {key: [None] * size for key in extra_fields}
     correction: list = [None] * size
     optional = [(role, name, kinds) for role, name, kinds in
-                (("advantages", an, _NUMBER), ("tokens", tn, _INT), ("version", vn, _INT)) if name is not None]  # fmt: skip
+                (("advantages", an, _NUMBER), ("tokens", tn, _INT), ("version", vn, _INT), ("turn", un, _INT))
+                if name is not None]  # fmt: skip
     for i, obj in enumerate(objs):
         r, lp = obj.get(rn), obj.get(ln)
         if type(r) is not list or type(lp) is not list or len(r) != len(lp) or not r:
@@ -1193,7 +1202,7 @@ def _gather_arrow(batch, lines: np.ndarray, names: dict[str, str | None], extra_
         mask, _ = place(m_col, np.float64, fill=1.0, kind="binary")
     numeric, has = {}, {}
     adv_scalar = np.zeros(size, bool)
-    for role, dtype in (("advantages", np.float64), ("tokens", np.int64), ("version", np.int64)):
+    for role, dtype in (("advantages", np.float64), ("tokens", np.int64), ("version", np.int64), ("turn", np.int64)):
         col = column(names[role])
         has[role] = np.zeros(size, bool)
         if col is None:
@@ -1278,7 +1287,7 @@ def _rows_of_parsed(row: dict[str, Any], line: int, extra_fields: Sequence[str])
     """One row from ``_parse_row`` as a one-row ``_Rows``."""
     numeric = {}
     has = {}
-    for role, dtype in (("advantages", np.float64), ("tokens", np.int64), ("version", np.int64)):
+    for role, dtype in (("advantages", np.float64), ("tokens", np.int64), ("version", np.int64), ("turn", np.int64)):
         has[role] = np.array([role in row])
         if role in row:
             numeric[role] = np.array(row[role], dtype=dtype)
@@ -1355,7 +1364,7 @@ def _parse_row(
         values[:] = [x if valid and x <= 0 else 0.0 for x, valid in zip(values, mask)]
     row: dict[str, Any] = {"rollout": rollout, "learner": learner, "mask": mask}
 
-    present = {role: names[role] for role in ("advantages", "tokens", "version", "token_text", "text")}
+    present = {role: names[role] for role in ("advantages", "tokens", "version", "turn", "token_text", "text")}
     present = {role: name for role, name in present.items() if name is not None and obj.get(name) is not None}
     if "advantages" in present:  # per token, or one number per row
         name = present["advantages"]
@@ -1371,7 +1380,7 @@ def _parse_row(
         if any(not math.isfinite(a) for a, valid in zip(same_length(name, adv), mask) if valid):
             raise _BadRow(f"non-finite {name!r} on a valid token")
         row["advantages"] = [a if valid else 0.0 for a, valid in zip(adv, mask)]
-    for role in ("tokens", "version"):
+    for role in ("tokens", "version", "turn"):
         if role in present:
             row[role] = same_length(present[role], _typed_list(obj, present[role], int, "integers"))
     if "token_text" in present:
@@ -1442,6 +1451,7 @@ def write_dump(
     advantages: Tensor | None = None,
     tokens: Tensor | None = None,
     version: Tensor | None = None,
+    turn: Tensor | None = None,
     routed_experts: Tensor | None = None,
     learner_routed_experts: Tensor | None = None,
     extras: dict[str, Sequence[Any]] | None = None,
@@ -1454,8 +1464,10 @@ def write_dump(
     One row per response, under rollcorr's default field names (``rollout_log_probs``, ``old_log_probs`` for
     ``learner_log_prob``,
     ``response_mask`` and, when given, ``advantages`` ((B,) or (B, T)), ``responses`` (token ids),
-    ``version``, ``routed_experts`` and ``learner_routed_experts`` ((B, T, L, k), one (L, k) list per token)),
-    each list cut after the row's last valid token; ``extras`` maps a field name to one value
+    ``version``, ``turn``, ``routed_experts`` and ``learner_routed_experts`` ((B, T, L, k), one (L, k) list per
+    token)), each list cut after the row's last valid token; a multi-turn rollout is written as it is, the
+    environment's tokens kept in ``responses`` at mask-0 positions between the model's turns (verl's agent-loop
+    layout) and ``turn`` the model turn of each token (``Rollout.turn``); ``extras`` maps a field name to one value
     per row (e.g. ``{"step": [3] * B, "reward": rewards}``). With ``tokenizer`` (and ``tokens``) each row also
     gets ``token_text`` (every token decoded alone) and ``response_text`` (the row decoded), so a reader needs
     no tokenizer; with ``correction`` (a ``CorrectionConfig``) each row records under ``correction`` the keys
@@ -1468,7 +1480,8 @@ def write_dump(
     shape = tuple(rollout_log_prob.shape)
     if len(shape) != 2:
         raise ValueError(f"rollout_log_prob must be (B, T), got shape {shape}")
-    named = {"learner_log_prob": learner_log_prob, "response_mask": response_mask, "tokens": tokens, "version": version}
+    named = {"learner_log_prob": learner_log_prob, "response_mask": response_mask, "tokens": tokens, "version": version,
+             "turn": turn}  # fmt: skip
     for name, value in named.items():
         if value is not None and tuple(value.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape}")
@@ -1512,6 +1525,8 @@ def write_dump(
             row[CORRECTION_FIELD] = recorded
         if cpu["version"] is not None:
             row["version"] = cut(cpu["version"], b)
+        if cpu["turn"] is not None:
+            row["turn"] = cut(cpu["turn"], b)
         for name, value in routes.items():
             if value is not None:
                 row[name] = value[b, : lengths[b]].detach().long().cpu().tolist()

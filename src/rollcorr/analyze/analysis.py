@@ -48,6 +48,7 @@ from rollcorr.correction.rejection import RULES, RSOutcome, RuleOutcome, rejecti
 from rollcorr.correction.weights import apply_threshold, norm_factor, raw_weights, row_log_weight
 from rollcorr.dumps import CHUNK_POSITIONS, Dump, DumpInfo, DumpReader
 from rollcorr.moe import routing_add, routing_result, routing_sentence
+from rollcorr.turns import TurnStats
 
 # statistic shown for each RS option; K1 statistics are shown as ratios (ρ = exp(−k1)), k3 = ρ − 1 − ℓ
 STATISTICS = {
@@ -183,6 +184,9 @@ class Analysis:
     rejected_sequences: int = 0
     weights: tuple[float, float, float] | None = None  # applied weights over valid tokens: mean, min, max
     top_tokens: list[TokenRow] = field(default_factory=list)
+    # multi-turn dumps: the mismatch and the correction per turn and by place in the turn (rollcorr.turns; the
+    # share of each turn's tokens rejected, its mean applied weight), None when no row has a second turn
+    turns: dict | None = None
 
 
 ALL_REJECTED = (
@@ -233,7 +237,7 @@ def _info_of(dump: Dump) -> DumpInfo:
         "advantages": dump.advantages is not None, "tokens": dump.tokens is not None,
         "version": dump.version is not None, "token_text": dump.token_text is not None,
         "text": dump.text is not None, "routed_experts": dump.routed_experts is not None,
-        "learner_routed_experts": dump.learner_routed_experts is not None,
+        "learner_routed_experts": dump.learner_routed_experts is not None, "turn": dump.turn is not None,
     }  # fmt: skip
     return DumpInfo(path=dump.path, fields=dump.fields, malformed=dump.malformed, total_rows=dump.total_rows,
                     rows=len(dump), num_tokens=dump.num_tokens, partial=dump.partial, correction=dump.correction,
@@ -306,6 +310,7 @@ class _Engine:
         self.missing_advantages = False
         self.chunks = 0
         self.tensors: tuple[Tensor, Tensor | None] | None = None
+        self.turns = TurnStats(extra={"rejected_share": "rejected", "weight_mean": "weight"})
 
     def check_start(self, fields: dict[str, str] | None = None) -> None:
         """What can be said before any row: OPSM on a dump without an advantages field."""
@@ -383,6 +388,8 @@ class _Engine:
         if chunk.routed_experts is not None and chunk.learner_routed_experts is not None:
             self._routing_sums(chunk)
         self._top_tokens(chunk, index, tok, findings, applied)
+        per_token = {"rejected": lost.double(), **({"weight": applied} if applied is not None else {})}
+        self.turns.feed(rollout, learner, valid, chunk.turn, per_token)
         if self.keep_tensors:
             out_mask = mask & keep if mask.dtype == torch.bool else (mask * keep).to(mask.dtype)
             self.tensors = (out_mask, applied)
@@ -687,6 +694,7 @@ class _Engine:
             findings=self._finding_table(info), rules=self._summaries(), notes=notes, responses=responses,
             tokens=tokens, rejected_tokens=self.rejected_tokens, rejected_sequences=self.rejected_rows,
             weights=weights, top_tokens=self._token_rows(info, f),
+            turns=self.turns.result(scale={"weight_mean": f}) if self.turns.multi_turn else None,
         )  # fmt: skip
 
     def _is_metrics(self, rows: Rows, per_row: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:

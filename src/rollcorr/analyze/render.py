@@ -55,6 +55,7 @@ def to_json(analysis: Analysis, top: int | None = None) -> dict[str, Any]:
         "findings": findings,
         "malformed": [asdict(m) for m in dump.malformed],
         "notes": analysis.notes,
+        **({"turns": analysis.turns} if analysis.turns is not None else {}),
     }
 
 
@@ -212,6 +213,7 @@ def render(analysis: Analysis, console: Any, *, top: int = 8, all_metrics: bool 
         _config_effect(analysis),
         _findings(analysis, top),
         _mismatched_tokens(analysis, top),
+        _turns(analysis),
         _malformed(analysis, top),
     ]
     for renderables in parts:
@@ -222,6 +224,22 @@ def render(analysis: Analysis, console: Any, *, top: int = 8, all_metrics: bool 
         console.print(f"[{style}]{'' if style != 'dim' else 'note: '}{escape(note)}[/]", highlight=False)
     console.print()
     console.print(f"[bold]In short[/]: {escape(summary(analysis))}", highlight=False)
+
+
+def _turns(analysis: Analysis) -> list[Any]:
+    """The per-turn table of a multi-turn dump: each turn's tokens, mismatch and what the config does to it."""
+    t = analysis.turns
+    if t is None:
+        return []
+    weighted = any("weight_mean" in r for r in t["turns"])
+    columns = {"turn": "right", "responses": "right", "tokens": "right", "|Δp| ≥ 0.01": "right", "mean |Δp|": "right",
+               "k3": "right", "rejected": "right", **({"mean weight": "right"} if weighted else {})}  # fmt: skip
+    table = _table(f"Per turn (turns from {t['turns_from']})", columns)
+    for r in t["turns"]:
+        table.add_row(str(r["turn"] + 1), str(r["responses"]), str(r["tokens"]), _percent(r["prob_diff_frac_ge_0.01"]),
+                      fmt(r["prob_diff_mean"]), fmt(r["k3_kl"]), _percent(r["rejected_share"]),
+                      *([fmt(r["weight_mean"])] if weighted else []))  # fmt: skip
+    return ["", table]
 
 
 def _source_name(path) -> str:

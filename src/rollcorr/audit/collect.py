@@ -36,6 +36,8 @@ class AuditData:
     learner_routed_experts  (B, T, L, k) the experts the learner's own routers pick for the same tokens
                       (without replay: the routing mismatch; rollcorr.moe)
     diagnosis         "localization" and "whatif" when asked (rollcorr.audit.localize, rollcorr.audit.whatif)
+    turn              (B, T) int64 the model turn of each token (multi-turn trajectories), or None: then a turn is
+                      a run of valid tokens (rollcorr.turns)
     """
 
     rollout_log_prob: Tensor
@@ -47,6 +49,7 @@ class AuditData:
     routed_experts: Tensor | None = None
     learner_routed_experts: Tensor | None = None
     diagnosis: dict[str, Any] = field(default_factory=dict)  # --localize / --whatif results (audit.localize, .whatif)
+    turn: Tensor | None = None
 
 
 def load_prompts(path: str | Path) -> list[str]:
@@ -189,6 +192,7 @@ def from_rollout(
         source=dict(source or {}, sampler_dist=sampler_dist),
         routed_experts=rollout.routed_experts,
         learner_routed_experts=learner_routed_experts,
+        turn=rollout.turn,
     )
 
 
@@ -229,4 +233,5 @@ def from_dump(dump, *, path: str | Path, fields: tuple[str, str, str]) -> AuditD
         },
         routed_experts=dump.routed_experts,
         learner_routed_experts=dump.learner_routed_experts,
+        turn=dump.turn,
     )

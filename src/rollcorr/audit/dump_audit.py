@@ -34,6 +34,7 @@ from rollcorr.correction import metrics as metric_fns
 from rollcorr.correction.ratios import Rows, make_tokens
 from rollcorr.dumps import CHUNK_POSITIONS, Dump, DumpInfo, open_dump
 from rollcorr.moe import routing_add, routing_result
+from rollcorr.turns import TurnStats
 
 WHOLE_POSITIONS = 1 << 21  # padded positions up to which a dump is audited whole, exactly as before
 WHOLE_ROWS = 1 << 13  # responses up to which it is (the whole path's per-response cost: ~140 MB at this many)
@@ -135,6 +136,7 @@ def _whole(chunks: list[Dump], info: DumpInfo) -> Dump:
         response_mask=stack("response_mask"), line_numbers=[c.line_numbers[b] for _, c, b in rows],
         fields=info.fields, malformed=info.malformed, token_text=listed("token_text") if info.complete.get("token_text") else None,
         routed_experts=routed[0], learner_routed_experts=routed[1],
+        turn=stack("turn") if info.complete.get("turn") else None,
         extras={key: [c.extras[key][b] for _, c, b in rows] for key in info.extra_fields}, total_rows=info.total_rows,
     )  # fmt: skip
 
@@ -160,6 +162,7 @@ class _AuditSums:
         self.sample_tokens = 0
         self.top_row: tuple | None = None  # the row with the largest |Δp|: (−max, row, tensors…)
         self.routing: dict | None = None
+        self.turns = TurnStats()  # the mismatch per turn and by place in the turn (multi-turn dumps)
 
     def add(self, key: str, value: float) -> None:
         self.tot[key] = self.tot.get(key, 0.0) + value
@@ -224,6 +227,7 @@ class _AuditSums:
         self.position["max"][:t] = np.maximum(self.position["max"][:t], abs_diff.max(dim=0).values.numpy())
         self.position["count"][:t] += mask.sum(dim=0).numpy()
         self._worst_tokens(chunk, index, abs_diff, lr)
+        self.turns.feed(log_mu, log_old, mask, chunk.turn)
         self._figure_rows(chunk, index, row_max)
         if chunk.routed_experts is not None and chunk.learner_routed_experts is not None:
             self.routing = routing_add(self.routing, chunk.routed_experts, chunk.learner_routed_experts,
@@ -346,6 +350,8 @@ class _AuditSums:
             summary["routing"] = routing_result(self.routing)
         elif info.routing_note:  # routing in the dump that cannot be compared: said, not dropped silently
             summary["routing_note"] = info.routing_note
+        if self.turns.multi_turn:
+            summary["turns"] = self.turns.result()
         summary["verdict"] = verdict(summary)
         preset_name = suggestion(summary)
         summary["suggested_preset"] = preset_name

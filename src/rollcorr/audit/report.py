@@ -20,6 +20,7 @@ from rollcorr.audit import plots
 from rollcorr.audit.collect import AuditData
 from rollcorr.audit.stats import audit_stats, check_inputs
 from rollcorr.audit.verdict import SHARE_KEYS, override, references_for, suggestion, verdict
+from rollcorr.turns import turn_summary
 
 CONTEXT_TOKENS = 12  # tokens shown on each side of a worst token
 PRINT_CONTEXT_CHARS = 24  # characters of that context printed on each side in the terminal
@@ -60,6 +61,9 @@ def build_summary(data: AuditData, worst_k: int = 10) -> dict[str, Any]:
 
         summary["routing"] = routing_summary(data.routed_experts, data.learner_routed_experts,
                                              data.rollout_log_prob, data.old_log_prob, data.response_mask)  # fmt: skip
+    turns = turn_summary(data.rollout_log_prob, data.old_log_prob, data.response_mask, data.turn)
+    if turns is not None:  # multi-turn trajectories: the mismatch per turn and by place in the turn
+        summary["turns"] = turns
     summary["verdict"] = verdict(summary)
     preset_name = suggestion(summary)
     summary["suggested_preset"] = preset_name
@@ -127,6 +131,27 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
     return rows
 
 
+TURN_COLUMNS = (("tokens", "tokens", None), ("share ≥ 0.01", "prob_diff_frac_ge_0.01", _pct),
+                ("share ≥ 0.05", "prob_diff_frac_ge_0.05", _pct), ("mean |Δp|", "prob_diff_mean", _num),
+                ("max |Δp|", "prob_diff_max", _num), ("k3", "k3_kl", _num))  # fmt: skip
+
+
+def turn_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) of the per-turn tables of a multi-turn audit (``summary["turns"]``): by turn, and
+    by place in the turn; empty for a single-turn audit."""
+    t = summary.get("turns")
+    if not t:
+        return []
+    keys = [(name, key, show or str) for name, key, show in TURN_COLUMNS]
+    by_turn = [[str(r["turn"] + 1), str(r["responses"]), *(show(r[key]) for _, key, show in keys)] for r in t["turns"]]
+    p = t["position_in_turn"]
+    by_place = [[f"{p['start'][i]}–{p['end'][i] - 1}", *(show(p[key][i]) for _, key, show in keys)]
+                for i in range(len(p.get("start", [])))]  # fmt: skip
+    names = [name for name, _, _ in keys]
+    return [(f"per turn (turns from {t['turns_from']})", ["turn", "responses", *names], by_turn),
+            ("by place in the turn (model tokens before it in its turn)", ["places", *names], by_place)]  # fmt: skip
+
+
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
     """The summary table and the worst tokens, printed with rich."""
     console = console or Console()
@@ -153,6 +178,13 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
             context,
         )
     console.print(worst)
+    for title, header, rows in turn_tables(summary):
+        table = Table(title=title, title_justify="left")
+        for name in header:
+            table.add_column(name, justify="right")
+        for row in rows:
+            table.add_row(*map(escape, row))
+        console.print(table)
     if summary.get("whatif"):
         table = Table(title="what would remove it (--whatif)", title_justify="left")
         for name in ("change", "sampler", *(c[0] for c in WHATIF_COLUMNS), "level"):
@@ -297,12 +329,23 @@ def render_html(summary: dict[str, Any], images: dict[str, Path]) -> str:
 {diagnosis}
 <h2>Summary</h2><table><tr><th></th><th>metric</th><th>value</th></tr>{rows}</table>
 <p class="note">{esc(MONTE_CARLO_NOTE)}</p>
+{_turns_html(summary)}
 <h2>Worst tokens</h2>
 <table><tr><th>resp</th><th>pos</th><th>p_sampler</th><th>p_learner</th><th>|Δp|</th><th>context</th></tr>
 {worst}</table>
 <h2>Plots</h2>{figures}
 </body></html>
 """
+
+
+def _turns_html(summary: dict[str, Any]) -> str:
+    """The per-turn tables (multi-turn audits), or nothing."""
+    esc, out = html.escape, ""
+    for title, header, rows in turn_tables(summary):
+        head = "".join(f"<th>{esc(h)}</th>" for h in header)
+        body = "".join("<tr>" + "".join(f"<td class='num'>{esc(v)}</td>" for v in row) + "</tr>" for row in rows)
+        out += f"<h2>{esc(title[0].upper() + title[1:])}</h2><table><tr>{head}</tr>{body}</table>"
+    return out
 
 
 def write_report(data: AuditData, out_dir: str | Path, *, worst_k: int = 10) -> dict[str, Any]:
