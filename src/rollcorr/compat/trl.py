@@ -31,6 +31,13 @@ passes them on. With ``dump_path`` (replay or not) the dump gets them as ``route
 ``learner_routed_experts``, the learner's own router choice in its π_old forward (``capture_routing(own=True)``,
 unchanged by a replay), so ``rollcorr analyze`` reports the routing flips.
 
+Top-k / top-p (the keep mask, docs/three-policies.md): TRL scores the policy over the whole vocabulary, so
+against a truncated sampler every ratio would carry the kept mass (TRL issue #6789). When the ``rollout_func``
+returns ``kept_ids`` (per completion, one list of kept token ids per token: ``SamplerRollout`` does under top-k /
+top-p), the policy's π_old and π_θ are renormalised over those sets: the backbone's last hidden states of TRL's
+own scoring forward are taken (a forward hook) and scored over the kept ids (``rollcorr.logprobs.logprobs_over_kept``);
+TRL's full-vocabulary entropy is kept, and the frozen reference (``beta`` > 0) stays full-vocabulary.
+
 A token whose sampling log-prob is NaN (vLLM reports None) gets ratio 1 (its learner log-prob stands in),
 as TRL does. TRL's ``vespo`` loss reads the ratio its own way and is refused.
 """
@@ -38,20 +45,25 @@ as TRL does. TRL's ``vespo`` loss reads the ratio its own way and is refused.
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-from trl import GRPOConfig, GRPOTrainer
+
+with warnings.catch_warnings():  # TRL 1.16 warns once per module that imports vLLM when vLLM is newer than 0.31
+    warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions", category=UserWarning)
+    from trl import GRPOConfig, GRPOTrainer
 
 from rollcorr.config.correction import CorrectionConfig
 from rollcorr.config.presets import preset
 from rollcorr.correction.api import compute_correction
 from rollcorr.correction.metrics import metrics_to_floats
 from rollcorr.dumps import write_dump
+from rollcorr.logprobs import logprobs_over_kept
 from rollcorr.moe import attach_replay, capture_routing, response_routing, sequence_routing
 
-__all__ = ["LEARNER_PRECISIONS", "RollcorrGRPOTrainer", "SamplerRollout", "correct_trl_batch"]
+__all__ = ["LEARNER_PRECISIONS", "RollcorrGRPOTrainer", "SamplerRollout", "correct_trl_batch", "trl_kept_ids"]
 
 # learner precision -> (GRPOConfig.bf16, GRPOConfig.fp16, accelerate's mixed_precision)
 LEARNER_PRECISIONS = {
@@ -112,6 +124,7 @@ class RollcorrGRPOTrainer(GRPOTrainer):
         if routing_replay not in (None, "r3"):
             raise ValueError(f"routing_replay must be None or 'r3', got {routing_replay!r}")
         self.routing_replay, self._replay = routing_replay, None
+        self._kept: torch.Tensor | None = None  # (B, T, K) kept sets of the batch being scored (the keep mask)
         self._sampler_routes: torch.Tensor | None = None  # (B, P + T, L, k) of the batch being scored
         self._own_routing: list[torch.Tensor] | None = None  # the learner's own routing, captured for the dump
         self.correction = preset(correction) if isinstance(correction, str) else correction
@@ -153,6 +166,8 @@ class RollcorrGRPOTrainer(GRPOTrainer):
     def _generate(self, prompts: list):
         result = super()._generate(prompts)
         prompt_ids, completion_ids, extra = result[0], result[1], result[5]
+        kept = extra.pop("kept_ids", None)
+        self._kept = None if kept is None else trl_kept_ids(completion_ids, kept, self._policy())  # for π_old
         if self.routing_replay:  # from here on, TRL's scoring forwards replay the sampler's experts
             self._sampler_routes = trl_routing(prompt_ids, completion_ids, extra.pop("routed_experts", None),
                                                extra.pop("prompt_routed_experts", None))  # fmt: skip
@@ -176,9 +191,17 @@ class RollcorrGRPOTrainer(GRPOTrainer):
         # with a dump: the sampler's routing (``_generate``) and the learner's own, from its π_old forward
         self._sampler_routes, self._own_routing = None, [] if self.dump_path is not None else None
         try:
-            return self._score_and_correct_batch(inputs)
+            out = self._score_and_correct_batch(inputs)
+            if self._kept is not None:  # split with the batch, for the loss's forwards of π_θ
+                out["kept_ids"] = self._kept
+            return out
         finally:
-            self._sampler_routes = self._own_routing = None
+            self._sampler_routes = self._own_routing = self._kept = None
+
+    def _policy(self) -> Any:
+        """The transformers model TRL's fused head scores (under any accelerate / PEFT wrapper)."""
+        model = self.accelerator.unwrap_model(self.model)
+        return model.get_base_model() if hasattr(model, "get_base_model") else model
 
     def _score_and_correct_batch(self, inputs):
         out = super()._generate_and_score_completions(inputs)
@@ -222,6 +245,28 @@ class RollcorrGRPOTrainer(GRPOTrainer):
         return {"routed_experts": sampler, "learner_routed_experts": response_routing(self._own_routing, p, mask.cpu())}
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        """TRL's scoring forward; with the sampler's kept sets (``self._kept``: π_old's batch, or the loss's
+        micro-batch) the policy's log-probs renormalised over them (module docstring)."""
+        kept = self._kept
+        if kept is None or model is not self.model:  # no keep mask, or the frozen reference
+            return self._scored(model, *args, **kwargs)
+        policy = self._policy()
+        hidden: list[torch.Tensor] = []
+        hook = policy.base_model.register_forward_hook(lambda m, i, out: hidden.append(out.last_hidden_state))
+        try:
+            _, entropies, aux = self._scored(model, *args, **kwargs)
+        finally:
+            hook.remove()
+        input_ids = args[0] if args else kwargs["input_ids"]
+        keep = args[2] if len(args) > 2 else kwargs["logits_to_keep"]
+        states = torch.cat([h[:, -keep - 1 : -1] for h in hidden])  # (B, T, H): the states predicting the completion
+        weight = policy.get_output_embeddings().weight.to(states.dtype)
+        ids = torch.nn.functional.pad(kept, [0, 0, 0, max(keep - kept.shape[1], 0)], value=-1)[:, :keep]
+        logps = logprobs_over_kept(states.flatten(0, 1), weight, input_ids[:, -keep:].flatten(),
+                                   ids.to(states.device).flatten(0, 1), temperature=self.temperature)  # fmt: skip
+        return logps.view(states.shape[:2]), entropies, aux
+
+    def _scored(self, model, *args, **kwargs):
         """TRL's scoring forward; with a dump and sampler routing, the first no-grad forward of the policy in a
         batch (π_old) also records its routers' own choice (``capture_routing(own=True)``)."""
         collect = self._own_routing
@@ -248,7 +293,11 @@ class RollcorrGRPOTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs):
         if "routed_experts" in inputs:  # stays set through the backward pass (gradient checkpointing re-runs it)
             self._replay.set(inputs["routed_experts"])
-        return self._corrected_loss(model, inputs)
+        self._kept = inputs.get("kept_ids")  # this micro-batch's kept sets: π_θ over them
+        try:
+            return self._corrected_loss(model, inputs)
+        finally:
+            self._kept = None
 
     def _corrected_loss(self, model, inputs):
         # TRL multiplies the per-token loss by inputs["importance_sampling_ratio"] only on its vLLM path
@@ -281,6 +330,9 @@ class SamplerRollout:
     model_path  the sampler's model (None: the trainer model's ``name_or_path``)
     seed        seed of the first call's draw (call i uses seed + i); None: nondeterministic
     top_k       sampler top-k (0 = off); temperature, top-p and the length cap come from the GRPOConfig
+    keep_mask   under top-k / top-p, also return each token's kept set (``kept_ids``), which
+                ``RollcorrGRPOTrainer`` replays in the policy (default True; False: the kept mass stays in
+                every ratio, as in TRL)
 
     Called by TRL as ``rollout_func(prompts, trainer)`` with one prompt per completion (TRL's sampler has
     already repeated each prompt ``num_generations`` times). Before sampling it loads the trainer's weights
@@ -290,12 +342,13 @@ class SamplerRollout:
 
     def __init__(
         self, spec: str, model_path: str | Path | None = None, *, seed: int | None = 0, top_k: int = 0,
-        **sampler_kwargs: Any,
+        keep_mask: bool = True, **sampler_kwargs: Any,
     ) -> None:  # fmt: skip
         from rollcorr.engines import parse_spec
 
         self.spec = str(parse_spec(spec))  # a bad spec fails here, before TRL starts
         self.model_path, self.seed, self.top_k, self.sampler_kwargs = model_path, seed, top_k, sampler_kwargs
+        self.keep_mask = keep_mask
         self.sampler: Any = None
         self.loaded_step: int | None = None
         self.calls = 0
@@ -330,7 +383,13 @@ class SamplerRollout:
             top_k=self.top_k,
             top_p=float(getattr(args, "top_p", 1.0) or 1.0),
             seed=None if self.seed is None else self.seed + self.calls,
+            record_kept_ids=self.keep_mask,
         )
+        if params.records_kept_ids:  # a sampler that cannot record its kept sets: one line, before sampling
+            from rollcorr.engines.spec import check_kept_ids
+
+            check_kept_ids(self.spec, True, "SamplerRollout", "pass keep_mask=False (the kept mass then stays in "
+                           "every ratio)")  # fmt: skip
         self.calls += 1
         rollout = sampler.generate(prompt_ids, params)
         mask = rollout.response_mask.bool()
@@ -340,6 +399,9 @@ class SamplerRollout:
             "completion_ids": [ids[b][mask[b]].tolist() for b in range(len(prompt_ids))],
             "logprobs": [logps[b][mask[b]].float().tolist() for b in range(len(prompt_ids))],
         }
+        if rollout.kept_ids is not None:  # the keep mask: each token's kept set, −1 padding dropped
+            out["kept_ids"] = [[[t for t in ids if t >= 0] for ids in rollout.kept_ids[b][mask[b]].tolist()]
+                               for b in range(len(prompt_ids))]  # fmt: skip
         if rollout.routed_experts is not None:  # a mixture of experts: its routing, for routing_replay="r3"
             prompt_mask = rollout.prompt_mask.bool()
             out["routed_experts"] = [rollout.routed_experts[b][mask[b]].tolist() for b in range(len(prompt_ids))]
@@ -382,3 +444,21 @@ def trl_routing(prompt_ids: list[list[int]], completion_ids: list[list[int]], ro
             r = torch.as_tensor(r, dtype=torch.long)
             prompt[i, p - len(r) :] = r
     return sequence_routing(prompt_mask, response_mask, response, prompt)
+
+
+def trl_kept_ids(completion_ids: list[list[int]], kept: list, model: Any) -> torch.Tensor:
+    """A ``rollout_func``'s per-completion kept sets (one list of token ids per completion token) → (B, T, K) int32
+    over TRL's right-padded completions, −1 padded. ValueError for a model whose head scales or caps its logits
+    (the renormalisation scores the plain head) or sets that do not match the completions."""
+    text = model.config.get_text_config()
+    if getattr(text, "final_logit_softcapping", None) or getattr(text, "logit_scale", None) not in (None, 1, 1.0):
+        raise ValueError("kept_ids: the keep mask scores the plain lm-head, and this model scales or caps its logits; "
+                         "pass keep_mask=False to the rollout_func")  # fmt: skip
+    if len(kept) != len(completion_ids) or any(len(k) != len(c) for k, c in zip(kept, completion_ids)):
+        raise ValueError("kept_ids: the rollout_func must return one kept set per completion token")
+    width = max([len(ids) for sets in kept for ids in sets] + [1])
+    out = torch.full((len(kept), max(map(len, completion_ids)), width), -1, dtype=torch.int32)
+    for b, sets in enumerate(kept):
+        for t, ids in enumerate(sets):
+            out[b, t, : len(ids)] = torch.as_tensor(ids, dtype=torch.int32)
+    return out

@@ -34,7 +34,10 @@ LOSS_TYPES = ("ppo_clip", "reinforce")
 IS_LEVELS = ("token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask")
 BATCH_NORM_SCOPES = ("batch", "mini_batch", "micro_batch")
-SAMPLER_DISTRIBUTIONS = ("truncated", "full")
+# What log μ is compared with under top-k / top-p (docs/three-policies.md): keep_mask — the sampler records its
+# kept sets and the learner renormalises π_old and π_θ over them (the correction sees μ as drawn); truncated —
+# the learner's full π against μ as drawn (every ratio carries the kept mass); full — μ_full = μ · kept mass.
+SAMPLER_DISTRIBUTIONS = ("keep_mask", "truncated", "full")
 RS_OPTIONS = (
     "token_k1",
     "token_k2",
@@ -169,7 +172,9 @@ class CorrectionConfig:
     opsm_delta: float | None = None  # OPSM: drop iff A < 0 and mean_t(log μ − log π_θ) > δ
     rules: dict[str, dict[str, Any]] = field(default_factory=dict)  # rules from outside, by name: their options
     denominator: str = "kept"  # loss denominator after rejection: kept | original | batch
-    sampler_distribution: str = "truncated"  # "full": log μ_full = rollout_log_prob + log_kept_mass
+    # keep_mask: π renormalised over the sampler's kept sets before it gets here (μ as drawn); truncated: μ as drawn
+    # against a full π; full: log μ_full = rollout_log_prob + log_kept_mass. Without top-k / top-p all three agree.
+    sampler_distribution: str = "keep_mask"
     verl_compat: bool = False  # reproduce verl exactly (K1 window on −log ρ, all rows in seq metrics, …)
     safety_bound: float = LOG_RATIO_CLAMP  # |log-ratio| clamp before any exp
 

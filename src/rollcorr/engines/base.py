@@ -3,7 +3,9 @@
 docs/spec.md §8: ``rollout_log_prob`` is log μ of the sampled token under the distribution the sampler really drew
 from — logits / temperature, then top-k, then top-p, renormalised over the kept tokens — and
 ``log_kept_mass`` is log of the mass the kept tokens had under the tempered (untruncated) distribution, so
-log π_full(y_t) = rollout_log_prob + log_kept_mass.
+log π_full(y_t) = rollout_log_prob + log_kept_mass. With ``SamplingParams.record_kept_ids`` the sampler also
+records the kept set itself (``Rollout.kept_ids``: the token ids top-k / top-p kept at each step), so a learner
+can renormalise its own distribution over the same set (``sampler_distribution="keep_mask"``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class SamplingParams:
     top_k           keep the k most likely tokens (0 = off)
     top_p           keep the smallest set of most likely tokens whose mass reaches top_p (1.0 = off)
     seed            seed of the sampler's torch.Generator (None: nondeterministic)
+    record_kept_ids record each step's kept token ids (``Rollout.kept_ids``) when top-k / top-p truncate:
+                    DeepSeek-V3.2's "keep sampling mask", vLLM's ``return_sampling_mask``
     """
 
     max_new_tokens: int = 16
@@ -36,6 +40,7 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    record_kept_ids: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -48,6 +53,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if not isinstance(self.record_kept_ids, bool):
+            raise ValueError(f"record_kept_ids must be a bool, got {self.record_kept_ids!r}")
 
     @property
     def greedy(self) -> bool:
@@ -57,6 +64,11 @@ class SamplingParams:
     def truncated(self) -> bool:
         """Top-k or top-p cuts the distribution drawn from (greedy draws the argmax: nothing is cut)."""
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+    @property
+    def records_kept_ids(self) -> bool:
+        """Whether a sampler records ``Rollout.kept_ids``: asked for, and something is cut."""
+        return self.record_kept_ids and self.truncated
 
 
 @runtime_checkable
@@ -137,6 +149,15 @@ def draw(log_mu: Tensor, params: SamplingParams, generator: torch.Generator) -> 
                 "logits are not finite, so its weights have diverged (a learning rate too large, e.g. optim.lr?)"
             ) from err
         raise
+
+
+def kept_token_ids(log_mu: Tensor) -> Tensor:
+    """The kept set of each row of a processed distribution log μ (B, V) (−inf outside it) → (B, K) int32 token
+    ids, most likely first, −1 after a row's own count; K is the largest kept set of the batch."""
+    kept = torch.isfinite(log_mu)
+    width = max(int(kept.sum(-1).max()), 1) if log_mu.shape[0] else 1
+    values, ids = log_mu.topk(width, dim=-1)
+    return ids.to(torch.int32).masked_fill(~torch.isfinite(values), -1)
 
 
 def process_logits(logits: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:

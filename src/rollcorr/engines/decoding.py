@@ -3,7 +3,9 @@ rollouts (``max_steps`` / ``resume``), and packing the result into a ``Rollout``
 
 A backend subclasses ``DecodingSampler`` and supplies ``encode`` (prompts → token ids), ``_decode`` (the
 decode loop: per row, the sampled tokens, their log μ under the processed distribution, the log kept mass,
-and whether the row finished) and ``_check_open``; it holds ``tokenizer``, ``pad_id`` and ``version``.
+and whether the row finished) and ``_check_open``; it holds ``tokenizer``, ``pad_id`` and ``version``. A
+backend that records the kept sets (``SamplingParams.record_kept_ids``) hands them over through
+``_take_kept_ids`` after its ``_decode``, as one that captures routing does through ``_take_routing``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,33 @@ def right_pad(
         if r:
             out[i, : len(r)] = torch.as_tensor(r, dtype=dtype)
     return out
+
+
+def pad_kept_ids(rows: Sequence[Tensor], width: int | None = None) -> Tensor:
+    """Per-row kept sets (n_i, K_i) → (B, T, K) int32, −1 on padded positions and after each set's count."""
+    width = max([r.shape[0] for r in rows] + [0]) if width is None else width
+    kept = max([r.shape[1] for r in rows if r.numel()] + [1])
+    out = torch.full((len(rows), width, kept), -1, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0], : r.shape[1]] = r
+    return out
+
+
+def stack_kept(sets: Sequence[Tensor]) -> Tensor:
+    """One row's kept sets, one (K_t,) int32 tensor per token → (n_tokens, K) int32, −1 padded."""
+    kept = max([ids.shape[0] for ids in sets] + [1])
+    out = torch.full((len(sets), kept), -1, dtype=torch.int32)
+    for t, ids in enumerate(sets):
+        out[t, : ids.shape[0]] = ids
+    return out
+
+
+def kept_rows(step_ids: list[Tensor], valid: Tensor) -> list[Tensor]:
+    """A decode loop's kept sets, one (B, K_s) int32 tensor per step, and ``valid`` (B, steps) → per row, the
+    (n_tokens, K) kept sets of its valid steps (K: the largest of the loop)."""
+    kept = max(ids.shape[1] for ids in step_ids)
+    steps = torch.stack([torch.nn.functional.pad(ids, [0, kept - ids.shape[1]], value=-1) for ids in step_ids], 1)
+    return [steps[i, : valid.shape[1]][valid[i]] for i in range(valid.shape[0])]
 
 
 def finished_rows(rollout: Rollout) -> Tensor:
@@ -86,6 +115,11 @@ class DecodingSampler:
     def _take_routing(self) -> tuple[list[Tensor], list[Tensor]] | None:
         """The last ``_decode``'s mixture-of-experts routing, per row: (context (len, L, k), response tokens
         (n, L, k)); None for an engine or model without it (the default)."""
+        return None
+
+    def _take_kept_ids(self) -> list[Tensor] | None:
+        """The last ``_decode``'s kept sets, per row (n_tokens, K) int32 (−1 padded); None when it recorded
+        none (the default: not asked for, nothing truncated, or an engine that cannot)."""
         return None
 
     def _expert_dtype(self) -> torch.dtype:
@@ -151,6 +185,7 @@ class DecodingSampler:
             rows, [params.max_new_tokens] * len(rows), params, max_steps
         )
         routing = self._routing_fields(self._take_routing())
+        kept = self._take_kept_ids()
         prompt_ids, prompt_mask = left_pad(rows, self.pad_id, torch.device("cpu"))
         metas = [dict(m) for m in meta for _ in range(n)] if meta is not None else [{} for _ in rows]
         for m, tok, done in zip(metas, tokens, finished):
@@ -163,6 +198,7 @@ class DecodingSampler:
             response_mask=right_pad([[1] * len(t) for t in tokens], 0, torch.bool),
             rollout_log_prob=right_pad(log_mu, 0.0, torch.float32),
             log_kept_mass=right_pad(log_kept, 0.0, torch.float32),
+            kept_ids=None if kept is None else pad_kept_ids(kept, max(len(t) for t in tokens)),
             version=right_pad([[self.version] * len(t) for t in tokens], 0, torch.long),
             group_ids=groups.repeat_interleave(n),
             meta=metas,
@@ -193,6 +229,7 @@ class DecodingSampler:
         params = replace(params, seed=resume_seed(params.seed, int(valid.sum())))
         tokens, log_mu, log_kept, finished = self._decode(contexts, budgets, params, max_steps)
         routing = self._take_routing()
+        kept = self._take_kept_ids()
         merged = [old[i] + (tokens[todo.index(i)] if i in todo else []) for i in range(rollout.batch_size)]
         width = max(len(r) for r in merged)
 
@@ -221,6 +258,14 @@ class DecodingSampler:
             turns = {"observation_mask": extend(rollout.observation_mask, constant([False] * len(todo)), False,
                                                 torch.bool),
                      "turn": extend(rollout.turn, constant([next_turn[i] for i in todo]), 0, torch.long)}  # fmt: skip
+        kept_ids = None
+        if kept is not None and rollout.kept_ids is not None:  # old tokens keep the sets they were drawn from
+            rows = [rollout.kept_ids[i][valid[i]] for i in range(rollout.batch_size)]
+            for j, i in enumerate(todo):
+                k = max(rows[i].shape[1], kept[j].shape[1])
+                rows[i] = torch.cat([torch.nn.functional.pad(part, [0, k - part.shape[1]], value=-1)
+                                     for part in (rows[i], kept[j])])  # fmt: skip
+            kept_ids = pad_kept_ids(rows, width)
         metas = [dict(m) for m in rollout.meta] if rollout.meta else [{} for _ in merged]
         for j, i in enumerate(todo):
             metas[i]["finished"] = finished[j]
@@ -230,6 +275,7 @@ class DecodingSampler:
             response_mask=extend(rollout.response_mask.bool(), constant([True] * len(todo)), False, torch.bool),
             rollout_log_prob=extend(rollout.rollout_log_prob, log_mu, 0.0, torch.float32),
             log_kept_mass=extend(rollout.log_kept_mass, log_kept, 0.0, torch.float32),
+            kept_ids=kept_ids,
             version=extend(rollout.version, constant([self.version] * len(todo)), 0, torch.long),
             meta=metas,
             **routed,

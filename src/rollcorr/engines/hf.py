@@ -32,8 +32,15 @@ import torch
 from torch import Tensor, nn
 
 from rollcorr.engines import exact
-from rollcorr.engines.base import SamplingParams, draw, process_logits
-from rollcorr.engines.decoding import DecodingSampler, encode_prompts, finished_rows, left_pad, right_pad  # noqa: F401
+from rollcorr.engines.base import SamplingParams, draw, kept_token_ids, process_logits
+from rollcorr.engines.decoding import (  # noqa: F401
+    DecodingSampler,
+    encode_prompts,
+    finished_rows,
+    kept_rows,
+    left_pad,
+    right_pad,
+)
 from rollcorr.engines.fake_quant import (
     MAX_BITS,
     MIN_BITS,
@@ -51,7 +58,7 @@ from rollcorr.engines.kvdecode import (
     static_kv_supported,
 )
 from rollcorr.engines.spec import FLOAT_DTYPES, Backend, EngineSpec, register_backend
-from rollcorr.logprobs import logprobs_from_hidden, logprobs_from_logits
+from rollcorr.logprobs import logprobs_from_hidden, logprobs_from_logits, logprobs_over_kept, logprobs_over_kept_logits
 from rollcorr.models.builtin import BUILTIN, load_model, resolve_dtype
 from rollcorr.moe import (
     ROUTING_REPLAY_MODES,
@@ -147,6 +154,10 @@ class HFSampler(DecodingSampler):
         routing, self._routing = getattr(self, "_routing", None), None
         return routing
 
+    def _take_kept_ids(self) -> list[Tensor] | None:
+        kept, self._kept = getattr(self, "_kept", None), None
+        return kept
+
     def _expert_dtype(self) -> torch.dtype:
         return compact_expert_dtype(routing_shape(self.model)[2])
 
@@ -223,9 +234,11 @@ class HFSampler(DecodingSampler):
             logits = decoder.start(contexts, self.pad_id, limit)
 
             active = torch.ones(b, dtype=torch.bool, device=dev)  # still generating
-            steps_tok, steps_lp, steps_lk, steps_valid = [], [], [], []
+            steps_tok, steps_lp, steps_lk, steps_valid, steps_kept = [], [], [], [], []
             for step in range(limit):
                 log_mu, log_kept = process_logits(logits, params)
+                if params.records_kept_ids:
+                    steps_kept.append(kept_token_ids(log_mu).cpu())
                 tok = draw(log_mu, params, gen)
                 tok = torch.where(active, tok, torch.full_like(tok, self.pad_id))
                 steps_tok.append(tok)
@@ -240,6 +253,7 @@ class HFSampler(DecodingSampler):
         tok = torch.stack(steps_tok, 1).cpu()
         valid = torch.stack(steps_valid, 1).cpu()
         self._routing = split_routing(recorder.take(), contexts, valid) if moe else None
+        self._kept = kept_rows(steps_kept, valid) if steps_kept else None
         lp = torch.stack(steps_lp, 1).float().cpu()
         lk = torch.stack(steps_lk, 1).float().cpu()
         finished = (~active).cpu().tolist()
@@ -395,7 +409,8 @@ class HFLearner:
         The lm-head and softmax are ``rollcorr.logprobs.logprobs_from_hidden``: ``chunk_size`` vocabulary rows
         at a time with an online log-sum-exp (recomputed in the backward pass), so the (B, T, V) logits never
         exist. A head that is not a bias-free ``nn.Linear`` (e.g. int8-quantised) gives its logits to
-        ``logprobs_from_logits`` instead.
+        ``logprobs_from_logits`` instead. A Rollout with ``kept_ids`` (the sampler's top-k / top-p kept sets) is
+        scored over them: log π_S(y_t) = log π(y_t) − log π(S_t) (``rollcorr.logprobs.logprobs_over_kept``).
         """
         prompt_ids, prompt_mask, response_ids, token_mask, response_mask = unpack(rollout_or_input)
         if not (temperature >= 0):
@@ -427,24 +442,46 @@ class HFLearner:
                 self.replayed_pairs += replay.forced_tokens
             b = hidden.shape[0]
             flat, targets = hidden.reshape(b * t, -1), response_ids.to(dev).reshape(-1)
-            head = self.model.get_output_embeddings()
-            if isinstance(head, nn.Linear) and head.bias is None:  # fused: the (B·T, V) logits never exist
-                weight = head.weight
-                if self.autocast is not None:  # the head's matmul in the amp dtype, as autocast would run it
-                    flat, weight = flat.to(self.autocast), weight.to(self.autocast)
-                log_prob, entropy = logprobs_from_hidden(
-                    flat, weight, targets, temperature=temp, chunk_size=self.chunk_size,
-                    with_entropy=with_entropy,
-                )  # fmt: skip
-            else:  # another head (biased, or int8-quantised by an experiment): its logits, softmax row-chunked
-                with self.computing():
-                    logits = head(flat)
-                log_prob, entropy = logprobs_from_logits(logits.float(), targets, temperature=temp)
+            kept = kept_ids_of(rollout_or_input)
+            log_prob, entropy = self._head_log_prob(flat, targets, temp, with_entropy,
+                                                    None if kept is None else kept.to(dev).reshape(b * t, -1))  # fmt: skip
             valid = response_mask.bool().to(dev)
             log_prob = log_prob.reshape(b, t).masked_fill(~valid, 0.0)
             if not with_entropy:
                 return log_prob
             return log_prob, entropy.reshape(b, t).masked_fill(~valid, 0.0)
+
+
+    def _head_log_prob(self, flat: Tensor, targets: Tensor, temp: float, with_entropy: bool, kept: Tensor | None
+                       ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+        """(log π (N,), entropy (N,) or None) of the lm-head over hidden states (N, H). ``kept`` (N, K): each token
+        scored over its kept set (``logprobs_over_kept``), the entropy still the full distribution's (no gradient)."""
+        head = self.model.get_output_embeddings()
+        fused = isinstance(head, nn.Linear) and head.bias is None  # the (N, V) logits never exist
+        if not fused:  # another head (biased, or int8-quantised by an experiment): its logits, softmax row-chunked
+            with self.computing():
+                logits = head(flat).float()
+            if kept is not None:
+                entropy = logprobs_from_logits(logits.detach(), targets, temperature=temp)[1] if with_entropy else None
+                return logprobs_over_kept_logits(logits, targets, kept, temperature=temp), entropy
+            return logprobs_from_logits(logits, targets, temperature=temp)
+        weight = head.weight
+        if self.autocast is not None:  # the head's matmul in the amp dtype, as autocast would run it
+            flat, weight = flat.to(self.autocast), weight.to(self.autocast)
+        if kept is None:
+            return logprobs_from_hidden(flat, weight, targets, temperature=temp, chunk_size=self.chunk_size,
+                                        with_entropy=with_entropy)  # fmt: skip
+        entropy = None
+        if with_entropy:
+            with torch.no_grad():
+                entropy = logprobs_from_hidden(flat, weight, targets, temperature=temp, chunk_size=self.chunk_size)[1]
+        return logprobs_over_kept(flat, weight, targets, kept, temperature=temp), entropy
+
+
+def kept_ids_of(rollout_or_input: Rollout | tuple) -> Tensor | None:
+    """The kept sets a Rollout carries (``Rollout.kept_ids``, recorded under ``sampler_distribution="keep_mask"``),
+    which every scoring of it renormalises over; None for a tuple or a rollout without them."""
+    return rollout_or_input.kept_ids if isinstance(rollout_or_input, Rollout) else None
 
 
 @contextmanager
@@ -540,6 +577,9 @@ class ExactLearner(HFLearner):
         return f"ExactLearner({self.model_path!r})"
 
     def log_prob(self, rollout_or_input, *, temperature: float = 1.0, with_entropy: bool = False, grad: bool = False):
+        if kept_ids_of(rollout_or_input) is not None:
+            raise ValueError("hf:exact scores the full distribution only: it cannot renormalise over a top-k/top-p "
+                             "kept set (use another learner, or algorithm.correction.sampler_distribution=truncated)")
         prompt_ids, prompt_mask, response_ids, token_mask, response_mask = unpack(rollout_or_input)
         if self.forward.model is not self.model:  # a strategy scored with other weights swapped in
             self.forward = exact.ExactForward(self.model)

@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rollcorr.engines.base import SamplingParams, draw, process_logits
-from rollcorr.engines.decoding import DecodingSampler
+from rollcorr.engines.base import SamplingParams, draw, kept_token_ids, process_logits
+from rollcorr.engines.decoding import DecodingSampler, stack_kept
 from rollcorr.engines.gguf import QUANT_TYPES, SUPPORTED_ARCHITECTURES, mapped_safetensors, write_gguf
 from rollcorr.engines.preflight import install_hint
 from rollcorr.engines.spec import Backend, EngineSpec, register_backend
@@ -415,6 +415,7 @@ class LlamaCppSampler(DecodingSampler):
         else:
             gen.seed()
         out: tuple[list, list, list, list] = ([], [], [], [])
+        self._kept = [] if params.records_kept_ids else None
         for start in range(0, len(contexts), self.max_batch):
             part = self._decode_chunk(
                 contexts[start : start + self.max_batch],
@@ -426,6 +427,10 @@ class LlamaCppSampler(DecodingSampler):
             for acc, new in zip(out, part):
                 acc += new
         return out
+
+    def _take_kept_ids(self) -> list[Tensor] | None:
+        kept, self._kept = getattr(self, "_kept", None), None
+        return kept
 
     def _decode_chunk(
         self,
@@ -442,9 +447,11 @@ class LlamaCppSampler(DecodingSampler):
         log_mu_out: list[list[float]] = [[] for _ in range(b)]
         log_kept_out: list[list[float]] = [[] for _ in range(b)]
         finished = [False] * b
+        kept_out: list[list[Tensor]] = [[] for _ in range(b)]  # per row, each token's kept set (K,)
         limit = max(budgets) if max_steps is None else min(max(budgets), max_steps)
         for step in range(limit):
             log_mu, log_kept = process_logits(logits, params)
+            kept = kept_token_ids(log_mu) if params.records_kept_ids else None
             tok = draw(log_mu, params, gen)
             lp = log_mu.gather(-1, tok[:, None]).squeeze(-1)
             still = []
@@ -453,6 +460,8 @@ class LlamaCppSampler(DecodingSampler):
                 tokens[row].append(t)
                 log_mu_out[row].append(float(lp[j]))
                 log_kept_out[row].append(float(log_kept[j]))
+                if kept is not None:
+                    kept_out[row].append(kept[j])
                 if t == self.eos_id or len(tokens[row]) >= budgets[row]:
                     finished[row] = True
                 else:
@@ -462,6 +471,8 @@ class LlamaCppSampler(DecodingSampler):
                 break
             entries = [(tokens[r][-1], len(contexts[r]) + len(tokens[r]) - 1, r, True) for r in rows]
             logits = torch.from_numpy(np.stack(self._decode_batch(entries)))
+        if self._kept is not None:
+            self._kept += [stack_kept(row) for row in kept_out]
         return tokens, log_mu_out, log_kept_out, finished
 
 

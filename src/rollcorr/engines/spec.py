@@ -19,6 +19,7 @@ and ``vllm`` load when an engine is built). The hooks, in the order they are cal
     backend.with_dtype(parsed, dtype)                       # the same sampler in another dtype (``precisions``)
     backend.audit_kwargs(parsed, rows=, tokens=, gguf_file=)    # extra make_sampler kwargs an audit needs ({})
     backend.no_kept_mass(parsed)                            # why its sampler reports no top-k/top-p kept mass (None)
+    backend.no_kept_ids(parsed)                             # why its sampler cannot record its kept sets (None)
     backend.shown(parsed, spec)                             # the spec as reports name it (as the user wrote it)
 
 Every hook raises ``ValueError`` with one line naming the problem; ``preflight`` turns those of ``check_spec`` and
@@ -145,6 +146,11 @@ class Backend:
         which a comparison with its distribution before truncation needs; None (default) when it reports it."""
         return None
 
+    def no_kept_ids(self, parsed: EngineSpec) -> str | None:
+        """Why this sampler cannot record the token ids top-k / top-p kept at each step (``Rollout.kept_ids``,
+        ``SamplingParams.record_kept_ids``), which the keep mask needs; None (default) when it records them."""
+        return None
+
 
 def check_truncation(spec: str, top_k: int, top_p: float, keys: tuple[str, str]) -> None:
     """ValueError (one line, naming the key of ``keys`` = (top-k's, top-p's) that asks for it) when top-k / top-p
@@ -166,6 +172,17 @@ def check_kept_mass(spec: str, truncated: bool, needs_full: bool, key: str) -> N
         raise ValueError(f"{key}: comparing with {spec}'s distribution before top-k/top-p needs the probability "
                          f"mass they kept, and {reason}; compare with the distribution it drew from instead, or "
                          "sample without top-k/top-p")  # fmt: skip
+
+
+def check_kept_ids(spec: str, records: bool, key: str, instead: str) -> None:
+    """ValueError (one line, naming ``key``) when the keep mask (``records``: the sampler is asked for its kept sets
+    under top-k / top-p) meets a sampler that cannot record them; ``instead``: the setting that does without."""
+    if not records:
+        return
+    reason = backend_of(spec).no_kept_ids(parse_spec(spec))
+    if reason is not None:
+        raise ValueError(f"{key}: the keep mask replays {spec}'s top-k/top-p kept sets in the learner, and {reason}; "
+                         f"sample without top-k/top-p, or use an hf or llamacpp sampler, or {instead}")  # fmt: skip
 
 
 # ---- the registry -----------------------------------------------------------------------------------------

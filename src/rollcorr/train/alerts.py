@@ -26,10 +26,16 @@ optimizer counters of ``train/step.py``):
 
 A step that rejects everything also counts as rejecting more than half; its message says it once.
 
-``lr_warning(n_params, lr)`` is said once when a run starts: a model of ≥ ``LARGE_MODEL`` (50 M) parameters
-with ``optim.lr`` > ``LARGE_MODEL_LR`` (1e-4) — RL fine-tuning of pretrained language models uses learning
-rates of about 1e-7 to 5e-5 (TRL's GRPOTrainer and verl's actor default to 1e-6), and the default 3e-4 was
-chosen for the ~1 M-parameter built-in model.
+``lr_warning(n_params, lr, trainable)`` is said once when a run starts: a model of ≥ ``LARGE_MODEL`` (50 M)
+parameters with ``optim.lr`` > ``LARGE_MODEL_LR`` (1e-4) — RL fine-tuning of pretrained language models uses
+learning rates of about 1e-7 to 5e-5 (TRL's GRPOTrainer and verl's actor default to 1e-6), and the default 3e-4
+was chosen for the ~1 M-parameter built-in model. When only part of the model trains (LoRA adapters: ``trainable``
+< ``n_params``) the bound is ``LORA_LR_FACTOR`` (10) times higher: LoRA's best learning rate is about ten times
+full fine-tuning's ("LoRA Without Regret", Thinking Machines, 2025), so 1e-5 to 5e-4.
+
+``truncation_warning(params, sampler_distribution)`` is said once when a run samples with top-k / top-p and
+compares the learner's full distribution with the sampler's renormalised one (``sampler_distribution=truncated``):
+on identical models every ratio is then the kept mass, not 1.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ MOST = 0.5  # "most": strictly more than half
 ACCURACY_DROP, ACCURACY_DROP_SMALL = 0.25, 0.1  # greedy accuracy falling this much between two evaluations
 MIN_LOST_ANSWERS = 3  # ... and this many held-out answers lost, so one answer of a handful of prompts is not it
 LARGE_MODEL, LARGE_MODEL_LR = 50_000_000, 1e-4
+LORA_LR_FACTOR = 10  # LoRA's usual learning rate over full fine-tuning's
 REPEAT_EVERY = 25  # a persisting condition is said again every this many further occurrences
 PREFIX = "alerts/"
 # in the order of the end-of-run summary; each phrase follows "N of M steps" (or "N steps")
@@ -91,13 +98,34 @@ def accuracy_dropped(previous: float, now: float, prompts: float | None = None) 
     return fall >= ACCURACY_DROP or (fall >= ACCURACY_DROP_SMALL and now <= previous / 2)
 
 
-def lr_warning(n_params: int, lr: float) -> str | None:
-    """The start-of-run learning-rate rule (module docstring), or None."""
-    if n_params >= LARGE_MODEL and lr > LARGE_MODEL_LR:
+def lr_warning(n_params: int, lr: float, trainable: int | None = None) -> str | None:
+    """The start-of-run learning-rate rule (module docstring), or None. ``trainable``: the parameters the optimizer
+    steps (None: all of them); fewer than ``n_params`` (LoRA) raises the bound ``LORA_LR_FACTOR``-fold."""
+    if n_params < LARGE_MODEL:
+        return None
+    if trainable is not None and trainable < n_params:
+        if lr <= LORA_LR_FACTOR * LARGE_MODEL_LR:
+            return None
+        return (f"warning: optim.lr={lr:g} is far above the usual range for LoRA adapters ({trainable / 1e6:.1f} M "
+                f"trainable weights on a model of {n_params / 1e6:.0f} M): LoRA usually trains at about ten times "
+                "full fine-tuning's rate, 1e-5 to 5e-4; lower optim.lr, e.g. optim.lr=1e-4 (docs/tasks.md, LoRA)")  # fmt: skip
+    if lr > LARGE_MODEL_LR:
         return (f"warning: optim.lr={lr:g} is far above the usual range for a model of {n_params / 1e6:.0f} M "
                 f"parameters (the default 3e-4 suits the ~1 M-parameter built-in model); {LR_ADVICE}, "
                 "e.g. optim.lr=1e-5 (docs/tasks.md, a real model)")  # fmt: skip
     return None
+
+
+def truncation_warning(top_k: int, top_p: float, truncated: bool, sampler_distribution: str) -> str | None:
+    """The start-of-run top-k / top-p rule (module docstring), or None."""
+    if not truncated or sampler_distribution != "truncated":
+        return None
+    cut = " and ".join(part for part in (f"rollout.top_k={top_k}" if top_k else "",
+                                         f"rollout.top_p={top_p:g}" if top_p < 1 else "") if part)  # fmt: skip
+    return (f"warning: {cut} with algorithm.correction.sampler_distribution=truncated compares the learner's full "
+            "distribution with the sampler's renormalised one, so every ratio π/μ carries the mass top-k/top-p kept "
+            "(on identical models ρ = kept mass, not 1); sampler_distribution=keep_mask (the default) renormalises "
+            "π_old and π_θ over the sampler's kept sets (docs/three-policies.md)")  # fmt: skip
 
 
 def _pct(part: float, whole: float) -> str:

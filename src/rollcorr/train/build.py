@@ -25,7 +25,7 @@ from rollcorr.distributed.ranks import ONE_PROCESS, Ranks
 from rollcorr.distributed.roles import FollowerExecutor, LeaderExecutor, ShareExecutor
 from rollcorr.engines import backend_of, make_learner, make_sampler, parse_spec, sampler_class
 from rollcorr.engines.preflight import PreflightError, preflight
-from rollcorr.engines.spec import check_kept_mass, check_truncation
+from rollcorr.engines.spec import check_kept_ids, check_kept_mass, check_truncation
 from rollcorr.losses import LossConfig
 from rollcorr.losses.oapl import value_temperature
 from rollcorr.proximal import ProximalStrategy, make_proximal
@@ -53,12 +53,16 @@ def check_components(config: TrainConfig) -> tuple[StepConfig, ProximalStrategy,
         except PreflightError as err:
             raise ConfigError(f"model.{'path' if err.field == 'path' else key}: {err}") from None
     check_trainable_learner(config)
+    params = sampling_params(config)
     try:
         check_truncation(config.model.sampler, config.rollout.top_k, config.rollout.top_p,
                          ("rollout.top_k", "rollout.top_p"))  # fmt: skip
-        check_kept_mass(config.model.sampler, sampling_params(config).truncated,
+        check_kept_mass(config.model.sampler, params.truncated,
                         config.algorithm.correction.sampler_distribution == "full",
                         "algorithm.correction.sampler_distribution=full")  # fmt: skip
+        check_kept_ids(config.model.sampler, params.records_kept_ids, "algorithm.correction.sampler_distribution",
+                       "accept the kept-mass offset in every ratio with algorithm.correction.sampler_distribution="
+                       "truncated")  # fmt: skip
     except ValueError as err:
         raise ConfigError(str(err)) from None
     task = build_task(config)

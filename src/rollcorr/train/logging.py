@@ -149,8 +149,9 @@ class SampleLog:
         group = rollout.group_ids.tolist()
         firsts = [i for i in range(rollout.batch_size) if i == 0 or group[i] != group[i - 1]][: self.per_kind]
         log_mu = rollout.rollout_log_prob
-        if rollout.log_kept_mass is not None:
+        if rollout.log_kept_mass is not None and rollout.kept_ids is None:
             log_mu = log_mu + rollout.log_kept_mass  # the sampler's full distribution, as the learner's
+        # (with kept sets both sides are renormalised over them: μ as drawn, π_old over the same set)
         rows = []
         for i in firsts:
             mask = rollout.response_mask[i].bool()

@@ -37,7 +37,7 @@ from rollcorr.distributed.roles import NoLock, SilentLogger
 from rollcorr.engines.preflight import check_prompts
 from rollcorr.safe_io import UnsafePathError
 from rollcorr.tasks.chat import model_input, uses_chat
-from rollcorr.train.alerts import RunAlerts, lr_warning
+from rollcorr.train.alerts import RunAlerts, lr_warning, truncation_warning
 from rollcorr.train.build import (
     build_evaluator,
     build_learner,
@@ -63,6 +63,7 @@ from rollcorr.train.rundir import (
     new_run_dir,
     repair_metrics,
 )
+from rollcorr.train.source import sampling_params
 from rollcorr.train.step import StepConfig, train_step
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each: checkpoint after this step, then stop
@@ -293,8 +294,18 @@ class Trainer:
                 self.logger.message(note)
         self.samples = SampleLog(self.run_dir, self.learner.tokenizer, self.logger.tb) if main else None
         if not resumed:
-            n_params = sum(p.numel() for p in self.learner.model.parameters())  # a DTensor counts its whole size
-            said = lr_warning(n_params, config.optim.lr)
+            self._start_warnings(config)
+
+    def _start_warnings(self, config: TrainConfig) -> None:
+        """Said once when a run starts: a learning rate far above the model's usual range (counting the weights
+        that train: LoRA's adapters), and top-k / top-p compared in the mode that keeps the kept-mass offset."""
+        params = list(self.learner.model.parameters())
+        n_params = sum(p.numel() for p in params)  # a DTensor counts its whole size
+        trainable = sum(p.numel() for p in params if p.requires_grad)  # LoRA: the adapters
+        sampling = sampling_params(config)
+        for said in (lr_warning(n_params, config.optim.lr, trainable),
+                     truncation_warning(sampling.top_k, sampling.top_p, sampling.truncated,
+                                        config.algorithm.correction.sampler_distribution)):  # fmt: skip
             if said:
                 self.logger.message(said)
 

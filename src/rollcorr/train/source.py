@@ -176,8 +176,9 @@ def sampling_params(config) -> SamplingParams:
     """A ``TrainConfig``'s sampling parameters (``rollout.*``, seeded with ``trainer.seed``): the one place they
     are read, by the run's sampler, its checks and ``--measure-engines``."""
     r = config.rollout
+    keep_mask = config.algorithm.correction.sampler_distribution == "keep_mask"  # the kept sets, for the learner
     return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                          seed=config.trainer.seed)  # fmt: skip
+                          seed=config.trainer.seed, record_kept_ids=keep_mask)  # fmt: skip
 
 
 @dataclass(frozen=True)
