@@ -254,3 +254,14 @@ def test_the_lr_rule_speaks_for_large_models_only():
     assert lr_warning(135_000_000, 1e-5) is None
     said = lr_warning(135_000_000, 3e-4)
     assert said.startswith("warning: optim.lr=0.0003 is far above") and "135 M parameters" in said
+
+
+def test_the_lr_rule_counts_the_weights_that_train():
+    """LoRA on a 135 M model trains ~0.9 M adapter weights, whose usual learning rate is ~10x full fine-tuning's:
+    2e-4 is in range there (it was said to be "far above" for 135 M parameters), 3e-3 is not."""
+    from rollcorr.train.alerts import lr_warning
+
+    assert lr_warning(135_000_000, 2e-4, trainable=920_000) is None
+    said = lr_warning(135_000_000, 3e-3, trainable=920_000)
+    assert said.startswith("warning: optim.lr=0.003 is far above the usual range for LoRA adapters (0.9 M trainable")
+    assert lr_warning(135_000_000, 2e-4, trainable=135_000_000) is not None  # every weight trains: the full rule

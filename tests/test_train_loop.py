@@ -293,3 +293,18 @@ def test_ewma_resets_when_the_default_preset_keeps_fewer_tokens(tmp_path, additi
     assert [r["staleness/lag_mean"] for r in steps] == [0.0, 1.0, 1.0, 1.0]
     assert steps[1]["proximal/ewma_beta"] == 0.0  # step 1 had lag 0: the live weights
     assert steps[2]["proximal/ewma_beta"] == pytest.approx(lag_beta(1.0, 1)) == 0.5  # not max_staleness's 2/3
+
+
+@pytest.mark.parametrize("every", [0.0, 1e9])
+def test_output_that_is_not_a_terminal_gets_plain_step_lines_never_wrapped(tmp_path, addition_model_dir, capsys, every):
+    """stdout captured (not a terminal) with the progress bar asked for: a plain line per step (log_every_s=0) or
+    only the first and last steps' (a long interval), and a message longer than 80 columns printed on one line."""
+    config = tiny_config(tmp_path, addition_model_dir, "trainer.steps=3", "trainer.progress=true", "rollout.top_p=0.9",
+                         "algorithm.correction.sampler_distribution=truncated", f"trainer.log_every_s={every}")  # fmt: skip
+    run(config)
+    out = capsys.readouterr().out.splitlines()
+    steps = [line for line in out if line.startswith("step ") and "/3" in line.split()[1]]
+    assert [line.split()[1] for line in steps] == (["1/3", "2/3", "3/3"] if every == 0 else ["1/3", "3/3"])
+    assert all("reward " in line and "cut " in line and "len " in line for line in steps)
+    warning = next(line for line in out if "sampler_distribution=truncated compares" in line)
+    assert len(warning) > 200 and warning.endswith("(docs/three-policies.md)")  # whole, on one line

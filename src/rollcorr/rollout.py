@@ -52,6 +52,7 @@ class Rollout:
     Added later:
       rewards           (B,) float32                      (task)
       old_log_prob      (B, T) float32                    (proximal strategy)
+      ref_log_prob      (B, T) float32 or None            (the frozen reference of ``algorithm.kl``)
       is_weights        (B, T) float32 or None            (correction: the IS weights w)
       kept_mask         (B, T) bool                       (correction: response_mask after rejection; the
                                                            trainer also drops dynamic sampling's groups)
@@ -74,6 +75,7 @@ class Rollout:
     meta: list[dict[str, Any]] = field(default_factory=list)
     rewards: Tensor | None = None
     old_log_prob: Tensor | None = None
+    ref_log_prob: Tensor | None = None
     is_weights: Tensor | None = None
     kept_mask: Tensor | None = None
     advantages: Tensor | None = None

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from rollcorr.losses import AGG_MODES, LOSSES, aggregate
+from rollcorr.losses.kl import KL_PENALTIES, kl_penalty  # noqa: F401 (verl's kl_penalty: one home, losses/kl.py)
 from rollcorr.losses.registry import VerlCall
 
 __all__ = ["LOSS_MODES", "agg_loss", "kl_penalty", "policy_loss_by_mode", "spec_of_mode", "verl_modes"]
@@ -155,30 +156,3 @@ def agg_loss(
     if loss_agg_mode == "seq-mean-token-sum-norm":
         total = total / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
     return total
-
-
-KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-
-
-def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kl_penalty: str) -> Tensor:
-    """verl's per-token KL estimate of log π − log π_ref (Schulman, "Approximating KL divergence", 2020):
-    ``kl``/``k1`` Δ, ``abs`` |Δ|, ``mse``/``k2`` ½Δ², ``low_var_kl``/``k3`` clamp(e^{−Δ'} + Δ' − 1, ±10)
-    with Δ' = clamp(Δ, ±20). A trailing ``+`` (``k3+``) keeps the value and takes the gradient of k2
-    (straight-through). (B, T) in, (B, T) out; verl's argument names (``logprob``, ``ref_logprob``)."""
-    base = kl_penalty[:-1] if kl_penalty.endswith("+") else kl_penalty
-    if base not in KL_PENALTIES:
-        raise ValueError(f"unknown kl_penalty {kl_penalty!r}; choose one of {KL_PENALTIES} (optionally with +)")
-    delta = logprob - ref_logprob
-    if base in ("kl", "k1"):
-        value = delta
-    elif base == "abs":
-        value = delta.abs()
-    elif base in ("mse", "k2"):
-        value = 0.5 * delta.square()
-    else:
-        kl = torch.clamp(-delta, min=-20, max=20)
-        value = torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
-    if not kl_penalty.endswith("+") or base in ("mse", "k2"):
-        return value
-    k2 = 0.5 * delta.square()
-    return k2 - k2.detach() + value.detach()

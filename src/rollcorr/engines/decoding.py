@@ -283,6 +283,7 @@ class DecodingSampler:
             # anything computed from the unfinished rows is stale now
             rewards=None,
             old_log_prob=None,
+            ref_log_prob=None,
             is_weights=None,
             kept_mask=None,
             advantages=None,

@@ -195,6 +195,13 @@ def build_step_config(config: TrainConfig) -> StepConfig:
         grad_clip=config.optim.grad_clip,
         skip_zero_grad=config.optim.skip_zero_grad,
         publish_every=a.oapl_sync_every if loss.regresses_on_rollout else 1,
+        kl_coef=a.kl.coef,
+        kl_estimator=a.kl.estimator,
+        kl_where=a.kl.where,
+        mask_truncated=config.rollout.mask_truncated,
+        max_new_tokens=config.rollout.max_new_tokens,
+        overlong_buffer=a.overlong_buffer,
+        overlong_penalty=a.overlong_penalty,
     )
 
 

@@ -182,6 +182,23 @@ class RolloutConfig:
     temperature: float = 1.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
+    # responses cut at max_new_tokens (no EOS) leave the loss, staying in their group's baseline (TRL's
+    # mask_truncated_completions, DAPO's overlong filtering)
+    mask_truncated: bool = False
+
+
+KL_WHERE = ("loss", "reward")  # algorithm.kl.where
+
+
+@dataclass
+class KLConfig:
+    """A KL term to a frozen reference policy, the run's starting weights (``rollcorr.losses.kl``,
+    ``train/reference.py``): TRL's ``beta``, verl's ``use_kl_loss`` (``where: loss``) / ``use_kl_in_reward``
+    (``where: reward``)."""
+
+    coef: float = 0.0  # β; 0 = no reference, no term
+    estimator: str = "low_var_kl"  # kl/k1 | abs | mse/k2 | low_var_kl/k3 (verl's kl_penalty names; + : k2's gradient)
+    where: str = "loss"  # loss: coef · KL(π_θ ‖ π_ref) aggregated as the loss | reward: r − coef · Σ_t KL(π_old ‖ π_ref)
 
 
 @dataclass
@@ -271,6 +288,11 @@ class AlgorithmConfig:
     oapl_beta: float = field(default_factory=lambda: loss_spec("oapl").options["oapl_beta"])
     oapl_beta1: float | None = None  # OAPL soft-value temperature β₁ (None = β)
     oapl_sync_every: int = 4  # OAPL: publish weights to the sampler every N learner steps
+    kl: KLConfig = field(default_factory=KLConfig)  # a KL term to the starting weights (off by default)
+    # DAPO's soft overlong punishment (verl's overlong_buffer): a response longer than max_new_tokens − buffer loses
+    # (length − (max_new_tokens − buffer)) / buffer · overlong_penalty of its reward; 0 = off
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
     # the loss's own hyper-parameters: {<LossConfig field of loss_arg_readers()>: value}, e.g. {"sapo_tau_pos": 1.0}
     loss_args: dict[str, Any] = field(default_factory=dict)
     # the correction, resolved when the config is read from {"preset": name, <CorrectionConfig field>: value}
@@ -356,7 +378,8 @@ class TrainerConfig:
     tensorboard: bool = True
     wandb: bool = False  # only when the wandb package is installed
     wandb_project: str = "rollcorr"  # the W&B project a run logs to (trainer.wandb=true)
-    progress: bool = True  # rich progress bar
+    progress: bool = True  # rich progress bar in a terminal; otherwise one plain line per step (log_every_s)
+    log_every_s: float = 10.0  # output not a terminal: a step line at most every this many seconds (0: every step)
     plot: bool = True
 
 
@@ -677,6 +700,25 @@ def _validate_correction(a: AlgorithmConfig, loss: str) -> None:
         )
 
 
+def _validate_shaping(a: AlgorithmConfig, r: RolloutConfig, loss: str) -> None:
+    """``algorithm.kl`` and DAPO's overlong punishment."""
+    from rollcorr.losses.kl import check_kl_estimator
+
+    _positive(a.kl.coef, "algorithm.kl.coef", allow_zero=True)
+    try:
+        check_kl_estimator(a.kl.estimator)
+    except ValueError as err:
+        raise ConfigError(f"algorithm.kl.estimator: {err}") from None
+    _check(a.kl.where in KL_WHERE, "algorithm.kl.where", f"expected one of {list(KL_WHERE)}, got {a.kl.where!r}")
+    if a.kl.coef and a.kl.where == "loss" and loss_spec(loss).regresses_on_rollout:
+        raise ConfigError("algorithm.kl.where: OAPL regresses on log μ and has no policy-gradient term to add a KL "
+                          "loss to; use algorithm.kl.where=reward")  # fmt: skip
+    _positive(a.overlong_buffer, "algorithm.overlong_buffer", allow_zero=True)
+    _check(a.overlong_buffer < r.max_new_tokens, "algorithm.overlong_buffer",
+           f"must be below rollout.max_new_tokens ({r.max_new_tokens}), got {a.overlong_buffer}")  # fmt: skip
+    _positive(a.overlong_penalty, "algorithm.overlong_penalty", allow_zero=True)
+
+
 def validate(c: TrainConfig) -> None:
     """Self-consistency checks that need no model. Raises ConfigError naming the key."""
     r, a, o, t = c.rollout, c.algorithm, c.optim, c.trainer
@@ -748,6 +790,7 @@ def validate(c: TrainConfig) -> None:
             f"rollout.group_size: {a.resolved('advantage')} needs groups of >= 2, got {r.group_size}"
         )
     _validate_correction(a, loss)
+    _validate_shaping(a, r, loss)
 
     _positive(o.lr, "optim.lr")
     _positive(o.weight_decay, "optim.weight_decay", allow_zero=True)
@@ -804,3 +847,4 @@ def validate(c: TrainConfig) -> None:
     _positive(t.checkpoint_every, "trainer.checkpoint_every", allow_zero=True)
     _positive(t.keep_checkpoints, "trainer.keep_checkpoints")
     _positive(t.max_bad_steps, "trainer.max_bad_steps")
+    _positive(t.log_every_s, "trainer.log_every_s", allow_zero=True)

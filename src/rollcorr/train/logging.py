@@ -1,10 +1,14 @@
-"""What a user sees: ``metrics.jsonl``, TensorBoard events, optional W&B, and a rich progress bar."""
+"""What a user sees: ``metrics.jsonl``, TensorBoard events, optional W&B, and a rich progress bar in a terminal —
+or, when the output is not a terminal (a file, a pipe, a job log), one plain line per step at most every
+``trainer.log_every_s`` seconds (and the last step), never wrapped."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +22,15 @@ PROGRESS_FIELDS = (
     ("rollout_corr/kl", "kl", "{:.1e}"),
     ("rollout_corr/log_ppl_abs_diff", "|Δlogppl|", "{:.1e}"),
     ("rollout_corr/rollout_rs_masked_fraction", "rej", "{:.3f}"),
+    ("response/clipped_ratio", "cut", "{:.2f}"),
+    ("response/length_mean", "len", "{:.1f}"),
 )
+
+
+def progress_stats(metrics: dict[str, float]) -> str:
+    """The progress columns of ``metrics`` that are there and finite, e.g. "reward 0.375  acc 0.500  kl 1.2e-04"."""
+    return "  ".join(f"{label} {fmt.format(metrics[key])}" for key, label, fmt in PROGRESS_FIELDS
+                     if key in metrics and math.isfinite(metrics[key]))  # fmt: skip
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -29,13 +41,19 @@ class RunLogger:
     """Appends one JSON line per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard / W&B.
 
     ``resume_step``: the run continues from the checkpoint at that step (``metrics.jsonl`` was already cut
-    there by ``rundir.repair_metrics``); TensorBoard events after it are purged.
+    there by ``rundir.repair_metrics``); TensorBoard events after it are purged. ``progress``: a rich progress bar
+    when stdout is a terminal, else plain step lines every ``line_every_s`` seconds (module docstring).
     """
 
     def __init__(self, run_dir: Path, total_steps: int, *, tensorboard: bool = True, wandb: bool = False,
                  progress: bool = True, config: dict | None = None, resume_step: int | None = None,
-                 wandb_project: str = "rollcorr"):  # fmt: skip
+                 wandb_project: str = "rollcorr", line_every_s: float = 10.0):  # fmt: skip
         self.run_dir = Path(run_dir)
+        self.total_steps, self.line_every_s = total_steps, line_every_s
+        self.lines = progress and not sys.stdout.isatty()  # no terminal: plain lines instead of a live bar
+        progress = progress and not self.lines
+        self.started = time.monotonic()
+        self.last_line: float | None = None  # when the last step line was printed
         self.path = self.run_dir / "metrics.jsonl"
         self.file = open_text_inside(self.path, "a")  # a planted link or FIFO is refused, never followed
         self.last: dict[str, float] = {}
@@ -94,17 +112,26 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log(dict(metrics), step=step)
         if self.progress is not None:
-            stats = "  ".join(
-                f"{label} {fmt.format(self.last[key])}"
-                for key, label, fmt in PROGRESS_FIELDS
-                if key in self.last
-            )
-            self.progress.update(self.task, completed=step if advance else None, stats=stats)
+            self.progress.update(self.task, completed=step if advance else None, stats=progress_stats(self.last))
+        elif self.lines and advance:
+            self._step_line(step)
+
+    def _step_line(self, step: int) -> None:
+        """One plain line for ``step`` when ``line_every_s`` has passed since the last one (always the last step)."""
+        now = time.monotonic()
+        if self.last_line is not None and now - self.last_line < self.line_every_s and step < self.total_steps:
+            return
+        self.last_line = now
+        elapsed = int(now - self.started)
+        clock = f"{elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d}"
+        print(f"step {step}/{self.total_steps}  {clock}  {progress_stats(self.last)}".rstrip(), flush=True)
 
     def message(self, text: str) -> None:
+        """A line for the user: in a terminal through the progress bar's console, left to the terminal to wrap
+        (soft wrap: a command in it survives copy and paste); otherwise printed whole, without its rich markup."""
         if self.progress is not None:
-            self.progress.console.print(text)
-        else:  # plain output (trainer.progress=false): the same text without its rich markup
+            self.progress.console.print(text, soft_wrap=True)
+        else:  # plain output (no terminal, or trainer.progress=false): the same text without its rich markup
             try:
                 text = self._plain(text).plain
             except self._markup_error:

@@ -244,6 +244,11 @@ class Trainer:
         main = self.ranks.is_main
         seed_everything(t.seed)
         self.learner, self.optimizer = build_learner(config, self.ranks)  # laid out over the ranks
+        self.reference = None  # algorithm.kl's frozen π_ref: the starting weights, copied before any restore
+        if config.algorithm.kl.coef > 0:
+            from rollcorr.train.reference import FrozenReference
+
+            self.reference = FrozenReference(self.learner)
         self.checkpointer = self.ranks.checkpointer(self.learner, self.optimizer)
         from rollcorr.train.amp import LossScaler
 
@@ -286,10 +291,13 @@ class Trainer:
         if main:
             self.logger = RunLogger(self.run_dir, t.steps, tensorboard=t.tensorboard, wandb=t.wandb, progress=t.progress,
                                     config=config.to_dict(), resume_step=self.step if resumed else None,
-                                    wandb_project=t.wandb_project)  # fmt: skip
+                                    wandb_project=t.wandb_project, line_every_s=t.log_every_s)  # fmt: skip
         else:
             self.logger = SilentLogger()
-        for note in [*notes, *getattr(getattr(self.env, "task", self.env), "notes", []), data_parallel_note(config, self.ranks, self.learner)]:
+        kl = config.algorithm.kl
+        said = self.reference.describe(kl.coef, kl.estimator, kl.where) if self.reference is not None else None
+        for note in [*notes, *getattr(getattr(self.env, "task", self.env), "notes", []),
+                     data_parallel_note(config, self.ranks, self.learner), said]:  # fmt: skip
             if note:
                 self.logger.message(note)
         self.samples = SampleLog(self.run_dir, self.learner.tokenizer, self.logger.tb) if main else None
@@ -491,7 +499,8 @@ class Trainer:
             group["lr"] = lr
 
         result = train_step(rollout, self.learner, self.optimizer, self.proximal, self.step_config, self.version,
-                            generator=self.loss_generator, ranks=self.ranks, loss_scaler=self.loss_scaler)  # fmt: skip
+                            generator=self.loss_generator, ranks=self.ranks, loss_scaler=self.loss_scaler,
+                            reference=self.reference)  # fmt: skip
         metrics.update(result.metrics)
         metrics["learner/ranks"] = float(self.ranks.world)
         metrics["proximal/stall_s"] = float(stall)

@@ -119,8 +119,13 @@ class RolloutSource:
         return self.reward(rollout, episodes)
 
     def reward(self, rollout: Rollout, episodes: Episodes) -> Rollout:
-        """A finished batch with its rewards: each trajectory's sum over its turns (``Episodes.rewarded``)."""
-        return episodes.rewarded(rollout)
+        """A finished batch with its rewards: each trajectory's sum over its turns (``Episodes.rewarded``); each row
+        marked when its last model token is not EOS, cut at the token cap (``meta[i]["truncated"]``, TRL's rule)."""
+        rollout = episodes.rewarded(rollout)
+        for meta, ids, mask in zip(rollout.meta, rollout.response_ids, rollout.response_mask.bool()):
+            last = ids[mask]
+            meta["truncated"] = bool(len(last)) and int(last[-1]) != self.tokenizer.eos_token_id
+        return rollout
 
     def load_weights(self, weights: StateDict, version: int) -> None:
         self.sampler.load_weights(weights, version)

@@ -63,6 +63,13 @@ class StepConfig:
     skip_zero_grad: bool = True  # no optimizer step when the gradient is exactly zero (see optimize)
     publish_every: int = 1  # weights go to the sampler every N versions (OAPL: algorithm.oapl_sync_every)
     advantage_level: str = "trajectory"  # multi-turn: "turn" gives each turn its reward-to-go's advantage
+    kl_coef: float = 0.0  # algorithm.kl: β of the KL term to the frozen reference (0: none)
+    kl_estimator: str = "low_var_kl"
+    kl_where: str = "loss"  # loss | reward
+    mask_truncated: bool = False  # responses cut at the token cap leave the loss (rollout.mask_truncated)
+    max_new_tokens: int = 0  # the response cap (DAPO's overlong punishment measures from it)
+    overlong_buffer: int = 0  # DAPO's soft overlong punishment (0: off) and its factor
+    overlong_penalty: float = 1.0
 
     @property
     def advantages_first(self) -> bool:
@@ -92,17 +99,59 @@ def check_rewards(rollout: Rollout) -> None:
                          "must be a finite number")  # fmt: skip
 
 
+def truncated_rows(rollout: Rollout) -> Tensor:
+    """(B,) bool: the responses cut at the token cap, their last token not EOS (``meta[i]["truncated"]``, set when
+    the batch is rewarded: ``train.source.RolloutSource.reward``); False for rows without the flag."""
+    return torch.tensor([bool(m.get("truncated", False)) for m in rollout.meta] if rollout.meta
+                        else [False] * rollout.batch_size, dtype=torch.bool)  # fmt: skip
+
+
 def reward_metrics(rollout: Rollout) -> dict[str, float]:
-    """Rewards and lengths (the model's tokens); a batch of trajectories adds ``env/…`` (``episode_metrics``)."""
+    """Rewards and lengths (the model's tokens), as TRL names them where it has them: ``clipped_ratio`` (cut at
+    the token cap), the mean length of the responses that ended (EOS; NaN when none did), and the share of groups
+    whose rewards are all equal (TRL's frac_reward_zero_std: no advantage, no gradient from them); a batch of
+    trajectories adds ``env/…`` (``episode_metrics``)."""
     rewards = rollout.rewards.float()
     lengths = rollout.response_mask.float().sum(1)
+    cut = truncated_rows(rollout)
+    _, group = torch.unique(rollout.group_ids, return_inverse=True)
+    low = torch.full((int(group.max()) + 1,), math.inf).scatter_reduce(0, group, rewards, "amin")
+    high = torch.full_like(low, -math.inf).scatter_reduce(0, group, rewards, "amax")
     return {
         "reward/mean": float(rewards.mean()),
         "reward/accuracy": float((rewards >= 1.0).float().mean()),
+        "reward/zero_std_group_fraction": float((low == high).float().mean()),
         "response/length_mean": float(lengths.mean()),
         "response/tokens": float(lengths.sum()),
         **episode_metrics(rollout),
+        "response/clipped_ratio": float(cut.float().mean()),
+        "response/terminated_length_mean": float(lengths[~cut].mean()) if (~cut).any() else math.nan,
     }
+
+
+def shaped_rewards(rollout: Rollout, config: StepConfig) -> tuple[Rollout, dict[str, float]]:
+    """The rewards the advantages read: the task's, minus DAPO's soft overlong punishment (verl's overlong_buffer:
+    min(−(|y| − (L − buffer)) / buffer · penalty, 0), L = max_new_tokens) and, with ``algorithm.kl.where=reward``,
+    β · Σ_t KL(π_old ‖ π_ref) (verl's apply_kl_penalty). Unchanged (and no metric) without either."""
+    penalty = torch.zeros(rollout.batch_size, dtype=torch.float32)
+    metrics = {}
+    if config.overlong_buffer > 0:
+        exceed = rollout.response_mask.float().sum(1) - (config.max_new_tokens - config.overlong_buffer)
+        overlong = (-exceed / config.overlong_buffer * config.overlong_penalty).clamp(max=0.0)
+        penalty = penalty - overlong
+        metrics["reward/overlong_penalty_mean"] = float(-overlong.mean())
+    if config.kl_coef and config.kl_where == "reward" and rollout.ref_log_prob is not None:
+        from rollcorr.losses.kl import kl_reward_penalty
+
+        kl = config.kl_coef * kl_reward_penalty(rollout.old_log_prob, rollout.ref_log_prob, rollout.response_mask,
+                                                config.kl_estimator).float().cpu()  # fmt: skip
+        penalty = penalty + kl
+        metrics["reward/kl_penalty_mean"] = float(kl.mean())
+    if not metrics:
+        return rollout, metrics
+    rewards = rollout.rewards.float() - penalty
+    metrics["reward/shaped_mean"] = float(rewards.mean())
+    return rollout.replace(rewards=rewards), metrics
 
 
 def attach_correction(
@@ -134,6 +183,21 @@ def attach_correction(
     kept = res.kept_mask.bool() & rollout.response_mask.bool()
     weights = None if res.is_weights is None else res.is_weights.detach()
     return rollout.replace(is_weights=weights, kept_mask=kept), metrics_to_floats(res.metrics)
+
+
+def attach_reference(rollout: Rollout, own: Rollout, learner, reference, config: StepConfig, everyone
+                     ) -> tuple[Rollout, dict[str, float]]:  # fmt: skip
+    """``ref_log_prob`` from the frozen reference (this rank's rows scored, every rank's gathered) and
+    ``kl/reference``: the mean per-token estimate of KL(π_old ‖ π_ref) over valid tokens (``config.kl_estimator``)."""
+    from rollcorr.losses.kl import kl_penalty
+
+    start = time.perf_counter()
+    ref = everyone(reference.log_prob(learner, own, config.temperature))
+    mask = rollout.response_mask.bool().to(ref.device)
+    old = rollout.old_log_prob.to(ref.device)
+    kl = kl_penalty(torch.where(mask, old, 0.0), torch.where(mask, ref, 0.0), config.kl_estimator.removesuffix("+"))
+    metrics = {"kl/reference": float(masked_mean(kl, mask)), "time/reference_s": time.perf_counter() - start}
+    return rollout.replace(ref_log_prob=ref), metrics
 
 
 def attach_advantages(rollout: Rollout, config: StepConfig) -> tuple[Rollout, Tensor, dict[str, float]]:
@@ -181,7 +245,7 @@ def _loss(config: StepConfig, part: Rollout, log_prob: Tensor, generator: torch.
             group_ids=part.group_ids,
             denominator_mask=part.response_mask,
         )
-    return policy_loss(
+    loss, metrics = policy_loss(
         config.loss,
         log_prob,
         part.old_log_prob,
@@ -191,6 +255,15 @@ def _loss(config: StepConfig, part: Rollout, log_prob: Tensor, generator: torch.
         denominator_mask=part.response_mask,
         generator=generator,
     )
+    if config.kl_coef and config.kl_where == "loss" and part.ref_log_prob is not None:  # β · KL(π_θ ‖ π_ref)
+        from rollcorr.losses.kl import kl_loss
+
+        kl = kl_loss(log_prob, part.ref_log_prob.to(log_prob.device), part.kept_mask, config.kl_estimator,
+                     config.loss.agg_mode, per_sequence=config.loss.per_sequence, denominator=config.loss.denominator,
+                     denominator_mask=part.response_mask, norm_constant=config.loss.norm_constant)  # fmt: skip
+        loss = loss + config.kl_coef * kl
+        metrics = {**metrics, "actor/kl_loss": kl.detach()}
+    return loss, metrics
 
 
 def _finite_on(mask: Tensor, x: Tensor) -> bool:
@@ -495,13 +568,15 @@ def train_step(
     generator: torch.Generator | None = None,
     ranks: Ranks = ONE_PROCESS,
     loss_scaler=None,
+    reference=None,
 ) -> StepResult:
     """One walk from a rewarded rollout to updated learner weights (see module docstring).
 
     ``version`` is the learner's current weight version (the rollout's tokens carry their own, ≤ version);
     ``generator`` is the run's stream for the loss's random draw (clip_cov; None = torch's global RNG).
     ``ranks``: this rank of the data-parallel group (every rank passes the same global ``rollout``; see the
-    module docstring).
+    module docstring). ``reference``: the frozen π_ref of ``algorithm.kl`` (``train.reference.FrozenReference``),
+    scored after π_old; its KL term goes into the rewards or the loss (``config.kl_where``).
     """
     check_rewards(rollout)
     metrics = {**reward_metrics(rollout), **rollout.lag_metrics(version)}
@@ -517,6 +592,11 @@ def train_step(
     rollout = rollout.replace(old_log_prob=everyone(prox.old_log_prob))
     metrics.update(prox.to_metrics("proximal/"))
     metrics["time/old_log_prob_s"] = time.perf_counter() - start
+    if reference is not None:  # π_ref, and the KL estimate of π_old against it
+        rollout, ref_metrics = attach_reference(rollout, own, learner, reference, config, everyone)
+        metrics.update(ref_metrics)
+    rollout, shaping = shaped_rewards(rollout, config)
+    metrics.update(shaping)
     start = time.perf_counter()  # time/correction_s: log π_θ if needed, the correction, the advantages
 
     # log π_θ before the update, when the correction or the factor metrics need it (free under recompute)
@@ -549,6 +629,9 @@ def train_step(
     if not config.advantages_first:
         rollout, used, adv_metrics = attach_advantages(rollout, config)
     metrics.update(adv_metrics)
+    # the loss sees the kept tokens of the rows the advantages use; with rollout.mask_truncated not those of the
+    # responses cut at the token cap (which stayed in their groups' baselines)
+    used = used & ~truncated_rows(rollout).to(used.device) if config.mask_truncated else used
     rollout = rollout.replace(kept_mask=rollout.kept_mask & used[:, None])
 
     # discrepancy × drift (docs/spec.md §1): exact when π_old is π_train(v_gen)
