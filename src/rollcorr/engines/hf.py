@@ -58,7 +58,12 @@ from rollcorr.engines.kvdecode import (
     static_kv_supported,
 )
 from rollcorr.engines.spec import FLOAT_DTYPES, Backend, EngineSpec, register_backend
-from rollcorr.logprobs import logprobs_from_hidden, logprobs_from_logits, logprobs_over_kept, logprobs_over_kept_logits
+from rollcorr.logprobs import (
+    logprobs_from_hidden,
+    logprobs_from_logits,
+    logprobs_over_kept,
+    logprobs_over_kept_logits,
+)
 from rollcorr.models.builtin import BUILTIN, load_model, resolve_dtype
 from rollcorr.moe import (
     ROUTING_REPLAY_MODES,

@@ -76,14 +76,19 @@ class ExpectedNoise(logging.Filter):
       each tensor, as it should; the sampler says it once ("vLLM cast N weights ... as it loaded them");
     - "RotaryEmbedding: Failed to load weights" at every weight publish: the rotary embedding has no weights in a
       checkpoint (its cos/sin cache is computed), so there is nothing to load; the k3 of a published engine equals
-      a fresh engine's (tests/test_engines_vllm.py).
-    Attached to the two vLLM loggers that say them (``LOGGERS``; a logger's own filters survive vLLM's
+      a fresh engine's (tests/test_engines_vllm.py);
+    - "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it", five times per
+      engine start on the CPU build: its worker binds its threads and replaces ``torch.set_num_threads`` with that
+      warning, which vLLM's own start-up then calls.
+    Attached to the three vLLM loggers that say them (``LOGGERS``; a logger's own filters survive vLLM's
     ``dictConfig``, which replaces the handlers of its "vllm" logger when an engine is built).
     """
 
-    LOGGERS = ("vllm.model_executor.models.utils", "vllm.model_executor.model_loader.reload.layerwise")
+    LOGGERS = ("vllm.model_executor.models.utils", "vllm.model_executor.model_loader.reload.layerwise",
+               "vllm.v1.worker.cpu_worker")  # fmt: skip
 
-    PATTERNS = {"dtype_cast": "Attempted to load weight %s with dtype", "no_weights": "%s: Failed to load weights"}
+    PATTERNS = {"dtype_cast": "Attempted to load weight %s with dtype", "no_weights": "%s: Failed to load weights",
+                "thread_binding": "CPU backend doesn't allow to use `torch.set_num_threads`"}  # fmt: skip
 
     def __init__(self) -> None:
         super().__init__()
