@@ -507,3 +507,12 @@ def test_the_keep_mask_is_refused_in_one_line_where_vllm_cannot_record_kept_sets
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--sampler-dist keep_mask" in err[0] and reason in err[0]
     assert not (tmp_path / "audit").exists()
+
+
+def test_a_vllm_sampler_asked_for_kept_sets_refuses_rather_than_dropping_them():
+    """A caller past the config checks (--measure-engines' trials, a script) asking vLLM for kept sets gets one
+    line instead of a rollout silently without them; nothing truncated, nothing to record."""
+    with pytest.raises(ValueError, match="cannot record its top-k/top-p kept sets"):
+        vllm_engine.check_params(SamplingParams(top_p=0.9, record_kept_ids=True))
+    vllm_engine.check_params(SamplingParams(record_kept_ids=True))
+    vllm_engine.check_params(SamplingParams(top_p=0.9))

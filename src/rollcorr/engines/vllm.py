@@ -221,12 +221,16 @@ def row_seeds(seed: int | None, rows: int) -> list[int | None]:
 
 
 def check_params(params: SamplingParams) -> None:
-    """Reject what vLLM would silently change (temperature < 0.01 is clamped) or refuse (> 2)."""
+    """Reject what vLLM would silently change (temperature < 0.01 is clamped) or refuse (> 2), and kept sets it
+    cannot record (``record_kept_ids`` under top-k / top-p: ``VLLMBackend.no_kept_ids``)."""
     if not params.greedy and not MIN_TEMPERATURE <= params.temperature <= MAX_TEMPERATURE:
         raise ValueError(
             f"the vllm sampler takes temperature 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
             f"got {params.temperature}"
         )
+    if params.records_kept_ids:
+        raise ValueError(f"the vllm sampler cannot record its top-k/top-p kept sets (record_kept_ids): "
+                         f"{VLLMBackend().no_kept_ids(EngineSpec('vllm'))}")  # fmt: skip
 
 
 

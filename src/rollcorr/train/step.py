@@ -558,6 +558,23 @@ def _grad_norm(params: list[Tensor], max_norm: float) -> float:
     return float(full() if full is not None else norm)
 
 
+def log_prob_before_update(rollout: Rollout, own: Rollout, learner, proximal, prox, config: StepConfig, exact: bool,
+                           everyone) -> Tensor | None:  # fmt: skip
+    """(B, T) log π_θ before the update, or None: read only in bypass mode (the ratio is π_θ/μ) and when π_old is
+    exact (the discrepancy × drift factors). Free under recompute (π_θ is π_old, already gathered); otherwise this
+    rank's rows scored without gradient and gathered."""
+    if config.correction.mode != "bypass" and not exact:
+        return None
+    current = proximal.current_log_prob(prox)
+    if current is prox.old_log_prob:  # recompute: π_θ is π_old, gathered already
+        return rollout.old_log_prob
+    if current is None:
+        with torch.no_grad():
+            current = learner.log_prob(own, temperature=config.temperature, grad=False)
+            current = current[0] if isinstance(current, tuple) else current
+    return everyone(current)
+
+
 def train_step(
     rollout: Rollout,
     learner,
@@ -600,18 +617,8 @@ def train_step(
     start = time.perf_counter()  # time/correction_s: log π_θ if needed, the correction, the advantages
 
     # log π_θ before the update, when the correction or the factor metrics need it (free under recompute)
-    bypass = config.correction.mode == "bypass"
     exact = proximal.is_exact(rollout, version)  # π_old is π_train(v_gen) for every token
-    current = proximal.current_log_prob(prox)
-    free = current is prox.old_log_prob  # recompute: π_θ is π_old, gathered above
-    if current is None and (bypass or exact):
-        with torch.no_grad():
-            current = learner.log_prob(own, temperature=config.temperature, grad=False)
-            current = current[0] if isinstance(current, tuple) else current
-    if bypass or exact:  # read only then
-        current = rollout.old_log_prob if free else everyone(current)
-    else:
-        current = None
+    current = log_prob_before_update(rollout, own, learner, proximal, prox, config, exact, everyone)
 
     # OPSM reads the advantages: then they are computed before the correction, every valid sequence in the
     # baselines (as DeepSeek-V3.2 and slime do), and the loss uses the same ones; otherwise after it, with
