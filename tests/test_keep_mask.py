@@ -177,3 +177,32 @@ def test_training_with_top_p_replays_the_kept_sets(tmp_path, addition_model_dir,
     truncated = k1_of("truncated")
     assert "sampler_distribution=truncated compares" in capsys.readouterr().out
     assert abs(kept) < 1e-3 < 0.05 < abs(truncated)
+
+
+@builtin
+def test_trajectories_keep_the_sets_of_the_models_tokens_and_none_for_the_environments():
+    """A multi-turn episode under top-k: the environment's tokens carry no kept set (−1), each model token its own,
+    and the learner scores the model's tokens over theirs (the observations are not scored)."""
+    from rollcorr.envs import Limits, Renderer, Turn, play
+
+    class Echo:  # answers every turn, never done
+        name, max_turns = "echo", 10
+
+        def sample(self, n, seed, split="train"):
+            return [{"prompt": "12+34="}] * n
+
+        held_out = sample
+
+        def reset(self, item):
+            return type("E", (), {"prompt": item["prompt"], "step": lambda self, text: Turn("1+1=", 0.25)})()
+
+    sampler, learner = make_sampler("hf:fp32"), make_learner("hf:fp32")
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, top_k=3, seed=2, record_kept_ids=True)
+    r = play(sampler, Echo(), [{"prompt": "12+34="}] * 2, Renderer(sampler.tokenizer, chat=False), params,
+             limits=Limits(max_turns=3))  # fmt: skip
+    model, observed = r.response_mask.bool(), r.observation_mask.bool()
+    assert observed.any() and (r.kept_ids[observed] == -1).all() and (r.kept_ids[~r.token_mask] == -1).all()
+    assert ((r.kept_ids == r.response_ids[..., None]).any(-1) == model).all()
+    assert ((r.kept_ids >= 0).sum(-1)[model] == 3).all()
+    log_rho = (learner.log_prob(r) - r.rollout_log_prob)[model]
+    assert float(log_rho.abs().max()) < 0.01  # one engine on both sides: float noise, not the kept mass

@@ -213,6 +213,12 @@ class Rollout:
         for name in ("rollout_log_prob", "log_kept_mass"):  # what the sampler gave none of stays None
             if getattr(self, name) is None:
                 out[name] = None
+        if self.kept_ids is not None:  # the environment's tokens were drawn from no kept set: −1
+            sets = [self.kept_ids[i][valid[i]] for i in range(self.batch_size)]
+            for i, ids in observations.items():
+                sets[i] = torch.cat([sets[i], sets[i].new_full((len(ids), sets[i].shape[1]), -1)])
+            out["kept_ids"] = torch.stack([torch.nn.functional.pad(r, [0, 0, 0, width - r.shape[0]], value=-1)
+                                           for r in sets])  # fmt: skip
         meta = [dict(m) for m in self.meta] if self.meta else [{} for _ in range(self.batch_size)]
         for i in observations:
             meta[i]["finished"] = False
