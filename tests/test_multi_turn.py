@@ -229,3 +229,162 @@ def test_turn_advantages_compare_each_turns_reward_to_go_within_its_group():
     assert adv[2].tolist() == pytest.approx([first[2]] * 4)
     assert adv[3].tolist() == [0.0] * 4  # alone in its group: no baseline, advantage 0
     assert used.all()
+
+
+# ---- a publish inside a trajectory: two versions, every π_old strategy ----------------------------------------
+
+STRATEGIES = ["recompute", "bypass", "snapshot", "old_logit_model", "interrupt", "loglinear", "linear", "ewma"]
+EXACT = ("snapshot", "old_logit_model", "interrupt")  # they keep or score the weights that sampled each token
+
+
+def test_a_publish_mid_trajectory_gives_two_versions_and_every_pi_old_strategy_handles_it(float64_reference):
+    """The sample source plays a batch a sampler call at a time; new weights loaded between two calls (what the
+    async executor does with partial rollouts) draw the rest of the turn, the observation's continuation and
+    the next turn. Every strategy then gives π_old on the model's tokens, 0 on the environment's, whatever the
+    environment's log-probs hold; the exact ones give each token the old logits of the version that drew it."""
+    from rollcorr.proximal import make_proximal
+    from rollcorr.train.source import RolloutSource, sample_batch
+    from test_proximal import assert_exact_old_logits
+
+    learner = make_learner("hf:fp32", CHAIN)
+    strategies = {n: make_proximal(n, max_staleness=2) for n in STRATEGIES}
+    states = {0: {k: v.clone() for k, v in learner.model.state_dict().items()}}
+    for s in strategies.values():
+        s.on_publish(0, learner.model)
+    env = make_env(make_task("chain"), {"name": "checkpoints", "every": 7})
+    sampler = make_sampler("hf:fp32", CHAIN)
+    source = RolloutSource(sampler, env, sampler.tokenizer, TURNS, prompts_per_step=2, group_size=2, seed=0)
+    source.listeners.append(lambda chunk: strategies["old_logit_model"].submit(chunk, learner))
+
+    def publish(partial: Rollout) -> bool:  # between the first two sampler calls only
+        if states.keys() == {0}:
+            strategies["interrupt"].before_publish(learner, [partial])
+            g = torch.Generator().manual_seed(0)
+            with torch.no_grad():
+                for p in learner.model.parameters():
+                    p.add_(0.02 * torch.randn(p.shape, generator=g))
+            states[1] = {k: v.clone() for k, v in learner.model.state_dict().items()}
+            for s in strategies.values():
+                s.on_publish(1, learner.model)
+            source.load_weights(learner.state_dict(), 1)
+        return True
+
+    rollout = sample_batch(source, 0, chunk_tokens=20, between_chunks=publish)
+    mask, observed = rollout.response_mask, rollout.observation_mask
+    assert rollout.turns.tolist() == [2] * 4 and observed.any(1).all()
+    for row in range(4):  # turn 0 started with v0; everything after the publish is v1
+        assert set(rollout.version[row][mask[row]].tolist()) == {0, 1}
+        assert rollout.version[row][mask[row] & (rollout.turn[row] == 1)].eq(1).all()
+    filled = rollout.replace(rollout_log_prob=rollout.rollout_log_prob.masked_fill(observed, math.nan))
+    for name, strategy in strategies.items():
+        got = strategy.old_log_prob(rollout, learner, 1).old_log_prob
+        assert torch.isfinite(got[mask]).all() and (got[~mask] == 0).all(), name
+        again = strategy.old_log_prob(filled, learner, 1).old_log_prob
+        assert torch.equal(again[mask], got[mask]) and (again[~mask] == 0).all(), name
+        if name in EXACT:
+            assert_exact_old_logits(got, states, learner.model, rollout, float64_reference)
+    strategies["old_logit_model"].close()
+
+
+# ---- the trainer: every executor plays trajectories ---------------------------------------------------------
+
+SMALL = ["trainer.steps=2", "trainer.eval_every=0", "rollout.prompts_per_step=4", "rollout.group_size=2",
+         "trainer.progress=false", "trainer.tensorboard=false", "trainer.plot=false"]  # fmt: skip
+
+
+def _turns(run_dir) -> list[float]:
+    import json
+
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["env/turns_mean"] for r in map(json.loads, lines) if "env/turns_mean" in r]
+
+
+@pytest.mark.parametrize("mode", [["trainer.mode=sync"], ["trainer.mode=simulated_async"],
+                                  ["trainer.mode=async", "trainer.partial_rollouts=true",
+                                   "trainer.partial_chunk_tokens=10"]], ids=["sync", "simulated_async", "async"])
+def test_the_trainer_trains_on_trajectories_in_every_mode(tmp_path, mode):
+    from rollcorr.train.config import load_config
+    from rollcorr.train.loop import run
+
+    result = run(load_config("chain_turns", [*SMALL, *mode, f"trainer.out={tmp_path / 'run'}",
+                                             "algorithm.advantage_level=turn"]))  # fmt: skip
+    assert result.stopped is None and _turns(tmp_path / "run") == [2.0, 2.0]
+
+
+def test_data_parallel_ranks_play_their_share_of_the_trajectories(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "rollcorr", "train", "--config", "chain_turns", *SMALL,
+                           "trainer.ranks=2", f"trainer.out={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert _turns(tmp_path / "run") == [2.0, 2.0]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_ray_workers_play_trajectories_with_partial_rollouts(tmp_path):
+    from rollcorr.train.config import load_config
+    from rollcorr.train.loop import run
+
+    result = run(load_config("chain_turns", [*SMALL, "trainer.steps=3", "trainer.executor=ray", "trainer.ray_workers=1",
+                                             "trainer.mode=async", "trainer.partial_rollouts=true",
+                                             "trainer.partial_chunk_tokens=10", f"trainer.out={tmp_path / 'run'}"]))  # fmt: skip
+    assert result.stopped is None and _turns(tmp_path / "run") == [2.0, 2.0, 2.0]
+
+
+def test_workers_step_episodes_side_by_side_and_errors_name_their_row():
+    """``task.env.workers``: four episodes that each wait at a barrier for the other three pass only when they
+    are stepped at the same time; a failing one is named by its own row."""
+    import threading
+
+    from rollcorr.user_code import UserCodeError
+
+    barrier = threading.Barrier(4, timeout=60)
+
+    class Meet:
+        name, max_turns = "meet", 2
+
+        def sample(self, n, seed, split="train"):
+            return [{"prompt": "12+34=", "row": i} for i in range(n)]
+
+        held_out = sample
+
+        def reset(self, item):
+            return MeetEpisode(item["row"])
+
+    class MeetEpisode:
+        def __init__(self, row):
+            self.prompt, self.row = "12+34=", row
+
+        def step(self, text):
+            barrier.wait()
+            if self.row == 2 and self.fail:
+                raise RuntimeError("tool down")
+            return Turn(reward=0.5, done=True)
+
+    sampler = make_sampler("hf:fp32")
+    renderer, params = Renderer(sampler.tokenizer, chat=False), SamplingParams(max_new_tokens=3)
+    MeetEpisode.fail = False
+    rollout = play(sampler, Meet(), Meet().sample(4, 0), renderer, params, limits=Limits(workers=4))
+    assert rollout.rewards.tolist() == [0.5] * 4
+    MeetEpisode.fail = True
+    with pytest.raises(UserCodeError, match=r"^environment 'meet' \(step\) on row 2 of the batch .*RuntimeError: tool down"):
+        play(sampler, Meet(), Meet().sample(4, 0), renderer, params, limits=Limits(workers=4))
+
+
+@pytest.mark.slow
+def test_the_slow_environment_benchmark_runs_and_prints_its_ratios():
+    """benchmarks/bench_multi_turn.py at its smallest: its table holds a ratio per workers setting (the slow
+    environment is a plugin module every process of an async run imports)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "bench_multi_turn.py", "--runs", "1", "--steps", "3", "--wait", "0.01"],
+                          cwd=root / "benchmarks", capture_output=True, text=True, timeout=1800)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| one") or line.startswith("| 8")]
+    assert len(rows) == 2 and all(float(row.split("|")[-2]) > 0 for row in rows)

@@ -67,17 +67,29 @@ class _Worker(threading.Thread):
             self.batches.get().run()
 
 
-_local = threading.local()  # each calling thread's worker
-# what the main thread waits for (signal handlers run there, and ask ``waiting()``)
-_main_waiting: list[tuple[_Calls, Callable[[int], str]]] = []
+_local = threading.local()  # each calling thread's workers (``_workers``)
+# what the main thread waits for (signal handlers run there, and ask ``waiting()``): its batches, and how call
+# k of batch b is named
+_main_waiting: list[tuple[list[_Calls], Callable[[int, int], str]]] = []
+
+
+def _workers(n: int) -> list[_Worker]:
+    """This thread's first ``n`` workers, started as needed (an abandoned one is replaced)."""
+    pool = _local.__dict__.setdefault("pool", [])
+    pool.extend([None] * (n - len(pool)))
+    for i in range(n):
+        if pool[i] is None:
+            pool[i] = _Worker()
+    return pool[:n]
 
 
 def waiting() -> str | None:
-    """What user code the main thread is waiting for now (``what`` of the call running), or None."""
+    """What user code the main thread is waiting for now (``what`` of a call running), or None."""
     if not _main_waiting:
         return None
-    batch, what = _main_waiting[-1]
-    return what(batch.clock[0])
+    batches, named = _main_waiting[-1]
+    b = next((i for i, batch in enumerate(batches) if not batch.done.is_set()), 0)
+    return named(b, batches[b].clock[0])
 
 
 def call_user(fn: Callable[..., Any], *args: Any, what: str, timeout: float | None = None,
@@ -88,36 +100,56 @@ def call_user(fn: Callable[..., Any], *args: Any, what: str, timeout: float | No
 
 
 def call_each(fn: Callable[..., Any], calls: Sequence[tuple], what: Callable[[int], str],
-              timeout: float | None = None, timeout_key: str | None = None) -> list[Any]:  # fmt: skip
+              timeout: float | None = None, timeout_key: str | None = None, workers: int = 1) -> list[Any]:  # fmt: skip
     """``[fn(*args) for args in calls]`` as ``call_user`` makes each call (``what(i)`` names call i, ``timeout``
-    bounds each), handed to the worker at once: one thread switch per batch, not per call."""
-    worker = getattr(_local, "worker", None)
-    if worker is None:
-        worker = _local.worker = _Worker()
-    batch = _Calls(fn, calls)
-    worker.batches.put(batch)
+    bounds each), handed to the worker at once: one thread switch per batch, not per call. ``workers`` > 1
+    shares the calls out among that many workers, which run side by side (worker w takes calls w, w + workers,
+    …): for user code that mostly waits, as an environment's tool call may."""
+    shares = [list(range(w, len(calls), workers)) for w in range(max(1, min(workers, len(calls))))]
+    batches = [_Calls(fn, [calls[i] for i in share]) for share in shares]
+    pool = _workers(len(batches))
+    for worker, batch in zip(pool, batches):
+        worker.batches.put(batch)
+
+    def named(b: int, k: int) -> str:
+        return what(shares[b][k])
+
     main = threading.current_thread() is threading.main_thread()
     if main:
-        _main_waiting.append((batch, what))
+        _main_waiting.append((batches, named))
     late = None
     try:
-        while late is None:
-            index, started = batch.clock
-            if batch.done.wait(None if timeout is None else max(0.0, started + timeout - time.monotonic())):
+        for b, batch in enumerate(batches):
+            if (k := _late(batch, timeout)) is not None:
+                late = (b, k)
                 break
-            if batch.clock[0] == index and time.monotonic() - started >= timeout:
-                late = index
     finally:
         if main:
             _main_waiting.pop()
-        if not batch.done.is_set():  # abandoned (time limit, a signal handler raised): its worker may stay busy
-            _local.worker = None
+        for w, batch in enumerate(batches):
+            if not batch.done.is_set():  # abandoned (time limit, a signal handler raised): its worker may stay busy
+                _local.pool[w] = None
     if late is not None:
         limit = f" ({timeout_key}={timeout:g})" if timeout_key else ""
-        raise UserCodeError(f"{what(late)} gave no answer in {timeout:g} s{limit}; it was abandoned")
-    if batch.error is not None:
-        raise UserCodeError(f"{what(len(batch.values))} failed: {said(batch.error)}") from None
-    return batch.values
+        raise UserCodeError(f"{named(*late)} gave no answer in {timeout:g} s{limit}; it was abandoned")
+    for b, batch in enumerate(batches):
+        if batch.error is not None:
+            raise UserCodeError(f"{named(b, len(batch.values))} failed: {said(batch.error)}") from None
+    values: list[Any] = [None] * len(calls)
+    for share, batch in zip(shares, batches):
+        for i, value in zip(share, batch.values):
+            values[i] = value
+    return values
+
+
+def _late(batch: _Calls, timeout: float | None) -> int | None:
+    """Wait for ``batch`` (interruptibly); the index of a call that ran past ``timeout`` seconds, else None."""
+    while True:
+        index, started = batch.clock
+        if batch.done.wait(None if timeout is None else max(0.0, started + timeout - time.monotonic())):
+            return None
+        if batch.clock[0] == index and time.monotonic() - started >= timeout:
+            return index
 
 
 def said(err: BaseException) -> str:

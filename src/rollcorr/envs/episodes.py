@@ -41,12 +41,15 @@ class Limits:
     max_tokens   response-side tokens at most, the model's and the environment's (None: no bound)
     timeout      seconds one call of user code may take — a reward, an environment's reset or step
     clip         a reward outside [0, 1] is clipped into it instead of stopping the run
+    workers      episodes stepped side by side (threads): for an environment that waits (a tool, a service);
+                 its episodes must then not share unguarded state
     """
 
     max_turns: int | None = None
     max_tokens: int | None = None
     timeout: float | None = None
     clip: bool = False
+    workers: int = 1
 
 
 class Episodes:
@@ -101,7 +104,8 @@ class Episodes:
     def _call(self, fn, calls: list[tuple], call: str, rows: list[int] | None = None) -> list[Any]:
         """``fn`` over ``calls`` through the door for user code (``rollcorr.user_code``), bounded by the timeout."""
         rows = list(range(len(calls))) if rows is None else rows
-        return call_each(fn, calls, lambda k: self._what(rows[k], call), self.limits.timeout, "task.reward_timeout")
+        return call_each(fn, calls, lambda k: self._what(rows[k], call), self.limits.timeout, "task.reward_timeout",
+                         self.limits.workers)  # fmt: skip
 
     def _checked(self, reply: Any, row: int) -> Turn:
         """A ``Turn`` whose reward is a number in [0, 1] (``checked_reward``), or ``UserCodeError`` naming it."""

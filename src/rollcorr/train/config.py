@@ -145,9 +145,10 @@ class TaskConfig:
     eval_seed: int = 12345
     reward_timeout: float | None = 5.0  # seconds one reward call may take, then the run stops (null: no limit)
     reward_clip: bool = False  # a reward outside [0, 1] is clipped into it instead of stopping the run
-    # multi-turn: {name: <registered environment>, <its options>, max_turns: N, max_tokens: N} (null: one turn,
-    # scored by the task's reward). max_turns caps the model turns, max_tokens the response-side tokens (the
-    # model's and the environment's) of a trajectory; both optional (docs/multi-turn.md)
+    # multi-turn: {name: <registered environment>, <its options>, max_turns: N, max_tokens: N, workers: N} (null:
+    # one turn, scored by the task's reward). max_turns caps the model turns, max_tokens the response-side tokens
+    # (the model's and the environment's) of a trajectory, workers steps that many episodes side by side; all
+    # optional (docs/multi-turn.md)
     env: dict[str, Any] | None = None
 
     def build(self):
@@ -163,14 +164,15 @@ class TaskConfig:
         from rollcorr.envs import Limits
 
         env = self.env or {}
-        return Limits(env.get("max_turns"), env.get("max_tokens"), self.reward_timeout, self.reward_clip)
+        return Limits(env.get("max_turns"), env.get("max_tokens"), self.reward_timeout, self.reward_clip,
+                      env.get("workers", 1))  # fmt: skip
 
     def environment(self, task=None):
         """The run's environment over the task's items (``task``, default ``build()``'s; ``rollcorr.envs.make_env``):
         the task itself as a one-turn environment without ``env``."""
         from rollcorr.envs import make_env
 
-        options = {k: v for k, v in (self.env or {}).items() if k not in ("max_turns", "max_tokens")}
+        options = {k: v for k, v in (self.env or {}).items() if k not in ENV_LIMITS}
         return make_env(self.build() if task is None else task, options or None)
 
 
@@ -266,6 +268,7 @@ SECTIONS = {CorrectionConfig: _correction, ProximalConfig: _proximal}
 # the key that selects a section's base: overriding it starts the section afresh ({preset: X} drops the old
 # preset's field overrides, {name: X} the old strategy's options)
 ADVANTAGE_LEVELS = ("trajectory", "turn")
+ENV_LIMITS = ("max_turns", "max_tokens", "workers")  # task.env's keys for the trainer, not the environment
 SELECTORS = {("algorithm", "correction"): "preset", ("algorithm", "proximal"): "name", ("task", "env"): "name"}
 
 
@@ -482,7 +485,7 @@ def _check_env(env: dict[str, Any] | None) -> None:
         return
     if not isinstance(env.get("name"), str) or not env["name"]:
         raise ConfigError(f"task.env: expected {{name: <environment>, ...}}, got {excerpt(env)}")
-    for key in ("max_turns", "max_tokens"):
+    for key in ENV_LIMITS:
         value = env.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"task.env.{key}: expected a positive integer, got {excerpt(value)}")
