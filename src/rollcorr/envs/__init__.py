@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from rollcorr.envs import checkpoints  # noqa: F401  (registers "checkpoints")
+from rollcorr.envs import calculator, checkpoints, skyrl  # noqa: F401  (register "calculator", "checkpoints", "skyrl")
 from rollcorr.envs.base import (
     ENVIRONMENTS,
     Environment,
