@@ -25,7 +25,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments.common import RESULTS, Clock, code_commit, first_commit, log, machine, parse_part, train, write_json
+from experiments.common import (
+    RESULTS,
+    Clock,
+    code_commit,
+    first_commit,
+    log,
+    machine,
+    parse_part,
+    train,
+    write_json,
+)
 from experiments.confirm_collapse import difference_ci, final_score, holm, mean_ci, sustained_collapse
 from experiments.power import mde_two_sample
 
@@ -175,12 +185,11 @@ def protocol_commit() -> str | None:
 def served_score(overrides: Sequence[str], run_dir: str, sampler: str, steps: int, prompts: int) -> float:
     """The final weights' greedy score through ``sampler`` (the dose's rounded sampler: the policy as a quantised
     engine would serve it), on the run's own held-out prompts and settings (``overrides``)."""
+    from experiments.common import train_config
     from rollcorr.checkpoint import checkpoint_dir
     from rollcorr.engines import make_sampler
     from rollcorr.tasks.chat import uses_chat
     from rollcorr.train.eval import GreedyEvaluator
-
-    from experiments.common import train_config
 
     config = train_config(overrides)
     model = checkpoint_dir(Path(run_dir), steps) / "model"

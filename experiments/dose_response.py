@@ -22,11 +22,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments.common import RESULTS, Clock, code_commit, first_commit, log, machine, parse_part, train, write_json
+from experiments.common import (
+    RESULTS,
+    Clock,
+    code_commit,
+    first_commit,
+    log,
+    machine,
+    parse_part,
+    train,
+    write_json,
+)
 from experiments.confirm_collapse import (
     difference_ci,
-    fisher_one_sided,
     final_score,
+    fisher_one_sided,
     holm,
     mean_ci,
     sustained_collapse,
@@ -267,26 +277,38 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def answer(summary: dict[str, Any], d3_ratio: float) -> str | None:
     """The study's answer in one sentence, as the protocol's rules give it (None until complete); ``d3_ratio``
-    is rtn2's audited k3 over llamacpp:q4_0's (doses.json)."""
+    is rtn2's audited k3 over llamacpp:q4_0's (doses.json). Said within the data: the slope is over the dose
+    *ranks* (unequal steps in k3), so the per-dose differences from fp32 follow it, and the first dose whose
+    difference's interval lies below zero is where "below fp32" starts; TIS above uncorrected is not "repaired"
+    (study 6's rule: above uncorrected *and* not below fp32), so its distance to fp32 at the largest dose is said."""
+    from experiments.summary import unseen
+
     if not summary["complete"]:
         return None
-    h1, h2 = summary["tests"]["H1"], summary["tests"]["H2"]
+    h1, h2, second = summary["tests"]["H1"], summary["tests"]["H2"], summary["secondary"]
     if h1["verdict"] == "reproduced":
-        harm = (f"mismatch harms uncorrected RL on this task: the final score falls by {-h1['slope']:.3f} per dose "
-                f"step (95 % CI [{-h1['ci95'][1]:.3f}, {-h1['ci95'][0]:.3f}])")  # fmt: skip
+        drops = ", ".join(f"{d} {second[f'{d}/ppo vs fp32/ppo']['difference']:+.3f}" for d in MISMATCHED)
+        below = next((d for d in MISMATCHED if second[f"{d}/ppo vs fp32/ppo"]["ci95"][1] < 0), None)
+        harm = (f"mismatch harms uncorrected RL on this task: the slope of the final score on the dose rank is "
+                f"{h1['slope']:+.3f} (95 % CI [{h1['ci95'][0]:+.3f}, {h1['ci95'][1]:+.3f}]); against fp32 the "
+                f"uncorrected arms end {drops}, below fp32 from {below} on")  # fmt: skip
     elif h1["verdict"] == "opposite":
-        harm = f"the score rises with the dose (slope {h1['slope']:+.3f} per dose step)"
+        harm = f"the score rises with the dose (slope {h1['slope']:+.3f} per dose rank)"
     else:
         harm = (f"no harm is detected: even rtn2 (about {d3_ratio:.0f}× the k3 of llamacpp:q4_0) does not "
-                f"measurably hurt this model class; a slope smaller than {h1['mde_slope']:.3f} per dose step "
-                f"({3 * h1['mde_slope']:.3f} from fp32 to rtn2) could not have been seen")  # fmt: skip
+                f"measurably hurt this model class; {unseen(h1['mde_slope'], 'a slope')} per dose rank "
+                f"({3 * h1['mde_slope']:.3f} from fp32 to rtn2)")  # fmt: skip
     if h2["verdict"] == "reproduced":
-        repair = f"token TIS repairs it (+{h2['difference']:.3f} over the doses)"
+        last = MISMATCHED[-1]
+        gap = second[f"{last}/tis vs fp32/ppo"]
+        repair = (f"token TIS scores above uncorrected ({h2['difference']:+.3f} over the doses) but does not recover "
+                  f"fp32's score at {last}, where it ends {gap['difference']:+.3f} against fp32 with "
+                  f"{gap['collapses'][0]} of {summary['arms'][f'{last}/tis']['seeds']} runs in sustained collapse")  # fmt: skip
     elif h2["verdict"] == "opposite":
         repair = f"token TIS scores lower than uncorrected ({h2['difference']:+.3f} over the doses)"
     else:
-        repair = (f"token TIS is not separated from uncorrected ({h2['difference']:+.3f}; an effect below "
-                  f"{h2['mde']:.3f} could not have been seen)")  # fmt: skip
+        repair = (f"token TIS is not separated from uncorrected ({h2['difference']:+.3f}; "
+                  f"{unseen(h2['mde'])})")  # fmt: skip
     return f"{harm}; {repair}."
 
 

@@ -20,7 +20,17 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from experiments.common import RESULTS, Clock, code_commit, first_commit, log, machine, parse_part, train, write_json
+from experiments.common import (
+    RESULTS,
+    Clock,
+    code_commit,
+    first_commit,
+    log,
+    machine,
+    parse_part,
+    train,
+    write_json,
+)
 from experiments.confirm_collapse import difference_ci, final_score, permutation_p, sustained_collapse
 from experiments.power import mde_two_sample
 

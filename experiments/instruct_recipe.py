@@ -101,15 +101,25 @@ def recipe_text(r: dict[str, Any]) -> str:
     """docs/tasks.md's account of the full run and its probes, from the results file (a generated block)."""
     import statistics
 
+    from experiments.power import clopper_pearson
+
     evals = " → ".join(f"{acc:.3f}" for _, acc in r["evals"])
     steps = [s for _, s in r["step_seconds"]]
     machine = r["machine"]
+    held_out = 40
+    right = round(r["evals"][-1][1] * held_out)
+    low, high = clopper_pearson(right, held_out)
+    cut = next((p["cut_off"] for p in r.get("length_probe", []) if p["max_new_tokens"] == 48), None)
+    caveat = (f" One seed on {held_out} items: the final {right}/{held_out} has a 95 % (Clopper-Pearson) interval of "
+              f"[{low:.2f}, {high:.2f}]")  # fmt: skip
+    if cut is not None:
+        caveat += f"; at the start {100 * cut:.0f} % of the untrained model's greedy answers were cut at 48 tokens"
     lines = [
         f"Run in full once (`python -m experiments.instruct_recipe --model models/smollm2-135m`, 2-core "
         f"{machine['cpu']} with {machine['capability']}, beside other work: load average {' '.join(r['load_before'])} "
-        f"before, {' '.join(r['load_after'])} after): greedy accuracy on the 40 held-out sums, every 5 steps, "
+        f"before, {' '.join(r['load_after'])} after): greedy accuracy on the {held_out} held-out sums, every 5 steps, "
         f"**{evals}** (steps {r['evals'][0][0]}–{r['evals'][-1][0]}); {r['wall_seconds'] / 60:.0f} min of wall time, "
-        f"{statistics.median(steps):.0f} s a step (median).",
+        f"{statistics.median(steps):.0f} s a step (median).{caveat}.",
         "",
         "| step | " + " | ".join(str(step) for step, _ in r["evals"]) + " |",
         "|---|" + "---|" * len(r["evals"]),

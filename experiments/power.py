@@ -133,3 +133,24 @@ def detectable_ratio(ratio: float, ci_low: float, claim: float, alpha: float = 0
     z = NormalDist().inv_cdf
     sigma = (math.log(ratio) - math.log(ci_low)) / z(1 - alpha / 2)
     return claim * math.exp((z(1 - alpha / 2) + z(power)) * sigma)
+
+
+def clopper_pearson(k: int, n: int, alpha: float = 0.05) -> tuple[float, float]:
+    """The exact (Clopper-Pearson) 1 − alpha interval of a binomial proportion k / n: lower, the p with
+    P(X ≥ k) = alpha / 2; upper, the p with P(X ≤ k) = alpha / 2 — found by bisection on the binomial sums (to
+    1e-12; both tails increase with p)."""
+
+    def tail_at_least(p: float) -> float:  # P(X ≥ k)
+        return sum(math.comb(n, x) * p**x * (1 - p) ** (n - x) for x in range(k, n + 1))
+
+    def bisect(f, target: float) -> float:
+        lo, hi = 0.0, 1.0
+        while hi - lo > 1e-12:
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+        return (lo + hi) / 2
+
+    lower = 0.0 if k == 0 else bisect(tail_at_least, alpha / 2)  # both tails increase with p
+    upper = 1.0 if k == n else bisect(lambda p: tail_at_least(p) - math.comb(n, k) * p**k * (1 - p) ** (n - k),
+                                      1 - alpha / 2)  # P(X ≥ k + 1) = 1 − P(X ≤ k)
+    return lower, upper

@@ -40,8 +40,14 @@ REPRODUCED, NOT_REPRODUCED, OPPOSITE = "reproduced", "not reproduced", "opposite
 # and it passes the more easily the noisier the seeds, so the row says what it could have seen instead
 NOT_SEPARATED = "not separated (equality not shown)"
 POST_HOC = "a comparison picked after the results were seen"  # the note of every "(new)" claim
-MDE_LABEL = "could have seen (MDE, 80 % power)"
+MDE_LABEL = "minimum detectable effect (80 % power)"
 OBSERVATION = "observation, not a verdict of the rule"
+
+
+def unseen(mde: float, what: str = "an effect") -> str:
+    """What a minimum detectable effect means, in words: the test had 80 % power at that size; an effect below it
+    could easily go unseen, and a "not reproduced" verdict does not rule out one of that size either."""
+    return f"the test had an 80 % chance to detect {what} of {mde:.3f}; a smaller one could easily go unseen"
 
 
 @dataclass(frozen=True)
@@ -239,12 +245,19 @@ def oapl_lag(r: dict[str, Any]) -> list[Row]:
     rows = [Row("4", "OAPL stays stable with a sampler 100s of steps behind (OAPL, Ritter et al.)", OBSERVATION,
                 f"{'every' if worst > start else 'not every'} run of every sync interval ends above the start "
                 f"({start:.3f}; lowest final {worst:.3f}); "
-                f"{compared(oapl[0], acc[oapl[0]], lagged, acc[lagged])}: {direction(acc[oapl[0]], acc[lagged])}")]  # fmt: skip
+                f"{compared(oapl[0], acc[oapl[0]], lagged, acc[lagged])}: {_gap(acc[oapl[0]], acc[lagged], lagged)}")]  # fmt: skip
     verdicts = {a.removeprefix("oapl_sync"): direction(acc[a], acc["grpo_tis"]) for a in oapl}
     rows.append(Row("4", "OAPL beats GRPO + IS (OAPL)", _joined(verdicts, "sync"),
                     f"grpo_tis {ms(acc['grpo_tis'])}; " + ", ".join(f"{a} {ms(acc[a])}" for a in oapl), "",
                     mde(acc["grpo_tis"], *(acc[a] for a in oapl))))  # fmt: skip
     return rows
+
+
+def _gap(first: dict[str, Any], lagged: dict[str, Any], name: str) -> str:
+    """An observation's comparison in words (not a verdict): separated or not by the spread rule, and which way."""
+    if not separated(first, lagged):
+        return "not separated"
+    return f"separated: {name} ends {'lower' if lagged['mean'] < first['mean'] else 'higher'}"
 
 
 def throughput(r: dict[str, Any]) -> list[Row]:
@@ -501,20 +514,21 @@ def dose_response(r: dict[str, Any]) -> list[Row]:
                     "arm has its ten seeds") for claim in DOSE_CLAIMS.values()]  # fmt: skip
     h1, h2 = s["tests"]["H1"], s["tests"]["H2"]
     scores = "; ".join(f"{arm} {a['final_score_mean']:.3f}" for arm, a in s["arms"].items())
-    rows = [
+    rows = [  # the protocol asks every verdict with its MDE: said whatever the verdict
         Row("9", f"dose-response: {DOSE_CLAIMS['H1']}", h1["verdict"],
-            f"slope {h1['slope']:+.4f} per dose step, 95 % CI [{h1['ci95'][0]:+.4f}, {h1['ci95'][1]:+.4f}], "
-            f"permutation p = {h1['p_value']:.3g}, Holm p = {h1['p_holm']:.3g} (10 seeds an arm; {scores})",
-            "the MDE is of the slope per dose step; from fp32 to rtn2 it is three times that", h1["mde_slope"]),
+            f"slope {h1['slope']:+.4f} per dose rank, 95 % CI [{h1['ci95'][0]:+.4f}, {h1['ci95'][1]:+.4f}], "
+            f"permutation p = {h1['p_value']:.3g}, Holm p = {h1['p_holm']:.3g} (10 seeds an arm; {scores}); "
+            f"{MDE_LABEL} {h1['mde_slope']:.4f} per dose rank ({3 * h1['mde_slope']:.4f} from fp32 to rtn2)",
+            "the ranks 0-3 are unequal steps in k3 (rtn2 is 41× q4_0's k3, rtn3 4.5×)"),
         Row("9", f"dose-response: {DOSE_CLAIMS['H2']}", h2["verdict"],
             f"TIS − uncorrected {h2['difference']:+.3f} (mean over the doses), 95 % CI [{h2['ci95'][0]:+.3f}, "
-            f"{h2['ci95'][1]:+.3f}], permutation p = {h2['p_value']:.3g}, Holm p = {h2['p_holm']:.3g}", "",
-            h2["mde"]),
+            f"{h2['ci95'][1]:+.3f}], permutation p = {h2['p_value']:.3g}, Holm p = {h2['p_holm']:.3g}; "
+            f"{MDE_LABEL} {h2['mde']:.4f}", "above uncorrected is not recovered: at rtn2 TIS still ends "
+            f"{s['secondary']['rtn2/tis vs fp32/ppo']['difference']:+.3f} against fp32"),
     ]  # fmt: skip
     if s.get("answer"):
         rows.append(Row("9 (its answer)", "dose-response: how much mismatch uncorrected RL tolerates on this task",
-                        h1["verdict"], s["answer"].rstrip("."),
-                        mde=h1["mde_slope"]))  # fmt: skip
+                        h1["verdict"], s["answer"].rstrip(".")))  # fmt: skip
     return rows
 
 
@@ -525,8 +539,7 @@ FP16_TRAIN_CLAIM = "fp16 on both sides trains better than bf16 on both sides (th
 def fp16_study(r: dict[str, Any]) -> list[Row]:
     """Study 10 by its protocol (docs/fp16-study.md): part A per model (the k3 ratio's interval against 10×), part B
     (a permutation test); "pending" until each part has all its audits or runs."""
-    from experiments.fp16_study import CLAIM_RATIO, MODELS, SEEDS
-    from experiments.power import detectable_ratio
+    from experiments.fp16_study import MODELS, SEEDS
 
     s = r["summary"]
     rows = []
@@ -540,8 +553,7 @@ def fp16_study(r: dict[str, Any]) -> list[Row]:
         rows.append(Row("10 (A)", claim, t["verdict"],
                         f"k3 bf16 pair {t['k3']['bf16']:.3g} vs fp16 pair {t['k3']['fp16']:.3g}: ratio {t['ratio']:.1f}, "
                         f"95 % CI [{t['ci95'][0]:.1f}, {t['ci95'][1]:.1f}]; |Δp| ≥ 0.01: {100 * t['share_ge_0.01']['bf16']:.1f} % "
-                        f"vs {100 * t['share_ge_0.01']['fp16']:.2f} %",
-                        mde=detectable_ratio(t["ratio"], t["ci95"][0], CLAIM_RATIO)))  # fmt: skip
+                        f"vs {100 * t['share_ge_0.01']['fp16']:.2f} %", _exploratory_ratio(t)))  # fmt: skip
     b = s["tests"].get("B")
     done = sum(a["seeds"] for a in s["arms"].values())
     if not s["complete_b"] or b is None:
@@ -553,6 +565,19 @@ def fp16_study(r: dict[str, Any]) -> list[Row]:
                         f"difference {b['difference']:+.3f}, 95 % CI [{b['ci95'][0]:+.3f}, {b['ci95'][1]:+.3f}], "
                         f"permutation p = {b['p_value']:.3g}; overflow skips {a['overflow_skips']:.0f}", mde=b["mde"]))  # fmt: skip
     return rows
+
+
+def _exploratory_ratio(t: dict[str, Any]) -> str:
+    """Part A's detectable ratio, added with the results (study 10's protocol has no MDE for a ratio): a note,
+    labelled so, for a "not reproduced" model only."""
+    from experiments.fp16_study import CLAIM_RATIO
+    from experiments.power import detectable_ratio
+
+    if t["verdict"] != NOT_REPRODUCED:
+        return ""
+    seen = detectable_ratio(t["ratio"], t["ci95"][0], CLAIM_RATIO)
+    return (f"exploratory, not in the protocol: an interval this wide shows ≥ {CLAIM_RATIO:.0f}× with 80 % power only "
+            f"for a true ratio near {seen:.1f}×")
 
 
 MOE_CLAIMS = {  # study 8's primary comparisons (docs/moe-study.md), in its words
@@ -800,7 +825,7 @@ def readme_sentence(results: Path = RESULTS) -> str:
         f"**{_joined(recovers, '')}** (token TIS +{tis:.3f} over uncorrected at q4_0, against a spread of "
         f'{acc["q4_0/tis"]["std"] + acc["q4_0/ppo"]["std"]:.3f}); "sequence-level MIS beats token TIS" is '
         f"**{_joined(seq, '')}** (token TIS above TRL's sequence mask beyond the spread). With three seeds an arm, "
-        f"a q4_0 cost below {worse_row.mde:.3f} could not have been seen by a t-test (80 % power)."
+        f"{unseen(worse_row.mde, 'a q4_0 cost')} (a t-test)."
     )
 
 
@@ -819,9 +844,8 @@ def readme_confirmatory(results: Path = RESULTS) -> str:
                  f"{_rung_verdicts(rung2, len(RUNGS[2][1]) * len(SEEDS))}.")  # fmt: skip
     if study_answer(s) is not None:
         answer = next(row for row in confirm_collapse(load("confirm_collapse", results)) if "its answer" in row.study)
-        text += (f" The study's answer: **{study_answer(s)}** — {LADDER_ANSWER}; with ten seeds a cost of the 4-bit "
-                 f"sampler below {answer.mde:.3f} in final score could not have been seen, so one that size is "
-                 "still possible.")  # fmt: skip
+        text += (f" The study's answer: **{study_answer(s)}** — {LADDER_ANSWER}; with ten seeds "
+                 f"{unseen(answer.mde, 'a final-score cost of the 4-bit sampler')}.")  # fmt: skip
     return text
 
 
@@ -834,10 +858,11 @@ def readme_dose(results: Path = RESULTS) -> str:
     h1, h2 = s["tests"]["H1"], s["tests"]["H2"]
     return (f"Study 9 (dose-response: samplers whose weights are rounded to 4, 3 and 2 bits, ten seeds an arm, "
             f"[protocol](docs/dose-study.md)): \"{DOSE_CLAIMS['H1']}\" is **{h1['verdict']}** (slope "
-            f"{h1['slope']:+.3f} per dose step, 95 % CI [{h1['ci95'][0]:+.3f}, {h1['ci95'][1]:+.3f}], Holm p = "
-            f"{h1['p_holm']:.2g}); \"{DOSE_CLAIMS['H2']}\" is **{h2['verdict']}** (TIS − uncorrected "
-            f"{h2['difference']:+.3f} over the doses, 95 % CI [{h2['ci95'][0]:+.3f}, {h2['ci95'][1]:+.3f}], Holm p = "
-            f"{h2['p_holm']:.2g}). The per-dose reading is in docs/results.md.")  # fmt: skip
+            f"{h1['slope']:+.3f} per dose rank, 95 % CI [{h1['ci95'][0]:+.3f}, {h1['ci95'][1]:+.3f}], Holm p = "
+            f"{h1['p_holm']:.2g}, MDE {h1['mde_slope']:.3f}); \"{DOSE_CLAIMS['H2']}\" is **{h2['verdict']}** "
+            f"(TIS − uncorrected {h2['difference']:+.3f} over the doses, 95 % CI [{h2['ci95'][0]:+.3f}, "
+            f"{h2['ci95'][1]:+.3f}], Holm p = {h2['p_holm']:.2g}, MDE {h2['mde']:.3f}). Its answer: {s['answer']} "
+            "The per-dose reading is in docs/results.md.")  # fmt: skip
 
 
 def readme_fp16(results: Path = RESULTS) -> str:
@@ -854,7 +879,9 @@ def readme_fp16(results: Path = RESULTS) -> str:
     for model in MODELS:
         t = s["tests"][f"A:{model}"]
         seen = detectable_ratio(t["ratio"], t["ci95"][0], CLAIM_RATIO)
-        could = f"; could have seen {seen:.1f}×" if t["verdict"] == "not reproduced" and seen is not None else ""
+        could = (f"; exploratory, not in the protocol: an interval this wide shows ≥ {CLAIM_RATIO:.0f}× with 80 % power "
+                 f"only for a true ratio near {seen:.1f}×" if t["verdict"] == "not reproduced" and seen is not None
+                 else "")  # fmt: skip
         part_a.append(f"{model} **{t['verdict']}** ({t['ratio']:.1f}×, 95 % CI [{t['ci95'][0]:.1f}, "
                       f"{t['ci95'][1]:.1f}]{could})")  # fmt: skip
     text = (f"Study 10 (fp16 on both sides, [protocol](docs/fp16-study.md)), part A — {FP16_CLAIM}, by the audit's "
@@ -864,7 +891,7 @@ def readme_fp16(results: Path = RESULTS) -> str:
         done = sum(a["seeds"] for a in arms.values())
         return text + f"Part B — {FP16_TRAIN_CLAIM}: **pending** ({done} of {2 * len(SEEDS)} runs finished)."
     fp16, bf16 = arms["fp16/ppo"], arms["bf16/ppo"]
-    could = f"; an effect below {b['mde']:.3f} could not have been seen" if b["verdict"] == "not reproduced" else ""
+    could = f"; {unseen(b['mde'])}" if b["verdict"] == "not reproduced" else ""
     return text + (f"Part B — {FP16_TRAIN_CLAIM}: **{b['verdict']}** (fp16/ppo − bf16/ppo = "
                    f"{b['difference']:+.3f}, 95 % CI [{b['ci95'][0]:+.3f}, {b['ci95'][1]:+.3f}], permutation p = "
                    f"{b['p_value']:.3g}{could}); sustained collapses {fp16['collapses']} (fp16) and {bf16['collapses']} "
@@ -879,7 +906,7 @@ def _rung_verdicts(s: dict[str, Any], total: int) -> str:
     for key, t in s["tests"].items():
         hi, lo = key.split(" vs ")
         seen = mde_protocol(s["arms"][hi], s["arms"][lo], family=len(s["tests"]))
-        could = f"; an effect below {seen:.3f} could not have been seen" if t["verdict"] == NOT_REPRODUCED else ""
+        could = f"; {unseen(seen)}" if t["verdict"] == NOT_REPRODUCED else ""
         parts.append(f'"{CONFIRM_CLAIMS[key].split(" (")[0]}" is **{t["verdict"]}** ({key.replace(" vs ", " − ")} = '
                      f"{t['difference']:+.3f}, 95 % CI [{t['ci95'][0]:+.3f}, {t['ci95'][1]:+.3f}], Holm p = "
                      f"{t['p_holm']:.3g}{could})")  # fmt: skip
@@ -933,7 +960,7 @@ BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
 
 def dose_reading(results: dict) -> str:
     """Study 9's per-dose reading: the protocol's secondary comparisons (each arm against fp32/ppo), which carry
-    no verdict, said with their intervals, collapses and what each could have seen."""
+    no verdict, said with their intervals, collapses and minimum detectable effects (80 % power)."""
     s = results["summary"]
     if not s.get("complete"):
         return ""
@@ -943,20 +970,27 @@ def dose_reading(results: dict) -> str:
     def cost(arm: str) -> str:
         t = sec[f"{arm} vs fp32/ppo"]
         lo, hi = t["ci95"]
-        return (f"{t['difference']:+.3f} [{lo:+.3f}, {hi:+.3f}], {t['collapses'][0]} of 10 collapsed, could have "
-                f"seen {t['mde']:.3f}")
+        return f"{t['difference']:+.3f} [{lo:+.3f}, {hi:+.3f}], {t['collapses'][0]} of 10 collapsed, MDE {t['mde']:.3f}"
 
     def recovered(dose: str) -> str:
         lost = sec[f"{dose}/ppo vs fp32/ppo"]["difference"]
         kept = sec[f"{dose}/tis vs fp32/ppo"]["difference"]
         return f"{(kept - lost) / -lost:.0%}" if lost < 0 else "n/a"
 
+    def by_rule(dose: str) -> str:
+        above = arms[f"{dose}/tis"]["final_score_mean"] > arms[f"{dose}/ppo"]["final_score_mean"]
+        below = sec[f"{dose}/tis vs fp32/ppo"]["ci95"][1] < 0
+        return "recovers" if above and not below else "does not recover"
+
     k3 = {d: arms[f"{d}/ppo"]["training_mismatch_median"]["k3_kl"] for d in ("rtn4", "rtn3", "rtn2")}
     lines = [
         "**Reading by dose (the protocol's secondary comparisons, each arm against fp32/ppo at "
         f"{fp32:.3f}; no verdict).** Uncorrected: rtn4 {cost('rtn4/ppo')}; rtn3 {cost('rtn3/ppo')}; rtn2 "
         f"{cost('rtn2/ppo')}. Token TIS: rtn4 {cost('rtn4/tis')}; rtn3 {cost('rtn3/tis')}; rtn2 {cost('rtn2/tis')}. "
-        f"Of the uncorrected loss, TIS recovered {recovered('rtn3')} at rtn3 and {recovered('rtn2')} at rtn2. "
+        f"Of the uncorrected loss, TIS recovered {recovered('rtn3')} at rtn3 and {recovered('rtn2')} at rtn2; by "
+        f"study 6's rule (above uncorrected, and not below fp32: its interval against fp32 reaches 0) it "
+        f"{by_rule('rtn4')} at rtn4, {by_rule('rtn3')} at rtn3 and {by_rule('rtn2')} at rtn2 (per-dose "
+        "differences carry no test). "
         f"The training k3 (median over each arm's runs) was {k3['rtn4']:.4f} at rtn4, {k3['rtn3']:.4f} at rtn3 "
         f"and {k3['rtn2']:.3f} at rtn2.",
     ]

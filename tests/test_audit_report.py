@@ -235,7 +235,7 @@ def test_log_axes_always_show_two_labelled_ticks(values):
 def test_suggestion_evidence_quotes_the_studies_numbers_as_recorded():
     """Every score the suggestion table quotes is an arm mean of study 6's results file, an arm mean, a difference
     or a Holm-adjusted p of study 7's, either rung, study 8's TIS-against-uncorrected difference and interval,
-    or study 9's arm means, slope, difference, intervals and Holm p (3 decimals); study 6's exact permutation p-values are recomputed from its runs."""
+    or study 9's arm means, slope, difference, intervals, Holm p and each arm's difference to fp32 (3 decimals); study 6's exact permutation p-values are recomputed from its runs."""
     import json
     import re
     from pathlib import Path
@@ -256,6 +256,7 @@ def test_suggestion_evidence_quotes_the_studies_numbers_as_recorded():
     recorded |= {f"{a['final_score_mean']:.3f}" for a in dose["arms"].values()}
     recorded |= {f"{abs(x):.3f}" for t in dose["tests"].values()
                  for x in (t.get("slope", t.get("difference")), *t["ci95"], t["p_holm"])}  # fmt: skip
+    recorded |= {f"{abs(t['difference']):.3f}" for t in dose["secondary"].values()}  # each arm against fp32
     # study 6's exact permutation p of token TIS against sequence MIS (three seeds each), as quoted
     import sys
 

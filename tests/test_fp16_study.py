@@ -97,6 +97,6 @@ def test_the_readme_paragraph_gives_part_b_its_verdict_once_complete(tmp_path):
     assert "builtin **reproduced**" in pending and "**pending** (14 of 20 runs finished)" in pending
     done = paragraph(complete_b=True, arms=arms, tests={**s["tests"], "B": b})
     assert "**not reproduced** (fp16/ppo − bf16/ppo = -0.010, 95 % CI [-0.050, +0.030], permutation p = 0.6" in done
-    assert "an effect below 0.052 could not have been seen" in done
+    assert "the test had an 80 % chance to detect an effect of 0.052" in done
     assert "sustained collapses 0 (fp16) and 1 (bf16) of ten, 3 fp16 overflow skips" in done
     assert "training-time k3 1.5e-06 (fp16) against 0.00011 (bf16)" in done

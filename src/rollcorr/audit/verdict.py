@@ -95,11 +95,14 @@ SUGGESTIONS: dict[str, dict[str, str]] = {
         "neither harm nor repair reproduced; study 8 (MoE, int8 sampler, 10 seeds): token TIS ended 0.042 below "
         "uncorrected (a secondary comparison, 95 % interval −0.177 to +0.056); study 6 (3 seeds): token TIS above "
         "TRL-style sequence MIS (q4_0: 0.661 vs 0.565, exact permutation p 0.20). Study 9 (samplers with weights "
-        "rounded to 4, 3 and 2 bits, 10 seeds an arm): uncorrected GRPO lost 0.127 a dose step (Holm p 2e-05) and "
-        "token TIS ended 0.064 above uncorrected over the doses (95 % interval 0.027 to 0.100, Holm p 0.002) — "
-        "repair reproduced, most of it at 3 bits (4.5× q4_0's k3: 0.619 vs 0.507), little at 2 bits (0.327 vs "
-        "0.278). So at a q4_0-sized gap TIS is a guard with no shown benefit; well beyond it, a shown repair; and "
-        "none of these studies saw a sequence mask do better",
+        "rounded to 4, 3 and 2 bits, 10 seeds an arm): uncorrected GRPO ended 0.028 (not separated), 0.152 and "
+        "0.381 below fp32 — below it from 3 bits on (Holm p 2e-05 for the trend) — and token TIS scored 0.064 "
+        "above uncorrected over the doses (95 % interval 0.027 to 0.100, Holm p 0.002): 0.619 vs 0.507 at 3 bits "
+        "(4.5× q4_0's k3), 0.327 vs 0.278 at 2 bits, 0.661 vs 0.631 at 4 bits. At 2 bits TIS still ended 0.332 "
+        "below fp32, with 8 of 10 runs in sustained collapse, as many as uncorrected. So at a q4_0-sized gap TIS "
+        "is a guard with no shown benefit; well beyond it, it scores above uncorrected without recovering fp32's "
+        "score, and none of these studies saw a sequence mask do better (study 11, docs/correction-study.md, "
+        "compares the corrections and removing the mismatch at 2 bits)",
     },
 }
 
