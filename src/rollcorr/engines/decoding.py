@@ -245,14 +245,7 @@ class DecodingSampler:
             """Per resumed row, its value repeated over its new tokens."""
             return [[values[j]] * len(t) for j, t in enumerate(tokens)]
 
-        routed = {"routed_experts": None, "prompt_routed_experts": None}
-        if routing is not None and rollout.routed_experts is not None:  # old tokens keep the routing they had
-            old_rows = [rollout.routed_experts[i][valid[i]] for i in range(rollout.batch_size)]
-            for j, i in enumerate(todo):
-                old_rows[i] = torch.cat([old_rows[i], routing[1][j].to(old_rows[i].dtype)])
-            prompt_rows = [rollout.prompt_routed_experts[i][prompt_mask[i]] if rollout.prompt_routed_experts
-                           is not None else rollout.routed_experts[i, :0] for i in range(rollout.batch_size)]  # fmt: skip
-            routed = self._routing_fields((prompt_rows, old_rows), rollout.prompt_ids.shape[1], width)
+        routed = self._resumed_routing(rollout, routing, todo, width)
         turns = {}
         if rollout.turn is not None:  # a trajectory: the new tokens are the model's, in the turn they continue
             turns = {"observation_mask": extend(rollout.observation_mask, constant([False] * len(todo)), False,
@@ -288,6 +281,19 @@ class DecodingSampler:
             kept_mask=None,
             advantages=None,
         )
+
+    def _resumed_routing(self, rollout: Rollout, routing, todo: list[int], width: int) -> dict:
+        """``routed_experts`` / ``prompt_routed_experts`` of a resumed batch: the old tokens keep the routing they
+        had, the resumed rows' new tokens add theirs (None fields for a dense model)."""
+        if routing is None or rollout.routed_experts is None:
+            return {"routed_experts": None, "prompt_routed_experts": None}
+        valid, prompt_mask = rollout.token_mask, rollout.prompt_mask.bool()
+        old_rows = [rollout.routed_experts[i][valid[i]] for i in range(rollout.batch_size)]
+        for j, i in enumerate(todo):
+            old_rows[i] = torch.cat([old_rows[i], routing[1][j].to(old_rows[i].dtype)])
+        prompt_rows = [rollout.prompt_routed_experts[i][prompt_mask[i]] if rollout.prompt_routed_experts
+                       is not None else rollout.routed_experts[i, :0] for i in range(rollout.batch_size)]  # fmt: skip
+        return self._routing_fields((prompt_rows, old_rows), rollout.prompt_ids.shape[1], width)
 
     @staticmethod
     def _turn_tokens(rollout: Rollout, row: int, turn: int) -> int:
