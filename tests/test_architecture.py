@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("leaf", ("rollcorr", "rollcorr.rollout", "rollcorr.config.correction", "rollcorr.config.loss",
               "rollcorr.config.yaml_io", "rollcorr.safe_io", "rollcorr.user_code", "rollcorr.plugins")),
     ("math", ("rollcorr.correction", "rollcorr.losses", "rollcorr.advantages", "rollcorr.logprobs",
-              "rollcorr.distributed.tensors")),
+              "rollcorr.shards")),
     ("config", ("rollcorr.config",)),
     ("engines", ("rollcorr.engines", "rollcorr.models", "rollcorr.tasks", "rollcorr.envs", "rollcorr.moe")),
     ("proximal", ("rollcorr.proximal",)),

@@ -6,8 +6,9 @@
     split.py    which rows each rank takes (whole groups, an equal share of every mini-batch)
     roles.py    rank 0 leads (executor, evaluator, files), the others follow
     checkpoint.py  a sharded learner's checkpoints (DCP), extending ``rollcorr.checkpoint``
-    tensors.py  a ``DTensor``'s local shard (every other tensor as it is)
     launch.py   ``rollcorr train trainer.ranks=N``: N processes through ``torch.distributed.run``
+
+A ``DTensor``'s local shard is read through ``rollcorr.shards`` (math: the π_old strategies use it too).
 
 A run started without torchrun is the group of one process (``ONE_PROCESS``): its collectives return their
 input, and nothing is sharded.

@@ -40,7 +40,7 @@ from rollcorr.checkpoint import (
     write_manifest,
 )
 from rollcorr.distributed.ranks import Ranks
-from rollcorr.distributed.tensors import is_sharded
+from rollcorr.shards import is_sharded
 
 
 def split_held(obj: Any, path: str = "proximal", seen: dict | None = None) -> tuple[Any, dict[str, torch.Tensor]]:

@@ -38,9 +38,9 @@ import torch
 from torch import Tensor, nn
 
 from rollcorr.distributed.ranks import DistributedError, Ranks
-from rollcorr.distributed.tensors import local_tensor
 from rollcorr.engines.hf import unpack
 from rollcorr.rollout import Rollout
+from rollcorr.shards import local_tensor
 
 
 class _ScoringRoot(nn.Module):

@@ -32,10 +32,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from rollcorr.distributed.tensors import local_tensor
 from rollcorr.proximal.base import ProximalStrategy
 from rollcorr.proximal.scoring import copy_state, copy_tensors, score, tensor_bytes
 from rollcorr.rollout import Rollout
+from rollcorr.shards import local_tensor
 
 
 def lag_beta(mean_lag: float, steps_per_version: int = 1) -> float:

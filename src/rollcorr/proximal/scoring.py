@@ -24,8 +24,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from rollcorr.distributed.tensors import local_tensor  # a DTensor's shard; other tensors as they are
 from rollcorr.rollout import Rollout
+from rollcorr.shards import local_tensor  # a DTensor's shard; other tensors as they are
 
 
 def with_model(learner, model: nn.Module):

@@ -35,12 +35,12 @@ from rollcorr.config.correction import CorrectionConfig
 from rollcorr.correction.weights import LOCAL
 from rollcorr.distributed.ranks import ONE_PROCESS, Ranks
 from rollcorr.distributed.split import rank_rows
-from rollcorr.distributed.tensors import local_tensor
 from rollcorr.envs import episode_metrics
 from rollcorr.losses import LossConfig, masked_mean, policy_loss
 from rollcorr.losses.aggregation import loss_count
 from rollcorr.moe import RoutingFlips
 from rollcorr.rollout import Rollout
+from rollcorr.shards import local_tensor
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ and every other tensor unchanged, so the same code reads both.
     local_tensor(x)   this rank's shard of a ``DTensor``; any other tensor as it is
     is_sharded(x)     whether ``x`` is a ``DTensor`` (a sharded learner's weight, or a strategy's copy of one)
 
-Pure functions of torch alone: the π_old strategies (which hold weight copies), the step guard and the
-sharded learner all read a tensor's local part through them.
+Pure functions of torch alone, on the math floor: the π_old strategies (which hold weight copies), the step guard
+and the sharded learner all read a tensor's local part through them.
 """
 
 from __future__ import annotations
