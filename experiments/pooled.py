@@ -21,7 +21,7 @@ from typing import Any
 
 from experiments.common import RESULTS, write_json
 from experiments.long_mismatch import collapse_step
-from experiments.summary import fisher_greater
+from experiments.power import fisher_greater
 
 OUT = RESULTS / "pooled"
 Z95 = 1.959964

@@ -13,7 +13,8 @@ standard deviations of the endpoint. The verdicts themselves come from permutati
 planning approximation to their power, stated as such. For a slope on dose ranks x (H1 of study 9) the same
 formula with the slope's standard error s_p / √(Σ (x_i − x̄)²) in place of s_p · √(1/n_a + 1/n_b).
 
-Pure Python (no SciPy): the t quantile by bisection on the t distribution's CDF, computed through the
+Beside it, the one-sided Fisher exact test of two arms' event counts (``fisher_greater``: how often runs
+collapsed), read by the summaries. Pure Python (no SciPy): the t quantile by bisection on the t distribution's CDF, computed through the
 regularised incomplete beta function (continued fraction, Numerical Recipes' ``betacf``).
 """
 
@@ -154,3 +155,11 @@ def clopper_pearson(k: int, n: int, alpha: float = 0.05) -> tuple[float, float]:
     upper = 1.0 if k == n else bisect(lambda p: tail_at_least(p) - math.comb(n, k) * p**k * (1 - p) ** (n - k),
                                       1 - alpha / 2)  # P(X ≥ k + 1) = 1 − P(X ≤ k)
     return lower, upper
+
+
+def fisher_greater(events_a: int, n_a: int, events_b: int, n_b: int) -> float:
+    """One-sided Fisher exact p that arm a has more events than arm b (hypergeometric upper tail)."""
+    total, events = n_a + n_b, events_a + events_b
+    denom = math.comb(total, n_a)
+    return sum(math.comb(events, k) * math.comb(total - events, n_a - k)
+               for k in range(events_a, min(events, n_a) + 1)) / denom  # fmt: skip

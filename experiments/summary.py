@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import statistics
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.common import RESULTS, code_label, curve, separated
+from experiments.power import fisher_greater
 
 REPO = RESULTS.parents[1]
 REPRODUCED, NOT_REPRODUCED, OPPOSITE = "reproduced", "not reproduced", "opposite"
@@ -106,14 +106,6 @@ def mde_protocol(*arms: dict[str, Any], family: int) -> float | None:
     from experiments.power import mde_of_arms
 
     return mde_of_arms([(a["final_score_std"], a["seeds"]) for a in arms], family=family)
-
-
-def fisher_greater(events_a: int, n_a: int, events_b: int, n_b: int) -> float:
-    """One-sided Fisher exact p that arm a has more events than arm b (hypergeometric upper tail)."""
-    total, events = n_a + n_b, events_a + events_b
-    denom = math.comb(total, n_a)
-    return sum(math.comb(events, k) * math.comb(total - events, n_a - k)
-               for k in range(events_a, min(events, n_a) + 1)) / denom  # fmt: skip
 
 
 def first_cell(cells: dict[str, Any]) -> Any:
