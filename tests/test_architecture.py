@@ -1,7 +1,8 @@
-"""docs/architecture.md, checked. The rule: every module under src/rollcorr sits on one floor (``LAYERS``) and
-imports only from its own floor or the floors above it (0 imports the wrong way); the tools, side by side on
-their floor, import nothing of each other; and nothing imports in a circle, neither modules nor the parts that
-``LAYERS`` names (an app, a package, a module of its own).
+"""docs/architecture.md, checked. The rule: every module of the repository — under src/rollcorr, and the studies,
+benchmarks and scripts that use it (experiments/, benchmarks/, scripts/: the bottom floor) — sits on one floor
+(``LAYERS``) and imports only from its own floor or the floors above it (0 imports the wrong way); the tools,
+side by side on their floor, import nothing of each other; and nothing imports in a circle, neither modules nor
+the parts that ``LAYERS`` names (an app, a package, a module of its own).
 
 Every import counts, at any depth of the code: at the top of a module, inside functions (a lazy import is a
 dependency all the same) and under ``if TYPE_CHECKING:`` (an annotation is a dependency). The imports are read
@@ -18,6 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 PACKAGE = SRC / "rollcorr"
+STUDIES = ("experiments", "benchmarks", "scripts")  # folders of the repository that use rollcorr as a user does
+SCRIPT_FOLDERS = ("benchmarks", "scripts")  # run as scripts from their folder: `import machine` is a sibling
 
 # docs/architecture.md, "Layers", top to bottom: a module imports only from its own floor or the floors above.
 # An entry holds the module of that name and every module below it, except the root "rollcorr" (its
@@ -36,6 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("train", ("rollcorr.train",)),
     ("tools", ("rollcorr.audit", "rollcorr.analyze", "rollcorr.compat", "rollcorr.convert")),
     ("command", ("rollcorr.cli", "rollcorr.__main__")),
+    ("studies", STUDIES),
 ]  # fmt: skip
 SIDE_BY_SIDE = "tools"  # the floor whose entries import nothing of each other
 
@@ -45,17 +49,18 @@ PENDING: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(SRC).with_suffix("").parts
+    parts = path.relative_to(SRC if path.is_relative_to(SRC) else ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+MODULES = {module_name(p): p for p in [*PACKAGE.rglob("*.py"), *(p for d in STUDIES for p in (ROOT / d).rglob("*.py"))]}
 
 
 def imports_of(name: str) -> set[str]:
     """Every rollcorr module ``name`` imports, at any depth of its code."""
     path = MODULES[name]
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    sibling = package + "." if package in SCRIPT_FOLDERS else ""  # `from machine import load` in benchmarks/
     out: set[str] = set()
     tree = ast.parse(path.read_text(encoding="utf-8"))
     for node in ast.walk(tree):  # every node: function bodies and `if TYPE_CHECKING:` blocks included
@@ -74,6 +79,7 @@ def imports_of(name: str) -> set[str]:
             targets = submodules + ([module] if len(submodules) < len(node.names) else [])
         else:
             continue
+        targets += [sibling + t for t in targets if sibling and sibling + t in MODULES]
         out |= {t for t in targets if t in MODULES and t != name}
     return out
 
@@ -176,6 +182,8 @@ def test_the_checker_sees_a_circle_and_a_wrong_way_import():
     assert "rollcorr.train.source" in GRAPH["rollcorr.train.executors"]  # function-level imports count too
     assert "rollcorr.train.ray_executor" in GRAPH["rollcorr.train.build"]
     assert "rollcorr.config.correction" in GRAPH["rollcorr.correction.rejection"]  # so do TYPE_CHECKING ones
+    assert "experiments.common" in GRAPH["experiments.summary"] and layer("experiments.summary") == len(LAYERS) - 1
+    assert "benchmarks.machine" in GRAPH["benchmarks.bench_correction"]  # a script's sibling, imported by its name
 
 
 def test_the_page_names_every_floor():
