@@ -115,3 +115,19 @@ def test_pretrain_script_writes_a_loadable_deterministic_checkpoint(tmp_path):
         assert info["steps"] == 10 and 0.0 <= info["final_greedy_score_test"] <= 1.0
         digests.append(hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest())
     assert digests[0] == digests[1]
+
+
+def test_model_location_is_the_one_reading_of_a_model_path(tmp_path, monkeypatch):
+    """``model.path`` as the engines take it wherever they are built: the built-in spellings as they are (None is
+    "builtin"), an existing folder absolute (a sampler process may run elsewhere), a missing one as written."""
+    from rollcorr.models.builtin import BUILTIN_MODELS, model_location
+
+    assert model_location(None) == "builtin" and all(model_location(name) == name for name in BUILTIN_MODELS)
+    (tmp_path / "my_model").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert model_location("my_model") == str(tmp_path / "my_model")
+    assert model_location("not_there") == "not_there"
+    (tmp_path / "builtin").mkdir()  # a folder named like the built-in model: the spelling still means the model
+    assert model_location("builtin") == "builtin"
+    with pytest.raises(ValueError, match="unknown built-in model 'builtin:nope'"):
+        model_location("builtin:nope")

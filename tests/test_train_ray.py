@@ -160,7 +160,7 @@ def test_make_executor_maps_trainer_modes_to_ray_lags():
     ex = build("trainer.mode=simulated_async", "trainer.lag=2", "trainer.max_staleness=3")
     assert ex.lag == 2 and ex.max_staleness == 3 and ex.num_workers == 3
     assert build("trainer.mode=async").lag is None
-    assert ex.spec.params.max_new_tokens == 5 and ex.spec.sampler == "hf:fp32" and ex.spec.model_path is None
+    assert ex.spec.params.max_new_tokens == 5 and ex.spec.sampler == "hf:fp32" and ex.spec.model_path == "builtin"
     assert build("trainer.mode=async", "trainer.partial_rollouts=true").partial_rollouts
 
 

@@ -29,7 +29,7 @@ from rollcorr.engines.spec import (
     register_backend,
     register_sampler,
 )
-from rollcorr.models.builtin import BUILTIN, builtin_path, is_builtin
+from rollcorr.models.builtin import builtin_path, is_builtin, model_location
 
 __all__ = [
     "BACKENDS",
@@ -56,11 +56,9 @@ def sampler_class(spec: str) -> type:
 
 
 def _check_model_path(model_path: str | Path | None) -> str | Path:
-    """None → "builtin"; a built-in spelling ("builtin:chain") stays as is; else an existing path."""
-    if model_path is None:
-        return BUILTIN
+    """``model_location``'s reading (None → "builtin"; a built-in spelling as it is), else an existing path."""
     if is_builtin(model_path):
-        return str(model_path)
+        return model_location(model_path)
     if not Path(builtin_path(model_path)).exists():  # builtin_path: ValueError for an unknown "builtin:<x>"
         raise FileNotFoundError(f"model path {str(model_path)!r} does not exist")
     return model_path

@@ -65,6 +65,17 @@ def is_builtin(path: str | Path | None) -> bool:
     return path is None or str(path) in BUILTIN_MODELS
 
 
+def model_location(path: str | Path | None) -> str:
+    """The one reading of a ``model.path`` (``--model``) as the engines take it, wherever they are built: a
+    built-in spelling as it is (None: ``"builtin"``), any other path absolute when it exists (a sampler process
+    or a Ray worker may run in another folder), else as written (the engine says it is missing). An unknown
+    ``"builtin:<name>"`` is a ValueError listing the known ones."""
+    if is_builtin(path):
+        return BUILTIN if path is None else str(path)
+    builtin_path(path)  # refuses an unknown built-in spelling
+    return str(Path(path).resolve()) if Path(path).exists() else str(path)
+
+
 def builtin_path(path: str | Path | None) -> Path | str | None:
     """The directory of a built-in spelling ("builtin", "builtin:chain", None = "builtin"); any
     other path is returned unchanged. An unknown "builtin:<name>" is a ValueError listing the known ones."""

@@ -254,10 +254,6 @@ def make_executor(config, spec: SourceSpec | None = None, **ray_options: Any) ->
     return LaggedExecutor(spec.build(), lag)
 
 
-def _model_path(config: TrainConfig) -> str | None:
-    return None if config.model.path == "builtin" else config.model.path
-
-
 def build_learner(config: TrainConfig, ranks: Ranks = ONE_PROCESS) -> tuple[Any, torch.optim.Optimizer]:
     """This rank's learner (eval mode: no dropout, it scores exactly what it trains) and its AdamW optimizer.
     The learner is laid out over ``ranks`` first (``Ranks.shard``): one process keeps it whole on
@@ -266,7 +262,7 @@ def build_learner(config: TrainConfig, ranks: Ranks = ONE_PROCESS) -> tuple[Any,
     builds it in host memory (sharding moves each unit to the rank's device)."""
     m = config.model
     try:
-        learner = make_learner(m.learner, _model_path(config), routing_replay=m.routing_replay,
+        learner = make_learner(m.learner, config.model.path, routing_replay=m.routing_replay,
                                skeleton=not ranks.is_main, device=ranks.learner_device(m.device),
                                gradient_checkpointing=m.gradient_checkpointing, lora=m.lora.learner_kwargs())  # fmt: skip
     except ValueError as err:
@@ -346,7 +342,7 @@ def build_evaluator(config: TrainConfig, task, tokenizer) -> GreedyEvaluator | N
     """Greedy accuracy on at most ``task.eval_prompts`` held-out prompts with an fp32 hf sampler; None for 0."""
     if config.task.eval_prompts <= 0:
         return None
-    sampler = make_sampler("hf:fp32", _model_path(config), device=config.model.device)
+    sampler = make_sampler("hf:fp32", config.model.path, device=config.model.device)
     return GreedyEvaluator(sampler, task, tokenizer, config.task.eval_prompts, config.rollout.max_new_tokens,
                            config.task.eval_seed, chat=uses_chat(tokenizer, config.task.chat),
                            limits=config.task.limits())  # fmt: skip

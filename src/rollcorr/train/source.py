@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from rollcorr.engines import backend_of
 from rollcorr.engines.base import SamplingParams, StateDict
 from rollcorr.envs import Episodes, Limits, Renderer, as_environment
+from rollcorr.models.builtin import model_location
 from rollcorr.rollout import Rollout
 
 
@@ -191,7 +192,7 @@ class SourceSpec:
     """Everything needed to build a ``RolloutSource`` where the sampler runs (picklable; paths absolute)."""
 
     sampler: str  # engine spec for make_sampler, e.g. "hf:bf16"
-    model_path: str | None  # None = the built-in model
+    model_path: str | None  # the model as the engines take it: models.builtin.model_location (None: built-in)
     task: Any  # the run's TaskConfig (paths absolute), or a task name: built where the sampler runs
     params: SamplingParams
     prompts_per_step: int
@@ -214,7 +215,7 @@ class SourceSpec:
         """The sampler side of a ``TrainConfig`` (the one place its sampling parameters are read)."""
         r, t = config.rollout, config.trainer
         params = sampling_params(config)
-        model_path = None if config.model.path == "builtin" else _absolute(config.model.path)
+        model_path = model_location(config.model.path)
         task = replace(config.task, name=_absolute(config.task.name),
                        eval_file=config.task.eval_file and _absolute(config.task.eval_file))  # fmt: skip
         backend = backend_of(config.model.sampler)
