@@ -195,3 +195,21 @@ def test_another_loss_brings_its_own_clip_and_aggregation():
     algo = build_step_config(load_config(None, ["algorithm.loss=gspo", "algorithm.aggregation=token-mean"]))
     assert algo.loss.agg_mode == "token-mean"
     assert build_step_config(load_config()).loss.agg_mode == "token-mean"  # GRPO: verl's token-mean
+
+
+def test_the_rank_count_is_read_in_one_place(monkeypatch):
+    """``learner_processes``: torchrun's world size in a process it started (``trainer.ranks`` left at 1), else
+    ``trainer.ranks``; the config's checks read it, so torchrun's two ranks refuse LoRA as trainer.ranks=2 does."""
+    from rollcorr.train.config import learner_processes
+
+    lora = ["model.lora.r=8"]
+    with pytest.raises(ConfigError, match="^model.lora: LoRA trains in one process"):
+        load_config(None, [*lora, "trainer.ranks=2"])
+    assert learner_processes(load_config(None, lora)) == 1
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2"}.items():  # left in a shell: not a launcher's
+        monkeypatch.setenv(key, value)
+    assert learner_processes(load_config(None, lora)) == 1
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # in a process torchrun started
+    with pytest.raises(ConfigError, match="^model.lora: LoRA trains in one process"):
+        load_config(None, lora)
+    assert learner_processes(load_config(None)) == 2

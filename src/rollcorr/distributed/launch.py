@@ -84,11 +84,11 @@ MIN_OPEN_FILES = 64  # below this the agent's store and the ranks' sockets run o
 # retried its connections for minutes (a hang, then a RendezvousConnectionError traceback); 16-24 fail at once
 
 
-def launch(train_args: list[str], nprocs: int, run_dir: str | None = None) -> int:
-    """Run ``rollcorr train <train_args>`` as ``nprocs`` worker processes on this machine; the exit code."""
+def launch(train_args: list[str], world: int, run_dir: str | None = None) -> int:
+    """Run ``rollcorr train <train_args>`` as ``world`` worker processes (ranks) on this machine; the exit code."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < MIN_OPEN_FILES:
-        print(f"rollcorr train: the launcher could not start {nprocs} ranks: open files are limited to {soft} here "
+        print(f"rollcorr train: the launcher could not start {world} ranks: open files are limited to {soft} here "
               f"(`ulimit -n`); the ranks' store and sockets need at least {MIN_OPEN_FILES}: raise it; nothing was "
               "trained", file=sys.stderr)  # fmt: skip
         return FAILED_EXIT
@@ -98,7 +98,7 @@ def launch(train_args: list[str], nprocs: int, run_dir: str | None = None) -> in
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"rollcorr-{uuid.uuid4().hex[:8]}",
+        min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"rollcorr-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
     )  # fmt: skip
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default; trainer.threads sets torch's own
@@ -116,11 +116,11 @@ def launch(train_args: list[str], nprocs: int, run_dir: str | None = None) -> in
             print(f"rollcorr train: {name}: every rank stopped after the same step with a checkpoint{where}",
                   file=sys.stderr)  # fmt: skip
             return stops[0]
-        print(f"rollcorr train: rank {rank} of {nprocs} failed: {_cause(failure)}; every rank stopped{where}",
+        print(f"rollcorr train: rank {rank} of {world} failed: {_cause(failure)}; every rank stopped{where}",
               file=sys.stderr)  # fmt: skip
         return FAILED_EXIT
     except (OSError, DistError) as err:  # the agent itself could not start (its store, its sockets, its pipes)
-        print(f"rollcorr train: the launcher could not start {nprocs} ranks: {_first_line(err)}{_fd_hint(err)}; "
+        print(f"rollcorr train: the launcher could not start {world} ranks: {_first_line(err)}{_fd_hint(err)}; "
               "nothing was trained", file=sys.stderr)  # fmt: skip
         return FAILED_EXIT
     except SignalException as err:  # the agent stopped the workers (SIGTERM to each, which checkpoints and stops)

@@ -31,7 +31,7 @@ from rollcorr.losses.oapl import value_temperature
 from rollcorr.proximal import ProximalStrategy, make_proximal
 from rollcorr.tasks import Task
 from rollcorr.tasks.chat import uses_chat
-from rollcorr.train.config import ConfigError, TrainConfig
+from rollcorr.train.config import ConfigError, TrainConfig, learner_processes
 from rollcorr.train.eval import GreedyEvaluator
 from rollcorr.train.executors import AsyncExecutor, Executor, LaggedExecutor
 from rollcorr.train.ray_executor import RayExecutor
@@ -74,7 +74,7 @@ def check_components(config: TrainConfig) -> tuple[StepConfig, ProximalStrategy,
         raise ConfigError(f"algorithm.proximal.name: {proximal.name!r} scores chunks as the sampler makes them; "
                           f"that needs trainer.executor=local (an executor whose sampler reports to this process), "
                           f"not {config.trainer.executor!r}")  # fmt: skip
-    if config.trainer.ranks > 1 and not proximal.data_parallel:
+    if learner_processes(config) > 1 and not proximal.data_parallel:
         raise ConfigError(f"algorithm.proximal.name: {proximal.name!r} cannot run with trainer.ranks > 1: it follows "
                           "the sampler, whose weight loads and chunks reach rank 0 alone and are scored on a "
                           "background thread, while a sharded forward needs every rank; snapshot gives the same "
@@ -95,7 +95,7 @@ def check_device(config: TrainConfig) -> None:
     index = int(device.partition(":")[2] or 0)
     if index >= torch.cuda.device_count():
         raise ConfigError(f"model.device: {device!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if config.trainer.ranks > 1:
+    if learner_processes(config) > 1:
         raise ConfigError("model.device: a data-parallel run puts rank r on cuda:r itself; leave model.device null")
 
 
@@ -124,16 +124,15 @@ def build_task(config: TrainConfig):
 def check_fsdp(config: TrainConfig) -> None:
     """``trainer.fsdp``: options of a data-parallel learner only; mixed precision only where it can act (CUDA); a
     sharded layout only for a learner that can be sharded (``Backend.can_shard``)."""
-    from rollcorr.distributed.group import launched
     from rollcorr.train.config import FSDPConfig
 
     fsdp, default = config.trainer.fsdp, FSDPConfig()
-    learner, parallel = config.model.learner, config.trainer.ranks > 1 or launched()
+    learner, parallel = config.model.learner, learner_processes(config) > 1
     if parallel and config.trainer.data_parallel == "shard" and not backend_of(learner).can_shard(parse_spec(learner)):
         raise ConfigError(f"model.learner: {learner!r} cannot be sharded (FSDP2 gathers the weights outside its "
                           "forward); use trainer.data_parallel=replicate or auto")  # fmt: skip
     changed = next((f.name for f in dataclasses.fields(fsdp) if getattr(fsdp, f.name) != getattr(default, f.name)), None)
-    if changed is not None and config.trainer.ranks == 1 and not launched():
+    if changed is not None and not parallel:
         raise ConfigError(f"trainer.fsdp.{changed}: applies to a data-parallel learner only (trainer.ranks > 1 "
                           "or torchrun); this run trains in one process, unsharded")  # fmt: skip
     if changed is not None and config.trainer.data_parallel == "replicate":

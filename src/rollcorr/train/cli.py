@@ -71,7 +71,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from rollcorr.distributed.group import DistributedError, launched
     from rollcorr.train.build import check_components
-    from rollcorr.train.config import ConfigError, load_config
+    from rollcorr.train.config import ConfigError, learner_processes, load_config
 
     try:
         budget = measure_budget(args)
@@ -101,7 +101,7 @@ def _run(args: argparse.Namespace) -> int:
             print(measure_engines(config, budget))
             return 0
         under_launcher = launched()
-        if config.trainer.ranks > 1 and not under_launcher:  # start the N learner processes (distributed/launch.py)
+        if not under_launcher and learner_processes(config) > 1:  # start the N learner processes (distributed/launch.py)
             check_components(config)  # once, before any process starts (each then checks its own, in the run)
             return _launch(args, config)
     except ConfigError as err:
@@ -135,6 +135,7 @@ def _check_run_reward(config, args: argparse.Namespace) -> None:
 def _launch(args: argparse.Namespace, config) -> int:
     """``rollcorr train`` again as ``trainer.ranks`` processes, in a run folder chosen now."""
     from rollcorr.distributed.launch import launch
+    from rollcorr.train.config import learner_processes
     from rollcorr.train.rundir import new_run_dir
 
     argv = [*args.overrides]
@@ -146,7 +147,7 @@ def _launch(args: argparse.Namespace, config) -> int:
     else:
         run_dir = args.out if args.out is not None else new_run_dir(config.trainer.out)
         argv += ["--out", str(run_dir)] + (["--overwrite"] if args.overwrite else [])
-    return launch(argv, config.trainer.ranks, str(run_dir))
+    return launch(argv, learner_processes(config), str(run_dir))
 
 
 def _resume_hint(args: argparse.Namespace) -> str:

@@ -722,6 +722,18 @@ def _validate_shaping(a: AlgorithmConfig, r: RolloutConfig, loss: str) -> None:
     _positive(a.overlong_penalty, "algorithm.overlong_penalty", allow_zero=True)
 
 
+def learner_processes(c: TrainConfig) -> int:
+    """How many learner processes the run has, read in one place: in a process torchrun started, its world size
+    (``trainer.ranks`` must then be 1 or the same: ``loop.run`` says so); else ``trainer.ranks``, the processes
+    ``rollcorr train`` starts (``distributed/launch.py``)."""
+    import os
+
+    from rollcorr.distributed.group import LAUNCHER_KEYS
+
+    launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ and any(k in os.environ for k in LAUNCHER_KEYS)
+    return int(os.environ["WORLD_SIZE"]) if launched else c.trainer.ranks
+
+
 def validate(c: TrainConfig) -> None:
     """Self-consistency checks that need no model. Raises ConfigError naming the key."""
     r, a, o, t = c.rollout, c.algorithm, c.optim, c.trainer
@@ -746,7 +758,7 @@ def validate(c: TrainConfig) -> None:
         _positive(lora.alpha, "model.lora.alpha")
         _check(0 <= lora.dropout < 1, "model.lora.dropout", f"must be in [0, 1), got {lora.dropout}")
         _check(bool(lora.target_modules), "model.lora.target_modules", "needs at least one module name")
-        _check(c.trainer.ranks == 1, "model.lora",
+        _check(learner_processes(c) == 1, "model.lora",
                "LoRA trains in one process; a data-parallel learner (trainer.ranks > 1) shards full weights")  # fmt: skip
     _check(c.model.routing_replay in ROUTING_REPLAY_MODES, "model.routing_replay",
            f"unknown routing replay {c.model.routing_replay!r}; use null or r3")  # fmt: skip
@@ -835,7 +847,7 @@ def validate(c: TrainConfig) -> None:
     _positive(t.threads, "trainer.threads", allow_zero=True)
     _positive(t.mini_batches, "trainer.mini_batches")
     _positive(t.ranks, "trainer.ranks")
-    problem = split_problem(r.prompts_per_step, t.mini_batches, t.ranks)  # whole groups per mini-batch and rank
+    problem = split_problem(r.prompts_per_step, t.mini_batches, learner_processes(c))  # whole groups per mini-batch, rank
     if problem is not None:
         raise ConfigError(f"{problem[0]}: {problem[1]}")
     _check(t.data_parallel in DATA_PARALLEL, "trainer.data_parallel",
