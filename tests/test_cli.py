@@ -82,3 +82,35 @@ def test_no_help_text_loads_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_train_stops_through_one_table(capsys):
+    """``rollcorr train``'s exit codes come from one table (``train.cli.stops``): no row is hidden by an earlier one
+    (a subclass comes before its base), each kind is said as its row says, and an exception raised from the
+    sampler process's error is that error."""
+    import argparse
+
+    from rollcorr.train.cli import stopped, stops
+    from rollcorr.train.config import ConfigError
+    from rollcorr.train.rundir import RunFinished
+    from rollcorr.train.sampler_process import SamplerProcessError
+
+    rows = stops()
+    for i, row in enumerate(rows):
+        hidden = [earlier.kinds for earlier in rows[:i] if any(issubclass(k, earlier.kinds) for k in row.kinds)]
+        assert not hidden, f"{row.kinds} is matched earlier by {hidden}"
+    args = argparse.Namespace(resume=None, out=None)
+    assert stopped(ConfigError("trainer.steps: bad"), args) == 2
+    assert capsys.readouterr().err == "rollcorr train: config error: trainer.steps: bad\n"
+    assert stopped(RunFinished("done"), args) == 0 and capsys.readouterr().out == "rollcorr train: done\n"
+    try:
+        try:
+            raise SamplerProcessError("the sampler process failed: boom\nTraceback ...")
+        except SamplerProcessError as cause:
+            raise RuntimeError("the executor stopped") from cause
+    except RuntimeError as err:
+        assert stopped(err, args) == 1
+    said = capsys.readouterr().err.splitlines()
+    assert said[0].startswith("rollcorr train: the sampler process failed: boom; ") and said[1] == "Traceback ..."
+    assert stopped(RuntimeError("not a stop"), args) is None and stopped(MemoryError(), args) is None
+    assert stopped(OSError(12, "Cannot allocate memory"), args) is None  # rollcorr.cli says out of memory

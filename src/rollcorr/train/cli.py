@@ -9,6 +9,8 @@ import argparse
 import errno
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -58,12 +60,93 @@ def measure_budget(args: argparse.Namespace) -> float:
     return budget
 
 
+@dataclass(frozen=True)
+class Stop:
+    """How ``rollcorr train`` stops on one kind of exception: its exit code and its one line (``line`` returns
+    None for an exception of the kind that is not its to say: it is raised on). Once the ranks have joined:
+    whether rank 0 alone says it (every rank raises it alike) and whether the ranks leave together (rank 0's
+    check stopped them all; a rank leaving first would have the launcher stop the others while rank 0 is still
+    saying why). ``or_cause``: an exception raised *from* one of ``kinds`` is that kind too."""
+
+    kinds: tuple[type[BaseException], ...]
+    code: int
+    line: Callable[[BaseException, argparse.Namespace], str | None]
+    main_says: bool = False
+    together: bool = False
+    stdout: bool = False
+    or_cause: bool = False
+
+    def matches(self, err: BaseException) -> BaseException | None:
+        """The exception this row says (``err`` or, with ``or_cause``, its cause), None when it is not one."""
+        if isinstance(err, self.kinds):
+            return err
+        return err.__cause__ if self.or_cause and isinstance(err.__cause__, self.kinds) else None
+
+
+def stops() -> list[Stop]:
+    """The one table of what stops ``rollcorr train`` and its exit code, in the order an exception is matched (a
+    subclass before its base). Built when asked: its exception types import the trainer's modules (torch)."""
+    from rollcorr.checkpoint import CheckpointError
+    from rollcorr.distributed.ranks import DistributedError
+    from rollcorr.engines.preflight import PreflightError
+    from rollcorr.safe_io import UnsafePathError
+    from rollcorr.train.config import ConfigError
+    from rollcorr.train.rundir import RunFinished, RunFolderError
+    from rollcorr.train.sampler_process import SamplerProcessError
+    from rollcorr.user_code import UserCodeError
+
+    said = lambda err, args: str(err)  # noqa: E731
+    config = lambda err, args: f"config error: {err}"  # noqa: E731
+    return [
+        Stop((KeyboardInterrupt,), 130, lambda err, args: "interrupted"),  # Ctrl-C while checking or loading
+        Stop((UnsafePathError, CheckpointError), 2, said),  # a link in the run folder, an unwritable checkpoint
+        Stop((PreflightError,), 2, config),  # prompts the model cannot take (found once the tokenizer is loaded)
+        Stop((OSError,), 1, _disk_said),  # a full disk, a file-size limit, a read-only folder: nothing lost
+        Stop((RunFinished,), 0, said, main_says=True, together=True, stdout=True),
+        Stop((ConfigError,), 2, config, main_says=True, together=True),  # a resume override the checkpoint refuses
+        Stop((RunFolderError,), 2, said, main_says=True, together=True),  # rank 0 checks the run folder
+        Stop((DistributedError,), 2, said, main_says=True),  # ranks started differently, one that never joined
+        Stop((FloatingPointError,), 1, said),  # the weights diverged (NaN logits in the sampler)
+        Stop((UserCodeError,), 1, lambda err, args: f"{err}; {_resume_hint(args)}"),  # a reward that raised or hung
+        Stop((SamplerProcessError,), 1, _sampler_said, or_cause=True),  # it died, failed or stopped beating
+    ]
+
+
+def stopped(err: BaseException, args: argparse.Namespace, ranks=None) -> int | None:
+    """Say ``err`` as the table says and return its exit code; None when the table has no row for it (the caller
+    raises it on). ``ranks``: this process's ranks once joined (None before: every process says it)."""
+    for stop in stops():
+        said = stop.matches(err)
+        line = None if said is None else stop.line(said, args)
+        if line is None:
+            continue
+        if ranks is None or not stop.main_says or ranks.is_main:
+            print(f"rollcorr train: {line}", file=sys.stdout if stop.stdout else sys.stderr)
+        return _leave_together(ranks, stop.code) if stop.together and ranks is not None else stop.code
+    return None
+
+
+def _disk_said(err: BaseException, args: argparse.Namespace) -> str | None:
+    """An OSError in one line with what the run left; out of memory is said in one place, rollcorr.cli's."""
+    from rollcorr.safe_io import describe_os_error
+
+    if err.errno == errno.ENOMEM:
+        return None
+    where = f"{err.filename}: " if err.filename else ""
+    return f"{where}{describe_os_error(err)}; {_resume_hint(args)}"
+
+
+def _sampler_said(err: BaseException, args: argparse.Namespace) -> str:
+    """The sampler process's failure: its own line, what the run left, then its traceback (once) if it had one."""
+    first, _, details = str(err).partition("\n")
+    return f"{first}; {_resume_hint(args)}" + (f"\n{details}" if details else "")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
-    except KeyboardInterrupt:  # Ctrl-C while checking or loading (a training run handles its own signals)
-        print("rollcorr train: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:  # while checking or loading (a training run handles its own signals)
+        return stopped(err, args)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -104,12 +187,8 @@ def _run(args: argparse.Namespace) -> int:
         if not under_launcher and learner_processes(config) > 1:  # start the N learner processes (distributed/launch.py)
             check_components(config)  # once, before any process starts (each then checks its own, in the run)
             return _launch(args, config)
-    except ConfigError as err:
-        print(f"rollcorr train: config error: {err}", file=sys.stderr)
-        return 2
-    except DistributedError as err:  # RANK / WORLD_SIZE / ... left in the shell: one line, before any collective
-        print(f"rollcorr train: {err}", file=sys.stderr)
-        return 2
+    except (ConfigError, DistributedError) as err:  # before any rank joined (RANK / WORLD_SIZE left in the shell)
+        return stopped(err, args)
     if under_launcher:
         from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -184,70 +263,23 @@ def _train(args: argparse.Namespace, config) -> int:
     """Train in this process (one of several under torchrun: rank 0 prints the summary)."""
     from transformers.utils import logging as hf_logging
 
-    from rollcorr.checkpoint import CheckpointError
     from rollcorr.distributed.group import DistributedError, join, launched
-    from rollcorr.engines.preflight import PreflightError
-    from rollcorr.safe_io import UnsafePathError, describe_os_error
-    from rollcorr.train.config import ConfigError
     from rollcorr.train.loop import run as run_training
-    from rollcorr.train.rundir import RunFinished, RunFolderError
-    from rollcorr.user_code import UserCodeError
 
     try:
         ranks = join()  # this process's ranks, as the run gets them (``run`` joins the same group)
         main = ranks.is_main
     except DistributedError as err:  # the launcher's environment is incomplete: nothing started yet
-        print(f"rollcorr train: {err}", file=sys.stderr)
-        return 2
+        return stopped(err, args)
 
     hf_logging.disable_progress_bar()  # checkpoints call save_pretrained; rollcorr's own bar is the one to read
     try:
         result = run_training(config, resume=args.resume, overwrite=args.overwrite)
-    except (UnsafePathError, CheckpointError) as err:  # a link in the run folder, a checkpoint that cannot be written
-        print(f"rollcorr train: {err}", file=sys.stderr)
-        return 2
-    except PreflightError as err:  # prompts the model cannot take (found once the tokenizer is loaded)
-        print(f"rollcorr train: config error: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:  # a full disk, a file-size limit, a read-only folder: nothing lost, one line
-        if err.errno == errno.ENOMEM:  # out of memory is said in one place, rollcorr.cli's handler
+    except Exception as err:  # what the table says (stops()); anything else is raised on
+        code = stopped(err, args, ranks)
+        if code is None:
             raise
-        where = f"{err.filename}: " if err.filename else ""
-        print(f"rollcorr train: {where}{describe_os_error(err)}; {_resume_hint(args)}", file=sys.stderr)
-        return 1
-    except RunFinished as done:
-        if main:
-            print(f"rollcorr train: {done}")
-        return _leave_together(ranks, 0)
-    except ConfigError as err:  # a resume override the checkpoint cannot take (rank 0's check: said once)
-        if main:
-            print(f"rollcorr train: config error: {err}", file=sys.stderr)
-        return _leave_together(ranks, 2)
-    except RunFolderError as err:  # rank 0 checks the run folder and every rank raises its error: said once
-        if main:
-            print(f"rollcorr train: {err}", file=sys.stderr)
-        return _leave_together(ranks, 2)
-    except DistributedError as err:  # ranks started differently, or one that never joined: rank 0 says it once
-        if main:
-            print(f"rollcorr train: {err}", file=sys.stderr)
-        return 2
-    except FloatingPointError as err:  # the weights diverged (NaN logits in the sampler): no traceback to read
-        print(f"rollcorr train: {err}", file=sys.stderr)
-        return 1
-    except UserCodeError as err:  # a reward that raised, hung or returned what it may not: its one line
-        print(f"rollcorr train: {err}; {_resume_hint(args)}", file=sys.stderr)
-        return 1
-    except RuntimeError as err:  # the sampler process died, failed or stopped beating: one line, not a chain
-        from rollcorr.train.sampler_process import SamplerProcessError
-
-        cause = err if isinstance(err, SamplerProcessError) else err.__cause__
-        if not isinstance(cause, SamplerProcessError):
-            raise
-        first, _, details = str(cause).partition("\n")
-        print(f"rollcorr train: {first}; {_resume_hint(args)}", file=sys.stderr)
-        if details:  # an exception inside the sampler: its own traceback, once
-            print(details, file=sys.stderr)
-        return 1
+        return code
     acc = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
     # stopped on a signal under the launcher: 128 + its number, so the launcher says "stopped", not "failed"
     stopped_exit = 128 + result.stop_signal if result.stop_signal and launched() else 1
