@@ -332,6 +332,54 @@ class RowSplit:
         return full
 
 
+@dataclass
+class Updates:
+    """What ``optimize``'s mini-batches came to: each ends in exactly one way, counted here, and the applied ones'
+    gradient norms and loss metrics are summed.
+
+    applied            optimizer steps taken
+    skipped            bad steps: a non-finite loss, gradient or weight (``train/skipped_updates``)
+    nonfinite_weights  of those, a step undone because a weight became unusable (``GuardedStep``)
+    amp_overflows      fp16 mixed precision: steps skipped for an overflow (not bad steps)
+    zero_grads         mini-batches whose gradient was exactly zero (finite), skipped or not
+    zero_grad_skips    of those, skipped (``skip_zero_grad``: every token rejected or every advantage zero)
+    """
+
+    applied: int = 0
+    skipped: int = 0
+    nonfinite_weights: int = 0
+    amp_overflows: int = 0
+    zero_grads: int = 0
+    zero_grad_skips: int = 0
+    grad_norms: float = 0.0  # summed over the applied mini-batches (global norms)
+    loss_sums: dict[str, float] = field(default_factory=dict)  # this rank's part of the applied ones' loss metrics
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("loss_forward", "backward", "optimizer"), 0.0))
+
+    def add(self, step_metrics: dict[str, float], grad_norm: float) -> None:
+        """An applied mini-batch: its gradient norm and this rank's part of its loss metrics."""
+        self.applied += 1
+        self.grad_norms += grad_norm
+        for k, v in step_metrics.items():
+            self.loss_sums[k] = self.loss_sums.get(k, 0.0) + v
+
+    def metrics(self, ranks: Ranks, loss_scaler=None) -> dict[str, float]:
+        """The loss metrics averaged over the applied steps (summed over the ranks once: every rank applied the same
+        mini-batches, so the same keys), the counters, and where the time went."""
+        keys = sorted(self.loss_sums)
+        summed = ranks.all_reduce(torch.tensor([self.loss_sums[k] for k in keys], dtype=torch.float64)) if keys else None
+        metrics = {k: summed[keys.index(k)].item() / max(self.applied, 1) for k in self.loss_sums}
+        if self.applied:
+            metrics["loss/grad_norm"] = self.grad_norms / self.applied
+        metrics["train/zero_grad_skips"] = float(self.zero_grad_skips)
+        metrics["train/nonfinite_weight_steps"] = float(self.nonfinite_weights)
+        metrics["train/zero_grad_minibatches"] = float(self.zero_grads)
+        if loss_scaler is not None:  # fp16 mixed precision: steps skipped for an overflow, and the scale now
+            metrics["train/amp_overflow_skips"] = float(self.amp_overflows)
+            metrics["train/amp_loss_scale"] = float(loss_scaler.scale)
+        metrics.update({f"time/{name}_s": value for name, value in self.seconds.items()})
+        return metrics
+
+
 def optimize(
     rollout: Rollout,
     learner,
@@ -342,124 +390,115 @@ def optimize(
     generator: torch.Generator | None = None,
     ranks: Ranks = ONE_PROCESS,
     loss_scaler=None,
-) -> tuple[dict[str, float], int, int]:
+) -> tuple[dict[str, float], Updates]:
     """PPO epochs × mini-batches of optimizer steps over ``rollout``'s kept tokens (``kept_mask``).
 
-    This rank's micro-batches cover its share of each global mini-batch (``split``; one process: all of it)
-    and accumulate gradients; each micro loss is scaled by its share of the global mini-batch's loss count
-    (``count_of``: tokens, sequences, or none for token-sum), so the gradient summed over micro-batches and
-    ranks equals the mini-batch one; the loss metrics are summed likewise (each weighted by its part's share:
-    exact for metrics averaged as the loss is), over the ranks once at the end.
-    Returns (metrics averaged over optimizer steps, optimizer steps applied, steps skipped as non-finite).
-    A mini-batch whose gradient is exactly zero is counted in ``train/zero_grad_minibatches``; with
-    ``config.skip_zero_grad`` it takes no optimizer step (counted in ``train/zero_grad_skips``; not a bad step).
-    ``generator`` feeds the loss's random draw (clip_cov). A mixture-of-experts rollout with routing also
-    gets ``routing/flip_share`` and ``routing/flip_token_share`` from the first epoch's forwards (``RoutingFlips``).
+    Each mini-batch: this rank's micro-batches accumulate its gradient (``_accumulate``), then one optimizer step
+    or the reason there is none (``_step``); ``Updates`` counts how each ended. Returns (metrics averaged over
+    optimizer steps, the ``Updates``). A mixture-of-experts rollout with routing also gets
+    ``routing/flip_share`` and ``routing/flip_token_share`` from the first epoch's forwards (``RoutingFlips``).
     """
     params = [p for p in learner.model.parameters() if p.requires_grad]
-    own_sums: dict[str, float] = {}  # this rank's part of the applied mini-batches' loss metrics
-    grad_norms = 0.0  # the applied mini-batches' (global) gradient norms
-    applied = skipped = zero_grad_skips = zero_grads = nonfinite_weights = amp_overflows = 0
+    updates = Updates()
     guarded_step = GuardedStep(optimizer, params, ranks)
-    # a sharded learner's gradients are reduce-scattered as the *mean* over ranks: scale by N to get their sum
-    grad_scale = float(ranks.world)
-    batches = list(zip(split.mini_batches, split.shares))
     routing = RoutingFlips(learner.model, rollout)
-    seconds = dict.fromkeys(("loss_forward", "backward", "optimizer"), 0.0)  # where optimize's time goes
     for epoch in range(config.ppo_epochs):
-        for rows, own_rows in batches:
-            mini = renormalize(rollout.select(rows), config, "mini_batch")  # the global mini-batch
-            total = count_of(config, mini)
-            first = rows.index(own_rows[0])  # a rank's share is a contiguous slice of the mini-batch
-            own = mini if own_rows == rows else mini.select(list(range(first, first + len(own_rows))))
+        for rows, own_rows in zip(split.mini_batches, split.shares):
             optimizer.zero_grad(set_to_none=True)
-            finite = True
-            step_metrics: dict[str, float] = {}
-            for micro_rows in _micro_batches(len(own_rows), config.micro_batch_size):
-                part = own.select(micro_rows) if len(micro_rows) < len(own_rows) else own
-                part = renormalize(part, config, "micro_batch")
-                count = count_of(config, part)
-                share = 1.0 if total is None else count / max(total, 1.0)
-                clock = time.perf_counter()
-                with routing.scoring(part, measure=epoch == 0):
-                    log_prob, entropy = learner.log_prob(
-                        part, temperature=config.temperature, grad=True, with_entropy=True
-                    )
-                # diverged weights give NaN/inf log-probs: a bad step, not a loss error
-                loss, metrics = None, {}
-                ok = _finite_on(part.response_mask, log_prob)  # π_old was checked by its strategy
-                if ok:
-                    loss, metrics = _loss(config, part, log_prob, generator)
-                    ok = bool(torch.isfinite(loss))
-                if ranks.backward_is_collective:  # every rank takes the same branch around FSDP's collectives
-                    ok = ranks.all_true(ok)
-                seconds["loss_forward"] += time.perf_counter() - clock
-                if not ok:
-                    finite = False
-                    break
-                clock = time.perf_counter()
-                scale = loss_scaler.scale if loss_scaler is not None else 1.0  # fp16 amp: the loss scaled up
-                (loss * (share * grad_scale * scale)).backward()
-                seconds["backward"] += time.perf_counter() - clock
-                step_metrics["loss/policy"] = (
-                    step_metrics.get("loss/policy", 0.0) + float(loss.detach()) * share
-                )
-                for k, v in _float_metrics(metrics).items():
-                    step_metrics[k] = step_metrics.get(k, 0.0) + v * share
-                # entropy: a mean over valid tokens, weighted by the part's share of them
-                tokens = float(part.response_mask.sum()) / max(float(mini.response_mask.sum()), 1.0)
-                step_metrics["actor/entropy"] = step_metrics.get("actor/entropy", 0.0) + tokens * float(
-                    masked_mean(entropy.detach(), part.response_mask)
-                )
-            # a replicated learner's gradients averaged over the ranks, with whether every rank's loss was finite
-            finite = ranks.reduce_gradients(params, finite)
-            if finite and loss_scaler is not None:  # unscale; an overflow skips this step (not a bad step)
-                unscaled = ranks.all_true(loss_scaler.unscale(params))
-                loss_scaler.update(unscaled)
-                if not unscaled:
-                    optimizer.zero_grad(set_to_none=True)
-                    amp_overflows += 1
-                    continue
-            grad_norm = _grad_norm(params, config.grad_clip) if finite else float("nan")
-            if not math.isfinite(grad_norm):
-                optimizer.zero_grad(set_to_none=True)
-                skipped += 1
+            finite, step_metrics = _accumulate(rollout, rows, own_rows, learner, config, updates, routing,
+                                               measure=epoch == 0, generator=generator, ranks=ranks,
+                                               loss_scaler=loss_scaler)  # fmt: skip
+            grad_norm = _step(finite, params, optimizer, config, updates, guarded_step, ranks, loss_scaler)
+            if grad_norm is None:
                 continue
-            zero_grads += grad_norm == 0.0
-            if config.skip_zero_grad and grad_norm == 0.0:
-                # Every token rejected, or every advantage zero. Adam would still move the weights by its
-                # momentum m/√v (and v keeps decaying, which inflates the next real step): skip it entirely.
-                zero_grad_skips += 1
-                continue
-            clock = time.perf_counter()
-            stepped = guarded_step()
-            seconds["optimizer"] += time.perf_counter() - clock
-            if not stepped:  # weights would turn NaN/inf: undone, a bad step
-                skipped += 1
-                nonfinite_weights += 1
-                continue
-            applied += 1
+            updates.add(step_metrics, grad_norm)
             if after_optimizer_step is not None:
                 after_optimizer_step(learner.model)
-            grad_norms += grad_norm
-            for k, v in step_metrics.items():
-                own_sums[k] = own_sums.get(k, 0.0) + v
     optimizer.zero_grad(set_to_none=True)
-    # the loss metrics summed over the ranks once (every rank applied the same mini-batches: the same keys)
-    keys = sorted(own_sums)
-    summed = ranks.all_reduce(torch.tensor([own_sums[k] for k in keys], dtype=torch.float64)) if keys else None
-    metrics = {k: summed[keys.index(k)].item() / max(applied, 1) for k in own_sums}
-    if applied:
-        metrics["loss/grad_norm"] = grad_norms / applied
-    metrics["train/zero_grad_skips"] = float(zero_grad_skips)
-    metrics["train/nonfinite_weight_steps"] = float(nonfinite_weights)
-    metrics["train/zero_grad_minibatches"] = float(zero_grads)
-    if loss_scaler is not None:  # fp16 mixed precision: steps skipped for an overflow, and the scale now
-        metrics["train/amp_overflow_skips"] = float(amp_overflows)
-        metrics["train/amp_loss_scale"] = float(loss_scaler.scale)
-    metrics.update({f"time/{name}_s": value for name, value in seconds.items()})
+    metrics = updates.metrics(ranks, loss_scaler)
     metrics.update(routing.metrics(ranks.all_reduce))
-    return metrics, applied, skipped
+    return metrics, updates
+
+
+def _accumulate(rollout: Rollout, rows: list[int], own_rows: list[int], learner, config: StepConfig, updates: Updates,
+                routing: RoutingFlips, *, measure: bool, generator, ranks: Ranks, loss_scaler
+                ) -> tuple[bool, dict[str, float]]:  # fmt: skip
+    """The gradient of one global mini-batch (``rows``), this rank's share of it (``own_rows``) micro-batch by
+    micro-batch: each micro loss is scaled by its share of the mini-batch's loss count (``count_of``: tokens,
+    sequences, or none for token-sum), so the gradient summed over micro-batches and ranks is the mini-batch's.
+    Returns (whether every loss was finite, this rank's part of the loss metrics: each weighted by its part's
+    share, exact for metrics averaged as the loss is). Diverged weights give NaN/inf log-probs: a bad step."""
+    mini = renormalize(rollout.select(rows), config, "mini_batch")  # the global mini-batch
+    total = count_of(config, mini)
+    first = rows.index(own_rows[0])  # a rank's share is a contiguous slice of the mini-batch
+    own = mini if own_rows == rows else mini.select(list(range(first, first + len(own_rows))))
+    # a sharded learner's gradients are reduce-scattered as the *mean* over ranks: scale by N to get their sum
+    grad_scale = float(ranks.world)
+    scale = loss_scaler.scale if loss_scaler is not None else 1.0  # fp16 amp: the loss scaled up
+    step_metrics: dict[str, float] = {}
+    for micro_rows in _micro_batches(len(own_rows), config.micro_batch_size):
+        part = own.select(micro_rows) if len(micro_rows) < len(own_rows) else own
+        part = renormalize(part, config, "micro_batch")
+        count = count_of(config, part)
+        share = 1.0 if total is None else count / max(total, 1.0)
+        clock = time.perf_counter()
+        with routing.scoring(part, measure=measure):
+            log_prob, entropy = learner.log_prob(part, temperature=config.temperature, grad=True, with_entropy=True)
+        loss, metrics = None, {}
+        ok = _finite_on(part.response_mask, log_prob)  # π_old was checked by its strategy
+        if ok:
+            loss, metrics = _loss(config, part, log_prob, generator)
+            ok = bool(torch.isfinite(loss))
+        if ranks.backward_is_collective:  # every rank takes the same branch around FSDP's collectives
+            ok = ranks.all_true(ok)
+        updates.seconds["loss_forward"] += time.perf_counter() - clock
+        if not ok:
+            return False, step_metrics
+        clock = time.perf_counter()
+        (loss * (share * grad_scale * scale)).backward()
+        updates.seconds["backward"] += time.perf_counter() - clock
+        step_metrics["loss/policy"] = step_metrics.get("loss/policy", 0.0) + float(loss.detach()) * share
+        for k, v in _float_metrics(metrics).items():
+            step_metrics[k] = step_metrics.get(k, 0.0) + v * share
+        # entropy: a mean over valid tokens, weighted by the part's share of them
+        tokens = float(part.response_mask.sum()) / max(float(mini.response_mask.sum()), 1.0)
+        entropy_mean = float(masked_mean(entropy.detach(), part.response_mask))
+        step_metrics["actor/entropy"] = step_metrics.get("actor/entropy", 0.0) + tokens * entropy_mean
+    return True, step_metrics
+
+
+def _step(finite: bool, params: list[Tensor], optimizer: torch.optim.Optimizer, config: StepConfig, updates: Updates,
+          guarded_step: GuardedStep, ranks: Ranks, loss_scaler) -> float | None:  # fmt: skip
+    """One mini-batch's optimizer step from its accumulated gradient: the gradient norm when the step was taken,
+    None when it was not (counted in ``updates`` by why). A replicated learner's gradients are averaged over the
+    ranks first, with whether every rank's loss was finite."""
+    finite = ranks.reduce_gradients(params, finite)
+    if finite and loss_scaler is not None:  # unscale; an overflow skips this step (not a bad step)
+        unscaled = ranks.all_true(loss_scaler.unscale(params))
+        loss_scaler.update(unscaled)
+        if not unscaled:
+            optimizer.zero_grad(set_to_none=True)
+            updates.amp_overflows += 1
+            return None
+    grad_norm = _grad_norm(params, config.grad_clip) if finite else float("nan")
+    if not math.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        updates.skipped += 1
+        return None
+    updates.zero_grads += grad_norm == 0.0
+    if config.skip_zero_grad and grad_norm == 0.0:
+        # Every token rejected, or every advantage zero. Adam would still move the weights by its
+        # momentum m/√v (and v keeps decaying, which inflates the next real step): skip it entirely.
+        updates.zero_grad_skips += 1
+        return None
+    clock = time.perf_counter()
+    stepped = guarded_step()
+    updates.seconds["optimizer"] += time.perf_counter() - clock
+    if not stepped:  # weights would turn NaN/inf: undone, a bad step
+        updates.skipped += 1
+        updates.nonfinite_weights += 1
+        return None
+    return grad_norm
 
 
 class GuardedStep:
@@ -652,12 +691,12 @@ def train_step(
     metrics["time/correction_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    opt_metrics, applied, skipped = optimize(
+    opt_metrics, updates = optimize(
         rollout, learner, optimizer, config, split,
         after_optimizer_step=proximal.after_optimizer_step, generator=generator, ranks=ranks, loss_scaler=loss_scaler,
     )  # fmt: skip
     metrics.update(opt_metrics)
     metrics["time/optimize_s"] = time.perf_counter() - start
-    metrics["train/skipped_updates"] = float(skipped)
-    metrics["train/applied_updates"] = float(applied)
-    return StepResult(metrics=metrics, skipped_updates=skipped, rollout=rollout)
+    metrics["train/skipped_updates"] = float(updates.skipped)
+    metrics["train/applied_updates"] = float(updates.applied)
+    return StepResult(metrics=metrics, skipped_updates=updates.skipped, rollout=rollout)
