@@ -154,7 +154,7 @@ NOT_HERE = {
     ("docs/results.md", "PYTHONPATH=. .venv/bin/python -m experiments.throughput --lr 2e-4"):
         "a study (18 min alone on a 2-core machine; its `--quick` path is a slow-marked test in tests/test_experiments.py)",
     ("docs/training.md", "rollcorr train --measure-engines rollout.prompts_per_step=4 rollout.group_size=4"):
-        "tests/test_engine_choice.py::test_a_short_budget_measures_the_first_trial_and_lists_the_rest_as_skipped "
+        "tests/test_measure_engines.py::test_a_short_budget_measures_the_first_trial_and_lists_the_rest_as_skipped "
         "runs it with a smaller batch and --measure-budget 0.01 (a minute for every engine is not a test); "
         "test_sync_and_async_are_both_measured_with_real_steps measures both modes",
     ("docs/training.md", "# VLLM_LOGGING_LEVEL=ERROR rollcorr train --measure-engines (built-in model, default config): " + MEASURED):

@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def measure_budget(args: argparse.Namespace) -> float:
     """``--measure-budget`` in seconds (default 10), checked before anything is built."""
     from rollcorr.train.config import ConfigError
-    from rollcorr.train.engine_choice import BUDGET_S
+    from rollcorr.train.measure_engines import BUDGET_S
 
     if args.measure_budget is None:
         return BUDGET_S
@@ -179,7 +179,7 @@ def _run(args: argparse.Namespace) -> int:
             return 0
         if args.measure_engines:
             check_components(config)
-            from rollcorr.train.engine_choice import run as measure_engines
+            from rollcorr.train.measure_engines import run as measure_engines
 
             print(measure_engines(config, budget))
             return 0

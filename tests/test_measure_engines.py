@@ -9,9 +9,17 @@ from dataclasses import replace
 import pytest
 
 from rollcorr.cli import main
-from rollcorr.train import engine_choice
+from rollcorr.train import measure_engines
 from rollcorr.train.config import load_config
-from rollcorr.train.engine_choice import Measurement, Trial, candidates, plan, report, step_four, threads_said
+from rollcorr.train.measure_engines import (
+    Measurement,
+    Trial,
+    candidates,
+    plan,
+    report,
+    step_four,
+    threads_said,
+)
 
 
 def test_the_candidates_are_the_configured_sampler_then_each_backend_once_cheapest_start_up_first():
@@ -87,7 +95,7 @@ def test_measuring_sets_torchs_threads_as_a_run_does(monkeypatch, threads, set_t
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
     monkeypatch.setattr("rollcorr.train.build.build_learner", stop)
     with pytest.raises(KeyError):
-        engine_choice.measure(load_config(None, [f"trainer.threads={threads}"]))
+        measure_engines.measure(load_config(None, [f"trainer.threads={threads}"]))
     assert calls == set_to  # 0: left to torch (every core), never 1
 
 
@@ -120,12 +128,12 @@ def test_a_short_budget_measures_the_first_trial_and_lists_the_rest_as_skipped(t
 
 def test_sync_and_async_are_both_measured_with_real_steps(monkeypatch):
     """The configured sampler alone (no other engine's start-up), with a budget its sampler process fits in."""
-    monkeypatch.setattr(engine_choice, "candidates", lambda config: [config.model.sampler])
+    monkeypatch.setattr(measure_engines, "candidates", lambda config: [config.model.sampler])
     config = load_config(None, ["rollout.prompts_per_step=2", "rollout.group_size=2"])
-    m = engine_choice.measure(config, budget_s=300)
+    m = measure_engines.measure(config, budget_s=300)
     assert [(t.engine, t.mode) for t in m.trials] == [("hf:bf16", "sync"), ("hf:bf16", "async")]
     for t in m.trials:
-        assert t.skipped is None and t.steps == engine_choice.TIMED_STEPS, t
+        assert t.skipped is None and t.steps == measure_engines.TIMED_STEPS, t
         assert t.step_s > 0 and t.learn_s > 0 and t.generate_s > 0 and t.tokens > 0
     text = report(m, threads_said(1, 1, 2))
     assert "hf:bf16: async " in text and " vs sync " in text and "fastest here: model.sampler=hf:bf16" in text
