@@ -225,7 +225,7 @@ def test_every_algorithm_runs_two_steps(tmp_path, addition_model_dir, name):
 
 def test_admission_counts_dropped_batches_against_the_trained_version():
     """Batch i is trained at version i − dropped: a drop makes later batches *older*-tolerant, not fresher."""
-    from rollcorr.train.source import admissible, trained_version
+    from rollcorr.train.versions import admissible, trained_version
 
     assert trained_version(5, dropped=2) == 3
     assert admissible(5, dropped=2, sampler_version=1, max_staleness=2)  # trained at 3, lag 2

@@ -194,7 +194,7 @@ def test_trainer_runs_end_to_end_on_ray_workers(ray_cluster, tmp_path):
 
 def test_admission_rule_and_lag():
     from rollcorr.rollout import Rollout
-    from rollcorr.train.source import admissible
+    from rollcorr.train.versions import admissible
 
     assert admissible(5, dropped=0, sampler_version=3, max_staleness=2)
     assert not admissible(5, dropped=0, sampler_version=2, max_staleness=2)

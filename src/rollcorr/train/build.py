@@ -36,8 +36,9 @@ from rollcorr.train.eval import GreedyEvaluator
 from rollcorr.train.executors import AsyncExecutor, Executor, LaggedExecutor
 from rollcorr.train.ray_executor import RayExecutor
 from rollcorr.train.sampler_process import ProcessSource
-from rollcorr.train.source import SourceSpec, mode_lag, sampling_params
+from rollcorr.train.source import SourceSpec, sampling_params
 from rollcorr.train.step import StepConfig
+from rollcorr.train.versions import mode_lag
 
 
 def check_components(config: TrainConfig) -> tuple[StepConfig, ProximalStrategy, Task]:

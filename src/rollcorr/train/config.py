@@ -30,7 +30,7 @@ from rollcorr.plugins import PluginError, load_plugins, not_loaded, plugin_names
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 
-MODES = ("sync", "simulated_async", "async")  # trainer.mode (the sampler's version lag: source.mode_lag)
+MODES = ("sync", "simulated_async", "async")  # trainer.mode (the sampler's version lag: versions.mode_lag)
 SCHEDULES = ("constant", "cosine")
 EXECUTORS = ("local", "ray")
 

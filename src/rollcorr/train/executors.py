@@ -26,7 +26,8 @@ from typing import Any, ClassVar, Protocol
 
 from rollcorr.engines.base import StateDict
 from rollcorr.rollout import Rollout
-from rollcorr.train.source import Source, admissible, copy_weights, finished, lagged_version, sample_batch
+from rollcorr.train.source import Source, copy_weights, finished, sample_batch
+from rollcorr.train.versions import admissible, lagged_version
 from rollcorr.user_code import UserCodeError
 
 

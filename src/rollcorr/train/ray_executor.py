@@ -48,14 +48,8 @@ import torch
 from rollcorr.engines.base import StateDict
 from rollcorr.rollout import Rollout
 from rollcorr.train.executors import Executor
-from rollcorr.train.source import (
-    SourceSpec,
-    admissible,
-    finished,
-    lagged_version,
-    sample_batch,
-    trained_version,
-)
+from rollcorr.train.source import SourceSpec, finished, sample_batch
+from rollcorr.train.versions import admissible, lagged_version, trained_version
 from rollcorr.user_code import UserCodeError
 
 # sane defaults for a local cluster on a small, shared machine (the user's environment wins)

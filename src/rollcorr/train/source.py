@@ -21,7 +21,7 @@ runs; this module decides nothing about time.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -249,35 +249,3 @@ class SourceSpec:
 def _absolute(path: str) -> str:
     """A sampler process may run in another directory: make existing local paths absolute."""
     return str(Path(path).resolve()) if Path(path).exists() else path
-
-
-def mode_lag(mode: str, lag: int) -> int | None:
-    """``trainer.mode`` → the sampler's version lag: ``sync`` 0, ``simulated_async`` ``lag`` (fixed,
-    deterministic), ``async`` None (the freshest weights the sampler can get, within ``max_staleness``)."""
-    from rollcorr.train.config import MODES
-
-    lags = dict(zip(MODES, (0, lag, None)))
-    if mode not in lags:
-        raise ValueError(f"trainer.mode: unknown mode {mode!r}; use one of {sorted(lags)}")
-    return lags[mode]
-
-
-def trained_version(index: int, dropped: int) -> int:
-    """The learner version batch ``index`` is trained at (one batch per step; dropped batches take none)."""
-    return index - dropped
-
-
-def admissible(index: int, dropped: int, sampler_version: int, max_staleness: int) -> bool:
-    """May batch ``index`` be sampled with weights ``sampler_version``? (no token trained at lag > bound)"""
-    return trained_version(index, dropped) - sampler_version <= max_staleness
-
-
-def lagged_version(published: Iterable[int], trained: int, lag: int) -> int:
-    """The weights a batch trained at learner version ``trained`` is sampled with under a fixed lag ``lag``:
-    the newest published version ≤ trained − lag, or the oldest published one while none is that old (the
-    first ``lag`` steps of a run sample with the initial weights)."""
-    versions = list(published)
-    if not versions:
-        raise ValueError("no weights published yet")
-    eligible = [v for v in versions if v <= trained - lag]
-    return max(eligible) if eligible else min(versions)
