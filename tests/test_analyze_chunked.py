@@ -188,8 +188,8 @@ def test_the_reader_in_small_blocks_equals_the_whole_read(ragged_path, tmp_path,
         path = tmp_path / "ragged.parquet"
         pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=16)
     whole = read_dump(path)
-    monkeypatch.setattr(dumps, "READ_BYTES", 20_000)
-    monkeypatch.setattr(dumps, "PARQUET_BATCH_ROWS", 7)
+    monkeypatch.setattr(dumps.streams, "READ_BYTES", 20_000)
+    monkeypatch.setattr(dumps.reader, "PARQUET_BATCH_ROWS", 7)
     blocks = list(open_dump(path).blocks())
     assert len(blocks) > 3
     for name in ("decoupled_geo_rs_token_tis", "icepop", "slime_veto", "token_bn", "opsm"):
@@ -320,7 +320,7 @@ def test_nulls_and_garbage_in_padding_are_ignored(tmp_path):
 
 
 def test_an_optional_field_first_seen_further_on_is_read_from_there(tmp_path, monkeypatch):
-    monkeypatch.setattr(dumps, "READ_BYTES", 64)
+    monkeypatch.setattr(dumps.streams, "READ_BYTES", 64)
     rows = [{"rollout_log_probs": [-0.1], "old_log_probs": [-0.2]} for _ in range(6)]
     rows[4]["version"] = [3]
     path = tmp_path / "d.jsonl"
@@ -340,8 +340,8 @@ def test_a_sparse_mask_is_a_one_line_error():
 
 def test_the_reader_keeps_one_block_of_rows(tmp_path, monkeypatch):
     """Chunks come out while the file is read: at most a pool of rows is held (no whole-file list)."""
-    monkeypatch.setattr(dumps, "READ_BYTES", 4096)
-    monkeypatch.setattr(dumps, "POOL_TOKENS", 256)
+    monkeypatch.setattr(dumps.streams, "READ_BYTES", 4096)
+    monkeypatch.setattr(dumps.reader, "POOL_TOKENS", 256)
     rows = [{"rollout_log_probs": [-0.1] * 20, "old_log_probs": [-0.2] * 20} for _ in range(400)]
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -921,7 +921,7 @@ def _choose_snippet(pair: tuple | None, info: DumpInfo) -> str | None:
 def iter_chunks(dump: Dump, positions: int) -> Iterable[Dump]:
     """An in-memory dump cut into chunks of at most ``positions`` padded positions (rows grouped by length), as
     ``DumpReader.chunks`` cuts a file — for checking that a chunked analysis equals the whole one."""
-    from rollcorr.dumps import _as_dump, _Rows
+    from rollcorr.dumps.rows import _as_dump, _Rows
 
     mask = dump.response_mask
     b, t = mask.shape
