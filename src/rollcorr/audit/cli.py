@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "its temperature, top-k, top-p and response length",
     )  # fmt: skip
     run.add_argument("--step", type=int, help="with --from-run: the checkpoint's step (default: the newest; the "
-                     "run's starting model when it has none)")  # fmt: skip
+                     "run's starting model when it has none); 0: the run's starting model")  # fmt: skip
     diagnosis = parser.add_argument_group("diagnosis (hf engines; docs/audit.md)")
     diagnosis.add_argument(
         "--localize", nargs="?", type=int, const=8, default=None, metavar="N",
@@ -117,11 +117,13 @@ def _run_plan(args) -> dict:
                         f"{f' (and {len(missing) - 6} more)' if len(missing) > 6 else ''}: cut short, edited or "
                         "written by an older rollcorr; their defaults are used")  # fmt: skip
     steps = {checkpoint_step(p): p for p in list_checkpoints(run)}
-    if args.step is not None:
-        if args.step not in steps:
-            raise FileNotFoundError(f"--step {args.step}: {run} has no checkpoint of that step (it has: "
-                                    f"{sorted(steps) or 'none'})")  # fmt: skip
+    if args.step is not None and args.step not in steps and args.step != 0:
+        raise FileNotFoundError(f"--step {args.step}: {run} has no checkpoint of that step (it has: "
+                                f"{sorted(steps) or 'none'}; --step 0 is the run's starting model)")  # fmt: skip
+    if args.step is not None and args.step in steps:
         model, step = str(checkpoint_dir(run, args.step) / "model"), args.step
+    elif args.step == 0:  # the run's starting model: its model.path (a LoRA run's base, adapters off)
+        model, step = config.model.path, 0
     elif steps:
         step = max(steps)
         model = str(checkpoint_dir(run, step) / "model")
@@ -334,28 +336,37 @@ def _collect_live(args, console, workdir: str):
     if args.routing_replay and rollout.routed_experts is None:
         raise ValueError(f"--routing-replay: sampler {sampler_spec} returned no routed experts to replay")
     learner_routes = learner_routing(learner, rollout, args.batch_size)
-    source = {
+    source = _source(args, plan, sampler_spec, learner_spec, model, gguf_file, len(prompts), params)
+    source["seconds"] = round(time.perf_counter() - started, 2)
+    data = from_rollout(rollout, learner.tokenizer, sampler_dist=args.sampler_dist, source=source,
+                        learner_routed_experts=learner_routes)  # fmt: skip
+    data.diagnosis = diagnosis
+    return data
+
+
+def _source(args, plan: dict | None, sampler_spec: str, learner_spec: str, model: str | None, gguf_file: str | None,
+            responses: int, params) -> dict:  # fmt: skip
+    """How a live audit's data was made (``summary["source"]``): what the report shows and what its suggested
+    commands repeat (``verdict.override``, ``verdict.audit_command``)."""
+    return {
         "sampler": sampler_spec,
         "learner": learner_spec,
         "model": model or "builtin",
         **({"gguf_file": gguf_file} if gguf_file else {}),
         "prompts": (f"the run's task ({plan['task'].__class__.__name__}, train split)" if plan is not None
                     else args.prompts or "builtin addition task (test split)"),
+        **({"prompts_file": args.prompts} if args.prompts else {}),
         **({"run": plan["run"], "step": plan["step"]} if plan is not None else {}),
         "chat_template": args.chat,
+        "sampler_dist": args.sampler_dist,
         **({"routing_replay": args.routing_replay} if args.routing_replay else {}),
-        "responses": len(prompts),
+        "responses": responses,
         "max_new_tokens": params.max_new_tokens,
         "temperature": params.temperature,
         "top_k": params.top_k,
         "top_p": params.top_p,
         "seed": params.seed,
-        "seconds": round(time.perf_counter() - started, 2),
     }
-    data = from_rollout(rollout, learner.tokenizer, sampler_dist=args.sampler_dist, source=source,
-                        learner_routed_experts=learner_routes)  # fmt: skip
-    data.diagnosis = diagnosis
-    return data
 
 
 def _check_diagnosis(args, sampler_spec: str) -> list[str] | None:

@@ -289,7 +289,7 @@ class _AuditSums:
 
     # -- the whole dump -----------------------------------------------------------------------------------------
     def finish(self, info: DumpInfo, path) -> tuple[dict[str, Any], AuditData]:
-        from rollcorr.audit.verdict import override, suggestion, verdict
+        from rollcorr.audit.verdict import conclude
 
         order = np.argsort(np.concatenate(self.per_row["index"]), kind="stable")
         row = {k: np.concatenate(v)[order] for k, v in self.per_row.items() if k != "index"}
@@ -352,10 +352,7 @@ class _AuditSums:
             summary["routing_note"] = info.routing_note
         if self.turns.multi_turn:
             summary["turns"] = self.turns.result()
-        summary["verdict"] = verdict(summary)
-        preset_name = suggestion(summary)
-        summary["suggested_preset"] = preset_name
-        summary["suggested_override"] = None if preset_name is None else override(preset_name)
+        conclude(summary)
         return summary, figures
 
     def _profile(self, n_buckets: int = 20) -> dict[str, list[float]]:

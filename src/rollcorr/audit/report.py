@@ -19,7 +19,7 @@ from rich.table import Table
 from rollcorr.audit import plots
 from rollcorr.audit.collect import AuditData
 from rollcorr.audit.stats import audit_stats, check_inputs
-from rollcorr.audit.verdict import SHARE_KEYS, override, references_for, suggestion, verdict
+from rollcorr.audit.verdict import SHARE_KEYS, conclude, references_for
 from rollcorr.turns import turn_summary
 
 CONTEXT_TOKENS = 12  # tokens shown on each side of a worst token
@@ -64,10 +64,7 @@ def build_summary(data: AuditData, worst_k: int = 10) -> dict[str, Any]:
     turns = turn_summary(data.rollout_log_prob, data.old_log_prob, data.response_mask, data.turn)
     if turns is not None:  # multi-turn trajectories: the mismatch per turn and by place in the turn
         summary["turns"] = turns
-    summary["verdict"] = verdict(summary)
-    preset_name = suggestion(summary)
-    summary["suggested_preset"] = preset_name
-    summary["suggested_override"] = None if preset_name is None else override(preset_name, summary)
+    conclude(summary)  # the verdict, the commands it points to, the suggested preset
     return summary
 
 
@@ -152,49 +149,108 @@ def turn_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list
             ("by place in the turn (model tokens before it in its turn)", ["places", *names], by_place)]  # fmt: skip
 
 
+def new_table(title: str, columns: list[tuple[str, bool]]) -> Table:
+    """A rich table of (name, holds values) columns; ``print_table`` prints it so that no value is wrapped or cut
+    (value columns are the right-justified ones) and only labels wrap — a narrow terminal or a redirected output
+    loses no digit of a number (rich's own layout cut ``2.049e-06`` to ``2.049…`` at 80 columns)."""
+    table = Table(title=title, title_justify="left")
+    for name, value in columns:
+        table.add_column(name, justify="right" if value else "left", overflow="fold")
+    return table
+
+
+LABEL_WIDTH = 16  # a label column narrows to its longest word, up to this many characters, before the table widens
+
+
+def _column_widths(console: Console, table: Table) -> list[int]:
+    """Widths that keep every value whole: a value column as wide as its widest value (its header wraps at words),
+    the label columns narrowed from their natural widths (widest first) to fit the console, down to their
+    longest word (at most ``LABEL_WIDTH``)."""
+    plain = lambda c: console.render_str(c).plain if isinstance(c, str) else str(c)  # noqa: E731
+    widths, floors = [], []
+    for column in table.columns:
+        texts, header = [plain(c) for c in column.cells], str(column.header)
+        words = [len(w) for text in (header, *texts) for w in text.split()] or [1]
+        if column.justify == "right":  # values
+            widths.append(max([len(t) for t in texts] + [min(max(words), LABEL_WIDTH), 1]))
+            floors.append(widths[-1])
+        else:
+            widths.append(max([len(line) for text in (header, *texts) for line in text.splitlines()] + [1]))
+            floors.append(min(max(words), LABEL_WIDTH))
+    room = console.width - (3 * len(widths) + 1)  # borders and one space of padding on each side of a cell
+    while sum(widths) > room:
+        shrink = [i for i, (w, f) in enumerate(zip(widths, floors)) if w > f]
+        if not shrink:
+            break
+        i = max(shrink, key=lambda j: widths[j])
+        widths[i] -= 1
+    return widths
+
+
+def print_table(console: Console, table: Table) -> None:
+    """Print ``table`` at ``_column_widths``; when even those need more than the console's width, the output is
+    made that wide (a terminal then wraps the lines on screen: nothing is cut)."""
+    for column, width in zip(table.columns, _column_widths(console, table)):
+        column.width = width
+    need = sum(column.width for column in table.columns) + 3 * len(table.columns) + 1
+    width = console.width
+    if need <= width:
+        console.print(table)
+        return
+    console.width = need
+    try:
+        console.print(table)
+    finally:
+        console.width = width
+
+
+def print_line(console: Console, text: str, **kwargs: Any) -> None:
+    """A paragraph: wrapped at words in a terminal, one whole line otherwise (a log file, a pipe)."""
+    console.print(text, soft_wrap=not console.is_terminal, highlight=False, **kwargs)
+
+
+def print_commands(console: Console, summary: dict[str, Any]) -> None:
+    """Each command the verdict points to (``summary["commands"]``): its label, then the command alone on one
+    line, never wrapped by rich whatever the width (a terminal may fold it on screen; copied, it is one line)."""
+    for item in summary.get("commands", []):
+        console.print(f"{item['label']}:", style="bold", highlight=False, markup=False)
+        console.print(f"  {item['command']}", soft_wrap=True, highlight=False, markup=False)
+
+
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
-    """The summary table and the worst tokens, printed with rich."""
+    """The summary table, the worst tokens, the per-turn and what-if tables, the verdict and its commands,
+    printed with rich (``print_table``: no number is cut; ``print_commands``: each command whole on a line)."""
     console = console or Console()
-    table = Table(title="sampler vs learner mismatch", title_justify="left")
-    for name in ("", "metric", "value"):
-        table.add_column(name, justify="right" if name == "value" else "left")
+    table = new_table("sampler vs learner mismatch", [("", False), ("metric", False), ("value", True)])
     previous = None
     for section, metric, value in summary_rows(summary):
         table.add_row(section if section != previous else "", metric, value)
         previous = section
-    console.print(table)
-    worst = Table(title="worst tokens", title_justify="left")
-    for name in ("resp", "pos", "p_sampler", "p_learner", "|Δp|", "context"):
-        worst.add_column(name, justify="left" if name == "context" else "right", overflow="fold")
+    print_table(console, table)
+    worst = new_table("worst tokens", [(name, True) for name in ("resp", "pos", "p_sampler", "p_learner", "|Δp|")]
+                      + [("context", False)])  # fmt: skip
     for w in summary["worst_tokens"]:
         before, after = escape(w["before"][-PRINT_CONTEXT_CHARS:]), escape(w["after"][:PRINT_CONTEXT_CHARS])
         context = f"{before}[bold red]⟦{escape(w['token'])}⟧[/]{after}" if w["token"] else ""
-        worst.add_row(
-            str(w["row"]),
-            str(w["position"]),
-            f"{w['p_sampler']:.4f}",
-            f"{w['p_learner']:.4f}",
-            f"{w['abs_diff']:.4f}",
-            context,
-        )
-    console.print(worst)
+        worst.add_row(str(w["row"]), str(w["position"]), f"{w['p_sampler']:.4f}", f"{w['p_learner']:.4f}",
+                      f"{w['abs_diff']:.4f}", context)  # fmt: skip
+    print_table(console, worst)
     for title, header, rows in turn_tables(summary):
-        table = Table(title=title, title_justify="left")
-        for name in header:
-            table.add_column(name, justify="right")
+        table = new_table(title, [(name, True) for name in header])
         for row in rows:
             table.add_row(*map(escape, row))
-        console.print(table)
+        print_table(console, table)
     if summary.get("whatif"):
-        table = Table(title="what would remove it (--whatif)", title_justify="left")
-        for name in ("change", "sampler", *(c[0] for c in WHATIF_COLUMNS), "level"):
-            table.add_column(name, justify="left" if name in ("change", "sampler", "level") else "right")
+        names = ("change", "sampler", *(c[0] for c in WHATIF_COLUMNS), "level")
+        table = new_table("what would remove it (--whatif)",
+                          [(name, name not in ("change", "sampler", "level")) for name in names])  # fmt: skip
         for row in whatif_rows(summary):
             table.add_row(*map(escape, row))
-        console.print(table)
+        print_table(console, table)
     if "localization" in summary:
-        console.print(f"[bold]Where it enters[/]: {escape(summary['localization']['entry'])}", highlight=False)
-    console.print(f"[bold]In short[/]: {escape(' '.join(summary['verdict']))}", highlight=False)
+        print_line(console, f"[bold]Where it enters[/]: {escape(summary['localization']['entry'])}")
+    print_line(console, f"[bold]In short[/]: {escape(' '.join(summary['verdict']))}")
+    print_commands(console, summary)
 
 
 CSS = """
@@ -208,6 +264,9 @@ th{background:#f4f4f4}td.num{text-align:right;font-variant-numeric:tabular-nums}
 .tok{background:#fdd;color:#b00;font-weight:bold;border-radius:2px}
 .verdict{background:#f6f8fa;border-left:4px solid #4c72b0;padding:.2em 1em;margin:1em 0}
 .verdict h2{border:none;margin-top:.5em}.refs,.note{color:#555;font-size:.9em}
+.cmd{position:relative;margin:.6em 0}.cmd .label{font-weight:600;font-size:.92em}
+.cmd pre{background:#fff;border:1px solid #ddd;padding:.5em 4.5em .5em .7em;margin:.2em 0;overflow-x:auto;white-space:pre}
+.cmd button{position:absolute;right:.4em;bottom:.45em;font-size:.8em;cursor:pointer}
 figure{margin:1em 0}figure img{max-width:100%;border:1px solid #eee}figcaption{color:#555;font-size:.9em}
 """
 
@@ -267,10 +326,22 @@ MONTE_CARLO_NOTE = (
 )
 
 
+COPY = "navigator.clipboard.writeText(this.parentElement.querySelector('code').textContent)"
+
+
+def commands_html(summary: dict[str, Any]) -> str:
+    """Each command of ``summary["commands"]`` as a labelled code block with a copy button (the button's only
+    script is its onclick: the page stays self-contained)."""
+    esc = html.escape
+    return "".join(f"<div class='cmd'><div class='label'>{esc(c['label'])}:</div><pre><code>{esc(c['command'])}</code>"
+                   f"</pre><button type='button' onclick=\"{COPY}\">copy</button></div>"
+                   for c in summary.get("commands", []))  # fmt: skip
+
+
 def render_html(summary: dict[str, Any], images: dict[str, Path]) -> str:
     """One self-contained page: inline CSS, PNGs as base64 data URIs, no external resource."""
     esc = html.escape
-    verdict_html = "".join(f"<p>{esc(sentence)}</p>" for sentence in summary["verdict"])
+    verdict_html = "".join(f"<p>{esc(sentence)}</p>" for sentence in summary["verdict"]) + commands_html(summary)
     refs = references_for(summary)
     ref_head = "".join(f"<th title='{esc(r['source'])}'>{esc(r['label'])}</th>" for r in refs.values())
     ref_rows = "".join(

@@ -16,6 +16,8 @@ each with the evidence it rests on (the project's own studies, docs/results.md).
 from __future__ import annotations
 
 import math
+import shlex
+from pathlib import Path
 from typing import Any
 
 from rollcorr.audit.levels import level_of
@@ -118,19 +120,108 @@ def references_for(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     }
 
 
-def override(preset_name: str, summary: dict[str, Any] | None = None) -> str:
-    """The command line that applies a preset in rollcorr's trainer, on the audited model, sampler and learner
-    (``summary["source"]``; a dump audited with ``--from-log`` names none)."""
-    source = (summary or {}).get("source", {})
-    parts = ["rollcorr train"]
+def _shell(parts: list[str]) -> str:
+    """One command line from its words, each quoted for a POSIX shell only where it needs it."""
+    return " ".join(shlex.quote(str(part)) for part in parts)
+
+
+def _hf_folder(source: dict[str, Any]) -> str | None:
+    """The Hugging Face folder the audited model trains from: ``--model``, or for a ``--gguf-file`` the folder
+    ``gguf_command`` converts it into; None for the built-in model or a dump."""
     model = source.get("model")
-    if model and model != "builtin":
-        parts.append(f"model.path={model}")
-    for key in ("sampler", "learner"):
-        if source.get(key):
-            parts.append(f"model.{key}={source[key]}")
-    parts.append(f"algorithm.correction.preset={preset_name}")
-    return " ".join(parts)
+    if not model or model == "builtin":
+        return None
+    gguf = source.get("gguf_file")
+    return f"models/{Path(gguf).stem}" if gguf else str(model)
+
+
+def gguf_command(source: dict[str, Any]) -> str | None:
+    """``rollcorr gguf-to-hf`` of the audited ``--gguf-file`` into the folder ``override`` trains (``_hf_folder``);
+    None when the audit read no GGUF file (training loads a Hugging Face folder, not a GGUF)."""
+    if not source.get("gguf_file") or not source.get("model"):
+        return None
+    return _shell(["rollcorr", "gguf-to-hf", str(Path(source["model"]) / source["gguf_file"]), _hf_folder(source)])
+
+
+def override(preset_name: str, summary: dict[str, Any] | None = None) -> str:
+    """The command line that trains what was audited with a preset, ready to paste (each word shell-quoted):
+
+    - ``--from-run RUN``: the run's own config again (its model, task, chat setting and sampling) into a new
+      folder ``RUN-<preset>``, with the audited sampler and learner;
+    - a live audit: its model (``--config instruct`` for a model of the user's: its learning rate and reward,
+      docs/tasks.md), sampler, learner, prompts file as the task, chat setting and sampling temperature, top-k,
+      top-p;
+    - a dump (``--from-log``), which names none of these: the preset alone.
+    """
+    source = (summary or {}).get("source", {})
+    engines = [f"model.{key}={source[key]}" for key in ("sampler", "learner") if source.get(key)]
+    preset_key = f"algorithm.correction.preset={preset_name}"
+    if source.get("run"):
+        run = str(source["run"]).rstrip("/")
+        return _shell(["rollcorr", "train", "--config", f"{run}/config.yaml", "--out", f"{run}-{preset_name}",
+                       *engines, preset_key])  # fmt: skip
+    parts = ["rollcorr", "train"]
+    folder = _hf_folder(source)
+    if folder:
+        parts += ["--config", "instruct", f"model.path={folder}"]
+    parts += engines
+    if source.get("routing_replay"):
+        parts.append(f"model.routing_replay={source['routing_replay']}")
+    if source.get("prompts_file"):
+        parts.append(f"task.name={source['prompts_file']}")
+    if folder or source.get("prompts_file"):  # the chat template as audited (null would mean: when there is one)
+        parts.append(f"task.chat={'true' if source.get('chat_template') else 'false'}")
+    temperature = source.get("temperature")
+    if temperature is not None and (folder or temperature != 1.0):  # instruct's own default is 0.7
+        parts.append(f"rollout.temperature={temperature:g}")
+    if source.get("top_k"):
+        parts.append(f"rollout.top_k={source['top_k']}")
+    if source.get("top_p") is not None and source["top_p"] < 1:
+        parts.append(f"rollout.top_p={source['top_p']:g}")
+    return _shell([*parts, preset_key])
+
+
+def audit_command(summary: dict[str, Any], *extra: str) -> str | None:
+    """The audit as it ran (``summary["source"]``), with ``extra`` words appended — e.g. ``--whatif fp16`` to
+    measure a change on the same model, prompts, chat setting, sampling and seed; None for a dump."""
+    s = summary.get("source", {})
+    if s.get("run"):
+        words = ["--from-run", s["run"], *(["--step", str(s["step"])] if s.get("step") is not None else [])]
+        words += [word for key in ("sampler", "learner") if s.get(key) for word in (f"--{key}", s[key])]
+    elif s.get("sampler"):
+        model = s.get("model")
+        words = [*(["--model", model] if model and model != "builtin" else []),
+                 *(["--gguf-file", s["gguf_file"]] if s.get("gguf_file") else []),
+                 "--sampler", s["sampler"], *(["--learner", s["learner"]] if s.get("learner") else []),
+                 *(["--prompts", s["prompts_file"]] if s.get("prompts_file") else []),
+                 *(["--chat"] if s.get("chat_template") else []),
+                 *(["--routing-replay", s["routing_replay"]] if s.get("routing_replay") else [])]  # fmt: skip
+    else:
+        return None
+    for flag, key, default in (("-n", "responses", None), ("--max-new-tokens", "max_new_tokens", None),
+                               ("--temperature", "temperature", None), ("--top-k", "top_k", 0),
+                               ("--top-p", "top_p", 1.0), ("--seed", "seed", 0),
+                               ("--sampler-dist", "sampler_dist", "full")):  # fmt: skip
+        if s.get(key) is not None and s[key] != default:
+            words += [flag, f"{s[key]:g}" if isinstance(s[key], float) else str(s[key])]
+    return _shell(["rollcorr", "audit", *words, *extra])
+
+
+def commands(summary: dict[str, Any]) -> list[dict[str, str]]:
+    """The commands the verdict points to, each {"label", "command"} — printed whole on a line of its own in the
+    terminal and as a code block with a copy button in report.html: the conversion a GGUF model needs before
+    training, the one that applies the suggested preset, the one that measures what precision would remove."""
+    out = []
+    preset_name = suggestion(summary)
+    if preset_name is not None:
+        convert = gguf_command(summary.get("source", {}))
+        if convert:
+            out.append({"label": "Convert the GGUF model for training (once)", "command": convert})
+        out.append({"label": "Apply it", "command": override(preset_name, summary)})
+    measure = _measure_command(summary)
+    if measure:
+        out.append({"label": "Measure what an fp16 sampler would leave on this model", "command": measure})
+    return out
 
 
 def same_presets(preset_name: str) -> str:
@@ -199,7 +290,7 @@ def _suggest(where: str, why: str, summary: dict[str, Any]) -> str:
     entry = SUGGESTIONS[where]
     return (
         f"Suggested correction: preset {entry['preset']} ({why}). Evidence: {entry['evidence']}. "
-        f"Apply it: {override(entry['preset'], summary)}{same_presets(entry['preset'])}."
+        f"Apply it with the command below{same_presets(entry['preset'])}."
     )
 
 
@@ -210,23 +301,33 @@ def _sampler_dtype(summary: dict[str, Any]) -> str | None:
 
 def _precision_sentence(summary: dict[str, Any]) -> str:
     """What an fp16 sampler would leave, for a bf16 sampler: the built-in model's measurement, said to be of
-    the built-in model when another one is audited, with the command that measures it on this one."""
+    the built-in model when another one is audited, pointing to the command that measures it on this one."""
     fp16, bf16 = REFERENCES["builtin_fp16"], REFERENCES["builtin_bf16"]
     measured = (
         f"an fp16 sampler left {_pct(fp16['prob_diff_frac_ge_0.01'])} of tokens at |Δp| ≥ 0.01 (max "
         f"{fp16['prob_diff_max']:.3g}) where bf16 left {_pct(bf16['prob_diff_frac_ge_0.01'])} (max "
         f"{bf16['prob_diff_max']:.3g}); fp16 keeps 10 mantissa bits to bf16's 7"
     )
-    source = summary.get("source", {})
-    if source.get("model") == "builtin":
+    if summary.get("source", {}).get("model") == "builtin":
         return f"Precision alone would remove most of this gap: on this model (the built-in one) {measured}."
-    fp16_spec = str(source.get("sampler", "")).replace(":bf16", ":fp16")
-    command = " ".join(["rollcorr audit", *([f"--model {source['model']}"] if source.get("model") else []),
-                        f"--sampler {fp16_spec}", *([f"--learner {source['learner']}"] if source.get("learner") else [])])  # fmt: skip
     return (
         f"Precision may remove most of this gap — measured on the project's built-in model, not on this one: "
-        f"{measured}. Measure it on this model: {command}."
+        f"{measured}. Measure it on this model with the command below (this audit with --whatif fp16)."
     )
+
+
+def _says_precision(summary: dict[str, Any]) -> bool:
+    """Whether the verdict quotes what an fp16 sampler would leave: a bf16-level audit of a bf16 sampler that
+    did not measure it itself (--whatif)."""
+    return level(summary) == "bf16" and _sampler_dtype(summary) == "bf16" and not summary.get("whatif")
+
+
+def _measure_command(summary: dict[str, Any]) -> str | None:
+    """This audit with ``--whatif fp16`` when the verdict quotes the built-in model's fp16 numbers for another
+    model (``_precision_sentence``)."""
+    if not _says_precision(summary) or summary.get("source", {}).get("model") == "builtin":
+        return None
+    return audit_command(summary, "--whatif", "fp16")
 
 
 WHATIF_WORDS = {"fp16": "an fp16 sampler", "bf16": "a bf16 sampler", "fp32": "the same engine in fp32",
@@ -284,7 +385,7 @@ def verdict(summary: dict[str, Any]) -> list[str]:
         )
         out.append(_suggest(where, f"token ESS/N {ess_tok:.3g}, sequence ESS/N {ess_seq:.3g}; per-token "
                                    "weights capped at 2 keep the variance low even where sequence products spread", summary))  # fmt: skip
-        if _sampler_dtype(summary) == "bf16" and not summary.get("whatif"):
+        if _says_precision(summary):
             out.append(_precision_sentence(summary))
     else:
         out.append(
@@ -333,3 +434,13 @@ def routing_sentences(summary: dict[str, Any]) -> list[str]:
         return [f"Mixture of experts: {summary['routing_note']}."]
     text = routing_sentence(summary["routing"]) if summary.get("routing") else None
     return [text] if text else []
+
+
+def conclude(summary: dict[str, Any]) -> None:
+    """Add the verdict to ``summary``: "verdict" (sentences), "commands" (``commands``), "suggested_preset" and
+    "suggested_override" (the command that applies it, or None when the verdict says to fix the sampler first)."""
+    summary["verdict"] = verdict(summary)
+    summary["commands"] = commands(summary)
+    preset_name = suggestion(summary)
+    summary["suggested_preset"] = preset_name
+    summary["suggested_override"] = None if preset_name is None else override(preset_name, summary)
