@@ -133,11 +133,10 @@ def test_shares_of_a_batch_are_the_batch_one_source_samples():
     whole = spec.build()
     parts = [dataclasses.replace(spec, share=(r, WORLD)).build() for r in range(WORLD)]
     for index in (0, 3):
-        prompts, params, items, groups = whole._request(index)
+        rows, params, groups = whole._request(index)
         shares = [part._request(index) for part in parts]
-        assert sum((s[0] for s in shares), []) == prompts
-        assert sum((s[2] for s in shares), []) == items
-        assert sum((s[3] for s in shares), []) == groups
+        assert sum((s[0] for s in shares), []) == rows
+        assert sum((s[2] for s in shares), []) == groups
         assert len({s[1].seed for s in shares}) == WORLD  # one stream per rank
 
 
@@ -178,9 +177,9 @@ def test_every_rank_samples_its_share_and_holds_the_whole_batch():
         zero, one = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     assert torch.equal(zero[0], one[0]) and zero[1] == one[1] and torch.equal(zero[2], one[2])
     config = load_config(None, ["rollout.prompts_per_step=4", "rollout.group_size=2"])
-    _, _, items, groups = SourceSpec.from_config(config).build()._request(0)
-    assert zero[0].tolist() == [g for g in groups for _ in range(2)]  # one process's prompts and groups, in order
-    assert zero[1] == [it["prompt"] for it in items for _ in range(2)]
+    rows, _, groups = SourceSpec.from_config(config).build()._request(0)
+    assert zero[0].tolist() == groups  # one process's rows (each prompt G times) and groups, in order
+    assert zero[1] == [row["prompt"] for row in rows]
 
 
 def test_one_process_never_splits_its_sampling():
