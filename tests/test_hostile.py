@@ -11,7 +11,8 @@ The table (a new surface gets its section and its rows here, named ``test_<surfa
       --resume)                     user named or imported it; one line says how
     reward (user code)              a reward that raises, returns None / text / NaN / inf / out of [0, 1], has the
                                     wrong signature or hangs: one line naming it and the row, in every executor;
-                                    clipped only with task.reward_clip; SIGTERM while it hangs saves a checkpoint
+                                    clipped only with task.reward_clip; SIGTERM while it hangs saves a checkpoint;
+                                    an abandoned call is stopped, and one inside torch does not crash the exit
     data (task rows)                an answer a built-in verifier cannot read (list, dict, boolean, NaN) is refused
                                     naming its line; an unknown split value too; an evaluation with no held-out
                                     rows refused at start; held-out rows repeating training prompts counted, said
@@ -37,6 +38,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -364,6 +366,56 @@ def test_reward__a_call_past_its_time_limit_is_abandoned_with_a_line(bad_rewards
         rewards(task, task.sample(2, seed=0), ["1", "2"], timeout=0.2)
     half = DataTask(bad_rewards, "bad_rewards:half")  # the next call gets a fresh worker
     assert rewards(half, task.sample(2, seed=0), ["1", "2"], timeout=0.2) == [0.5, 0.5]
+
+
+def test_reward__an_abandoned_call_is_stopped_at_its_next_line():
+    """A call past its time limit gets ``Abandoned`` raised inside it (it stops; its thread ends) instead of
+    running on for the rest of the process; ``except Exception`` in the user's code lets it pass."""
+    from rollcorr.user_code import Abandoned, UserCodeError, call_user
+
+    seen: list[tuple[threading.Thread, BaseException]] = []
+
+    def spins() -> None:
+        try:
+            while True:
+                try:
+                    sum(range(100))
+                except Exception:  # noqa: BLE001 — a user's catch-all must not keep the call alive
+                    pass
+        except BaseException as err:
+            seen.append((threading.current_thread(), err))
+            raise
+
+    with pytest.raises(UserCodeError, match=r"^reward 'spins' gave no answer in 0.2 s; it was abandoned$"):
+        call_user(spins, what="reward 'spins'", timeout=0.2)
+    while not seen:  # no time bound: it must come (a hang fails the suite's own timeout, not this assert)
+        time.sleep(0.01)
+    thread, err = seen[0]
+    thread.join()
+    assert isinstance(err, Abandoned) and not thread.is_alive()
+    assert call_user(lambda: 7, what="reward 'seven'", timeout=0.2) == 7  # a fresh worker
+
+
+def test_reward__an_abandoned_call_inside_torch_leaves_the_exit_code_alone(tmp_path):
+    """A reward that runs torch past its time limit: the process exits with its own code (1 here). Without the
+    stop at exit, torch's C++ teardown ran under the thread still inside it: "terminate called without an
+    active exception" and exit code 134 (or 139), every time."""
+    script = (
+        "import torch\n"
+        "from rollcorr.user_code import UserCodeError, call_user\n"
+        "def spins():\n"
+        "    a = torch.randn(64, 64)\n"
+        "    while True:\n"
+        "        a = (a @ a).tanh()\n"
+        "try:\n"
+        "    call_user(spins, what=\"reward 'spins'\", timeout=0.2)\n"
+        "except UserCodeError as err:\n"
+        "    print(err)\n"
+        "    raise SystemExit(1)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1 and done.stderr == "", (done.returncode, done.stderr[-3000:])
+    assert done.stdout == "reward 'spins' gave no answer in 0.2 s; it was abandoned\n"
 
 
 def test_reward__a_wrong_signature_is_refused_before_any_model_loads(bad_rewards, capsys):

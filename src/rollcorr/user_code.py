@@ -6,19 +6,24 @@
 
 - it raises (anything, ``SystemExit`` included)  → ``UserCodeError``: one line, ``what``, the exception's own
   last line and the place in the user's file that raised it;
-- it runs past ``timeout`` seconds               → ``UserCodeError`` saying so; the call is abandoned (a thread
-  cannot be stopped: it runs on, and ends with the process; the next call gets a fresh worker);
+- it runs past ``timeout`` seconds               → ``UserCodeError`` saying so; the call is abandoned: ``Abandoned``
+  is raised inside it at its next Python line (a thread cannot be stopped inside one C call, e.g. ``time.sleep``:
+  it runs on) and the next call gets a fresh worker;
 - a signal arrives while the caller waits        → the caller's signal handler runs at once (the wait is
   interruptible), and may raise: ``waiting()`` tells it what user code the main thread is waiting for.
 
 ``call_each(fn, calls, what, timeout)`` makes a batch of such calls (a batch's rewards) with one thread switch
-per batch, not per call. User code therefore never runs on the main thread:
+per batch, not per call. A process that exits waits up to ``EXIT_WAIT_S`` for abandoned calls to stop: C++
+libraries (torch) tear down at exit under a thread still inside them, and the process then aborts (exit code
+134 or 139 instead of its own, after a one-line error). User code therefore never runs on the main thread:
 a signal-based timeout inside it (``signal.alarm``) is not available there; ``timeout`` is the limit. What the
 value must be is the caller's to check (a reward: ``rollcorr.tasks.base.checked_reward``).
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import os
 import queue
 import threading
@@ -27,10 +32,17 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+EXIT_WAIT_S = 5.0  # seconds an exiting process waits for abandoned user code to stop
+
 
 class UserCodeError(RuntimeError):
     """User code (a reward, an environment) that raised, returned what it may not, or ran past its time limit;
     the message is one line naming it."""
+
+
+class Abandoned(BaseException):
+    """Raised inside user code whose call was abandoned (its time limit, a signal handler that raised), so that
+    it stops at its next Python line; a BaseException, so that ``except Exception`` in user code lets it pass."""
 
 
 class _Calls:
@@ -55,19 +67,30 @@ class _Calls:
 
 
 class _Worker(threading.Thread):
-    """A daemon thread running batches of calls (a daemon: a call that never returns cannot hold the exit)."""
+    """A daemon thread running batches of calls (a daemon: a call that never returns cannot hold the exit).
+    Once ``abandon``-ed it takes no more batches and ends as soon as the call it runs stops."""
 
     def __init__(self) -> None:
         super().__init__(name="rollcorr-user-code", daemon=True)
-        self.batches: queue.SimpleQueue[_Calls] = queue.SimpleQueue()
+        self.batches: queue.SimpleQueue[_Calls | None] = queue.SimpleQueue()
         self.start()
 
     def run(self) -> None:
-        while True:
-            self.batches.get().run()
+        try:
+            while (batch := self.batches.get()) is not None:
+                batch.run()
+        except Abandoned:  # landed after the call it was meant for had returned
+            pass
+
+    def abandon(self) -> None:
+        """Stop the call running here at its next Python line (``Abandoned`` raised in this thread), then end."""
+        self.batches.put(None)
+        _abandoned.append(self)
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.ident), ctypes.py_object(Abandoned))
 
 
 _local = threading.local()  # each calling thread's workers (``_workers``)
+_abandoned: list[_Worker] = []  # workers abandoned with a call running, waited for at exit
 # what the main thread waits for (signal handlers run there, and ask ``waiting()``): its batches, and how call
 # k of batch b is named
 _main_waiting: list[tuple[list[_Calls], Callable[[int, int], str]]] = []
@@ -127,7 +150,8 @@ def call_each(fn: Callable[..., Any], calls: Sequence[tuple], what: Callable[[in
         if main:
             _main_waiting.pop()
         for w, batch in enumerate(batches):
-            if not batch.done.is_set():  # abandoned (time limit, a signal handler raised): its worker may stay busy
+            if not batch.done.is_set():  # abandoned (time limit, a signal handler raised): stopped, replaced
+                pool[w].abandon()
                 _local.pool[w] = None
     if late is not None:
         limit = f" ({timeout_key}={timeout:g})" if timeout_key else ""
@@ -150,6 +174,15 @@ def _late(batch: _Calls, timeout: float | None) -> int | None:
             return None
         if batch.clock[0] == index and time.monotonic() - started >= timeout:
             return index
+
+
+@atexit.register
+def _wait_for_abandoned() -> None:
+    """At exit, while the interpreter is still whole: give abandoned calls up to ``EXIT_WAIT_S`` in all to stop
+    (``Abandoned`` was raised in them), so that no thread is inside torch as C++ tears down (which aborts)."""
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for worker in _abandoned:
+        worker.join(max(0.0, deadline - time.monotonic()))
 
 
 def said(err: BaseException) -> str:
