@@ -735,8 +735,18 @@ def learner_processes(c: TrainConfig) -> int:
 
 
 def validate(c: TrainConfig) -> None:
-    """Self-consistency checks that need no model. Raises ConfigError naming the key."""
-    r, a, o, t = c.rollout, c.algorithm, c.optim, c.trainer
+    """Self-consistency checks that need no model, section by section (the first problem found is said).
+    Raises ConfigError naming the key."""
+    _validate_rollout_and_task(c)
+    _validate_model(c)
+    loss = _validate_algorithm(c)
+    _validate_optim(c.optim)
+    _validate_trainer(c, loss)
+
+
+def _validate_rollout_and_task(c: TrainConfig) -> None:
+    """``rollout.*`` and ``task.*`` (with the environment and the advantages' level)."""
+    r = c.rollout
     _positive(r.prompts_per_step, "rollout.prompts_per_step")
     _positive(r.group_size, "rollout.group_size")
     _positive(r.max_new_tokens, "rollout.max_new_tokens")
@@ -749,6 +759,11 @@ def validate(c: TrainConfig) -> None:
     _check_env(c.task.env)
     _check(c.algorithm.advantage_level in ADVANTAGE_LEVELS, "algorithm.advantage_level",
            f"expected one of {list(ADVANTAGE_LEVELS)}, got {c.algorithm.advantage_level!r}")  # fmt: skip
+
+
+
+def _validate_model(c: TrainConfig) -> None:
+    """``model.*``: the device, LoRA, routing replay."""
     device = c.model.device
     _check(device is None or device in ("cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit()),
            "model.device", f"expected cpu, cuda or cuda:<index> (or null: CUDA when available), got {device!r}")  # fmt: skip
@@ -773,6 +788,11 @@ def validate(c: TrainConfig) -> None:
         _check(captures, "model.routing_replay", f"r3 replays the routing the sampler captures, which the "
                f"{' / '.join(backends_that('captures_routing'))} sampler does; got {c.model.sampler!r}")  # fmt: skip
 
+
+
+def _validate_algorithm(c: TrainConfig) -> str:
+    """``algorithm.*`` with the correction and the reward shaping against the loss; returns the resolved loss."""
+    r, a = c.rollout, c.algorithm
     _check(
         a.name in ALGORITHMS,
         "algorithm.name",
@@ -807,6 +827,11 @@ def validate(c: TrainConfig) -> None:
     _validate_correction(a, loss)
     _validate_shaping(a, r, loss)
 
+    return loss
+
+
+def _validate_optim(o: OptimConfig) -> None:
+    """``optim.*``."""
     _positive(o.lr, "optim.lr")
     _positive(o.weight_decay, "optim.weight_decay", allow_zero=True)
     _check(0 <= o.beta1 < 1, "optim.beta1", f"must be in [0, 1), got {o.beta1}")
@@ -819,6 +844,11 @@ def validate(c: TrainConfig) -> None:
     )
     _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
 
+
+
+def _validate_trainer(c: TrainConfig, loss: str) -> None:
+    """``trainer.*`` (with the OAPL sync lag, which reads the algorithm, and the split, which reads the rollout)."""
+    r, a, t = c.rollout, c.algorithm, c.trainer
     _check(t.mode in MODES, "trainer.mode", f"unknown mode {t.mode!r}; use one of {MODES}")
     _check(
         t.executor in EXECUTORS,
@@ -863,3 +893,4 @@ def validate(c: TrainConfig) -> None:
     _positive(t.keep_checkpoints, "trainer.keep_checkpoints")
     _positive(t.max_bad_steps, "trainer.max_bad_steps")
     _positive(t.log_every_s, "trainer.log_every_s", allow_zero=True)
+
