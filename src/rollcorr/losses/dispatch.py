@@ -65,22 +65,8 @@ def policy_loss(
     else torch's global RNG). Pass one persistent generator per run for fresh, reproducible draws.
     """
     spec = config.spec
-    name = config.name
-    if log_prob.dim() == 2:
-        batch = log_prob.shape[0]
-        for arg, value in (("advantages", advantages), ("rewards", rewards), ("group_ids", group_ids)):
-            if value is not None and value.dim() == 1 and value.shape[0] != batch:
-                raise ValueError(f"{arg} has shape {tuple(value.shape)}, expected ({batch},) for {batch} rows"
-                                 + (f" or {tuple(log_prob.shape)}" if arg == "advantages" else ""))  # fmt: skip
-    if advantages is not None and advantages.dim() == 1:
-        advantages = advantages[:, None].expand_as(log_prob)
-    # fp16 / bf16 inputs are computed in float32 (as compute_correction does): exp of a log-ratio clamped to
-    # ±20 is 4.9e8, beyond fp16's 65504, and bf16's 8-bit mantissa would round the ratios near 1
-    if log_prob.dtype in (torch.float16, torch.bfloat16):
-        log_prob = log_prob.float()
-    old_log_prob, advantages, weights, rollout_log_prob = (
-        x.float() if x is not None and x.dtype in (torch.float16, torch.bfloat16) else x
-        for x in (old_log_prob, advantages, weights, rollout_log_prob)
+    log_prob, old_log_prob, advantages, weights, rollout_log_prob = _prepared(
+        log_prob, old_log_prob, advantages, weights, rollout_log_prob, rewards, group_ids
     )
     _validate(
         log_prob,
@@ -101,16 +87,7 @@ def policy_loss(
 
     log_prob, old_log_prob, advantages = clean(log_prob), clean(old_log_prob), clean(advantages)
     weights, rollout_log_prob = clean(weights), clean(rollout_log_prob)
-    if spec.needs_rollout_log_prob and rollout_log_prob is None:
-        raise ValueError(f"loss {name!r} needs rollout_log_prob (log μ)")
-    if not spec.takes_weights and weights is not None:
-        raise ValueError(f"loss {name!r} builds its own weight (or none); do not pass weights")
-    if spec.needs_rewards and (rewards is None or group_ids is None):
-        raise ValueError(f"loss {name!r} needs rewards (B,) and group_ids (B,)")
-    if spec.needs_advantages and advantages is None:
-        raise ValueError(f"loss {name!r} needs advantages")
-    if spec.needs_old_log_prob and old_log_prob is None:
-        raise ValueError(f"loss {name!r} needs old_log_prob")
+    _check_needs(config, old_log_prob, advantages, weights, rollout_log_prob, rewards, group_ids)
     inputs = LossInputs(
         log_prob=log_prob, kept_mask=kept_mask, old_log_prob=old_log_prob, advantages=advantages,
         weights=weights, rollout_log_prob=rollout_log_prob, rewards=rewards, group_ids=group_ids,
@@ -133,3 +110,45 @@ def policy_loss(
     metrics["actor/kept_token_fraction"] = (kept.to(dtype) / valid.to(dtype).clamp_min(1)).detach()
     metrics["actor/all_rejected"] = (kept == 0).to(dtype)
     return total, metrics
+
+
+def _prepared(log_prob: Tensor, old_log_prob: Tensor | None, advantages: Tensor | None, weights: Tensor | None,
+              rollout_log_prob: Tensor | None, rewards: Tensor | None, group_ids: Tensor | None
+              ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:  # fmt: skip
+    """(log_prob, old_log_prob, advantages, weights, rollout_log_prob) as a loss reads them: every (B,) input of
+    the batch's row count (else a ValueError naming it), (B,) advantages broadcast to (B, T), and fp16 / bf16
+    in float32 (as compute_correction does: exp of a log-ratio clamped to ±20 is 4.9e8, beyond fp16's 65504,
+    and bf16's 8-bit mantissa would round the ratios near 1)."""
+    if log_prob.dim() == 2:
+        batch = log_prob.shape[0]
+        for arg, value in (("advantages", advantages), ("rewards", rewards), ("group_ids", group_ids)):
+            if value is not None and value.dim() == 1 and value.shape[0] != batch:
+                raise ValueError(f"{arg} has shape {tuple(value.shape)}, expected ({batch},) for {batch} rows"
+                                 + (f" or {tuple(log_prob.shape)}" if arg == "advantages" else ""))  # fmt: skip
+    if advantages is not None and advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(log_prob)
+    if log_prob.dtype in (torch.float16, torch.bfloat16):
+        log_prob = log_prob.float()
+    old_log_prob, advantages, weights, rollout_log_prob = (
+        x.float() if x is not None and x.dtype in (torch.float16, torch.bfloat16) else x
+        for x in (old_log_prob, advantages, weights, rollout_log_prob)
+    )
+    return log_prob, old_log_prob, advantages, weights, rollout_log_prob
+
+
+def _check_needs(config: LossConfig, old_log_prob: Tensor | None, advantages: Tensor | None,
+                 weights: Tensor | None, rollout_log_prob: Tensor | None, rewards: Tensor | None,
+                 group_ids: Tensor | None) -> None:  # fmt: skip
+    """ValueError when an input the loss's ``LossSpec`` needs is missing, or weights go to a loss that builds its
+    own."""
+    spec, name = config.spec, config.name
+    if spec.needs_rollout_log_prob and rollout_log_prob is None:
+        raise ValueError(f"loss {name!r} needs rollout_log_prob (log μ)")
+    if not spec.takes_weights and weights is not None:
+        raise ValueError(f"loss {name!r} builds its own weight (or none); do not pass weights")
+    if spec.needs_rewards and (rewards is None or group_ids is None):
+        raise ValueError(f"loss {name!r} needs rewards (B,) and group_ids (B,)")
+    if spec.needs_advantages and advantages is None:
+        raise ValueError(f"loss {name!r} needs advantages")
+    if spec.needs_old_log_prob and old_log_prob is None:
+        raise ValueError(f"loss {name!r} needs old_log_prob")
