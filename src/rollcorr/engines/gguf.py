@@ -314,37 +314,9 @@ def write_gguf(
     if quant not in QUANT_TYPES:
         raise ValueError(f"unknown quant type {quant!r}; use one of {QUANT_TYPES}")
     cfg = _config(config)
-    arch = cfg.model_type
-    n_head = cfg.num_attention_heads
-    n_head_kv = getattr(cfg, "num_key_value_heads", None) or n_head
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_head
-    tied = bool(getattr(cfg, "tie_word_embeddings", False))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-
-    tensors: dict[str, np.ndarray] = {}
-    for hf_name, value in state_dict.items():
-        out_name = gguf_tensor_name(hf_name)
-        if out_name is None or (out_name == "output.weight" and tied):
-            continue
-        if not torch.is_tensor(value) or not value.is_floating_point():
-            raise TypeError(f"{hf_name}: expected a floating-point tensor, got {type(value).__name__}")
-        w = value.detach().to("cpu", torch.float32).numpy()
-        if not np.isfinite(w).all():
-            raise ValueError(f"{hf_name}: weights contain NaN or inf")
-        if arch == "llama" and out_name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = _permute_rope(w, n_head)
-        elif arch == "llama" and out_name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = _permute_rope(w, n_head_kv)
-        tensors[out_name] = w
-    required = ["token_embd.weight", "output_norm.weight"] + ([] if tied else ["output.weight"])
-    required += [
-        f"blk.{i}.{n}" for i in range(cfg.num_hidden_layers) for n in _LAYER_NAMES.values() if "bias" not in n
-    ]
-    missing = [n for n in required if n not in tensors]
-    if missing:
-        raise ValueError(f"state dict has no tensor for {missing[:3]}: not a complete Qwen2 / Llama model")
-
+    tensors = _gguf_tensors(state_dict, cfg)
     special = {
         "bos": _first_id(getattr(cfg, "bos_token_id", None)),
         "eos": _first_id(getattr(cfg, "eos_token_id", None)),
@@ -356,7 +328,7 @@ def write_gguf(
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        writer = GGUFWriter(tmp, arch)
+        writer = GGUFWriter(tmp, cfg.model_type)
         writer.add_name(name)
         writer.add_file_type(
             {
@@ -367,20 +339,7 @@ def write_gguf(
             }[quant]
         )
         writer.add_quantization_version(2)  # GGML_QNT_VERSION
-        writer.add_context_length(cfg.max_position_embeddings)
-        writer.add_embedding_length(cfg.hidden_size)
-        writer.add_block_count(cfg.num_hidden_layers)
-        writer.add_feed_forward_length(cfg.intermediate_size)
-        writer.add_head_count(n_head)
-        writer.add_head_count_kv(n_head_kv)
-        writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
-        writer.add_rope_freq_base(_rope_theta(cfg))
-        writer.add_vocab_size(cfg.vocab_size)
-        if head_dim * n_head != cfg.hidden_size or arch == "llama":
-            writer.add_key_length(head_dim)
-            writer.add_value_length(head_dim)
-            writer.add_rope_dimension_count(head_dim)
-
+        _add_architecture(writer, cfg)
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre("default")
         writer.add_token_list(tokens)
@@ -408,6 +367,62 @@ def write_gguf(
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _heads(cfg: Any) -> tuple[int, int, int]:
+    """(attention heads, key-value heads, head dimension) of a config."""
+    n_head = cfg.num_attention_heads
+    n_head_kv = getattr(cfg, "num_key_value_heads", None) or n_head
+    return n_head, n_head_kv, getattr(cfg, "head_dim", None) or cfg.hidden_size // n_head
+
+
+def _gguf_tensors(state_dict: Mapping[str, torch.Tensor], cfg: Any) -> dict[str, np.ndarray]:
+    """The state dict under GGUF's tensor names, as float32 arrays (a Llama's q / k rows permuted to GGUF's rope
+    order; a tied output left out); ValueError naming a NaN / inf weight or a tensor a complete model has not."""
+    arch, tied = cfg.model_type, bool(getattr(cfg, "tie_word_embeddings", False))
+    n_head, n_head_kv, _ = _heads(cfg)
+    tensors: dict[str, np.ndarray] = {}
+    for hf_name, value in state_dict.items():
+        out_name = gguf_tensor_name(hf_name)
+        if out_name is None or (out_name == "output.weight" and tied):
+            continue
+        if not torch.is_tensor(value) or not value.is_floating_point():
+            raise TypeError(f"{hf_name}: expected a floating-point tensor, got {type(value).__name__}")
+        w = value.detach().to("cpu", torch.float32).numpy()
+        if not np.isfinite(w).all():
+            raise ValueError(f"{hf_name}: weights contain NaN or inf")
+        if arch == "llama" and out_name.endswith(("attn_q.weight", "attn_q.bias")):
+            w = _permute_rope(w, n_head)
+        elif arch == "llama" and out_name.endswith(("attn_k.weight", "attn_k.bias")):
+            w = _permute_rope(w, n_head_kv)
+        tensors[out_name] = w
+    required = ["token_embd.weight", "output_norm.weight"] + ([] if tied else ["output.weight"])
+    required += [
+        f"blk.{i}.{n}" for i in range(cfg.num_hidden_layers) for n in _LAYER_NAMES.values() if "bias" not in n
+    ]
+    missing = [n for n in required if n not in tensors]
+    if missing:
+        raise ValueError(f"state dict has no tensor for {missing[:3]}: not a complete Qwen2 / Llama model")
+    return tensors
+
+
+def _add_architecture(writer: Any, cfg: Any) -> None:
+    """The model's shape into the GGUF header: context, widths, layers, heads, norm epsilon, rope base, vocabulary
+    (and the head dimension when it is not hidden / heads, or for a Llama)."""
+    n_head, n_head_kv, head_dim = _heads(cfg)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    writer.add_rope_freq_base(_rope_theta(cfg))
+    writer.add_vocab_size(cfg.vocab_size)
+    if head_dim * n_head != cfg.hidden_size or cfg.model_type == "llama":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_rope_dimension_count(head_dim)
 
 
 # --------------------------------------------------------------------------- the reader: GGUF → HF folder
