@@ -219,14 +219,72 @@ def write_dump(
     number of rows written."""
     path = Path(path)
     shape = tuple(rollout_log_prob.shape)
-    if len(shape) != 2:
-        raise ValueError(f"rollout_log_prob must be (B, T), got shape {shape}")
     named = {"learner_log_prob": learner_log_prob, "response_mask": response_mask, "tokens": tokens, "version": version,
              "turn": turn}  # fmt: skip
+    routes = {"routed_experts": routed_experts, "learner_routed_experts": learner_routed_experts}
+    _check_shapes(shape, named, routes, advantages, extras)
+    if tokenizer is not None and tokens is None:
+        raise ValueError("write_dump: tokenizer= decodes the token ids, so tokens= must be given too")
+    recorded = None if correction is None else correction_record(correction)
+    mask = response_mask.detach().bool().cpu()
+    lengths = torch.where(mask.any(-1), shape[1] - mask.flip(-1).int().argmax(-1), 0).tolist()
+
+    cpu = {k: None if v is None else v.detach().cpu() for k, v in named.items()}
+    columns = {**cpu, "rollout": rollout_log_prob.detach().double().cpu(), "learner": cpu["learner_log_prob"].double(),
+               "mask": mask, "advantages": None if advantages is None else advantages.detach().cpu()}  # fmt: skip
+    lines = [json.dumps(_row(b, lengths[b], columns, routes, extras, tokenizer, recorded), allow_nan=False)
+             for b in range(shape[0])]  # fmt: skip
+    text = "".join(line + "\n" for line in lines)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    opener = gzip.open if path.suffix.lower() == ".gz" else open
+    with opener(path, "at" if append else "wt", encoding="utf-8") as f:
+        f.write(text)
+    return len(lines)
+
+
+def _row(b: int, length: int, columns: dict[str, Tensor | None], routes: dict[str, Tensor | None],
+         extras: dict[str, Sequence[Any]] | None, tokenizer: Any, recorded: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+    """Row ``b`` of a dump, every per-token list cut to ``length`` (after its last valid token)."""
+
+    def cut(x: Tensor | None) -> list | None:
+        return None if x is None else x[b, :length].tolist()
+
+    adv = columns["advantages"]
+    row: dict[str, Any] = {
+        "rollout_log_probs": cut(columns["rollout"]),
+        "old_log_probs": cut(columns["learner"]),
+        "response_mask": [int(v) for v in columns["mask"][b, :length].tolist()],
+    }
+    if adv is not None:
+        row["advantages"] = float(adv[b]) if adv.dim() == 1 else cut(adv.double())
+    if columns["tokens"] is not None:
+        row["responses"] = cut(columns["tokens"])
+        if tokenizer is not None:
+            ids = row["responses"]
+            row["token_text"] = list(tokenizer.batch_decode([[i] for i in ids])) if ids else []
+            row["response_text"] = tokenizer.decode(ids)
+    if recorded is not None:
+        row[CORRECTION_FIELD] = recorded
+    for name in ("version", "turn"):
+        if columns[name] is not None:
+            row[name] = cut(columns[name])
+    for name, value in routes.items():
+        if value is not None:
+            row[name] = value[b, :length].detach().long().cpu().tolist()
+    for name, values in (extras or {}).items():
+        value = values[b]
+        row[name] = value.item() if isinstance(value, Tensor) else value
+    return row
+
+
+def _check_shapes(shape: tuple[int, ...], named: dict[str, Tensor | None], routes: dict[str, Tensor | None],
+                  advantages: Tensor | None, extras: dict[str, Sequence[Any]] | None) -> None:  # fmt: skip
+    """ValueError naming the first input of ``write_dump`` whose shape does not fit the (B, T) batch ``shape``."""
+    if len(shape) != 2:
+        raise ValueError(f"rollout_log_prob must be (B, T), got shape {shape}")
     for name, value in named.items():
         if value is not None and tuple(value.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape}")
-    routes = {"routed_experts": routed_experts, "learner_routed_experts": learner_routed_experts}
     for name, value in routes.items():
         if value is not None and (value.dim() != 4 or tuple(value.shape[:2]) != shape):
             raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape} × (layers, top_k)")
@@ -235,53 +293,6 @@ def write_dump(
     for name, values in (extras or {}).items():
         if len(values) != shape[0]:
             raise ValueError(f"extras[{name!r}] has {len(values)} values, expected one per row ({shape[0]})")
-    if tokenizer is not None and tokens is None:
-        raise ValueError("write_dump: tokenizer= decodes the token ids, so tokens= must be given too")
-    recorded = None if correction is None else correction_record(correction)
-    mask = response_mask.detach().bool().cpu()
-    lengths = torch.where(mask.any(-1), shape[1] - mask.flip(-1).int().argmax(-1), 0).tolist()
-
-    def cut(x: Tensor | None, b: int) -> list | None:
-        return None if x is None else x[b, : lengths[b]].tolist()
-
-    cpu = {k: None if v is None else v.detach().cpu() for k, v in named.items()}
-    roll, adv = rollout_log_prob.detach().double().cpu(), None if advantages is None else advantages.detach().cpu()
-    old = cpu["learner_log_prob"].double()
-    lines = []
-    for b in range(shape[0]):
-        row: dict[str, Any] = {
-            "rollout_log_probs": cut(roll, b),
-            "old_log_probs": cut(old, b),
-            "response_mask": [int(v) for v in mask[b, : lengths[b]].tolist()],
-        }
-        if adv is not None:
-            row["advantages"] = float(adv[b]) if adv.dim() == 1 else cut(adv.double(), b)
-        if cpu["tokens"] is not None:
-            row["responses"] = cut(cpu["tokens"], b)
-            if tokenizer is not None:
-                ids = row["responses"]
-                row["token_text"] = list(tokenizer.batch_decode([[i] for i in ids])) if ids else []
-                row["response_text"] = tokenizer.decode(ids)
-        if recorded is not None:
-            row[CORRECTION_FIELD] = recorded
-        if cpu["version"] is not None:
-            row["version"] = cut(cpu["version"], b)
-        if cpu["turn"] is not None:
-            row["turn"] = cut(cpu["turn"], b)
-        for name, value in routes.items():
-            if value is not None:
-                row[name] = value[b, : lengths[b]].detach().long().cpu().tolist()
-        for name, values in (extras or {}).items():
-            value = values[b]
-            row[name] = value.item() if isinstance(value, Tensor) else value
-        lines.append(json.dumps(row, allow_nan=False))
-    text = "".join(line + "\n" for line in lines)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    opener = gzip.open if path.suffix.lower() == ".gz" else open
-    with opener(path, "at" if append else "wt", encoding="utf-8") as f:
-        f.write(text)
-    return len(lines)
-
 
 
 def correction_record(config: Any) -> dict[str, Any]:
