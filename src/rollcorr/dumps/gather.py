@@ -240,37 +240,35 @@ def _arrow_numbers(arr, dtype) -> np.ndarray:
     return values[arr.offset :].astype(dtype)
 
 
-def _gather_arrow(batch, lines: np.ndarray, names: dict[str, str | None], extra_fields: Sequence[str]) -> _Gathered | None:
-    """A Parquet record batch → columns, straight from Arrow's buffers; None when a column is of a kind this
-    does not read (then the batch goes through its Python rows)."""
-    import pyarrow as pa
+class _ArrowBatch:
+    """One Parquet record batch read straight from Arrow's buffers (``Array.to_numpy`` would import pandas):
+    columns by name, list offsets, list values, and per-token columns placed on the rows' flat layout.
+    ``suspect`` (R,) marks the rows a column check flags (they go through the exact per-row checks)."""
 
-    size = batch.num_rows
-    schema = batch.schema
+    def __init__(self, batch) -> None:
+        import pyarrow as pa
 
-    def column(name):
-        return batch.column(schema.get_field_index(name)) if name is not None and name in schema.names else None
+        self.pa, self.batch, self.size = pa, batch, batch.num_rows
 
-    def is_list(col) -> bool:
+    def column(self, name):
+        schema = self.batch.schema
+        return self.batch.column(schema.get_field_index(name)) if name is not None and name in schema.names else None
+
+    def is_list(self, col) -> bool:
         """A list column of numbers or bools (those may be a mask)."""
-        t = col.type
+        pa, t = self.pa, col.type
         if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
             return False
         v = t.value_type
         return pa.types.is_integer(v) or pa.types.is_floating(v) or pa.types.is_boolean(v)
 
-    r_col, l_col = column(names["rollout"]), column(names["learner"])
-    if r_col is None or l_col is None or not is_list(r_col) or not is_list(l_col):
-        return None
-    if pa.types.is_boolean(r_col.type.value_type) or pa.types.is_boolean(l_col.type.value_type):
-        return None
-
-    def offsets(col) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        # the offsets buffer, read by numpy (``Array.to_numpy`` would import pandas)
-        width = np.int64 if pa.types.is_large_list(col.type) else np.int32
+    def offsets(self, col) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(the list offsets, each row's length, the null rows), from the offsets buffer."""
+        width = np.int64 if self.pa.types.is_large_list(col.type) else np.int32
         off = np.frombuffer(col.buffers()[1], width, count=col.offset + len(col) + 1)[col.offset :].astype(np.int64)
         return off, np.diff(off), _arrow_nulls(col)
 
+    @staticmethod
     def values(col, off, dtype) -> tuple[np.ndarray, np.ndarray | None]:
         """(the list entries as ``dtype``: NaN at null entries for float64, anything for int64; where the nulls
         are, or None)"""
@@ -281,24 +279,27 @@ def _gather_arrow(batch, lines: np.ndarray, names: dict[str, str | None], extra_
             out[nulls] = np.nan
         return out, nulls
 
-    r_off, n, r_null = offsets(r_col)
-    l_off, l_n, l_null = offsets(l_col)
-    suspect = r_null | l_null | (n == 0) | (l_n != n)
-    n = np.where(suspect, 0, n)
-    starts = np.cumsum(n) - n
-    total = int(n.sum())
-    ok = np.flatnonzero(~suspect)
+    def layout(self, r_col, l_col) -> None:
+        """The rows' lengths from the two log-prob columns (``n``, 0 for a suspect row), their starts in the flat
+        layout and its size; ``suspect`` starts with the rows those columns flag."""
+        self.r_off, n, r_null = self.offsets(r_col)
+        self.l_off, l_n, l_null = self.offsets(l_col)
+        self.suspect = r_null | l_null | (n == 0) | (l_n != n)
+        self.n = np.where(self.suspect, 0, n)
+        self.starts = np.cumsum(self.n) - self.n
+        self.total = int(self.n.sum())
 
-    def place(col, dtype, fill=0, kind="numbers"):
+    def place(self, col, dtype, fill=0, kind="numbers"):
         """(aligned flat values, has (R,)) of a per-token column, marking rows with a list of another length
         (or, for integers and masks, a null entry) in ``suspect``."""
-        off, ln, null = offsets(col)
+        n, suspect = self.n, self.suspect
+        off, ln, null = self.offsets(col)
         has = ~null & ~suspect
         wrong = has & (ln != n)
         suspect[wrong] = True
         has &= ~wrong
-        vals, nulls = values(col, off, dtype)
-        out = np.full(total, fill, dtype=dtype)
+        vals, nulls = self.values(col, off, dtype)
+        out = np.full(self.total, fill, dtype=dtype)
         sel = np.flatnonzero(has)
         src = _segments(off[sel] - off[0], n[sel])
         if nulls is not None and kind != "numbers":
@@ -308,71 +309,102 @@ def _gather_arrow(batch, lines: np.ndarray, names: dict[str, str | None], extra_
             bad = ~((vals[src] == 0) | (vals[src] == 1))
             if bad.any():
                 suspect[np.unique(np.repeat(sel, n[sel])[bad])] = True
-        out[_segments(starts[sel], n[sel])] = vals[src]
+        out[_segments(self.starts[sel], n[sel])] = vals[src]
         return out, has
 
-    r_vals, _ = values(r_col, r_off, np.float64)
-    l_vals, _ = values(l_col, l_off, np.float64)
-    rollout = r_vals[_segments(r_off[ok] - r_off[0], n[ok])]
-    learner = l_vals[_segments(l_off[ok] - l_off[0], n[ok])]
-    mask = np.ones(total, np.float64)
-    m_col = column(names["mask"])
+    def numeric(self, names: dict[str, str | None]) -> tuple[dict, dict, np.ndarray] | None:
+        """The optional per-token numbers (advantages, token ids, versions, turns): (values, has, rows whose
+        advantage is one number); None when a column is of a kind this does not read."""
+        pa, size = self.pa, self.size
+        numeric, has = {}, {}
+        adv_scalar = np.zeros(size, bool)
+        for role, dtype in (("advantages", np.float64), ("tokens", np.int64), ("version", np.int64), ("turn", np.int64)):
+            col = self.column(names[role])
+            has[role] = np.zeros(size, bool)
+            if col is None:
+                continue
+            if role == "advantages" and (pa.types.is_floating(col.type) or pa.types.is_integer(col.type)):
+                has[role] = ~_arrow_nulls(col) & ~self.suspect
+                per_row = _arrow_numbers(col, np.float64)
+                numeric[role] = np.repeat(np.where(has[role], per_row, 0.0), self.n)
+                adv_scalar = has[role].copy()
+                continue
+            if not self.is_list(col) or pa.types.is_boolean(col.type.value_type):
+                return None  # e.g. a string column, bools: the Python rows say what is wrong
+            if role != "advantages" and not pa.types.is_signed_integer(col.type.value_type):
+                return None  # floats or uint64 ids: not "integers within int64" row by row
+            numeric[role], has[role] = self.place(col, dtype, kind="numbers" if role == "advantages" else "ints")
+            if not has[role].any():
+                del numeric[role]
+        return numeric, has, adv_scalar
+
+    def python_columns(self, names: dict[str, str | None], extra_fields: Sequence[str]) -> dict[str, Any]:
+        """The columns read as Python values: token texts (checked against the row lengths), response texts,
+        routed experts, the extra fields and the recorded correction."""
+        size, suspect, n = self.size, self.suspect, self.n
+        token_text: list = [None] * size
+        col = self.column(names["token_text"])
+        if col is not None:
+            for i, tt in enumerate(col.to_pylist()):
+                if tt is None or suspect[i]:
+                    continue
+                if type(tt) is not list or len(tt) != n[i] or not _only(tt, _STR):
+                    suspect[i] = True
+                else:
+                    token_text[i] = tt
+        col = self.column(names["text"])
+        text = [x if type(x) is str else None for x in col.to_pylist()] if col is not None else [None] * size
+        routed: dict[str, list] = {role: [None] * size for role in ROUTED}
+        for role in ROUTED:
+            col = self.column(names[role])
+            if col is None:
+                continue
+            for i, value in enumerate(col.to_pylist()):
+                if value is None or suspect[i]:
+                    continue
+                try:
+                    routed[role][i] = _routing_rows({names[role]: value}, names[role], int(n[i]))
+                except _BadRow:
+                    suspect[i] = True
+        column = self.column
+        extras = {key: (column(key).to_pylist() if column(key) is not None else [None] * size) for key in extra_fields}
+        col = column(CORRECTION_FIELD)
+        correction = [c if type(c) is dict else None for c in col.to_pylist()] if col is not None else [None] * size
+        return {"token_text": token_text, "text": text, "routed": routed, "extras": extras, "correction": correction}
+
+
+def _gather_arrow(batch, lines: np.ndarray, names: dict[str, str | None], extra_fields: Sequence[str]) -> _Gathered | None:
+    """A Parquet record batch → columns, straight from Arrow's buffers; None when a column is of a kind this
+    does not read (then the batch goes through its Python rows)."""
+    arrow = _ArrowBatch(batch)
+    pa = arrow.pa
+    r_col, l_col = arrow.column(names["rollout"]), arrow.column(names["learner"])
+    if r_col is None or l_col is None or not arrow.is_list(r_col) or not arrow.is_list(l_col):
+        return None
+    if pa.types.is_boolean(r_col.type.value_type) or pa.types.is_boolean(l_col.type.value_type):
+        return None
+    arrow.layout(r_col, l_col)
+    n, ok = arrow.n, np.flatnonzero(~arrow.suspect)
+    r_vals, _ = arrow.values(r_col, arrow.r_off, np.float64)
+    l_vals, _ = arrow.values(l_col, arrow.l_off, np.float64)
+    rollout = r_vals[_segments(arrow.r_off[ok] - arrow.r_off[0], n[ok])]
+    learner = l_vals[_segments(arrow.l_off[ok] - arrow.l_off[0], n[ok])]
+    mask = np.ones(arrow.total, np.float64)
+    m_col = arrow.column(names["mask"])
     if m_col is not None:
-        if not is_list(m_col):
+        if not arrow.is_list(m_col):
             return None
-        mask, _ = place(m_col, np.float64, fill=1.0, kind="binary")
-    numeric, has = {}, {}
-    adv_scalar = np.zeros(size, bool)
-    for role, dtype in (("advantages", np.float64), ("tokens", np.int64), ("version", np.int64), ("turn", np.int64)):
-        col = column(names[role])
-        has[role] = np.zeros(size, bool)
-        if col is None:
-            continue
-        if role == "advantages" and (pa.types.is_floating(col.type) or pa.types.is_integer(col.type)):
-            has[role] = ~_arrow_nulls(col) & ~suspect
-            per_row = _arrow_numbers(col, np.float64)
-            numeric[role] = np.repeat(np.where(has[role], per_row, 0.0), n)
-            adv_scalar = has[role].copy()
-            continue
-        if not is_list(col) or pa.types.is_boolean(col.type.value_type):
-            return None  # e.g. a string column, bools: the Python rows say what is wrong
-        if role != "advantages" and not pa.types.is_signed_integer(col.type.value_type):
-            return None  # floats or uint64 ids: not "integers within int64" row by row
-        numeric[role], has[role] = place(col, dtype, kind="numbers" if role == "advantages" else "ints")
-        if not has[role].any():
-            del numeric[role]
-    token_text: list = [None] * size
-    col = column(names["token_text"])
-    if col is not None:
-        for i, tt in enumerate(col.to_pylist()):
-            if tt is None or suspect[i]:
-                continue
-            if type(tt) is not list or len(tt) != n[i] or not _only(tt, _STR):
-                suspect[i] = True
-            else:
-                token_text[i] = tt
-    col = column(names["text"])
-    text = [x if type(x) is str else None for x in col.to_pylist()] if col is not None else [None] * size
-    routed: dict[str, list] = {role: [None] * size for role in ROUTED}
-    for role in ROUTED:
-        col = column(names[role])
-        if col is None:
-            continue
-        for i, value in enumerate(col.to_pylist()):
-            if value is None or suspect[i]:
-                continue
-            try:
-                routed[role][i] = _routing_rows({names[role]: value}, names[role], int(n[i]))
-            except _BadRow:
-                suspect[i] = True
-    extras = {key: (column(key).to_pylist() if column(key) is not None else [None] * size) for key in extra_fields}
-    col = column(CORRECTION_FIELD)
-    correction = [c if type(c) is dict else None for c in col.to_pylist()] if col is not None else [None] * size
+        mask, _ = arrow.place(m_col, np.float64, fill=1.0, kind="binary")
+    per_token = arrow.numeric(names)
+    if per_token is None:
+        return None
+    numeric, has, adv_scalar = per_token
+    python = arrow.python_columns(names, extra_fields)
     for role in has:
-        has[role] &= ~suspect
+        has[role] &= ~arrow.suspect
     rows = _Rows(lines=lines, n=n, rollout=rollout, learner=learner, mask=mask != 0, numeric=numeric, has=has,
-                 token_text=token_text, text=text, routed=routed, extras=extras, correction=correction)  # fmt: skip
-    return _Gathered(rows, suspect, adv_scalar)
+                 **python)  # fmt: skip
+    return _Gathered(rows, arrow.suspect, adv_scalar)
 
 
 def _value_checks(g: _Gathered) -> np.ndarray:
