@@ -125,36 +125,16 @@ def _gather_objects(objs: list[dict], lines: np.ndarray, raws: list[bytes] | Non
         if ar is None or al is None:
             suspect[i] = True
             continue
-        strict = None  # the line holds true / false: computed when an optional list needs it
         try:
-            for role, name, kinds in optional:
-                value = obj.get(name)
-                if value is None:
-                    continue
-                if role == "advantages" and type(value) in (float, int):
-                    numeric_rows[role][i] = [float(value)] * k  # OverflowError: past float range
-                    adv_scalar[i] = True
-                elif type(value) is list and len(value) == k:
-                    if strict is None:
-                        strict = raws is None or b"true" in raws[i] or b"false" in raws[i]
-                    if strict and not _only(value, kinds):
-                        raise _BadRow
-                    numeric_rows[role][i] = value
-                else:
-                    raise _BadRow
-            if ttn is not None and (tt := obj.get(ttn)) is not None:
-                if type(tt) is not list or len(tt) != k or not _only(tt, _STR):
-                    raise _BadRow
-                token_text[i] = tt
-            for role, name in routed_names:
-                if obj.get(name) is not None:
-                    routed[role][i] = _routing_rows(obj, name, k)
+            values, adv_scalar[i], token_text[i], routes = _optional_of(obj, k, optional, ttn, routed_names,
+                                                                         None if raws is None else raws[i])  # fmt: skip
         except (_BadRow, OverflowError):
             suspect[i] = True
-            for role in numeric_rows:
-                numeric_rows[role][i] = None
-            token_text[i] = routed["routed_experts"][i] = routed["learner_routed_experts"][i] = None
             continue
+        for role, value in values.items():
+            numeric_rows[role][i] = value
+        for role, value in routes.items():
+            routed[role][i] = value
         n[i] = k
         parts_r.append(ar)
         parts_l.append(al)
@@ -183,6 +163,37 @@ def _gather_objects(objs: list[dict], lines: np.ndarray, raws: list[bytes] | Non
     rows = _Rows(lines=lines, n=n, rollout=rollout, learner=learner, mask=mask != 0, numeric=numeric, has=has,
                  token_text=token_text, text=text, routed=routed, extras=extras, correction=correction)  # fmt: skip
     return _Gathered(rows, suspect, adv_scalar)
+
+
+def _optional_of(obj: dict, k: int, optional: list, ttn: str | None, routed_names: list, raw: bytes | None
+                 ) -> tuple[dict[str, list], bool, list | None, dict[str, list]]:  # fmt: skip
+    """Row ``obj``'s optional fields, each of ``k`` entries: (the per-token numbers by role, whether its advantage
+    is one number, its token texts or None, its routed experts by role). ``_BadRow`` (or ``OverflowError``: a
+    number past float range) when one does not fit. A row whose line holds ``true`` / ``false`` (or has no line,
+    ``raw`` None) has its lists' entry types checked too."""
+    values: dict[str, list] = {}
+    scalar, strict = False, None  # strict: computed when an optional list needs it
+    for role, name, kinds in optional:
+        value = obj.get(name)
+        if value is None:
+            continue
+        if role == "advantages" and type(value) in (float, int):
+            values[role] = [float(value)] * k  # OverflowError: past float range
+            scalar = True
+        elif type(value) is list and len(value) == k:
+            if strict is None:
+                strict = raw is None or b"true" in raw or b"false" in raw
+            if strict and not _only(value, kinds):
+                raise _BadRow
+            values[role] = value
+        else:
+            raise _BadRow
+    tt = None
+    if ttn is not None and (tt := obj.get(ttn)) is not None:
+        if type(tt) is not list or len(tt) != k or not _only(tt, _STR):
+            raise _BadRow
+    routes = {role: _routing_rows(obj, name, k) for role, name in routed_names if obj.get(name) is not None}
+    return values, scalar, tt, routes
 
 
 def _aligned(per_row: list, starts: np.ndarray, n: np.ndarray, suspect: np.ndarray, total: int, kind: str,
