@@ -260,7 +260,7 @@ def _length(tokenizer, prompt: str | list[int]) -> int:
 def _collect_live(args, console, workdir: str):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from rollcorr.audit.collect import builtin_prompts, collect, from_rollout, learner_routing, load_prompts
+    from rollcorr.audit.collect import collect, from_rollout, learner_routing
     from rollcorr.engines import SamplingParams, backend_of, make_learner, make_sampler, parse_spec
     from rollcorr.engines.spec import check_kept_ids, check_kept_mass, check_truncation
 
@@ -269,14 +269,7 @@ def _collect_live(args, console, workdir: str):
     plan = _run_plan(args) if args.from_run else None
     if args.step is not None and plan is None:
         raise ValueError("--step picks a checkpoint of --from-run RUN; give the run")
-    # line-numbered prompt errors before anything is loaded
-    if plan is not None and plan["note"]:
-        console.print(f"[yellow]note:[/] {plan['note']}", highlight=False, soft_wrap=True)
-    if plan is not None:  # the run's training prompts (text or conversations; the template comes later)
-        prompts = [item["prompt"] for item in plan["task"].sample(args.num_responses, seed=args.seed, split="train")]
-        args.model, args.sampler, args.learner = plan["model"], args.sampler or plan["sampler"], args.learner or plan["learner"]
-    else:
-        prompts = load_prompts(args.prompts) if args.prompts else builtin_prompts(args.num_responses, seed=args.seed)
+    prompts = _live_prompts(args, plan, console)  # line-numbered prompt errors before anything is loaded
     defaults = plan["sampling"] if plan is not None else SAMPLING_DEFAULTS
     sampling = {key: getattr(args, key) if getattr(args, key) is not None else value for key, value in defaults.items()}
     params = SamplingParams(**sampling, seed=args.seed, record_kept_ids=args.sampler_dist == "keep_mask")
@@ -342,6 +335,20 @@ def _collect_live(args, console, workdir: str):
                         learner_routed_experts=learner_routes)  # fmt: skip
     data.diagnosis = diagnosis
     return data
+
+
+def _live_prompts(args, plan: dict | None, console) -> list:
+    """The prompts a live audit samples: with ``--from-run`` the run's training prompts (text or conversations;
+    the template comes later), and the run's model and engines unless named; else ``--prompts``' file or the
+    built-in task's."""
+    from rollcorr.audit.collect import builtin_prompts, load_prompts
+
+    if plan is None:
+        return load_prompts(args.prompts) if args.prompts else builtin_prompts(args.num_responses, seed=args.seed)
+    if plan["note"]:
+        console.print(f"[yellow]note:[/] {plan['note']}", highlight=False, soft_wrap=True)
+    args.model, args.sampler, args.learner = plan["model"], args.sampler or plan["sampler"], args.learner or plan["learner"]
+    return [item["prompt"] for item in plan["task"].sample(args.num_responses, seed=args.seed, split="train")]
 
 
 def _source(args, plan: dict | None, sampler_spec: str, learner_spec: str, model: str | None, gguf_file: str | None,
