@@ -516,45 +516,9 @@ class _Engine:
                    shown[drop & tok.mask].numpy(), len(idx), shown[tok.mask].numpy())  # fmt: skip
 
         for rule in outcomes:
-            name, drop = rule.rule, ~rule.row_keep if rule.row_keep is not None else ~rule.token_keep
-            if rule.rs is not None:
-                r = rule.rs
-                if name.endswith("k1"):  # statistic space k1 = −log ρ → show ratios
-                    lo, hi = exp_or_inf(-r.upper), exp_or_inf(-r.lower)
-                    shown = torch.exp(-rule.stat)
-                else:
-                    lo, hi, shown = None, r.upper, rule.stat
-                if r.token_keep is not None:
-                    add_tokens(name, STATISTICS[name], kept_range(lo, hi), drop, shown, lo, hi)
-                else:
-                    add_rows(name, STATISTICS[name], kept_range(lo, hi), drop, shown, lo, hi)
-            elif rule.flags is not None:  # veto: the row's smallest (floor) or largest (ceiling) ρ_t
-                floor = rule.lower is not None
-                ell = rule.stat.masked_fill(~tok.mask, math.inf if floor else -math.inf)
-                value, pos = ell.min(dim=-1) if floor else ell.max(dim=-1)
-                lo, hi = (rule.threshold, None) if floor else (None, rule.threshold)
-                statistic, window = ("min ρ_t", f"≥ {fmt(lo)}") if floor else ("max ρ_t", f"≤ {fmt(hi)}")
-                add_rows(name, statistic, window, drop, value.exp(), lo, hi, positions=pos.numpy())
-            elif name == "trm_max_k2":
-                pos = k2.masked_fill(~tok.mask, -1.0).argmax(dim=-1).numpy()
-                add_rows(name, "max ½ℓ²", f"≤ {fmt(rule.upper)}", drop, rule.stat, None, rule.upper, positions=pos)
-            elif rule.token_keep is not None:  # a token-level rule registered later
-                add_tokens(name, name, f"≤ {fmt(rule.upper)}", drop, rule.stat, None, rule.upper)
-            else:
-                statistic = {"trm_mean_k3": "mean k3", "opsm": "mean(log μ − log π_θ), A<0"}.get(name, name)
-                add_rows(name, statistic, f"≤ {fmt(rule.upper)}", drop, rule.stat, None, rule.upper)
-
+            _explain_rule(rule, tok, k2, add_rows, add_tokens)
         if config.is_level is not None and config.is_mode == "mask" and config.applies_weights:
-            raw, row_log = raw_weights(tok, config.is_level, config.safety_bound)
-            zeroed = (w == 0) & (raw != 0) & tok.mask  # w: the masked weights
-            lo, hi = config.is_lower, config.is_upper
-            name = {"token": "icepop", "sequence": "seq_mis", "geometric": "geo_mis"}[config.is_level]
-            if config.is_level == "token":
-                add_tokens(name, "ρ_t", kept_range(lo, hi), zeroed, raw, lo, hi, effect="zero weight")
-            else:
-                stat = "Π ρ_t" if config.is_level == "sequence" else "geo-mean ρ"
-                add_rows(name, stat, kept_range(lo, hi), zeroed.any(dim=-1), row_log.exp(), lo, hi,
-                         effect="zero weight")  # fmt: skip
+            _explain_masked_weights(config, tok, w, add_rows, add_tokens)
         return out
 
     def _store(self, chunk: Dump, index: np.ndarray, f: dict, lo, hi) -> None:
@@ -640,19 +604,7 @@ class _Engine:
         metrics.update(self._rule_metrics(rows, order))
         num_tokens = rows.num_tokens
         dtype = n.dtype
-        if self.any_rule:
-            rejected_rows = torch.tensor(float(self.rejected_rows), dtype=dtype)
-            metrics["rollout_rs_masked_fraction"] = (num_tokens - self.kept_tokens) / rows.den(num_tokens)
-            metrics["rollout_rs_seq_masked_fraction"] = (
-                rejected_rows / len(n) if rows.verl else rejected_rows / rows.num_rows
-            )
-        kept_tokens = torch.tensor(float(self.kept_tokens), dtype=dtype)
-        metrics["num_tokens"] = num_tokens
-        metrics["num_kept_tokens"] = kept_tokens
-        metrics["num_seqs"] = torch.tensor(float(len(n)), dtype=dtype)
-        metrics["num_valid_seqs"] = rows.num_rows
-        metrics["num_kept_seqs"] = torch.tensor(float(self.kept_rows), dtype=dtype)
-        metrics["all_rejected"] = (kept_tokens == 0).to(dtype)
+        metrics.update(self._count_metrics(rows))
         s = {k: per_row[k] for k in PER_ROW}
         s.update({k: torch.tensor([v], dtype=dtype) for k, v in self.tot.items()})
         metrics.update(fused.diagnostics(s, rows))
@@ -672,14 +624,7 @@ class _Engine:
                 "warning: the per-rule explanation does not match the correction's mask "
                 f"({self.explained_tokens} vs {self.mask_rejected} rejected tokens)"
             )
-        r = self.routing
-        if info.complete.get("routed_experts") and info.complete.get("learner_routed_experts") and r and not r.get("mismatch"):
-            routing = routing_result(r)
-            out.update({f"routing/{k}": float(v) for k, v in routing.items() if isinstance(v, int | float)})
-            notes.append(routing_sentence(routing) or "routing: the sampler and the learner chose the same experts "
-                         "on every token")  # fmt: skip
-        elif info.routing_note:  # routing in the dump that cannot be compared: said, as the audit says it
-            notes.append(info.routing_note)
+        self._routing(info, out, notes)
         f = float(factor) if factor is not None else 1.0
         weights = None
         if self.applied[1] != math.inf:
@@ -696,6 +641,37 @@ class _Engine:
             weights=weights, top_tokens=self._token_rows(info, f),
             turns=self.turns.result(scale={"weight_mean": f}) if self.turns.multi_turn else None,
         )  # fmt: skip
+
+    def _count_metrics(self, rows: Rows) -> dict[str, Tensor]:
+        """Tokens and sequences of the dump: all, valid, kept; with a rule, the shares it masked (verl's names)."""
+        n, num_tokens, dtype = rows.n, rows.num_tokens, rows.n.dtype
+        metrics: dict[str, Tensor] = {}
+        if self.any_rule:
+            rejected_rows = torch.tensor(float(self.rejected_rows), dtype=dtype)
+            metrics["rollout_rs_masked_fraction"] = (num_tokens - self.kept_tokens) / rows.den(num_tokens)
+            metrics["rollout_rs_seq_masked_fraction"] = (
+                rejected_rows / len(n) if rows.verl else rejected_rows / rows.num_rows
+            )
+        kept_tokens = torch.tensor(float(self.kept_tokens), dtype=dtype)
+        metrics["num_tokens"] = num_tokens
+        metrics["num_kept_tokens"] = kept_tokens
+        metrics["num_seqs"] = torch.tensor(float(len(n)), dtype=dtype)
+        metrics["num_valid_seqs"] = rows.num_rows
+        metrics["num_kept_seqs"] = torch.tensor(float(self.kept_rows), dtype=dtype)
+        metrics["all_rejected"] = (kept_tokens == 0).to(dtype)
+        return metrics
+
+    def _routing(self, info: DumpInfo, out: dict[str, float], notes: list[str]) -> None:
+        """The routing flips into ``out`` and a sentence into ``notes`` when the dump holds both sides' experts;
+        routing that cannot be compared is said, as the audit says it."""
+        r = self.routing
+        if info.complete.get("routed_experts") and info.complete.get("learner_routed_experts") and r and not r.get("mismatch"):
+            routing = routing_result(r)
+            out.update({f"routing/{k}": float(v) for k, v in routing.items() if isinstance(v, int | float)})
+            notes.append(routing_sentence(routing) or "routing: the sampler and the learner chose the same experts "
+                         "on every token")  # fmt: skip
+        elif info.routing_note:
+            notes.append(info.routing_note)
 
     def _is_metrics(self, rows: Rows, per_row: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         """(per-row Σ_t w, the IS metrics) from the whole dump's sums (``metrics.is_metrics``' reductions)."""
@@ -963,3 +939,49 @@ def analyze_chunks(dump: Dump, config: CorrectionConfig, positions: int, source:
         for chunk in iter_chunks(dump, positions):
             engine.feed(chunk)
         return engine.finish(dump)
+
+
+def _explain_rule(rule: RuleOutcome, tok, k2: Tensor, add_rows, add_tokens) -> None:
+    """One rule's findings, through ``add_rows`` (a sequence rule: the statistic per row, and the token to name)
+    or ``add_tokens`` (a token rule), shown in the statistic's own terms (K1 windows as ratios, veto as ρ_t)."""
+    name, drop = rule.rule, ~rule.row_keep if rule.row_keep is not None else ~rule.token_keep
+    if rule.rs is not None:
+        r = rule.rs
+        if name.endswith("k1"):  # statistic space k1 = −log ρ → show ratios
+            lo, hi = exp_or_inf(-r.upper), exp_or_inf(-r.lower)
+            shown = torch.exp(-rule.stat)
+        else:
+            lo, hi, shown = None, r.upper, rule.stat
+        if r.token_keep is not None:
+            add_tokens(name, STATISTICS[name], kept_range(lo, hi), drop, shown, lo, hi)
+        else:
+            add_rows(name, STATISTICS[name], kept_range(lo, hi), drop, shown, lo, hi)
+    elif rule.flags is not None:  # veto: the row's smallest (floor) or largest (ceiling) ρ_t
+        floor = rule.lower is not None
+        ell = rule.stat.masked_fill(~tok.mask, math.inf if floor else -math.inf)
+        value, pos = ell.min(dim=-1) if floor else ell.max(dim=-1)
+        lo, hi = (rule.threshold, None) if floor else (None, rule.threshold)
+        statistic, window = ("min ρ_t", f"≥ {fmt(lo)}") if floor else ("max ρ_t", f"≤ {fmt(hi)}")
+        add_rows(name, statistic, window, drop, value.exp(), lo, hi, positions=pos.numpy())
+    elif name == "trm_max_k2":
+        pos = k2.masked_fill(~tok.mask, -1.0).argmax(dim=-1).numpy()
+        add_rows(name, "max ½ℓ²", f"≤ {fmt(rule.upper)}", drop, rule.stat, None, rule.upper, positions=pos)
+    elif rule.token_keep is not None:  # a token-level rule registered later
+        add_tokens(name, name, f"≤ {fmt(rule.upper)}", drop, rule.stat, None, rule.upper)
+    else:
+        statistic = {"trm_mean_k3": "mean k3", "opsm": "mean(log μ − log π_θ), A<0"}.get(name, name)
+        add_rows(name, statistic, f"≤ {fmt(rule.upper)}", drop, rule.stat, None, rule.upper)
+
+
+def _explain_masked_weights(config, tok, w: Tensor | None, add_rows, add_tokens) -> None:
+    """IcePop / MIS (``is_mode=mask``): the tokens or sequences whose weight the band set to zero."""
+    raw, row_log = raw_weights(tok, config.is_level, config.safety_bound)
+    zeroed = (w == 0) & (raw != 0) & tok.mask  # w: the masked weights
+    lo, hi = config.is_lower, config.is_upper
+    name = {"token": "icepop", "sequence": "seq_mis", "geometric": "geo_mis"}[config.is_level]
+    if config.is_level == "token":
+        add_tokens(name, "ρ_t", kept_range(lo, hi), zeroed, raw, lo, hi, effect="zero weight")
+    else:
+        stat = "Π ρ_t" if config.is_level == "sequence" else "geo-mean ρ"
+        add_rows(name, stat, kept_range(lo, hi), zeroed.any(dim=-1), row_log.exp(), lo, hi,
+                 effect="zero weight")  # fmt: skip
