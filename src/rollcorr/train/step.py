@@ -614,6 +614,35 @@ def log_prob_before_update(rollout: Rollout, own: Rollout, learner, proximal, pr
     return everyone(current)
 
 
+def correct_and_advantage(rollout: Rollout, config: StepConfig, current: Tensor | None, proximal, version: int
+                          ) -> tuple[Rollout, dict[str, float]]:  # fmt: skip
+    """The correction (``is_weights``, ``kept_mask``) and the advantages of the global batch, in the order the
+    correction needs; the rollout's ``kept_mask`` then holds the tokens the loss sees. ``current``: log π_θ before
+    the update, when read (bypass, the factor metrics)."""
+    metrics: dict[str, float] = {}
+    # OPSM reads the advantages: then they are computed before the correction, every valid sequence in the
+    # baselines (as DeepSeek-V3.2 and slime do), and the loss uses the same ones; otherwise after it, with
+    # rejected sequences out of the baselines. One advantages pass either way.
+    if config.advantages_first:
+        rollout, used, adv_metrics = attach_advantages(rollout.replace(kept_mask=rollout.response_mask.bool()), config)
+
+    # correction: IS weights, rejection mask, the verl-named diagnostics
+    # the correction sees the global batch on every rank: its batch normalisation needs no all-reduce (LOCAL)
+    rollout, corr_metrics = attach_correction(rollout, config, current, group=LOCAL)
+    metrics.update(corr_metrics)
+    proximal.after_correction(rollout, version)  # the strategy sees the keep share and the measured lag
+
+    # advantages (dynamic sampling drops uniform groups); the loss sees the kept tokens of the rows they use
+    if not config.advantages_first:
+        rollout, used, adv_metrics = attach_advantages(rollout, config)
+    metrics.update(adv_metrics)
+    # the loss sees the kept tokens of the rows the advantages use; with rollout.mask_truncated not those of the
+    # responses cut at the token cap (which stayed in their groups' baselines)
+    used = used & ~truncated_rows(rollout).to(used.device) if config.mask_truncated else used
+    rollout = rollout.replace(kept_mask=rollout.kept_mask & used[:, None])
+    return rollout, metrics
+
+
 def train_step(
     rollout: Rollout,
     learner,
@@ -659,26 +688,8 @@ def train_step(
     exact = proximal.is_exact(rollout, version)  # π_old is π_train(v_gen) for every token
     current = log_prob_before_update(rollout, own, learner, proximal, prox, config, exact, everyone)
 
-    # OPSM reads the advantages: then they are computed before the correction, every valid sequence in the
-    # baselines (as DeepSeek-V3.2 and slime do), and the loss uses the same ones; otherwise after it, with
-    # rejected sequences out of the baselines. One advantages pass either way.
-    if config.advantages_first:
-        rollout, used, adv_metrics = attach_advantages(rollout.replace(kept_mask=rollout.response_mask.bool()), config)
-
-    # correction: IS weights, rejection mask, the verl-named diagnostics
-    # the correction sees the global batch on every rank: its batch normalisation needs no all-reduce (LOCAL)
-    rollout, corr_metrics = attach_correction(rollout, config, current, group=LOCAL)
-    metrics.update(corr_metrics)
-    proximal.after_correction(rollout, version)  # the strategy sees the keep share and the measured lag
-
-    # advantages (dynamic sampling drops uniform groups); the loss sees the kept tokens of the rows they use
-    if not config.advantages_first:
-        rollout, used, adv_metrics = attach_advantages(rollout, config)
-    metrics.update(adv_metrics)
-    # the loss sees the kept tokens of the rows the advantages use; with rollout.mask_truncated not those of the
-    # responses cut at the token cap (which stayed in their groups' baselines)
-    used = used & ~truncated_rows(rollout).to(used.device) if config.mask_truncated else used
-    rollout = rollout.replace(kept_mask=rollout.kept_mask & used[:, None])
+    rollout, step_metrics = correct_and_advantage(rollout, config, current, proximal, version)
+    metrics.update(step_metrics)
 
     # discrepancy × drift (docs/spec.md §1): exact when π_old is π_train(v_gen)
     if exact and current is not None and rollout.response_mask.any():
