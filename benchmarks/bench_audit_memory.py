@@ -65,17 +65,17 @@ def main() -> int:
     fp32 = fp32_bytes(args.gguf)
     print(f"{args.gguf.name}: fp32 weights {fp32 / gb:.2f} GB, file {args.gguf.stat().st_size / gb:.3f} GB")
     print(f"rollcorr from {os.environ.get('PYTHONPATH') or 'the installed package'}; -n {args.n} "
-          f"--max-new-tokens {args.max_new_tokens}, {os.cpu_count()} CPUs")  # fmt: skip
+          f"--max-new-tokens {args.max_new_tokens}, {os.cpu_count()} CPUs")
     print("sampler          peak RSS   budget (3×fp32 + engine)   within   wall    status")
     for spec in args.samplers:
         with tempfile.TemporaryDirectory() as out:
             argv = [sys.executable, "-m", "rollcorr.cli", "audit", "--sampler", spec,
                     "--model", str(args.gguf.parent), "--gguf-file", args.gguf.name, "-n", str(args.n),
-                    "--max-new-tokens", str(args.max_new_tokens), "--out", out]  # fmt: skip
+                    "--max-new-tokens", str(args.max_new_tokens), "--out", out]
             rss, seconds, status = max_rss(argv)
         budget = 3 * fp32 + engine_bytes(spec, args.gguf, fp32)
         print(f"{spec:15s}  {rss / gb:6.2f} GB  {budget / gb:8.2f} GB               "
-              f"{'yes' if rss <= budget else 'NO':6s}  {seconds:5.0f} s  {status}")  # fmt: skip
+              f"{'yes' if rss <= budget else 'NO':6s}  {seconds:5.0f} s  {status}")
     return 0
 
 

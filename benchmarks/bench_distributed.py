@@ -140,7 +140,7 @@ def _stall(learner, rollout) -> dict[str, float]:
 def _worker(rank: int, world: int, port: int, data: str, steps: int, wide: dict | None, out: str,
             layout: str = "shard") -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+                      MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if world == 1:  # today's one-process path: no process group
         torch.save(measure(torch.load(data, weights_only=False), steps, wide), f"{out}.{rank}")
@@ -180,7 +180,7 @@ def default_run(world: int, layout: str, steps: int, out: str, overrides=(), env
     import sys
 
     args = [sys.executable, "-m", "rollcorr", "train", f"trainer.steps={steps}", "trainer.plot=false",
-            "trainer.progress=false", *overrides]  # fmt: skip
+            "trainer.progress=false", *overrides]
     if world > 1:
         args += [f"trainer.ranks={world}", f"trainer.data_parallel={layout}"]
     args += ["--out", out]
@@ -239,15 +239,15 @@ def main() -> None:
         runs = default_runs(args.run_steps, args.runs)
         results["default_runs"] = runs
         print(f"## the default run (rollcorr train, {args.run_steps} steps; median time/step_s over steps 4+ of each "
-              f"run, median of {args.runs} interleaved runs per case)")  # fmt: skip
+              f"run, median of {args.runs} interleaved runs per case)")
         base = statistics.median(r["step_s"] for r in runs["N=1"])
         for name, found in runs.items():
             step = statistics.median(r["step_s"] for r in found)
             wall = statistics.median(r["wall_s"] for r in found)
             print(f"default run, {name}: {1 / step:.2f} steps/s ({step * 1e3:.0f} ms/step), command wall {wall:.1f} s; "
-                  f"steps/s ratio to N=1 {base / step:.2f} (asked at N=2: >= 1.3)", flush=True)  # fmt: skip
+                  f"steps/s ratio to N=1 {base / step:.2f} (asked at N=2: >= 1.3)", flush=True)
         print("where a step's time goes, rank 0, ms (median over steps and runs): case | "
-              + " | ".join(PARTS[1:]) + " | optimize's rest (collectives, waits, metrics)")  # fmt: skip
+              + " | ".join(PARTS[1:]) + " | optimize's rest (collectives, waits, metrics)")
         for name, found in runs.items():
             ms = {part: 1e3 * statistics.median(r[f"{part}_s"] for r in found) for part in PARTS}
             rest = ms["optimize"] - ms["loss_forward"] - ms["backward"] - ms["optimizer"]
@@ -264,12 +264,12 @@ def main() -> None:
         print(f"builtin model, {name}: {1 / per_rank[0]['step_s']:.3f} steps/s wall ({per_rank[0]['step_s']:.2f} s/step), "
               f"CPU s/step per rank {cpu:.2f} (max over ranks); full-weight gather "
               f"{per_rank[0]['publish_gather_s'] * 1e3:.0f} ms wall, {per_rank[0]['publish_gather_cpu_s'] * 1e3:.0f} ms CPU",
-              flush=True)  # fmt: skip
+              flush=True)
         if world > 1 and layout == "shard":
             split, every = (max(r[k] for r in per_rank) for k in ("stall_split_cpu_s", "stall_every_row_cpu_s"))
             print(f"interrupt's stall, N={world}, {rollouts[0].batch_size} in-flight rows: CPU s per rank (max over ranks) "
                   f"split over the ranks {split:.3f}, every rank scoring every row {every:.3f}; ratio {split / every:.2f}",
-                  flush=True)  # fmt: skip
+                  flush=True)
     if not args.skip_memory:
         wide = {
             "hidden_size": args.hidden,
@@ -277,7 +277,7 @@ def main() -> None:
             "num_hidden_layers": args.layers,
         }
         print(f"## a wide model ({args.hidden}x{args.layers}): memory per rank, and {args.wide_steps} train_step "
-              "calls (the median after the first)")  # fmt: skip
+              "calls (the median after the first)")
         peaks, seconds = {}, {}
         for world, layout in cases:
             per_rank = run(world, rollouts, args.wide_steps, wide, layout)
@@ -289,11 +289,11 @@ def main() -> None:
                 print(f"wide model, {name} rank {r}: parameters {m['parameters_bytes'] / 2**20:.1f} MiB + AdamW state "
                       f"{m['optimizer_bytes'] / 2**20:.1f} MiB; peak RSS after building "
                       f"{m['built_peak_rss_bytes'] / 2**20:.0f} MiB, after a step {m['peak_rss_bytes'] / 2**20:.0f} MiB; "
-                      f"full-weight gather {m['publish_gather_s'] * 1e3:.0f} ms", flush=True)  # fmt: skip
+                      f"full-weight gather {m['publish_gather_s'] * 1e3:.0f} ms", flush=True)
         for name in ("N=2 replicate", "N=2 shard"):
             print(f"wide model, {name}: peak RSS per rank (max over ranks) / N=1's {peaks[name] / peaks['N=1']:.2f}; "
                   f"train_step {seconds[name]:.2f} s against N=1's {seconds['N=1']:.2f} s, steps/s ratio "
-                  f"{seconds['N=1'] / seconds[name]:.2f}")  # fmt: skip
+                  f"{seconds['N=1'] / seconds[name]:.2f}")
     results["load_average_end"] = os.getloadavg()[0]
     print(f"# load after {load()}")
     if args.json:

@@ -51,7 +51,7 @@ def step_seconds(spec: str, steps: int) -> float:
         subprocess.run([sys.executable, "-m", "rollcorr", "train", f"model.sampler={spec}", f"model.learner={spec}",
                         f"trainer.steps={steps + 1}", "trainer.eval_every=0", "trainer.checkpoint_every=0",
                         "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false",
-                        f"trainer.out={tmp}/run"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)  # fmt: skip
+                        f"trainer.out={tmp}/run"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         records = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
         return statistics.median([r["time/step_s"] for r in records if "time/step_s" in r][1:])
 
@@ -69,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts, params = builtin_prompts(16), SamplingParams(max_new_tokens=8, seed=0)
     lines = [f"# bench_exact: {machine()}; load before {load()}",
              "# built-in model; sampling and scoring: 16 prompts x 4 responses of <= 8 tokens, median of "
-             f"{args.repeats}; training: the default config, median of {args.steps} steps after 1 warm-up"]  # fmt: skip
+             f"{args.repeats}; training: the default config, median of {args.steps} steps after 1 warm-up"]
     measured = {spec: (*rates(spec, prompts, params, args.repeats), step_seconds(spec, args.steps))
-                for spec in ("hf:fp32", "hf:exact")}  # fmt: skip
+                for spec in ("hf:fp32", "hf:exact")}
     lines.append("measure | hf:fp32 | hf:exact | exact / fp32")
     for i, name in enumerate(("sampling, response tokens/s", "scoring, positions/s", "training, s/step")):
         fp32, ex = measured["hf:fp32"][i], measured["hf:exact"][i]

@@ -27,7 +27,7 @@ QUANTS = ("f32", "f16", "q8_0", "q4_0")
 
 def mismatch_report(model_path: str = "builtin", specs: Sequence[str] = tuple(f"llamacpp:{q}" for q in QUANTS), *,
                     prompts: int = 64, n: int = 4, max_new_tokens: int = 8, seed: int = 0,
-                    threads: int = 1) -> list[dict[str, Any]]:  # fmt: skip
+                    threads: int = 1) -> list[dict[str, Any]]:
     """One row per spec (see the module docstring)."""
     from rollcorr.audit.collect import collect, from_rollout
     from rollcorr.audit.stats import audit_stats
@@ -54,7 +54,7 @@ def mismatch_report(model_path: str = "builtin", specs: Sequence[str] = tuple(f"
             "spec": spec, "gguf_mb": size, "tokens": stats["n_tokens"],
             "mean_abs_log_ratio": d["log_ratio_abs_mean"], "k3_kl": d["k3_kl"],
             "max_abs_dp": p["prob_diff_max"], "frac_dp_gt_1e-3": 1.0 - p["prob_diff_frac_lt_1e-3"],
-        })  # fmt: skip
+        })
     return report
 
 
@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = mismatch_report(args.model, args.specs, prompts=args.prompts, n=args.n,
-                           max_new_tokens=args.max_new_tokens, seed=args.seed, threads=args.threads)  # fmt: skip
+                           max_new_tokens=args.max_new_tokens, seed=args.seed, threads=args.threads)
     keys = list(rows[0])
     print(" | ".join(keys))
     for row in rows:

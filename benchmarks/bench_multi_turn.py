@@ -38,7 +38,7 @@ def one_run(mode: str, workers: int, steps: int, wait: float, out: Path) -> floa
             f"task.env={{name: slow_checkpoints, every: 7, wait: {wait}, workers: {workers}}}",
             f"trainer.steps={steps}", "trainer.eval_every=0", "task.eval_prompts=0", "trainer.progress=false",
             "trainer.tensorboard=false", "trainer.plot=false", "trainer.checkpoint_every=0",
-            f"trainer.out={out}", *MODES[mode]]  # fmt: skip
+            f"trainer.out={out}", *MODES[mode]]
     subprocess.run(args, check=True, capture_output=True, text=True, env=env, cwd=HERE)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     times = [r["time/step_s"] for r in records if r.get("step", 0) > 2 and "time/step_s" in r]
@@ -59,7 +59,7 @@ def main() -> int:
         for run in range(args.runs):
             for mode, workers in cases:
                 seconds[mode, workers].append(one_run(mode, workers, args.steps, args.wait,
-                                                      Path(tmp) / f"{mode}-{workers}-{run}"))  # fmt: skip
+                                                      Path(tmp) / f"{mode}-{workers}-{run}"))
     print(f"# load {load()} at end")
     print("| episodes stepped | sync s/step | async s/step | async / sync steps/s |")
     print("|---|---|---|---|")

@@ -67,7 +67,7 @@ def run_end(folder: Path) -> dict[str, float]:
             out = folder / f"run-{r}-{len(times[name])}-{list(RUN_END).index(name)}"
             start = time.perf_counter()
             subprocess.run([sys.executable, *head, TRAIN[0], "--out", str(out), *TRAIN[1:], *extra], check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             times[name].append(time.perf_counter() - start)
             if "background" in name:  # let it finish before the next measurement (untimed)
                 wait_for_plot(out, timeout_s=600)
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
             ends = run_end(Path(folder))
         before = ends[next(iter(RUN_END))]
         print(f"# run end: median wall time of {TRAIN_REPEATS} fresh `rollcorr {' '.join(TRAIN)}` processes per "
-              f"variant (built-in model), interleaved")  # fmt: skip
+              f"variant (built-in model), interleaved")
         print("run end | seconds | / drawn in the run's process")
         for name, seconds in ends.items():
             print(f"{name} | {seconds:.2f} | {seconds / before:.2f}")

@@ -71,7 +71,7 @@ print("STEPS", json.dumps([b - a for a, b in zip(marks, marks[1:])]))
 '''
 PARTS = (("generation", "time/generate_s"), ("π_old", "time/old_log_prob_s"), ("correction", "time/correction_s"),
          ("loss forward", "time/loss_forward_s"),
-         ("backward", "time/backward_s"), ("AdamW", "time/optimizer_s"), ("publish", "time/publish_s"))  # fmt: skip
+         ("backward", "time/backward_s"), ("AdamW", "time/optimizer_s"), ("publish", "time/publish_s"))
 
 
 
@@ -84,7 +84,7 @@ def rollcorr_steps(args, tmp: Path) -> list[dict]:
            f"task.name={DATA}", f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
            f"rollout.max_new_tokens={args.tokens}", f"trainer.steps={args.steps + 1}", "task.eval_prompts=0",
            "trainer.checkpoint_every=0", "trainer.keep_checkpoints=1", "trainer.progress=false", "trainer.plot=false",
-           "trainer.tensorboard=false", "model.learner=hf:fp32", "model.sampler=hf:bf16", f"trainer.out={run}"]  # fmt: skip
+           "trainer.tensorboard=false", "model.learner=hf:fp32", "model.sampler=hf:bf16", f"trainer.out={run}"]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if "time/step_s" in r][1:]  # the warm-up step left out
@@ -95,7 +95,7 @@ def trl_steps(args, tmp: Path, kind: str) -> list[float]:
     child.write_text(TRL_CHILD)
     done = subprocess.run([sys.executable, str(child), str(args.model), kind, str(args.prompts), str(args.group),
                            str(args.tokens), str(args.steps), str(tmp / kind), str(DATA)],
-                          capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+                          capture_output=True, text=True, cwd=ROOT)
     if done.returncode != 0:
         raise SystemExit(f"{kind} failed:\n{done.stderr[-3000:]}")
     steps = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("STEPS "))[6:])
@@ -114,13 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     args.model = args.model.resolve()
     lines = [f"# bench_trl: {machine()}; load before {load()}",
              f"# shape: {args.prompts} prompts x {args.group} completions, <= {args.tokens} tokens, lr 1e-5, "
-             f"fp32 learner, 1 thread; {args.steps} timed steps after 1 warm-up; model {args.model.name}"]  # fmt: skip
+             f"fp32 learner, 1 thread; {args.steps} timed steps after 1 warm-up; model {args.model.name}"]
     with tempfile.TemporaryDirectory() as tmp:
         ours = rollcorr_steps(args, Path(tmp))
         base = statistics.median(r["time/step_s"] for r in ours)
         results = {"rollcorr train (hf:bf16 sampler)": base,
                    "TRL GRPOTrainer (its own generate)": statistics.median(trl_steps(args, Path(tmp), "trl")),
-                   "RollcorrGRPOTrainer + SamplerRollout(hf:bf16)": statistics.median(trl_steps(args, Path(tmp), "rollcorr_trl"))}  # fmt: skip
+                   "RollcorrGRPOTrainer + SamplerRollout(hf:bf16)": statistics.median(trl_steps(args, Path(tmp), "rollcorr_trl"))}
     lines.append("trainer | s/step (median) | ratio to rollcorr train")
     lines += [f"{name} | {value:.2f} | {value / base:.2f}" for name, value in results.items()]
     lines.append("where a rollcorr train step goes | s (mean) | share of time/step_s")

@@ -41,7 +41,7 @@ def bench(
     sampler.close()
     g = statistics.median(gen)
     return {"start_s": start_s, "generate_s": g, "tokens": count, "tokens_per_s": count / g,
-            "load_weights_s": statistics.median(upd)}  # fmt: skip
+            "load_weights_s": statistics.median(upd)}
 
 
 def main() -> None:
@@ -67,7 +67,7 @@ def main() -> None:
     for spec in args.specs:
         row = bench(spec, args.model, prompts, args.n, args.tokens, args.repeat, weights)
         print(f"{spec:<12} {row['start_s']:8.1f} {row['generate_s']:11.3f} {row['tokens']:7d} "
-              f"{row['tokens_per_s']:8.0f} {row['load_weights_s']:9.3f}", flush=True)  # fmt: skip
+              f"{row['tokens_per_s']:8.0f} {row['load_weights_s']:9.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ def machine() -> str:
 
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     cpu = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-               platform.processor())  # fmt: skip
+               platform.processor())
     return f"{cpu} ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} cores"
 
 

@@ -35,7 +35,7 @@ def audits(model: Path) -> dict[str, list[str]]:
     smol = ["--model", str(model), "--prompts", str(PROMPTS), "--chat", *SAMPLING]
     out = {"smollm2_hf_bf16": [*smol, "--sampler", "hf:bf16", "--localize", "--whatif"],
            "smollm2_vllm_bf16": [*smol, "--sampler", "vllm:bf16", "--whatif", "fp16"],
-           "builtin_hf_bf16": ["--sampler", "hf:bf16", "--localize", "--whatif"]}  # fmt: skip
+           "builtin_hf_bf16": ["--sampler", "hf:bf16", "--localize", "--whatif"]}
     if importlib.util.find_spec("vllm") is None:
         print("vLLM is not installed: smollm2_vllm_bf16 skipped")
         del out["smollm2_vllm_bf16"]
@@ -43,7 +43,7 @@ def audits(model: Path) -> dict[str, list[str]]:
 
 
 LABELS = {"smollm2_hf_bf16": "SmolLM2-135M, hf:bf16", "smollm2_vllm_bf16": "SmolLM2-135M, vllm:bf16 (CPU build)",
-          "builtin_hf_bf16": "built-in model, hf:bf16"}  # fmt: skip
+          "builtin_hf_bf16": "built-in model, hf:bf16"}
 
 
 def diagnosis_text(folder: Path = OUT) -> str:
@@ -59,10 +59,10 @@ def diagnosis_text(folder: Path = OUT) -> str:
         s = json.loads(path.read_text())
         p = s["probability"]
         rows.append(f"| {label} | as audited | {s['n_tokens']} | {100 * p['prob_diff_frac_ge_0.01']:.1f} % | "
-                    f"{100 * p['prob_diff_frac_ge_0.05']:.2f} % | {s['divergence']['k3_kl']:.2g} | {s['verdict_level']['level']} |")  # fmt: skip
+                    f"{100 * p['prob_diff_frac_ge_0.05']:.2f} % | {s['divergence']['k3_kl']:.2g} | {s['verdict_level']['level']} |")
         for w in s.get("whatif", []):
             rows.append(f"| | --whatif {w['change']} | {w['n_tokens']} | {100 * w['prob_diff_frac_ge_0.01']:.1f} % | "
-                        f"{100 * w['prob_diff_frac_ge_0.05']:.2f} % | {w['k3_kl']:.2g} | {w['verdict_level']} |")  # fmt: skip
+                        f"{100 * w['prob_diff_frac_ge_0.05']:.2f} % | {w['k3_kl']:.2g} | {w['verdict_level']} |")
             if w["change"] == "fp16" and w["k3_kl"] > 0:
                 ratios.append(f"{label}: {s['divergence']['k3_kl'] / w['k3_kl']:.0f}×")
         if "localization" in s:
@@ -70,10 +70,10 @@ def diagnosis_text(folder: Path = OUT) -> str:
     machine = meta["machine"]
     text = [f"*{machine['cpu']} ({machine['capability']}), torch {machine['torch']}, code {meta['code_commit'][:7]}; "
             f"wall time per audit: {', '.join(f'{LABELS[k]} {v:.0f} s' for k, v in meta['seconds'].items())}*",
-            "", *rows, "", "Where it enters (`--localize`):", "", *entries]  # fmt: skip
+            "", *rows, "", "Where it enters (`--localize`):", "", *entries]
     if ratios:
         text += ["", f"An fp16 sampler lowers k3 by {'; '.join(ratios)} on these prompts (the FP16 paper reports ~24× "
-                 "lower KL with fp16 on both sides)."]  # fmt: skip
+                 "lower KL with fp16 on both sides)."]
     return "\n".join(text)
 
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         relative_paths(folder / "summary.json")
     write_json({"machine": machine(), "code_commit": commit, "seconds": seconds,
                 "commands": {name: ["rollcorr", "audit", *flags] for name, flags in audits(Path("<SmolLM2 folder>")).items()}},
-               args.out / "machine.json")  # fmt: skip
+               args.out / "machine.json")
     print(json.dumps(seconds))
     return 0
 

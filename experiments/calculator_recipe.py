@@ -29,7 +29,7 @@ from experiments.common import RESULTS, RUNS, code_commit, machine, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = ("rollcorr train --config calculator model.path={model} task.name=examples/calculator/train.jsonl "
-           "task.eval_file=examples/calculator/eval.jsonl")  # fmt: skip  (the docs' command)
+           "task.eval_file=examples/calculator/eval.jsonl")  # the docs' command
 OUT = RESULTS / "calculator_recipe"
 
 
@@ -70,7 +70,7 @@ def recipe_text(r: dict[str, Any]) -> str:
         "| step | " + " | ".join(str(step) for step, _, _ in r["evals"]) + " |",
         "|---|" + "---|" * len(r["evals"]),
         "| greedy accuracy | " + " | ".join(f"{acc:.3f}" for _, acc, _ in r["evals"]) + " |",
-    ])  # fmt: skip
+    ])
 
 
 def loadavg() -> list[str] | None:
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = [f"trainer.out={run_dir}", "trainer.progress=false", "trainer.seed=0"]
     if args.steps is not None:
         extra += [f"trainer.steps={args.steps}", "task.eval_prompts=2", "trainer.eval_every=1",
-                  "rollout.prompts_per_step=2", "rollout.group_size=2"]  # fmt: skip
+                  "rollout.prompts_per_step=2", "rollout.group_size=2"]
     load_before, start = loadavg(), time.perf_counter()
     subprocess.run([sys.executable, "-m", "rollcorr", *command[1:], *extra, "--overwrite"], cwd=ROOT, check=True)
     seconds = time.perf_counter() - start
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
               "seed": config.trainer.seed, "steps": config.trainer.steps,
               "trajectories_per_step": config.rollout.prompts_per_step * config.rollout.group_size,
               "wall_seconds": seconds, "load_before": load_before, "load_after": loadavg(), "machine": machine(),
-              "cores": len(os.sched_getaffinity(0)), "code_commit": commit, **curve(run_dir)}  # fmt: skip
+              "cores": len(os.sched_getaffinity(0)), "code_commit": commit, **curve(run_dir)}
     write_json(report, out / "results.json")
     print(f"calculator_recipe: greedy accuracy {report['evals'][0][1]:.3f} -> {report['evals'][-1][1]:.3f}, "
           f"{seconds:.0f} s → {out / 'results.json'}")

@@ -103,7 +103,7 @@ def code_commit() -> str | None:
     try:
         head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
         dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                ":(exclude)experiments/results"], capture_output=True, text=True, check=True)  # fmt: skip
+                                ":(exclude)experiments/results"], capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         return None
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
@@ -114,16 +114,16 @@ def machine() -> dict[str, Any]:
     import torch
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""  # fmt: skip
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
     return {"cpu": cpu, "capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-            "python": platform.python_version()}  # fmt: skip
+            "python": platform.python_version()}
 
 
 def first_commit(path: str) -> str | None:
     """The commit that added ``path`` (relative to the repository; its first commit), None outside git."""
     try:
         out = subprocess.run(["git", "-C", str(ROOT.parent), "log", "--diff-filter=A", "--format=%H", "--", path],
-                             capture_output=True, text=True, check=True)  # fmt: skip
+                             capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         return None
     commits = out.stdout.split()
@@ -370,7 +370,7 @@ def run_study_arms(
     ``--quick`` and the ``--lr`` part of the grid; with ``--keep-other-arms`` the arms of the existing
     ``out/results.json`` that this invocation does not run are carried over (``carry_over``)."""
     results = run_arms({a: arms[a] for a in args.arms}, base, out, seeds=range(args.seeds), quick=args.quick,
-                       grid=chosen_grid(args), keep=keep, only=only)  # fmt: skip
+                       grid=chosen_grid(args), keep=keep, only=only)
     if args.keep_other_arms is not None:
         results = carry_over(results, Path(out) / "results.json", args.keep_other_arms or None)
     return results
@@ -452,12 +452,12 @@ def study_arguments(description: str, arms: Sequence[str]):
     parser.add_argument("--seeds", type=int, default=len(SEEDS))
     parser.add_argument("--steps", type=int, default=None, help="trainer.steps (default: the study's)")
     parser.add_argument("--lr", type=float, nargs="+", default=None, choices=GRID["optim.lr"],
-                        help="run only these learning rates of the shared grid")  # fmt: skip
+                        help="run only these learning rates of the shared grid")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--keep-other-arms", nargs="?", const="", default=None, metavar="RECORDED_IN",
                         help="carry the arms of the existing results.json that this invocation does not run "
                              "into the new one; RECORDED_IN names the commit that recorded runs older than "
-                             "the code_commit field")  # fmt: skip
+                             "the code_commit field")
     return parser
 
 

@@ -170,7 +170,7 @@ def sustained_collapse(evals: Sequence[tuple[int, float]], drop: float = COLLAPS
 
 
 def warning_step(values: Sequence[float | None], baseline: int = WARNING_BASELINE_STEPS,
-                 factor: float = WARNING_FACTOR) -> int | None:  # fmt: skip
+                 factor: float = WARNING_FACTOR) -> int | None:
     """Steps are 1, 2, …: the first step after the first ``baseline`` steps where |value| exceeds ``factor`` ×
     the median of |value| over them (absolute values: a signed estimator's median near 0 or below would make
     any threshold meaningless). None when it never fires or the run is shorter than the baseline."""
@@ -178,11 +178,11 @@ def warning_step(values: Sequence[float | None], baseline: int = WARNING_BASELIN
         return None
     threshold = factor * statistics.median(abs(v) for v in values[:baseline])
     return next((t for t, v in enumerate(values[baseline:], baseline + 1) if v is not None and abs(v) > threshold),
-                None)  # fmt: skip
+                None)
 
 
 def reward_decline_step(rewards: Sequence[float | None], window: int = REWARD_WINDOW,
-                        drop: float = COLLAPSE_DROP) -> int | None:  # fmt: skip
+                        drop: float = COLLAPSE_DROP) -> int | None:
     """The first step where the trailing ``window``-step mean of the sampled reward is ≥ ``drop`` below the
     largest trailing mean before it (None if never): when the collapse shows in the training signal."""
     best = -math.inf
@@ -225,7 +225,7 @@ def early_warning(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             useful = hits >= MIN_HIT_RATE * len(collapsed) and false_alarms <= MAX_FALSE_ALARM_RATE * max(len(steady), 1)
             call = "useful" if useful else "not useful"
         metrics[key] = {"hits": hits, "collapsed": len(collapsed), "false_alarms": false_alarms,
-                        "steady": len(steady), "verdict": call}  # fmt: skip
+                        "steady": len(steady), "verdict": call}
     return {"runs": per_run, "metrics": metrics}
 
 
@@ -237,7 +237,7 @@ def arm_overrides(arm: str, steps: int) -> list[str]:
 
     sampler, method = arm.split("/")
     return [*preset_overrides(PRESET), f"trainer.steps={steps}", f"optim.lr={LR}",
-            f"model.sampler={SAMPLERS[sampler]}", f"algorithm.correction={METHODS[method]}"]  # fmt: skip
+            f"model.sampler={SAMPLERS[sampler]}", f"algorithm.correction={METHODS[method]}"]
 
 
 def schedule(rung: int, seeds: Sequence[int] = SEEDS) -> list[tuple[str, int]]:
@@ -261,7 +261,7 @@ def one_run(rung: int, arm: str, seed: int, out: Path, quick: bool) -> dict[str,
     overrides = arm_overrides(arm, steps)
     if quick:
         overrides += ["trainer.eval_every=1", "rollout.prompts_per_step=2", "rollout.group_size=2",
-                      "task.eval_prompts=4", "rollout.max_new_tokens=10"]  # fmt: skip
+                      "task.eval_prompts=4", "rollout.max_new_tokens=10"]
     overrides.append(f"trainer.seed={seed}")
     if path.is_file():
         record = json.loads(path.read_text())
@@ -278,7 +278,7 @@ def one_run(rung: int, arm: str, seed: int, out: Path, quick: bool) -> dict[str,
     record = {"rung": rung, "arm": arm, "seed": seed, "steps": steps, "overrides": overrides,
               "final_score": final_score(evals, min(LAST_EVALS, len(evals))), "evals": evals, "series": series,
               "stopped": result["stopped"], "seconds": result["seconds"], "machine": machine(),
-              "code_commit": code_commit()}  # fmt: skip
+              "code_commit": code_commit()}
     write_json(record, path)
     return record
 
@@ -310,7 +310,7 @@ def rung_summary(runs: Sequence[dict[str, Any]], rung: int) -> dict[str, Any]:
         arms[arm] = {"seeds": len(values), "final_score_mean": statistics.fmean(values),
                      "final_score_std": statistics.stdev(values) if len(values) > 1 else 0.0,
                      "final_score_ci95": mean_ci(values) if len(values) > 1 else None,
-                     "collapses": collapses[arm]}  # fmt: skip
+                     "collapses": collapses[arm]}
     complete = all(len(scores[a]) == len(SEEDS) for a in RUNGS[rung][1])
     tests: dict[str, Any] = {}
     pairs = [(hi, lo) for hi, lo in COMPARISONS[rung] if len(scores[hi]) > 1 and len(scores[lo]) > 1]
@@ -322,14 +322,14 @@ def rung_summary(runs: Sequence[dict[str, Any]], rung: int) -> dict[str, Any]:
             "verdict": verdict(d, p_adj) if complete else "pending: the study is not complete",
             "collapses": [collapses[hi], collapses[lo]],
             "collapse_fisher_p": fisher_one_sided(collapses[lo], len(scores[lo]), collapses[hi], len(scores[hi])),
-        }  # fmt: skip
+        }
     secondary = {}
     for hi, lo in SECONDARY:
         if len(scores.get(hi, [])) > 1 and len(scores.get(lo, [])) > 1:
             secondary[f"{hi} vs {lo}"] = {"difference": statistics.fmean(scores[hi]) - statistics.fmean(scores[lo]),
-                                          "ci95": difference_ci(scores[hi], scores[lo])}  # fmt: skip
+                                          "ci95": difference_ci(scores[hi], scores[lo])}
     return {"steps": RUNGS[rung][0], "complete": complete, "runs": len(runs), "arms": arms, "tests": tests,
-            "secondary": secondary, "early_warning": early_warning(runs)}  # fmt: skip
+            "secondary": secondary, "early_warning": early_warning(runs)}
 
 
 def rung2_called(rung1: dict[str, Any]) -> bool | None:
@@ -345,14 +345,14 @@ def assemble(out: Path) -> dict[str, Any]:
     rung1 = rung_summary(read_runs(out, 1), 1)
     summary: dict[str, Any] = {"protocol": PROTOCOL, "protocol_commit": protocol_commit(), "alpha": ALPHA,
                                "complete": rung1["complete"], "arms": rung1["arms"], "tests": rung1["tests"],
-                               "secondary": rung1["secondary"], "rung2_called": rung2_called(rung1)}  # fmt: skip
+                               "secondary": rung1["secondary"], "rung2_called": rung2_called(rung1)}
     runs2 = read_runs(out, 2)
     if runs2:
         summary["rung2"] = rung_summary(runs2, 2)
     machines = sorted({json.dumps(r["machine"], sort_keys=True) for r in read_runs(out, 1) + runs2})
     report = {"study": "confirm_collapse", "summary": summary, "rung1": rung1, "seeds": list(SEEDS),
               "machines": [json.loads(m) for m in machines],
-              "code_commits": sorted({r["code_commit"] or "" for r in read_runs(out, 1) + runs2})}  # fmt: skip
+              "code_commits": sorted({r["code_commit"] or "" for r in read_runs(out, 1) + runs2})}
     write_json(report, out / "results.json")
     return report
 

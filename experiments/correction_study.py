@@ -127,7 +127,7 @@ def fisher_two_sided(x_a: int, n_a: int, x_b: int, n_b: int) -> float:
 
 
 def gap_recovered(arm: Sequence[float], ppo: Sequence[float], fp32: Sequence[float], n: int = BOOTSTRAP,
-                  seed: int = STAT_SEED) -> dict[str, Any]:  # fmt: skip
+                  seed: int = STAT_SEED) -> dict[str, Any]:
     """The share of the fp32 − uncorrected gap an arm recovers, R = (m_arm − m_ppo) / (m_fp32 − m_ppo) (1 = all of
     it, 0 = none), with a percentile bootstrap 95 % interval (each of the three arms resampled on its own)."""
     import numpy as np
@@ -143,7 +143,7 @@ def gap_recovered(arm: Sequence[float], ppo: Sequence[float], fp32: Sequence[flo
 def versus(a: Sequence[float], b: Sequence[float], family: int) -> dict[str, Any]:
     """mean(a) − mean(b) with its bootstrap interval, exact permutation p and MDE (80 % power, Holm family)."""
     return {"difference": statistics.fmean(a) - statistics.fmean(b), "ci95": difference_ci(a, b),
-            "p_value": exact_permutation_p(a, b), "mde": mde_two_sample(a, b, ALPHA, family)}  # fmt: skip
+            "p_value": exact_permutation_p(a, b), "mde": mde_two_sample(a, b, ALPHA, family)}
 
 
 def primary_verdict(difference: float, p_holm: float) -> str:
@@ -164,7 +164,7 @@ def arm_overrides(arm: str, steps: int) -> list[str]:
     sampler = SAMPLERS[dose]
     return [*preset_overrides(PRESET), f"trainer.steps={steps}", f"optim.lr={LR}", f"model.sampler={sampler}",
             f"model.learner={sampler if learner == 'sampler' else 'hf:fp32'}",
-            f"algorithm.correction={correction}"]  # fmt: skip
+            f"algorithm.correction={correction}"]
 
 
 def schedule(primary: Sequence[int] = PRIMARY_SEEDS, secondary: Sequence[int] = SECONDARY_SEEDS) -> list[tuple[str, int]]:
@@ -195,7 +195,7 @@ def served_score(overrides: Sequence[str], run_dir: str, sampler: str, steps: in
     model = checkpoint_dir(Path(run_dir), steps) / "model"
     engine = make_sampler(sampler, model)
     evaluator = GreedyEvaluator(engine, config.task.build(), engine.tokenizer, prompts, config.rollout.max_new_tokens,
-                                config.task.eval_seed, chat=uses_chat(engine.tokenizer, config.task.chat))  # fmt: skip
+                                config.task.eval_seed, chat=uses_chat(engine.tokenizer, config.task.chat))
     weights = make_sampler("hf:fp32", model).model.state_dict()  # the float32 weights; the engine rounds them
     return evaluator(weights, steps)["eval/reward"]
 
@@ -207,7 +207,7 @@ def one_run(arm: str, seed: int, out: Path, quick: bool) -> dict[str, Any]:
     overrides = arm_overrides(arm, steps)
     if quick:
         overrides += ["trainer.eval_every=1", "rollout.prompts_per_step=2", "rollout.group_size=2",
-                      "task.eval_prompts=4", "rollout.max_new_tokens=10"]  # fmt: skip
+                      "task.eval_prompts=4", "rollout.max_new_tokens=10"]
     overrides.append(f"trainer.seed={seed}")
     if path.is_file():
         record = json.loads(path.read_text())
@@ -231,7 +231,7 @@ def one_run(arm: str, seed: int, out: Path, quick: bool) -> dict[str, Any]:
     record = {"arm": arm, "seed": seed, "steps": steps, "overrides": overrides,
               "final_score": final_score(evals, min(LAST_EVALS, len(evals))), "evals": evals, "series": series,
               "served_score": served, "stopped": result["stopped"], "started": started,
-              "seconds": result["seconds"], "machine": machine(), "code_commit": code_commit()}  # fmt: skip
+              "seconds": result["seconds"], "machine": machine(), "code_commit": code_commit()}
     write_json(record, path)
     return record
 
@@ -263,21 +263,21 @@ def arm_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     served = [r["served_score"] for r in runs if r.get("served_score") is not None]
     k3 = [m for r in runs if (m := _series_mean(r, "rollout_corr/k3_kl")) is not None]
     kept = [m / v for r in runs if (m := _series_mean(r, "rollout_corr/num_kept_seqs")) is not None
-            and (v := _series_mean(r, "rollout_corr/num_valid_seqs"))]  # fmt: skip
+            and (v := _series_mean(r, "rollout_corr/num_valid_seqs"))]
     return {"seeds": len(scores), "final_score_mean": statistics.fmean(scores),
             "final_score_std": statistics.stdev(scores) if len(scores) > 1 else 0.0,
             "final_score_ci95": mean_ci(scores) if len(scores) > 1 else None,
             "collapses": sum(collapsed(r) for r in runs), "stopped": sum(r.get("stopped") is not None for r in runs),
             "served_score_mean": statistics.fmean(served) if served else None,
             "training_k3_median": statistics.median(k3) if k3 else None,
-            "kept_sequence_share_median": statistics.median(kept) if kept else None}  # fmt: skip
+            "kept_sequence_share_median": statistics.median(kept) if kept else None}
 
 
 def primary_tests(scores: dict[str, list[float]], complete: bool) -> dict[str, Any]:
     """Each alternative against token TIS at rtn2: exact permutation p, Holm over the four, verdict, MDE."""
     tis = scores["rtn2/tis"]
     tests = {f"rtn2/{m} vs rtn2/tis": versus(scores[f"rtn2/{m}"], tis, len(ALTERNATIVES)) for m in ALTERNATIVES
-             if len(scores[f"rtn2/{m}"]) > 1 and len(tis) > 1}  # fmt: skip
+             if len(scores[f"rtn2/{m}"]) > 1 and len(tis) > 1}
     if len(tests) == len(ALTERNATIVES):
         for t, p_adj in zip(tests.values(), holm([t["p_value"] for t in tests.values()])):
             t["p_holm"] = p_adj
@@ -295,19 +295,19 @@ def secondary(scores: dict[str, list[float]], arms: dict[str, Any]) -> dict[str,
             out[f"{a} vs {b}"] = {**versus(scores[a], scores[b], 1),
                                   "collapses": [arms[a]["collapses"], arms[b]["collapses"]],
                                   "collapse_fisher_p": fisher_two_sided(arms[a]["collapses"], len(scores[a]),
-                                                                        arms[b]["collapses"], len(scores[b]))}  # fmt: skip
+                                                                        arms[b]["collapses"], len(scores[b]))}
     for dose in ("rtn2", "rtn3"):
         for a in (f"{dose}/{m}" for m in METHODS if m != "ppo"):
             if all(len(scores.get(x, [])) > 1 for x in (a, f"{dose}/ppo", "fp32/ppo")):
                 out.setdefault("gap_recovered", {})[a] = gap_recovered(scores[a], scores[f"{dose}/ppo"],
-                                                                      scores["fp32/ppo"])  # fmt: skip
+                                                                      scores["fp32/ppo"])
     for m in ALTERNATIVES:
         a = f"rtn2/{m}"
         if len(scores[a]) > 1 and len(scores["rtn2/tis"]) > 1:
             out[f"{a} vs rtn2/tis: collapses"] = {
                 "collapses": [arms[a]["collapses"], arms["rtn2/tis"]["collapses"]],
                 "fisher_p": fisher_two_sided(arms[a]["collapses"], len(scores[a]), arms["rtn2/tis"]["collapses"],
-                                             len(scores["rtn2/tis"]))}  # fmt: skip
+                                             len(scores["rtn2/tis"]))}
     return out
 
 
@@ -322,7 +322,7 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     tests = primary_tests(scores, complete)
     return {"complete": complete, "complete_secondary": complete_secondary, "runs": len(runs), "arms": arms,
             "tests": tests, "secondary": secondary(scores, arms) if arms else {},
-            "answer": answer(tests, complete)}  # fmt: skip
+            "answer": answer(tests, complete)}
 
 
 def answer(tests: dict[str, Any], complete: bool) -> str | None:
@@ -336,10 +336,10 @@ def answer(tests: dict[str, Any], complete: bool) -> str | None:
         best = max(better, key=lambda k: better[k]["difference"])
         t = better[best]
         said = (f"at rtn2, {best.split(' vs ')[0]} scores above token TIS by {t['difference']:.3f} (95 % CI "
-                f"[{t['ci95'][0]:.3f}, {t['ci95'][1]:.3f}], Holm p {t['p_holm']:.3g})")  # fmt: skip
+                f"[{t['ci95'][0]:.3f}, {t['ci95'][1]:.3f}], Holm p {t['p_holm']:.3g})")
     else:
         said = (f"at rtn2, no alternative is separated from token TIS above it; a difference below {mde:.3f} "
-                "could not have been seen")  # fmt: skip
+                "could not have been seen")
     if worse:
         said += f"; {', '.join(worse)} {'scores' if len(worse) == 1 else 'score'} below token TIS"
     return said + "."
@@ -354,7 +354,7 @@ def assemble(out: Path) -> dict[str, Any]:
               "machines": [json.loads(m) for m in sorted({json.dumps(r["machine"], sort_keys=True) for r in runs})],
               "code_commits": sorted({r["code_commit"] or "" for r in runs}),
               "wall_seconds": [min((r["seconds"] for r in runs), default=None),
-                               max((r["seconds"] for r in runs), default=None)]}  # fmt: skip
+                               max((r["seconds"] for r in runs), default=None)]}
     write_json(report, out / "results.json")
     return report
 

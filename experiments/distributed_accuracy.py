@@ -44,7 +44,7 @@ def one_run(ranks: int, seed: int, out: Path, steps: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "rollcorr", "train", f"trainer.ranks={ranks}", f"trainer.seed={seed}",
                f"trainer.steps={steps}", f"trainer.out={tmp}/run", "trainer.progress=false", "trainer.plot=false",
-               "trainer.tensorboard=false", "trainer.checkpoint_every=0"]  # fmt: skip
+               "trainer.tensorboard=false", "trainer.checkpoint_every=0"]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         records = [
             json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
@@ -52,7 +52,7 @@ def one_run(ranks: int, seed: int, out: Path, steps: int) -> dict[str, Any]:
     evals = [(r["step"], r[SCORE]) for r in records if r.get(SCORE) is not None]
     record = {"ranks": ranks, "seed": seed, "steps": steps, "evals": evals, "final_accuracy": evals[-1][1],
               "learner_ranks": next(r["learner/ranks"] for r in records if "learner/ranks" in r),
-              "seconds": clock.seconds, "code_commit": code_commit()}  # fmt: skip
+              "seconds": clock.seconds, "code_commit": code_commit()}
     write_json(record, path)
     return record
 
@@ -64,7 +64,7 @@ def assemble(out: Path) -> dict[str, Any]:
     a, b = arms["ranks=2"], arms["ranks=1"]
     band = (not separated(a, b)) if complete else None
     report = {"study": "distributed_accuracy", "seeds": list(SEEDS), "arms": arms, "same_band": band,
-              "runs": runs, "code_commits": sorted({r["code_commit"] or "" for r in runs})}  # fmt: skip
+              "runs": runs, "code_commits": sorted({r["code_commit"] or "" for r in runs})}
     write_json(report, out / "results.json")
     return report
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                 one_run(ranks, seed, args.out, args.steps)
     report = assemble(args.out)
     print(json.dumps({"arms": {k: {x: v[x] for x in ("mean", "std", "values")} for k, v in report["arms"].items()},
-                      "same_band": report["same_band"]}))  # fmt: skip
+                      "same_band": report["same_band"]}))
     return 0
 
 

@@ -40,7 +40,7 @@ OUT = RESULTS / "dose_response"
 
 
 def prompt_bootstrap_ci(per_prompt_sum: list[float], per_prompt_count: list[int], n: int = BOOTSTRAP,
-                        seed: int = 0) -> list[float]:  # fmt: skip
+                        seed: int = 0) -> list[float]:
     """95 % percentile interval of a token mean, resampling prompts (a prompt's tokens stay together)."""
     import numpy as np
 
@@ -93,7 +93,7 @@ def choose_doses(rows: list[dict[str, Any]]) -> dict[str, Any]:
         target = reference * factor
         best = min(rtn, key=lambda r: abs(math.log(r["k3"]) - math.log(target)))
         doses[f"D{j}"] = {"target_k3": target, "sampler": best["sampler"], "k3": best["k3"],
-                          "k3_ci95": best["k3_ci95"], "ratio_to_q4_0": best["k3"] / reference}  # fmt: skip
+                          "k3_ci95": best["k3_ci95"], "ratio_to_q4_0": best["k3"] / reference}
         used.add(best["sampler"])
     distinct = len(used) == len(TARGET_FACTORS)
     return {"reference": {"sampler": Q4_0, "k3": reference}, "doses": doses, "distinct": distinct}
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                               "model": MODEL, "task": TASK, "learner": LEARNER, "prompts": len(prompts),
                               "responses_per_prompt": 2 if args.quick else GROUP, "temperature": TEMPERATURE,
                               "max_new_tokens": MAX_NEW_TOKENS, "seed": SEED, "audits": rows,
-                              "machine": machine(), "code_commit": code_commit()}  # fmt: skip
+                              "machine": machine(), "code_commit": code_commit()}
     if any(r["sampler"] == Q4_0 for r in rows):
         report["choice"] = choose_doses(rows)
     out = (args.out or OUT).resolve()

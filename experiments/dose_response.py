@@ -51,7 +51,7 @@ STEPS = 300  # study 7's rung 2
 SEEDS = tuple(range(20, 30))  # fresh: studies 6 and 7 used 0-2 and 10-19
 # dose name -> (sampler, dose rank); the doses were fixed by experiments/dose_audit.py (doses.json) before any run
 DOSES: dict[str, tuple[str, int]] = {"fp32": ("hf:fp32", 0), "rtn4": ("hf:rtn4", 1), "rtn3": ("hf:rtn3", 2),
-                                     "rtn2": ("hf:rtn2", 3)}  # fmt: skip
+                                     "rtn2": ("hf:rtn2", 3)}
 METHODS = {"ppo": "{preset: disabled}", "tis": "{preset: tis, is_upper: 2.0}"}  # as study 7
 ARMS = ("fp32/ppo", "rtn4/ppo", "rtn4/tis", "rtn3/ppo", "rtn3/tis", "rtn2/ppo", "rtn2/tis")
 MISMATCHED = ("rtn4", "rtn3", "rtn2")
@@ -77,7 +77,7 @@ def slope(x: Sequence[float], y: Sequence[float]) -> float:
 
 
 def trend_test(groups: Sequence[Sequence[float]], ranks: Sequence[int], n: int = PERMUTATIONS,
-               seed: int = STAT_SEED) -> dict[str, Any]:  # fmt: skip
+               seed: int = STAT_SEED) -> dict[str, Any]:
     """H1: the slope of the score on the dose rank over every run of ``groups`` (group i has rank ranks[i]),
     its two-sided permutation p (relabel the pooled scores among the groups, sizes fixed; (count + 1) / (n + 1)),
     a percentile-bootstrap 95 % interval (each group resampled on its own) and the MDE of the slope."""
@@ -104,11 +104,11 @@ def trend_test(groups: Sequence[Sequence[float]], ranks: Sequence[int], n: int =
     sd = math.sqrt(within / df)
     return {"slope": observed, "ci95": [float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))],
             "p_value": p, "mde_slope": mde_from_sd(sd, 1 / math.sqrt(sxx), df, ALPHA, FAMILY),
-            "pooled_sd": sd}  # fmt: skip
+            "pooled_sd": sd}
 
 
 def stratified_test(pairs: Sequence[tuple[Sequence[float], Sequence[float]]], n: int = PERMUTATIONS,
-                    seed: int = STAT_SEED) -> dict[str, Any]:  # fmt: skip
+                    seed: int = STAT_SEED) -> dict[str, Any]:
     """H2: the mean over strata of mean(a) − mean(b) (each stratum one dose: a = tis, b = ppo), its two-sided
     permutation p (a/b labels relabelled within each stratum), a bootstrap 95 % interval (each arm resampled on
     its own) and the MDE (the two-sample formula with the stratum-pooled sd and n per arm summed)."""
@@ -137,7 +137,7 @@ def stratified_test(pairs: Sequence[tuple[Sequence[float], Sequence[float]]], n:
     # the mean over k strata of a difference with n_a, n_b per arm: SE = sd · √(Σ (1/n_a + 1/n_b)) / k
     se_factor = math.sqrt(sum(1 / len(a) + 1 / len(b) for a, b in arrays)) / len(arrays)
     return {"difference": observed, "ci95": [float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))],
-            "p_value": p, "mde": mde_from_sd(sd, se_factor, df, ALPHA, FAMILY), "pooled_sd": sd}  # fmt: skip
+            "p_value": p, "mde": mde_from_sd(sd, se_factor, df, ALPHA, FAMILY), "pooled_sd": sd}
 
 
 def dips(evals: Sequence[tuple[int, float]], drop: float = DIP_DROP) -> int:
@@ -157,7 +157,7 @@ def arm_overrides(arm: str, steps: int) -> list[str]:
 
     dose, method = arm.split("/")
     return [*preset_overrides(PRESET), f"trainer.steps={steps}", f"optim.lr={LR}",
-            f"model.sampler={DOSES[dose][0]}", f"algorithm.correction={METHODS[method]}"]  # fmt: skip
+            f"model.sampler={DOSES[dose][0]}", f"algorithm.correction={METHODS[method]}"]
 
 
 def schedule(seeds: Sequence[int] = SEEDS) -> list[tuple[str, int]]:
@@ -180,7 +180,7 @@ def one_run(arm: str, seed: int, out: Path, quick: bool) -> dict[str, Any]:
     overrides = arm_overrides(arm, steps)
     if quick:
         overrides += ["trainer.eval_every=1", "rollout.prompts_per_step=2", "rollout.group_size=2",
-                      "task.eval_prompts=4", "rollout.max_new_tokens=10"]  # fmt: skip
+                      "task.eval_prompts=4", "rollout.max_new_tokens=10"]
     overrides.append(f"trainer.seed={seed}")
     if path.is_file():
         record = json.loads(path.read_text())
@@ -199,7 +199,7 @@ def one_run(arm: str, seed: int, out: Path, quick: bool) -> dict[str, Any]:
     record = {"arm": arm, "seed": seed, "steps": steps, "overrides": overrides,
               "final_score": final_score(evals, min(LAST_EVALS, len(evals))), "evals": evals, "series": series,
               "stopped": result["stopped"], "seconds": result["seconds"], "machine": machine(),
-              "code_commit": code_commit()}  # fmt: skip
+              "code_commit": code_commit()}
     write_json(record, path)
     return record
 
@@ -235,22 +235,22 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if not values:
             continue
         mism = {key.split("/")[-1]: [m for r in by_arm[arm] if (m := _series_mean(r, key)) is not None]
-                for key in SERIES[1:]}  # fmt: skip
+                for key in SERIES[1:]}
         arms[arm] = {"seeds": len(values), "final_score_mean": statistics.fmean(values),
                      "final_score_std": statistics.stdev(values) if len(values) > 1 else 0.0,
                      "final_score_ci95": mean_ci(values) if len(values) > 1 else None,
                      "runs_with_a_dip": sum(dips(r["evals"]) > 0 for r in by_arm[arm]),
                      "collapses": sum(collapsed(r) for r in by_arm[arm]),
                      "stopped": sum(r.get("stopped") is not None for r in by_arm[arm]),
-                     "training_mismatch_median": {k: statistics.median(v) if v else None for k, v in mism.items()}}  # fmt: skip
+                     "training_mismatch_median": {k: statistics.median(v) if v else None for k, v in mism.items()}}
     tests: dict[str, Any] = {}
     ppo = [f"{d}/ppo" for d in DOSES]
     if all(len(scores[a]) > 1 for a in ppo):
         tests["H1"] = {"what": "harm: slope of the ppo arms' final score on the dose rank (fp32 = 0 … rtn2 = 3)",
-                       **trend_test([scores[a] for a in ppo], [DOSES[a.split("/")[0]][1] for a in ppo])}  # fmt: skip
+                       **trend_test([scores[a] for a in ppo], [DOSES[a.split("/")[0]][1] for a in ppo])}
     if all(len(scores[f"{d}/{m}"]) > 1 for d in MISMATCHED for m in METHODS):
         tests["H2"] = {"what": "repair: tis − ppo, the mean over the three doses of the per-dose difference",
-                       **stratified_test([(scores[f"{d}/tis"], scores[f"{d}/ppo"]) for d in MISMATCHED])}  # fmt: skip
+                       **stratified_test([(scores[f"{d}/tis"], scores[f"{d}/ppo"]) for d in MISMATCHED])}
     names = list(tests)
     for name, p_adj in zip(names, holm([tests[n]["p_value"] for n in names])):
         t = tests[name]
@@ -271,7 +271,7 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 "collapses": [arms[arm]["collapses"], arms["fp32/ppo"]["collapses"]],
                 "collapse_fisher_p": fisher_one_sided(arms[arm]["collapses"], len(scores[arm]),
                                                       arms["fp32/ppo"]["collapses"], len(reference)),
-            }  # fmt: skip
+            }
     return {"complete": complete, "runs": len(runs), "arms": arms, "tests": tests, "secondary": secondary}
 
 
@@ -291,24 +291,24 @@ def answer(summary: dict[str, Any], d3_ratio: float) -> str | None:
         below = next((d for d in MISMATCHED if second[f"{d}/ppo vs fp32/ppo"]["ci95"][1] < 0), None)
         harm = (f"mismatch harms uncorrected RL on this task: the slope of the final score on the dose rank is "
                 f"{h1['slope']:+.3f} (95 % CI [{h1['ci95'][0]:+.3f}, {h1['ci95'][1]:+.3f}]); against fp32 the "
-                f"uncorrected arms end {drops}, below fp32 from {below} on")  # fmt: skip
+                f"uncorrected arms end {drops}, below fp32 from {below} on")
     elif h1["verdict"] == "opposite":
         harm = f"the score rises with the dose (slope {h1['slope']:+.3f} per dose rank)"
     else:
         harm = (f"no harm is detected: even rtn2 (about {d3_ratio:.0f}× the k3 of llamacpp:q4_0) does not "
                 f"measurably hurt this model class; {unseen(h1['mde_slope'], 'a slope')} per dose rank "
-                f"({3 * h1['mde_slope']:.3f} from fp32 to rtn2)")  # fmt: skip
+                f"({3 * h1['mde_slope']:.3f} from fp32 to rtn2)")
     if h2["verdict"] == "reproduced":
         last = MISMATCHED[-1]
         gap = second[f"{last}/tis vs fp32/ppo"]
         repair = (f"token TIS scores above uncorrected ({h2['difference']:+.3f} over the doses) but does not recover "
                   f"fp32's score at {last}, where it ends {gap['difference']:+.3f} against fp32 with "
-                  f"{gap['collapses'][0]} of {summary['arms'][f'{last}/tis']['seeds']} runs in sustained collapse")  # fmt: skip
+                  f"{gap['collapses'][0]} of {summary['arms'][f'{last}/tis']['seeds']} runs in sustained collapse")
     elif h2["verdict"] == "opposite":
         repair = f"token TIS scores lower than uncorrected ({h2['difference']:+.3f} over the doses)"
     else:
         repair = (f"token TIS is not separated from uncorrected ({h2['difference']:+.3f}; "
-                  f"{unseen(h2['mde'])})")  # fmt: skip
+                  f"{unseen(h2['mde'])})")
     return f"{harm}; {repair}."
 
 
@@ -322,7 +322,7 @@ def assemble(out: Path) -> dict[str, Any]:
               "machines": [json.loads(m) for m in sorted({json.dumps(r["machine"], sort_keys=True) for r in runs})],
               "code_commits": sorted({r["code_commit"] or "" for r in runs}),
               "wall_seconds": [min((r["seconds"] for r in runs), default=None),
-                               max((r["seconds"] for r in runs), default=None)]}  # fmt: skip
+                               max((r["seconds"] for r in runs), default=None)]}
     write_json(report, out / "results.json")
     return report
 

@@ -31,7 +31,7 @@ def largest_prompt(model: str = "builtin-moe", audits: Path = AUDITS) -> dict[st
         return sum(audit["k3_sum"][i] for i in keep) / sum(audit["tokens"][i] for i in keep)
 
     return {"prompt": top, "prompts": len(fp16["k3_sum"]), "share": fp16["k3_sum"][top] / sum(fp16["k3_sum"]),
-            "ratio": k3(bf16, None) / k3(fp16, None), "ratio_without": k3(bf16, top) / k3(fp16, top)}  # fmt: skip
+            "ratio": k3(bf16, None) / k3(fp16, None), "ratio_without": k3(bf16, top) / k3(fp16, top)}
 
 
 def paragraph(audits: Path = AUDITS) -> str:
@@ -42,4 +42,4 @@ def paragraph(audits: Path = AUDITS) -> str:
             f"carries {found['share']:.0%} of the fp16 pair's k3; without it (dropped from both pairs) "
             f"k3(bf16) / k3(fp16) is {found['ratio_without']:.1f} instead of {found['ratio']:.1f}. The audit stores "
             "per-prompt sums only, so whether that prompt's gap comes from a routed expert that differs between "
-            "the two sides is not recorded here.")  # fmt: skip
+            "the two sides is not recorded here.")

@@ -85,7 +85,7 @@ def audit_one(model: str, pair: str, path: str, quick: bool) -> dict[str, Any]:
     sampler = make_sampler(sampler_spec, path)
     clock = Clock()
     rollout = collect(sampler, learner, prompts, SamplingParams(max_new_tokens=tokens, temperature=TEMPERATURE,
-                                                                 seed=AUDIT_SEED), n=group, batch_size=8)  # fmt: skip
+                                                                 seed=AUDIT_SEED), n=group, batch_size=8)
     sampler.close()
     data = from_rollout(rollout)
     mu, old, mask = data.rollout_log_prob.double(), data.old_log_prob.double(), data.response_mask.bool()
@@ -97,7 +97,7 @@ def audit_one(model: str, pair: str, path: str, quick: bool) -> dict[str, Any]:
             "k3_sum": by_prompt(k3), "ge_001": by_prompt((dp >= 0.01).double()), "tokens": by_prompt(mask.double()),
             "k3": float(k3.sum() / mask.sum()), "share_ge_0.01": float(((dp >= 0.01) & mask).sum() / mask.sum()),
             "responses": int(mask.shape[0]), "n_tokens": int(mask.sum()), "seconds": round(clock.seconds, 1),
-            "machine": machine(), "code_commit": code_commit()}  # fmt: skip
+            "machine": machine(), "code_commit": code_commit()}
 
 
 def audit_file(out: Path, model: str, pair: str) -> Path:
@@ -162,7 +162,7 @@ def arm_overrides(arm: str, steps: int) -> list[str]:
 
     sampler, learner = PAIRS[arm.split("/")[0]]
     return [*preset_overrides("chain"), f"trainer.steps={steps}", f"optim.lr={LR}", f"model.sampler={sampler}",
-            f"model.learner={learner}", "algorithm.correction={preset: disabled}"]  # fmt: skip
+            f"model.learner={learner}", "algorithm.correction={preset: disabled}"]
 
 
 def schedule(seeds=SEEDS) -> list[tuple[str, int]]:
@@ -179,7 +179,7 @@ def one_run(arm: str, seed: int, out: Path, quick: bool) -> dict[str, Any]:
     overrides = arm_overrides(arm, steps) + [f"trainer.seed={seed}"]
     if quick:
         overrides += ["trainer.eval_every=1", "rollout.prompts_per_step=2", "rollout.group_size=2",
-                      "task.eval_prompts=4", "rollout.max_new_tokens=10"]  # fmt: skip
+                      "task.eval_prompts=4", "rollout.max_new_tokens=10"]
     if path.is_file():
         return json.loads(path.read_text())
     log(f"  {arm} seed {seed}")
@@ -194,7 +194,7 @@ def one_run(arm: str, seed: int, out: Path, quick: bool) -> dict[str, Any]:
               "final_score": final_score(evals, min(3, len(evals))), "evals": evals, "stopped": result["stopped"],
               "overflow_skips": sum(r.get("train/amp_overflow_skips", 0.0) for r in steps_done),
               "k3_mean": statistics.fmean(r["rollout_corr/k3_kl"] for r in steps_done if r.get("rollout_corr/k3_kl") is not None) if steps_done else None,
-              "seconds": result["seconds"], "machine": machine(), "code_commit": code_commit()}  # fmt: skip
+              "seconds": result["seconds"], "machine": machine(), "code_commit": code_commit()}
     write_json(record, path)
     return record
 
@@ -206,7 +206,7 @@ def summarize(out: Path) -> dict[str, Any]:
     audits = {}
     for model in MODELS:
         found = {pair: json.loads(audit_file(out, model, pair).read_text()) for pair in PAIRS
-                 if audit_file(out, model, pair).is_file()}  # fmt: skip
+                 if audit_file(out, model, pair).is_file()}
         if found:
             audits[model] = found
     tests: dict[str, Any] = {}
@@ -216,7 +216,7 @@ def summarize(out: Path) -> dict[str, Any]:
             tests[f"A:{model}"] = {"ratio": ratio, "ci95": ci, "verdict": ratio_verdict(ci),
                                    "k3": {p: pairs[p]["k3"] for p in PAIRS},
                                    "share_ge_0.01": {p: pairs[p]["share_ge_0.01"] for p in PAIRS},
-                                   "share_ci95": {p: share_ci(pairs[p]) for p in PAIRS}}  # fmt: skip
+                                   "share_ci95": {p: share_ci(pairs[p]) for p in PAIRS}}
     complete_a = all(f"A:{m}" in tests for m in MODELS)
     runs = [json.loads(p.read_text()) for arm, seed in schedule() if (p := run_file(out, arm, seed)).is_file()]
     scores = {arm: [r["final_score"] for r in runs if r["arm"] == arm] for arm in ARMS}
@@ -226,22 +226,22 @@ def summarize(out: Path) -> dict[str, Any]:
                   "collapses": sum(sustained_collapse(r["evals"]) is not None for r in runs if r["arm"] == arm),
                   "overflow_skips": sum(r["overflow_skips"] for r in runs if r["arm"] == arm),
                   "k3_median": statistics.median([r["k3_mean"] for r in runs if r["arm"] == arm and r["k3_mean"] is not None] or [math.nan])}
-            for arm, v in scores.items()}  # fmt: skip
+            for arm, v in scores.items()}
     if all(len(v) > 1 for v in scores.values()):
         a, b = scores["fp16/ppo"], scores["bf16/ppo"]
         diff = statistics.fmean(a) - statistics.fmean(b)
         p = permutation_p(a, b)
         verdict = ("pending: part B is not complete" if not complete_b else
-                   "reproduced" if p < ALPHA and diff > 0 else "opposite" if p < ALPHA else "not reproduced")  # fmt: skip
+                   "reproduced" if p < ALPHA and diff > 0 else "opposite" if p < ALPHA else "not reproduced")
         tests["B"] = {"difference": diff, "ci95": difference_ci(a, b), "p_value": p, "verdict": verdict,
-                      "mde": mde_two_sample(a, b, ALPHA, 1)}  # fmt: skip
+                      "mde": mde_two_sample(a, b, ALPHA, 1)}
     answer = None
     if complete_a:
         hits = [m for m in MODELS if tests[f"A:{m}"]["verdict"] == "reproduced"]
         answer = (f"fp16 on both sides lowers k3 by ≥ {CLAIM_RATIO:.0f}× (its interval's lower end) on {len(hits)} of "
-                  f"{len(MODELS)} models" + (f" ({', '.join(hits)})" if hits else "; not reproduced"))  # fmt: skip
+                  f"{len(MODELS)} models" + (f" ({', '.join(hits)})" if hits else "; not reproduced"))
     return {"protocol": PROTOCOL, "protocol_commit": first_commit(PROTOCOL), "complete_a": complete_a,
-            "complete_b": complete_b, "tests": tests, "arms": arms, "answer": answer}  # fmt: skip
+            "complete_b": complete_b, "tests": tests, "arms": arms, "answer": answer}
 
 
 def assemble(out: Path) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from experiments.common import RESULTS, RUNS, code_commit, machine, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = ("rollcorr train --config instruct model.path={model} task.name=examples/arithmetic/train.jsonl "
-           "task.eval_file=examples/arithmetic/eval.jsonl")  # fmt: skip  (the docs' command)
+           "task.eval_file=examples/arithmetic/eval.jsonl")  # the docs' command
 OUT = RESULTS / "instruct_recipe"
 
 
@@ -60,7 +60,7 @@ def length_probe(model: Path, lengths=LENGTHS, n_prompts: int = 40) -> list[dict
     from rollcorr.tasks.chat import model_input
 
     task = make_task(str(ROOT / "examples/arithmetic/train.jsonl"), "last_number",
-                     eval_file=str(ROOT / "examples/arithmetic/eval.jsonl"))  # fmt: skip
+                     eval_file=str(ROOT / "examples/arithmetic/eval.jsonl"))
     sampler = make_sampler("hf:fp32", str(model))
     items = task.held_out(n_prompts, seed=0)
     inputs = [model_input(sampler.tokenizer, item["prompt"], chat=True) for item in items]
@@ -73,7 +73,7 @@ def length_probe(model: Path, lengths=LENGTHS, n_prompts: int = 40) -> list[dict
         ended = [sampler.eos_id in row for row in ids]
         rewards = [task.reward(item, text) for item, text in zip(items, texts)]
         rows.append({"max_new_tokens": length, "greedy_accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
-                     "cut_off": sum(not e for e in ended) / len(ended)})  # fmt: skip
+                     "cut_off": sum(not e for e in ended) / len(ended)})
     sampler.close()
     return rows
 
@@ -84,7 +84,7 @@ def lr_probe(model: Path, out: Path, lr: float = BASE_LR, steps: int = 2) -> dic
     run_dir = out / "lr_probe_run"
     command = shlex.split(COMMAND.format(model=Path(model).resolve()))
     extra = [f"trainer.out={run_dir}", "trainer.progress=false", "trainer.plot=false", f"optim.lr={lr}",
-             f"trainer.steps={steps}", "trainer.eval_every=1"]  # fmt: skip
+             f"trainer.steps={steps}", "trainer.eval_every=1"]
     subprocess.run([sys.executable, "-m", "rollcorr", *command[1:], *extra, "--overwrite"], cwd=ROOT, check=True)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {"lr": lr, "evals": [[r["step"], r["eval/accuracy"]] for r in records if r.get("eval/accuracy") is not None]}
@@ -94,7 +94,7 @@ def probes(model: Path) -> dict[str, Any]:
     """Both probes, with the code they ran on."""
     commit = code_commit()
     return {"length_probe": length_probe(model), "lr_probe": lr_probe(model, RUNS / "instruct_recipe_probes"),
-            "probes_code_commit": commit}  # fmt: skip
+            "probes_code_commit": commit}
 
 
 def recipe_text(r: dict[str, Any]) -> str:
@@ -111,7 +111,7 @@ def recipe_text(r: dict[str, Any]) -> str:
     low, high = clopper_pearson(right, held_out)
     cut = next((p["cut_off"] for p in r.get("length_probe", []) if p["max_new_tokens"] == 48), None)
     caveat = (f" One seed on {held_out} items: the final {right}/{held_out} has a 95 % (Clopper-Pearson) interval of "
-              f"[{low:.2f}, {high:.2f}]")  # fmt: skip
+              f"[{low:.2f}, {high:.2f}]")
     if cut is not None:
         caveat += f"; at the start {100 * cut:.0f} % of the untrained model's greedy answers were cut at 48 tokens"
     lines = [
@@ -127,7 +127,7 @@ def recipe_text(r: dict[str, Any]) -> str:
     ]
     if "length_probe" in r:
         lengths = "; ".join(f"{p['max_new_tokens']} tokens: accuracy {p['greedy_accuracy']:.3f}, "
-                            f"{100 * p['cut_off']:.1f} % cut off" for p in r["length_probe"])  # fmt: skip
+                            f"{100 * p['cut_off']:.1f} % cut off" for p in r["length_probe"])
         lr = r["lr_probe"]
         lines += [
             "",
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--no-probes", action="store_true", help="skip the length and learning-rate probes")
     parser.add_argument("--probes-only", action="store_true",
-                        help="rerun the two probes into an existing results.json (its run kept)")  # fmt: skip
+                        help="rerun the two probes into an existing results.json (its run kept)")
     args = parser.parse_args(argv)
     if args.steps is not None and args.out is None:
         parser.error("a shortened run writes elsewhere than the recipe's results: give --out")
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
               "wall_seconds": seconds, "load_before": load_before,
               "load_after": Path("/proc/loadavg").read_text().split()[:3] if load_before else None,
               "machine": machine(), "cores": len(__import__("os").sched_getaffinity(0)), "code_commit": commit,
-              **curve(run_dir)}  # fmt: skip
+              **curve(run_dir)}
     if not args.no_probes and args.steps is None:  # the measurements behind the recipe's settings
         report.update(probes(Path(args.model)))
     write_json(report, out / "results.json")

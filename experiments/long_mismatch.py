@@ -72,9 +72,9 @@ KEYS = ("reward/mean", SCORE, "eval/accuracy", "actor/entropy", "loss/grad_norm"
         "rollout_corr/rollout_is_eff_sample_size", "rollout_corr/prob_diff_seq_max_mean",
         "rollout_corr/prob_diff_max", "rollout_corr/rollout_rs_seq_masked_fraction",
         "rollout_corr/rollout_is_seq_fraction_high", "rollout_corr/rollout_is_oob_ratio",
-        "actor/ppo_kl")  # fmt: skip
+        "actor/ppo_kl")
 PANELS = ("reward/mean", SCORE, "actor/entropy", "rollout_corr/k3_kl",
-          "rollout_corr/prob_diff_seq_max_mean", "response/length_mean")  # fmt: skip
+          "rollout_corr/prob_diff_seq_max_mean", "response/length_mean")
 WARNING_KEYS = ("rollout_corr/k3_kl", "rollout_corr/prob_diff_seq_max_mean")
 COLLAPSE_DROP = 0.10  # a run collapses at the first evaluation ≥ 10 points below its best so far
 
@@ -109,7 +109,7 @@ def measure_geo_band(sampler: str, quick: bool = False) -> dict[str, Any]:
     q = torch.quantile(mean_log.double(), torch.tensor(BAND_QUANTILES, dtype=torch.double))
     lo, hi = math.exp(q[0].item()), math.exp(q[1].item())
     return {"sampler": sampler, "band": [lo, hi], "sequences": int(mask.shape[0]),
-            "geo_ratio_log_std": float(mean_log.std().item())}  # fmt: skip
+            "geo_ratio_log_std": float(mean_log.std().item())}
 
 
 def geo_rs_overrides(sampler: str, out: Path, quick: bool) -> tuple[list[str], dict[str, Any]]:
@@ -154,7 +154,7 @@ def early_warning(runs: list[dict[str, Any]]) -> dict[str, Any]:
     and every collapsed run was warned (by the metric) strictly before it; ``false_alarms`` counts the runs
     that did not collapse but whose metric fired anyway (a warning that fires everywhere warns of nothing)."""
     per_run = [{"seed": r["seed"], "collapse_step": collapse_step(r["records"]),
-                **{k: warning_step(r["records"], k) for k in WARNING_KEYS}} for r in runs]  # fmt: skip
+                **{k: warning_step(r["records"], k) for k in WARNING_KEYS}} for r in runs]
     collapsed = [p for p in per_run if p["collapse_step"] is not None]
     steady = [p for p in per_run if p["collapse_step"] is None]
     verdict, false_alarms = {}, {}
@@ -164,7 +164,7 @@ def early_warning(runs: list[dict[str, Any]]) -> dict[str, Any]:
         )
         false_alarms[k] = sum(p[k] is not None for p in steady)
     return {"runs": per_run, "collapsed": len(collapsed), "steady": len(steady), "warned_first": verdict,
-            "false_alarms": false_alarms}  # fmt: skip
+            "false_alarms": false_alarms}
 
 
 def above(acc: dict[str, Any], high: str, low: str) -> bool | None:
@@ -187,14 +187,14 @@ def claims(acc: dict[str, Any]) -> dict[str, Any]:
 def summary_block(results: dict[str, Any], final: dict[str, Any], seeds: int) -> dict[str, Any]:
     """The top-level ``summary``: mean response length over every run, seeds, final greedy score per arm."""
     lengths = [run_mean(cell["runs"], "response/length_mean")["mean"]
-               for cells in results.values() for cell in cells.values()]  # fmt: skip
+               for cells in results.values() for cell in cells.values()]
     lengths = [x for x in lengths if x is not None]
     arms = {}
     for arm, cells in final.items():
         score = next(iter(cells.values()))[SCORE]
         arms[arm] = {"final_score_mean": score["mean"], "final_score_std": score["std"]}
     return {"mean_response_length": sum(lengths) / len(lengths) if lengths else None, "seeds": seeds,
-            "arms": arms}  # fmt: skip
+            "arms": arms}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides, bands[sampler] = geo_rs_overrides(SAMPLERS[sampler], out, args.quick)
         arms[arm] = [f"model.sampler={SAMPLERS[sampler]}", *overrides]
     results = run_arms(arms, base_overrides(steps), out, seeds=range(args.seeds), quick=args.quick,
-                       grid={"optim.lr": [LR]}, keep=KEYS)  # fmt: skip
+                       grid={"optim.lr": [LR]}, keep=KEYS)
     final = summarize_arms(results, KEYS)
     acc = {arm: next(iter(cells.values()))[SCORE] for arm, cells in final.items()}
     warnings = {arm: early_warning(next(iter(cells.values()))["runs"]) for arm, cells in results.items()}
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"study": "long_mismatch", "summary": summary_block(results, final, seeds), "steps": steps,
               "lr": LR, "quick": args.quick, "geo_rs_bands": bands, "final": final, "claims": claims(acc),
               "early_warning": warnings, "figures": figures, "runs": results,
-              "wall_seconds": clock.seconds}  # fmt: skip
+              "wall_seconds": clock.seconds}
     write_json(report, out / "results.json")
     print(f"long_mismatch: wall time {clock.seconds:.1f} s → {out / 'results.json'}")
     return 0

@@ -176,19 +176,19 @@ def plot_length(results: dict[str, Any], path: Path) -> Path:
             xs = [xx for xx, mm in zip(x, m) if mm is not None]
             ys = [mm for mm in m if mm is not None]
             es = [b[key]["std"] for b in bins if b[key]["mean"] is not None]
-            left.errorbar(xs, ys, yerr=es, ls=style, marker="o", ms=3, capsize=2, color=color)  # fmt: skip
+            left.errorbar(xs, ys, yerr=es, ls=style, marker="o", ms=3, capsize=2, color=color)
         pre = res["length"]["prefix"]
         L = [p["L"] for p in pre if p["max_abs_diff"]["mean"] is not None]
         for key, style in (("max_abs_diff", "-"), ("mean_abs_diff", ":")):
             m = [p[key]["mean"] for p in pre if p[key]["mean"] is not None]
             e = [p[key]["std"] for p in pre if p[key]["mean"] is not None]
             right.errorbar(L, m, yerr=e, ls=style, marker="o", ms=3, capsize=2, color=color,
-                           label=spec if key == "max_abs_diff" else None)  # fmt: skip
+                           label=spec if key == "max_abs_diff" else None)
     left.set(xscale="log", yscale="log", xlabel="response length bin (first token count)",
-             ylabel="per-response |Δp| (mean over responses)")  # fmt: skip
+             ylabel="per-response |Δp| (mean over responses)")
     left.set_title("Mean (dotted) and max (solid) |Δp| per response, by length")
     right.set(xscale="log", yscale="log", xlabel="prefix length L (tokens)",
-              ylabel="E[max_{t<L} |Δp|]  /  E[mean_{t<L} |Δp|]")  # fmt: skip
+              ylabel="E[max_{t<L} |Δp|]  /  E[mean_{t<L} |Δp|]")
     right.set_title("First L tokens of the long responses (mean ± std over seeds)")
     for ax in (left, right):
         ax.grid(alpha=0.3, which="both")
@@ -208,7 +208,7 @@ def plot_table(results: dict[str, Any], path: Path) -> Path:
         m = [results[s]["table"][key]["mean"] * 100 for s in specs]
         e = [results[s]["table"][key]["std"] * 100 for s in specs]
         ax.bar([i + j * width for i in range(len(specs))], m, width, yerr=e, capsize=2,
-               label=key.replace("prob_diff_frac_", "|Δp| "))  # fmt: skip
+               label=key.replace("prob_diff_frac_", "|Δp| "))
     ax.set_xticks([i + width for i in range(len(specs))], specs, rotation=20)
     ax.set(ylabel="% of sampled tokens", title="Share of task tokens with a large |Δp| (fp32 learner)")
     ax.set_yscale("symlog", linthresh=0.1)
@@ -253,9 +253,9 @@ def run(
         for seed in seeds:
             log(f"{spec} seed {seed}  ({clock.seconds:.0f} s)")
             task_rollout, task_view = scored(sampler, learner, builtin_prompts(n_task, seed), SHORT_TOKENS,
-                                             seed, batch_size=32)  # fmt: skip
+                                             seed, batch_size=32)
             long_rollout, long_view = scored(sampler, learner, long_prompts(n_long, seed), LONG_TOKENS,
-                                             seed, batch_size=16)  # fmt: skip
+                                             seed, batch_size=16)
             table = probability_mismatch(task_view)
             per_seed.append(
                 {
@@ -416,7 +416,7 @@ def markdown(report: dict[str, Any]) -> str:
     comp = report.get("batch_composition")
     if comp:
         lines += ["", "| scorer | condition | mean \\|Δp\\| to fp32 | mean \\|p − p_alone\\| | max \\|p − p_alone\\| "
-                  "| tokens changed (%) |", "|---" * 6 + "|"]  # fmt: skip
+                  "| tokens changed (%) |", "|---" * 6 + "|"]
         for name, conds in comp.items():
             for cond, v in conds.items():
                 lines.append(
@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-prompts", type=int, default=48)
     parser.add_argument("--out", type=Path, default=RESULTS / "mismatch_anatomy")
     parser.add_argument("--markdown", type=Path, default=None, metavar="RESULTS_JSON",
-                        help="print the tables of an existing results.json as markdown and exit")  # fmt: skip
+                        help="print the tables of an existing results.json as markdown and exit")
     args = parser.parse_args(argv)
     if args.markdown is not None:
         print(markdown(json.loads(args.markdown.read_text())))
@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         run(("hf:fp32", "hf:int8"), (0,), n_task=4, n_long=4, n_batch=4, out=args.out)
     else:
         run(tuple(args.samplers), tuple(range(args.seeds)), args.task_prompts, args.long_prompts,
-            out=args.out)  # fmt: skip
+            out=args.out)
     return 0
 
 

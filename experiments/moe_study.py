@@ -79,9 +79,9 @@ AUDITS: dict[str, tuple[str, str, str | None]] = {
 }
 AUDIT_RESPONSES, AUDIT_BATCH = 2048, 64
 ROUTING_KEYS = ("routing_flip_share", "routing_flip_token_share", "routing_layer_flip_rate", "tokens_flipped",
-                "abs_dp_mean_flipped", "abs_dp_mean_unflipped", "abs_dp_share_flipped")  # fmt: skip
+                "abs_dp_mean_flipped", "abs_dp_mean_unflipped", "abs_dp_share_flipped")
 PROBABILITY_KEYS = ("prob_diff_mean", "prob_diff_max", "prob_diff_frac_lt_1e-3", "prob_diff_frac_ge_0.01",
-                    "prob_diff_frac_ge_0.05", "prob_diff_frac_ge_0.1")  # fmt: skip
+                    "prob_diff_frac_ge_0.05", "prob_diff_frac_ge_0.1")
 OUT = RESULTS / "moe"
 
 
@@ -103,7 +103,7 @@ def one_audit(name: str, out: Path, quick: bool) -> dict[str, Any]:
     clock = Clock()
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "rollcorr", "audit", "--sampler", sampler, "--learner", "hf:fp32",
-               "--model", model, "-n", str(n), "--batch-size", str(batch), "--seed", "0", "--out", tmp]  # fmt: skip
+               "--model", model, "-n", str(n), "--batch-size", str(batch), "--seed", "0", "--out", tmp]
         cmd += ["--routing-replay", replay] if replay else []
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         summary = json.loads((Path(tmp) / "summary.json").read_text())
@@ -111,7 +111,7 @@ def one_audit(name: str, out: Path, quick: bool) -> dict[str, Any]:
               "tokens": summary["n_tokens"], "k3_kl": summary["divergence"]["k3_kl"],
               **{k: summary["probability"][k] for k in PROBABILITY_KEYS},
               "routing": {k: summary["routing"][k] for k in ROUTING_KEYS} if "routing" in summary else None,
-              "seconds": clock.seconds, "machine": machine(), "code_commit": code_commit()}  # fmt: skip
+              "seconds": clock.seconds, "machine": machine(), "code_commit": code_commit()}
     write_json(record, path)
     return record
 
@@ -141,7 +141,7 @@ def mismatch_rules(audits: dict[str, dict[str, Any]]) -> dict[str, Any]:
         p: {
             key: audits[f"moe/{p}"][key] / audits[f"dense/{p}"][key] if audits[f"dense/{p}"][key] else None
             for key in ("k3_kl", "prob_diff_mean")
-        }  # fmt: skip
+        }
         for p in both
     }
     return out
@@ -173,7 +173,7 @@ def one_run(arm: str, seed: int, out: Path, quick: bool) -> dict[str, Any] | Non
     overrides = arm_overrides(arm, steps)
     if quick:
         overrides += ["trainer.eval_every=1", "rollout.prompts_per_step=2", "rollout.group_size=2",
-                      "task.eval_prompts=4"]  # fmt: skip
+                      "task.eval_prompts=4"]
     overrides.append(f"trainer.seed={seed}")
     if path.is_file():
         record = json.loads(path.read_text())
@@ -196,7 +196,7 @@ def one_run(arm: str, seed: int, out: Path, quick: bool) -> dict[str, Any] | Non
     series = {k: [rules._round(by_step.get(t, {}).get(k)) for t in range(1, steps + 1)] for k in SERIES}
     record = {"arm": arm, "seed": seed, "steps": steps, "overrides": overrides,
               "final_score": rules.final_score(evals), "evals": evals, "series": series,
-              "seconds": result["seconds"], "machine": machine(), "code_commit": code_commit()}  # fmt: skip
+              "seconds": result["seconds"], "machine": machine(), "code_commit": code_commit()}
     write_json(record, path)
     return record
 
@@ -213,11 +213,11 @@ def training_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     given) only when every compared arm has the protocol's seeds (``SEEDS``), whatever ran (``--quick``: one)."""
     scores = {arm: [r["final_score"] for r in runs if r["arm"] == arm] for arm in ARMS}
     collapses = {arm: sum(rules.sustained_collapse(r["evals"]) is not None for r in runs if r["arm"] == arm)
-                 for arm in ARMS}  # fmt: skip
+                 for arm in ARMS}
     arms = {arm: {"seeds": len(v), "final_score_mean": statistics.fmean(v),
                   "final_score_std": statistics.stdev(v) if len(v) > 1 else 0.0,
                   "final_score_ci95": rules.mean_ci(v) if len(v) > 1 else None, "collapses": collapses[arm]}
-            for arm, v in scores.items() if v}  # fmt: skip
+            for arm, v in scores.items() if v}
     complete = all(len(scores[a]) >= len(SEEDS) for pair in COMPARISONS for a in pair)
     pairs = [(hi, lo) for hi, lo in COMPARISONS if len(scores[hi]) > 1 and len(scores[lo]) > 1]
     raw = [rules.permutation_p(scores[hi], scores[lo]) for hi, lo in pairs]
@@ -230,12 +230,12 @@ def training_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "collapses": [collapses[hi], collapses[lo]],
             "collapse_fisher_p": rules.fisher_one_sided(collapses[lo], len(scores[lo]), collapses[hi],
                                                         len(scores[hi])),
-        }  # fmt: skip
+        }
     secondary = {
         f"{hi} vs {lo}": {"difference": statistics.fmean(scores[hi]) - statistics.fmean(scores[lo]),
                           "ci95": rules.difference_ci(scores[hi], scores[lo])}
         for hi, lo in SECONDARY if len(scores[hi]) > 1 and len(scores[lo]) > 1
-    }  # fmt: skip
+    }
     return {"complete": complete, "runs": len(runs), "arms": arms, "tests": tests, "secondary": secondary}
 
 
@@ -250,11 +250,11 @@ def assemble(out: Path) -> dict[str, Any]:
     training = training_summary(runs)
     summary = {"protocol": PROTOCOL, "protocol_commit": protocol_commit(), "alpha": rules.ALPHA,
                "complete": training["complete"], "arms": training["arms"], "tests": training["tests"],
-               "secondary": training["secondary"], "mismatch": mismatch_rules(audits)}  # fmt: skip
+               "secondary": training["secondary"], "mismatch": mismatch_rules(audits)}
     everything = [*audits.values(), *runs]
     report = {"study": "moe", "summary": summary, "audits": audits, "seeds": list(SEEDS), "steps": STEPS,
               "machines": [json.loads(m) for m in sorted({json.dumps(r["machine"], sort_keys=True) for r in everything})],
-              "code_commits": sorted({r["code_commit"] or "" for r in everything})}  # fmt: skip
+              "code_commits": sorted({r["code_commit"] or "" for r in everything})}
     write_json(report, out / "results.json")
     return report
 
@@ -262,7 +262,7 @@ def assemble(out: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", default="1/1", help="K/N: run every N-th run of the schedule from the K-th "
-                                                      "(part A runs with K = 1)")  # fmt: skip
+                                                      "(part A runs with K = 1)")
     parser.add_argument(
         "--assemble", action="store_true", help="only assemble results.json from the run files"
     )

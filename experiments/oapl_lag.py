@@ -42,7 +42,7 @@ ARMS = {
             "algorithm.correction={preset: disabled}",
         ]
         for n in SYNC_EVERY
-    },  # fmt: skip
+    },
     "grpo_tis": ["algorithm.name=grpo", "algorithm.correction={preset: tis, is_upper: 2.0}"],
 }
 STEPS = 200
@@ -67,7 +67,7 @@ def held_out_eval(model_dir: Path, n_prompts: int, n_samples: int = 16, seed: in
     items = task.sample(n_prompts, seed=seed, split="test")
     sampler = make_sampler("hf:fp32", model_path=model_dir)
     rollout = sampler.generate([it["prompt"] for it in items],
-                               SamplingParams(max_new_tokens=6, temperature=1.0, seed=seed), n=n_samples)  # fmt: skip
+                               SamplingParams(max_new_tokens=6, temperature=1.0, seed=seed), n=n_samples)
     ids = [row[m].tolist() for row, m in zip(rollout.response_ids, rollout.response_mask.bool())]
     texts = sampler.tokenizer.batch_decode(ids, skip_special_tokens=True)
     correct = [0] * len(items)
@@ -78,7 +78,7 @@ def held_out_eval(model_dir: Path, n_prompts: int, n_samples: int = 16, seed: in
     return {
         "pass_at_k": {
             k: sum(pass_at_k(n_samples, c, k) for c in correct) / len(items) for k in KS if k <= n_samples
-        },  # fmt: skip
+        },
         "entropy": entropy[mask].mean().item(),
         "n_prompts": len(items),
     }
@@ -125,12 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     batch = 2 * 2 if args.quick else 16 * 8
     figures = {"curves": plot_curves(curve_groups(results), KEYS, out / "curves.png",
                                      title="OAPL sync interval vs GRPO + TIS at the same sample budget",
-                                     x_scale=batch, x_label="generated samples").name}  # fmt: skip
+                                     x_scale=batch, x_label="generated samples").name}
     figures["pass_at_k"] = plot_pass_at_k(held_out, out / "pass_at_k.png").name
     report = {"study": "oapl_lag", "steps": steps, "quick": args.quick,
               "samples_per_step": None if args.quick else 128,
               "final": summarize_arms(results, KEYS), "held_out": held_out, "figures": figures,
-              "runs": results, "wall_seconds": clock.seconds}  # fmt: skip
+              "runs": results, "wall_seconds": clock.seconds}
     write_json(report, out / "results.json")
     print(f"oapl_lag: wall time {clock.seconds:.1f} s → {out / 'results.json'}")
     return 0

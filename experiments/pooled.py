@@ -78,12 +78,12 @@ def compute() -> dict[str, Any]:
     s6, s7 = _study6(), _study7()
     q4 = {"6": difference(s6["fp32/ppo"], s6["q4_0/ppo"]),
           "7 rung 1": difference(s7["1"]["fp32/ppo"], s7["1"]["q4_0/ppo"]),
-          "7 rung 2": difference(s7["2"]["fp32/ppo"], s7["2"]["q4_0/ppo"])}  # fmt: skip
+          "7 rung 2": difference(s7["2"]["fp32/ppo"], s7["2"]["q4_0/ppo"])}
     half = {"6 bf16": difference(s6["fp32/ppo"], s6["bf16/ppo"]),
             "7 rung 1 bf16": difference(s7["1"]["fp32/ppo"], s7["1"]["bf16/ppo"]),
-            "7 rung 1 fp16": difference(s7["1"]["fp32/ppo"], s7["1"]["fp16/ppo"])}  # fmt: skip
+            "7 rung 1 fp16": difference(s7["1"]["fp32/ppo"], s7["1"]["fp16/ppo"])}
     return {"what": "exploratory, written after studies 6 and 7 were seen; decides nothing (experiments/pooled.py)",
-            "fp32_minus_q4_0": pooled(q4), "fp32_minus_half": pooled(half), **dip_counts()}  # fmt: skip
+            "fp32_minus_q4_0": pooled(q4), "fp32_minus_half": pooled(half), **dip_counts()}
 
 
 def paragraph(r: dict[str, Any]) -> str:

@@ -95,7 +95,7 @@ def pooled_sd(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 def mde_two_sample(a: Sequence[float], b: Sequence[float], alpha: float = 0.05, family: int = 1,
-                   power: float = POWER) -> float:  # fmt: skip
+                   power: float = POWER) -> float:
     """The module docstring's MDE of mean(a) − mean(b) in a Holm family of ``family`` comparisons."""
     na, nb = len(a), len(b)
     df = na + nb - 2
@@ -104,13 +104,13 @@ def mde_two_sample(a: Sequence[float], b: Sequence[float], alpha: float = 0.05, 
 
 
 def mde_from_sd(sd: float, se_factor: float, df: int, alpha: float = 0.05, family: int = 1,
-                power: float = POWER) -> float:  # fmt: skip
+                power: float = POWER) -> float:
     """MDE of a statistic whose standard error is ``sd · se_factor`` with ``df`` degrees of freedom."""
     return (t_quantile(1 - alpha / (2 * family), df) + t_quantile(power, df)) * sd * se_factor
 
 
 def mde_of_arms(arms: Sequence[tuple[float, int]], alpha: float = 0.05, family: int = 1,
-                power: float = POWER) -> float | None:  # fmt: skip
+                power: float = POWER) -> float | None:
     """The MDE of a difference between two of ``arms`` — (sample sd, seeds) each, all compared in one verdict —
     by the module docstring's formula with the sd pooled over every arm (df = Σ (n − 1)) and the two smallest
     seed counts as n_a, n_b (the least powered pair: conservative). None without two arms of ≥ 2 seeds."""
@@ -124,7 +124,7 @@ def mde_of_arms(arms: Sequence[tuple[float, int]], alpha: float = 0.05, family: 
 
 
 def detectable_ratio(ratio: float, ci_low: float, claim: float, alpha: float = 0.05,
-                     power: float = POWER) -> float:  # fmt: skip
+                     power: float = POWER) -> float:
     """The ratio a "lower end of the (1 − alpha) interval ≥ ``claim``" rule detects with ``power``, given the
     interval's lower half-width on the log scale: σ = (log ratio − log ci_low) / z_{1−α/2}, and the detectable
     ratio is claim · exp((z_{1−α/2} + z_power) σ) — the ratio-scale MDE of a bootstrap interval (normal on the
@@ -162,4 +162,4 @@ def fisher_greater(events_a: int, n_a: int, events_b: int, n_b: int) -> float:
     total, events = n_a + n_b, events_a + events_b
     denom = math.comb(total, n_a)
     return sum(math.comb(events, k) * math.comb(total - events, n_a - k)
-               for k in range(events_a, min(events, n_a) + 1)) / denom  # fmt: skip
+               for k in range(events_a, min(events, n_a) + 1)) / denom

@@ -52,11 +52,11 @@ ARMS = {
 ONLY = {f"{s}/geo_rs_skipzero": ["optim.lr=0.0002"] for s in SAMPLERS}
 STEPS = 150
 KEYS = ("reward/mean", "eval/accuracy", "actor/ppo_kl", "response/length_mean", "actor/pg_clipfrac",
-        "rollout_corr/prob_diff_max", "loss/grad_norm", "actor/entropy", "rollout_corr/kl")  # fmt: skip
+        "rollout_corr/prob_diff_max", "loss/grad_norm", "actor/entropy", "rollout_corr/kl")
 
 
 PANELS = ("reward/mean", "eval/accuracy", "actor/entropy", "actor/ppo_kl", "rollout_corr/kl",
-          "response/length_mean")  # fmt: skip
+          "response/length_mean")
 
 
 def above(acc: dict, high: str, low: str) -> bool | None:
@@ -95,13 +95,13 @@ def main(argv: list[str] | None = None) -> int:
         lr = label.split("optim.lr=")[-1].split()[0] if "optim.lr=" in label else ""
         for sampler in SAMPLERS:
             groups = {a: r for a, r in curve_groups(results, label).items()
-                      if a.startswith(sampler + "/") and label in results[a]}  # fmt: skip
+                      if a.startswith(sampler + "/") and label in results[a]}
             if groups:
                 name = f"curves_{sampler}" + (f"_lr{lr}" if lr else "") + ".png"
                 plot_curves(groups, PANELS, out / name, title=f"{sampler} sampler, fp32 learner, {label}")
                 figures[f"{sampler} {label}"] = name
     report = {"study": "quantised_rollouts", "steps": steps, "quick": args.quick, "final": final,
-              "claims": claims, "figures": figures, "runs": results, "wall_seconds": clock.seconds}  # fmt: skip
+              "claims": claims, "figures": figures, "runs": results, "wall_seconds": clock.seconds}
     write_json(report, out / "results.json")
     print(f"quantised_rollouts: wall time {clock.seconds:.1f} s → {out / 'results.json'}")
     return 0

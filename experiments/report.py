@@ -77,9 +77,9 @@ def quantised_rollouts(r: dict[str, Any]) -> str:
              cell(run_mean(r, arm, label, "rollout_corr/kl"), ".1e"),
              cell(run_mean(r, arm, label, "rollout_corr/prob_diff_max"), ".2f")]
             for arm, m in arms.items()
-        ]  # fmt: skip
+        ]
         header = ["arm", "greedy accuracy", "sampled reward", "entropy", "actor/ppo_kl (run mean)",
-                  "rollout_corr/kl (run mean)", "max \\|Δp\\| (run mean)"]  # fmt: skip
+                  "rollout_corr/kl (run mean)", "max \\|Δp\\| (run mean)"]
         parts.append(f"**{label}**, last step of {r['steps']}\n\n" + table(header, rows))
         parts.append(separations({a: m["eval/accuracy"] for a, m in arms.items()}))
     return "\n\n".join(parts)
@@ -96,9 +96,9 @@ def staleness(r: dict[str, Any]) -> str:
         rows.append([arm, cell(m["eval/accuracy"]), keep,
                      cell(m["actor/pg_clipfrac"]), cell(m["proximal/ewma_resets"], ".1f"),
                      f"{cost['time/step_s']['mean']:.3f}", f"{cost['proximal/seconds']['mean']:.3f}",
-                     f"{cost['proximal/extra_bytes']['mean'] / 2**20:.2f}", code_labels(r, arm)])  # fmt: skip
+                     f"{cost['proximal/extra_bytes']['mean'] / 2**20:.2f}", code_labels(r, arm)])
     header = ["arm", "greedy accuracy", "keep ratio (run mean)", "PPO clip fraction", "EWMA resets", "s / step",
-              "π_old s / step", "extra MiB", "code"]  # fmt: skip
+              "π_old s / step", "extra MiB", "code"]
     parts = [f"last step of {r['steps']}\n\n" + table(header, rows)]
     blocks = sorted({arm.split("/")[0] for arm in final})
     for block in blocks:
@@ -115,9 +115,9 @@ def oapl_lag(r: dict[str, Any]) -> str:
         [arm, cell(m["eval/accuracy"]), cell(m["reward/mean"]), cell(m.get("actor/entropy")),
          cell(held[arm]["entropy"]), *(cell(held[arm]["pass_at_k"][k]) for k in ks)]
         for arm, m in final.items()
-    ]  # fmt: skip
+    ]
     header = ["arm", "greedy accuracy", "sampled reward", "entropy (train)", "entropy (held-out)",
-              *(f"pass@{k}" for k in ks)]  # fmt: skip
+              *(f"pass@{k}" for k in ks)]
     out = f"last step of {r['steps']} ({r['steps'] * (r['samples_per_step'] or 0)} samples)\n\n"
     out += table(header, rows) + "\n\n" + separations({a: m["eval/accuracy"] for a, m in final.items()})
     return out
@@ -132,9 +132,9 @@ def throughput(r: dict[str, Any]) -> str:
         mean_acc = sum(finals) / len(finals) if all(f is not None for f in finals) else None
         rows.append([arm, cell(s["samples_per_s"], ".0f"), cell(s["step_seconds_mean"]),
                      cell(s["time_to_target_s"], ".1f"), cell(s["step_to_target"], ".0f"),
-                     f"{mean_acc:.3f}" if mean_acc is not None else "–"])  # fmt: skip
+                     f"{mean_acc:.3f}" if mean_acc is not None else "–"])
     header = ["mode", "samples / s", "s / step", f"s to accuracy ≥ {r['target_accuracy']}", "step reached",
-              "final accuracy (mean)"]  # fmt: skip
+              "final accuracy (mean)"]
     return table(header, rows)
 
 
@@ -155,10 +155,10 @@ def long_mismatch(r: dict[str, Any]) -> str:
                      cell(run_mean(r, arm, label, "rollout_corr/k3_kl"), ".1e"),
                      cell(run_mean(r, arm, label, "rollout_corr/prob_diff_seq_max_mean"), ".3f"),
                      cell(run_mean(r, arm, label, "rollout_corr/rollout_is_eff_sample_size"), ".3f"),
-                     cell(rejected), cell(run_mean(r, arm, label, "response/length_mean"), ".1f")])  # fmt: skip
+                     cell(rejected), cell(run_mean(r, arm, label, "response/length_mean"), ".1f")])
     header = ["arm", "greedy score", "sampled reward", "entropy", "k3 KL (run mean)",
               "max \\|Δp\\| per seq. (run mean)", "ESS (run mean)", "rejected share (run mean)",
-              "response length"]  # fmt: skip
+              "response length"]
     out = f"last step of {r['steps']}, lr {r['lr']}\n\n" + table(header, rows)
     out += "\n\n" + separations({a: m["eval/reward"] for a, m in final.items()})
     return out + "\n\n" + early_warning_table(r.get("early_warning", {}))
@@ -179,12 +179,12 @@ def early_warning_table(warnings: dict[str, Any]) -> str:
         rows.append([arm, collapsed, *cells])
     header = ["arm", "collapsed (eval ≥ 10 points below its best)",
               "k3 KL > 3× its first-10-step median before every collapse; fired in runs without one (post-hoc)",
-              "max \\|Δp\\| per seq.: the same"]  # fmt: skip
+              "max \\|Δp\\| per seq.: the same"]
     return table(header, rows)
 
 
 STUDIES = {"quantised_rollouts": quantised_rollouts, "staleness": staleness, "oapl_lag": oapl_lag,
-           "throughput": throughput, "long_mismatch": long_mismatch}  # fmt: skip
+           "throughput": throughput, "long_mismatch": long_mismatch}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,7 +48,7 @@ def generate_rows(model, tokenizer, prompts: list[list[int]], params, seed: int,
         torch.manual_seed(seed + i)
         out = model.generate(input_ids=ids, attention_mask=mask.long(), do_sample=True, temperature=1.0, top_k=0,
                              top_p=1.0, max_new_tokens=params.max_new_tokens, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=pad, eos_token_id=eos)  # fmt: skip
+                             return_dict_in_generate=True, pad_token_id=pad, eos_token_id=eos)
         new = out.sequences[:, ids.shape[1] :]
         logp = torch.stack([lg.float().log_softmax(-1) for lg in out.logits], 1)  # (b, steps, V)
         chosen = logp.gather(-1, new[..., None]).squeeze(-1)
@@ -121,7 +121,7 @@ def run(model_path: str | None, n: int, draws: int, batch_size: int, max_new_tok
     }
     return {"model": model_path or "builtin", "responses": n, "draws": draws, "batch_size": batch_size,
             "max_new_tokens": max_new_tokens, "per_draw": per_arm, "summary": summary, "seconds": round(clock.seconds, 1),
-            "machine": machine(), "code_commit": code_commit()}  # fmt: skip
+            "machine": machine(), "code_commit": code_commit()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +155,7 @@ def paragraph(results: Path = OUT) -> str:
     r = json.loads(path.read_text())
     per, s = r["per_draw"], r["summary"]
     same = all(per["sampler"][i] == per["generate"][i] == per["sampler_hfcache"][i]
-               and per["sampler_alone"][i] == per["generate_alone"][i] for i in range(r["draws"]))  # fmt: skip
+               and per["sampler_alone"][i] == per["generate_alone"][i] for i in range(r["draws"]))
     longest = max(range(r["draws"]), key=lambda i: per["sampler_alone"][i]["tokens"])
     batched = [d["mean_abs_dp"] for d in per["sampler"]]
     alone = [d["mean_abs_dp"] for d in per["sampler_alone"]]
@@ -175,4 +175,4 @@ def paragraph(results: Path = OUT) -> str:
         f"{'its largest draw is also the one with the most tokens' if worst == longest else 'its largest draw is not the longest'} "
         f"({per['sampler_alone'][worst]['tokens']} tokens; {min(d['tokens'] for d in per['sampler_alone'])}–"
         f"{sorted(d['tokens'] for d in per['sampler_alone'])[-2]} in the others). Compare samplers on the same "
-        f"draws, or over many.")  # fmt: skip
+        f"draws, or over many.")

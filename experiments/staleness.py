@@ -62,11 +62,11 @@ ARMS |= {
     # Not part of the shared grid: the default threshold 0.9 sits above this block's steady keep ratio (≈ 0.6),
     # so it resets every step; 0.5 is one extra arm to see the reset as Guan et al. describe it (rare events).
     "int8lag4/ewma_reset0.5": [*DISCREPANCY, "algorithm.proximal={name: ewma, reset_keep_ratio: 0.5}", K3_RS],
-}  # fmt: skip
+}
 STEPS = 150
 KEYS = ("eval/accuracy", "reward/mean", "actor/kept_token_fraction", "actor/pg_clipfrac",
         "proximal/ewma_resets", "time/step_s", "proximal/seconds", "proximal/extra_bytes",
-        "staleness/lag_mean", "rollout_corr/rollout_rs_masked_fraction", "actor/entropy")  # fmt: skip
+        "staleness/lag_mean", "rollout_corr/rollout_rs_masked_fraction", "actor/entropy")
 # The seed's reported cost at 4B parameters (for the table next to ours; not measured here).
 SEED_REPORTED = {"snapshot": {"memory_gb": 40, "seconds": 25}, "ewma": {"memory_gb": 7.9, "seconds": 8}}
 
@@ -75,7 +75,7 @@ def cost_table(results: dict) -> dict:
     """Mean over all logged steps (then over seeds) of step time, π_old time and extra bytes per arm."""
     keys = ("time/step_s", "proximal/seconds", "proximal/extra_bytes")
     return {arm: {key: run_mean(next(iter(cells.values()))["runs"], key) for key in keys}
-            for arm, cells in results.items()}  # fmt: skip
+            for arm, cells in results.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     groups = curve_groups(results)
     panels = (*KEYS[:5], "rollout_corr/rollout_rs_masked_fraction")
     for block, title in [*((f"lag{k}", f"simulated lag {k}, fp32 sampler") for k in LAGS),
-                         ("int8lag4", "simulated lag 4, int8 sampler, k3 rejection + token TIS")]:  # fmt: skip
+                         ("int8lag4", "simulated lag 4, int8 sampler, k3 rejection + token TIS")]:
         sub = {a.split("/")[1]: r for a, r in groups.items() if a.startswith(f"{block}/")}
         if sub:
             name = f"curves_{block}.png"
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"study": "staleness", "steps": steps, "quick": args.quick, "final": final,
               "cost": cost_table(results), "seed_reported_4b": SEED_REPORTED, "figures": figures,
               "runs": results, "wall_seconds": clock.seconds,
-              "code_commit": code_commit(), "arm_code_commits": code_commits(results)}  # fmt: skip
+              "code_commit": code_commit(), "arm_code_commits": code_commits(results)}
     write_json(report, out / "results.json")
     print(f"staleness: wall time {clock.seconds:.1f} s → {out / 'results.json'}")
     return 0

@@ -39,7 +39,7 @@ ARMS = {
 STEPS = 150
 TARGET = 0.65  # the 150-step runs at lr 2e-4 end near 0.72; 0.55 is reached within ~10 steps
 KEYS = ("eval/accuracy", "reward/mean", "time/step_s", "time/generate_s", "time/optimize_s",
-        "response/tokens", "staleness/lag_mean")  # fmt: skip
+        "response/tokens", "staleness/lag_mean")
 
 
 def speed(records: list[dict[str, Any]], batch: int, target: float) -> dict[str, Any]:
@@ -74,11 +74,11 @@ def main(argv: list[str] | None = None) -> int:
             per_seed = [speed(r["records"], batch, args.target) for r in cell["runs"]]
             table[arm][label] = {key: summary([s[key] for s in per_seed]) for key in per_seed[0]}
     figures = {"curves": plot_curves(curve_groups(results), KEYS[:4], out / "curves.png",
-                                     title="sync vs async").name}  # fmt: skip
+                                     title="sync vs async").name}
     report = {"study": "throughput", "steps": steps, "quick": args.quick, "target_accuracy": args.target,
               "batch": batch, "speed": table,
               "figures": figures, "runs": results, "wall_seconds": clock.seconds,
-              "code_commit": code_commit(), "arm_code_commits": code_commits(results)}  # fmt: skip
+              "code_commit": code_commit(), "arm_code_commits": code_commits(results)}
     write_json(report, out / "results.json")
     print(f"throughput: wall time {clock.seconds:.1f} s → {out / 'results.json'}")
     return 0

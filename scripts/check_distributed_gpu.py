@@ -57,7 +57,7 @@ def main() -> int:
     ok = True
     try:
         say(ranks, f"1. group: backend {ranks.backend}, {ranks.world} ranks, rank 0 on {ranks.device}, "
-                   f"mesh {ranks.mesh.device_type}")  # fmt: skip
+                   f"mesh {ranks.mesh.device_type}")
         assert ranks.backend == ("nccl" if args.device == "cuda" else "gloo")
         config = load_config(None, ["task.eval_prompts=0", "algorithm.correction.preset=decoupled_token_is"])
         rollouts = None
@@ -79,7 +79,7 @@ def main() -> int:
             built = torch.cuda.max_memory_allocated()
             say(ranks, f"2a. building: rank 0's GPU peaked at {built / 2**20:.2f} MiB while sharding "
                        f"(the whole model: {whole / 2**20:.2f} MiB in host memory; at N > 1 the peak is its shards "
-                       f"and one unit, not the whole)")  # fmt: skip
+                       f"and one unit, not the whole)")
         step_config, proximal = build_step_config(config), build_proximal(config)
         optimizer = torch.optim.AdamW([p for p in sharded.model.parameters() if p.requires_grad], lr=3e-4)
         start = time.perf_counter()
@@ -88,7 +88,7 @@ def main() -> int:
         seconds = time.perf_counter() - start
         held = peak_parameter_bytes(sharded.model, optimizer)
         say(ranks, f"2. sharded learner: rank 0 holds {held['parameters'] / 2**20:.2f} MiB of parameters and "
-                   f"{held['optimizer_state'] / 2**20:.2f} MiB of AdamW state; {args.steps} steps in {seconds:.1f} s")  # fmt: skip
+                   f"{held['optimizer_state'] / 2**20:.2f} MiB of AdamW state; {args.steps} steps in {seconds:.1f} s")
 
         start = time.perf_counter()
         full = sharded.state_dict()
@@ -110,7 +110,7 @@ def main() -> int:
             bound = 5e-2 if args.bf16 else 1e-4
             ok = rel <= bound
             say(ranks, f"3. {ranks.world} ranks vs one process after {args.steps} steps: relative weight "
-                       f"difference {rel:.2e} (bound {bound:g}) {'OK' if ok else 'FAILED'}")  # fmt: skip
+                       f"difference {rel:.2e} (bound {bound:g}) {'OK' if ok else 'FAILED'}")
         ok = ranks.all_true(ok)
 
         from rollcorr.checkpoint import DCP_DIR, load_sharded
@@ -128,7 +128,7 @@ def main() -> int:
         if ranks.is_main:
             same = all(torch.equal(again[k], full[k]) for k in full)
             say(ranks, f"5. DCP checkpoint written by {ranks.world} ranks and read back into a fresh sharded "
-                       f"learner: weights equal: {same} (N → 1 resharding: tests/test_distributed_train.py)")  # fmt: skip
+                       f"learner: weights equal: {same} (N → 1 resharding: tests/test_distributed_train.py)")
             ok = ok and same
         ok = ranks.all_true(ok)
         say(ranks, "all checks passed" if ok else "a check FAILED")

@@ -79,7 +79,7 @@ def record_run() -> dict[str, Any]:
 
 
 def compare(golden: dict[str, Any], new: dict[str, Any], renamed: dict[str, str] | None = None,
-            rel: float = 1e-4, abs_tol: float = 1e-6, added: frozenset[str] = frozenset()) -> list[str]:  # fmt: skip
+            rel: float = 1e-4, abs_tol: float = 1e-6, added: frozenset[str] = frozenset()) -> list[str]:
     """Differences between two records' metrics (timing keys excluded), one line each; [] when they match.
 
     ``renamed``: {name in the record: name now}. A metric that was logged twice under two names and now once

@@ -44,7 +44,7 @@ PRETRAIN = {
     f"{BUILTIN}:moe": dict(init=None, mix={"addition:1": 1, "addition:2": 2, "addition:3": 7}, batch_size=128,
                            lr=3e-3, min_acc=0.15, max_acc=0.40, eval_every=50, eval_every_close=10, close_at=0.01,
                            eval_tokens=6),
-}  # fmt: skip
+}
 
 
 def make_batch(tokenizer, items: list[dict], device: str) -> tuple[torch.Tensor, ...]:

@@ -312,7 +312,7 @@ def metric_floor(reference: float, n: int, *, std: bool = False) -> float:
 
 
 def assert_metrics_as_accurate(got: dict, established: dict, reference: dict, *, n: int, keys=None, what="",
-                               sanity_rel=None) -> None:  # fmt: skip
+                               sanity_rel=None) -> None:
     """``assert_as_accurate`` for each float metric of ``reference`` (non-finite ones must match exactly), with
     ``metric_floor(…, n)`` as the floor (keys ending in ``_std`` as standard deviations). ``sanity_rel``: the
     established path within that share of max(|value|, 1) of the reference."""
@@ -325,4 +325,4 @@ def assert_metrics_as_accurate(got: dict, established: dict, reference: dict, *,
             continue
         sanity = None if sanity_rel is None else sanity_rel * max(abs(r), 1.0)
         assert_as_accurate(b, a, r, floor=metric_floor(r, n, std=key.endswith("_std")), sanity=sanity,
-                           what=f"{what}{key}")  # fmt: skip
+                           what=f"{what}{key}")

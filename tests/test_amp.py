@@ -17,7 +17,7 @@ from rollcorr.train.config import load_config
 from rollcorr.train.loop import Trainer, run
 
 TINY = ["trainer.eval_every=0", "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false",
-        "rollout.prompts_per_step=4", "optim.skip_zero_grad=false"]  # fmt: skip
+        "rollout.prompts_per_step=4", "optim.skip_zero_grad=false"]
 
 
 def test_amp_specs_are_learners_with_float32_weights():
@@ -63,7 +63,7 @@ def test_a_forced_overflow_is_skipped_and_counted_and_the_scale_resumes(tmp_path
     stopped as diverged, and a resumed run continues from the saved scale."""
     out = tmp_path / "run"
     config = load_config(None, [*TINY, "model.learner=hf:amp-fp16", "model.sampler=hf:fp16", "trainer.steps=2",
-                                f"trainer.out={out}"])  # fmt: skip
+                                f"trainer.out={out}"])
     trainer = Trainer(config, run_dir=out)
     trainer.loss_scaler.scale = 1e38
     before = {k: v.clone() for k, v in trainer.learner.model.state_dict().items()}
@@ -88,7 +88,7 @@ def test_a_forced_overflow_is_skipped_and_counted_and_the_scale_resumes(tmp_path
 def test_amp_learners_train_resume_and_run_at_two_ranks(tmp_path, learner, sampler):
     out = tmp_path / "run"
     first = run(load_config(None, [*TINY, f"model.learner={learner}", f"model.sampler={sampler}", "trainer.steps=2",
-                                   f"trainer.out={out}"]), run_dir=out)  # fmt: skip
+                                   f"trainer.out={out}"]), run_dir=out)
     assert first.steps == 2 and first.stopped is None
     assert run(load_config(out / "config.yaml", ["trainer.steps=3"]), resume=out).steps == 3
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -97,7 +97,7 @@ def test_amp_learners_train_resume_and_run_at_two_ranks(tmp_path, learner, sampl
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "rollcorr", "train", "trainer.ranks=2", f"model.learner={learner}",
                            f"model.sampler={sampler}", "trainer.steps=2", *TINY, f"trainer.out={tmp_path / 'ranks2'}"],
-                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+                          capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     two = [json.loads(line) for line in (tmp_path / "ranks2" / "metrics.jsonl").read_text().splitlines()]
     assert [r["learner/ranks"] for r in two if "learner/ranks" in r] == [2.0, 2.0]
@@ -106,6 +106,6 @@ def test_amp_learners_train_resume_and_run_at_two_ranks(tmp_path, learner, sampl
 def test_the_audit_scores_with_an_amp_learner(tmp_path):
     out = tmp_path / "audit"
     assert main(["audit", "--sampler", "hf:bf16", "--learner", "hf:amp-bf16", "-n", "8", "--max-new-tokens", "6",
-                 "--out", str(out)]) == 0  # fmt: skip
+                 "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["source"]["learner"] == "hf:amp-bf16" and summary["n_tokens"] > 0

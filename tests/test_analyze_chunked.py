@@ -37,7 +37,7 @@ EXTRA = {
     "geo_mask": CorrectionConfig(is_level="geometric", is_mode="mask", is_upper=1.002, is_lower=0.998),
     "verl_geo": preset("decoupled_geo_rs").replace(verl_compat=True, rs_thresholds=("0.995_1.005",)),
     "verl_token": CorrectionConfig(rs=("token_k1",), rs_thresholds=("0.9_1.2",), is_level="token", is_upper=2.0,
-                                   verl_compat=True),  # fmt: skip
+                                   verl_compat=True),
 }
 CONFIGS = {**{name: preset(name) for name in sorted(PRESETS)}, **EXTRA}
 
@@ -88,18 +88,18 @@ def _same(a, b, *, rtol: float = 1e-12) -> None:
     for key, value in a.metrics.items():
         assert b.metrics[key] == pytest.approx(value, rel=rtol, abs=1e-13), key
     assert (a.responses, a.tokens, a.rejected_tokens, a.rejected_sequences) == (
-        b.responses, b.tokens, b.rejected_tokens, b.rejected_sequences)  # fmt: skip
+        b.responses, b.tokens, b.rejected_tokens, b.rejected_sequences)
     assert a.notes == b.notes
     assert len(a.findings) == len(b.findings)
     for fa, fb in zip(a.findings, b.findings):
         assert (fa.row, fa.line, fa.rule, fa.level, fa.position, fa.token, fa.tokens, fa.effect, fa.threshold) == (
-            fb.row, fb.line, fb.rule, fb.level, fb.position, fb.token, fb.tokens, fb.effect, fb.threshold)  # fmt: skip
+            fb.row, fb.line, fb.rule, fb.level, fb.position, fb.token, fb.tokens, fb.effect, fb.threshold)
         if fa.level == "token":
             assert fa.value == fb.value and fa.excess == fb.excess
         else:
             assert fb.value == pytest.approx(fa.value, rel=rtol) and fb.excess == pytest.approx(fa.excess, rel=rtol)
     assert [(r.rule, r.level, r.sequences, r.tokens, r.threshold) for r in a.rules] == [
-        (r.rule, r.level, r.sequences, r.tokens, r.threshold) for r in b.rules]  # fmt: skip
+        (r.rule, r.level, r.sequences, r.tokens, r.threshold) for r in b.rules]
     for ra, rb in zip(a.rules, b.rules):
         if ra.level == "token":
             assert ra.observed == rb.observed
@@ -110,7 +110,7 @@ def _same(a, b, *, rtol: float = 1e-12) -> None:
         assert b.weights == pytest.approx(a.weights, rel=rtol)
     assert [(t.line, t.position, t.token_text, t.token_id, t.rollout_log_prob, t.learner_log_prob)
             for t in a.top_tokens] == [(t.line, t.position, t.token_text, t.token_id, t.rollout_log_prob,
-                                        t.learner_log_prob) for t in b.top_tokens]  # fmt: skip
+                                        t.learner_log_prob) for t in b.top_tokens]
     for ta, tb in zip(a.top_tokens, b.top_tokens):
         if ta.fate.startswith("kept, w = "):
             assert tb.fate.startswith("kept, w = ")
@@ -151,7 +151,7 @@ def _reference(dump, config):
         dump.learner_log_prob, dump.rollout_log_prob, dump.response_mask, config,
         log_prob=dump.learner_log_prob if config.mode == "bypass" else None, advantages=dump.advantages,
         version=version, current_version=current, warn=False,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("source", ["sample", "ragged"])
@@ -239,7 +239,7 @@ def test_most_mismatched_tokens_are_real_tokens(tmp_path, capsys):
     rows = [
         {"rollout_log_probs": [-0.5, -0.2, 0.0, 0.0], "old_log_probs": [-0.5, -0.3, 0.0, 0.0], "response_mask": [1, 1, 0, 0]},
         {"rollout_log_probs": [-0.7], "old_log_probs": [-0.7]},
-    ]  # fmt: skip
+    ]
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     analysis = analyze(read_dump(path), preset("decoupled_token_is"))
@@ -276,7 +276,7 @@ def test_streams_are_read(tmp_path, monkeypatch, capsys):
     pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     dump = read_dump(sample_dump_path())
     rows = [{"rollout_log_probs": dump.rollout_log_prob[b][m].tolist(), "old_log_probs": dump.learner_log_prob[b][m].tolist()}
-            for b, m in enumerate(dump.response_mask)]  # fmt: skip
+            for b, m in enumerate(dump.response_mask)]
     sink = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows), sink)
     monkeypatch.setattr("sys.stdin", Stdin(sink.getvalue()))
@@ -297,7 +297,7 @@ def test_streams_are_read(tmp_path, monkeypatch, capsys):
         ({"rollout_log_probs": [-0.1], "old_log_probs": [-0.1], "response_mask": [None]}, "0/1"),
         ({"rollout_log_probs": [-0.1], "old_log_probs": [-0.1], "token_text": [3]}, "not a list of strings"),
     ],
-)  # fmt: skip
+)
 def test_column_checks_give_the_per_row_reasons(tmp_path, row, reason):
     """Bools (numpy would read them as 1 / 0), strings, nulls and out-of-range integers anywhere in a list,
     padding included, are found by the column checks and reported with the per-row reason."""
@@ -311,7 +311,7 @@ def test_column_checks_give_the_per_row_reasons(tmp_path, row, reason):
 
 def test_nulls_and_garbage_in_padding_are_ignored(tmp_path):
     row = {"rollout_log_probs": [-0.1, None, 5.0], "old_log_probs": [-0.2, float("nan"), None],
-           "response_mask": [1, 0, 0], "advantages": [1.0, None, float("inf")]}  # fmt: skip
+           "response_mask": [1, 0, 0], "advantages": [1.0, None, float("inf")]}
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps(row) + "\n")
     dump = read_dump(path)

@@ -350,6 +350,6 @@ def test_dump_with_two_corrections_asks_which(capsys, tmp_path):
     from rollcorr.dumps import write_dump
 
     write_dump(path, torch.full((1, 2), -0.5), torch.full((1, 2), -0.5), torch.ones(1, 2),
-               correction=preset("icepop"))  # fmt: skip
+               correction=preset("icepop"))
     assert main(["analyze", str(path)]) == 2
     assert "2 different corrections" in capsys.readouterr().err

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import ast
 import re
+import tokenize
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +42,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("tools", ("rollcorr.audit", "rollcorr.analyze", "rollcorr.compat", "rollcorr.convert")),
     ("command", ("rollcorr.cli", "rollcorr.__main__")),
     ("studies", STUDIES),
-]  # fmt: skip
+]
 SIDE_BY_SIDE = "tools"  # the floor whose entries import nothing of each other
 
 # Wrong-way imports known today, each with what removes it; delete an entry when its import is gone (a test
@@ -90,7 +92,7 @@ GRAPH = {name: imports_of(name) for name in MODULES}
 def entry(name: str) -> str:
     """The entry of ``LAYERS`` that holds module ``name``: the longest one that is ``name`` or a package above it."""
     holders = [e for _, entries in LAYERS for e in entries
-               if name == e or (e != "rollcorr" and name.startswith(e + "."))]  # fmt: skip
+               if name == e or (e != "rollcorr" and name.startswith(e + "."))]
     assert holders, f"{name}: on no floor of docs/architecture.md; add it to LAYERS and the page"
     return max(holders, key=len)
 
@@ -107,7 +109,7 @@ def edges() -> list[tuple[str, str]]:
 
 def test_every_import_goes_up_or_stays_on_its_floor():
     wrong = [f"{a} ({LAYERS[layer(a)][0]}) imports {b} ({LAYERS[layer(b)][0]})"
-             for a, b in edges() if layer(b) > layer(a)]  # fmt: skip
+             for a, b in edges() if layer(b) > layer(a)]
     assert not wrong, "\n".join(wrong)
 
 
@@ -116,7 +118,7 @@ def test_the_tools_import_nothing_of_each_other():
     chunked pass, the MoE metrics, ...); one reading another would make two tools of one."""
     floor = [name for name, _ in LAYERS].index(SIDE_BY_SIDE)
     wrong = [f"{a} imports {b}" for a, b in edges()
-             if layer(a) == layer(b) == floor and entry(a) != entry(b)]  # fmt: skip
+             if layer(a) == layer(b) == floor and entry(a) != entry(b)]
     assert not wrong, "\n".join(wrong)
 
 
@@ -199,7 +201,7 @@ LONGEST = 80  # lines a function may take, its signature and docstring included 
 LONG_PENDING: dict[str, str] = {
     "rollcorr.correction.api.compute_correction": "#51 (correction speed) rewrites it as statistics → weights → "
                                                   "rejection → diagnostics",
-}  # fmt: skip
+}
 
 
 def function_lengths() -> dict[str, int]:
@@ -233,3 +235,67 @@ def test_long_pending_functions_are_still_long():
     lengths = function_lengths()
     done = [name for name in LONG_PENDING if lengths.get(name, 0) <= LONGEST]
     assert not done, f"no longer over {LONGEST} lines, remove from LONG_PENDING: {done}"
+
+
+# ---------------------------------------------------------------- laid out by hand
+# pyproject.toml turns `ruff format` off ([tool.ruff.format] exclude): the code is laid out by hand (continuation
+# lines under their bracket, the terms of an equation under each other), which the formatter cannot be told to
+# keep, and `ruff check` lints it all. A `# fmt: skip` marker then says nothing. The files below still hold
+# some: each is being edited on a branch in flight today (removing a marker there would make its merge conflict);
+# strip them once it lands. A test below fails once a listed file holds none, so the list stays true.
+FMT_PENDING: dict[str, tuple[str, ...]] = {
+    "speed (#51)": ("benchmarks/bench_analyze.py", "benchmarks/bench_correction.py", "benchmarks/bench_scaling.py",
+                    "experiments/summary.py", "scripts/check_gpu.py", "src/rollcorr/analyze/analysis.py",
+                    "src/rollcorr/correction/api.py", "src/rollcorr/correction/fused.py",
+                    "tests/test_performance_docs.py"),
+    "memory": ("benchmarks/bench_train.py", "src/rollcorr/train/loop.py", "tests/test_distributed_train.py"),
+    "lead": ("experiments/multi_turn.py",),
+    "auditux / mtaudit": ("src/rollcorr/audit/cli.py", "src/rollcorr/audit/dump_audit.py",
+                          "src/rollcorr/audit/localize.py", "src/rollcorr/audit/plots.py",
+                          "src/rollcorr/audit/report.py", "src/rollcorr/audit/verdict.py",
+                          "tests/test_audit_report.py"),
+    "users (#50)": ("src/rollcorr/envs/base.py", "src/rollcorr/envs/calculator.py", "src/rollcorr/envs/episodes.py",
+                    "src/rollcorr/tasks/__init__.py", "src/rollcorr/tasks/base.py", "src/rollcorr/tasks/data.py",
+                    "src/rollcorr/tasks/verifiers.py", "src/rollcorr/train/cli.py", "src/rollcorr/train/config.py",
+                    "tests/test_env_calculator.py", "tests/test_hostile.py", "tests/test_keep_mask.py",
+                    "tests/test_readme.py"),
+}
+FORMATTER_MARKER = re.compile(r"#\s*fmt:\s*(skip|off|on)\b")
+
+
+def formatter_markers() -> dict[str, int]:
+    """Every Python file of the repository (package, tests, studies) → how many formatter markers its comments
+    hold (read as tokens: a marker inside a string does not count)."""
+    out: dict[str, int] = {}
+    for folder in ("src", "tests", "examples", *STUDIES):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            with path.open("rb") as f:
+                count = sum(1 for t in tokenize.tokenize(f.readline)
+                            if t.type == tokenize.COMMENT and FORMATTER_MARKER.match(t.string))
+            if count:
+                out[path.relative_to(ROOT).as_posix()] = count
+    return out
+
+
+def test_the_formatter_is_off_so_no_code_needs_fmt_skip():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["ruff"]
+    assert config.get("force-exclude") is True and {"*.py", "*.md"} <= set(config["format"]["exclude"]), (
+        "pyproject.toml: [tool.ruff.format] should exclude *.py and *.md (code laid out by hand)"
+    )
+    pending = {path for paths in FMT_PENDING.values() for path in paths}
+    stray = {path: n for path, n in formatter_markers().items() if path not in pending}
+    assert not stray, (
+        "`# fmt:` markers (the formatter is off: they say nothing; `sed -i 's/  # fmt: skip$//' FILE`): "
+        + ", ".join(f"{path} ({n})" for path, n in sorted(stray.items()))
+    )
+
+
+def test_fmt_pending_files_still_hold_markers():
+    markers = formatter_markers()
+    done = sorted(path for paths in FMT_PENDING.values() for path in paths if path not in markers)
+    assert not done, f"no `# fmt:` markers left, remove from FMT_PENDING: {done}"
+
+
+def test_the_marker_count_sees_comments_only():
+    assert FORMATTER_MARKER.match("# fmt: skip") and FORMATTER_MARKER.match("#fmt: off")
+    assert not FORMATTER_MARKER.match("# fmt: skipped") and not FORMATTER_MARKER.match("# format: skip")

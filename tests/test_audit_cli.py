@@ -248,7 +248,7 @@ def test_llamacpp_kv_cache_is_sized_to_the_audit(tmp_path, monkeypatch, capsys):
     prompts = tmp_path / "p.txt"
     prompts.write_text("1+2=\n123+456=\n")
     argv = ["audit", "--sampler", "llamacpp:q8_0", "--prompts", str(prompts), "--batch-size", "3",
-            "--max-new-tokens", "7", "-n", "4", "--out", str(tmp_path / "out")]  # fmt: skip
+            "--max-new-tokens", "7", "-n", "4", "--out", str(tmp_path / "out")]
     assert main(argv) == 2 and "stop here" in capsys.readouterr().err
     assert seen == {"spec": "llamacpp:q8_0", "max_batch": 3, "n_ctx": len("123+456=") + 7}  # one token a char
 

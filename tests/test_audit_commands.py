@@ -35,7 +35,7 @@ def _run_pasted(line: str, cwd: Path) -> subprocess.CompletedProcess:
     if " -m rollcorr train " in line:
         line += " --print-config"
     return subprocess.run(["bash", "-c", line], cwd=cwd, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])})  # fmt: skip
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])})
 
 
 def test_at_60_columns_the_printed_command_is_one_line_that_runs_as_pasted(tmp_path):
@@ -44,14 +44,14 @@ def test_at_60_columns_the_printed_command_is_one_line_that_runs_as_pasted(tmp_p
     in a terminal (rich's colours stripped)."""
     done = subprocess.run([sys.executable, "-m", "rollcorr", "audit", "-n", "8", "--max-new-tokens", "6", "--out",
                            str(tmp_path / "audit")], cwd=tmp_path, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "COLUMNS": "60"})  # fmt: skip
+                          env={**os.environ, "COLUMNS": "60"})
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((tmp_path / "audit/summary.json").read_text())
     assert summary["commands"] and summary["commands"][-1]["label"] == "Apply it"
     assert _printed_commands(done.stdout) == [(c["label"], "  " + c["command"]) for c in summary["commands"]]
     line = _printed_commands(done.stdout)[-1][1]
     assert len(line) > 60 and line.strip() == "rollcorr train model.sampler=hf:bf16 model.learner=hf:fp32 " \
-        "algorithm.correction.preset=tis"  # fmt: skip
+        "algorithm.correction.preset=tis"
     pasted = _run_pasted(line, tmp_path)
     assert pasted.returncode == 0, pasted.stderr[-2000:]
     assert "sampler: hf:bf16" in pasted.stdout and "learner: hf:fp32" in pasted.stdout
@@ -70,7 +70,7 @@ def test_from_run_commands_are_whole_and_run_as_pasted_and_step_0_is_the_startin
     run = tmp_path / "run"
     assert main(["train", "trainer.steps=1", "trainer.eval_every=0", "trainer.progress=false", "trainer.plot=false",
                  "rollout.prompts_per_step=2", "rollout.max_new_tokens=4", "task.eval_prompts=0",
-                 f"trainer.out={run}"]) == 0  # fmt: skip
+                 f"trainer.out={run}"]) == 0
     out = tmp_path / "audit"
     assert main(["audit", "--from-run", str(run), "--step", "0", "-n", "8", "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
@@ -93,11 +93,11 @@ def test_tables_never_cut_a_number_when_narrow_or_redirected(tmp_path):
     g = torch.Generator().manual_seed(0)
     log_mu = torch.empty(16, 8).uniform_(0.2, 0.8, generator=g).log()
     data = AuditData(log_mu, log_mu + 0.012 * torch.randn(16, 8, generator=g), torch.ones(16, 8, dtype=torch.bool),
-                     source={"sampler": "hf:bf16", "learner": "hf:fp32", "model": "builtin"})  # fmt: skip
+                     source={"sampler": "hf:bf16", "learner": "hf:fp32", "model": "builtin"})
     data.diagnosis = {"whatif": [{"change": "lm_head_fp32", "sampler": "hf:bf16", "prob_diff_frac_lt_1e-3": 0.5476,
                                   "prob_diff_frac_ge_0.01": 0.0952, "prob_diff_frac_ge_0.05": 0.0,
                                   "prob_diff_max": 0.03971, "prob_diff_mean": 0.003312, "k3_kl": 2.049e-06,
-                                  "n_tokens": 128, "verdict_level": "bf16"}]}  # fmt: skip
+                                  "n_tokens": 128, "verdict_level": "bf16"}]}
     summary = write_report(data, tmp_path / "r")
     console = Console(width=60, file=StringIO())
     print_summary(summary, console)

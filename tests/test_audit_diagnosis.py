@@ -75,7 +75,7 @@ def test_audit_localize_and_whatif_fp16_of_a_bf16_pair(tmp_path, capsys):
     and the counterfactual row in summary.json and report.html; fp16 lowers the share of tokens at |Δp| ≥ 0.01."""
     out = tmp_path / "audit"
     assert main(["audit", "--sampler", "hf:bf16", "--learner", "hf:fp32", "-n", "32", "--max-new-tokens", "16",
-                 "--localize", "--whatif", "fp16", "--out", str(out)]) == 0  # fmt: skip
+                 "--localize", "--whatif", "fp16", "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     loc = summary["localization"]
     assert loc["responses"] == 8 and len(loc["components"]) == len(components(make_learner("hf:fp32").model))
@@ -114,7 +114,7 @@ def test_audit_from_run_takes_the_runs_model_engines_prompts_and_sampling(tmp_pa
     run = tmp_path / "run"
     assert main(["train", "trainer.steps=2", "trainer.eval_every=0", "trainer.progress=false", "trainer.plot=false",
                  "trainer.checkpoint_every=1", "rollout.prompts_per_step=4", "rollout.max_new_tokens=4",
-                 "rollout.temperature=0.8", "model.sampler=hf:fp16", f"trainer.out={run}"]) == 0  # fmt: skip
+                 "rollout.temperature=0.8", "model.sampler=hf:fp16", f"trainer.out={run}"]) == 0
     out = tmp_path / "audit"
     assert main(["audit", "--from-run", str(run), "--step", "1", "-n", "8", "--out", str(out)]) == 0
     source = json.loads((out / "summary.json").read_text())["source"]

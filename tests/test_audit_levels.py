@@ -52,7 +52,7 @@ def test_one_pair_of_engines_gets_one_level_at_64_512_and_2048_responses(spec, e
     torch.manual_seed(0)
     learner = make_learner("hf:fp32")
     rollout = collect(make_sampler(spec), learner, builtin_prompts(256), SamplingParams(max_new_tokens=64, seed=0),
-                      n=8, batch_size=64)  # fmt: skip
+                      n=8, batch_size=64)
     data = from_rollout(rollout)
     levels = {}
     for n in (64, 512, 2048):

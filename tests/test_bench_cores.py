@@ -15,7 +15,7 @@ def test_bench_cores_prints_the_ratio():
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_cores.py"), "--seconds", "0.3", "--rounds", "1"],
         capture_output=True, text=True, timeout=120, check=True,
-    ).stdout  # fmt: skip
+    ).stdout
     one = float(re.search(r"one process :\s+([\d.]+) it/s", out).group(1))
     two = float(re.search(r"two at once :\s+([\d.]+) it/s", out).group(1))
     ratio = float(re.search(r"ratio\s+:\s+([\d.]+)x", out).group(1))

@@ -104,7 +104,7 @@ def test_rollcorr_train_two_steps_on_the_long_task(tmp_path, capsys):
     code = main(["train", "task.name=chain", f"model.path={LONG}", "rollout.max_new_tokens=70",
                  "trainer.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2", "task.eval_prompts=4",
                  "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false",
-                 "trainer.checkpoint_every=0", "--out", str(out)])  # fmt: skip
+                 "trainer.checkpoint_every=0", "--out", str(out)])
     assert code == 0, capsys.readouterr().err
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward/mean" in r]
@@ -113,6 +113,6 @@ def test_rollcorr_train_two_steps_on_the_long_task(tmp_path, capsys):
         assert r["response/length_mean"] > 10  # long responses, not the 6-token default
         assert 0.0 <= r["reward/mean"] <= 1.0
         for key in ("rollout_corr/k3_kl", "rollout_corr/chi2_seq", "rollout_corr/rollout_is_eff_sample_size",
-                    "rollout_corr/prob_diff_seq_max_mean"):  # fmt: skip
+                    "rollout_corr/prob_diff_seq_max_mean"):
             assert key in r and r[key] == r[key], key
     assert any("eval/accuracy" in r for r in records)

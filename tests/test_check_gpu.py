@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_check_gpu_passes_on_the_cpu(tmp_path):
     out = tmp_path / "check.jsonl"
     done = subprocess.run([sys.executable, str(ROOT / "scripts/check_gpu.py"), "--device", "cpu", "--out", str(out)],
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [line["check"] for line in lines] == ["machine", "audit", "amp-bf16", "amp-fp16", "exact", "distributed"]

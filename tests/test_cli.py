@@ -78,7 +78,7 @@ def test_no_help_text_loads_torch():
             "for name in COMMANDS:\n"
             "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
             "        main([name, '--help'])\n"
-            "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))\n")  # fmt: skip
+            "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]", done.stdout

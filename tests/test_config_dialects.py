@@ -108,7 +108,7 @@ def test_trl_correction_flag():
     "mode, level, is_mode",
     [("token_truncate", "token", "truncate"), ("token_mask", "token", "mask"),
      ("sequence_truncate", "sequence", "truncate"), ("sequence_mask", "sequence", "mask")],
-)  # fmt: skip
+)
 def test_trl_mode(mode, level, is_mode):
     c = from_trl({"vllm_importance_sampling_mode": mode})
     assert (c.is_level, c.is_mode) == (level, is_mode)
@@ -116,7 +116,7 @@ def test_trl_mode(mode, level, is_mode):
 
 def test_trl_clip_max_clip_min_and_deprecated_cap():
     c = from_trl({"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": 5.0,
-                  "vllm_importance_sampling_clip_min": 0.2})  # fmt: skip
+                  "vllm_importance_sampling_clip_min": 0.2})
     assert (c.is_upper, c.is_lower) == (5.0, 0.2)
     assert from_trl({"vllm_importance_sampling_cap": 4.0}).is_upper == 4.0
     with pytest.raises(ValueError, match="not both"):
@@ -143,22 +143,22 @@ def test_nemo_use_importance_sampling_correction():
 
 def test_nemo_tis_with_ratio_and_ratio_min():
     c = from_nemo_rl({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis",
-                      "truncated_importance_sampling_ratio": 2.0, "truncated_importance_sampling_ratio_min": 0.1})  # fmt: skip
+                      "truncated_importance_sampling_ratio": 2.0, "truncated_importance_sampling_ratio_min": 0.1})
     assert (c.is_mode, c.is_upper, c.is_lower, c.denominator) == ("truncate", 2.0, 0.1, "original")
 
 
 def test_nemo_icepop():
     c = from_nemo_rl({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "icepop",
-                      "truncated_importance_sampling_ratio": 5.0, "truncated_importance_sampling_ratio_min": 0.5})  # fmt: skip
+                      "truncated_importance_sampling_ratio": 5.0, "truncated_importance_sampling_ratio_min": 0.5})
     assert (c.is_mode, c.is_upper, c.is_lower) == ("mask", 5.0, 0.5)
     with pytest.raises(ValueError, match="ratio_min"):
         from_nemo_rl({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "icepop",
-                      "truncated_importance_sampling_ratio": 5.0})  # fmt: skip
+                      "truncated_importance_sampling_ratio": 5.0})
 
 
 def test_nemo_seq_mask_tis():
     c = from_nemo_rl({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "seq-mask-tis",
-                      "truncated_importance_sampling_ratio": 1.002, "truncated_importance_sampling_ratio_min": 0.999})  # fmt: skip
+                      "truncated_importance_sampling_ratio": 1.002, "truncated_importance_sampling_ratio_min": 0.999})
     assert c.is_level == "token" and c.is_upper is None
     assert c.rs == ("seq_mean_k1",) and c.rs_thresholds == ((0.999, 1.002),)
 
@@ -174,7 +174,7 @@ def test_nemo_type_needs_correction_and_ratio():
         )
     with pytest.raises(ValueError, match="truncated_importance_sampling_type"):
         from_nemo_rl({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "mis",
-                      "truncated_importance_sampling_ratio": 2.0})  # fmt: skip
+                      "truncated_importance_sampling_ratio": 2.0})
 
 
 def test_nemo_sequence_level_importance_ratios():
@@ -183,7 +183,7 @@ def test_nemo_sequence_level_importance_ratios():
     with pytest.raises(ValueError, match="incompatible"):
         from_nemo_rl({"use_importance_sampling_correction": True, "sequence_level_importance_ratios": True,
                       "truncated_importance_sampling_type": "seq-mask-tis", "truncated_importance_sampling_ratio": 1.1,
-                      "truncated_importance_sampling_ratio_min": 0.9})  # fmt: skip
+                      "truncated_importance_sampling_ratio_min": 0.9})
 
 
 def test_nemo_loss_keys_accepted_unknown_rejected():
@@ -225,7 +225,7 @@ def test_skyrl_outlier_thresholds_are_veto():
 
 def test_skyrl_token_mask_thresholds_are_token_k1_windows():
     c = from_skyrl({"token_mask_is_threshold_low": 0.5, "token_mask_is_threshold_high": 2.0,
-                    "sequence_mask_metric": "geometric"})  # fmt: skip
+                    "sequence_mask_metric": "geometric"})
     assert c.rs == ("token_k1", "seq_mean_k1") and c.rs_thresholds[0] == (0.5, 2.0)
     with pytest.raises(ValueError, match="together"):
         from_skyrl({"token_mask_is_threshold_low": 0.5})

@@ -69,7 +69,7 @@ def test_early_warning_counts_hits_false_alarms_and_refuses_to_judge_few_collaps
         if metric_jump_at:
             values[metric_jump_at - 1 :] = [0.1] * (steps - metric_jump_at + 1)
         return {"arm": arm, "seed": 0, "evals": evals,
-                "series": {cc.REWARD: [0.5] * steps, **{k: values for k in cc.WARNING_KEYS}}}  # fmt: skip
+                "series": {cc.REWARD: [0.5] * steps, **{k: values for k in cc.WARNING_KEYS}}}
 
     collapsing = [(0, 0.4), (25, 0.6), (50, 0.3), (60, 0.3)]
     steady = [(0, 0.4), (25, 0.5), (50, 0.6), (60, 0.6)]
@@ -125,7 +125,7 @@ def _write_runs(out: Path, rung: int, scores: dict[str, float]) -> None:
         evals = [[0, 0.3]] + [[s, final] for s in range(25, steps + 1, 25)]
         record = {"rung": rung, "arm": arm, "seed": seed, "steps": steps, "final_score": cc.final_score(evals),
                   "evals": evals, "series": {key: [0.5] * steps for key in cc.SERIES}, "machine": {"cpu": "test"},
-                  "code_commit": "0" * 40}  # fmt: skip
+                  "code_commit": "0" * 40}
         path = cc.run_file(out, rung, arm, seed)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record))
@@ -169,7 +169,7 @@ def test_the_studys_answer_is_stated_only_where_the_ladder_defines_one(tmp_path)
 
     out = tmp_path / "confirm_collapse"
     _write_runs(out, 1, {"fp32/ppo": 0.6, "q4_0/ppo": 0.6, "q4_0/tis": 0.6, "q4_0/icepop": 0.6, "fp16/ppo": 0.6,
-                         "bf16/ppo": 0.6})  # fmt: skip
+                         "bf16/ppo": 0.6})
     assert summary.study_answer(cc.assemble(out)["summary"]) is None  # rung 2 called, not run
     _write_runs(out, 2, {"fp32/ppo": 0.6, "q4_0/ppo": 0.6, "q4_0/tis": 0.6})
     report = cc.assemble(out)
@@ -190,7 +190,7 @@ def test_no_rung_2_when_rung_1_reproduces_the_claim(tmp_path):
 
     out = tmp_path / "confirm_collapse"
     _write_runs(out, 1, {"fp32/ppo": 0.7, "q4_0/ppo": 0.5, "q4_0/tis": 0.5, "q4_0/icepop": 0.5, "fp16/ppo": 0.6,
-                         "bf16/ppo": 0.6})  # fmt: skip
+                         "bf16/ppo": 0.6})
     report = cc.assemble(out)
     assert report["summary"]["rung2_called"] is False
     rows = summary.confirm_collapse(report)
@@ -246,7 +246,7 @@ def test_the_hand_written_prose_on_each_rung_agrees_with_the_results():
     if rung2["complete"]:  # then its own paragraph and its wall times, from its run files
         assert "**Rung 2 is complete**" in text
         values = [json.loads(path.read_text())["seconds"]
-                  for path in (ROOT / "experiments/results/confirm_collapse/runs").glob("rung2_*.json")]  # fmt: skip
+                  for path in (ROOT / "experiments/results/confirm_collapse/runs").glob("rung2_*.json")]
         assert f"rung 2: runs {_seconds_span(values)} s" in text, _seconds_span(values)
         paragraph = text[text.index("**Rung 2 is complete**") :].split("\n\n")[0]
         first, tis = rung2["tests"]["fp32/ppo vs q4_0/ppo"], rung2["tests"]["q4_0/tis vs q4_0/ppo"]
@@ -255,14 +255,14 @@ def test_the_hand_written_prose_on_each_rung_agrees_with_the_results():
         # "ends 0.050 below fp32 (0.037 at 150 steps) ... interval just above zero ... p = 0.062, and 0.124 after Holm"
         assert first["ci95"][0] > 0 and first["p_value"] > 0.05 and first["p_holm"] > 0.05
         quoted = [f"{first['difference']:.3f} below fp32", f"({s['tests']['fp32/ppo vs q4_0/ppo']['difference']:.3f} at 150",
-                  f"p = {first['p_value']:.3f}, and {first['p_holm']:.3f} after", f"TIS ends {tis['difference']:.3f}"]  # fmt: skip
+                  f"p = {first['p_value']:.3f}, and {first['p_holm']:.3f} after", f"TIS ends {tis['difference']:.3f}"]
         assert all(q in " ".join(paragraph.split()) for q in quoted), quoted
         assert first["ci95"][1] < 0.1 + 0.005 and tis["ci95"][0] < 0  # "up to about 0.1"; "reaching below zero"
         # "one run of the whole study has a sustained collapse: q4_0/ppo seed 13 ..." (rung 1 has none: above);
         # the arms count every arm's collapses, the early-warning table names the mismatched arms' runs
         assert {arm: a["collapses"] for arm, a in rung2["arms"].items() if a["collapses"]} == {"q4_0/ppo": 1}
         collapsed = [w for w in report["rung1"]["early_warning"]["runs"] + rung2["early_warning"]["runs"]
-                     if w["collapse_step"] is not None]  # fmt: skip
+                     if w["collapse_step"] is not None]
         assert [(w["arm"], w["seed"]) for w in collapsed] == [("q4_0/ppo", 13)] and first["collapse_fisher_p"] == 0.5
         run = json.loads((ROOT / "experiments/results/confirm_collapse/runs/rung2_q4_0-ppo_s13.json").read_text())
         evals = dict(run["evals"])  # [step, score] pairs
@@ -291,7 +291,7 @@ def test_rung_2_is_called_and_named_when_rung_1_gives_the_opposite(tmp_path):
 
     out = tmp_path / "confirm_collapse"
     _write_runs(out, 1, {"fp32/ppo": 0.5, "q4_0/ppo": 0.7, "q4_0/tis": 0.7, "q4_0/icepop": 0.7, "fp16/ppo": 0.6,
-                         "bf16/ppo": 0.6})  # fmt: skip
+                         "bf16/ppo": 0.6})
     report = cc.assemble(out)
     assert report["summary"]["rung2_called"] is True
     rung2 = [row for row in summary.confirm_collapse(report) if row.study.startswith("7 (rung 2")]

@@ -70,7 +70,7 @@ def corrupt(kind, pos, old, roll, mask):
 
 
 KINDS = ["nan_old", "inf_roll", "positive_old", "int_dtype", "shape", "one_dim", "empty_mask", "zero_size",
-         "mask_values", "mask_nan", "not_tensor", "complex_mask"]  # fmt: skip
+         "mask_values", "mask_nan", "not_tensor", "complex_mask"]
 
 
 @settings(deadline=None, max_examples=60)
@@ -98,7 +98,7 @@ def test_bad_optional_inputs():
         compute_correction(old, roll, mask, CorrectionConfig(opsm_delta=0.1), advantages=torch.zeros(7))
     with pytest.raises(ValueError, match="advantages is NaN"):
         compute_correction(old, roll, mask, CorrectionConfig(opsm_delta=0.1),
-                           advantages=torch.tensor([0.0, math.nan, 1.0]))  # fmt: skip
+                           advantages=torch.tensor([0.0, math.nan, 1.0]))
     with pytest.raises(TypeError, match="config"):
         compute_correction(old, roll, mask, {"is_level": "token"})
     with pytest.raises(ValueError, match="old_log_prob"):

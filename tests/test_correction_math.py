@@ -29,7 +29,7 @@ def run(rho, mask=None, **cfg):
 
 def close(a, b, tol=1e-9):
     torch.testing.assert_close(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64),
-                               rtol=tol, atol=tol)  # fmt: skip
+                               rtol=tol, atol=tol)
 
 
 RHO = [0.3, 0.9, 1.2, 4.0, 7.0]  # the worked example of docs/importance-sampling.md
@@ -120,7 +120,7 @@ def test_padding_values_are_ignored_even_nan():
 
 # ---- rejection --------------------------------------------------------------------------------------
 LR = torch.tensor([[0.1, -0.2, 0.05, 0.0], [0.6, 0.0, 0.0, 0.0], [-0.05, 0.02, -0.01, 0.03], [0.3, -0.4, 0.0, 0.0]],
-                  dtype=torch.float64)  # fmt: skip
+                  dtype=torch.float64)
 LR_MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.float64)
 
 
@@ -138,7 +138,7 @@ def _reference_keep(option, threshold):
         return in_band(stat) & m
     stat = torch.where(m, stat, torch.nan)
     row = {"seq_sum": stat.nansum(-1), "seq_mean": stat.nanmean(-1),
-           "seq_max": torch.where(m, stat, -torch.inf).amax(-1)}[kind]  # fmt: skip
+           "seq_max": torch.where(m, stat, -torch.inf).amax(-1)}[kind]
     return in_band(row)[:, None] & m
 
 
@@ -147,7 +147,7 @@ def _reference_keep(option, threshold):
     [("token_k1", (0.7, 1.2)), ("token_k2", 0.02), ("token_k3", 0.02), ("seq_sum_k1", (0.8, 1.5)),
      ("seq_sum_k2", 0.05), ("seq_sum_k3", 0.05), ("seq_mean_k1", (0.9, 1.1)), ("seq_mean_k2", 0.02),
      ("seq_mean_k3", 0.02), ("seq_max_k2", 0.05), ("seq_max_k3", 0.05)],
-)  # fmt: skip
+)
 def test_every_rs_option_matches_reference(option, threshold):
     roll = torch.full_like(LR, -2.0)
     res = compute_correction(
@@ -209,7 +209,7 @@ def test_opsm_drops_negative_advantage_divergent_rows():
 
 def test_counts_for_the_denominator_and_all_rejected_is_not_nan():
     res, m = run([[1.0, 1.0, 1.0], [3.0, 1.0, 1.0]], mask=[[1, 1, 0], [1, 1, 1]],
-                 rs=("token_k1",), rs_thresholds=(2.0,), denominator="original")  # fmt: skip
+                 rs=("token_k1",), rs_thresholds=(2.0,), denominator="original")
     assert (m["rollout_corr/num_tokens"], m["rollout_corr/num_kept_tokens"]) == (5, 4)
     assert (
         m["rollout_corr/num_seqs"],
@@ -266,7 +266,7 @@ def test_mismatch_stats_hand_example():
     # (conftest.assert_as_accurate; floor: metric_floor of a 5-term reduction)
     exact = torch.corrcoef(torch.stack([a, b]).double())[0, 1].item()
     assert_as_accurate(s["prob_pearson"], torch.corrcoef(torch.stack([a, b]))[0, 1].item(), exact,
-                       floor=metric_floor(exact, 5), what="prob_pearson")  # fmt: skip
+                       floor=metric_floor(exact, 5), what="prob_pearson")
     logs = metrics_to_floats(mismatch_stats(p_old.clamp_min(1e-9).log(), p_mu.clamp_min(1e-9).log(), mask))
     # 0.9 − 0.7 through a float32 log and exp each (≤ 2 ulps of 0.9 per side): ≤ 4 ε₃₂ · 0.9 / 0.2 ≈ 2e-6 relative
     assert logs["prob_diff_max"] == pytest.approx(0.2, rel=1e-5)

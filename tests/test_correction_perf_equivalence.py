@@ -65,7 +65,7 @@ def _call(config, old, roll, mask, extra, **kw):
         advantages=extra["advantages"] if config.opsm_delta is not None else None,
         log_kept_mass=extra["log_kept_mass"] if config.sampler_distribution == "full" else None,
         **kw,
-    )  # fmt: skip
+    )
 
 
 def _assert_identical(a, b):

@@ -60,7 +60,7 @@ def _call(config, old, roll, mask, log_prob, kept, **kw):
     return compute_correction(
         old, roll, mask, config, log_prob if config.mode == "bypass" else None,
         log_kept_mass=kept if config.sampler_distribution == "full" else None, **kw,
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture

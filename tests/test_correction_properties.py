@@ -46,13 +46,13 @@ def test_identical_log_probs_mean_no_correction(data, level, mode, normalise):
     cfg = CorrectionConfig(
         is_level=level, is_mode=mode, is_lower=0.5, is_upper=2.0, batch_normalize=normalise,
         rs=rs, rs_thresholds=thresholds, veto_threshold=1e-4, veto_upper=100.0, trm_max_k2=1e-6, trm_mean_k3=1e-6,
-    )  # fmt: skip
+    )
     res = compute_correction(roll.clone(), roll, mask, cfg)
     assert torch.equal(res.is_weights, mask.to(res.is_weights.dtype))
     assert torch.equal(res.kept_mask, mask)
     m = metrics_to_floats(res.metrics)
     for key in ("kl", "k3_kl", "gen_kl", "policy_kl", "js_divergence", "chi2_token", "chi2_seq", "log_ppl_diff",
-                "log_ppl_abs_diff", "prob_diff_max", "log_ratio_abs_mean", "rollout_rs_masked_fraction"):  # fmt: skip
+                "log_ppl_abs_diff", "prob_diff_max", "log_ratio_abs_mean", "rollout_rs_masked_fraction"):
         assert abs(m[f"rollout_corr/{key}"]) < 1e-12, key
     assert m["rollout_corr/token_mult_prob_error"] == 1.0 and m["rollout_corr/ppl_ratio"] == 1.0
     assert m["rollout_corr/rollout_is_eff_sample_size"] > 1 - 1e-6
@@ -105,7 +105,7 @@ def test_extreme_log_ratios_stay_finite(data, extreme, level):
         old = torch.where(mask, torch.full_like(old, extreme), old)
     roll = torch.where(mask, roll, -math.inf)  # −inf rollout log-probs on padding are ignored
     cfg = CorrectionConfig(is_level=level, is_upper=None, rs=("seq_sum_k3", "token_k1"), rs_thresholds=(1.0, 2.0),
-                           veto_threshold=1e-4, trm_mean_k3=0.1)  # fmt: skip
+                           veto_threshold=1e-4, trm_mean_k3=0.1)
     res = compute_correction(old, roll, mask, cfg)
     assert torch.isfinite(res.is_weights).all()
     for key, value in metrics_to_floats(res.metrics).items():

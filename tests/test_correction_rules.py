@@ -76,7 +76,7 @@ def test_the_training_step_takes_the_fused_path(kernel_calls, monkeypatch):
         prompt_ids=torch.zeros(b, 1, dtype=torch.long), prompt_mask=torch.ones(b, 1, dtype=torch.bool),
         response_ids=torch.zeros(b, t, dtype=torch.long), response_mask=mask, rollout_log_prob=roll,
         version=torch.full((b, t), 2), group_ids=torch.arange(b), old_log_prob=old,
-    )  # fmt: skip
+    )
     got, metrics = step.attach_correction(rollout, algo, lp)
     assert len(kernel_calls) == 1
     want, want_metrics = on_eager_path(monkeypatch, step.attach_correction, rollout, algo, lp)

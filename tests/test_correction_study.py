@@ -79,7 +79,7 @@ def test_schedule_is_the_protocols_order_and_arms():
     assert plan[:7] == [(arm, 40) for arm in cs.PRIMARY_ARMS]  # seed-major, primary block first
     assert {seed for _, seed in plan[:105]} == set(range(40, 55)) and plan[105] == ("rtn3/ppo", 40)
     assert cs.arm_overrides("rtn2/removed", 300)[-3:] == ["model.sampler=hf:rtn2", "model.learner=hf:rtn2",
-                                                          "algorithm.correction={preset: disabled}"]  # fmt: skip
+                                                          "algorithm.correction={preset: disabled}"]
     assert "model.learner=hf:fp32" in cs.arm_overrides("rtn3/icepop", 300)
 
 

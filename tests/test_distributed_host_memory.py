@@ -41,7 +41,7 @@ def _spawn(fn, env: dict, *args) -> None:
 
 def _worker(rank: int, port: int, env: dict, fn, *args) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), **env)  # fmt: skip
+                      MASTER_PORT=str(port), **env)
     torch.set_num_threads(1)
     from rollcorr.distributed import close, init_from_env
 
@@ -63,13 +63,13 @@ def _collectives(ranks, out: str) -> None:
     """Each collective through shared memory and through gloo (the same group with ``host=None``)."""
     assert isinstance(ranks.host, HostMemory)
     small = HostMemory.open(ranks.rank, WORLD, ranks.broadcast, ranks.all_true, dist.barrier, 60.0,
-                            chunk_bytes=MIN_CHUNK_BYTES)  # fmt: skip
+                            chunk_bytes=MIN_CHUNK_BYTES)
     assert small.chunk_bytes == MIN_CHUNK_BYTES
     gloo = dataclasses.replace(ranks, host=None)
     chunked = dataclasses.replace(ranks, host=small)
     # slots of their own with gloo's barrier between writing and reading (what a CPU other than x86 gets)
     other = HostMemory.open(ranks.rank, WORLD, ranks.broadcast, ranks.all_true, dist.barrier, 60.0,
-                            chunk_bytes=MIN_CHUNK_BYTES)  # fmt: skip
+                            chunk_bytes=MIN_CHUNK_BYTES)
     synced_by_gloo = dataclasses.replace(ranks, host=HostMemory(other.flags, other.slots, ranks.rank, WORLD, dist.barrier))
     generator = torch.Generator().manual_seed(ranks.rank)
     results = {}
@@ -119,7 +119,7 @@ def test_every_collective_equals_gloos():
         assert torch.equal(results["objects"][1]["tensor"], torch.arange(3) + 1)
         assert results["large"] == [0, MIN_CHUNK_BYTES]
         assert results["mismatch"] == ("a collective got tensors of different sizes on the ranks ([12, 16] bytes in "
-                                       "rank order): every rank must pass the same shape and dtype")  # fmt: skip
+                                       "rank order): every rank must pass the same shape and dtype")
     for key in zero:  # every rank got the same bits
         if isinstance(key, tuple):
             assert torch.equal(zero[key], one[key]), key

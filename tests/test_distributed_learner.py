@@ -19,13 +19,13 @@ from rollcorr.distributed.split import SplitError, rank_rows
 
 WORLD = 2
 SMALL = ["rollout.prompts_per_step=4", "rollout.group_size=4", "task.eval_prompts=0", "optim.lr=0.003",
-         "trainer.mini_batches=1"]  # fmt: skip
+         "trainer.mini_batches=1"]
 CASES = {  # name → overrides: ppo_clip token-mean / seq-mean-token-mean, gspo, oapl, sequence IS + RS + batch norm
     "ppo_token_tis": [
         "algorithm.name=grpo",
         "algorithm.correction.preset=decoupled_token_is",
         "trainer.mini_batches=2",
-    ],  # fmt: skip
+    ],
     "ppo_seq_mean": ["algorithm.name=grpo", "algorithm.aggregation=seq-mean-token-mean"],
     "gspo": ["algorithm.name=gspo"],
     "oapl": ["algorithm.name=oapl"],
@@ -33,7 +33,7 @@ CASES = {  # name → overrides: ppo_clip token-mean / seq-mean-token-mean, gspo
         "algorithm.name=grpo",
         "algorithm.correction.preset=decoupled_seq_is_rs",
         "algorithm.correction.batch_normalize=true",
-    ],  # fmt: skip
+    ],
 }
 STEPS = 3
 # the sharded learner scores through transformers' decoder forward (distributed/shard.py); the reference does
@@ -85,7 +85,7 @@ def learner_and_optimizer(config, ranks: Ranks = ONE_PROCESS, dtype=torch.float3
 
 
 def _train(name: str, rollouts: list, ranks: Ranks = ONE_PROCESS, dtype=torch.float32,
-           layout: str = "shard") -> tuple[dict, list[dict]]:  # fmt: skip
+           layout: str = "shard") -> tuple[dict, list[dict]]:
     """(full weights (rank 0; {} elsewhere), metrics per step) after ``STEPS`` train_steps."""
     from rollcorr.train.build import build_proximal, build_step_config
     from rollcorr.train.step import train_step
@@ -97,7 +97,7 @@ def _train(name: str, rollouts: list, ranks: Ranks = ONE_PROCESS, dtype=torch.fl
     history = []
     for step in range(STEPS):
         result = train_step(rollouts[step], learner, optimizer, proximal, step_config, step,
-                            generator=torch.Generator().manual_seed(0), ranks=ranks)  # fmt: skip
+                            generator=torch.Generator().manual_seed(0), ranks=ranks)
         history.append(result.metrics)
     weights = learner.state_dict()  # the full weights (a sharded learner: gathered on rank 0)
     return {k: v.detach().clone() for k, v in weights.items()}, history
@@ -105,7 +105,7 @@ def _train(name: str, rollouts: list, ranks: Ranks = ONE_PROCESS, dtype=torch.fl
 
 def _worker(rank: int, port: int, names: list[str], data: str, out: str, layout: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+                      MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from rollcorr.distributed import close, init_from_env
 
@@ -173,7 +173,7 @@ def _check_equal(names: list[str], float64_reference, layout: str = "shard") -> 
         # a loss's own actor/* means are weighted by each part's share of the loss count: exact when that
         # count is the tokens they average over (token-level losses); entropy and loss/policy always are
         skip = NOT_COMPARED if build_step_config(_config(name)).loss.token_level else (*NOT_COMPARED, "actor/oapl",
-                                                                                     "actor/ppo_kl", "actor/pg_")  # fmt: skip
+                                                                                     "actor/ppo_kl", "actor/pg_")
         assert any("loss/policy" in a for a in m1), f"{name}: no optimizer step was taken"
         for step, (a, b, r) in enumerate(zip(m1, m2, m64)):
             keys = [k for k in a if not k.startswith(skip)]
@@ -213,7 +213,7 @@ def test_split_keeps_groups_whole():
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-                                 "seq-mean-token-sum-norm"])  # fmt: skip
+                                 "seq-mean-token-sum-norm"])
 @pytest.mark.parametrize("denominator", ["kept", "original", "batch"])
 @pytest.mark.parametrize("per_sequence", [False, True])
 def test_loss_count_makes_aggregation_additive_over_parts(agg, denominator, per_sequence):
@@ -266,7 +266,7 @@ def test_ranks_config_is_checked_before_any_process_starts():
     config = load_config(None, ["trainer.ranks=2", "trainer.mode=async", "algorithm.proximal.name=old_logit_model"])
     with pytest.raises(ConfigError, match=r"algorithm\.proximal\.name: 'old_logit_model' cannot run with "
                                           r"trainer\.ranks > 1: it follows the sampler.*snapshot gives the same "
-                                          r"exact old log-probs"):  # fmt: skip
+                                          r"exact old log-probs"):
         check_components(config)
 
 
@@ -304,7 +304,7 @@ def test_reshard_after_forward_is_acted_on(reshard):
         ranks = ProcessGroup(0, 1, 0, torch.device("cpu"), init_device_mesh("cpu", (1,)), "gloo")
         learner = ranks.shard(make_learner("hf:fp32"), reshard_after_forward=reshard)
         batch = (torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long),
-                 torch.ones(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long))  # fmt: skip
+                 torch.ones(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long))
         layer = decoder_layers(learner.model)[0]
         learner.log_prob(batch, grad=True)
         assert hasattr(layer.mlp.up_proj.weight, "to_local") is reshard

@@ -27,7 +27,7 @@ from test_distributed_learner import (  # the two-rank harness's helpers
 STEPS = 3
 SMALL = ["rollout.prompts_per_step=4", "rollout.group_size=2", "task.eval_prompts=0", "optim.lr=0.003",
          "trainer.mini_batches=1", "trainer.max_staleness=2", "algorithm.name=grpo",
-         "algorithm.correction.preset=decoupled_token_is"]  # fmt: skip
+         "algorithm.correction.preset=decoupled_token_is"]
 STRATEGIES = {  # name → overrides
     "snapshot": ["algorithm.proximal.name=snapshot"],
     "ewma": ["algorithm.proximal.name=ewma", "algorithm.proximal.beta=0.5"],
@@ -74,7 +74,7 @@ def _train(name: str, rollouts: list, ranks: Ranks = ONE_PROCESS, dtype=torch.fl
         if proximal.pauses_sampler:
             proximal.before_publish(learner, [rollouts[step + 1]])
         train_step(rollouts[step], learner, optimizer, proximal, step_config, step,
-                   generator=torch.Generator().manual_seed(0), ranks=ranks)  # fmt: skip
+                   generator=torch.Generator().manual_seed(0), ranks=ranks)
         proximal.on_publish(step + 1, learner.model)
     return learner, optimizer, proximal
 
@@ -94,7 +94,7 @@ def _held_full(proximal) -> dict[str, dict[str, torch.Tensor]]:
 
 def _worker(rank: int, port: int, names: list[str], data: str, out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+                      MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from rollcorr.distributed import close, init_from_env
 
@@ -113,7 +113,7 @@ def _work(ranks, names: list[str], data: str, out: str) -> None:
     for name in names:
         learner, optimizer, proximal = _train(name, inputs["rollouts"][name], ranks)
         result = {"weights": _full(learner), "extra_bytes": proximal.extra_bytes,
-                  "held": _held_full(proximal)}  # fmt: skip
+                  "held": _held_full(proximal)}
         if name in HOLDS_WEIGHTS:
             # a sharded checkpoint of the held state, read back on two ranks: each rank's shards exactly
             run_dir = Path(inputs["tmp"]) / name
@@ -126,7 +126,7 @@ def _work(ranks, names: list[str], data: str, out: str) -> None:
             result["resumed_equal"] = all(
                 torch.equal(a.to_local(), restored.held_weights()[key][k].to_local())
                 for key, copy in proximal.held_weights().items() for k, a in copy.items() if hasattr(a, "to_local")
-            )  # fmt: skip
+            )
             result["checkpoint"] = str(path)
             # a one-process strategy state, sharded onto the two ranks (trainer: shard_held after load)
             single = build_proximal(_config(name))
@@ -144,7 +144,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _close(got: dict[str, torch.Tensor], established: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
-           start: dict[str, torch.Tensor], what: str) -> None:  # fmt: skip
+           start: dict[str, torch.Tensor], what: str) -> None:
     """Two-rank weights ``got`` as close to the float64 run's ``reference`` as one process's ``established``
     are (test_distributed_learner's rule), whole and per tensor; the one-process run within
     ``SANITY_OF_UPDATE`` of the update from ``start`` (whole model)."""
@@ -153,7 +153,7 @@ def _close(got: dict[str, torch.Tensor], established: dict[str, torch.Tensor], r
     keys = list(reference)
     moved = float(torch.cat([(reference[k].double() - start[k].double()).flatten() for k in keys]).norm())
     assert_as_accurate([got[k] for k in keys], [established[k] for k in keys], [reference[k] for k in keys],
-                       sanity=SANITY_OF_UPDATE * moved, what=f"{what} (whole model)")  # fmt: skip
+                       sanity=SANITY_OF_UPDATE * moved, what=f"{what} (whole model)")
     for k in keys:
         if not k.endswith(NOISE_ONLY):
             assert_as_accurate(got[k], established[k], reference[k], what=f"{what}: {k}")
@@ -282,7 +282,7 @@ def _split_worker(rank: int, port: int, data: str, out: str) -> None:
     ``score_split`` of every rollout in ``data``, counting the rows this rank's forward saw; each rank saves
     its scores, whether it was built without weights, and its buffers."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+                      MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from rollcorr.distributed import close, init_from_env
 
@@ -314,7 +314,7 @@ def _split_work(ranks, data: str, out: str) -> None:
     moe = ranks.shard(make_learner("hf:fp32", "builtin:moe", routing_replay="r3", skeleton=not ranks.is_main))
     replayed = [score_split(moe, rollout) for rollout in torch.load(f"{data}.moe", weights_only=False)]
     torch.save({"scores": scores, "rows_seen": seen, "skeleton": built_without_weights, "buffers": buffers,
-                "weights": sharded.state_dict(), "replayed": replayed}, f"{out}.{ranks.rank}")  # fmt: skip
+                "weights": sharded.state_dict(), "replayed": replayed}, f"{out}.{ranks.rank}")
 
 
 @pytest.mark.timeout(300)
@@ -344,7 +344,7 @@ def test_rank_1_builds_no_weights_and_in_flight_scoring_is_split_over_two_ranks(
     replaying = make_learner("hf:fp32", "builtin:moe", routing_replay="r3")
     experts = replaying.model.config.num_experts  # another valid routing: every chosen expert shifted by one
     routed = sampled.replace(routed_experts=(sampled.routed_experts.long() + 1) % experts,
-                             prompt_routed_experts=(sampled.prompt_routed_experts.long() + 1) % experts)  # fmt: skip
+                             prompt_routed_experts=(sampled.prompt_routed_experts.long() + 1) % experts)
     moe_rollouts = [routed, routed.select([3])]
     replaying.share_prompts = False
     own_routing = make_learner("hf:fp32", "builtin:moe")

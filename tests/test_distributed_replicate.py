@@ -31,7 +31,7 @@ def _spawn(fn, *args) -> None:
 
 def _worker(rank: int, port: int, fn, *args) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+                      MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from rollcorr.distributed import close, init_from_env
 
@@ -52,7 +52,7 @@ def _gradients(ranks, out: str) -> None:
         a.grad, b.grad = torch.full((3,), 3.0), torch.full((3,), 2.0)
     GradientAverager()([a, b, c, d], ranks)
     torch.save({name: None if p.grad is None else p.grad.clone() for name, p in zip("abcd", (a, b, c, d))},
-               f"{out}.{ranks.rank}")  # fmt: skip
+               f"{out}.{ranks.rank}")
 
 
 def test_gradients_are_averaged_and_a_missing_one_stays_missing():
@@ -78,7 +78,7 @@ def _build(ranks, out: str) -> None:
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight  # tied, as loaded
     assert learner.state_dict().keys() == model.state_dict().keys()  # whole weights on every rank
     torch.save({**{k: v.clone() for k, v in model.state_dict().items()},
-                **{f"buffer:{k}": v.clone() for k, v in model.named_buffers()}}, f"{out}.{ranks.rank}")  # fmt: skip
+                **{f"buffer:{k}": v.clone() for k, v in model.named_buffers()}}, f"{out}.{ranks.rank}")
 
 
 def test_a_skeleton_rank_receives_rank0s_weights_and_buffers_exactly():
@@ -111,7 +111,7 @@ def _auto(ranks, fsdp: dict, out: str) -> None:
 
 
 @pytest.mark.parametrize(("fsdp", "expected"), [({}, ("replicate", "ReplicatedLearner")),
-                                                ({"reshard_after_forward": False}, ("shard", "ShardedLearner"))])  # fmt: skip
+                                                ({"reshard_after_forward": False}, ("shard", "ShardedLearner"))])
 def test_auto_is_acted_on(fsdp, expected):
     """The built-in model fits any machine: auto replicates it, unless an FSDP option asks for sharding."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,9 +147,9 @@ def test_config_refuses_an_unknown_layout_and_fsdp_options_with_replicate():
     with pytest.raises(ConfigError, match=r"trainer\.data_parallel: expected one of \['auto', 'replicate', 'shard'\]"):
         load_config(None, ["trainer.ranks=2", "trainer.data_parallel=ddp"])
     with pytest.raises(ConfigError, match=r"trainer\.fsdp\.reshard_after_forward: applies to a sharded learner, "
-                                          r"and trainer\.data_parallel=replicate"):  # fmt: skip
+                                          r"and trainer\.data_parallel=replicate"):
         check_components(load_config(None, ["trainer.ranks=2", "trainer.data_parallel=replicate",
-                                            "trainer.fsdp.reshard_after_forward=false"]))  # fmt: skip
+                                            "trainer.fsdp.reshard_after_forward=false"]))
 
 
 def _samples(ranks, out: str) -> None:
@@ -157,14 +157,14 @@ def _samples(ranks, out: str) -> None:
     from rollcorr.train.config import load_config
 
     config = load_config(None, ["rollout.prompts_per_step=4", "rollout.group_size=2", "trainer.mini_batches=1",
-                                "trainer.ranks=2", "task.eval_prompts=0"])  # fmt: skip
+                                "trainer.ranks=2", "task.eval_prompts=0"])
     learner, _ = build_learner(config, ranks)
     assert samples_on_every_rank(config, ranks)
     executor = rank_executor(config, ranks)
     executor.start(learner.state_dict(), 0)
     rollout, _ = executor.next_rollout(0, 0)
     torch.save((rollout.group_ids.clone(), [m["prompt"] for m in rollout.meta], rollout.response_ids.clone()),
-               f"{out}.{ranks.rank}")  # fmt: skip
+               f"{out}.{ranks.rank}")
 
 
 def test_every_rank_samples_its_share_and_holds_the_whole_batch():

@@ -95,7 +95,7 @@ def test_spec_sections_cited_in_the_code_exist():
     cited = set()
     for path in text_files():
         for group in re.findall(r"spec(?:\.md)?\]?(?:\([^)]*\))? ((?:§\d+(?:[–-]\d+)?(?:, )?)+)",
-                                path.read_text(encoding="utf-8"), flags=re.IGNORECASE):  # fmt: skip
+                                path.read_text(encoding="utf-8"), flags=re.IGNORECASE):
             for a, b in re.findall(r"§(\d+)(?:[–-](\d+))?", group):
                 cited.update(range(int(a), int(b or a) + 1))
     assert cited, "no spec citation found: the pattern is wrong"

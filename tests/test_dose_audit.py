@@ -12,7 +12,7 @@ def _row(spec, k3):
 
 def test_doses_are_the_rtn_samplers_nearest_to_k_4k_16k_on_a_log_scale():
     rows = [_row(da.Q4_0, 0.004), _row("hf:rtn5", 0.0011), _row("hf:rtn4", 0.0035), _row("hf:rtn3", 0.018),
-            _row("hf:rtn2", 0.17), _row("hf:fp32", 1e-13)]  # fmt: skip
+            _row("hf:rtn2", 0.17), _row("hf:fp32", 1e-13)]
     choice = da.choose_doses(rows)
     assert [d["sampler"] for d in choice["doses"].values()] == ["hf:rtn4", "hf:rtn3", "hf:rtn2"]
     assert choice["doses"]["D2"]["target_k3"] == pytest.approx(0.016) and choice["distinct"]

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_t_quantiles_match_the_tables():
     # Student's t table values (e.g. NIST/SEMATECH handbook), to the table's 3 decimals
     for p, df, value in [(0.975, 18, 2.101), (0.80, 18, 0.862), (0.975, 1, 12.706), (0.995, 5, 4.032),
-                         (0.9875, 18, 2.445), (0.95, 36, 1.688)]:  # fmt: skip
+                         (0.9875, 18, 2.445), (0.95, 36, 1.688)]:
         assert power.t_quantile(p, df) == pytest.approx(value, abs=1e-3)
     assert power.t_quantile(0.975, 1e7) == pytest.approx(1.959964, abs=1e-5)  # → the normal quantile
     assert power.t_quantile(0.3, 7) == pytest.approx(-power.t_quantile(0.7, 7))
@@ -49,7 +49,7 @@ def test_stratified_test_relabels_within_each_dose():
     # within every dose tis − ppo = +0.1 exactly, while the doses differ a lot: a pooled test would be swamped
     # by the dose spread; the stratified one is not
     pairs = [([0.3 + d + 0.1 + 0.001 * i for i in range(10)], [0.3 + d + 0.001 * i for i in range(10)])
-             for d in (0.0, 0.2, 0.4)]  # fmt: skip
+             for d in (0.0, 0.2, 0.4)]
     result = dr.stratified_test(pairs, n=20_000)
     assert result["difference"] == pytest.approx(0.1)
     assert result["p_value"] == pytest.approx(1 / 20_001)
@@ -89,7 +89,7 @@ def _write_runs(out: Path, scores: dict[str, float]) -> None:
         evals = [[0, 0.3]] + [[s, final] for s in range(25, dr.STEPS + 1, 25)]
         record = {"arm": arm, "seed": seed, "steps": dr.STEPS, "final_score": final, "evals": evals,
                   "series": {k: [0.01] * dr.STEPS for k in dr.SERIES}, "stopped": None, "seconds": 1.0,
-                  "machine": {"cpu": "test"}, "code_commit": "0" * 40}  # fmt: skip
+                  "machine": {"cpu": "test"}, "code_commit": "0" * 40}
         path = dr.run_file(out, arm, seed)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record))
@@ -97,7 +97,7 @@ def _write_runs(out: Path, scores: dict[str, float]) -> None:
 
 def test_assembly_gives_verdicts_only_when_complete_and_the_answer_follows_them(tmp_path):
     harm = {"fp32/ppo": 0.66, "rtn4/ppo": 0.63, "rtn4/tis": 0.66, "rtn3/ppo": 0.6, "rtn3/tis": 0.65,
-            "rtn2/ppo": 0.5, "rtn2/tis": 0.6}  # fmt: skip
+            "rtn2/ppo": 0.5, "rtn2/tis": 0.6}
     _write_runs(tmp_path, harm)
     summary = dr.assemble(tmp_path)["summary"]
     assert summary["complete"] and summary["runs"] == 70

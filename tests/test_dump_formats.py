@@ -23,7 +23,7 @@ def test_areal_rows_are_detected(tmp_path):
          "loss_mask": [0, 0, 1, 1], "versions": [-1, -1, 3, 3], "advantages": [0.0, 0.0, 0.7, 0.7]},
         {"input_ids": [5, 9, 2], "logprobs": [0.0, -0.1, -0.2], "prox_logp": [0.0, -0.12, -0.2],
          "loss_mask": [0, 1, 1], "versions": [-1, 4, 4], "advantages": [0.0, -0.7, -0.7]},
-    ]  # fmt: skip
+    ]
     dump = read_dump(_jsonl(tmp_path / "areal.jsonl", rows))
     assert dump.fields["rollout"] == "logprobs" and dump.fields["learner"] == "prox_logp"
     assert dump.fields["mask"] == "loss_mask" and dump.fields["version"] == "versions"
@@ -39,7 +39,7 @@ def test_prime_rl_rows_are_detected(tmp_path):
          "loss_mask": [True, True, True], "advantages": [1.0, 1.0, 1.0]},
         {"inference_logprobs": [-0.5, -0.6], "trainer_logprobs": [-0.5, -0.7], "loss_mask": [True, False],
          "advantages": [-1.0, -1.0]},
-    ]  # fmt: skip
+    ]
     dump = read_dump(_jsonl(tmp_path / "prime.jsonl", rows))
     assert dump.fields["rollout"] == "inference_logprobs" and dump.fields["learner"] == "trainer_logprobs"
     assert dump.num_tokens == 4
@@ -53,7 +53,7 @@ def test_write_dump_round_trips(tmp_path):
     adv = torch.tensor([1.0, -1.0, 0.5])
     path = tmp_path / "run" / "rollouts.jsonl"
     assert write_dump(path, roll, old, mask, advantages=adv, tokens=torch.arange(15).view(3, 5),
-                      extras={"step": [7, 7, 7]}) == 3  # fmt: skip
+                      extras={"step": [7, 7, 7]}) == 3
     assert write_dump(path, roll, old, mask, tokens=torch.zeros(3, 5, dtype=torch.long)) == 3  # appends
     dump = read_dump(path, extra_fields=("step",))
     assert len(dump) == 6 and dump.num_tokens == 18

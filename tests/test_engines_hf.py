@@ -156,7 +156,7 @@ def test_greedy_is_a_point_mass(sampler, learner, learner64, float64_reference):
     with float64_reference():
         exact = learner64.log_prob(r)
     assert_as_accurate(r.log_kept_mass[mask], learner.log_prob(r)[mask], exact[mask],
-                       sanity=FORWARD_SANITY * float(exact[mask].norm()), what="log p(argmax)")  # fmt: skip
+                       sanity=FORWARD_SANITY * float(exact[mask].norm()), what="log p(argmax)")
 
 
 # ---- sampler vs learner --------------------------------------------------------------------------------
@@ -177,17 +177,17 @@ def test_sampled_log_prob_is_processed_logits_at_chosen_token(sampler, learner, 
     # recompute the processed distribution from the learner's own full-sequence logits (float32, and float64
     # on the same kept set): the sampler's decode is as close to float64 as that full forward
     (chosen, log_kept), (chosen64, log_kept64), logits = processed_reference(learner, learner64, float64_reference,
-                                                                             r, params)  # fmt: skip
+                                                                             r, params)
     for what, got, want, exact in (("log μ", r.rollout_log_prob, chosen, chosen64),
-                                   ("log kept mass", r.log_kept_mass, log_kept, log_kept64)):  # fmt: skip
+                                   ("log kept mass", r.log_kept_mass, log_kept, log_kept64)):
         assert_as_accurate(got[mask], want[mask], exact[mask], sanity=FORWARD_SANITY * float(exact[mask].norm()),
-                           what=what)  # fmt: skip
+                           what=what)
     # log μ − log π_full = −log(kept mass), and truncation actually happened somewhere
     log_pi = learner.log_prob(r, temperature=0.7)
     with float64_reference():
         log_pi64 = learner64.log_prob(r, temperature=0.7)
     assert_as_accurate((r.rollout_log_prob + r.log_kept_mass)[mask], log_pi[mask], log_pi64[mask],
-                       what="log μ + log kept mass = log π_full")  # fmt: skip
+                       what="log μ + log kept mass = log π_full")
     assert (r.log_kept_mass[mask] < -1e-3).any()
     # ≤ 0 exactly (a mass ≤ 1): to two float32 log-sum-exps' rounding (log_softmax_bound)
     assert torch.all(r.log_kept_mass[mask] <= 2 * log_softmax_bound(logits / 0.7))
@@ -243,7 +243,7 @@ def test_static_kv_decode_matches_the_transformers_path(spec, learner, learner64
     prompts = ["7+5=", "12+9="] + PROMPTS[:6]
     tol = 1e-3  # bf16 / int8: the low-precision paths' own rounding (fp32 is measured against float64 below)
     for params in [SamplingParams(max_new_tokens=6, seed=3), SamplingParams(max_new_tokens=6, temperature=0.0),
-                   SamplingParams(max_new_tokens=5, temperature=0.7, top_k=8, top_p=0.9, seed=4)]:  # fmt: skip
+                   SamplingParams(max_new_tokens=5, temperature=0.7, top_k=8, top_p=0.9, seed=4)]:
         runs = {}
         for fast in (False, True):
             s.fast_decode = fast
@@ -261,7 +261,7 @@ def test_static_kv_decode_matches_the_transformers_path(spec, learner, learner64
             m = ref.response_mask
             _, exact, _ = processed_reference(learner, learner64, float64_reference, ref, params)
             for what, a, b, x in (("log μ", ref.rollout_log_prob, got.rollout_log_prob, exact[0]),
-                                  ("log kept mass", ref.log_kept_mass, got.log_kept_mass, exact[1])):  # fmt: skip
+                                  ("log kept mass", ref.log_kept_mass, got.log_kept_mass, exact[1])):
                 assert torch.equal(a[~m], b[~m])
                 assert_as_accurate(b[m], a[m], x[m], what=what)
     assert not isinstance(make_decoder(make_sampler("hf:fp32:sdpa").model, s.device), StaticKVDecoder)
@@ -288,7 +288,7 @@ def test_shared_prompt_scoring_matches_one_full_forward(sampler, float64_referen
         exact = score(False, torch.float64)
     # sanity: the full float32 forward itself near float64 (conftest.FORWARD_SANITY)
     for what, a, b, ref in (("log-probs", *(x[0] for x in (full, shared, exact))),
-                            ("entropies", *(x[1] for x in (full, shared, exact)))):  # fmt: skip
+                            ("entropies", *(x[1] for x in (full, shared, exact)))):
         assert_as_accurate(b, a, ref, sanity=FORWARD_SANITY * float(ref.norm()), what=what)
     names = [name for name, _ in make_learner("hf").model.named_parameters()]
     for name, a, b, ref in zip(names, full[2], shared[2], exact[2]):

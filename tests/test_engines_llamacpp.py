@@ -327,7 +327,7 @@ def test_mismatch_report(model_dir, capsys, float64_reference, monkeypatch):
         collected[repr(sampler)] = {
             "log": float((old - exact)[m].abs().mean()), "p": float((old.exp() - exact.exp())[m].abs().max()),
             "log_floor": 4 * EPS32 * float(exact[m].abs().mean()),
-        }  # fmt: skip
+        }
         return rollout
 
     monkeypatch.setattr(audit_collect, "collect", recorded)
@@ -337,7 +337,7 @@ def test_mismatch_report(model_dir, capsys, float64_reference, monkeypatch):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     rows = bench.mismatch_report(str(model_dir[0]), ("llamacpp:f32", "llamacpp:q4_0"), prompts=6, n=2,
-                                 max_new_tokens=4, threads=1)  # fmt: skip
+                                 max_new_tokens=4, threads=1)
     f32, q4 = rows
     assert f32["spec"] == "llamacpp:f32" and f32["tokens"] > 0
     (learner_f32,) = [v for k, v in collected.items() if "f32" in k]

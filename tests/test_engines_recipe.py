@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "engines.md"
 SMALL_TRAIN = ["trainer.steps=2", "trainer.eval_every=0", "task.eval_prompts=0", "rollout.prompts_per_step=4",
                "rollout.group_size=4", "rollout.max_new_tokens=6", "trainer.progress=false", "trainer.plot=false",
-               "trainer.tensorboard=false", "trainer.checkpoint_every=0"]  # fmt: skip
+               "trainer.tensorboard=false", "trainer.checkpoint_every=0"]
 SMALL_AUDIT = ["-n", "16", "--max-new-tokens", "8"]
 FLOAT32_K3 = 1e-9  # an fp32 pair: rounding only (≲ 1e-12), with room
 NOISE_K3 = 1e-2  # jitter:0.02 on the built-in model: ≈ 0.2
@@ -70,7 +70,7 @@ def run_doc_command(command: str, extra: list[str], folder: Path, cwd: Path) -> 
     argv = doc_commands()[command]
     path = os.pathsep.join([str(folder), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, "-m", *argv, *extra], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": path}, timeout=900)  # fmt: skip
+                          env={**os.environ, "PYTHONPATH": path}, timeout=900)
 
 
 def one_line(stderr: str) -> str:

@@ -239,7 +239,7 @@ def assert_like_learner(got, established, exact, mask, what=""):
     own ``established`` ones, on ``mask`` (conftest.assert_as_accurate). The two fp32 forwards differ by float
     rounding, which depends on each engine's CPU kernels."""
     assert_as_accurate(got[mask], established[mask], exact[mask], sanity=FORWARD_SANITY * float(exact[mask].norm()),
-                       what=what)  # fmt: skip
+                       what=what)
 
 
 @needs_vllm
@@ -440,7 +440,7 @@ def test_training_with_the_vllm_sampler_syncs_weights_every_step(engine, tmp_pat
     overrides = ["rollout.prompts_per_step=4", "rollout.group_size=4",
                  "rollout.max_new_tokens=4", "task.eval_prompts=8", "trainer.progress=false", "trainer.plot=false",
                  "trainer.tensorboard=false", "optim.lr=1e-2", "trainer.steps=3", "model.sampler=vllm:fp32",
-                 f"trainer.out={tmp_path / 'run'}"]  # fmt: skip
+                 f"trainer.out={tmp_path / 'run'}"]
     result = run(load_config(None, overrides))
     assert result.steps == 3
     lines = (result.run_dir / "metrics.jsonl").read_text().splitlines()

@@ -29,7 +29,7 @@ def rows_file(folder: Path) -> Path:
     path = folder / "rows.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b),
                                         "split": "test" if i == len(ROWS) - 1 else "train"}) + "\n"
-                            for i, (a, b) in enumerate(ROWS)))  # fmt: skip
+                            for i, (a, b) in enumerate(ROWS)))
     return path
 
 
@@ -47,7 +47,7 @@ def test_an_episode_is_the_librarys_environment_turn_by_turn(tmp_path):
     assert right == Turn(observation=None, reward=1.0, done=True)
     # a row in SkyRL's own layout keeps its reward_spec and extra_info
     extras = env.row_extras({"prompt": "q", "answer": "1", "reward_spec": {"method": "rule", "ground_truth": "7"},
-                             "extra_info": {"max_turns": 2}})  # fmt: skip
+                             "extra_info": {"max_turns": 2}})
     assert extras == {"reward_spec": {"method": "rule", "ground_truth": "7"}, "extra_info": {"max_turns": 2}, "max_turns": 3}
 
 
@@ -68,7 +68,7 @@ class Signed(BaseTextEnv):
 
     def step(self, action: str) -> BaseTextEnvStepOutput:
         return BaseTextEnvStepOutput(observations=[], reward=1.0 if action.strip() == self.truth else -1.0,
-                                     done=True, metadata={})  # fmt: skip
+                                     done=True, metadata={})
 
 
 def _signed_rollout(env, tokenizer, limits: Limits = Limits()):
@@ -83,7 +83,7 @@ def _signed_rollout(env, tokenizer, limits: Limits = Limits()):
     rollout = Rollout(prompt_ids=torch.tensor([[5]]), prompt_mask=torch.ones(1, 1, dtype=torch.bool),
                       response_ids=torch.tensor([ids]), response_mask=torch.ones(1, len(ids), dtype=torch.bool),
                       rollout_log_prob=torch.zeros(1, len(ids)), version=torch.zeros(1, len(ids), dtype=torch.long),
-                      group_ids=torch.zeros(1, dtype=torch.long), meta=[{"finished": True}])  # fmt: skip
+                      group_ids=torch.zeros(1, dtype=torch.long), meta=[{"finished": True}])
     return episodes.rewarded(episodes.advance(rollout, version=0))
 
 
@@ -119,7 +119,7 @@ def test_a_step_that_fails_is_one_line_naming_the_environment_and_row(tmp_path):
 
     env = make_env(make_task(str(rows_file(tmp_path))), {**GSM8K, "text": True, "extras": {"max_turns": "x"}})
     with pytest.raises(UserCodeError, match=r"environment 'skyrl:gsm8k_multi_turn' \(reset\) on row 0 .* failed: "
-                                            r"ValueError: invalid literal"):  # fmt: skip
+                                            r"ValueError: invalid literal"):
         Episodes(env, env.sample(1, seed=0), Renderer(build_tokenizer(), chat=False))
 
 
@@ -144,7 +144,7 @@ def test_a_skyrl_environment_trains_two_steps(tmp_path):
     assert argv[0] == "train" and any(a.startswith("task.env=") and "gsm8k_multi_turn" in a for a in argv)
     argv += ["trainer.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=5",
              "task.eval_prompts=1", "trainer.eval_every=2", "optim.skip_zero_grad=false", "trainer.progress=false",
-             "trainer.plot=false", "trainer.tensorboard=false", f"trainer.out={tmp_path / 'run'}"]  # fmt: skip
+             "trainer.plot=false", "trainer.tensorboard=false", f"trainer.out={tmp_path / 'run'}"]
     assert main(argv) == 0
     records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward/mean" in r]
@@ -154,7 +154,7 @@ def test_a_skyrl_environment_trains_two_steps(tmp_path):
     samples = [json.loads(line) for line in (tmp_path / "run/samples.jsonl").read_text().splitlines()]
     evaluated = [s for s in samples if s["kind"] == "eval"]
     library = skyrl_gym.make("gsm8k_multi_turn", extras={"reward_spec": {"ground_truth": "1"}, "extra_info": {},
-                                                        "max_turns": 3})  # fmt: skip
+                                                        "max_turns": 3})
     library.step("")
     last = library.step("")["observations"][0]["content"]  # its message before the last turn
     tokenizer = AutoTokenizer.from_pretrained(BUILTIN_DIR)  # as the run's tokenizer reads it

@@ -76,7 +76,7 @@ def test_sampler_and_learner_agree_bit_for_bit_in_any_batch_composition(pair):
     prompts = builtin_prompts(32, seed=3)
     for batch in (8, 64):
         rollouts = [sampler.generate(prompts[i : i + batch // 4], SamplingParams(max_new_tokens=6, seed=i), n=4)
-                    for i in range(0, len(prompts), batch // 4)]  # fmt: skip
+                    for i in range(0, len(prompts), batch // 4)]
         for rollout in rollouts:
             assert _equal(learner.log_prob(rollout), rollout)
         rows = rollouts[0]
@@ -92,7 +92,7 @@ def test_greedy_and_temperature_decodes_are_exact_too(pair):
         rollout = sampler.generate(builtin_prompts(6), params, n=1)
         if params.greedy:  # log μ = 0; the kept mass is the argmax's exact untempered log-prob
             assert torch.equal(learner.log_prob(rollout, temperature=0)[rollout.response_mask.bool()],
-                               rollout.log_kept_mass[rollout.response_mask.bool()])  # fmt: skip
+                               rollout.log_kept_mass[rollout.response_mask.bool()])
         else:
             assert _equal(learner.log_prob(rollout, temperature=0.7), rollout)
     with pytest.raises(ValueError, match="temperature only"):
@@ -110,7 +110,7 @@ def test_bitwise_on_every_cpu_capability(capability, tmp_path):
               "s, l = make_sampler('hf:exact'), make_learner('hf:exact')\n"
               "r = s.generate(builtin_prompts(8), SamplingParams(max_new_tokens=5, seed=5), n=2)\n"
               "m = r.response_mask.bool()\n"
-              "print(torch.backends.cpu.get_cpu_capability(), bool(torch.equal(l.log_prob(r)[m], r.rollout_log_prob[m])))\n")  # fmt: skip
+              "print(torch.backends.cpu.get_cpu_capability(), bool(torch.equal(l.log_prob(r)[m], r.rollout_log_prob[m])))\n")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -121,7 +121,7 @@ def test_bitwise_on_every_cpu_capability(capability, tmp_path):
 def test_the_audit_reports_no_differing_token(tmp_path):
     out = tmp_path / "audit"
     assert main(["audit", "--sampler", "hf:exact", "--learner", "hf:exact", "-n", "64", "--max-new-tokens", "8",
-                 "--batch-size", "16", "--out", str(out)]) == 0  # fmt: skip
+                 "--batch-size", "16", "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["tokens_differing"] == 0 and summary["n_tokens"] > 0 and summary["probability"]["prob_diff_max"] == 0
     assert summary["verdict"][0].startswith("Bit for bit")
@@ -131,7 +131,7 @@ def test_training_an_exact_pair_weights_every_token_exactly_one(tmp_path):
     out = tmp_path / "run"
     assert main(["train", "model.sampler=hf:exact", "model.learner=hf:exact", "trainer.steps=2", "trainer.eval_every=0",
                  "rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.progress=false", "trainer.plot=false",
-                 f"trainer.out={out}"]) == 0  # fmt: skip
+                 f"trainer.out={out}"]) == 0
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     for r in steps:
         assert r["rollout_corr/k3_kl"] == 0.0 and r["rollout_corr/prob_diff_max"] == 0.0
@@ -145,7 +145,7 @@ def test_the_audit_over_a_thousand_responses_finds_no_differing_token(tmp_path):
     for batch in ("8", "64"):
         out = tmp_path / f"audit{batch}"
         assert main(["audit", "--sampler", "hf:exact", "--learner", "hf:exact", "-n", "1024", "--max-new-tokens",
-                     "8", "--batch-size", batch, "--out", str(out)]) == 0  # fmt: skip
+                     "8", "--batch-size", batch, "--out", str(out)]) == 0
         summary = json.loads((out / "summary.json").read_text())
         assert summary["n_responses"] == 1024 and summary["tokens_differing"] == 0
 

@@ -111,7 +111,7 @@ def test_mismatch_anatomy_pieces(float64_reference):
     targets = rollout.replace(old_log_prob=fp32.log_prob(rollout).detach())
     with float64_reference():
         comp = ma.batch_composition(targets, targets.select([0]),
-                                    {"fp32": fp32, "int8": ma.scorer("int8"), "fp64": _float64_scorer()}, 4)  # fmt: skip
+                                    {"fp32": fp32, "int8": ma.scorer("int8"), "fp64": _float64_scorer()}, 4)
     to_reference, between = _fp32_control_bounds(comp["fp64"]["alone"]["max_abs_diff_to_fp32"])
     assert comp["fp32"]["alone"]["max_abs_diff_to_fp32"] <= to_reference
     assert comp["fp32"]["batch_8"]["max_change_vs_alone"] <= between
@@ -202,7 +202,7 @@ def test_run_arms_restricts_diagnostic_arms_to_their_grid_points(tmp_path, monke
     monkeypatch.setattr(common, "train", record)
     grid = {"optim.lr": [0.0002, 0.0004]}
     results = common.run_arms({"a/x": [], "a/diag": []}, [], tmp_path / "out", seeds=[0], grid=grid,
-                              only={"a/diag": ["optim.lr=0.0002"]})  # fmt: skip
+                              only={"a/diag": ["optim.lr=0.0002"]})
     assert list(results["a/x"]) == ["optim.lr=0.0002", "optim.lr=0.0004"]
     assert list(results["a/diag"]) == ["optim.lr=0.0002"]
     assert [name for name, _ in calls] == ["a-x_0.0002_s0", "a-x_0.0004_s0", "a-diag_0.0002_s0"]
@@ -227,7 +227,7 @@ def test_long_mismatch_collapse_and_early_warning_rules():
 
     def run(seed, scores, kl):
         records = [{"step": s, "rollout_corr/k3_kl": v, "rollout_corr/prob_diff_seq_max_mean": 0.1}
-                   for s, v in enumerate(kl, start=1)]  # fmt: skip
+                   for s, v in enumerate(kl, start=1)]
         records += [{"step": s, "eval/reward": a} for s, a in scores]
         return {"seed": seed, "records": sorted(records, key=lambda r: r["step"])}
 

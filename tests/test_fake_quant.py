@@ -176,7 +176,7 @@ def test_a_sharded_layout_refuses_an_rtn_learner_before_any_model_loads():
 
     overrides = ["model.sampler=hf:rtn2", "model.learner=hf:rtn2", "trainer.ranks=2"]
     with pytest.raises(ConfigError, match=r"^model\.learner: 'hf:rtn2' cannot be sharded .* trainer\.data_parallel="
-                                          r"replicate or auto$"):  # fmt: skip
+                                          r"replicate or auto$"):
         check_components(load_config(None, [*overrides, "trainer.data_parallel=shard"]))
     check_components(load_config(None, [*overrides, "trainer.data_parallel=auto"]))
     assert not make_learner("hf:rtn2").can_shard and make_learner("hf:fp32").can_shard

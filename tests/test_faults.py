@@ -151,7 +151,7 @@ def test_a_folder_of_other_files_is_refused_without_resume_or_overwrite_advice(t
     (other / "thesis.tex").write_text("keep me")
     done = subprocess.run([sys.executable, "-m", "rollcorr", "train", "--out", str(other), *TINY,
                            f"model.path={addition_model_dir}", "trainer.steps=1"], capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+                          timeout=300)
     assert done.returncode == 2, done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert "holds no run" in line and "thesis.tex" in line and "choose another --out" in line, line
@@ -192,7 +192,7 @@ def test_no_folder_is_created_before_the_checks(tmp_path, addition_model_dir, ca
 
 def test_huge_learning_rate_is_a_bad_step_and_no_nan_is_saved(tmp_path, addition_model_dir):
     result = run(tiny(tmp_path, addition_model_dir, "trainer.steps=6", "optim.lr=1e30", "optim.weight_decay=0.01",
-                      "trainer.max_bad_steps=2"))  # fmt: skip
+                      "trainer.max_bad_steps=2"))
     assert result.stopped and "non-finite" in result.stopped and result.steps == 2
     weights = load_checkpoint(list_checkpoints(result.run_dir)[-1])["model"]
     assert all(torch.isfinite(w).all() for w in weights.values())
@@ -234,7 +234,7 @@ def test_refused_resume_override_writes_nothing(tmp_path, addition_model_dir):
     before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
     for override, key in [("trainer.mode=async", "trainer.mode"), ("algorithm.proximal.name=snapshot",
                           "algorithm.proximal"), ("trainer.out=elsewhere", "trainer.out"),
-                          ("trainer.steps=1", "trainer.steps")]:  # fmt: skip
+                          ("trainer.steps=1", "trainer.steps")]:
         with pytest.raises(ConfigError, match=key):
             resume(folder, override)
     assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
@@ -389,7 +389,7 @@ def test_dump_byte_order_mark_is_not_a_bad_row(tmp_path):
 def test_dump_gzip_faults(tmp_path):
     torch.manual_seed(0)
     rows = [{"rollout_log_probs": (-torch.rand(20)).tolist(), "old_log_probs": (-torch.rand(20)).tolist()}
-            for _ in range(200)]  # fmt: skip
+            for _ in range(200)]
     good = gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in rows))
     (tmp_path / "cut.jsonl.gz").write_bytes(good[: len(good) // 2])
     dump = read_dump(tmp_path / "cut.jsonl.gz")
@@ -420,7 +420,7 @@ def test_dump_rows_with_bad_bytes_or_numbers_are_skipped_with_their_line(tmp_pat
         + json.dumps(_row(responses=[1, 2**63])).encode() + b"\n"
         + b'{"rollout_log_probs": [-0.5, -1.0], "old_log_probs": [-0.4, -1' + b"0" * 400 + b"]}\n"
         + json.dumps(_row()).encode() + b"\n"
-    )  # fmt: skip
+    )
     dump = read_dump(path)
     assert dump.line_numbers == [1, 5]
     reasons = {m.line: m.reason for m in dump.malformed}
@@ -538,7 +538,7 @@ def test_negative_staleness_is_refused():
     version[2, 4] = 6  # a token from weights newer than the learner's
     with pytest.raises(ValueError, match=r"version is above current_version \(5\).*row 2, pos 4"):
         compute_correction(old, old - 0.1, torch.ones(4, 5), preset("decoupled_token_is"),
-                           version=version, current_version=5)  # fmt: skip
+                           version=version, current_version=5)
 
 
 def test_ess_is_finite_when_every_weight_is_zero():
@@ -569,7 +569,7 @@ def test_diverged_weights_are_named_not_a_bare_torch_error(tmp_path, addition_mo
     out = tmp_path / "run"
     code = main(["train", f"model.path={addition_model_dir}", "model.sampler=hf:fp32", "optim.lr=1e10",
                  "trainer.steps=4", "task.eval_prompts=0", "trainer.progress=false", "trainer.plot=false",
-                 "trainer.tensorboard=false", "--out", str(out)])  # fmt: skip
+                 "trainer.tensorboard=false", "--out", str(out)])
     err = capsys.readouterr().err
     assert code == 1 and "weights have diverged" in err and "optim.lr" in err and "Traceback" not in err
 
@@ -597,7 +597,7 @@ def test_resuming_from_a_step_0_checkpoint_logs_step_0_once(tmp_path, addition_m
     """A SIGTERM during the first evaluation: a step-0 checkpoint and a step-0 metrics line. Resuming runs that
     evaluation again, so the kept line would be written twice: one step-0 line after the resume."""
     trainer = Trainer(tiny(tmp_path, addition_model_dir, "trainer.steps=50", "trainer.eval_every=10",
-                           "task.eval_prompts=4"))  # fmt: skip
+                           "task.eval_prompts=4"))
     evaluate = trainer._evaluate
 
     def evaluate_then_signal():

@@ -173,7 +173,7 @@ def test_killed_sampler_process_is_one_line(tmp_path, addition_model_dir, capsys
     args = ["task.name=addition:1", "rollout.prompts_per_step=2", "rollout.group_size=2", "trainer.steps=6",
             "rollout.max_new_tokens=4", "task.eval_prompts=0", "trainer.progress=false", "trainer.plot=false",
             "trainer.tensorboard=false", "trainer.mini_batches=1", "trainer.mode=async",
-            f"model.path={addition_model_dir}"]  # fmt: skip
+            f"model.path={addition_model_dir}"]
     assert main(["train", "--out", str(tmp_path / "run"), *args]) == 1
     err = capsys.readouterr().err
     assert "died" in err and "--resume" in err and "Traceback" not in err
@@ -199,7 +199,7 @@ def test_first_sigterm_ends_a_step_waiting_on_a_stopped_sampler(tmp_path, additi
     args = ["task.name=addition:1", "rollout.prompts_per_step=2", "rollout.group_size=2", "trainer.steps=50",
             "rollout.max_new_tokens=4", "task.eval_prompts=0", "trainer.progress=false", "trainer.plot=false",
             "trainer.tensorboard=false", "trainer.mini_batches=1", "trainer.mode=async", "trainer.max_staleness=1",
-            f"model.path={addition_model_dir}", f"trainer.out={tmp_path / 'run'}"]  # fmt: skip
+            f"model.path={addition_model_dir}", f"trainer.out={tmp_path / 'run'}"]
     trainer = Trainer(load_config(None, args))
     one_step = trainer._one_step
 

@@ -17,7 +17,7 @@ from rollcorr.engines.preflight import PreflightError, check_spec, preflight
 
 TINY = ["task.name=addition:1", "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=4",
         "task.eval_prompts=0", "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false",
-        "trainer.mini_batches=1", "trainer.steps=1"]  # fmt: skip
+        "trainer.mini_batches=1", "trainer.steps=1"]
 
 
 @pytest.fixture
@@ -148,21 +148,21 @@ def test_audit_refuses_long_prompts_and_template_escapes(model, tmp_path, capsys
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("1" * 200 + "\n")
     assert main(["audit", "--model", str(model), "--prompts", str(prompts), "--num-responses", "2",
-                 "--out", str(tmp_path / "a")]) == 2  # fmt: skip
+                 "--out", str(tmp_path / "a")]) == 2
     assert "positions" in capsys.readouterr().err
     config = json.loads((model / "tokenizer_config.json").read_text())
     config["chat_template"] = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
     (model / "tokenizer_config.json").write_text(json.dumps(config))
     prompts.write_text("1+1=\n")
     assert main(["audit", "--model", str(model), "--prompts", str(prompts), "--num-responses", "2", "--chat",
-                 "--out", str(tmp_path / "b")]) == 2  # fmt: skip
+                 "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert "chat template failed (SecurityError" in err and "Traceback" not in err
     # the trainer applies the same template the same way: the same one-line refusal
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n' * 10)
     assert main(["train", f"model.path={model}", f"task.name={data}", "trainer.steps=1", "trainer.progress=false",
-                 f"trainer.out={tmp_path / 'run'}"]) == 2  # fmt: skip
+                 f"trainer.out={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
     assert "chat template failed (SecurityError" in err and "Traceback" not in err
 

@@ -23,7 +23,7 @@ def _dump(tmp_path, make_row, n=6):
 @pytest.mark.parametrize("routes, reason", [
     ([[[1.9, 2]], [[0, 3]]], "non-integer expert id (1.9)"),
     ([[[True, False]], [[True, True]]], "holds booleans, not expert ids"),
-])  # fmt: skip
+])
 def test_expert_ids_that_are_not_integers_are_refused_naming_the_field_and_row(tmp_path, capsys, routes, reason):
     path = _dump(tmp_path, lambda i: {"routed_experts": routes, "learner_routed_experts": [[[1, 2]], [[0, 3]]]})
     assert main(["audit", "--from-log", str(path), "--out", str(tmp_path / "out")]) == 2
@@ -36,7 +36,7 @@ def test_expert_ids_that_are_not_integers_are_refused_naming_the_field_and_row(t
      "the sampler's routing has (layers, top-k) (1, 2) and the learner's (1, 3)"),
     (lambda i: {"routed_experts": [[[1, 2]], [[0, 3]]], "learner_routed_experts": [[[1, 2]], [[0, 4]]]} if i % 2 else {},
      "the sampler's routed experts are on 3 of 6 rows"),
-])  # fmt: skip
+])
 def test_routing_that_cannot_be_compared_is_said_not_dropped(tmp_path, make_row, note):
     """Another top-k on each side (a traceback and an empty folder before), or routing on half the rows (the
     routing section vanished): the report says why routing was not compared."""
@@ -53,5 +53,5 @@ def test_routing_replay_on_a_dense_model_is_a_one_line_config_error(tmp_path, ca
     assert main(["train", "model.routing_replay=r3", "trainer.steps=1", f"trainer.out={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == ("rollcorr train: config error: model.routing_replay: routing_replay='r3' needs a "
-                           "mixture-of-experts model; builtin is dense")  # fmt: skip
+                           "mixture-of-experts model; builtin is dense")
     assert not (tmp_path / "run").exists()

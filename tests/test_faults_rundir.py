@@ -34,7 +34,7 @@ pytestmark = pytest.mark.usefixtures("alternating_rewards")
 
 TINY = ["task.name=addition:1", "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=4",
         "task.eval_prompts=0", "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false",
-        "trainer.mini_batches=1", "optim.lr=1e-3"]  # fmt: skip
+        "trainer.mini_batches=1", "optim.lr=1e-3"]
 
 
 def tiny(tmp_path, model_dir, *overrides, name="run"):
@@ -322,7 +322,7 @@ def test_file_size_limit_is_one_line_and_keeps_the_last_checkpoint(tmp_path, add
     args = [*TINY, f"model.path={addition_model_dir}", "trainer.steps=2", "trainer.checkpoint_every=1"]
     proc = subprocess.run([sys.executable, "-m", "rollcorr.cli", "train", "--out", str(out), *args],
                           capture_output=True, text=True, preexec_fn=limit, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode in (1, 2), proc.stderr[-2000:]
     assert (
         "file too large" in proc.stderr or "file-size limit" in proc.stderr
@@ -347,7 +347,7 @@ def test_out_that_cannot_be_created_is_one_line(tmp_path, addition_model_dir, ca
 
 
 def test_ctrl_c_during_start_up_is_one_line_and_leaves_no_folder(tmp_path, addition_model_dir, capsys,
-                                                                  monkeypatch):  # fmt: skip
+                                                                  monkeypatch):
     import rollcorr.train.build
 
     def interrupted(*args, **kwargs):  # what a Ctrl-C raises while the learner loads
@@ -406,7 +406,7 @@ def test_audit_out_of_file_descriptors_is_one_line_and_leaves_no_half_report(tmp
             resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
 
         proc = subprocess.run([sys.executable, "-m", "rollcorr.cli", "audit", "--from-log", str(dump), "--out",
-                               str(out)], capture_output=True, text=True, preexec_fn=limit, timeout=300)  # fmt: skip
+                               str(out)], capture_output=True, text=True, preexec_fn=limit, timeout=300)
         if proc.returncode == 0:
             assert {"summary.json", "report.html"} <= {p.name for p in out.iterdir()}
             continue
@@ -435,7 +435,7 @@ def test_memory_limit_is_one_line_at_any_moment(tmp_path):
         proc = subprocess.run([sys.executable, "-m", "rollcorr.cli", "train", "trainer.steps=2", "trainer.eval_every=0",
                                "trainer.progress=false", "trainer.plot=false", f"trainer.out={out}"],
                               capture_output=True, text=True, preexec_fn=limit, timeout=300,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
         if proc.returncode == 0:
             continue
         failed += 1
@@ -459,7 +459,7 @@ def test_a_lost_memory_error_under_a_limit_is_out_of_memory():
              "soft, hard = resource.getrlimit(resource.RLIMIT_AS); "
              "free = [out_of_memory(e) for e in errs] if soft == resource.RLIM_INFINITY else [False] * 3; "
              "resource.setrlimit(resource.RLIMIT_AS, (2**45 if hard == resource.RLIM_INFINITY else hard, hard)); "
-             "print(*free, *[out_of_memory(e) for e in errs])")  # fmt: skip
+             "print(*free, *[out_of_memory(e) for e in errs])")
     proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["False", "False", "False", "True", "False", "False"]
@@ -495,7 +495,7 @@ def test_out_of_memory_while_saying_so_still_says_it_in_one_line():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr == ("rollcorr analyze: out of memory; nothing is half-written (a training run's checkpoints "
-                           "are whole: --resume it with more memory)\n")  # fmt: skip
+                           "are whole: --resume it with more memory)\n")
 
 
 def test_a_stopped_run_says_what_its_folder_holds(tmp_path, run_copy):
@@ -510,13 +510,13 @@ def test_a_stopped_run_says_what_its_folder_holds(tmp_path, run_copy):
 
     newest = list_checkpoints(run_copy)[-1].name
     assert hint(resume=run_copy) == f"{run_copy} keeps its last checkpoint ({newest}): continue with rollcorr " \
-                                    f"train --resume {run_copy}"  # fmt: skip
+                                    f"train --resume {run_copy}"
     assert hint(out=tmp_path / "new") == f"{tmp_path / 'new'} holds no checkpoint yet"
     started = tmp_path / "started"  # a run that had begun (its config.yaml is written) but saved nothing
     started.mkdir()
     (started / "config.yaml").write_text((run_copy / "config.yaml").read_text())
     assert hint(out=started) == f"{started} holds no checkpoint yet: rollcorr train --resume {started} starts " \
-                                "it again from step 0"  # fmt: skip
+                                "it again from step 0"
     assert "RUN_DIR" in hint() and "keeps" not in hint()
 
 
@@ -538,7 +538,7 @@ def test_memory_limit_swept_finely_through_the_imports_is_one_line(tmp_path):
         proc = subprocess.run([sys.executable, "-m", "rollcorr.cli", "train", "trainer.steps=2", "trainer.eval_every=0",
                                "trainer.progress=false", "trainer.plot=false", f"trainer.out={tmp_path / f'run{mb}'}"],
                               capture_output=True, text=True, preexec_fn=limit, timeout=300,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode in (0, 1) and len(lines) <= 1 and "Traceback" not in proc.stderr, (mb, proc.stderr[-3000:])
         assert proc.returncode == 0 or "out of memory" in lines[0] or "cannot allocate memory" in lines[0], (mb, lines)

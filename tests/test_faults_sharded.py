@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 SMALL = ["trainer.data_parallel=shard", "rollout.prompts_per_step=4", "rollout.group_size=4", "task.eval_prompts=8", "trainer.progress=false",
-         "trainer.plot=false", "trainer.tensorboard=false", "trainer.eval_every=0"]  # fmt: skip
+         "trainer.plot=false", "trainer.tensorboard=false", "trainer.eval_every=0"]
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ def _train(*args: str) -> subprocess.CompletedProcess:
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "rollcorr", "train", *args], capture_output=True, text=True,
-                          env=env, timeout=600)  # fmt: skip
+                          env=env, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def _resumed_from_step_1(run_dir: Path, result: subprocess.CompletedProcess, why
     skipped = [line for line in out.splitlines() if "skipped checkpoint step_000002" in line]
     assert len(skipped) == 1 and why in skipped[0], out[-3000:]
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-             if "reward/mean" in line]  # fmt: skip
+             if "reward/mean" in line]
     assert steps == [1, 2, 3]  # step 2 again from checkpoint 1 (its line replaced), then 3
 
 

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _audit(k3_per_prompt: list[float], tokens: int = 10) -> dict:
     return {"k3_sum": [k * tokens for k in k3_per_prompt], "tokens": [tokens] * len(k3_per_prompt),
             "ge_001": [1.0] * len(k3_per_prompt), "k3": sum(k3_per_prompt) / len(k3_per_prompt),
-            "share_ge_0.01": 0.1}  # fmt: skip
+            "share_ge_0.01": 0.1}
 
 
 def test_the_ratio_rule_and_its_interval():
@@ -91,7 +91,7 @@ def test_the_readme_paragraph_gives_part_b_its_verdict_once_complete(tmp_path):
     arms = {"fp16/ppo": {"seeds": 10, "final_score_mean": 0.6, "final_score_std": 0.04, "collapses": 0,
                          "overflow_skips": 3.0, "k3_median": 1.5e-6},
             "bf16/ppo": {"seeds": 10, "final_score_mean": 0.61, "final_score_std": 0.04, "collapses": 1,
-                         "overflow_skips": 0.0, "k3_median": 1.1e-4}}  # fmt: skip
+                         "overflow_skips": 0.0, "k3_median": 1.1e-4}}
     b = {"difference": -0.01, "ci95": [-0.05, 0.03], "p_value": 0.6, "verdict": "not reproduced", "mde": 0.052}
     pending = paragraph(complete_b=False, arms={k: {**v, "seeds": 7} for k, v in arms.items()})
     assert "builtin **reproduced**" in pending and "**pending** (14 of 20 runs finished)" in pending

@@ -217,7 +217,7 @@ def test_gguf_to_hf_round_trips_an_f32_file_bit_for_bit(tmp_path, arch):
     else:
         config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)  # fmt: skip
+                             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)

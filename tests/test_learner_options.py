@@ -17,7 +17,7 @@ def _saved_elements_and_grads(learner, rollout):
 
 def test_gradient_checkpointing_gives_the_same_gradients_from_far_fewer_saved_activations():
     rollout = make_sampler("hf:fp32").generate(["12+34=", "5+6=", "70+8="], SamplingParams(max_new_tokens=5, seed=1),
-                                               n=3)  # fmt: skip
+                                               n=3)
     plain = make_learner("hf:fp32")
     plain.share_prompts = False  # the same forward path, with and without checkpoints
     kept, grads = _saved_elements_and_grads(plain, rollout)
@@ -37,7 +37,7 @@ def test_a_train_run_with_gradient_checkpointing(tmp_path):
 
     result = run(load_config(None, ["model.gradient_checkpointing=true", "trainer.steps=2", "task.eval_prompts=0",
                                     "rollout.prompts_per_step=4", "trainer.progress=false", "trainer.plot=false",
-                                    "trainer.tensorboard=false", f"trainer.out={tmp_path / 'run'}"]))  # fmt: skip
+                                    "trainer.tensorboard=false", f"trainer.out={tmp_path / 'run'}"]))
     assert result.steps == 2
 
 

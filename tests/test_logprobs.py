@@ -136,7 +136,7 @@ BENCH = {"n": 512, "h": 64, "vocab": 32768}
 def _bench_child(variant: str) -> dict:
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_logprobs.py"
     args = ["--n", str(BENCH["n"]), "--h", str(BENCH["h"]), "--vocab", str(BENCH["vocab"]), "--chunk-size", "2048",
-            "--repeats", "1"]  # fmt: skip
+            "--repeats", "1"]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}  # as the benchmark: RSS follows live tensors
     out = subprocess.run(
         [sys.executable, str(script), "--variant", variant, *args],

@@ -16,7 +16,7 @@ LORA = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_pr
 TINY = ["task.name=addition:1", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=4",
         "task.eval_prompts=8", "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false",
         "trainer.mini_batches=1", "optim.lr=1e-2", "model.lora.r=4", "model.lora.alpha=8.0",
-        "model.lora.target_modules=[q_proj, v_proj]", "model.sampler=hf:fp32"]  # fmt: skip
+        "model.lora.target_modules=[q_proj, v_proj]", "model.sampler=hf:fp32"]
 
 
 def test_merged_weights_are_base_plus_scaled_low_rank_product_and_score_like_the_adapted_model():

@@ -33,7 +33,7 @@ def test_the_candidates_are_the_configured_sampler_then_each_backend_once_cheape
 def test_the_plan_measures_the_configured_sampler_sync_then_async_then_the_others_sync_vllm_last():
     config = load_config(None, ["model.sampler=hf:bf16", "trainer.mode=async"])
     assert plan(config) == [("hf:bf16", "sync"), ("hf:bf16", "async"), ("llamacpp:q8_0", "sync"),
-                            ("vllm:bf16", "sync")]  # fmt: skip
+                            ("vllm:bf16", "sync")]
     # building vLLM here changes this process for what follows: its sync trial is last, even when configured
     assert plan(load_config(None, ["model.sampler=vllm:fp16"])) == [
         ("vllm:fp16", "async"), ("hf:fp16", "sync"), ("llamacpp:q8_0", "sync"), ("vllm:fp16", "sync")]
@@ -56,9 +56,9 @@ def test_the_report_gives_each_trial_its_numbers_or_its_reason_and_the_verdict_w
     text = report(_measured(sync, overlapped, skipped), threads_said(1, 1, 2))
     lines = text.splitlines()
     assert lines[0].split() == ["sampler", "mode", "start-up", "s", "s/step", "(min-max)", "generate", "wait",
-                                "learn", "publish", "tokens/s"]  # fmt: skip
+                                "learn", "publish", "tokens/s"]
     assert lines[1].split() == ["hf:bf16", "sync", "0.1", "1.000", "(0.900-1.100)", "0.400", "0.400", "0.550",
-                                "0.050", "2000"]  # fmt: skip
+                                "0.050", "2000"]
     assert lines[2].split()[:5] == ["hf:bf16", "async", "6.0", "0.600", "(0.550-0.650)"]
     assert lines[3].startswith("vllm:bf16        sync  not measured: the 10 s budget was spent")
     assert "measured in 9.0 s (budget 10 s) after loading the learner (1.0 s); 1 torch thread(s) a process" in text
@@ -103,7 +103,7 @@ def test_measuring_sets_torchs_threads_as_a_run_does(monkeypatch, threads, set_t
     (["--measure-engines", "--measure-budget", "0"], "'0' is not a positive number of seconds"),
     (["--measure-engines", "--measure-budget", "ten"], "'ten' is not a positive number of seconds"),
     (["--measure-budget", "5"], "--measure-budget: only with --measure-engines"),
-])  # fmt: skip
+])
 def test_a_bad_budget_is_one_line(capsys, argv, said):
     assert main(["train", *argv]) == 2
     err = capsys.readouterr().err
@@ -113,7 +113,7 @@ def test_a_bad_budget_is_one_line(capsys, argv, said):
 def test_a_short_budget_measures_the_first_trial_and_lists_the_rest_as_skipped(tmp_path):
     out = subprocess.run([sys.executable, "-m", "rollcorr", "train", "--measure-engines", "--measure-budget", "0.01",
                           "rollout.prompts_per_step=2", "rollout.group_size=2", f"trainer.out={tmp_path / 'run'}"],
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {tuple(line.split()[:2]): line for line in out.stdout.splitlines()[1:5]}
     assert list(rows) == [("hf:bf16", "sync"), ("hf:bf16", "async"), ("llamacpp:q8_0", "sync"), ("vllm:bf16", "sync")]

@@ -41,7 +41,7 @@ def tiny_moe(model_type: str, **extra):
     config = AutoConfig.for_model(
         model_type, vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=2, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra,
-    )  # fmt: skip
+    )
     return AutoModelForCausalLM.from_config(config).eval()
 
 
@@ -256,7 +256,7 @@ def test_dumps_carry_routing_and_analyze_reports_flips(tmp_path):
     own = learner.routed_experts(r)
     path = tmp_path / "dump.jsonl"
     write_dump(path, r.rollout_log_prob, learner.log_prob(r), r.response_mask, routed_experts=r.routed_experts,
-               learner_routed_experts=own, append=False)  # fmt: skip
+               learner_routed_experts=own, append=False)
     dump = read_dump(path)
     assert dump.fields["routed_experts"] == "routed_experts"
     assert torch.equal(dump.routed_experts, r.routed_experts.long()) and torch.equal(
@@ -307,7 +307,7 @@ def test_every_old_policy_strategy_replays_the_rollout_routing(name):
     prompts = [i["prompt"] for i in AdditionTask(3).sample(4, seed=2, split="test")]
     r = make_sampler("hf:fp32", MOE).generate(prompts, SamplingParams(max_new_tokens=5, seed=0), n=2)
     forced = r.replace(routed_experts=((r.routed_experts.long() + 5) % 8).to(torch.uint8),
-                       version=torch.zeros_like(r.version))  # fmt: skip
+                       version=torch.zeros_like(r.version))
     replaying, plain = HFLearner(MOE, routing_replay="r3"), HFLearner(MOE)
     strategy = make_proximal(name, max_staleness=2)
     strategy.on_publish(0, replaying.model)
@@ -328,7 +328,7 @@ def test_train_moe_config_with_routing_replay(tmp_path, mode):
 
     overrides = ["model.routing_replay=r3", f"trainer.mode={mode}", "trainer.steps=2", "rollout.prompts_per_step=2",
                  "rollout.group_size=2", "task.eval_prompts=4", "trainer.progress=false", "trainer.plot=false",
-                 "trainer.tensorboard=false", "trainer.checkpoint_every=0", f"trainer.out={tmp_path / 'run'}"]  # fmt: skip
+                 "trainer.tensorboard=false", "trainer.checkpoint_every=0", f"trainer.out={tmp_path / 'run'}"]
     if mode == "async":
         overrides.append("algorithm.proximal.name=ewma")
     config = load_config("moe", overrides)

@@ -27,7 +27,7 @@ def tiny_qwen3_moe():
         "qwen3_moe", vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=2, num_experts_per_tok=2, num_experts=6, moe_intermediate_size=16, head_dim=16,
         norm_topk_prob=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+    )
     return AutoModelForCausalLM.from_config(config).eval()
 
 
@@ -67,7 +67,7 @@ def _step_parts(replay: str | None):
     from rollcorr.train.source import SourceSpec, sample_batch
 
     overrides = ["model.sampler=hf:fp32", "trainer.mini_batches=1", "rollout.prompts_per_step=4",
-                 "rollout.group_size=2", "rollout.max_new_tokens=5"]  # fmt: skip
+                 "rollout.group_size=2", "rollout.max_new_tokens=5"]
     if replay:
         overrides.append(f"model.routing_replay={replay}")
     config = load_config("moe", overrides)
@@ -103,7 +103,7 @@ def test_step_logs_the_share_of_sampler_choices_the_learner_would_not_make(repla
         assert learner.replayed_pairs > 0  # the forward that measured the flips ran the sampler's experts
     # a rollout without routing (as from a dense model's sampler) logs nothing new
     plain = train_step(rollout.replace(routed_experts=None, prompt_routed_experts=None), HFLearner(MOE), optimizer,
-                       proximal, step_config, version=0).metrics  # fmt: skip
+                       proximal, step_config, version=0).metrics
     assert not any(k.startswith("routing/") for k in plain)
 
 
@@ -115,7 +115,7 @@ def test_dense_learner_has_no_routing_metrics():
                       response_ids=torch.ones(1, 1, dtype=torch.long),
                       response_mask=torch.ones(1, 1, dtype=torch.bool), rollout_log_prob=torch.zeros(1, 1),
                       version=torch.zeros(1, 1, dtype=torch.long), group_ids=torch.zeros(1, dtype=torch.long),
-                      routed_experts=torch.zeros(1, 1, 2, 2, dtype=torch.uint8))  # fmt: skip
+                      routed_experts=torch.zeros(1, 1, 2, 2, dtype=torch.uint8))
     flips = RoutingFlips(learner.model, rollout)
     assert not flips.active and flips.metrics() == {}
 
@@ -131,7 +131,7 @@ def _train(tmp_path, *overrides) -> list[dict]:
     config = load_config("moe", ["trainer.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
                                  "rollout.max_new_tokens=5", "task.eval_prompts=4", "trainer.progress=false",
                                  "trainer.plot=false", "trainer.tensorboard=false", "trainer.checkpoint_every=0",
-                                 f"trainer.out={out}", *overrides])  # fmt: skip
+                                 f"trainer.out={out}", *overrides])
     assert Trainer(config).run().steps == 2
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in lines if r.get("step", 0) > 0 and "reward/mean" in r]
@@ -164,7 +164,7 @@ def test_routing_verdict_when_every_token_flipped():
 
     a = torch.tensor([[[[0, 1]], [[2, 3]]]])  # (1, 2, 1, 2)
     summary = routing_summary(a, (a + 1) % 8, torch.tensor([[-0.1, -0.2]]), torch.tensor([[-0.2, -0.2]]),
-                              torch.tensor([[True, True]]))  # fmt: skip
+                              torch.tensor([[True, True]]))
     assert summary["abs_dp_mean_unflipped"] is None
     (text,) = routing_sentences({"routing": summary})
     assert "100.0 % of tokens" in text and "no token unflipped" in text

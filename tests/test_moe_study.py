@@ -16,7 +16,7 @@ def test_arms_seeds_and_comparisons_are_the_protocols():
     assert len(ms.ARMS) == 7 and ms.schedule()[:7] == [(arm, 20) for arm in ms.ARMS]
     overrides = ms.arm_overrides("moe-int8/lag2-ewma+r3", 600)
     for key in ("model.path=builtin:moe", "trainer.steps=600", "model.sampler=hf:int8", "trainer.lag=2",
-                "algorithm.proximal.name=ewma", "model.routing_replay=r3", "optim.skip_zero_grad=true"):  # fmt: skip
+                "algorithm.proximal.name=ewma", "model.routing_replay=r3", "optim.skip_zero_grad=true"):
         assert key in overrides, key
     assert "model.routing_replay=r3" not in ms.arm_overrides("moe-int8/lag2-ewma", 600)
     assert all(hi in ms.ARMS and lo in ms.ARMS for hi, lo in ms.COMPARISONS + ms.SECONDARY)
@@ -31,7 +31,7 @@ def test_mismatch_rules_read_the_audits():
     audits = {"moe/fp32": _audit(0.0, 1e-7, 0.0), "moe/bf16": _audit(1e-3, 6e-3, 0.006),
               "moe/fp16": _audit(3e-5, 7e-4, 0.0), "moe/int8": _audit(2e-3, 8e-3, 0.006),
               "moe/bf16+r3": _audit(5e-4, 5e-3, 0.006), "moe/int8+r3": _audit(2.1e-3, 7e-3, 0.006),
-              "dense/bf16": _audit(5e-4, 3e-3)}  # fmt: skip
+              "dense/bf16": _audit(5e-4, 3e-3)}
     rules = ms.mismatch_rules(audits)
     assert rules["A1_fp32_flips_nothing"] is True
     assert rules["A2_lower_precisions_flip"] == {"bf16": True, "fp16": False, "int8": True}

@@ -48,10 +48,10 @@ def make_trainer(tmp_path, steps=2, with_routing=True, num_iterations=1, **kwarg
     model, tokenizer = load_builtin(name=MOE)
     args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=6, max_steps=steps, learning_rate=1e-3, logging_steps=1, report_to=[],
-                      use_cpu=True, save_strategy="no", beta=0.0, seed=0, num_iterations=num_iterations)  # fmt: skip
+                      use_cpu=True, save_strategy="no", beta=0.0, seed=0, num_iterations=num_iterations)
     return RollcorrGRPOTrainer(model=model, reward_funcs=alternating_reward, args=args,
                                train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), processing_class=tokenizer,
-                               rollout_func=moe_rollout_func(with_routing), **kwargs)  # fmt: skip
+                               rollout_func=moe_rollout_func(with_routing), **kwargs)
 
 
 def test_trl_trainer_replays_the_sampler_routing(tmp_path):
@@ -87,7 +87,7 @@ def shifted_last_layer(rollout_func, record: list):
     def shifted(prompts, trainer):
         out = rollout_func(prompts, trainer)
         out["routed_experts"] = [[[*layers[:-1], [(e + 1) % 8 for e in layers[-1]]] for layers in row]
-                                 for row in out["routed_experts"]]  # fmt: skip
+                                 for row in out["routed_experts"]]
         record.append(out)
         return out
 
@@ -106,7 +106,7 @@ def test_trl_dump_carries_routed_experts_and_analyze_reports_routing(tmp_path, r
 
     dump_path = tmp_path / "rollouts.jsonl"
     trainer = make_trainer(tmp_path, correction="decoupled_token_is", routing_replay=replay, dump_path=dump_path,
-                           num_iterations=iterations)  # fmt: skip
+                           num_iterations=iterations)
     returned: list = []
     trainer.rollout_func = shifted_last_layer(SamplerRollout("hf:fp32", seed=0), returned)
     trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS for _ in range(4)])

@@ -28,7 +28,7 @@ def trajectories(chain_sampler):
     env = make_env(make_task("chain"), {"name": "checkpoints", "every": 7})
     items = [it for it in env.sample(4, seed=3) for _ in range(2)]
     return play(chain_sampler, env, items, Renderer(chain_sampler.tokenizer, chat=False), TURNS,
-                group_ids=[i // 2 for i in range(8)])  # fmt: skip
+                group_ids=[i // 2 for i in range(8)])
 
 
 # ---- the Rollout: observations appended, turns counted --------------------------------------------------------
@@ -39,7 +39,7 @@ def _one_row(ids: list[int]) -> Rollout:
     return Rollout(prompt_ids=torch.tensor([[5, 6]]), prompt_mask=torch.ones(1, 2, dtype=torch.bool),
                    response_ids=torch.tensor([ids]), response_mask=torch.ones(1, n, dtype=torch.bool),
                    rollout_log_prob=-torch.rand(1, n), version=torch.zeros(1, n, dtype=torch.long),
-                   group_ids=torch.zeros(1, dtype=torch.long), meta=[{"finished": True}])  # fmt: skip
+                   group_ids=torch.zeros(1, dtype=torch.long), meta=[{"finished": True}])
 
 
 def test_observations_are_appended_as_the_environments_tokens():
@@ -103,7 +103,7 @@ def test_a_checkpoints_trajectory_has_two_turns_and_its_rewards_sum(trajectories
         observed = rollout.response_ids[i][rollout.observation_mask[i]].tolist()
         assert observed == tok(m["answer"].split(",")[6] + ",")["input_ids"]
         first = tok.decode(rollout.response_ids[i][rollout.response_mask[i] & (rollout.turn[i] == 0)].tolist(),
-                           skip_special_tokens=True)  # fmt: skip
+                           skip_special_tokens=True)
         right = sum(g == w for g, w in zip(first.rstrip(",").split(","), m["answer"].split(",")[:7]))
         assert m["turn_rewards"][0] == pytest.approx(right / 14)
 
@@ -289,7 +289,7 @@ def test_a_publish_mid_trajectory_gives_two_versions_and_every_pi_old_strategy_h
 # ---- the trainer: every executor plays trajectories ---------------------------------------------------------
 
 SMALL = ["trainer.steps=2", "trainer.eval_every=0", "rollout.prompts_per_step=4", "rollout.group_size=2",
-         "trainer.progress=false", "trainer.tensorboard=false", "trainer.plot=false"]  # fmt: skip
+         "trainer.progress=false", "trainer.tensorboard=false", "trainer.plot=false"]
 
 
 def _turns(run_dir) -> list[float]:
@@ -307,7 +307,7 @@ def test_the_trainer_trains_on_trajectories_in_every_mode(tmp_path, mode):
     from rollcorr.train.loop import run
 
     result = run(load_config("chain_turns", [*SMALL, *mode, f"trainer.out={tmp_path / 'run'}",
-                                             "algorithm.advantage_level=turn"]))  # fmt: skip
+                                             "algorithm.advantage_level=turn"]))
     assert result.stopped is None and _turns(tmp_path / "run") == [2.0, 2.0]
 
 
@@ -317,7 +317,7 @@ def test_data_parallel_ranks_play_their_share_of_the_trajectories(tmp_path):
 
     done = subprocess.run([sys.executable, "-m", "rollcorr", "train", "--config", "chain_turns", *SMALL,
                            "trainer.ranks=2", f"trainer.out={tmp_path / 'run'}"],
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     assert _turns(tmp_path / "run") == [2.0, 2.0]
 
@@ -330,7 +330,7 @@ def test_ray_workers_play_trajectories_with_partial_rollouts(tmp_path):
 
     result = run(load_config("chain_turns", [*SMALL, "trainer.steps=3", "trainer.executor=ray", "trainer.ray_workers=1",
                                              "trainer.mode=async", "trainer.partial_rollouts=true",
-                                             "trainer.partial_chunk_tokens=10", f"trainer.out={tmp_path / 'run'}"]))  # fmt: skip
+                                             "trainer.partial_chunk_tokens=10", f"trainer.out={tmp_path / 'run'}"]))
     assert result.stopped is None and _turns(tmp_path / "run") == [2.0, 2.0, 2.0]
 
 
@@ -384,7 +384,7 @@ def test_the_slow_environment_benchmark_runs_and_prints_its_ratios():
 
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "bench_multi_turn.py", "--runs", "1", "--steps", "3", "--wait", "0.01"],
-                          cwd=root / "benchmarks", capture_output=True, text=True, timeout=1800)  # fmt: skip
+                          cwd=root / "benchmarks", capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| one") or line.startswith("| 8")]
     assert len(rows) == 2 and all(float(row.split("|")[-2]) > 0 for row in rows)

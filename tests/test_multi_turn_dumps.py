@@ -41,9 +41,9 @@ def _verl_row(row: dict, filler: float, layout: str) -> dict:
     mu = [m if k else filler for m, k in zip(row["mu"], MASK)]
     if layout == "batch":  # AgentLoopOutput.as_dict → the training batch's keys
         return {"prompts": [1, 2, 3], "responses": row["ids"], "response_mask": MASK, "rollout_log_probs": mu,
-                "old_log_probs": row["old"], "__num_turns__": 6}  # fmt: skip
+                "old_log_probs": row["old"], "__num_turns__": 6}
     return {"prompt_ids": [1, 2, 3], "response_ids": row["ids"], "response_mask": MASK, "response_logprobs": mu,
-            "old_log_probs": row["old"], "num_turns": 6}  # fmt: skip
+            "old_log_probs": row["old"], "num_turns": 6}
 
 
 def _write(path, rows: list[dict]) -> str:
@@ -70,7 +70,7 @@ def _by_hand(rows: list[dict]) -> list[dict]:
                     k3.append(math.exp(lr) - 1 - lr)
         out.append({"tokens": len(d), "prob_diff_mean": math.fsum(d) / len(d), "k3_kl": math.fsum(k3) / len(d),
                     "kl": math.fsum(k1) / len(d), "prob_diff_frac_ge_0.01": sum(x >= 0.01 for x in d) / len(d),
-                    "prob_diff_max": max(d)})  # fmt: skip
+                    "prob_diff_max": max(d)})
     return out
 
 
@@ -145,10 +145,10 @@ def test_rollcorrs_own_multi_turn_rollout_is_written_and_read_back_per_turn(tmp_
                       response_ids=torch.tensor([[7, 8, 2, 11, 12, 21, 2], [9, 2, 13, 22, 2, 0, 0]]),
                       response_mask=model, observation_mask=observed, rollout_log_prob=log_mu,
                       turn=torch.tensor([[0, 0, 0, 0, 0, 1, 1], [0, 0, 0, 1, 1, 0, 0]]),
-                      version=torch.zeros(2, 7, dtype=torch.long), group_ids=torch.zeros(2, dtype=torch.long))  # fmt: skip
+                      version=torch.zeros(2, 7, dtype=torch.long), group_ids=torch.zeros(2, dtype=torch.long))
     old = torch.where(model, log_mu - 0.05 * torch.rand(2, 7), 0.0)
     write_dump(tmp_path / "mt.jsonl", rollout.rollout_log_prob, old, rollout.response_mask, tokens=rollout.response_ids,
-               turn=rollout.turn)  # fmt: skip
+               turn=rollout.turn)
     dump = read_dump(tmp_path / "mt.jsonl")
     assert dump.fields["turn"] == "turn" and torch.equal(dump.turn, rollout.turn)
     assert torch.equal(dump.tokens, rollout.response_ids) and torch.equal(dump.response_mask, model)

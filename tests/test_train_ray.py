@@ -178,7 +178,7 @@ def test_trainer_runs_end_to_end_on_ray_workers(ray_cluster, tmp_path):
         "task.eval_prompts=0", "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false",
         "trainer.mode=async", "trainer.max_staleness=2", "trainer.steps=4", f"trainer.out={tmp_path / 'run'}",
         "trainer.executor=ray", "trainer.ray_workers=2",
-    ])  # fmt: skip
+    ])
     trainer = Trainer(config)
     assert trainer.executor.num_workers == 2 and not trainer.executor.actors  # built, no worker started yet
     result = trainer.run()
@@ -245,7 +245,7 @@ def test_joins_an_existing_cluster_by_address(ray_cluster, tmp_path):
     paths = [str(__import__("pathlib").Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}  # this checkout's rollcorr, and SPEC
     out = subprocess.run([sys.executable, str(script), address], capture_output=True, text=True, env=env,
-                         timeout=300)  # fmt: skip
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"batches 0 {PROMPTS}" in out.stdout
     assert ray.is_initialized() and ray.cluster_resources().get("CPU") == 2.0  # our cluster still runs
@@ -262,9 +262,9 @@ def test_cli_train_with_ray_executor(tmp_path):
     args = ["trainer.executor=ray", "trainer.ray_workers=2", "trainer.mode=async", "trainer.max_staleness=2",
             "trainer.steps=3", "task.name=addition:1", "task.eval_prompts=0", "rollout.prompts_per_step=4",
             "rollout.group_size=4", "rollout.max_new_tokens=4", "trainer.progress=false", "trainer.plot=false",
-            "trainer.tensorboard=false", "--out", str(out)]  # fmt: skip
+            "trainer.tensorboard=false", "--out", str(out)]
     done = subprocess.run([sys.executable, "-m", "rollcorr.cli", "train", *args], capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if "reward/mean" in r]

@@ -68,7 +68,7 @@ def test_responses_span_versions_within_the_bound_through_a_worker_death(ray_clu
     at a lag above max_staleness; the lost batch is generated again from scratch with the newest weights."""
     steps, max_staleness = 8, 2
     executor = RayExecutor(SPEC, workers=2, max_staleness=max_staleness, queue_size=1, partial_rollouts=True,
-                           chunk_tokens=1)  # fmt: skip
+                           chunk_tokens=1)
     executor.start(versions(0), 0)
     pids = ray.get([actor.ready.remote() for actor in executor.actors])
     where = ray.get(executor.actors[0].__ray_call__.remote(lambda _: rollcorr.__file__))
@@ -143,7 +143,7 @@ def test_make_executor_takes_partial_rollouts_from_the_config():
     from rollcorr.train.config import load_config
 
     config = load_config(None, ["trainer.executor=ray", "trainer.mode=async", "trainer.partial_rollouts=true",
-                                "trainer.partial_chunk_tokens=3", "model.sampler=hf:fp32"])  # fmt: skip
+                                "trainer.partial_chunk_tokens=3", "model.sampler=hf:fp32"])
     executor = make_executor(config, workers=1)
     assert executor.partial_rollouts and executor.chunk_tokens == 3 and executor.lag is None
     with pytest.raises(ValueError, match="lag=None"):
@@ -167,7 +167,7 @@ def test_trainer_with_partial_rollouts_and_the_interrupt_strategy(ray_cluster, t
         "trainer.executor=ray", "trainer.ray_workers=1", "trainer.mode=async", "trainer.max_staleness=2",
         "trainer.partial_rollouts=true", "trainer.partial_chunk_tokens=1", "algorithm.proximal.name=interrupt",
         "trainer.steps=6", "trainer.checkpoint_every=0", f"trainer.out={tmp_path / 'run'}",
-    ])  # fmt: skip
+    ])
     result = Trainer(config).run()
 
     assert result.steps == 6 and result.stopped is None

@@ -9,7 +9,7 @@ from rollcorr.train.loop import run
 
 TINY = ["task.name=addition:1", "rollout.prompts_per_step=4", "rollout.group_size=2", "rollout.max_new_tokens=4",
         "task.eval_prompts=6", "trainer.progress=false", "trainer.plot=false", "trainer.mini_batches=1",
-        "trainer.eval_every=2", "trainer.steps=4", "trainer.checkpoint_every=2"]  # fmt: skip
+        "trainer.eval_every=2", "trainer.steps=4", "trainer.checkpoint_every=2"]
 
 
 def samples(run_dir):
@@ -21,7 +21,7 @@ def test_samples_at_step_one_and_every_evaluation_with_per_token_mismatch(tmp_pa
     run(load_config(None, [*TINY, f"trainer.out={out}", "trainer.tensorboard=true"]))
     rows = samples(out)
     assert sorted({(r["step"], r["kind"]) for r in rows}) == [(0, "eval"), (1, "train"), (2, "eval"), (2, "train"),
-                                                              (4, "eval"), (4, "train")]  # fmt: skip
+                                                              (4, "eval"), (4, "train")]
     train = [r for r in rows if r["kind"] == "train"]
     assert all(len(r["tokens"]) == len(r["abs_prob_diff"]) >= 1 for r in train)
     assert all(0 <= d <= 1 for r in train for d in r["abs_prob_diff"])

@@ -28,7 +28,7 @@ def k3(log_pi: float, log_ref: float) -> float:
 
 def tensors():
     return (torch.tensor(LOG_PI, dtype=torch.float64), torch.tensor(LOG_REF, dtype=torch.float64),
-            torch.tensor(MASK))  # fmt: skip
+            torch.tensor(MASK))
 
 
 def test_the_kl_loss_is_the_hand_computed_estimate_aggregated_as_the_loss():
@@ -63,13 +63,13 @@ def rollout(rewards, lengths, truncated, groups, t=4) -> Rollout:
                    response_ids=torch.ones(b, t, dtype=torch.long), response_mask=mask,
                    rollout_log_prob=torch.zeros(b, t), version=torch.zeros(b, t, dtype=torch.long),
                    group_ids=torch.tensor(groups), meta=[{"truncated": c} for c in truncated],
-                   rewards=torch.tensor(rewards, dtype=torch.float32))  # fmt: skip
+                   rewards=torch.tensor(rewards, dtype=torch.float32))
 
 
 def step_config(**changes) -> StepConfig:
     base = StepConfig(loss=LossConfig(name="ppo_clip"), correction=CorrectionConfig(), advantage="grpo", norm_std=True,
                       dynamic_sampling=False, baseline_excludes_rejected=True, oapl_beta1=1.0, temperature=1.0,
-                      max_new_tokens=4)  # fmt: skip
+                      max_new_tokens=4)
     return replace(base, **changes)
 
 
@@ -104,7 +104,7 @@ def test_the_kl_term_joins_the_loss_with_its_coefficient():
     log_pi, log_ref, mask = (x.float() if x.is_floating_point() else x for x in tensors())
     part = rollout([1.0, 0.0], [3, 2], [False, False], [0, 0], t=3)
     part = replace(part, old_log_prob=log_pi, ref_log_prob=log_ref, kept_mask=mask,
-                   advantages=torch.tensor([[1.0] * 3, [-1.0] * 3]))  # fmt: skip
+                   advantages=torch.tensor([[1.0] * 3, [-1.0] * 3]))
     config = step_config(kl_coef=0.25)
     plain, _ = policy_loss(config.loss, log_pi, log_pi, part.advantages, mask, denominator_mask=mask)
     total, metrics = _loss(config, part, log_pi, None)
@@ -127,7 +127,7 @@ def test_a_run_with_a_kl_term_starts_at_zero_kl_and_moves(tmp_path, addition_mod
                                 "rollout.max_new_tokens=4", "task.eval_prompts=0", "trainer.progress=false",
                                 "trainer.plot=false", "trainer.tensorboard=false", "trainer.steps=3", "optim.lr=1e-2",
                                 f"model.path={addition_model_dir}", f"trainer.out={tmp_path / 'run'}",
-                                "algorithm.kl.coef=0.05", "rollout.mask_truncated=true", *extra])  # fmt: skip
+                                "algorithm.kl.coef=0.05", "rollout.mask_truncated=true", *extra])
     run(config)
     said = capsys.readouterr().out
     assert ("adapters off: no extra weights" in said) == lora and ("a frozen copy of the starting weights" in said) != lora

@@ -9,7 +9,7 @@ def test_a_steps_optimize_time_is_split_into_its_parts(tmp_path):
 
     config = load_config(None, ["trainer.steps=2", "trainer.eval_every=0", "trainer.progress=false",
                                 "trainer.plot=false", "trainer.tensorboard=false", "rollout.prompts_per_step=4",
-                                "optim.skip_zero_grad=false", f"trainer.out={tmp_path / 'run'}"])  # fmt: skip
+                                "optim.skip_zero_grad=false", f"trainer.out={tmp_path / 'run'}"])
     run(config, run_dir=tmp_path / "run")
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     for r in (r for r in records if "time/optimize_s" in r):

@@ -107,7 +107,7 @@ def test_learner_runs_at_the_precision_asked_for(tmp_path, capsys):
     # two fp32 forwards of the same weights (the hf sampler's decode, TRL's scoring): |Δp| ≤ 2 forward_rounding
     assert prob_diff_max(read_dump(tmp_path / "a.jsonl")) <= 2 * forward_rounding(fp32.model.config)
     bf16 = make_trainer(tmp_path / "b", steps=1, rollout_func=SamplerRollout("hf:fp32"), dump_path=tmp_path / "b.jsonl",
-                        learner_precision="bf16")  # fmt: skip
+                        learner_precision="bf16")
     assert "learner in bf16" in capsys.readouterr().out
     bf16.train()
     assert prob_diff_max(read_dump(tmp_path / "b.jsonl")) > 1e-3
@@ -132,12 +132,12 @@ def test_the_keep_mask_reaches_trls_policy_forwards(tmp_path):
     # the loss's forward of π_θ (no step taken yet: the same weights) over the same sets
     logps, _, _ = trainer._get_per_token_logps_and_entropies(
         trainer.model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
-        torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_ids"].shape[1])  # fmt: skip
+        torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_ids"].shape[1])
     assert trainer._kept is None  # outside a batch or a loss: full-vocabulary scoring
     trainer._kept = batch["kept_ids"]
     kept, _, _ = trainer._get_per_token_logps_and_entropies(
         trainer.model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
-        torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_ids"].shape[1])  # fmt: skip
+        torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_ids"].shape[1])
     trainer._kept = None
     valid = batch["completion_mask"].bool()
     torch.testing.assert_close(kept[valid], batch["old_per_token_logps"][valid], atol=0, rtol=0)
@@ -194,7 +194,7 @@ def _trl_own_ratio(tmp_path, mode: str, clip_min, clip_max):
     """TRL's own vllm_importance_sampling_* code on a batch: a plain GRPOTrainer told it used vLLM."""
     trainer = make_trainer(
         tmp_path, cls=GRPOTrainer, steps=1,
-    )  # fmt: skip
+    )
     trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
     trainer._last_loaded_step = trainer.state.global_step  # no vLLM weight sync
     trainer.vllm_importance_sampling_mode = mode
@@ -279,6 +279,6 @@ def test_importing_the_drop_in_prints_no_vllm_version_warnings():
     import sys
 
     done = subprocess.run([sys.executable, "-W", "default", "-c", "import rollcorr.compat.trl"], capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "supports vLLM versions" not in done.stderr

@@ -410,7 +410,7 @@ def test_verl_basic_rollout_correction(randn_batch):  # test_basic_rollout_corre
     [("token_k1", "0.5_1.5"), ("token_k2", 2.0), ("token_k3", 2.0), ("seq_sum_k1", "0.6_1.4"), ("seq_sum_k2", 2.5),
      ("seq_sum_k3", 2.5), ("seq_mean_k1", "0.5_1.5"), ("seq_mean_k2", 2.0), ("seq_mean_k3", 2.0),
      ("seq_max_k2", 2.0), ("seq_max_k3", 2.0)],
-)  # fmt: skip
+)
 def test_verl_each_supported_rollout_rs_option(option, threshold, randn_batch):
     assert option in H.SUPPORTED_ROLLOUT_RS_OPTIONS
     old, roll, mask = randn_batch
@@ -464,7 +464,7 @@ def test_verl_mask_mode():  # test_mask_mode
     old = torch.full((2, 5), -2.0)
     roll = torch.tensor([[-1.0] * 5, [-2.5] * 5])
     w, m2, m = strict(old_log_prob=old, rollout_log_prob=roll, response_mask=torch.ones(2, 5), rollout_is="token",
-                      rollout_is_threshold=2.0, rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0")  # fmt: skip
+                      rollout_is_threshold=2.0, rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0")
     w = w.batch["rollout_is_weights"]
     assert w[0, 0] == pytest.approx(math.exp(-1), abs=1e-6) and w[1, 0] == pytest.approx(
         math.exp(0.5), abs=1e-6
@@ -476,7 +476,7 @@ def test_verl_mask_mode():  # test_mask_mode
 def test_verl_exact_icepop():  # test_exact_icepop_zeroes_weights_without_changing_mask (+ integration twin)
     raw = torch.tensor([[0.4, 0.8, 6.0]])
     w, m2, m = strict(old_log_prob=torch.zeros_like(raw), rollout_log_prob=-torch.log(raw), response_mask=torch.ones_like(raw),
-                      rollout_is="token", rollout_is_threshold="0.5_5.0")  # fmt: skip
+                      rollout_is="token", rollout_is_threshold="0.5_5.0")
     torch.testing.assert_close(w.batch["rollout_is_weights"], torch.tensor([[0.0, 0.8, 0.0]]))
     assert torch.equal(m2, torch.ones_like(raw))
     assert m["rollout_corr/rollout_is_oob_ratio"] == pytest.approx(2 / 3, abs=1e-6)
@@ -485,7 +485,7 @@ def test_verl_exact_icepop():  # test_exact_icepop_zeroes_weights_without_changi
     old = torch.full((1, 3), -1.0)
     adv = torch.tensor([[1.0, -1.0, 2.0]])
     w, _, _ = strict(old_log_prob=old, rollout_log_prob=torch.tensor([[-0.5, -3.5, -0.8]]), response_mask=torch.ones(1, 3),
-                     rollout_is="token", rollout_is_threshold="0.5_5.0")  # fmt: skip
+                     rollout_is="token", rollout_is_threshold="0.5_5.0")
     w = w.batch["rollout_is_weights"]
     loss, _ = R.compute_policy_loss_vanilla(
         old, old.clone(), adv, torch.ones(1, 3), "token-mean", _actor(), w, strict_verl=True
@@ -496,7 +496,7 @@ def test_verl_exact_icepop():  # test_exact_icepop_zeroes_weights_without_changi
 def test_verl_bool_threshold_is_rejected():  # test_bool_rollout_is_threshold_is_rejected
     with pytest.raises(TypeError, match="not a boolean"):
         strict(old_log_prob=torch.zeros(1, 2), rollout_log_prob=torch.zeros(1, 2), response_mask=torch.ones(1, 2),
-               rollout_is="token", rollout_is_threshold=True)  # fmt: skip
+               rollout_is="token", rollout_is_threshold=True)
 
 
 def test_verl_integration_policy_loss_with_weights():  # TestRolloutISIntegration (policy loss / metrics-only)
@@ -522,7 +522,7 @@ def test_verl_integration_policy_loss_with_weights():  # TestRolloutISIntegratio
     torch.testing.assert_close(with_w, expected)
     for level in ("token", "sequence"):
         assert "rollout_corr/rollout_is_mean" in strict(old_log_prob=old, rollout_log_prob=roll, response_mask=mask,
-                                                        rollout_is=level, rollout_is_threshold=2.0)[2]  # fmt: skip
+                                                        rollout_is=level, rollout_is_threshold=2.0)[2]
     _, _, m = strict(
         old_log_prob=old,
         rollout_log_prob=roll,
@@ -532,7 +532,7 @@ def test_verl_integration_policy_loss_with_weights():  # TestRolloutISIntegratio
     )
     assert "rollout_corr/rollout_rs_seq_mean_k1_mean" in m
     _, _, m = strict(old_log_prob=old, rollout_log_prob=roll, response_mask=mask, rollout_is="token", rollout_is_threshold=2.0,
-                     rollout_rs="token_k1", rollout_rs_threshold=1.3)  # fmt: skip
+                     rollout_rs="token_k1", rollout_rs_threshold=1.3)
     assert "rollout_corr/rollout_rs_token_k1_mean" in m
 
 
@@ -637,7 +637,7 @@ def test_bypass_mode_threshold_none_turns_is_off_like_verl():
     config = ActorConfig(
         strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
         policy_loss=PolicyLossConfig(loss_mode="bypass_mode", rollout_correction=corr),
-    )  # fmt: skip
+    )
     old, new, adv, mask, _ = _loss_batch(3)
     new = old + 0.5  # ratios e^0.5 ≈ 1.65: inside the [0, 2] truncation, so weights would change the loss
     l_v, m_v = V.compute_policy_loss_bypass_mode(old, new.clamp(max=0), adv, mask, "token-mean", config)
@@ -671,7 +671,7 @@ def test_clip_cov_covariance_carries_verls_epsilon():
     mask = torch.ones(1, 2, dtype=torch.float64)
     config = _actor()
     (l_v, m_v), (l_r, m_r) = _verl_and_rollcorr("clip_cov", old, old.clone(), adv, mask, "token-mean", config,
-                                                strict_verl=False)  # fmt: skip
+                                                strict_verl=False)
     torch.testing.assert_close(l_r, l_v, rtol=1e-12, atol=0)
     assert m_r["actor/pg_clipfrac"] == pytest.approx(m_v["actor/pg_clipfrac"]) == 0.5
 
@@ -710,7 +710,7 @@ def test_offpolicy_metrics_accept_positive_log_probs_after_strict_install(restor
     R.install(strict_verl=True)
     _assert_metrics(H.compute_offpolicy_metrics(old, roll, mask), expected_off, old.dtype, old.numel())
     _assert_metrics(H.compute_rollout_corr_metrics_from_logprobs(old, roll, mask), expected_actor, old.dtype,
-                    old.numel())  # fmt: skip
+                    old.numel())
     R.install()  # default: positive log-probs raise, also through the actor-side entry point
     with pytest.raises(ValueError, match="positive"):
         H.compute_rollout_corr_metrics_from_logprobs(old, roll, mask)

@@ -206,7 +206,7 @@ def rewards_to_go(turn_rewards: Tensor, turns: Tensor) -> Tensor:
 
 
 def turn_advantages(estimator: str, turn_rewards: Tensor, turns: Tensor, group_ids: Tensor, turn: Tensor,
-                    response_mask: Tensor, **options) -> tuple[Tensor, Tensor]:  # fmt: skip
+                    response_mask: Tensor, **options) -> tuple[Tensor, Tensor]:
     """Per-turn advantages of multi-turn trajectories: ((B, T) advantages, (B,) bool rows used).
 
     ``turn_rewards`` (B, K) each row's turn rewards (anything past its ``turns``), ``turn`` (B, T) the turn of
@@ -219,7 +219,7 @@ def turn_advantages(estimator: str, turn_rewards: Tensor, turns: Tensor, group_i
     keep = options.pop("keep", None)
     flat_keep = None if keep is None else keep.bool()[rows]
     cell_adv, cell_used = compute_advantages(estimator, togo, group_ids[rows] * k + ks, torch.ones(len(rows), 1),
-                                             keep=flat_keep, **options)  # fmt: skip
+                                             keep=flat_keep, **options)
     by_turn = torch.zeros(turn_rewards.shape, dtype=cell_adv.dtype)
     by_turn[rows, ks] = cell_adv[:, 0]
     used = torch.zeros(turns.shape, dtype=torch.bool).index_put_((rows,), cell_used, accumulate=True)

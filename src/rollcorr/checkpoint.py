@@ -139,7 +139,7 @@ def checkpoints_root(run_dir: Path, create: bool = False) -> Path | None:
     for entry in os.scandir(root):
         if entry.is_symlink():
             raise UnsafePathError(f"{root / entry.name}: is a symbolic link; refused (a run folder's files are "
-                                  "never followed out of it); remove it to use this run")  # fmt: skip
+                                  "never followed out of it); remove it to use this run")
     return root
 
 
@@ -174,7 +174,7 @@ def save_checkpoint(
         kept = [p.name for p in list_checkpoints(run_dir)]
         raise CheckpointError(f"{final}: cannot write the checkpoint ({reason}); nothing was lost: "
                               f"{', '.join(kept) if kept else 'no older checkpoint'} kept as it was, the "
-                              "temporary copy removed") from None  # fmt: skip
+                              "temporary copy removed") from None
     return commit_checkpoint(run_dir, step, tmp, keep)
 
 
@@ -283,7 +283,7 @@ def check_manifest(path: Path) -> bool:
             raise CheckpointError(f"{file}: not a regular file (a link?); refused")
         if info.st_size != entry.get("bytes") or _sha256(file) != entry.get("sha256"):
             raise CheckpointError(f"{file}: checksum mismatch (the file changed or is corrupt since it was "
-                                  "saved)")  # fmt: skip
+                                  "saved)")
     return True
 
 
@@ -370,7 +370,7 @@ DCP_INDEX_GLOBALS = frozenset({
       "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")),
     (f"{_DCP}.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
     ("pathlib", "PosixPath"),
-})  # fmt: skip
+})
 
 
 class _IndexUnpickler(pickle.Unpickler):
@@ -393,7 +393,7 @@ def read_dcp_index(index: Path) -> Any:
         metadata = _IndexUnpickler(io.BytesIO(read_bytes_inside(index))).load()
     except pickle.UnpicklingError as err:
         raise CheckpointError(f"{index}: refused: {err} (a shard index holds only DCP's metadata classes; "
-                              "nothing in it was run)") from None  # fmt: skip
+                              "nothing in it was run)") from None
     except Exception as err:  # a cut or foreign index, a link, a read error
         raise CheckpointError(f"{index}: unreadable shard index ({type(err).__name__})") from None
     storage = getattr(metadata, "storage_data", None) if isinstance(metadata, Metadata) else None
@@ -421,7 +421,7 @@ def load_dcp_value(data: bytes, where: str) -> Any:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         why = f"it calls {found.group(1)!r}" if found else first
         raise CheckpointError(f"{where}: refused to load: {why} (a checkpoint holds only tensors, numbers and "
-                              "strings)") from None  # fmt: skip
+                              "strings)") from None
 
 
 @cache
@@ -489,7 +489,7 @@ def whole_tensor(marker: dict) -> torch.Tensor:
 
 
 def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, proximal: Any = None,
-                 held_target=whole_tensor) -> Any:  # fmt: skip
+                 held_target=whole_tensor) -> Any:
     """Weights and optimizer state from ``path/dcp`` (a checkpoint N ranks wrote) into ``model`` (sharded or not)
     and ``optimizer``, resharded to this run's layout; returns ``proximal`` (the π_old strategy's state from
     state.pt) with its held tensors loaded into ``held_target(marker)`` (whole tensors by default; a sharded run's
@@ -528,7 +528,7 @@ class Checkpointer:
         model = self.learner.model
         state = {**state, "model": trainable_state_dict(model), "optimizer": self.optimizer.state_dict()}
         return save_checkpoint(run_dir, step, state, model, self.learner.tokenizer, keep=keep,
-                               export=self.learner.state_dict())  # fmt: skip
+                               export=self.learner.state_dict())
 
     def load(self, path: Path, state: dict[str, Any], proximal) -> None:
         if isinstance(state["model"], str) and state["model"] == SHARDED:  # written by N ranks: resharded to ours

@@ -43,14 +43,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         if name in TAKE_PLUGINS:
             p.add_argument("--plugins", action="append", default=[], metavar="MODULE[,MODULE]",
                            help="modules to import first: they register engines, rules, losses, rewards "
-                                "(docs/plugins.md); installed plugins load without it")  # fmt: skip
+                                "(docs/plugins.md); installed plugins load without it")
     return parser
 
 
 # `rollcorr train` takes dotted keys, not the audit's flags: the key each such flag means there
 TRAIN_KEYS = {"--sampler": "model.sampler", "--learner": "model.learner", "--model": "model.path",
               "--steps": "trainer.steps", "--seed": "trainer.seed", "--preset": "algorithm.correction.preset",
-              "--plugins": "plugins"}  # fmt: skip
+              "--plugins": "plugins"}
 
 
 def train_flag_hint(argv: list[str]) -> str | None:
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # said as it is when even saying why fails at the limit (made now, while there is memory to make it)
     last_words = (f"rollcorr {args.command}: out of memory; nothing is half-written (a training run's checkpoints "
-                  "are whole: --resume it with more memory)\n").encode()  # fmt: skip
+                  "are whole: --resume it with more memory)\n").encode()
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except Exception as err:  # a memory limit hit anywhere (any error: under `ulimit -v` many lose their MemoryError)
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             print(f"rollcorr {args.command}: out of memory ({_what_ran_out(err)}); nothing is "
                   "half-written (a training run's checkpoints are whole: --resume it with more memory)",
-                  file=sys.stderr)  # fmt: skip
+                  file=sys.stderr)
         except MemoryError:  # the check or the message ran out too: the words made before, and leave
             os.write(2, last_words)
             os._exit(1)

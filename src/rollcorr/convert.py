@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except (IndexError, KeyError, EOFError, struct.error, MemoryError) as err:  # the gguf reader on a cut file
         print(f"rollcorr gguf-to-hf: error: {str(args.gguf)!r} is not a readable GGUF file (truncated or corrupt: "
-              f"{type(err).__name__})", file=sys.stderr)  # fmt: skip
+              f"{type(err).__name__})", file=sys.stderr)
         return 2
     print(f"saved {out} (config.json, model.safetensors, tokenizer); use it as --model / model.path")
     return 0

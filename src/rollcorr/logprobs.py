@@ -294,7 +294,7 @@ def _kept_log_prob(z: Tensor, ids: Tensor, targets: Tensor) -> tuple[Tensor, Ten
 def _missing_error(missing: Tensor) -> ValueError:
     rows = missing.nonzero().flatten().tolist()
     return ValueError(f"{len(rows)} scored token(s) are not in their own kept set (rows {rows[:8]} of the flattened "
-                      "batch): kept_ids must be the sets the tokens were drawn from")  # fmt: skip
+                      "batch): kept_ids must be the sets the tokens were drawn from")
 
 
 class _KeptLogProb(torch.autograd.Function):
@@ -353,7 +353,7 @@ class _KeptLogProb(torch.autograd.Function):
 
 
 def logprobs_over_kept(hidden: Tensor, weight: Tensor, targets: Tensor, kept_ids: Tensor, *,
-                       temperature: float = 1.0) -> Tensor:  # fmt: skip
+                       temperature: float = 1.0) -> Tensor:
     """log π_S(target) (N,) of softmax(hidden @ weightᵀ / τ) renormalised over each row's kept set S.
 
     hidden (N, H), weight (V, H) (the lm-head, no bias), targets (N,), kept_ids (N, K) token ids with −1 for "no

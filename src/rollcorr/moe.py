@@ -181,7 +181,7 @@ def routing_add(
     dp = (rollout_log_prob.double().exp() - old_log_prob.double().exp()).abs()
     token_flipped = flips.any(-1)
     r = counts or {"tokens": 0, "layer": torch.zeros(flips.shape[-1], dtype=torch.float64), "any": 0,
-                   "total": 0.0, "on_flipped": 0.0, "groups": {g: [0, 0.0, None] for g in ("flipped", "unflipped")}}  # fmt: skip
+                   "total": 0.0, "on_flipped": 0.0, "groups": {g: [0, 0.0, None] for g in ("flipped", "unflipped")}}
     if r["layer"].numel() != flips.shape[-1]:
         return {"mismatch": True}
     r["tokens"] += int(valid.sum())
@@ -480,7 +480,7 @@ class RoutingFlips:
         m = routing_flip_metrics(part.routed_experts, own, part.response_mask)
         n = float(m["routing_tokens"])
         self.sums += torch.tensor([m["routing_flip_share"] * n, m["routing_flip_token_share"] * n, n],
-                                  dtype=torch.float64)  # fmt: skip
+                                  dtype=torch.float64)
 
     def metrics(self, total: Callable[[Tensor], Tensor] = lambda sums: sums) -> dict[str, float]:
         """The two shares from ``total(sums)`` (the sums over every rank; default: this process's)."""

@@ -51,7 +51,7 @@ def plugin_names(value: Any, key: str = "plugins") -> list[str]:
     bad = [n for n in names if not n or not all(part.isidentifier() for part in n.split("."))]
     if bad:
         raise PluginError(f"{key}: {bad[0]!r:.80} is not a module name (dotted Python names, e.g. my_pkg.rollcorr_ext; "
-                          "the module is found on the Python path or in the current folder)")  # fmt: skip
+                          "the module is found on the Python path or in the current folder)")
     return list(dict.fromkeys(names))  # in order, once each
 
 
@@ -115,7 +115,7 @@ def _import(module: str, where: str, hint: str = "") -> None:
     except ModuleNotFoundError as err:
         if err.name is not None and (module == err.name or module.startswith(err.name + ".")):
             raise PluginError(f"{where}: no module named {err.name!r} on the Python path or in the current "
-                              f"folder{hint}") from None  # fmt: skip
+                              f"folder{hint}") from None
         raise PluginError(f"{where}: failed while importing: {_said(err)}{hint}") from None
     except (Exception, SystemExit) as err:  # noqa: BLE001 — whatever the plugin raises is the plugin's failure
         raise PluginError(f"{where}: failed while importing: {_said(err)}{hint}") from None

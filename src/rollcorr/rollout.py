@@ -101,7 +101,7 @@ class Rollout:
             raise ValueError(f"group_ids has shape {tuple(self.group_ids.shape)}, expected {(b,)}")
         if self.observation_mask is not None and (self.observation_mask.bool() & self.response_mask.bool()).any():
             raise ValueError("a token is marked both as the model's (response_mask) and the environment's "
-                             "(observation_mask)")  # fmt: skip
+                             "(observation_mask)")
 
     @property
     def batch_size(self) -> int:
@@ -202,7 +202,7 @@ class Rollout:
         kept = self.log_kept_mass if self.log_kept_mass is not None else torch.zeros(valid.shape)
         columns = {"response_ids": (self.response_ids, 0), "response_mask": (self.response_mask.bool(), False),
                    "rollout_log_prob": (log_mu, 0.0), "log_kept_mass": (kept, 0.0), "version": (self.version, version),
-                   "observation_mask": (observed.bool(), True), "turn": (turn, None)}  # fmt: skip
+                   "observation_mask": (observed.bool(), True), "turn": (turn, None)}
         rows = {name: [col[i][valid[i]].tolist() for i in range(self.batch_size)] for name, (col, _) in columns.items()}
         for i, ids in observations.items():
             current = rows["turn"][i][-1] if rows["turn"][i] else 0
@@ -218,12 +218,12 @@ class Rollout:
             for i, ids in observations.items():
                 sets[i] = torch.cat([sets[i], sets[i].new_full((len(ids), sets[i].shape[1]), -1)])
             out["kept_ids"] = torch.stack([torch.nn.functional.pad(r, [0, 0, 0, width - r.shape[0]], value=-1)
-                                           for r in sets])  # fmt: skip
+                                           for r in sets])
         meta = [dict(m) for m in self.meta] if self.meta else [{} for _ in range(self.batch_size)]
         for i in observations:
             meta[i]["finished"] = False
         return self.replace(**out, meta=meta, rewards=None, old_log_prob=None, is_weights=None, kept_mask=None,
-                            advantages=None)  # fmt: skip
+                            advantages=None)
 
     def select(self, index: Tensor | list[int]) -> Rollout:
         """A new Rollout holding the rows in ``index`` (tensors indexed, ``meta`` picked)."""
@@ -271,14 +271,14 @@ class Rollout:
             elif f.name in ("observation_mask", "turn"):  # None is its zero: no observation, every token turn 0
                 kinds = {"observation_mask": torch.bool, "turn": torch.long}
                 values = [torch.zeros(r.response_ids.shape, dtype=kinds[f.name]) if v is None else v
-                          for r, v in zip(parts, values)]  # fmt: skip
+                          for r, v in zip(parts, values)]
                 out[f.name] = torch.cat([right(v, t, 0) for v in values])
             elif any(v is None for v in values):
                 raise ValueError(f"cannot concat rollouts where only some have {f.name}")
             elif f.name == "kept_ids":  # −1 pads both the positions and the kept sets
                 k = max(v.shape[2] for v in values)
                 out[f.name] = torch.cat([torch.nn.functional.pad(v, [0, k - v.shape[2], 0, t - v.shape[1]], value=-1)
-                                         for v in values])  # fmt: skip
+                                         for v in values])
             elif f.name in ("prompt_ids", "prompt_mask", "prompt_routed_experts"):
                 pad = pad_token_id if f.name == "prompt_ids" else 0
                 out[f.name] = torch.cat([left(v, p, pad) for v in values])

@@ -72,7 +72,7 @@ def open_inside(path: str | Path, flags: int, mode: int = 0o644) -> int:
     except OSError as err:
         if err.errno == errno.ELOOP:
             raise UnsafePathError(f"{path}: is a symbolic link; refused (a run folder's files are never "
-                                  "followed out of it)") from None  # fmt: skip
+                                  "followed out of it)") from None
         if err.errno == errno.EISDIR:
             raise UnsafePathError(f"{path}: is a directory, expected a file") from None
         raise
@@ -120,7 +120,7 @@ def check_inside_dir(path: str | Path, must_exist: bool = False) -> bool:
         return False
     if not stat.S_ISDIR(info.st_mode):
         raise UnsafePathError(f"{path}: is not a directory ({_kind(info.st_mode)}); refused (a run folder's "
-                              "entries are never followed out of it)")  # fmt: skip
+                              "entries are never followed out of it)")
     return True
 
 

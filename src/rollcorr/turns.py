@@ -67,7 +67,7 @@ def token_values(log_mu: Tensor, log_old: Tensor, mask: Tensor) -> dict[str, Ten
     clamped = lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     abs_diff = (log_mu.exp() - log_old.exp()).abs()
     out = {"abs_diff": abs_diff, "neg_log_ratio": -lr, "k3": clamped.exp() - 1.0 - clamped,
-           "small": (abs_diff < SMALL).double()}  # fmt: skip
+           "small": (abs_diff < SMALL).double()}
     for x in PROB_SHARES:
         out[f"ge_{x}"] = (abs_diff >= x).double()
     return {k: v * mask for k, v in out.items()}
@@ -116,7 +116,7 @@ class GroupSums:
         for x in PROB_SHARES:
             out[f"prob_diff_frac_ge_{x}"] = s[f"ge_{x}"] / n
         out.update(prob_diff_mean=s["abs_diff"] / n, prob_diff_max=float(self.max_abs_diff[lo:hi].max()),
-                   kl=s["neg_log_ratio"] / n, k3_kl=s["k3"] / n)  # fmt: skip
+                   kl=s["neg_log_ratio"] / n, k3_kl=s["k3"] / n)
         out.update({key: s[name] / n for key, name in extra.items() if name in s})
         return out
 
@@ -132,7 +132,7 @@ class TurnStats:
         self.sources: set[str] = set()
 
     def feed(self, log_mu: Tensor, log_old: Tensor, mask: Tensor, turn: Tensor | None = None,
-             extra: dict[str, Tensor] | None = None) -> None:  # fmt: skip
+             extra: dict[str, Tensor] | None = None) -> None:
         """A (B, T) batch: the sampler's and the learner's log-probs, the model's tokens, the turn field if any,
         the extra per-token values (0 off the mask)."""
         mask = mask.bool()
@@ -166,7 +166,7 @@ class TurnStats:
             if not self.by_place.tokens[start:end].sum():
                 continue
             for key, value in {"start": start, "end": end, **_scaled(self.by_place.keys(start, end, self.extra),
-                                                                      scale)}.items():  # fmt: skip
+                                                                      scale)}.items():
                 profile.setdefault(key, []).append(value)
         return {"turns_from": " and ".join(sorted(self.sources)), "turns": turns, "position_in_turn": profile}
 

@@ -116,14 +116,14 @@ def waiting() -> str | None:
 
 
 def call_user(fn: Callable[..., Any], *args: Any, what: str, timeout: float | None = None,
-              timeout_key: str | None = None) -> Any:  # fmt: skip
+              timeout_key: str | None = None) -> Any:
     """``fn(*args)`` on this thread's worker: its value, or ``UserCodeError`` naming ``what`` (see the module
     docstring). ``timeout``: seconds (None: no limit); ``timeout_key``: the setting that sets it, for the message."""
     return call_each(fn, [args], lambda _: what, timeout, timeout_key)[0]
 
 
 def call_each(fn: Callable[..., Any], calls: Sequence[tuple], what: Callable[[int], str],
-              timeout: float | None = None, timeout_key: str | None = None, workers: int = 1) -> list[Any]:  # fmt: skip
+              timeout: float | None = None, timeout_key: str | None = None, workers: int = 1) -> list[Any]:
     """``[fn(*args) for args in calls]`` as ``call_user`` makes each call (``what(i)`` names call i, ``timeout``
     bounds each), handed to the worker at once: one thread switch per batch, not per call. ``workers`` > 1
     shares the calls out among that many workers, which run side by side (worker w takes calls w, w + workers,

@@ -211,10 +211,10 @@ def run(args: argparse.Namespace) -> int:
         if own and recorded is None and info.correction is not None:  # recorded only by rows further on
             if not Path(path).is_file():
                 raise ValueError(f"{path}: only rows after the first ones record a correction; name it with "
-                                 "--preset or --config (a stream cannot be read twice)")  # fmt: skip
+                                 "--preset or --config (a stream cannot be read twice)")
             config, source = load_config(None, None, args.overrides, args.dialect, info.correction)
             reader = open_dump(path, rollout_field=args.rollout_field, learner_field=args.learner_field,
-                               mask_field=args.mask_field, advantages_field=args.advantages_field)  # fmt: skip
+                               mask_field=args.mask_field, advantages_field=args.advantages_field)
             analysis = analyze_reader(reader, config, source, top=max(args.top, 1))
     except (ValueError, FileNotFoundError, ImportError) as error:
         err.print(f"[bold red]rollcorr analyze:[/] {escape(str(error))}", highlight=False)
@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
             write_json(analysis, args.json_out)
         except OSError as error:
             err.print(f"[bold red]rollcorr analyze:[/] --json {escape(str(args.json_out))}: cannot write "
-                      f"({escape(error.strerror or str(error))})", highlight=False)  # fmt: skip
+                      f"({escape(error.strerror or str(error))})", highlight=False)
             return 2
         console.print(f"wrote {args.json_out}")
     return 0

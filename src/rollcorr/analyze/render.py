@@ -233,12 +233,12 @@ def _turns(analysis: Analysis) -> list[Any]:
         return []
     weighted = any("weight_mean" in r for r in t["turns"])
     columns = {"turn": "right", "responses": "right", "tokens": "right", "|Δp| ≥ 0.01": "right", "mean |Δp|": "right",
-               "k3": "right", "rejected": "right", **({"mean weight": "right"} if weighted else {})}  # fmt: skip
+               "k3": "right", "rejected": "right", **({"mean weight": "right"} if weighted else {})}
     table = _table(f"Per turn (turns from {t['turns_from']})", columns)
     for r in t["turns"]:
         table.add_row(str(r["turn"] + 1), str(r["responses"]), str(r["tokens"]), _percent(r["prob_diff_frac_ge_0.01"]),
                       fmt(r["prob_diff_mean"]), fmt(r["k3_kl"]), _percent(r["rejected_share"]),
-                      *([fmt(r["weight_mean"])] if weighted else []))  # fmt: skip
+                      *([fmt(r["weight_mean"])] if weighted else []))
     return ["", table]
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 _HOMES = {"AuditData": "collect", "builtin_prompts": "collect", "collect": "collect", "from_log": "collect",
           "from_rollout": "collect", "load_prompts": "collect", "build_summary": "report",
-          "print_summary": "report", "render_html": "report", "write_report": "report", "audit_stats": "stats"}  # fmt: skip
+          "print_summary": "report", "render_html": "report", "write_report": "report", "audit_stats": "stats"}
 
 __all__ = sorted(_HOMES)
 

@@ -144,7 +144,7 @@ def learner_routing(learner, rollout: Rollout, batch_size: int = 64) -> Tensor |
     mode, learner.routing_replay = learner.routing_replay, None  # the learner's own choice
     try:
         parts = [learner.routed_experts(rollout.select(range(i, min(i + batch_size, rollout.batch_size))))
-                 for i in range(0, rollout.batch_size, batch_size)]  # fmt: skip
+                 for i in range(0, rollout.batch_size, batch_size)]
     finally:
         learner.routing_replay = mode
     return torch.cat(parts)
@@ -171,7 +171,7 @@ def from_rollout(
     if rollout.old_log_prob is None or rollout.rollout_log_prob is None:
         raise ValueError("the rollout needs both rollout_log_prob and old_log_prob")
     if sampler_dist == "keep_mask" and rollout.kept_ids is None and rollout.log_kept_mass is not None \
-            and bool((rollout.log_kept_mass != 0).any()):  # fmt: skip
+            and bool((rollout.log_kept_mass != 0).any()):
         raise ValueError("sampler_dist='keep_mask' needs a rollout sampled with its kept sets (Rollout.kept_ids)")
     log_mu = rollout.rollout_log_prob
     mask = rollout.response_mask.bool()

@@ -57,14 +57,14 @@ def parse_changes(text: str | None, spec: str) -> list[str]:
     named = [c.strip() for c in text.split(",") if c.strip()]
     if not named:  # "," or " , ": a list of nothing would measure nothing and say nothing
         raise ValueError(f"--whatif {text!r}: names no change; give some of {', '.join(CHANGES)} (comma-separated), "
-                         "or --whatif alone for the ones that apply to the sampler")  # fmt: skip
+                         "or --whatif alone for the ones that apply to the sampler")
     out = []
     for change in named:
         if change not in CHANGES:
             raise ValueError(f"--whatif: unknown change {change!r}; use any of {', '.join(CHANGES)}")
         if change in IN_PROCESS and not backend.in_process:
             raise ValueError(f"--whatif {change}: needs the sampler's modules in this process (an "
-                             f"{' / '.join(backends_that('in_process'))} sampler); {spec} runs its own kernels")  # fmt: skip
+                             f"{' / '.join(backends_that('in_process'))} sampler); {spec} runs its own kernels")
         if change in FLOAT_DTYPES:
             try:
                 changed_spec(spec, change)
@@ -84,7 +84,7 @@ def _table(log_mu: torch.Tensor, log_old: torch.Tensor, mask: torch.Tensor) -> d
 
     stats = audit_stats(log_mu, log_old, mask)
     return {**stats["probability"], "k3_kl": stats["divergence"]["k3_kl"], "verdict_level": stats["verdict_level"]["level"],
-            "n_tokens": stats["n_tokens"]}  # fmt: skip
+            "n_tokens": stats["n_tokens"]}
 
 
 @torch.no_grad()
@@ -100,13 +100,13 @@ def batch_component(sampler, rollout) -> dict[str, Any]:
     targets, p = rollout.response_ids.to(device), rollout.prompt_ids.shape[1]
     together = response_log_probs(model, ids, mask, p, targets, 1.0)
     alone = torch.cat([response_log_probs(model, ids[i : i + 1], mask[i : i + 1], p, targets[i : i + 1], 1.0)
-                       for i in range(ids.shape[0])])  # fmt: skip
+                       for i in range(ids.shape[0])])
     valid = rollout.response_mask.bool()
     return _table(alone.cpu().float(), together.cpu().float(), valid)
 
 
 def run_whatif(changes: list[str], spec: str, make_sampler: Callable[..., Any], sample_and_score: Callable[[Any], Any],
-               sampler, rollout, on_change: Callable[[str], None] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+               sampler, rollout, on_change: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """One row per change. ``make_sampler(spec, **kwargs)`` builds a sampler like the audited one;
     ``sample_and_score(sampler)`` samples the audit's prompts with it and returns their ``AuditData``; ``sampler``
     and ``rollout`` are the audited ones (for ``batch``)."""
@@ -116,7 +116,7 @@ def run_whatif(changes: list[str], spec: str, make_sampler: Callable[..., Any], 
             on_change(change)
         if change == "batch":
             rows.append({"change": change, "sampler": spec, "what": "each response alone vs one batch, the sampler's "
-                         "forward of the same tokens", **batch_component(sampler, rollout)})  # fmt: skip
+                         "forward of the same tokens", **batch_component(sampler, rollout)})
             continue
         new_spec, kwargs = (spec, {"head_fp32": True}) if change == "lm_head_fp32" else (changed_spec(spec, change), {})
         other = make_sampler(new_spec, **kwargs)

@@ -170,11 +170,11 @@ class RollcorrGRPOTrainer(GRPOTrainer):
         self._kept = None if kept is None else trl_kept_ids(completion_ids, kept, self._policy())  # for π_old
         if self.routing_replay:  # from here on, TRL's scoring forwards replay the sampler's experts
             self._sampler_routes = trl_routing(prompt_ids, completion_ids, extra.pop("routed_experts", None),
-                                               extra.pop("prompt_routed_experts", None))  # fmt: skip
+                                               extra.pop("prompt_routed_experts", None))
             self._replay.set(self._sampler_routes)
         elif self.dump_path is not None and extra.get("routed_experts") is not None:  # for the dump only
             self._sampler_routes = trl_routing(prompt_ids, completion_ids, extra["routed_experts"],
-                                               extra.get("prompt_routed_experts"))  # fmt: skip
+                                               extra.get("prompt_routed_experts"))
         return result
 
     def _generate_and_score_completions(self, inputs):
@@ -230,7 +230,7 @@ class RollcorrGRPOTrainer(GRPOTrainer):
                 self.dump_path, sampling, old, mask, advantages=out["advantages"], tokens=out["completion_ids"],
                 extras={"step": [self.state.global_step] * b, "batch": [self._rollcorr_step] * b},
                 tokenizer=self.processing_class, correction=self.correction, **self._dump_routing(out, mask),
-            )  # fmt: skip
+            )
         self._rollcorr_step += 1
         return out
 
@@ -263,7 +263,7 @@ class RollcorrGRPOTrainer(GRPOTrainer):
         weight = policy.get_output_embeddings().weight.to(states.dtype)
         ids = torch.nn.functional.pad(kept, [0, 0, 0, max(keep - kept.shape[1], 0)], value=-1)[:, :keep]
         logps = logprobs_over_kept(states.flatten(0, 1), weight, input_ids[:, -keep:].flatten(),
-                                   ids.to(states.device).flatten(0, 1), temperature=self.temperature)  # fmt: skip
+                                   ids.to(states.device).flatten(0, 1), temperature=self.temperature)
         return logps.view(states.shape[:2]), entropies, aux
 
     def _scored(self, model, *args, **kwargs):
@@ -271,7 +271,7 @@ class RollcorrGRPOTrainer(GRPOTrainer):
         batch (π_old) also records its routers' own choice (``capture_routing(own=True)``)."""
         collect = self._own_routing
         if (collect is None or collect or self._sampler_routes is None or torch.is_grad_enabled()
-                or model is not self.model):  # fmt: skip
+                or model is not self.model):
             return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
         with capture_routing(self.accelerator.unwrap_model(model), own=True) as recorder:
             result = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
@@ -287,7 +287,7 @@ class RollcorrGRPOTrainer(GRPOTrainer):
         logps, _, _ = self._get_per_token_logps_and_entropies(
             self.model, ids, attention, out["completion_ids"].size(1),
             batch_size=self.args.per_device_train_batch_size,
-        )  # fmt: skip
+        )
         return logps
 
     def _compute_loss(self, model, inputs):
@@ -343,7 +343,7 @@ class SamplerRollout:
     def __init__(
         self, spec: str, model_path: str | Path | None = None, *, seed: int | None = 0, top_k: int = 0,
         keep_mask: bool = True, **sampler_kwargs: Any,
-    ) -> None:  # fmt: skip
+    ) -> None:
         from rollcorr.engines import parse_spec
 
         self.spec = str(parse_spec(spec))  # a bad spec fails here, before TRL starts
@@ -389,7 +389,7 @@ class SamplerRollout:
             from rollcorr.engines.spec import check_kept_ids
 
             check_kept_ids(self.spec, True, "SamplerRollout", "pass keep_mask=False (the kept mass then stays in "
-                           "every ratio)")  # fmt: skip
+                           "every ratio)")
         self.calls += 1
         rollout = sampler.generate(prompt_ids, params)
         mask = rollout.response_mask.bool()
@@ -401,7 +401,7 @@ class SamplerRollout:
         }
         if rollout.kept_ids is not None:  # the keep mask: each token's kept set, −1 padding dropped
             out["kept_ids"] = [[[t for t in ids if t >= 0] for ids in rollout.kept_ids[b][mask[b]].tolist()]
-                               for b in range(len(prompt_ids))]  # fmt: skip
+                               for b in range(len(prompt_ids))]
         if rollout.routed_experts is not None:  # a mixture of experts: its routing, for routing_replay="r3"
             prompt_mask = rollout.prompt_mask.bool()
             out["routed_experts"] = [rollout.routed_experts[b][mask[b]].tolist() for b in range(len(prompt_ids))]
@@ -453,7 +453,7 @@ def trl_kept_ids(completion_ids: list[list[int]], kept: list, model: Any) -> tor
     text = model.config.get_text_config()
     if getattr(text, "final_logit_softcapping", None) or getattr(text, "logit_scale", None) not in (None, 1, 1.0):
         raise ValueError("kept_ids: the keep mask scores the plain lm-head, and this model scales or caps its logits; "
-                         "pass keep_mask=False to the rollout_func")  # fmt: skip
+                         "pass keep_mask=False to the rollout_func")
     if len(kept) != len(completion_ids) or any(len(k) != len(c) for k, c in zip(kept, completion_ids)):
         raise ValueError("kept_ids: the rollout_func must return one kept set per completion token")
     width = max([len(ids) for sets in kept for ids in sets] + [1])

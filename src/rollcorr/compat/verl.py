@@ -123,7 +123,7 @@ def _registered(mode: str) -> PolicyLossFn:
         return policy_loss_by_mode(
             mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
             clip_ratio_c=clip_c, rollout_is_weights=rollout_is_weights, strict_verl=strict_verl, **kwargs,
-        )  # fmt: skip
+        )
 
     loss_fn.__name__ = loss_fn.__qualname__ = f"compute_policy_loss_{mode}"
     loss_fn.__doc__ = f"verl's registered ``{mode}`` policy loss (rollcorr.compat.verl_losses)."
@@ -155,7 +155,7 @@ def compute_policy_loss_reinforce(
     return _reinforce(
         rollout_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
         strict_verl=strict_verl,
-    )  # fmt: skip
+    )
 
 
 def compute_policy_loss_bypass_mode(
@@ -221,7 +221,7 @@ class _PolicyLosses(dict):
 
     def _catalogue(self) -> dict[str, PolicyLossFn]:
         found = {mode: getattr(sys.modules[__name__], f"compute_policy_loss_{mode}") for mode in verl_modes()
-                 if mode != "reinforce"}  # fmt: skip
+                 if mode != "reinforce"}
         found.update({f"rollcorr_{name}": _rollcorr_loss(name) for name in extra_losses()})
         return {name: fn for name, fn in found.items() if not dict.__contains__(self, name)}
 

@@ -96,7 +96,7 @@ def policy_loss_by_mode(
                     clip_ratio_high, clip_ratio_c,
                     {"tau_pos": tau_pos, "tau_neg": tau_neg, "clip_cov_ratio": clip_cov_ratio, "clip_cov_lb": clip_cov_lb,
                      "clip_cov_ub": clip_cov_ub, "kl_cov_ratio": kl_cov_ratio, "ppo_kl_coef": ppo_kl_coef,
-                     "dro_beta": dro_beta}, generator, strict_verl)  # fmt: skip
+                     "dro_beta": dro_beta}, generator, strict_verl)
     loss, metrics, forced_agg, denominator = spec.call_as_verl(call)  # the spec's own adapter (rollcorr.losses)
     loss_agg_mode = forced_agg or loss_agg_mode
     if denominator == "batch":  # geo_mean: plain mean of the (B,) sequence losses, no global-batch info

@@ -138,7 +138,7 @@ def _normalise_rules(rules: Any) -> dict[str, dict[str, Any]]:
         rules = dict.fromkeys(rules)
     if not isinstance(rules, Mapping):
         raise ValueError(f"rules must map rule names to their options, e.g. {{my_rule: {{limit: 1.05}}}}, got "
-                         f"{rules!r:.80}")  # fmt: skip
+                         f"{rules!r:.80}")
     out: dict[str, dict[str, Any]] = {}
     for name, options in rules.items():
         if not isinstance(name, str) or not name:
@@ -183,7 +183,7 @@ class CorrectionConfig:
         _choice("loss_type", self.loss_type, LOSS_TYPES)
         if self.loss_type == "reinforce" and self.mode != "bypass":  # the trainer's rule, for every entry point
             raise ValueError("loss_type='reinforce' applies in bypass mode only (the weight π_θ/μ replaces the PPO "
-                             "ratio; verl: bypass_mode: true); decoupled corrections use loss_type='ppo_clip'")  # fmt: skip
+                             "ratio; verl: bypass_mode: true); decoupled corrections use loss_type='ppo_clip'")
         _choice("is_level", self.is_level, (None, *IS_LEVELS))
         _choice("is_mode", self.is_mode, IS_MODES)
         _choice("batch_norm_scope", self.batch_norm_scope, BATCH_NORM_SCOPES)

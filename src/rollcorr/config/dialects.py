@@ -348,7 +348,7 @@ def from_openrlhf(data: Mapping[str, Any]) -> CorrectionConfig:
     for key in sorted(bare):
         if data[key] != data[_OPENRLHF_PREFIX + key]:
             raise ValueError(f"openrlhf: {key}={data[key]!r} and {_OPENRLHF_PREFIX}{key}="
-                             f"{data[_OPENRLHF_PREFIX + key]!r} disagree; give one of them")  # fmt: skip
+                             f"{data[_OPENRLHF_PREFIX + key]!r} disagree; give one of them")
     d = _check_keys("openrlhf", {k.removeprefix(_OPENRLHF_PREFIX): v for k, v in data.items()}, OPENRLHF_KEYS)
     enabled = _flag("openrlhf", "is_correction_enable", d.get("is_correction_enable", False))
     window = d.get("is_correction_threshold", (0.5, 5.0))

@@ -25,7 +25,7 @@ def _verl(is_level=None, is_threshold=2.0, rs=None, rs_threshold=None, bypass=Fa
     if isinstance(is_threshold, tuple):
         is_threshold = f"{is_threshold[0]}_{is_threshold[1]}"
     return from_verl({"rollout_is": is_level, "rollout_is_threshold": is_threshold, "rollout_rs": rs,
-                      "rollout_rs_threshold": rs_threshold, "bypass_mode": bypass, "loss_type": loss_type})  # fmt: skip
+                      "rollout_rs_threshold": rs_threshold, "bypass_mode": bypass, "loss_type": loss_type})
 
 
 # ---- verl (RolloutCorrectionConfig classmethods) ------------------------------------------------
@@ -140,12 +140,12 @@ def opsm(delta: float = 1e-4) -> CorrectionConfig:
 def _nemo_rl(kind: str, ratio: float, ratio_min: float | None) -> CorrectionConfig:
     return from_nemo_rl({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": kind,
                          "truncated_importance_sampling_ratio": ratio,
-                         "truncated_importance_sampling_ratio_min": ratio_min})  # fmt: skip
+                         "truncated_importance_sampling_ratio_min": ratio_min})
 
 
 def _openrlhf(kind: str, low: float, high: float) -> CorrectionConfig:
     return from_openrlhf({"is_correction_enable": True, "is_correction_threshold": [low, high],
-                          "is_correction_type": kind})  # fmt: skip
+                          "is_correction_type": kind})
 
 
 def trl_sequence_mask(clip_max: float = 3.0) -> CorrectionConfig:
@@ -218,7 +218,7 @@ def openrlhf_seq_mask_tis(low: float = 0.5, high: float = 5.0) -> CorrectionConf
 
 
 def prime_rl_masked_is(token_low: float = 0.125, token_high: float = 8.0, geo_low: float = 0.1,
-                       geo_high: float = 10.0) -> CorrectionConfig:  # fmt: skip
+                       geo_high: float = 10.0) -> CorrectionConfig:
     """prime-rl's former default: token mask [1/8, 8] and geometric sequence mask [0.1, 10]."""
     return CorrectionConfig(
         rs=("token_k1", "seq_mean_k1"),

@@ -56,7 +56,7 @@ def _plain_numbers() -> dict:
     table = {}
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items():
         table[first] = [(tag, _INT if tag == "tag:yaml.org,2002:int" else _FLOAT if tag == "tag:yaml.org,2002:float"
-                         else regexp) for tag, regexp in resolvers]  # fmt: skip
+                         else regexp) for tag, regexp in resolvers]
     for first in "iI":  # plain inf: the resolvers are looked up by a scalar's first character
         table.setdefault(first, []).insert(0, ("tag:yaml.org,2002:float", _FLOAT))
     return table
@@ -99,7 +99,7 @@ class _BoundedLoader(yaml.SafeLoader):
                     continue
                 if first is not key_node.start_mark:
                     self._fail(f"key {excerpt(key, 60)} appears twice in one mapping (first at line "
-                               f"{first.line + 1}); keep one", key_node.start_mark)  # fmt: skip
+                               f"{first.line + 1}); keep one", key_node.start_mark)
         return super().construct_mapping(node, deep=deep)
 
 
@@ -130,7 +130,7 @@ def load_yaml(text: str, source: str = "YAML") -> Any:
             return None
         if _expanded_size(node, {}) > MAX_NODES:
             raise YamlError(f"{source}: expands to more than {MAX_NODES:,} values through its aliases (a YAML "
-                            "alias bomb?); refused")  # fmt: skip
+                            "alias bomb?); refused")
         return loader.construct_document(node)
     except yaml.YAMLError as err:
         where = getattr(err, "problem_mark", None)

@@ -29,7 +29,7 @@ DIAGNOSTIC_METRICS = frozenset({
     "prob_diff_seq_max_mean", "prob_diff_seq_mean_mean", "prob_diff_mean", "prob_diff_max", "prob_diff_frac_lt_1e-3",
     "prob_diff_frac_ge_0.01", "prob_diff_frac_ge_0.05", "prob_diff_frac_ge_0.1", "prob_pearson",
     "discrepancy_k3", "drift_k3", "total_k3",
-})  # fmt: skip
+})
 PPL_LOG_CAP = 80.0  # rollcorr's PPL metrics saturate at e^80 (finite in float32); verl's overflow to inf
 
 
@@ -96,7 +96,7 @@ def is_metrics(
     return is_metrics_from_sums(
         tok, upper, lower, mode, row_log=row_log, w_sum=w.sum(), w_sq=w_sq, w_row_sum=w.sum(dim=-1),
         raw_row_sum=raw.sum(dim=-1), **extra,
-    )  # fmt: skip
+    )
 
 
 def is_metrics_from_sums(
@@ -275,7 +275,7 @@ def offpolicy_metrics(tok: Tokens, k3: Tensor | None = None) -> Metrics:
     return offpolicy_from_sums(
         tok, old_row=tok.anchor.sum(dim=-1), roll_row=tok.rollout.sum(dim=-1), lr_row=lr.sum(dim=-1),
         lr_sum=lr.sum(), k3_sum=k3.sum(), rho2_sum=rho2,
-    )  # fmt: skip
+    )
 
 
 def offpolicy_from_sums(
@@ -348,7 +348,7 @@ def divergence_metrics(
     return divergence_from_sums(
         tok, k3_sum=k3.sum(), policy_kl_sum=policy_kl, js_sum=js, e_abs_sum=e_abs,
         lr_sum=tok.log_ratio.sum(), abs_sum=torch.abs(lr, out=b).sum(),
-    )  # fmt: skip
+    )
 
 
 def divergence_from_sums(
@@ -423,7 +423,7 @@ def _prob_mismatch(
         n, count, p_old_sum=sa, p_rollout_sum=sb, p_old_sq_sum=saa, p_rollout_sq_sum=sbb, p_cross_sum=sab,
         d_row_max=d.amax(dim=-1), d_row_sum=d.sum(dim=-1),
         small_diff_count=_count(torch.lt(d, 1e-3, out=flag), dtype) - num_pad, ge=counts,  # padding has d = 0
-    )  # fmt: skip
+    )
 
 
 PROB_SHARES = (0.01, 0.05, 0.1)  # |Δp| thresholds of the prob_diff_frac_ge_* shares
@@ -519,7 +519,7 @@ def metrics_to_floats(metrics: dict[str, Tensor | float]) -> dict[str, float]:
             by_dtype.setdefault(value.dtype, []).append(key)
     with torch.no_grad():  # the stack of tensors that require grad is not recorded (as with detach)
         parts = [torch.stack([v if v.dim() == 0 else v.reshape(()) for v in (metrics[k] for k in keys)])
-                 for keys in by_dtype.values()]  # fmt: skip
+                 for keys in by_dtype.values()]
         flat = torch.cat([p.to(torch.float64) for p in parts]) if parts else None
     names = (k for keys in by_dtype.values() for k in keys)
     read = dict(zip(names, flat.tolist() if flat is not None else []))

@@ -281,7 +281,7 @@ def check_rules(config: CorrectionConfig) -> None:
             outside = sorted(kind for kind, r in by_kind.items() if r.by_name)
             why = "a built-in rule, set by its own fields" if rule is not None else "no registered rule"
             raise ValueError(f"rules: {name!r} is {why}; rules registered from outside: {outside or 'none'} (a "
-                             "plugin registers one: docs/plugins.md)")  # fmt: skip
+                             "plugin registers one: docs/plugins.md)")
         rule.instances(config)  # its options, parsed by the rule
 
 
@@ -350,7 +350,7 @@ def _rs_apply(option: str, threshold: Any, stats: Statistics, context: dict) -> 
             option, threshold, None, stats.rows,
             row_sum=stats.row_sum(stat) if kind in ("seq_sum", "seq_mean") else None,
             row_max=stats.row_max(stat) if kind == "seq_max" else None,
-        )  # fmt: skip
+        )
     stat_value = r.token_stat if r.token_keep is not None else r.row_stat
     return RuleOutcome(option, r.token_keep, r.row_keep, stat_value, r.lower, r.upper, threshold, rs=r)
 
@@ -397,7 +397,7 @@ def _veto_metrics(outcomes: list[RuleOutcome], rows: Rows) -> dict[str, Tensor]:
 
 def _trm_active(config: CorrectionConfig) -> list[tuple[str, Any]]:
     return [(name, v) for name, v in (("trm_max_k2", config.trm_max_k2), ("trm_mean_k3", config.trm_mean_k3))
-            if v is not None]  # fmt: skip
+            if v is not None]
 
 
 def _trm_apply(name: str, delta: float, stats: Statistics, context: dict) -> RuleOutcome:
@@ -441,9 +441,9 @@ def _opsm_metrics(outcomes: list[RuleOutcome], rows: Rows) -> dict[str, Tensor]:
 
 
 register_rule(Rule("rs", _rs_reductions, _rs_apply, _rs_metrics,
-                   active=lambda c: list(zip(c.rs, c.rs_thresholds))))  # fmt: skip
+                   active=lambda c: list(zip(c.rs, c.rs_thresholds))))
 register_rule(Rule("veto", lambda name, limit: None, _veto_apply, _veto_metrics, active=_veto_active))
 register_rule(Rule("trm", lambda name, delta: frozenset({"max_k2", "sum_k3"}), _trm_apply, _trm_metrics,
-                   active=_trm_active))  # fmt: skip
+                   active=_trm_active))
 register_rule(Rule("opsm", lambda name, delta: None, _opsm_apply, _opsm_metrics,
-                   active=lambda c: [] if c.opsm_delta is None else [("opsm", c.opsm_delta)]))  # fmt: skip
+                   active=lambda c: [] if c.opsm_delta is None else [("opsm", c.opsm_delta)]))

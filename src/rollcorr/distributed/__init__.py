@@ -19,4 +19,4 @@ from rollcorr.distributed.ranks import ONE_PROCESS, DistributedError, Ranks
 from rollcorr.distributed.split import SplitError, rank_rows
 
 __all__ = ["ONE_PROCESS", "DistributedError", "ProcessGroup", "Ranks", "SplitError", "close", "init_from_env",
-           "join", "launched", "rank_rows"]  # fmt: skip
+           "join", "launched", "rank_rows"]

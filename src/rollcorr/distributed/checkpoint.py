@@ -75,12 +75,12 @@ def shard_held(held: dict[str, dict[str, torch.Tensor]], model: nn.Module) -> No
                 key = (value.untyped_storage().data_ptr(), value.storage_offset())
                 if key not in done:
                     done[key] = distribute_tensor(value.to(live[name].device), live[name].device_mesh,
-                                                  live[name].placements, src_data_rank=None)  # fmt: skip
+                                                  live[name].placements, src_data_rank=None)
                 copy[name] = done[key]
 
 
 def load_full(model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor],
-              optim_state: dict[str, Any]) -> None:  # fmt: skip
+              optim_state: dict[str, Any]) -> None:
     """A one-process checkpoint's full weights and ``optimizer.state_dict()`` into a sharded model: every rank
     keeps its shards. The optimizer's parameter ids are renamed to parameter names first (the form
     ``set_optimizer_state_dict`` reads)."""

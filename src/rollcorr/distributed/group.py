@@ -119,7 +119,7 @@ class ProcessGroup(Ranks):
         options = fsdp_options(**fsdp)
         if layout == "auto":  # a learner that cannot be sharded (``can_shard``) is replicated
             fits = replicate.fits_replicated(replicate.training_state_bytes(learner.model),
-                                             replicate.rank_memory_bytes(self))  # fmt: skip
+                                             replicate.rank_memory_bytes(self))
             fits = fits or not getattr(learner, "can_shard", True)
             layout = "replicate" if self.all_true(fits and options == fsdp_options()) else "shard"
         self.layout = layout
@@ -175,7 +175,7 @@ def launched() -> bool:
         raise DistributedError(f"{', '.join(present)} {'is' if len(present) == 1 else 'are'} set in the environment, "
                                "but this process was not started by torchrun (no TORCHELASTIC_RUN_ID): unset "
                                f"{' '.join(present)} (left over from another job?), or start the run with `torchrun "
-                               "--nproc-per-node N -m rollcorr train ...` or trainer.ranks=N")  # fmt: skip
+                               "--nproc-per-node N -m rollcorr train ...` or trainer.ranks=N")
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
@@ -196,7 +196,7 @@ def init_from_env(device: str | None = None, timeout_s: float = COLLECTIVE_TIMEO
     missing = [key for key in ENV_KEYS if key not in os.environ]
     if missing:
         raise DistributedError(f"not started by torchrun: {', '.join(missing)} not set (start it with "
-                               "`torchrun --nproc-per-node N -m rollcorr train ...` or trainer.ranks=N)")  # fmt: skip
+                               "`torchrun --nproc-per-node N -m rollcorr train ...` or trainer.ranks=N)")
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     if device is None:
         device = "cuda" if torch.cuda.is_available() and local < torch.cuda.device_count() else "cpu"
@@ -206,7 +206,7 @@ def init_from_env(device: str | None = None, timeout_s: float = COLLECTIVE_TIMEO
     backend = backend_for(dev)
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world, device_id=dev if dev.type == "cuda" else None,
-                                timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+                                timeout=datetime.timedelta(seconds=timeout_s))
         atexit.register(_leave_at_exit)
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -230,7 +230,7 @@ def joined(ranks: Ranks, timeout_s: float = JOIN_TIMEOUT_S) -> None:
         missing = sorted({int(r) for r in re.findall(r"[Rr]anks? (\d+)", str(err))} - {ranks.rank})
         who = f"rank(s) {', '.join(map(str, missing))}" if missing else "a rank"
         raise DistributedError(f"{who} of {ranks.world} did not join within {timeout_s:.0f} s (stopped, crashed, or "
-                               "started with other arguments); every rank stopped") from None  # fmt: skip
+                               "started with other arguments); every rank stopped") from None
 
 
 def agree(ranks: Ranks, facts: dict[str, Any]) -> None:
@@ -248,7 +248,7 @@ def agree(ranks: Ranks, facts: dict[str, Any]) -> None:
             if reference.get(key) != other.get(key):
                 raise DistributedError(f"rank {rank} was started differently from rank 0: {key} is "
                                        f"{other.get(key)!r} there, {reference.get(key)!r} on rank 0; every rank must "
-                                       "get the same command line and files (nothing was trained)")  # fmt: skip
+                                       "get the same command line and files (nothing was trained)")
 
 
 LEAVE_TIMEOUT_S = 10.0  # how long leaving the group at exit may take (a peer stuck in a collective never holds it)

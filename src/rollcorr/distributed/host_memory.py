@@ -85,7 +85,7 @@ class HostMemory:
 
     @classmethod
     def open(cls, rank: int, world: int, broadcast, all_true, barrier, timeout_s: float,
-             chunk_bytes: int = CHUNK_BYTES) -> HostMemory | None:  # fmt: skip
+             chunk_bytes: int = CHUNK_BYTES) -> HostMemory | None:
         """Every rank's ``HostMemory`` over one mapping (a collective); None on every rank when /dev/shm cannot
         hold it or a rank cannot map it (another host). ``broadcast(obj)`` → rank 0's ``obj`` on every rank,
         ``all_true(flag)`` → whether ``flag`` holds on every rank, ``barrier()`` (the group's, over gloo);
@@ -137,7 +137,7 @@ class HostMemory:
             sizes = self.flags[:, SIZE + half_index].tolist()
             if len(set(sizes)) > 1:
                 raise CollectiveFailed(f"a collective got tensors of different sizes on the ranks ({sizes} bytes "
-                                       "in rank order): every rank must pass the same shape and dtype")  # fmt: skip
+                                       "in rank order): every rank must pass the same shape and dtype")
         return half
 
     def _exchanged(self, flat: Tensor):
@@ -182,7 +182,7 @@ class HostMemory:
         if any(size + HEADER_BYTES > self.chunk_bytes for size in sizes):
             return fallback(obj)
         return [obj if r == self.rank else pickle.loads(half[r, HEADER_BYTES : HEADER_BYTES + size].numpy().tobytes())
-                for r, size in enumerate(sizes)]  # fmt: skip
+                for r, size in enumerate(sizes)]
 
 
 class SpinBarrier:
@@ -224,10 +224,10 @@ class SpinBarrier:
         for r in late:
             if not _running(self.pids[r]):
                 raise CollectiveFailed(f"rank {r} (process {self.pids[r]}) exited while rank {self.rank} waited for it "
-                                       "in a collective")  # fmt: skip
+                                       "in a collective")
         if waited_s > self.timeout_s:
             raise CollectiveFailed(f"rank(s) {', '.join(map(str, late))} did not reach a collective within "
-                                   f"{self.timeout_s:.0f} s (rank {self.rank} waited)")  # fmt: skip
+                                   f"{self.timeout_s:.0f} s (rank {self.rank} waited)")
 
 
 def _running(pid: int) -> bool:

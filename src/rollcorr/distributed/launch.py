@@ -90,7 +90,7 @@ def launch(train_args: list[str], world: int, run_dir: str | None = None) -> int
     if soft != resource.RLIM_INFINITY and soft < MIN_OPEN_FILES:
         print(f"rollcorr train: the launcher could not start {world} ranks: open files are limited to {soft} here "
               f"(`ulimit -n`); the ranks' store and sockets need at least {MIN_OPEN_FILES}: raise it; nothing was "
-              "trained", file=sys.stderr)  # fmt: skip
+              "trained", file=sys.stderr)
         return FAILED_EXIT
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -100,7 +100,7 @@ def launch(train_args: list[str], world: int, run_dir: str | None = None) -> int
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"rollcorr-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
-    )  # fmt: skip
+    )
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default; trainer.threads sets torch's own
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "rollcorr", "train", *train_args)
@@ -114,18 +114,18 @@ def launch(train_args: list[str], world: int, run_dir: str | None = None) -> int
         if stops:  # the ranks stopped together on a signal (they agree on it after a step), with a checkpoint
             name = signal.Signals(stops[0] - SIGNAL_EXIT).name
             print(f"rollcorr train: {name}: every rank stopped after the same step with a checkpoint{where}",
-                  file=sys.stderr)  # fmt: skip
+                  file=sys.stderr)
             return stops[0]
         print(f"rollcorr train: rank {rank} of {world} failed: {_cause(failure)}; every rank stopped{where}",
-              file=sys.stderr)  # fmt: skip
+              file=sys.stderr)
         return FAILED_EXIT
     except (OSError, DistError) as err:  # the agent itself could not start (its store, its sockets, its pipes)
         print(f"rollcorr train: the launcher could not start {world} ranks: {_first_line(err)}{_fd_hint(err)}; "
-              "nothing was trained", file=sys.stderr)  # fmt: skip
+              "nothing was trained", file=sys.stderr)
         return FAILED_EXIT
     except SignalException as err:  # the agent stopped the workers (SIGTERM to each, which checkpoints and stops)
         where = f"; continue with rollcorr train --resume {run_dir}" if run_dir else ""
         print(f"rollcorr train: {err.sigval.name}: every rank was asked to stop after its step with a checkpoint{where}",
-              file=sys.stderr)  # fmt: skip
+              file=sys.stderr)
         return 128 + int(err.sigval)
     return 0

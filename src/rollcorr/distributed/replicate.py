@@ -74,7 +74,7 @@ def broadcast_from_rank0(tensors: list[Tensor], ranks: Ranks) -> None:
 
     for group in _by_dtype(tensors).values():
         packed = torch.cat([t.reshape(-1) for t in group]).to(ranks.device) if ranks.is_main else torch.empty(
-            sum(t.numel() for t in group), dtype=group[0].dtype, device=ranks.device)  # fmt: skip
+            sum(t.numel() for t in group), dtype=group[0].dtype, device=ranks.device)
         dist.broadcast(packed, src=0)
         if not ranks.is_main:
             offset = 0
@@ -179,14 +179,14 @@ class ReplicatedLearner:
         return self.model.named_parameters()
 
     def log_prob(self, rollout_or_input, *, temperature: float = 1.0, with_entropy: bool = False,
-                 grad: bool = False) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+                 grad: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """``HFLearner.log_prob`` on this rank's rows, with ``self.model`` (a π_old strategy may hand another
         module, ``proximal.scoring.with_model``)."""
         if self.model is not self.inner.model:
             from rollcorr.proximal.scoring import with_model
 
             return with_model(self.inner, self.model).log_prob(
-                rollout_or_input, temperature=temperature, with_entropy=with_entropy, grad=grad)  # fmt: skip
+                rollout_or_input, temperature=temperature, with_entropy=with_entropy, grad=grad)
         return self.inner.log_prob(rollout_or_input, temperature=temperature, with_entropy=with_entropy, grad=grad)
 
     def state_dict(self) -> dict[str, Tensor]:

@@ -69,7 +69,7 @@ def one_row_stand_in(rollout_or_input):
     return Rollout(prompt_ids, prompt_mask, response_ids, response_mask, rollout_log_prob=None,
                    version=response_ids.new_zeros(response_ids.shape), group_ids=response_ids.new_zeros((1,)),
                    routed_experts=routing(rollout_or_input.routed_experts),
-                   prompt_routed_experts=routing(rollout_or_input.prompt_routed_experts))  # fmt: skip
+                   prompt_routed_experts=routing(rollout_or_input.prompt_routed_experts))
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -104,7 +104,7 @@ class ShardedLearner:
 
         if not getattr(learner, "can_shard", True):
             raise ValueError(f"{learner!r} cannot be sharded (FSDP2 gathers the weights in its own hooks, outside the "
-                             "learner's forward): use trainer.data_parallel=replicate")  # fmt: skip
+                             "learner's forward): use trainer.data_parallel=replicate")
         self.ranks = ranks
         self.inner = learner
         learner.share_prompts = False  # transformers' decoder forward: FSDP gathers each layer in its forward
@@ -150,13 +150,13 @@ class ShardedLearner:
             unit.reshard()
 
     def log_prob(self, rollout_or_input, *, temperature: float = 1.0, with_entropy: bool = False,
-                 grad: bool = False) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+                 grad: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """``HFLearner.log_prob`` through the FSDP root (every rank calls it, with its own rows). The result
         comes back on the rollout's device (the correction and loss run where the rollout is; on a GPU the
         backward crosses back once per micro-batch)."""
         if self.model is not self.inner.model:  # proximal.scoring.with_model: the root would score its own
             raise TypeError("a sharded learner scores with its own sharded model only; hold other weights as "
-                            "proximal.scoring.copy_state copies and score them with score(..., weights=)")  # fmt: skip
+                            "proximal.scoring.copy_state copies and score them with score(..., weights=)")
         response_ids = unpack(rollout_or_input)[2]
         rows, home = response_ids.shape[0], response_ids.device
         if rows == 0:  # join the collectives with a one-row stand-in; nothing to return
@@ -217,7 +217,7 @@ class ShardedLearner:
 
 
 def fsdp_options(reshard_after_forward: bool = True, param_dtype: str | None = None,
-                 reduce_dtype: str | None = None) -> dict[str, Any]:  # fmt: skip
+                 reduce_dtype: str | None = None) -> dict[str, Any]:
     """``trainer.fsdp`` as ``fully_shard`` keyword arguments: ``reshard_after_forward``, and a
     ``MixedPrecisionPolicy`` when a dtype is named (fp32 | bf16 | fp16; ``models.builtin.DTYPES``)."""
     options: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
@@ -244,7 +244,7 @@ def require_same_layout(layout: list, ranks: Ranks) -> None:
     it; the weights then travel from rank 0 in that order)."""
     if not ranks.all_true(ranks.broadcast(layout) == layout):
         raise DistributedError("the ranks built different models (the names, shapes or dtypes of some rank's "
-                               "weights and buffers differ from rank 0's): every rank must build the same model")  # fmt: skip
+                               "weights and buffers differ from rank 0's): every rank must build the same model")
 
 
 def load_from_rank0(model: nn.Module, full: dict[str, Tensor], ranks: Ranks) -> None:

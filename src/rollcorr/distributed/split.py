@@ -29,12 +29,12 @@ def split_problem(groups: int, mini_batches: int, ranks: int) -> tuple[str, str]
     if groups % mini_batches:
         return "trainer.mini_batches", (f"{groups} prompts' groups do not split into {mini_batches} mini-batches of "
                                         "whole groups: rollout.prompts_per_step must be a multiple of "
-                                        "trainer.mini_batches")  # fmt: skip
+                                        "trainer.mini_batches")
     if groups % (mini_batches * ranks):
         return "trainer.ranks", (f"{groups // mini_batches} prompts' groups per mini-batch do not split evenly over "
                                  f"{ranks} ranks (each rank takes whole groups of every mini-batch): "
                                  "rollout.prompts_per_step must be a multiple of trainer.mini_batches × "
-                                 "trainer.ranks")  # fmt: skip
+                                 "trainer.ranks")
     return None
 
 
@@ -45,7 +45,7 @@ def rank_share(rows: list[int], group_ids: Tensor, rank: int, world: int) -> lis
     cuts = range(size, len(rows), size) if size else []
     if len(rows) % world or any(int(group_ids[rows[cut - 1]]) == int(group_ids[rows[cut]]) for cut in cuts):
         raise SplitError(f"a mini-batch of {len(rows)} responses cannot be cut into {world} equal shares of whole "
-                         "groups (the groups of responses to one prompt differ in size)")  # fmt: skip
+                         "groups (the groups of responses to one prompt differ in size)")
     return rows[rank * size : (rank + 1) * size]
 
 

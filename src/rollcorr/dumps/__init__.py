@@ -65,4 +65,4 @@ __all__ = [
     "CHUNK_POSITIONS", "CORRECTION_FIELD", "DEFAULT_FIELDS", "FIELD_ALIASES", "FIRST_BLOCKS", "PARQUET_BATCH_ROWS",
     "PER_TOKEN", "POOL_TOKENS", "POSITIVE_TOL", "READ_BYTES", "ROUTED", "STDIN", "Dump", "DumpInfo", "DumpReader",
     "MalformedRow", "correction_record", "display_name", "open_dump", "read_dump", "write_dump",
-]  # fmt: skip
+]

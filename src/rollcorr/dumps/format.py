@@ -220,7 +220,7 @@ def write_dump(
     path = Path(path)
     shape = tuple(rollout_log_prob.shape)
     named = {"learner_log_prob": learner_log_prob, "response_mask": response_mask, "tokens": tokens, "version": version,
-             "turn": turn}  # fmt: skip
+             "turn": turn}
     routes = {"routed_experts": routed_experts, "learner_routed_experts": learner_routed_experts}
     _check_shapes(shape, named, routes, advantages, extras)
     if tokenizer is not None and tokens is None:
@@ -231,9 +231,9 @@ def write_dump(
 
     cpu = {k: None if v is None else v.detach().cpu() for k, v in named.items()}
     columns = {**cpu, "rollout": rollout_log_prob.detach().double().cpu(), "learner": cpu["learner_log_prob"].double(),
-               "mask": mask, "advantages": None if advantages is None else advantages.detach().cpu()}  # fmt: skip
+               "mask": mask, "advantages": None if advantages is None else advantages.detach().cpu()}
     lines = [json.dumps(_row(b, lengths[b], columns, routes, extras, tokenizer, recorded), allow_nan=False)
-             for b in range(shape[0])]  # fmt: skip
+             for b in range(shape[0])]
     text = "".join(line + "\n" for line in lines)
     path.parent.mkdir(parents=True, exist_ok=True)
     opener = gzip.open if path.suffix.lower() == ".gz" else open
@@ -243,7 +243,7 @@ def write_dump(
 
 
 def _row(b: int, length: int, columns: dict[str, Tensor | None], routes: dict[str, Tensor | None],
-         extras: dict[str, Sequence[Any]] | None, tokenizer: Any, recorded: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+         extras: dict[str, Sequence[Any]] | None, tokenizer: Any, recorded: dict[str, Any] | None) -> dict[str, Any]:
     """Row ``b`` of a dump, every per-token list cut to ``length`` (after its last valid token)."""
 
     def cut(x: Tensor | None) -> list | None:
@@ -278,7 +278,7 @@ def _row(b: int, length: int, columns: dict[str, Tensor | None], routes: dict[st
 
 
 def _check_shapes(shape: tuple[int, ...], named: dict[str, Tensor | None], routes: dict[str, Tensor | None],
-                  advantages: Tensor | None, extras: dict[str, Sequence[Any]] | None) -> None:  # fmt: skip
+                  advantages: Tensor | None, extras: dict[str, Sequence[Any]] | None) -> None:
     """ValueError naming the first input of ``write_dump`` whose shape does not fit the (B, T) batch ``shape``."""
     if len(shape) != 2:
         raise ValueError(f"rollout_log_prob must be (B, T), got shape {shape}")

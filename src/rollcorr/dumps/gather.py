@@ -49,7 +49,7 @@ def _joined(parts: list, dtype) -> np.ndarray:
 
 
 def _bool_entries(flat: np.ndarray, n: np.ndarray, lists: list, raws: list[bytes] | None,
-                  suspect: np.ndarray) -> None:  # fmt: skip
+                  suspect: np.ndarray) -> None:
     """Mark in ``suspect`` the rows whose number list (``lists[i]``, flattened into ``flat``) holds a JSON
     ``true`` / ``false``, which ``array`` read as 1.0 / 0.0: only entries equal to 0 or 1 can be one, so only
     those entries' types are looked at (a row with many such entries: its line is searched for ``true`` /
@@ -84,7 +84,7 @@ class _Gathered:
 
 
 def _gather_objects(objs: list[dict], lines: np.ndarray, raws: list[bytes] | None, names: dict[str, str | None],
-                    extra_fields: Sequence[str]) -> _Gathered:  # fmt: skip
+                    extra_fields: Sequence[str]) -> _Gathered:
     """Decoded rows → columns. Structure is checked here row by row (types, list lengths); numbers column by
     column, each row's list converted in one C call (``_row_array``) and joined. Booleans are found from the
     converted values (``_bool_entries``); a row with ``true`` / ``false`` in its line (or any row without a raw
@@ -110,7 +110,7 @@ def _gather_objects(objs: list[dict], lines: np.ndarray, raws: list[bytes] | Non
     correction: list = [None] * size
     optional = [(role, name, kinds) for role, name, kinds in
                 (("advantages", an, _NUMBER), ("tokens", tn, _INT), ("version", vn, _INT), ("turn", un, _INT))
-                if name is not None]  # fmt: skip
+                if name is not None]
     for i, obj in enumerate(objs):
         r, lp = obj.get(rn), obj.get(ln)
         if type(r) is not list or type(lp) is not list or len(r) != len(lp) or not r:
@@ -127,7 +127,7 @@ def _gather_objects(objs: list[dict], lines: np.ndarray, raws: list[bytes] | Non
             continue
         try:
             values, adv_scalar[i], token_text[i], routes = _optional_of(obj, k, optional, ttn, routed_names,
-                                                                         None if raws is None else raws[i])  # fmt: skip
+                                                                         None if raws is None else raws[i])
         except (_BadRow, OverflowError):
             suspect[i] = True
             continue
@@ -161,12 +161,12 @@ def _gather_objects(objs: list[dict], lines: np.ndarray, raws: list[bytes] | Non
         if has[role].any():
             numeric[role] = _aligned(values, starts, n, suspect, total, "float" if role == "advantages" else "int")
     rows = _Rows(lines=lines, n=n, rollout=rollout, learner=learner, mask=mask != 0, numeric=numeric, has=has,
-                 token_text=token_text, text=text, routed=routed, extras=extras, correction=correction)  # fmt: skip
+                 token_text=token_text, text=text, routed=routed, extras=extras, correction=correction)
     return _Gathered(rows, suspect, adv_scalar)
 
 
 def _optional_of(obj: dict, k: int, optional: list, ttn: str | None, routed_names: list, raw: bytes | None
-                 ) -> tuple[dict[str, list], bool, list | None, dict[str, list]]:  # fmt: skip
+                 ) -> tuple[dict[str, list], bool, list | None, dict[str, list]]:
     """Row ``obj``'s optional fields, each of ``k`` entries: (the per-token numbers by role, whether its advantage
     is one number, its token texts or None, its routed experts by role). ``_BadRow`` (or ``OverflowError``: a
     number past float range) when one does not fit. A row whose line holds ``true`` / ``false`` (or has no line,
@@ -197,7 +197,7 @@ def _optional_of(obj: dict, k: int, optional: list, ttn: str | None, routed_name
 
 
 def _aligned(per_row: list, starts: np.ndarray, n: np.ndarray, suspect: np.ndarray, total: int, kind: str,
-             fill: float = 0) -> np.ndarray:  # fmt: skip
+             fill: float = 0) -> np.ndarray:
     """Per-row lists (None: absent → ``fill``) as one flat array aligned with the rows' segments; rows whose list
     is not numbers (integers for ``kind="int"``; all 0/1 for ``"binary"``) are marked in ``suspect``."""
     dtype = np.int64 if kind == "int" else np.float64
@@ -414,7 +414,7 @@ def _gather_arrow(batch, lines: np.ndarray, names: dict[str, str | None], extra_
     for role in has:
         has[role] &= ~arrow.suspect
     rows = _Rows(lines=lines, n=n, rollout=rollout, learner=learner, mask=mask != 0, numeric=numeric, has=has,
-                 **python)  # fmt: skip
+                 **python)
     return _Gathered(rows, arrow.suspect, adv_scalar)
 
 
@@ -461,7 +461,7 @@ def _rows_of_parsed(row: dict[str, Any], line: int, extra_fields: Sequence[str])
         mask=np.array(row["mask"], bool), numeric=numeric, has=has, token_text=[row.get("token_text")],
         text=[row.get("text")], routed={role: [row.get(role)] for role in ROUTED},
         extras={key: [row["extras"][key]] for key in extra_fields}, correction=[row.get("correction")],
-    )  # fmt: skip
+    )
 
 
 # ---- the exact per-row checks (flagged rows; they give the reasons reported) ----------------------------------
@@ -583,7 +583,7 @@ def _routing_rows(obj: dict[str, Any], name: str, n: int) -> list:
     routes = raw.long()
     if routes.dim() != 3 or routes.shape[0] < n or (routes < 0).any():
         raise _BadRow(f"field {name!r} must be (tokens, layers, top_k) non-negative integers with ≥ {n} tokens, "
-                      f"got shape {tuple(routes.shape)}")  # fmt: skip
+                      f"got shape {tuple(routes.shape)}")
     if routes.shape[0] > n:
         routes = routes[routes.shape[0] - n - 1 : routes.shape[0] - 1]
     return routes.tolist()
@@ -601,7 +601,7 @@ def _routing_note(having: dict[str, int], shapes: dict[str, list], rows: int) ->
             parts.append(f"{words[role]} have several (layers, top-k) shapes: {', '.join(map(str, shapes[role]))}")
     if not parts and shapes["routed_experts"] != shapes["learner_routed_experts"]:
         parts.append(f"the sampler's routing has (layers, top-k) {shapes['routed_experts'][0]} and the learner's "
-                     f"{shapes['learner_routed_experts'][0]}")  # fmt: skip
+                     f"{shapes['learner_routed_experts'][0]}")
     return ("routing not compared: " + "; ".join(parts)) if parts else None
 
 

@@ -127,7 +127,7 @@ class DumpReader:
         for role in self._unresolved if self._kind == "parquet" else ():  # the schema names every column
             if wanted[role] != DEFAULT_FIELDS[role] and role not in ("rollout", "learner"):
                 raise ValueError(f"{self.path}: no row has the {role} field {wanted[role]!r}; fields present: "
-                                 f"{sorted(keys)}")  # fmt: skip
+                                 f"{sorted(keys)}")
         for role in ("rollout", "learner"):
             if self.names[role] is None:
                 also = ""
@@ -215,7 +215,7 @@ class DumpReader:
                     yield rows
         else:
             decoded_rest = ([(line, raw if isinstance(raw, _BadRow) else _decode(raw), raw) for line, raw in block]
-                            for block in self._source)  # fmt: skip
+                            for block in self._source)
             for block in itertools.chain(self._first, decoded_rest):
                 rows = self._object_block(block)
                 if rows is not None and len(rows):
@@ -278,7 +278,7 @@ class DumpReader:
             partial={role: lines for role, lines in self._lacking.items() if self._having[role] > 0},
             correction=distinct[0] if len(distinct) == 1 else None, corrections_seen=len(distinct),
             complete=complete, extra_fields=self.extra_fields, routing_note=routing_note,
-        )  # fmt: skip
+        )
 
     # -- one block ---------------------------------------------------------------------------------------
     def _count(self, rows: _Rows, bad: list[MalformedRow], read: int) -> None:
@@ -319,7 +319,7 @@ class DumpReader:
             _gather_objects([o for _, o, _ in good], np.array([g[0] for g in good], np.int64),
                             [r for _, _, r in good], self.names, self.extra_fields),
             lambda i: _decode_exact(good[i][2]), bad,
-        )  # fmt: skip
+        )
         self._count(rows, bad, len(block))
         return rows
 

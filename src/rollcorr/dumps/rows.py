@@ -60,7 +60,7 @@ def _concat_rows(parts: list[_Rows], extra_fields: Sequence[str]) -> _Rows:
 
     def numeric(role: str, dtype) -> np.ndarray:
         return np.concatenate([p.numeric[role] if role in p.numeric else np.zeros(s, dtype)
-                               for p, s in zip(parts, sizes)])  # fmt: skip
+                               for p, s in zip(parts, sizes)])
 
     roles = {role for p in parts for role in p.numeric}
     return _Rows(
@@ -89,7 +89,7 @@ def _take_rows(rows: _Rows, sel: np.ndarray) -> _Rows:
         has={k: v[sel] for k, v in rows.has.items()}, token_text=[rows.token_text[i] for i in pick],
         text=[rows.text[i] for i in pick], routed={k: [v[i] for i in pick] for k, v in rows.routed.items()},
         extras={k: [v[i] for i in pick] for k, v in rows.extras.items()}, correction=[rows.correction[i] for i in pick],
-    )  # fmt: skip
+    )
 
 
 def _pad_index(rows: _Rows, sel: np.ndarray, t: int) -> tuple[np.ndarray, np.ndarray]:
@@ -101,7 +101,7 @@ def _pad_index(rows: _Rows, sel: np.ndarray, t: int) -> tuple[np.ndarray, np.nda
 
 
 def _as_dump(rows: _Rows, sel: np.ndarray, path: Path, fields: dict[str, str], extra_fields: Sequence[str],
-             row_index: np.ndarray | None = None) -> Dump:  # fmt: skip
+             row_index: np.ndarray | None = None) -> Dump:
     """The rows ``sel`` of ``rows`` as a ``Dump`` padded to their longest row (per-token fields, texts and
     routing kept only when every one of these rows has them)."""
     t = int(rows.n[sel].max())

@@ -250,14 +250,14 @@ class DecodingSampler:
         if rollout.turn is not None:  # a trajectory: the new tokens are the model's, in the turn they continue
             turns = {"observation_mask": extend(rollout.observation_mask, constant([False] * len(todo)), False,
                                                 torch.bool),
-                     "turn": extend(rollout.turn, constant([next_turn[i] for i in todo]), 0, torch.long)}  # fmt: skip
+                     "turn": extend(rollout.turn, constant([next_turn[i] for i in todo]), 0, torch.long)}
         kept_ids = None
         if kept is not None and rollout.kept_ids is not None:  # old tokens keep the sets they were drawn from
             rows = [rollout.kept_ids[i][valid[i]] for i in range(rollout.batch_size)]
             for j, i in enumerate(todo):
                 k = max(rows[i].shape[1], kept[j].shape[1])
                 rows[i] = torch.cat([torch.nn.functional.pad(part, [0, k - part.shape[1]], value=-1)
-                                     for part in (rows[i], kept[j])])  # fmt: skip
+                                     for part in (rows[i], kept[j])])
             kept_ids = pad_kept_ids(rows, width)
         metas = [dict(m) for m in rollout.meta] if rollout.meta else [{} for _ in merged]
         for j, i in enumerate(todo):
@@ -292,7 +292,7 @@ class DecodingSampler:
         for j, i in enumerate(todo):
             old_rows[i] = torch.cat([old_rows[i], routing[1][j].to(old_rows[i].dtype)])
         prompt_rows = [rollout.prompt_routed_experts[i][prompt_mask[i]] if rollout.prompt_routed_experts
-                       is not None else rollout.routed_experts[i, :0] for i in range(rollout.batch_size)]  # fmt: skip
+                       is not None else rollout.routed_experts[i, :0] for i in range(rollout.batch_size)]
         return self._routing_fields((prompt_rows, old_rows), rollout.prompt_ids.shape[1], width)
 
     @staticmethod

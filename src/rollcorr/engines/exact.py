@@ -246,7 +246,7 @@ class ExactForward:
         return o.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
     def layer(self, i: int, h: Tensor, positions: Tensor, cache: dict | None, allowed: Tensor,
-              write: Tensor | None) -> Tensor:  # fmt: skip
+              write: Tensor | None) -> Tensor:
         """Decoder layer ``i`` on h (B, L, H) at logical ``positions``. ``cache``: this layer's keys and values
         (B, kvH, slots, D) in logical order, updated at ``write`` (B, L) slot indices; attention over the cache
         (decode) or over this call's own keys (a full forward, ``cache`` None)."""
@@ -269,7 +269,7 @@ class ExactForward:
         return h + linear(gate / (1 + exp(-gate)) * up, mlp.down_proj.weight)
 
     def hidden(self, ids: Tensor, positions: Tensor, allowed: Tensor, caches: list | None = None,
-               write: Tensor | None = None) -> Tensor:  # fmt: skip
+               write: Tensor | None = None) -> Tensor:
         """Final-normed hidden states (B, L, H) of ``ids`` (B, L) at logical ``positions``."""
         body = self.model.get_decoder()
         h = body.embed_tokens.weight[ids].float()
@@ -298,7 +298,7 @@ def logical(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def score(forward: ExactForward, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
           response_mask: Tensor, temperature: float, with_entropy: bool = False,
-          scored: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+          scored: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """log p(y_t) (B, T) float32 of the response tokens by one exact full forward (0 on padding) [, the entropy
     of each position's distribution (ordinary sums: a diagnostic, not needed bit for bit)]. The forward attends
     to ``response_mask``'s tokens; ``scored`` (default the same) are the ones given a log-prob (a trajectory's
@@ -326,7 +326,7 @@ def score(forward: ExactForward, prompt_ids: Tensor, prompt_mask: Tensor, respon
 
 @torch.no_grad()
 def decode(forward: ExactForward, contexts: Sequence[Sequence[int]], budgets: Sequence[int], temperature: float,
-           greedy: bool, eos_id: int | None, generator: torch.Generator, limit: int, device: torch.device):  # fmt: skip
+           greedy: bool, eos_id: int | None, generator: torch.Generator, limit: int, device: torch.device):
     """The sampler's loop: prefill every context into a KV cache in logical order, then one token per step.
     Per row: tokens, log μ (exact log-softmax at ``temperature``; 0 when greedy), log kept mass (0; the argmax's
     untempered log-prob when greedy), finished."""
@@ -335,7 +335,7 @@ def decode(forward: ExactForward, contexts: Sequence[Sequence[int]], budgets: Se
     slots = int(lengths.max()) + limit
     layers = len(forward.model.get_decoder().layers)
     caches = [{"k": torch.zeros(b, forward.kv_heads, slots, forward.head_dim, device=device),
-               "v": torch.zeros(b, forward.kv_heads, slots, forward.head_dim, device=device)} for _ in range(layers)]  # fmt: skip
+               "v": torch.zeros(b, forward.kv_heads, slots, forward.head_dim, device=device)} for _ in range(layers)]
     width = int(lengths.max())
     ids = torch.zeros(b, width, dtype=torch.long, device=device)
     for i, c in enumerate(contexts):

@@ -329,7 +329,7 @@ class HFLearner:
             raise ValueError(f"a learner takes rtn<k> quantisation only (a straight-through forward), got {quant!r}")
         if self.rtn_bits is not None and (gradient_checkpointing or lora is not None):
             raise ValueError(f"hf:{quant} as a learner does not combine with gradient checkpointing or LoRA (both "
-                             "recompute or add weights outside its rounded forward)")  # fmt: skip
+                             "recompute or add weights outside its rounded forward)")
         self.autocast = AMP.get(dtype) if isinstance(dtype, str) else None  # None: compute in the weights' dtype
         self.dtype = torch.float32 if self.autocast is not None else resolve_dtype(dtype)
         self.device = torch.device(device) if device is not None else default_device()
@@ -430,7 +430,7 @@ class HFLearner:
 
         checkpointing = grad and self.gradient_checkpointing
         with torch.set_grad_enabled(grad), self.replaying(rollout_or_input) as replay, self.rounding(), \
-                checkpointed_layers(self.model) if checkpointing else nullcontext():  # fmt: skip
+                checkpointed_layers(self.model) if checkpointing else nullcontext():
             with self.computing():
                 if self.share_prompts and not checkpointing and static_kv_supported(self.model):  # (may be swapped in)
                     hidden = prefix_shared_hidden(LlamaBlocks(self.model), ids, mask, p)
@@ -449,7 +449,7 @@ class HFLearner:
             flat, targets = hidden.reshape(b * t, -1), response_ids.to(dev).reshape(-1)
             kept = kept_ids_of(rollout_or_input)
             log_prob, entropy = self._head_log_prob(flat, targets, temp, with_entropy,
-                                                    None if kept is None else kept.to(dev).reshape(b * t, -1))  # fmt: skip
+                                                    None if kept is None else kept.to(dev).reshape(b * t, -1))
             valid = response_mask.bool().to(dev)
             log_prob = log_prob.reshape(b, t).masked_fill(~valid, 0.0)
             if not with_entropy:
@@ -458,7 +458,7 @@ class HFLearner:
 
 
     def _head_log_prob(self, flat: Tensor, targets: Tensor, temp: float, with_entropy: bool, kept: Tensor | None
-                       ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+                       ) -> tuple[Tensor, Tensor | None]:
         """(log π (N,), entropy (N,) or None) of the lm-head over hidden states (N, H). ``kept`` (N, K): each token
         scored over its kept set (``logprobs_over_kept``), the entropy still the full distribution's (no gradient)."""
         head = self.model.get_output_embeddings()
@@ -475,7 +475,7 @@ class HFLearner:
             flat, weight = flat.to(self.autocast), weight.to(self.autocast)
         if kept is None:
             return logprobs_from_hidden(flat, weight, targets, temperature=temp, chunk_size=self.chunk_size,
-                                        with_entropy=with_entropy)  # fmt: skip
+                                        with_entropy=with_entropy)
         entropy = None
         if with_entropy:
             with torch.no_grad():
@@ -517,7 +517,7 @@ def replay_context(model: nn.Module, mode: str | None, rollout: Rollout | tuple)
             "that captures them (Rollout.routed_experts)"
         )
     ids = sequence_routing(rollout.prompt_mask, rollout.response_mask, rollout.routed_experts,
-                           rollout.prompt_routed_experts)  # fmt: skip
+                           rollout.prompt_routed_experts)
     return replay_routing(model, ids)
 
 
@@ -565,7 +565,7 @@ class ExactSampler(HFSampler):
             gen.seed()
         limit = max(budgets) if max_steps is None else min(max(budgets), max_steps)
         return exact.decode(self.forward, contexts, budgets, params.temperature or 1.0, params.greedy, self.eos_id,
-                            gen, limit, self.device)  # fmt: skip
+                            gen, limit, self.device)
 
 
 class ExactLearner(HFLearner):
@@ -592,7 +592,7 @@ class ExactLearner(HFLearner):
         temp = 1.0 if temperature == 0 else float(temperature)
         with torch.set_grad_enabled(grad):
             return exact.score(self.forward, prompt_ids.to(dev), prompt_mask.to(dev), response_ids.to(dev),
-                               token_mask.to(dev), temp, with_entropy, scored=response_mask.to(dev))  # fmt: skip
+                               token_mask.to(dev), temp, with_entropy, scored=response_mask.to(dev))
 
 
 # ---- the backend: the hf spec grammar, its refusals and engines ----------------------------------------------
@@ -600,7 +600,7 @@ class ExactLearner(HFLearner):
 RTN = tuple(f"rtn{k}" for k in range(MIN_BITS, MAX_BITS + 1))  # hf:rtn<k>: k-bit round-to-nearest weights
 EXACT = "exact"  # hf:exact: the bitwise-exact sampler / learner pair
 NO_TRUNCATION = ("hf:exact samples at a temperature only (a truncated distribution's kept mass would need the same "
-                 "exact reductions)")  # fmt: skip
+                 "exact reductions)")
 DTYPES = (*FLOAT_DTYPES, "int8", *AMP, EXACT)  # the first option: a dtype, int8, an amp learner or exact
 ATTNS = ("eager", "sdpa")
 
@@ -635,11 +635,11 @@ class HFBackend(Backend):
     def check_spec(self, parsed: EngineSpec, spec: str, role: str) -> None:
         if role == "learner" and parsed.quant == "int8":
             raise ValueError(f"{spec!r}: int8 quantisation is for samplers; a learner trains float weights (use hf, "
-                             "hf:bf16, or hf:rtn<k>: float32 master weights with a rounded forward)")  # fmt: skip
+                             "hf:bf16, or hf:rtn<k>: float32 master weights with a rounded forward)")
         if role == "sampler" and parsed.dtype in AMP:
             compute = parsed.dtype.removeprefix("amp-")
             raise ValueError(f"hf:{parsed.dtype} is a learner (float32 master weights, {compute} compute under "
-                             f"autocast); as a sampler use hf:{compute}")  # fmt: skip
+                             f"autocast); as a sampler use hf:{compute}")
 
     def check_trainable(self, parsed: EngineSpec, spec: str) -> None:
         """fp16 weights cannot take AdamW steps: eps = 1e-8 rounds to 0 in fp16, so m/(√v + eps) is 0/0 = NaN
@@ -647,7 +647,7 @@ class HFBackend(Backend):
         if parsed.dtype == "fp16" and parsed.quant is None:
             raise ValueError(f"{spec!r} cannot be trained (fp16 weights with no fp32 master copy: AdamW's eps rounds "
                              "to 0 and the weights turn NaN); use hf:amp-fp16 (fp32 master weights, fp16 compute, "
-                             "loss scaling), hf:fp32 or hf:bf16 (the sampler may stay fp16)")  # fmt: skip
+                             "loss scaling), hf:fp32 or hf:bf16 (the sampler may stay fp16)")
 
     def can_shard(self, parsed: EngineSpec) -> bool:
         """Not an rtn<k> learner: FSDP2 gathers the weights in hooks its rounded forward cannot see."""

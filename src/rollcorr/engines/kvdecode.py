@@ -42,7 +42,7 @@ class HFDecoder:
         self.cache = DynamicCache(config=self.model.config)
         pos = positions_from_mask(self.mask)
         out = self.model(input_ids=ids, attention_mask=self.mask.long(), position_ids=pos,
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         self.last_pos = pos[:, -1]
         return out.logits[:, -1]
 
@@ -50,7 +50,7 @@ class HFDecoder:
         self.mask = torch.cat([self.mask, active[:, None]], dim=1)
         self.last_pos = self.last_pos + 1
         out = self.model(input_ids=tok[:, None], attention_mask=self.mask.long(),
-                         position_ids=self.last_pos[:, None], past_key_values=self.cache, use_cache=True)  # fmt: skip
+                         position_ids=self.last_pos[:, None], past_key_values=self.cache, use_cache=True)
         return out.logits[:, -1]
 
 
@@ -173,7 +173,7 @@ def prefix_shared_hidden(blocks: LlamaBlocks, ids: Tensor, mask: Tensor, p: int)
         return torch.cat([pk.index_select(0, rows), k], 2), torch.cat([pv.index_select(0, rows), v], 2)
 
     resp_h = blocks.forward(ids[:, p : full - 1], pos[:, p : full - 1], blocks.bias(allowed[:, None, :, : full - 1]),
-                            extend)  # fmt: skip
+                            extend)
     return torch.cat([prompt_h[rows, -1:], resp_h], 1)
 
 
@@ -207,7 +207,7 @@ class StaticKVDecoder:
         bl.rope(width, dev)
         shape = (u, bl.kv_heads, width, bl.head_dim)
         self.cache = [(torch.zeros(shape, dtype=bl.dtype, device=dev), torch.zeros(shape, dtype=bl.dtype, device=dev))
-                      for _ in bl.layers]  # fmt: skip
+                      for _ in bl.layers]
         self.col = 0
         pos = positions_from_mask(mask)
         allowed = mask[:, None, :] & torch.ones(p, p, dtype=torch.bool, device=dev).tril()

@@ -499,19 +499,19 @@ class LlamaCppBackend(Backend):
         super().check_spec(parsed, spec, role)
         if parsed.quant is not None and parsed.quant not in (*QUANT_TYPES, FILE):
             raise ValueError(f"{spec!r}: rollcorr writes GGUF weights as {', '.join(QUANT_TYPES)} "
-                             "(or llamacpp:file serves a GGUF file as shipped)")  # fmt: skip
+                             "(or llamacpp:file serves a GGUF file as shipped)")
 
     def check_model(self, parsed: EngineSpec, spec: str, model_path, gguf_file: str | None) -> None:
         """llamacpp:file needs a GGUF file; otherwise rollcorr writes the GGUF, for the architectures it knows."""
         if parsed.quant == FILE and gguf_file is None:
             raise ValueError(f"{spec!r} serves a GGUF file as shipped: give one (audit --gguf-file); to have "
-                             "rollcorr write the GGUF use llamacpp:q8_0 (or f32, f16, q4_0)")  # fmt: skip
+                             "rollcorr write the GGUF use llamacpp:q8_0 (or f32, f16, q4_0)")
         if gguf_file is not None or model_path is None or str(model_path).startswith(BUILTIN):
             return
         arch = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8")).get("model_type")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"{spec!r}: the GGUF writer handles {', '.join(SUPPORTED_ARCHITECTURES)} models; "
-                             f"{str(model_path)!r} is {arch!r} (use an hf or vllm sampler)")  # fmt: skip
+                             f"{str(model_path)!r} is {arch!r} (use an hf or vllm sampler)")
 
     def sampler_class(self, parsed: EngineSpec) -> type:
         return LlamaCppSampler
@@ -528,7 +528,7 @@ class LlamaCppBackend(Backend):
         """A dtype is a GGUF weight type here: fp32 → llamacpp:f32, fp16 → llamacpp:f16 (rollcorr writes no bf16)."""
         if dtype not in self.precisions:
             raise ValueError(f"llamacpp samplers are chosen by GGUF weight type, and rollcorr writes none in {dtype} "
-                             "(compare llamacpp:f32 or llamacpp:f16 as the sampler instead)")  # fmt: skip
+                             "(compare llamacpp:f32 or llamacpp:f16 as the sampler instead)")
         return f"llamacpp:{GGUF_TYPE[dtype]}"
 
     def audit_kwargs(self, parsed: EngineSpec, *, rows: int, tokens: int, gguf_file: str | None) -> dict[str, Any]:

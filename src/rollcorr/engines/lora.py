@@ -25,7 +25,7 @@ BASE_SUFFIX = ".base_layer"
 
 
 def apply_lora(model: nn.Module, r: int, alpha: float, dropout: float = 0.0,
-               target_modules: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj")) -> nn.Module:  # fmt: skip
+               target_modules: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj")) -> nn.Module:
     """Inject LoRA adapters into ``model`` in place (base frozen, adapters trainable); returns the model.
     ValueError when a target module name matches nothing."""
     try:
@@ -36,7 +36,7 @@ def apply_lora(model: nn.Module, r: int, alpha: float, dropout: float = 0.0,
     missing = sorted(set(target_modules) - names)
     if missing:
         raise ValueError(f"model.lora.target_modules: {missing} match no linear layer of this model "
-                         f"(its linear layers: {sorted(names)})")  # fmt: skip
+                         f"(its linear layers: {sorted(names)})")
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules))
     inject_adapter_in_model(config, model)
     return model
@@ -45,7 +45,7 @@ def apply_lora(model: nn.Module, r: int, alpha: float, dropout: float = 0.0,
 def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     """{module name: PEFT LoRA layer} of a model (empty without LoRA)."""
     return {name: module for name, module in model.named_modules()
-            if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")}  # fmt: skip
+            if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")}
 
 
 def is_lora(model: nn.Module) -> bool:
@@ -81,7 +81,7 @@ def load_adapter_state_dict(model: nn.Module, state: dict[str, Any]) -> None:
     own = {k for k in model.state_dict() if ".lora_" in k}
     if set(state) != own:
         raise ValueError(f"the checkpoint's LoRA adapters do not fit this run's (model.lora): missing "
-                         f"{sorted(own - set(state))[:3]}, unexpected {sorted(set(state) - own)[:3]}")  # fmt: skip
+                         f"{sorted(own - set(state))[:3]}, unexpected {sorted(set(state) - own)[:3]}")
     model.load_state_dict(state, strict=False)
 
 

@@ -108,7 +108,7 @@ def _check_shards(path: Path) -> list[Path]:
     missing = [name for name in shards if not (path / name).is_file()]
     if missing:
         raise PreflightError("path", f"{str(indexes[0])!r} names {len(missing)} shard(s) that are not in the "
-                             f"folder: {', '.join(missing[:3])}")  # fmt: skip
+                             f"folder: {', '.join(missing[:3])}")
     return [path / name for name in shards]
 
 
@@ -124,13 +124,13 @@ def _expected_tensors(path: Path, data: dict) -> tuple[dict[str, tuple[int, ...]
     except (ValueError, KeyError, TypeError) as err:
         custom = " (its code is in the folder, auto_map; rollcorr never runs a model's own code)" if "auto_map" in data else ""
         raise PreflightError("path", f"{str(path / 'config.json')!r}: model_type {data['model_type']!r} is not "
-                             f"known to this transformers{custom}: {str(err).splitlines()[0][:120]}") from None  # fmt: skip
+                             f"known to this transformers{custom}: {str(err).splitlines()[0][:120]}") from None
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as err:
         raise PreflightError("path", f"{str(path / 'config.json')!r}: transformers cannot build a causal LM "
-                             f"from it ({str(err).splitlines()[0][:160]})") from None  # fmt: skip
+                             f"from it ({str(err).splitlines()[0][:160]})") from None
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     tied = set(getattr(model, "_tied_weights_keys", None) or []) if getattr(config, "tie_word_embeddings", False) else set()
     return shapes, tied, getattr(model, "base_model_prefix", "model")
@@ -147,14 +147,14 @@ def check_weights_match_config(path: Path, data: dict, headers: dict[str, dict])
     extra = sorted(set(found) - set(expected))
     if missing:
         raise PreflightError("path", f"{str(path)!r}: the weights miss {len(missing)} tensor(s) config.json "
-                             f"needs ({', '.join(missing[:3])}); transformers would initialise them at random")  # fmt: skip
+                             f"needs ({', '.join(missing[:3])}); transformers would initialise them at random")
     if extra:
         raise PreflightError("path", f"{str(path)!r}: the weights hold {len(extra)} tensor(s) the model of "
-                             f"config.json does not have ({', '.join(extra[:3])})")  # fmt: skip
+                             f"config.json does not have ({', '.join(extra[:3])})")
     for name, shape in expected.items():
         if name in found and found[name] != shape:
             raise PreflightError("path", f"{str(path)!r}: tensor {name!r} has shape {list(found[name])}, "
-                                 f"config.json implies {list(shape)}")  # fmt: skip
+                                 f"config.json implies {list(shape)}")
 
 
 def check_model_dir(model_path: str | Path | None, gguf_file: str | None = None) -> None:
@@ -171,7 +171,7 @@ def check_model_dir(model_path: str | Path | None, gguf_file: str | None = None)
             raise PreflightError("path", str(err)) from None
         if not (directory / "config.json").is_file():
             raise PreflightError("path", f"built-in model {str(model_path)!r} is not in this installation; "
-                                 "make it with the pretraining command in docs/builtin-model.md")  # fmt: skip
+                                 "make it with the pretraining command in docs/builtin-model.md")
         return
     path = Path(model_path)
     if not path.exists():
@@ -215,7 +215,7 @@ def check_model_dir(model_path: str | Path | None, gguf_file: str | None = None)
         headers.update(_check_safetensors(file))
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise PreflightError("path", f"{str(model_path)!r} has no tokenizer files (one of "
-                             f"{', '.join(TOKENIZER_FILES)}); copy them from the model's original folder")  # fmt: skip
+                             f"{', '.join(TOKENIZER_FILES)}); copy them from the model's original folder")
     check_weights_match_config(path, data, headers)
     check_tokenizer_fits(path, data)
 
@@ -228,11 +228,11 @@ def check_tokenizer_fits(path: Path, data: dict) -> None:
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 - any tokenizer file transformers cannot read
         raise PreflightError("path", f"{str(path)!r}: its tokenizer does not load "
-                             f"({str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__})") from None  # fmt: skip
+                             f"({str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__})") from None
     vocab = data.get("vocab_size")
     if isinstance(vocab, int) and len(tokenizer) > vocab:
         raise PreflightError("path", f"{str(path)!r}: the tokenizer has {len(tokenizer)} tokens but config.json's "
-                             f"embedding only {vocab} rows: the tokenizer does not belong to this model")  # fmt: skip
+                             f"embedding only {vocab} rows: the tokenizer does not belong to this model")
 
 
 def check_spec(spec: str, role: str = "sampler") -> EngineSpec:
@@ -259,7 +259,7 @@ def check_prompts(
     hf_logging.set_verbosity_error()  # "sequence length is longer than ..." is what this check says, in one line
     try:
         encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
-                   for p in prompts]  # fmt: skip
+                   for p in prompts]
     finally:
         hf_logging.set_verbosity(verbosity)
     for i, (text, ids) in enumerate(zip(prompts, encoded)):
@@ -268,14 +268,14 @@ def check_prompts(
         unknown = sorted({c for c in text if c not in vocab}) if vocab is not None else []
         if unknown:
             raise PreflightError("prompts", f"{what} {i}: characters the tokenizer cannot encode "
-                                 f"({''.join(unknown[:10])!r}); it would drop them")  # fmt: skip
+                                 f"({''.join(unknown[:10])!r}); it would drop them")
         if unk is not None and unk in ids:
             raise PreflightError("prompts", f"{what} {i}: text the tokenizer cannot encode (it becomes its "
-                                 "unknown token)")  # fmt: skip
+                                 "unknown token)")
     longest = max(map(len, encoded), default=0)
     if max_positions is not None and longest + max_new_tokens > max_positions:
         raise PreflightError("prompts", f"{what}: the longest is {longest} tokens; with {max_new_tokens} new "
-                             f"tokens that is past the model's {max_positions} positions")  # fmt: skip
+                             f"tokens that is past the model's {max_positions} positions")
 
 
 def is_char_tokenizer(tokenizer) -> bool:

@@ -159,7 +159,7 @@ def check_truncation(spec: str, top_k: int, top_p: float, keys: tuple[str, str])
     if reason is not None:
         key, value = (keys[0], top_k) if top_k else (keys[1], top_p)
         raise ValueError(f"{key}: {value} asks {spec} to truncate its distribution, and {reason}; sample with "
-                         "top_k 0 and top_p 1.0, or use another sampler")  # fmt: skip
+                         "top_k 0 and top_p 1.0, or use another sampler")
 
 
 def check_kept_mass(spec: str, truncated: bool, needs_full: bool, key: str) -> None:
@@ -171,7 +171,7 @@ def check_kept_mass(spec: str, truncated: bool, needs_full: bool, key: str) -> N
     if reason is not None:
         raise ValueError(f"{key}: comparing with {spec}'s distribution before top-k/top-p needs the probability "
                          f"mass they kept, and {reason}; compare with the distribution it drew from instead, or "
-                         "sample without top-k/top-p")  # fmt: skip
+                         "sample without top-k/top-p")
 
 
 def check_kept_ids(spec: str, records: bool, key: str, instead: str) -> None:
@@ -182,7 +182,7 @@ def check_kept_ids(spec: str, records: bool, key: str, instead: str) -> None:
     reason = backend_of(spec).no_kept_ids(parse_spec(spec))
     if reason is not None:
         raise ValueError(f"{key}: the keep mask replays {spec}'s top-k/top-p kept sets in the learner, and {reason}; "
-                         f"sample without top-k/top-p, or use an hf or llamacpp sampler, or {instead}")  # fmt: skip
+                         f"sample without top-k/top-p, or use an hf or llamacpp sampler, or {instead}")
 
 
 # ---- the registry -----------------------------------------------------------------------------------------

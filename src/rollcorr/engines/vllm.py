@@ -85,10 +85,10 @@ class ExpectedNoise(logging.Filter):
     """
 
     LOGGERS = ("vllm.model_executor.models.utils", "vllm.model_executor.model_loader.reload.layerwise",
-               "vllm.v1.worker.cpu_worker")  # fmt: skip
+               "vllm.v1.worker.cpu_worker")
 
     PATTERNS = {"dtype_cast": "Attempted to load weight %s with dtype", "no_weights": "%s: Failed to load weights",
-                "thread_binding": "CPU backend doesn't allow to use `torch.set_num_threads`"}  # fmt: skip
+                "thread_binding": "CPU backend doesn't allow to use `torch.set_num_threads`"}
 
     def __init__(self) -> None:
         super().__init__()
@@ -230,7 +230,7 @@ def check_params(params: SamplingParams) -> None:
         )
     if params.records_kept_ids:
         raise ValueError(f"the vllm sampler cannot record its top-k/top-p kept sets (record_kept_ids): "
-                         f"{VLLMBackend().no_kept_ids(EngineSpec('vllm'))}")  # fmt: skip
+                         f"{VLLMBackend().no_kept_ids(EngineSpec('vllm'))}")
 
 
 
@@ -269,7 +269,7 @@ class VLLMSampler(DecodingSampler):
         if batch_invariant:  # vLLM's batch-invariant kernels (GPU builds): the same tokens, the same log-probs
             if vllm_cpu_build():
                 raise ValueError("vLLM's batch-invariant mode runs its GPU kernels only; this is the CPU build "
-                                 "(vllm-cpu): use hf:exact for a bitwise-exact pair on a CPU")  # fmt: skip
+                                 "(vllm-cpu): use hf:exact for a bitwise-exact pair on a CPU")
             os.environ["VLLM_BATCH_INVARIANT"] = "1"
         vllm = import_vllm()
         from vllm.platforms import current_platform
@@ -307,7 +307,7 @@ class VLLMSampler(DecodingSampler):
         casts = NOISE.counts["dtype_cast"] - casts_before
         if casts:  # said once instead of vLLM's line per tensor
             print(f"vLLM cast {casts} weights of {self.model_path} to {dtype} as it loaded them (the checkpoint's "
-                  f"dtype differs; {VERBOSE_ENV}=1 shows vLLM's lines)", file=sys.stderr)  # fmt: skip
+                  f"dtype differs; {VERBOSE_ENV}=1 shows vLLM's lines)", file=sys.stderr)
         self.tokenizer = self.llm.get_tokenizer()
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
@@ -425,7 +425,7 @@ class VLLMBackend(Backend):
         if parsed.mode == BATCH_INVARIANT and vllm_cpu_build():
             raise ValueError(f"{spec!r}: vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1) runs its GPU kernels "
                              "only; the installed vLLM is the CPU build (vllm-cpu), which has none — for a "
-                             "bitwise-exact sampler and learner on a CPU use hf:exact")  # fmt: skip
+                             "bitwise-exact sampler and learner on a CPU use hf:exact")
 
     def sampler_class(self, parsed: EngineSpec) -> type:
         return VLLMSampler
@@ -446,7 +446,7 @@ class VLLMBackend(Backend):
         (``return_sampling_mask``, vLLM 0.32) exists only in its Model Runner V2, which needs Triton."""
         if vllm_cpu_build():
             return ("vLLM reports none: its sampling mask (return_sampling_mask) needs its Model Runner V2, which "
-                    "needs Triton, and the CPU build (vllm-cpu) has none")  # fmt: skip
+                    "needs Triton, and the CPU build (vllm-cpu) has none")
         return "vLLM reports none (rollcorr does not read its return_sampling_mask, a Model Runner V2 feature)"
 
     def no_kept_ids(self, parsed: EngineSpec) -> str:
@@ -454,7 +454,7 @@ class VLLMBackend(Backend):
         Model Runner V2, which needs Triton and ``top_k`` > 0); rollcorr does not read it yet."""
         if vllm_cpu_build():
             return ("vLLM's CPU build (vllm-cpu) cannot record them: its return_sampling_mask needs the Model Runner "
-                    "V2, which needs Triton")  # fmt: skip
+                    "V2, which needs Triton")
         return "rollcorr does not read vLLM's return_sampling_mask (a Model Runner V2 setting) yet"
 
 

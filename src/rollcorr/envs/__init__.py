@@ -22,4 +22,4 @@ from rollcorr.envs.episodes import Episodes, Limits, episode_metrics, play
 from rollcorr.envs.render import Renderer
 
 __all__ = ["ENVIRONMENTS", "Environment", "as_environment", "Episode", "Episodes", "Limits", "Renderer", "SingleTurn", "Turn",
-           "episode_metrics", "make_env", "play", "register_env"]  # fmt: skip
+           "episode_metrics", "make_env", "play", "register_env"]

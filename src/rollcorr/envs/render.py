@@ -44,7 +44,7 @@ class Renderer:
         ``turn_ended``: the model's turn ended with its end-of-turn token (else the token is supplied)."""
         if self.chat:
             ids = self._template_delta(messages_of(observation) if isinstance(observation, list) else
-                                       [{"role": "user", "content": observation}])  # fmt: skip
+                                       [{"role": "user", "content": observation}])
         elif isinstance(observation, str):
             ids = [int(t) for t in self.tokenizer(observation, add_special_tokens=False)["input_ids"]]
         else:
@@ -59,7 +59,7 @@ class Renderer:
         ends = [k for k, t in enumerate(head) if t == self.end_of_turn]
         if not ends or full[: ends[-1] + 1] != head[: ends[-1] + 1]:
             raise ValueError("the chat template does not end an assistant turn with the tokenizer's EOS token, or "
-                             "is not append-only there: observations cannot be appended as tokens")  # fmt: skip
+                             "is not append-only there: observations cannot be appended as tokens")
         return full[ends[-1] + 1 :]
 
     def conversation_ids(self, messages: list[dict[str, str]]) -> list[int]:

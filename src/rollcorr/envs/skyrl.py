@@ -54,7 +54,7 @@ class SkyRLEnv:
 
     def __init__(self, task: Task, id: str, config: Mapping[str, Any] | None = None,
                  extras: Mapping[str, Any] | None = None, reward_range: Sequence[float] | None = None,
-                 text: bool = False) -> None:  # fmt: skip
+                 text: bool = False) -> None:
         self.gym = _skyrl_gym()
         if not isinstance(id, str) or id not in self.gym.registry:
             raise ValueError(f"skyrl: no SkyRL-Gym environment {id!r}; registered: {sorted(self.gym.registry)}")
@@ -85,7 +85,7 @@ class SkyRLEnv:
             extras = {"reward_spec": item["reward_spec"], "extra_info": item.get("extra_info") or {}}
         else:
             extras = {"reward_spec": {"method": "rule", "ground_truth": str(item["answer"])},
-                      "extra_info": item.get("extra_info") or {}}  # fmt: skip
+                      "extra_info": item.get("extra_info") or {}}
         return {**extras, **self.extras}
 
     def as_prompt(self, messages: list[dict[str, str]]) -> Prompt:
@@ -107,11 +107,11 @@ class SkyRLEpisode:
         out = self.env.step(response_text)
         if not isinstance(out, Mapping) or not {"observations", "reward", "done"} <= set(out):
             raise ValueError(f"{type(self.env).__name__}.step returned {out!r:.120}; expected a mapping with "
-                             "observations, reward and done")  # fmt: skip
+                             "observations, reward and done")
         observations, done = out["observations"] or [], bool(out["done"])
         if not _is_messages(observations):
             raise ValueError(f"{type(self.env).__name__}.step's observations are {observations!r:.120}; expected a "
-                             "list of {'role', 'content'} messages")  # fmt: skip
+                             "list of {'role', 'content'} messages")
         if done:
             self.env.close()
         observation = None if done else self.adapter.as_prompt(list(observations))
@@ -128,7 +128,7 @@ def _affine(reward_range: Sequence[float] | None):
     if reward_range is None:
         return lambda r: r
     ok = isinstance(reward_range, Sequence) and len(reward_range) == 2 and all(
-        isinstance(v, numbers.Real) and not isinstance(v, bool) for v in reward_range)  # fmt: skip
+        isinstance(v, numbers.Real) and not isinstance(v, bool) for v in reward_range)
     if not ok or not reward_range[0] < reward_range[1]:
         raise ValueError(f"skyrl: reward_range must be [low, high] with low < high, got {reward_range!r}")
     low, high = float(reward_range[0]), float(reward_range[1])

@@ -92,7 +92,7 @@ def policy_loss(
         log_prob=log_prob, kept_mask=kept_mask, old_log_prob=old_log_prob, advantages=advantages,
         weights=weights, rollout_log_prob=rollout_log_prob, rewards=rewards, group_ids=group_ids,
         generator=generator,
-    )  # fmt: skip
+    )
     loss, metrics = spec.compute(inputs, config)
     metrics = dict(metrics)
     total = aggregate(
@@ -114,7 +114,7 @@ def policy_loss(
 
 def _prepared(log_prob: Tensor, old_log_prob: Tensor | None, advantages: Tensor | None, weights: Tensor | None,
               rollout_log_prob: Tensor | None, rewards: Tensor | None, group_ids: Tensor | None
-              ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:  # fmt: skip
+              ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """(log_prob, old_log_prob, advantages, weights, rollout_log_prob) as a loss reads them: every (B,) input of
     the batch's row count (else a ValueError naming it), (B,) advantages broadcast to (B, T), and fp16 / bf16
     in float32 (as compute_correction does: exp of a log-ratio clamped to ±20 is 4.9e8, beyond fp16's 65504,
@@ -124,7 +124,7 @@ def _prepared(log_prob: Tensor, old_log_prob: Tensor | None, advantages: Tensor 
         for arg, value in (("advantages", advantages), ("rewards", rewards), ("group_ids", group_ids)):
             if value is not None and value.dim() == 1 and value.shape[0] != batch:
                 raise ValueError(f"{arg} has shape {tuple(value.shape)}, expected ({batch},) for {batch} rows"
-                                 + (f" or {tuple(log_prob.shape)}" if arg == "advantages" else ""))  # fmt: skip
+                                 + (f" or {tuple(log_prob.shape)}" if arg == "advantages" else ""))
     if advantages is not None and advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(log_prob)
     if log_prob.dtype in (torch.float16, torch.bfloat16):
@@ -138,7 +138,7 @@ def _prepared(log_prob: Tensor, old_log_prob: Tensor | None, advantages: Tensor 
 
 def _check_needs(config: LossConfig, old_log_prob: Tensor | None, advantages: Tensor | None,
                  weights: Tensor | None, rollout_log_prob: Tensor | None, rewards: Tensor | None,
-                 group_ids: Tensor | None) -> None:  # fmt: skip
+                 group_ids: Tensor | None) -> None:
     """ValueError when an input the loss's ``LossSpec`` needs is missing, or weights go to a loss that builds its
     own."""
     spec, name = config.spec, config.name

@@ -53,7 +53,7 @@ def _is_weighted_ppo(mode: str | None, cap_field: str | None = None, floor_field
             metrics["actor/areal_capped_fraction"] = masked_mean((rho > cap).to(rho.dtype), mask)
         metrics["actor/is_weight_mean"] = masked_mean(w, mask)
         loss, m = ppo_clip_loss(i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, clip_low=c.eps_low,
-                                clip_high=c.eps_high, clip_c=c.clip_c, weights=w)  # fmt: skip
+                                clip_high=c.eps_high, clip_c=c.clip_c, weights=w)
         return loss, {**metrics, **m}
 
     return compute
@@ -63,6 +63,6 @@ def _is_weighted_ppo(mode: str | None, cap_field: str | None = None, floor_field
 _OWN_WEIGHT = dict(needs_rollout_log_prob=True, takes_weights=False, builds_own_weights=True)
 register_loss(LossSpec("vanilla_is", _is_weighted_ppo(None), **_OWN_WEIGHT))
 register_loss(LossSpec("tis", _is_weighted_ppo("truncate", "tis_cap", "tis_floor"),
-                       options={"tis_cap": 2.0, "tis_floor": None}, **_OWN_WEIGHT))  # fmt: skip
+                       options={"tis_cap": 2.0, "tis_floor": None}, **_OWN_WEIGHT))
 register_loss(LossSpec("areal", _is_weighted_ppo("mask", "areal_cap"), options={"areal_cap": 5.0},
-                       **_OWN_WEIGHT))  # fmt: skip
+                       **_OWN_WEIGHT))

@@ -54,17 +54,17 @@ def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kl_penalty: str) -> Tensor:
 
 def kl_loss(log_prob: Tensor, ref_log_prob: Tensor, kept_mask: Tensor, estimator: str, agg: str, *,
             per_sequence: bool = False, denominator: str = "kept", denominator_mask: Tensor | None = None,
-            norm_constant: float | None = None) -> Tensor:  # fmt: skip
+            norm_constant: float | None = None) -> Tensor:
     """The KL term's loss (before ``coef``): per-token ``kl_penalty(π_θ, π_ref)`` aggregated as the policy loss is
     (``agg``, the denominator policy), so its parts add up over micro-batches and ranks as the loss's do. A loss
     with one value per sequence (``per_sequence``) gets each sequence's token mean, averaged over sequences."""
     kept = kept_mask.bool()  # both zeroed off the kept tokens: padding's NaN never reaches a gradient
     values = kl_penalty(torch.where(kept, log_prob, torch.zeros_like(log_prob)),
-                        torch.where(kept, ref_log_prob, torch.zeros_like(ref_log_prob)), estimator)  # fmt: skip
+                        torch.where(kept, ref_log_prob, torch.zeros_like(ref_log_prob)), estimator)
     if per_sequence:
         agg = "seq-mean-token-mean"
     return aggregate(values, kept_mask, agg, denominator=denominator, denominator_mask=denominator_mask,
-                     norm_constant=norm_constant)  # fmt: skip
+                     norm_constant=norm_constant)
 
 
 def kl_reward_penalty(old_log_prob: Tensor, ref_log_prob: Tensor, response_mask: Tensor, estimator: str) -> Tensor:

@@ -61,4 +61,4 @@ register_loss(LossSpec(
     clip_low=0.0, clip_high=0.0, options={"oapl_beta": 0.3, "oapl_beta1": None},
     needs_old_log_prob=False, needs_advantages=False, needs_rollout_log_prob=True, needs_rewards=True,
     takes_weights=False, per_sequence=True, regresses_on_rollout=True,
-))  # fmt: skip
+))

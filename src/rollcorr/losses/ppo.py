@@ -186,7 +186,7 @@ def _vanilla_as_verl(v: VerlCall) -> VerlResult:
     if not v.clip_c > 1.0:
         raise ValueError(f"clip_ratio_c must be > 1.0 (dual clip), got {v.clip_c}")
     loss, metrics = ppo_clip_loss(v.log_prob, v.old_log_prob, v.advantages, v.response_mask, clip_low=v.clip_low,
-                                  clip_high=v.clip_high, clip_c=v.clip_c, weights=v.weights)  # fmt: skip
+                                  clip_high=v.clip_high, clip_c=v.clip_c, weights=v.weights)
     return loss, metrics, None, "kept"
 
 
@@ -195,13 +195,13 @@ register_loss(LossSpec(
     lambda i, c: ppo_clip_loss(i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, clip_low=c.eps_low,
                                clip_high=c.eps_high, clip_c=c.clip_c, weights=i.weights),
     verl_name="vanilla", verl_loss=_vanilla_as_verl,
-))  # fmt: skip
+))
 register_loss(LossSpec(
     "ppo_is",  # ppo_clip with r = π_θ/μ and no weight (bypass: π_old := μ)
     lambda i, c: ppo_clip_loss(i.log_prob, i.rollout_log_prob, i.advantages, i.kept_mask, clip_low=c.eps_low,
                                clip_high=c.eps_high, clip_c=c.clip_c),
     needs_old_log_prob=False, needs_rollout_log_prob=True, takes_weights=False, builds_own_weights=True,
-))  # fmt: skip
+))
 
 
 def _clip_cov(i: LossInputs, c: LossConfig) -> LossResult:
@@ -212,7 +212,7 @@ def _clip_cov(i: LossInputs, c: LossConfig) -> LossResult:
         i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, clip_low=c.eps_low, clip_high=c.eps_high,
         ratio=c.clip_cov_ratio, cov_lb=c.clip_cov_lb, cov_ub=c.clip_cov_ub, generator=generator,
         weights=i.weights,
-    )  # fmt: skip
+    )
 
 
 def _clip_cov_as_verl(v: VerlCall) -> VerlResult:
@@ -221,14 +221,14 @@ def _clip_cov_as_verl(v: VerlCall) -> VerlResult:
         v.log_prob, v.old_log_prob, v.advantages, v.response_mask, clip_low=v.clip_low, clip_high=v.clip_high,
         ratio=v.options["clip_cov_ratio"], cov_lb=v.options["clip_cov_lb"], cov_ub=v.options["clip_cov_ub"],
         generator=v.generator, log_ratio_clamp=v.clamp, count_eps=1e-8, weights=v.weights,
-    )  # fmt: skip
+    )
     return loss, metrics, None, "kept"
 
 
 def _kl_cov_as_verl(v: VerlCall) -> VerlResult:
     loss, metrics = kl_cov_loss(v.log_prob, v.old_log_prob, v.advantages, v.response_mask,
                                 ratio=v.options["kl_cov_ratio"], kl_coef=v.options["ppo_kl_coef"], weights=v.weights,
-                                log_ratio_clamp=v.clamp)  # fmt: skip
+                                log_ratio_clamp=v.clamp)
     return loss, metrics, None, "kept"
 
 
@@ -236,11 +236,11 @@ def _kl_cov_as_verl(v: VerlCall) -> VerlResult:
 register_loss(LossSpec(
     "clip_cov", _clip_cov, verl_name="clip_cov", verl_loss=_clip_cov_as_verl,
     options={"clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0, "clip_cov_seed": None},
-))  # fmt: skip
+))
 register_loss(LossSpec(
     "kl_cov",
     lambda i, c: kl_cov_loss(i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, ratio=c.kl_cov_ratio,
                              kl_coef=c.kl_cov_coef, weights=i.weights),
     clip_low=0.0, clip_high=0.0, options={"kl_cov_ratio": 2e-4, "kl_cov_coef": 0.1}, verl_name="kl_cov",
     verl_loss=_kl_cov_as_verl,
-))  # fmt: skip
+))

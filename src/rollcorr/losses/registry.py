@@ -112,7 +112,7 @@ class LossSpec:
             return self.verl_loss(call)
         config = LossConfig(name=self.name, clip_low=call.clip_low, clip_high=call.clip_high)
         inputs = LossInputs(log_prob=call.log_prob, kept_mask=call.response_mask, old_log_prob=call.old_log_prob,
-                            advantages=call.advantages, weights=call.weights, generator=call.generator)  # fmt: skip
+                            advantages=call.advantages, weights=call.weights, generator=call.generator)
         loss, metrics = self.compute(inputs, config)
         return loss, metrics, None, "batch" if self.per_sequence else "kept"
 
@@ -204,7 +204,7 @@ class LossConfig:
         low, bound = (spec.clip_low if self.clip_low is None else self.clip_low), spec.clip_low_at_most
         if bound is not None and low > bound:  # 1 − ε_lo < 0: a ratio is never below it
             raise ValueError(f"LossConfig.clip_low: {low:g} makes the lower clip 1 − ε_lo = {1 - low:g} < 0, which "
-                             f"never binds for {self.name}; use ε_lo in [0, {bound:g}] (1 = no lower bound)")  # fmt: skip
+                             f"never binds for {self.name}; use ε_lo in [0, {bound:g}] (1 = no lower bound)")
         if self.clip_c is not None and not self.clip_c > 1:
             raise ValueError(f"LossConfig.clip_c (dual clip / dppo ratio cap) must be > 1, got {self.clip_c}")
         if self.norm_constant is not None and not self.norm_constant > 0:
@@ -295,4 +295,4 @@ class LossConfig:
 # The LossConfig fields a LossSpec may declare as its own options (everything but the shared settings).
 _OPTION_FIELDS = {f.name for f in fields(LossConfig)} - {
     "name", "clip_low", "clip_high", "clip_c", "agg", "denominator", "norm_constant", "check_inputs",
-}  # fmt: skip
+}

@@ -84,7 +84,7 @@ def dro_loss(
 def _reinforce_as_verl(v: VerlCall) -> VerlResult:
     """verl's ``reinforce`` (bypass: ``old_log_prob`` is μ, read only for ``actor/ppo_kl``)."""
     loss, metrics = reinforce_loss(v.log_prob, v.advantages, v.response_mask, weights=v.weights,
-                                   ref_log_prob=v.old_log_prob)  # fmt: skip
+                                   ref_log_prob=v.old_log_prob)
     return loss, metrics, None, "kept"
 
 
@@ -95,13 +95,13 @@ def _gpg_as_verl(v: VerlCall) -> VerlResult:
 
 def _cispo_as_verl(v: VerlCall) -> VerlResult:
     loss, metrics = cispo_loss(v.log_prob, v.old_log_prob, v.advantages, v.response_mask, clip_low=v.clip_low,
-                               clip_high=v.clip_high, weights=v.weights)  # fmt: skip
+                               clip_high=v.clip_high, weights=v.weights)
     return loss, metrics, None, "kept"
 
 
 def _dro_as_verl(v: VerlCall) -> VerlResult:
     loss, metrics = dro_loss(v.log_prob, v.old_log_prob, v.advantages, v.response_mask, beta=v.options["dro_beta"],
-                             weights=v.weights)  # fmt: skip
+                             weights=v.weights)
     return loss, metrics, None, "kept"
 
 
@@ -111,21 +111,21 @@ register_loss(LossSpec(
                                 ref_log_prob=i.old_log_prob),
     clip_low=0.0, clip_high=0.0, needs_old_log_prob=False, has_ratio=False, verl_name="reinforce",
     verl_loss=_reinforce_as_verl,
-))  # fmt: skip
+))
 register_loss(LossSpec(
     "gpg",  # verl `gpg`: reinforce without its metric
     lambda i, c: reinforce_loss(i.log_prob, i.advantages, i.kept_mask, weights=i.weights),
     clip_low=0.0, clip_high=0.0, needs_old_log_prob=False, has_ratio=False, verl_name="gpg", verl_loss=_gpg_as_verl,
-))  # fmt: skip
+))
 register_loss(LossSpec(
     "cispo",  # ε as AReaL recommends: ε_lo = 1 (no lower bound), ε_hi = 4
     lambda i, c: cispo_loss(i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, clip_low=c.eps_low,
                             clip_high=c.eps_high, weights=i.weights),
     clip_low=1.0, clip_high=4.0, verl_name="cispo", verl_loss=_cispo_as_verl,
-))  # fmt: skip
+))
 register_loss(LossSpec(
     "dro",
     lambda i, c: dro_loss(i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, beta=c.dro_beta,
                           weights=i.weights),
     clip_low=0.0, clip_high=0.0, options={"dro_beta": 0.1}, verl_name="dro", verl_loss=_dro_as_verl,
-))  # fmt: skip
+))

@@ -95,7 +95,7 @@ def gmpo_loss(
 def _gspo_as_verl(v: VerlCall) -> VerlResult:
     """verl's ``gspo``; strict: its ``actor/ppo_kl`` leaves the log-ratio unclamped."""
     loss, metrics = gspo_loss(v.log_prob, v.old_log_prob, v.advantages, v.response_mask, clip_low=v.clip_low,
-                              clip_high=v.clip_high, weights=v.weights)  # fmt: skip
+                              clip_high=v.clip_high, weights=v.weights)
     if v.strict:
         from rollcorr.losses.common import masked_mean
 
@@ -106,7 +106,7 @@ def _gspo_as_verl(v: VerlCall) -> VerlResult:
 def _geo_mean_as_verl(v: VerlCall) -> VerlResult:
     """verl's ``geo_mean``: a plain mean over the batch's sequences, whatever ``loss_agg_mode``."""
     loss, metrics = gmpo_loss(v.log_prob, v.old_log_prob, v.advantages, v.response_mask, clip_low=v.clip_low,
-                              clip_high=v.clip_high, weights=v.weights, log_ratio_clamp=v.clamp)  # fmt: skip
+                              clip_high=v.clip_high, weights=v.weights, log_ratio_clamp=v.clamp)
     return loss, metrics, None, "batch"
 
 
@@ -115,11 +115,11 @@ register_loss(LossSpec(
     lambda i, c: gspo_loss(i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, clip_low=c.eps_low,
                            clip_high=c.eps_high, weights=i.weights),
     clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-mean", verl_name="gspo", verl_loss=_gspo_as_verl,
-))  # fmt: skip
+))
 register_loss(LossSpec(
     "gmpo",  # the GMPO paper's ε = 0.4 (log space)
     lambda i, c: gmpo_loss(i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, clip_low=c.eps_low,
                            clip_high=c.eps_high, weights=i.weights),
     clip_low=0.4, clip_high=0.4, clip_low_at_most=None, per_sequence=True, verl_name="geo_mean",
     verl_loss=_geo_mean_as_verl,
-))  # fmt: skip
+))

@@ -88,7 +88,7 @@ def dppo_tv_loss(
     return _dppo_loss(
         log_prob, old_log_prob, advantages, kept_mask, keep, high, low,
         cap=cap, kl_coef=kl_coef, weights=weights, verl_value=verl_value,
-    )  # fmt: skip
+    )
 
 
 def dppo_kl_loss(
@@ -123,7 +123,7 @@ def dppo_kl_loss(
     return _dppo_loss(
         log_prob, old_log_prob, advantages, kept_mask, keep, high, low,
         cap=cap, kl_coef=kl_coef, weights=weights, verl_value=verl_value,
-    )  # fmt: skip
+    )
 
 
 def sapo_loss(
@@ -171,7 +171,7 @@ def _dppo_as_verl(fn) -> Callable:
     def call(v: VerlCall) -> VerlResult:
         """verl's dppo: its value −A·sg(min(r, clip_ratio_c))·log π_θ·keep, verl's three metrics."""
         loss, metrics = fn(v.log_prob, v.old_log_prob, v.advantages, v.response_mask, clip_low=v.clip_low,
-                           clip_high=v.clip_high, cap=v.clip_c, verl_value=True, weights=v.weights)  # fmt: skip
+                           clip_high=v.clip_high, cap=v.clip_c, verl_value=True, weights=v.weights)
         return loss, {k: x for k, x in metrics.items() if k in _VERL_METRICS}, None, "kept"
 
     return call
@@ -180,7 +180,7 @@ def _dppo_as_verl(fn) -> Callable:
 def _sapo_as_verl(v: VerlCall) -> VerlResult:
     """verl's ``sapo``: seq-mean-token-mean whatever ``loss_agg_mode``."""
     loss, metrics = sapo_loss(v.log_prob, v.old_log_prob, v.advantages, v.response_mask, tau_pos=v.options["tau_pos"],
-                              tau_neg=v.options["tau_neg"], weights=v.weights)  # fmt: skip
+                              tau_neg=v.options["tau_neg"], weights=v.weights)
     return loss, metrics, "seq-mean-token-mean", "kept"
 
 
@@ -192,11 +192,11 @@ for _name, _fn in (("dppo_tv", dppo_tv_loss), ("dppo_kl", dppo_kl_loss)):
                                 weights=i.weights),
         options={"dppo_kl_coef": 0.0}, verl_name=_name, verl_loss=_dppo_as_verl(_fn),
         clip_low_at_most=None if _name == "dppo_kl" else 1.0,  # dppo_kl: ε are binary-KL thresholds
-    ))  # fmt: skip
+    ))
 register_loss(LossSpec(
     "sapo",
     lambda i, c: sapo_loss(i.log_prob, i.old_log_prob, i.advantages, i.kept_mask, tau_pos=c.sapo_tau_pos,
                            tau_neg=c.sapo_tau_neg, weights=i.weights),
     clip_low=0.0, clip_high=0.0, agg="seq-mean-token-mean",
     options={"sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05}, verl_name="sapo", verl_loss=_sapo_as_verl,
-))  # fmt: skip
+))

@@ -63,7 +63,7 @@ class EWMA(ProximalStrategy):
     def run_defaults(cls, temperature: float, max_staleness: int, steps_per_version: int) -> dict:
         """The base options plus ``steps_per_version``: the lag is counted in optimizer steps."""
         return {**super().run_defaults(temperature, max_staleness, steps_per_version),
-                "steps_per_version": steps_per_version}  # fmt: skip
+                "steps_per_version": steps_per_version}
 
     def __init__(
         self,

@@ -47,7 +47,7 @@ def scores_together(learner) -> bool:
 
 @torch.no_grad()
 def score(learner, rollout: Rollout, temperature: float = 1.0, model: nn.Module | None = None,
-          weights: Mapping[str, Tensor] | None = None) -> Tensor:  # fmt: skip
+          weights: Mapping[str, Tensor] | None = None) -> Tensor:
     """(B, T) float32 detached log π(y_t) of the response tokens under ``weights`` (a ``copy_state`` copy, put
     into the learner's model for the call: ``swapped_in``) or ``model`` (a module of its own); default: the
     learner's current weights.

@@ -28,7 +28,7 @@ def uses_chat(tokenizer: Any, chat: bool | None) -> bool:
     """Whether prompts go through the chat template: ``chat``, or (None) whether the tokenizer has one."""
     if chat and not has_template(tokenizer):
         raise ValueError("task.chat is true but the model's tokenizer has no chat template "
-                         "(tokenizer_config.json / chat_template.jinja)")  # fmt: skip
+                         "(tokenizer_config.json / chat_template.jinja)")
     return has_template(tokenizer) if chat is None else bool(chat)
 
 

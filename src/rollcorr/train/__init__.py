@@ -12,7 +12,7 @@ import importlib
 from typing import Any
 
 _HOMES = {"ConfigError": "config", "TrainConfig": "config", "load_config": "config", "RunResult": "loop",
-          "Trainer": "loop", "run": "loop"}  # fmt: skip
+          "Trainer": "loop", "run": "loop"}
 
 __all__ = ["ConfigError", "RunResult", "TrainConfig", "Trainer", "load_config", "run"]
 

@@ -108,11 +108,11 @@ def lr_warning(n_params: int, lr: float, trainable: int | None = None) -> str | 
             return None
         return (f"warning: optim.lr={lr:g} is far above the usual range for LoRA adapters ({trainable / 1e6:.1f} M "
                 f"trainable weights on a model of {n_params / 1e6:.0f} M): LoRA usually trains at about ten times "
-                "full fine-tuning's rate, 1e-5 to 5e-4; lower optim.lr, e.g. optim.lr=1e-4 (docs/tasks.md, LoRA)")  # fmt: skip
+                "full fine-tuning's rate, 1e-5 to 5e-4; lower optim.lr, e.g. optim.lr=1e-4 (docs/tasks.md, LoRA)")
     if lr > LARGE_MODEL_LR:
         return (f"warning: optim.lr={lr:g} is far above the usual range for a model of {n_params / 1e6:.0f} M "
                 f"parameters (the default 3e-4 suits the ~1 M-parameter built-in model); {LR_ADVICE}, "
-                "e.g. optim.lr=1e-5 (docs/tasks.md, a real model)")  # fmt: skip
+                "e.g. optim.lr=1e-5 (docs/tasks.md, a real model)")
     return None
 
 
@@ -121,11 +121,11 @@ def truncation_warning(top_k: int, top_p: float, truncated: bool, sampler_distri
     if not truncated or sampler_distribution != "truncated":
         return None
     cut = " and ".join(part for part in (f"rollout.top_k={top_k}" if top_k else "",
-                                         f"rollout.top_p={top_p:g}" if top_p < 1 else "") if part)  # fmt: skip
+                                         f"rollout.top_p={top_p:g}" if top_p < 1 else "") if part)
     return (f"warning: {cut} with algorithm.correction.sampler_distribution=truncated compares the learner's full "
             "distribution with the sampler's renormalised one, so every ratio π/μ carries the mass top-k/top-p kept "
             "(on identical models ρ = kept mass, not 1); sampler_distribution=keep_mask (the default) renormalises "
-            "π_old and π_θ over the sampler's kept sets (docs/three-policies.md)")  # fmt: skip
+            "π_old and π_θ over the sampler's kept sets (docs/three-policies.md)")
 
 
 def _pct(part: float, whole: float) -> str:
@@ -145,28 +145,28 @@ def describe(step: int, condition: str, metrics: dict[str, float]) -> str:
     )
     if condition == "rejected_all":
         return (f"step {step}: the correction rejected every token ({tokens:.0f} tokens in {seqs:.0f} sequences), "
-                f"so this step learned nothing and {no_step}; {ADVICE}.")  # fmt: skip
+                f"so this step learned nothing and {no_step}; {ADVICE}.")
     if condition == "rejected_most_sequences":
         return (f"step {step}: the correction rejected {_pct(seqs - kept_seqs, seqs)} of the sequences "
-                f"({seqs - kept_seqs:.0f} of {seqs:.0f}); the update rests on the other {kept_seqs:.0f}; {ADVICE}.")  # fmt: skip
+                f"({seqs - kept_seqs:.0f} of {seqs:.0f}); the update rests on the other {kept_seqs:.0f}; {ADVICE}.")
     if condition == "rejected_most_tokens":
         return (f"step {step}: the correction rejected {_pct(tokens - kept_tokens, tokens)} of the tokens "
-                f"({tokens - kept_tokens:.0f} of {tokens:.0f}); {ADVICE}.")  # fmt: skip
+                f"({tokens - kept_tokens:.0f} of {tokens:.0f}); {ADVICE}.")
     if condition == "amp_overflow":
         return (f"step {step}: {g('train/amp_overflow_skips', 0.0):.0f} optimizer step(s) skipped: the fp16 gradients "
                 f"overflowed, so the loss scale was halved (now {g('train/amp_loss_scale', 0.0):g}). A few while the "
-                "scale finds its level are normal; many mean the loss itself is unstable.")  # fmt: skip
+                "scale finds its level are normal; many mean the loss itself is unstable.")
     if condition == "accuracy_drop":
         return (f"step {step}: greedy accuracy fell from {g('alerts/previous_accuracy', 0.0):.3f} to "
                 f"{g('eval/accuracy', 0.0):.3f} since the previous evaluation; updates that undo this many answers "
                 f"usually mean the learning rate (optim.lr={g('train/lr', 0.0):g}) is too large for this model: "
-                f"{LR_ADVICE}.")  # fmt: skip
+                f"{LR_ADVICE}.")
     scale = g("train/amp_loss_scale")  # fp16 mixed precision only
     if scale is not None and scale < 1.0:
         why = (f"the fp16 loss scale has fallen to {scale:g} (it halves at every overflow), which shrinks every "
                "gradient before fp16 holds it, and fp16 flushes those below 6e-8 to 0: the loss overflows fp16 at "
                "any scale (an unstable loss, a learning rate too large) or needs bf16's range "
-               "(model.learner=hf:amp-bf16)")  # fmt: skip
+               "(model.learner=hf:amp-bf16)")
     elif g("advantage/abs_mean", 1.0) == 0:
         why = "every kept group's responses got the same reward, so every advantage was 0"
     else:
@@ -220,7 +220,7 @@ class RunAlerts:
             if self.last_accuracy is not None:
                 metrics[PREFIX + "previous_accuracy"] = self.last_accuracy
                 flags["accuracy_drop"] = accuracy_dropped(self.last_accuracy, float(metrics["eval/accuracy"]),
-                                                          metrics.get("eval/prompts"))  # fmt: skip
+                                                          metrics.get("eval/prompts"))
             self.seen_evaluation(metrics)
         self.steps += 1
         for name, flag in flags.items():

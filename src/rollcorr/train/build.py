@@ -57,13 +57,13 @@ def check_components(config: TrainConfig) -> tuple[StepConfig, ProximalStrategy,
     params = sampling_params(config)
     try:
         check_truncation(config.model.sampler, config.rollout.top_k, config.rollout.top_p,
-                         ("rollout.top_k", "rollout.top_p"))  # fmt: skip
+                         ("rollout.top_k", "rollout.top_p"))
         check_kept_mass(config.model.sampler, params.truncated,
                         config.algorithm.correction.sampler_distribution == "full",
-                        "algorithm.correction.sampler_distribution=full")  # fmt: skip
+                        "algorithm.correction.sampler_distribution=full")
         check_kept_ids(config.model.sampler, params.records_kept_ids, "algorithm.correction.sampler_distribution",
                        "accept the kept-mass offset in every ratio with algorithm.correction.sampler_distribution="
-                       "truncated")  # fmt: skip
+                       "truncated")
     except ValueError as err:
         raise ConfigError(str(err)) from None
     task = build_task(config)
@@ -74,12 +74,12 @@ def check_components(config: TrainConfig) -> tuple[StepConfig, ProximalStrategy,
     if proximal.follows_sampler and not executor_class(config).local_listeners:
         raise ConfigError(f"algorithm.proximal.name: {proximal.name!r} scores chunks as the sampler makes them; "
                           f"that needs trainer.executor=local (an executor whose sampler reports to this process), "
-                          f"not {config.trainer.executor!r}")  # fmt: skip
+                          f"not {config.trainer.executor!r}")
     if learner_processes(config) > 1 and not proximal.data_parallel:
         raise ConfigError(f"algorithm.proximal.name: {proximal.name!r} cannot run with trainer.ranks > 1: it follows "
                           "the sampler, whose weight loads and chunks reach rank 0 alone and are scored on a "
                           "background thread, while a sharded forward needs every rank; snapshot gives the same "
-                          "exact old log-probs at trainer.ranks > 1")  # fmt: skip
+                          "exact old log-probs at trainer.ranks > 1")
     check_fsdp(config)
     check_device(config)
     return step_config, proximal, task
@@ -92,7 +92,7 @@ def check_device(config: TrainConfig) -> None:
         return
     if not torch.cuda.is_available():
         raise ConfigError(f"model.device: {device!r} asked for, but this machine has no CUDA device "
-                          "(torch.cuda.is_available() is False); use cpu or leave it null")  # fmt: skip
+                          "(torch.cuda.is_available() is False); use cpu or leave it null")
     index = int(device.partition(":")[2] or 0)
     if index >= torch.cuda.device_count():
         raise ConfigError(f"model.device: {device!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
@@ -115,7 +115,7 @@ def build_task(config: TrainConfig):
         why = getattr(task, "held_out_rule", "")
         raise ConfigError(f"task.eval_prompts: {config.task.eval_prompts} held-out prompts asked, but "
                           f"{config.task.name} has no held-out rows{f' ({why})' if why else ''}; give some (a "
-                          "split field of 'test', task.eval_file) or train without evaluation: task.eval_prompts=0")  # fmt: skip
+                          "split field of 'test', task.eval_file) or train without evaluation: task.eval_prompts=0")
     try:
         return config.task.environment(task)
     except ValueError as err:
@@ -131,20 +131,20 @@ def check_fsdp(config: TrainConfig) -> None:
     learner, parallel = config.model.learner, learner_processes(config) > 1
     if parallel and config.trainer.data_parallel == "shard" and not backend_of(learner).can_shard(parse_spec(learner)):
         raise ConfigError(f"model.learner: {learner!r} cannot be sharded (FSDP2 gathers the weights outside its "
-                          "forward); use trainer.data_parallel=replicate or auto")  # fmt: skip
+                          "forward); use trainer.data_parallel=replicate or auto")
     changed = next((f.name for f in dataclasses.fields(fsdp) if getattr(fsdp, f.name) != getattr(default, f.name)), None)
     if changed is not None and not parallel:
         raise ConfigError(f"trainer.fsdp.{changed}: applies to a data-parallel learner only (trainer.ranks > 1 "
-                          "or torchrun); this run trains in one process, unsharded")  # fmt: skip
+                          "or torchrun); this run trains in one process, unsharded")
     if changed is not None and config.trainer.data_parallel == "replicate":
         raise ConfigError(f"trainer.fsdp.{changed}: applies to a sharded learner, and trainer.data_parallel=replicate "
                           "keeps the whole model on every rank (set trainer.data_parallel=shard, or leave it auto: "
-                          "an FSDP option then shards)")  # fmt: skip
+                          "an FSDP option then shards)")
     for key in ("param_dtype", "reduce_dtype"):
         if getattr(fsdp, key) is not None and not torch.cuda.is_available():
             raise ConfigError(f"trainer.fsdp.{key}: FSDP2 mixed precision is for CUDA ranks, and this machine has "
                               "no GPU: CPU ranks train in the weights' own dtype (leave it null, or pick the "
-                              "learner's dtype with model.learner)")  # fmt: skip
+                              "learner's dtype with model.learner)")
 
 
 def check_trainable_learner(config: TrainConfig) -> None:
@@ -245,12 +245,12 @@ def make_executor(config, spec: SourceSpec | None = None, **ray_options: Any) ->
         ray_options.setdefault("address", t.ray_address)
         return RayExecutor(spec, max_staleness=t.max_staleness, queue_size=t.queue_size, lag=lag,
                            partial_rollouts=t.partial_rollouts, chunk_tokens=t.partial_chunk_tokens,
-                           **ray_options)  # fmt: skip
+                           **ray_options)
     if ray_options:
         raise TypeError(f"{sorted(ray_options)}: options of trainer.executor=ray, not {t.executor!r}")
     if lag is None:
         return AsyncExecutor(ProcessSource(spec), t.max_staleness, t.queue_size, t.partial_rollouts,
-                             t.partial_chunk_tokens)  # fmt: skip
+                             t.partial_chunk_tokens)
     return LaggedExecutor(spec.build(), lag)
 
 
@@ -264,7 +264,7 @@ def build_learner(config: TrainConfig, ranks: Ranks = ONE_PROCESS) -> tuple[Any,
     try:
         learner = make_learner(m.learner, config.model.path, routing_replay=m.routing_replay,
                                skeleton=not ranks.is_main, device=ranks.learner_device(m.device),
-                               gradient_checkpointing=m.gradient_checkpointing, lora=m.lora.learner_kwargs())  # fmt: skip
+                               gradient_checkpointing=m.gradient_checkpointing, lora=m.lora.learner_kwargs())
     except ValueError as err:
         if str(err).startswith("model.lora"):
             raise ConfigError(str(err)) from None
@@ -274,12 +274,12 @@ def build_learner(config: TrainConfig, ranks: Ranks = ONE_PROCESS) -> tuple[Any,
     learner.model.train(False)
     f = config.trainer.fsdp
     learner = ranks.shard(learner, config.trainer.data_parallel, reshard_after_forward=f.reshard_after_forward,
-                          param_dtype=f.param_dtype, reduce_dtype=f.reduce_dtype)  # fmt: skip
+                          param_dtype=f.param_dtype, reduce_dtype=f.reduce_dtype)
     o = config.optim
     optimizer = torch.optim.AdamW(
         [p for p in learner.model.parameters() if p.requires_grad],
         lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-    )  # fmt: skip
+    )
     return learner, optimizer
 
 
@@ -306,7 +306,7 @@ def data_parallel_note(config: TrainConfig, ranks: Ranks, learner) -> str | None
     else:
         layout = f"sharded over {ranks.world} ranks by FSDP2 ({why})"
     who = ("every rank samples its share of each batch" if samples_on_every_rank(config, ranks)
-           else "rank 0 samples every batch")  # fmt: skip
+           else "rank 0 samples every batch")
     return f"data-parallel learner: {layout}; {who}; the trainer's collectives over {ranks.transport}"
 
 
@@ -345,4 +345,4 @@ def build_evaluator(config: TrainConfig, task, tokenizer) -> GreedyEvaluator | N
     sampler = make_sampler("hf:fp32", config.model.path, device=config.model.device)
     return GreedyEvaluator(sampler, task, tokenizer, config.task.eval_prompts, config.rollout.max_new_tokens,
                            config.task.eval_seed, chat=uses_chat(tokenizer, config.task.chat),
-                           limits=config.task.limits())  # fmt: skip
+                           limits=config.task.limits())

@@ -18,7 +18,7 @@ class GreedyEvaluator:
     """
 
     def __init__(self, sampler, env, tokenizer, n_prompts: int, max_new_tokens: int, seed: int,
-                 chat: bool = False, limits: Limits = Limits()):  # fmt: skip
+                 chat: bool = False, limits: Limits = Limits()):
         self.sampler, self.env, self.tokenizer = sampler, as_environment(env), tokenizer
         self.items = self.env.held_out(n_prompts, seed)
         self.renderer = Renderer(tokenizer, chat)
@@ -32,7 +32,7 @@ class GreedyEvaluator:
         start = time.perf_counter()
         self.sampler.load_weights(weights, version)
         rollout = play(self.sampler, self.env, self.items, self.renderer, self.params, limits=self.limits,
-                       rows="the greedy evaluation")  # fmt: skip
+                       rows="the greedy evaluation")
         ids = [row[mask].tolist() for row, mask in zip(rollout.response_ids, rollout.token_mask)]
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         rewards = rollout.rewards.tolist()

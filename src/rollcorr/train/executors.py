@@ -131,7 +131,7 @@ class LaggedExecutor(Executor):
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "lagged", "lag": self.lag, "history": self.history, "sampler_version": self.sampler_version,
-                "latest": self._latest}  # fmt: skip
+                "latest": self._latest}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("kind") != "lagged":

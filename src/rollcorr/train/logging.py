@@ -30,7 +30,7 @@ PROGRESS_FIELDS = (
 def progress_stats(metrics: dict[str, float]) -> str:
     """The progress columns of ``metrics`` that are there and finite, e.g. "reward 0.375  acc 0.500  kl 1.2e-04"."""
     return "  ".join(f"{label} {fmt.format(metrics[key])}" for key, label, fmt in PROGRESS_FIELDS
-                     if key in metrics and math.isfinite(metrics[key]))  # fmt: skip
+                     if key in metrics and math.isfinite(metrics[key]))
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -47,7 +47,7 @@ class RunLogger:
 
     def __init__(self, run_dir: Path, total_steps: int, *, tensorboard: bool = True, wandb: bool = False,
                  progress: bool = True, config: dict | None = None, resume_step: int | None = None,
-                 wandb_project: str = "rollcorr", line_every_s: float = 10.0):  # fmt: skip
+                 wandb_project: str = "rollcorr", line_every_s: float = 10.0):
         self.run_dir = Path(run_dir)
         self.total_steps, self.line_every_s = total_steps, line_every_s
         self.lines = progress and not sys.stdout.isatty()  # no terminal: plain lines instead of a live bar
@@ -71,7 +71,7 @@ class RunLogger:
                 print("trainer.wandb=true but the wandb package is not installed: logging locally only")
             else:
                 self.wandb = wandb_lib.init(project=wandb_project, dir=str(self.run_dir), config=config,
-                                            resume="allow")  # fmt: skip
+                                            resume="allow")
         # imported here, not in ``message``: the trainer's signal handler calls ``message``, and a signal that
         # lands while ``message`` is importing rich.text would find it half-initialised (an ImportError)
         from rich.errors import MarkupError
@@ -86,7 +86,7 @@ class RunLogger:
             self.progress = Progress(
                 TextColumn("[bold]train"), BarColumn(bar_width=20), MofNCompleteColumn(), TimeElapsedColumn(),
                 TextColumn("{task.fields[stats]}", table_column=Column(no_wrap=False, ratio=1)),
-            )  # fmt: skip
+            )
             self.task = self.progress.add_task(
                 "train", total=total_steps, completed=resume_step or 0, stats=""
             )
@@ -97,7 +97,7 @@ class RunLogger:
             from rollcorr.train.rundir import RunFolderError
 
             raise RunFolderError(f"{self.run_dir}: the run folder was removed while the run was going (its "
-                                 f"metrics.jsonl is gone); stopped at step {step}")  # fmt: skip
+                                 f"metrics.jsonl is gone); stopped at step {step}")
         record: dict[str, Any] = {"step": step}
         record.update({k: _finite_or_none(float(v)) for k, v in sorted(metrics.items())})
         self.file.write(json.dumps(record) + "\n")
@@ -189,7 +189,7 @@ class SampleLog:
                          "response": self.tokenizer.decode(ids, skip_special_tokens=True),
                          "reward": float(rollout.rewards[i]) if rollout.rewards is not None else None,
                          "tokens": [self.tokenizer.decode([t]) for t in ids],
-                         "abs_prob_diff": [float(f"{d:.3g}") for d in diff.tolist()]})  # fmt: skip
+                         "abs_prob_diff": [float(f"{d:.3g}") for d in diff.tolist()]})
         return rows
 
     def write(self, step: int, rollout=None, evaluated: list[dict[str, Any]] | None = None) -> None:
@@ -199,7 +199,7 @@ class SampleLog:
         for entry in (evaluated or [])[: self.per_kind]:
             rows.append({"step": step, "kind": "eval", "prompt": prompt_text(entry["item"]["prompt"]),
                          "response": entry["response"], "reward": entry["reward"],
-                         "answer": str(entry["item"].get("answer", ""))})  # fmt: skip
+                         "answer": str(entry["item"].get("answer", ""))})
         for row in rows:
             self.file.write(json.dumps(row) + "\n")
         self.file.flush()

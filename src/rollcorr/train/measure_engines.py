@@ -82,7 +82,7 @@ def candidates(config) -> list[str]:
 def trial_config(config, engine: str, mode: str):
     """``config`` with ``engine`` as its sampler, run by the local executor in ``mode``."""
     return replace(config, model=replace(config.model, sampler=engine),
-                   trainer=replace(config.trainer, mode=mode, executor="local"))  # fmt: skip
+                   trainer=replace(config.trainer, mode=mode, executor="local"))
 
 
 class Budget:
@@ -113,7 +113,7 @@ class Prestarted:
         self.executor.source.start_timeout_s = self.timeout_s = max(budget.left(), 1.0)
         self.seconds, self.skipped, self.budget_s = 0.0, None, budget.seconds
         self._thread = threading.Thread(target=self._start, args=(weights,), name="rollcorr-prestart",
-                                        daemon=True)  # fmt: skip
+                                        daemon=True)
         self._thread.start()
 
     def _start(self, weights: dict) -> None:
@@ -125,7 +125,7 @@ class Prestarted:
         self.seconds = time.perf_counter() - start
         if self.skipped and self.seconds >= self.timeout_s:
             self.skipped = (f"its sampler process did not start within the {self.budget_s:g} s budget (given "
-                            f"{self.timeout_s:.1f} s); raise --measure-budget to measure it")  # fmt: skip
+                            f"{self.timeout_s:.1f} s); raise --measure-budget to measure it")
 
     def wait(self) -> None:
         self._thread.join()
@@ -136,7 +136,7 @@ class Prestarted:
 
 
 def run_trial(config, engine: str, mode: str, learner, optimizer, budget: Budget, prestarted: Prestarted | None = None,
-              before_timing: Callable[[], None] = lambda: None) -> Trial:  # fmt: skip
+              before_timing: Callable[[], None] = lambda: None) -> Trial:
     """Start ``engine``'s executor in ``mode`` (or take ``prestarted``'s), take a warm-up step, call
     ``before_timing``, then time up to ``TIMED_STEPS`` real steps (at least one; no more once the budget is
     spent)."""
@@ -192,7 +192,7 @@ def run_trial(config, engine: str, mode: str, learner, optimizer, budget: Budget
             end = time.perf_counter()
             steps.append({"step": end - start, "generate": metrics["time/generate_s"], "wait": metrics["time/wait_s"],
                           "learn": publishing - learning, "publish": end - publishing,
-                          "tokens": float(rollout.response_mask.sum())})  # fmt: skip
+                          "tokens": float(rollout.response_mask.sum())})
     finally:
         executor.close()
         proximal.wait()
@@ -203,7 +203,7 @@ def run_trial(config, engine: str, mode: str, learner, optimizer, budget: Budget
 
     seconds = [s["step"] for s in timed]
     return Trial(engine, mode, startup, avg("step"), (min(seconds), max(seconds)), avg("generate"), avg("wait"),
-                 avg("learn"), avg("publish"), int(avg("tokens")), len(timed))  # fmt: skip
+                 avg("learn"), avg("publish"), int(avg("tokens")), len(timed))
 
 
 def changes_process(engine: str) -> bool:
@@ -254,7 +254,7 @@ def measure(config, budget_s: float = BUDGET_S) -> Measurement:
     first_async = next(t for t in queue if t[1] == "async")
     try:
         prestarted: Prestarted | None = Prestarted(trial_config(config, *first_async), learner.state_dict(),
-                                                   budget)  # fmt: skip
+                                                   budget)
     except Exception:  # noqa: BLE001 — a config async cannot run with: its trial says why
         prestarted = None
     try:
@@ -280,7 +280,7 @@ def measure(config, budget_s: float = BUDGET_S) -> Measurement:
             prestarted.close()
     if all(t.skipped for t in trials):
         raise ValueError("no engine could be measured for this config: " + "; ".join(
-            f"{t.engine} {t.mode}: {t.skipped}" for t in trials))  # fmt: skip
+            f"{t.engine} {t.mode}: {t.skipped}" for t in trials))
     return Measurement(trials, learner_load_s, budget.used(), budget_s)
 
 
@@ -318,7 +318,7 @@ def report(m: Measurement, threads: str) -> str:
     """The measured table and the recommendation, in words, with the numbers behind it; ``threads`` is
     ``threads_said``'s line."""
     lines = [f"{'sampler':16s} {'mode':5s} {'start-up s':>10s} {'s/step':>7s} {'(min-max)':>13s} {'generate':>8s} "
-             f"{'wait':>6s} {'learn':>6s} {'publish':>7s} {'tokens/s':>8s}"]  # fmt: skip
+             f"{'wait':>6s} {'learn':>6s} {'publish':>7s} {'tokens/s':>8s}"]
     for t in m.trials:
         if t.step_s is None:
             lines.append(f"{t.engine:16s} {t.mode:5s} not measured: {t.skipped}")
@@ -326,26 +326,26 @@ def report(m: Measurement, threads: str) -> str:
         spread = f"({t.spread[0]:.3f}-{t.spread[1]:.3f})"
         lines.append(f"{t.engine:16s} {t.mode:5s} {t.startup_s:10.1f} {t.step_s:7.3f} {spread:>13s} "
                      f"{t.generate_s:8.3f} {t.wait_s:6.3f} {t.learn_s:6.3f} {t.publish_s:7.3f} "
-                     f"{t.tokens_per_s or 0:8.0f}")  # fmt: skip
+                     f"{t.tokens_per_s or 0:8.0f}")
     measured = [t for t in m.trials if t.step_s is not None]
     counts = sorted({t.steps for t in measured})
     lines.append(f"s/step: the mean of {'-'.join(map(str, counts))} real step(s) after a warm-up one; learn = "
                  "π_old, correction, forward + backward, optimizer step; generate = the sampler's seconds a "
-                 "batch (in async, alongside the learner); start-up is paid once by a run")  # fmt: skip
+                 "batch (in async, alongside the learner); start-up is paid once by a run")
     lines.append(f"measured in {m.used_s:.1f} s (budget {m.budget_s:g} s) after loading the learner "
-                 f"({m.learner_load_s:.1f} s); {threads}")  # fmt: skip
+                 f"({m.learner_load_s:.1f} s); {threads}")
     best_sync = min((t for t in measured if t.mode == "sync"), key=lambda t: t.step_s, default=None)
     best = min(measured, key=lambda t: t.step_s)
     if best.mode == "async" and best_sync is not None and not async_pays(best, best_sync):
         best = best_sync  # not measurably faster: sync is simpler and reproducible
     lines.append(f"fastest here: model.sampler={best.engine} trainer.mode={best.mode} "
-                 f"({best.step_s:.3f} s a step).")  # fmt: skip
+                 f"({best.step_s:.3f} s a step).")
     for engine in dict.fromkeys(t.engine for t in measured):
         pair = {t.mode: t for t in measured if t.engine == engine}
         if "sync" in pair and "async" in pair:
             a, s = pair["async"], pair["sync"]
             lines.append(f"{engine}: async {a.step_s:.3f} vs sync {s.step_s:.3f} s a step = "
-                         f"{s.step_s / a.step_s:.2f}× ({verdict(a, s)}).")  # fmt: skip
+                         f"{s.step_s / a.step_s:.2f}× ({verdict(a, s)}).")
     return "\n".join(lines)
 
 

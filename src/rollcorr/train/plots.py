@@ -113,7 +113,7 @@ def start_plot(run_dir: Path) -> subprocess.Popen | None:
     try:
         return subprocess.Popen([sys.executable, "-m", "rollcorr.train.plots", str(run_dir)], env=env,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True, close_fds=True)  # fmt: skip
+                                start_new_session=True, close_fds=True)
     except OSError:  # no process to be had (out of file descriptors or processes): draw it in this one
         write_curves(Path(run_dir))
         return None

@@ -138,7 +138,7 @@ class SamplerWorker:
         if self.stop == index:
             self.stop = None
         return rollout, {"load_s": load_s, "generate_s": time.perf_counter() - start - load_s,
-                         "pid": float(os.getpid())}  # fmt: skip
+                         "pid": float(os.getpid())}
 
 
 class RayExecutor(Executor):
@@ -237,7 +237,7 @@ class RayExecutor(Executor):
         # partial rollouts: a second thread takes `offer` / `interrupt` while `run` decodes
         concurrency = 2 if self.partial_rollouts else 1
         actor_cls = ray.remote(num_cpus=self.worker_cpus, num_gpus=self.worker_gpus, max_restarts=0,
-                               max_concurrency=concurrency)(SamplerWorker)  # fmt: skip
+                               max_concurrency=concurrency)(SamplerWorker)
         actor = actor_cls.remote(self.spec, self.chunk_tokens if self.partial_rollouts else None)
         if slot < len(self.actors):
             self.actors[slot] = actor

@@ -46,9 +46,9 @@ class FrozenReference:
     def describe(self, coef: float, estimator: str, where: str) -> str:
         """The start-of-run line: what the reference holds and what it costs."""
         held = ("the base model with the LoRA adapters off: no extra weights" if self.lora
-                else f"a frozen copy of the starting weights, {self.bytes / 1e9:.2f} GB beside the model")  # fmt: skip
+                else f"a frozen copy of the starting weights, {self.bytes / 1e9:.2f} GB beside the model")
         return (f"algorithm.kl: coef {coef:g} × {estimator} against a reference policy in the {where}; the reference "
-                f"is {held}, and one more no-grad forward per step")  # fmt: skip
+                f"is {held}, and one more no-grad forward per step")
 
     @torch.no_grad()
     def log_prob(self, learner, rollout: Rollout, temperature: float) -> Tensor:

@@ -133,11 +133,11 @@ class RunLock:
             raise RunFolderError(f"{err}; remove it to use this run folder") from None
         except OSError as err:
             raise RunFolderError(f"{Path(run_dir)}: cannot create its lock file {LOCK_FILE} "
-                                 f"({describe_os_error(err)})") from None  # fmt: skip
+                                 f"({describe_os_error(err)})") from None
         if os.fstat(fd).st_nlink > 1:  # a hard link to a file elsewhere: writing the pid would change it
             os.close(fd)
             raise RunFolderError(f"{self.path}: has other hard links (a file shared with another folder); "
-                                 "remove it to use this run folder")  # fmt: skip
+                                 "remove it to use this run folder")
         self.fd = fd
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -214,7 +214,7 @@ class ProcessSource:
             if root.name not in ("site-packages", "dist-packages"):  # a source tree: make the sampler import it too
                 code = f"import sys; sys.path.insert(0, {str(root)!r}); {code}"
             self._process = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(), weights_fd),
-                                             stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+                                             stdin=subprocess.DEVNULL, start_new_session=True)
             self.pid = self._process.pid
         finally:
             theirs.close()
@@ -232,7 +232,7 @@ class ProcessSource:
         bad = [k for k in set(weights) & set(self._shared) if weights[k].shape != self._shared[k].shape]
         if missing or unexpected or bad:
             raise ValueError(f"weights do not fit the sampler's model: missing {missing[:3]}, unexpected "
-                             f"{unexpected[:3]}, other shapes {sorted(bad)[:3]}")  # fmt: skip
+                             f"{unexpected[:3]}, other shapes {sorted(bad)[:3]}")
         with torch.no_grad():
             for name, value in weights.items():
                 self._shared[name].copy_(value)
@@ -266,7 +266,7 @@ class ProcessSource:
             raise UserCodeError(value)
         if status == "error":  # the exception's own line first, then where it happened
             raise SamplerProcessError(f"{value.splitlines()[-1]} (in the sampler process, during {op!r}; its "
-                                      f"traceback:)\n{value}")  # fmt: skip
+                                      f"traceback:)\n{value}")
         return value
 
     def _call(self, op: str, *args: Any) -> Any:

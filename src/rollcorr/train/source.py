@@ -54,7 +54,7 @@ class RolloutSource:
     """
 
     def __init__(self, sampler, env, tokenizer, params, prompts_per_step: int, group_size: int, seed: int,
-                 chat: bool = False, share: tuple[int, int] = (0, 1), limits: Limits = Limits()):  # fmt: skip
+                 chat: bool = False, share: tuple[int, int] = (0, 1), limits: Limits = Limits()):
         self.sampler, self.env, self.tokenizer = sampler, as_environment(env), tokenizer
         self.params, self.prompts_per_step, self.group_size = params, prompts_per_step, group_size
         self.seed = seed
@@ -102,7 +102,7 @@ class RolloutSource:
             self.live[index] = (episodes, key)
             meta = [{**item, "episodes": key} for item in rows]
             rollout = self.sampler.generate(episodes.prompts(), params, meta=meta, group_ids=group_ids,
-                                            max_steps=max_steps)  # fmt: skip
+                                            max_steps=max_steps)
         else:
             episodes = self.live[index][0]
             rollout = self.sampler.generate(None, params, resume=partial, max_steps=max_steps)
@@ -164,7 +164,7 @@ class Source(Protocol):
 
 
 def sample_batch(source: Source, index: int, chunk_tokens: int | None = None, partial: Rollout | None = None,
-                 between_chunks: Callable[[Rollout], bool] | None = None) -> Rollout:  # fmt: skip
+                 between_chunks: Callable[[Rollout], bool] | None = None) -> Rollout:
     """Batch ``index`` (or ``partial`` continued): whole when ``chunk_tokens`` is None, else ``chunk_tokens``
     decode steps at a time — the partial-rollout loop, written once for every executor.
 
@@ -184,7 +184,7 @@ def sampling_params(config) -> SamplingParams:
     r = config.rollout
     keep_mask = config.algorithm.correction.sampler_distribution == "keep_mask"  # the kept sets, for the learner
     return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                          seed=config.trainer.seed, record_kept_ids=keep_mask)  # fmt: skip
+                          seed=config.trainer.seed, record_kept_ids=keep_mask)
 
 
 @dataclass(frozen=True)
@@ -217,11 +217,11 @@ class SourceSpec:
         params = sampling_params(config)
         model_path = model_location(config.model.path)
         task = replace(config.task, name=_absolute(config.task.name),
-                       eval_file=config.task.eval_file and _absolute(config.task.eval_file))  # fmt: skip
+                       eval_file=config.task.eval_file and _absolute(config.task.eval_file))
         backend = backend_of(config.model.sampler)
         kwargs = {"device": config.model.device} if backend.in_process and config.model.device is not None else {}
         return cls(config.model.sampler, model_path, task, params, r.prompts_per_step, r.group_size, t.seed,
-                   t.threads, kwargs, backend.module, plugins=tuple(config.plugins))  # fmt: skip
+                   t.threads, kwargs, backend.module, plugins=tuple(config.plugins))
 
     def build(self) -> RolloutSource:
         """The source, built where it runs (this process, a sampler process or a Ray worker). The run's plugins
@@ -243,7 +243,7 @@ class SourceSpec:
             raise ValueError(f"sampler {self.sampler!r} exposes no tokenizer to decode responses for rewards")
         return RolloutSource(sampler, self.task.environment(), tokenizer, self.params, self.prompts_per_step,
                              self.group_size, self.seed, chat=uses_chat(tokenizer, self.task.chat),
-                             share=self.share, limits=self.task.limits())  # fmt: skip
+                             share=self.share, limits=self.task.limits())
 
 
 def _absolute(path: str) -> str:

@@ -96,14 +96,14 @@ def check_rewards(rollout: Rollout) -> None:
     if bad.any():
         rows = bad.nonzero().flatten().tolist()
         raise ValueError(f"rollout.rewards: {len(rows)} non-finite reward(s) (rows {rows[:8]}); a task's reward "
-                         "must be a finite number")  # fmt: skip
+                         "must be a finite number")
 
 
 def truncated_rows(rollout: Rollout) -> Tensor:
     """(B,) bool: the responses cut at the token cap, their last token not EOS (``meta[i]["truncated"]``, set when
     the batch is rewarded: ``train.source.RolloutSource.reward``); False for rows without the flag."""
     return torch.tensor([bool(m.get("truncated", False)) for m in rollout.meta] if rollout.meta
-                        else [False] * rollout.batch_size, dtype=torch.bool)  # fmt: skip
+                        else [False] * rollout.batch_size, dtype=torch.bool)
 
 
 def reward_metrics(rollout: Rollout) -> dict[str, float]:
@@ -144,7 +144,7 @@ def shaped_rewards(rollout: Rollout, config: StepConfig) -> tuple[Rollout, dict[
         from rollcorr.losses.kl import kl_reward_penalty
 
         kl = config.kl_coef * kl_reward_penalty(rollout.old_log_prob, rollout.ref_log_prob, rollout.response_mask,
-                                                config.kl_estimator).float().cpu()  # fmt: skip
+                                                config.kl_estimator).float().cpu()
         penalty = penalty + kl
         metrics["reward/kl_penalty_mean"] = float(kl.mean())
     if not metrics:
@@ -186,7 +186,7 @@ def attach_correction(
 
 
 def attach_reference(rollout: Rollout, own: Rollout, learner, reference, config: StepConfig, everyone
-                     ) -> tuple[Rollout, dict[str, float]]:  # fmt: skip
+                     ) -> tuple[Rollout, dict[str, float]]:
     """``ref_log_prob`` from the frozen reference (this rank's rows scored, every rank's gathered) and
     ``kl/reference``: the mean per-token estimate of KL(π_old ‖ π_ref) over valid tokens (``config.kl_estimator``)."""
     from rollcorr.losses.kl import kl_penalty
@@ -209,7 +209,7 @@ def attach_advantages(rollout: Rollout, config: StepConfig) -> tuple[Rollout, Te
     valid = rollout.response_mask.bool().any(1)
     kept = rollout.kept_mask.any(1) if config.baseline_excludes_rejected else valid
     options = dict(keep=kept & valid, norm_std=config.norm_std, beta1=config.oapl_beta1,
-                   filter_uniform_groups=config.dynamic_sampling)  # fmt: skip
+                   filter_uniform_groups=config.dynamic_sampling)
     if config.advantage_level == "turn" and rollout.turn is not None:
         turns = rollout.turns
         per_turn = [m.get("turn_rewards", [float(r)]) for m, r in zip(rollout.meta, rollout.rewards.tolist())]
@@ -217,10 +217,10 @@ def attach_advantages(rollout: Rollout, config: StepConfig) -> tuple[Rollout, Te
         for i, values in enumerate(per_turn):
             table[i, : len(values)] = torch.tensor(values[: table.shape[1]])
         adv, used = turn_advantages(config.advantage, table, turns, rollout.group_ids, rollout.turn,
-                                    rollout.kept_mask, **options)  # fmt: skip
+                                    rollout.kept_mask, **options)
     else:
         adv, used = compute_advantages(config.advantage, rollout.rewards.float(), rollout.group_ids,
-                                       rollout.kept_mask, **options)  # fmt: skip
+                                       rollout.kept_mask, **options)
     metrics = {
         "advantage/abs_mean": float(adv.abs().sum() / rollout.kept_mask.sum().clamp_min(1)),
         "advantage/used_fraction": float(used.float().mean()),
@@ -229,7 +229,7 @@ def attach_advantages(rollout: Rollout, config: StepConfig) -> tuple[Rollout, Te
 
 
 def _loss(config: StepConfig, part: Rollout, log_prob: Tensor, generator: torch.Generator | None
-          ) -> tuple[Tensor, dict]:  # fmt: skip
+          ) -> tuple[Tensor, dict]:
     """``config.loss`` on one micro-batch's kept tokens: a regression loss (OAPL) regresses on log μ and the
     rewards, every other loss takes π_old, the advantages and the correction's weights (clip_cov also the
     run's generator for its draw)."""
@@ -260,7 +260,7 @@ def _loss(config: StepConfig, part: Rollout, log_prob: Tensor, generator: torch.
 
         kl = kl_loss(log_prob, part.ref_log_prob.to(log_prob.device), part.kept_mask, config.kl_estimator,
                      config.loss.agg_mode, per_sequence=config.loss.per_sequence, denominator=config.loss.denominator,
-                     denominator_mask=part.response_mask, norm_constant=config.loss.norm_constant)  # fmt: skip
+                     denominator_mask=part.response_mask, norm_constant=config.loss.norm_constant)
         loss = loss + config.kl_coef * kl
         metrics = {**metrics, "actor/kl_loss": kl.detach()}
     return loss, metrics
@@ -302,7 +302,7 @@ def count_of(config: StepConfig, part: Rollout) -> float | None:
     None: token-sum). A part's loss scaled by count(part) / count(global mini-batch) — on any rank, in any
     micro-batch — adds up to the global mini-batch's loss (verl's global-batch normalisation)."""
     count = loss_count(part.kept_mask, config.loss.agg_mode, denominator=config.loss.denominator,
-                       denominator_mask=part.response_mask, per_sequence=config.loss.per_sequence)  # fmt: skip
+                       denominator_mask=part.response_mask, per_sequence=config.loss.per_sequence)
     return None if count is None else float(count)
 
 
@@ -407,7 +407,7 @@ def optimize(
             optimizer.zero_grad(set_to_none=True)
             finite, step_metrics = _accumulate(rollout, rows, own_rows, learner, config, updates, routing,
                                                measure=epoch == 0, generator=generator, ranks=ranks,
-                                               loss_scaler=loss_scaler)  # fmt: skip
+                                               loss_scaler=loss_scaler)
             grad_norm = _step(finite, params, optimizer, config, updates, guarded_step, ranks, loss_scaler)
             if grad_norm is None:
                 continue
@@ -422,7 +422,7 @@ def optimize(
 
 def _accumulate(rollout: Rollout, rows: list[int], own_rows: list[int], learner, config: StepConfig, updates: Updates,
                 routing: RoutingFlips, *, measure: bool, generator, ranks: Ranks, loss_scaler
-                ) -> tuple[bool, dict[str, float]]:  # fmt: skip
+                ) -> tuple[bool, dict[str, float]]:
     """The gradient of one global mini-batch (``rows``), this rank's share of it (``own_rows``) micro-batch by
     micro-batch: each micro loss is scaled by its share of the mini-batch's loss count (``count_of``: tokens,
     sequences, or none for token-sum), so the gradient summed over micro-batches and ranks is the mini-batch's.
@@ -468,7 +468,7 @@ def _accumulate(rollout: Rollout, rows: list[int], own_rows: list[int], learner,
 
 
 def _step(finite: bool, params: list[Tensor], optimizer: torch.optim.Optimizer, config: StepConfig, updates: Updates,
-          guarded_step: GuardedStep, ranks: Ranks, loss_scaler) -> float | None:  # fmt: skip
+          guarded_step: GuardedStep, ranks: Ranks, loss_scaler) -> float | None:
     """One mini-batch's optimizer step from its accumulated gradient: the gradient norm when the step was taken,
     None when it was not (counted in ``updates`` by why). A replicated learner's gradients are averaged over the
     ranks first, with whether every rank's loss was finite."""
@@ -523,7 +523,7 @@ class GuardedStep:
         # |w| limit of each non-empty tensor (a shard is empty when N > its rows: nothing to check there)
         self._checked = [i for i, p in enumerate(params) if local_tensor(p).numel()]
         self._limits = torch.tensor([math.sqrt(torch.finfo(params[i].dtype).max) for i in self._checked],
-                                    dtype=torch.float64)  # fmt: skip
+                                    dtype=torch.float64)
 
     def _save_state(self) -> list[dict | None]:
         """Per param: its optimizer state with every tensor copied into its buffer (None: no state yet); the
@@ -563,7 +563,7 @@ class GuardedStep:
         # one abs().amax() per tensor: torch._foreach_norm(inf) is 10x slower on a CPU)
         norms = [weights[i].abs().amax().double() for i in self._checked]
         ratios = (torch.stack(norms) / self._limits.to(norms[0].device) if norms
-                  else torch.zeros(1, dtype=torch.float64))  # fmt: skip
+                  else torch.zeros(1, dtype=torch.float64))
         largest = ratios.max().nan_to_num(nan=math.inf)
         if not self.ranks.holds_whole_model:  # shards: the largest over the ranks
             largest = self.ranks.all_reduce(largest, "max")
@@ -598,7 +598,7 @@ def _grad_norm(params: list[Tensor], max_norm: float) -> float:
 
 
 def log_prob_before_update(rollout: Rollout, own: Rollout, learner, proximal, prox, config: StepConfig, exact: bool,
-                           everyone) -> Tensor | None:  # fmt: skip
+                           everyone) -> Tensor | None:
     """(B, T) log π_θ before the update, or None: read only in bypass mode (the ratio is π_θ/μ) and when π_old is
     exact (the discrepancy × drift factors). Free under recompute (π_θ is π_old, already gathered); otherwise this
     rank's rows scored without gradient and gathered."""
@@ -615,7 +615,7 @@ def log_prob_before_update(rollout: Rollout, own: Rollout, learner, proximal, pr
 
 
 def correct_and_advantage(rollout: Rollout, config: StepConfig, current: Tensor | None, proximal, version: int
-                          ) -> tuple[Rollout, dict[str, float]]:  # fmt: skip
+                          ) -> tuple[Rollout, dict[str, float]]:
     """The correction (``is_weights``, ``kept_mask``) and the advantages of the global batch, in the order the
     correction needs; the rollout's ``kept_mask`` then holds the tokens the loss sees. ``current``: log π_θ before
     the update, when read (bypass, the factor metrics)."""
@@ -705,7 +705,7 @@ def train_step(
     opt_metrics, updates = optimize(
         rollout, learner, optimizer, config, split,
         after_optimizer_step=proximal.after_optimizer_step, generator=generator, ranks=ranks, loss_scaler=loss_scaler,
-    )  # fmt: skip
+    )
     metrics.update(opt_metrics)
     metrics["time/optimize_s"] = time.perf_counter() - start
     metrics["train/skipped_updates"] = float(updates.skipped)
