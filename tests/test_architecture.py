@@ -194,6 +194,34 @@ def test_the_page_names_every_floor():
     assert floors == [name for name, _ in LAYERS], floors
 
 
+def layout_names() -> dict[str, set[str]]:
+    """docs/architecture.md's "Layout (as built)" block: each folder of src/rollcorr ("" = the package itself) →
+    the file names written in its entry (an entry runs from its `  folder/` line to the next entry)."""
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = page.split("## Layout (as built)", 1)[1].split("```", 2)[1]
+    names: dict[str, set[str]] = {}
+    folder = None
+    for line in block.splitlines():
+        if re.match(r"\S", line):  # src/rollcorr/ opens the package; tests/, benchmarks/ ... end it
+            folder = "" if line.startswith("src/rollcorr/") else None
+            continue
+        entry = re.match(r"^  (\w+)(/|\.py)", line)
+        if folder is not None and entry:
+            folder = entry.group(1) if entry.group(2) == "/" else ""
+        if folder is not None:
+            names.setdefault(folder, set()).update(re.findall(r"\b(\w+\.py)\b", line))
+    return names
+
+
+def test_the_layout_names_every_module():
+    """The map stays the house: a module added under src/rollcorr is named in the layout, in its folder's entry."""
+    names = layout_names()
+    missing = [path.relative_to(PACKAGE).as_posix() for path in sorted(PACKAGE.rglob("*.py"))
+               if path.name != "__init__.py" and path.name not in names.get(path.parent.relative_to(PACKAGE).as_posix()
+                                                                         .replace(".", ""), set())]
+    assert not missing, "docs/architecture.md, Layout: name " + ", ".join(missing)
+
+
 # ---------------------------------------------------------------- functions read top to bottom
 LONGEST = 80  # lines a function may take, its signature and docstring included (docs/architecture.md)
 # Functions over LONGEST known today, each with who shortens it; a test below fails once one is short enough, so
