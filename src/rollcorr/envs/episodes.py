@@ -64,6 +64,7 @@ class Episodes:
         self.max_new_tokens = max_new_tokens
         self.episodes = self._call(lambda item: env.reset(item), [(it,) for it in self.items], "reset")
         self.rewards: list[list[float]] = [[] for _ in self.items]
+        self.parts: list[dict[str, float]] = [{} for _ in self.items]  # a reward list's parts, summed over turns
         self.over = [False] * len(self.items)
         self.cut = [False] * len(self.items)
 
@@ -88,6 +89,8 @@ class Episodes:
         for i, reply in zip(ended, replies):
             reply = self._checked(reply, i)
             self.rewards[i].append(reply.reward)
+            for name, value in (reply.parts or {}).items():
+                self.parts[i][name] = self.parts[i].get(name, 0.0) + value
             ids = self._next(rollout, i, turns[i] + 1, reply)
             if ids is None:
                 self.over[i] = True
@@ -112,8 +115,9 @@ class Episodes:
         if not isinstance(reply, Turn):
             raise UserCodeError(f"{self._what(row, 'step')} returned {excerpt(reply)} ({type(reply).__name__}); "
                                 "a step returns rollcorr.envs.Turn(observation, reward, done)")  # fmt: skip
-        return Turn(reply.observation, checked_reward(reply.reward, self._what(row, "step"), self.limits.clip),
-                    reply.done)  # fmt: skip
+        bounds = getattr(self.env, "reward_range", (0.0, 1.0))
+        return Turn(reply.observation, checked_reward(reply.reward, self._what(row, "step"), self.limits.clip, bounds),
+                    reply.done, reply.parts)  # fmt: skip
 
     def _next(self, rollout: Rollout, row: int, turns_done: int, reply: Turn) -> list[int] | None:
         """The observation ids to append, or None when the row is over (done, a limit: then maybe cut)."""
@@ -143,6 +147,8 @@ class Episodes:
         meta = [dict(m) for m in rollout.meta]
         for i, m in enumerate(meta):
             m.update(turn_rewards=self.rewards[i], turns=len(self.rewards[i]), cut=self.cut[i])
+            if self.parts[i]:
+                m["reward_parts"] = dict(self.parts[i])
         rewards = torch.tensor([sum(r) for r in self.rewards], dtype=torch.float32)
         return rollout.replace(rewards=rewards, meta=meta)
 

@@ -26,14 +26,16 @@ def is_builtin_task(name: str) -> bool:
     return name.partition(":")[0] in BUILTIN_TASKS and not Path(name).exists()
 
 
-def make_task(name_or_path: str, reward: str | None = None, *, prompt_key: str = "prompt", answer_key: str = "answer",
-              eval_file: str | None = None) -> Task:  # fmt: skip
+def make_task(name_or_path: str, reward: str | list | None = None, *, prompt_key: str = "prompt",
+              answer_key: str = "answer", eval_file: str | None = None, reward_weights: list | None = None,
+              reward_clip: bool = False) -> Task:  # fmt: skip
     """ "addition" (3 digits), "addition:<digits>", "chain" (14 terms), "chain:<terms>" — each with its own
     reward —, or the path of a data set scored by ``reward`` (default "exact"), with its columns and an
     optional held-out file. ValueError / FileNotFoundError naming the problem."""
     name, _, arg = name_or_path.partition(":")
     if is_builtin_task(name_or_path):
-        given = [key for key, value in (("reward", reward), ("prompt_key", prompt_key != "prompt"),
+        given = [key for key, value in (("reward", reward), ("reward_weights", reward_weights is not None),
+                                        ("prompt_key", prompt_key != "prompt"),
                                         ("answer_key", answer_key != "answer"), ("eval_file", eval_file)) if value]  # fmt: skip
         if given:
             raise DataError(f"the built-in task {name!r} has its own prompts and reward; task.{given[0]} applies to "
@@ -47,7 +49,8 @@ def make_task(name_or_path: str, reward: str | None = None, *, prompt_key: str =
         return BUILTIN_TASKS[name](int(arg))
     path = Path(name_or_path)
     if path.exists() or path.suffix in DATA_SUFFIXES:
-        return DataTask(path, reward or "exact", prompt_key=prompt_key, answer_key=answer_key, eval_file=eval_file)
+        return DataTask(path, reward or "exact", prompt_key=prompt_key, answer_key=answer_key, eval_file=eval_file,
+                        reward_weights=reward_weights, reward_clip=reward_clip)  # fmt: skip
     raise ValueError(
         f"unknown task {name_or_path!r}; use 'addition', 'addition:<digits>', 'chain', 'chain:<terms>', or the "
         "path of a data set (a .jsonl / .parquet file or a folder saved by datasets' save_to_disk)"

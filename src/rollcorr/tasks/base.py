@@ -61,13 +61,14 @@ def rewards(task: Task, items: list[dict[str, Any]], responses: list[str], timeo
         return f"{name} on row {i} of {rows} (prompt {excerpt(items[i].get('prompt'))})"
 
     values = call_each(task.reward, list(zip(items, responses)), what, timeout, "task.reward_timeout")
-    return [checked_reward(value, what(i), clip) for i, value in enumerate(values)]
+    bounds = getattr(task, "reward_range", (0.0, 1.0))  # a reward list's sum: its weights' range
+    return [checked_reward(value, what(i), clip, bounds) for i, value in enumerate(values)]
 
 
-def checked_reward(value: Any, what: str, clip: bool = False) -> float:
-    """A reward as a float in [0, 1]: a finite real number (an int, a float, True/False as 1/0, a one-element
-    NumPy or torch value); out of [0, 1] refused, or clipped into it when ``clip`` (``task.reward_clip``).
-    ``UserCodeError`` naming ``what`` otherwise."""
+def checked_reward(value: Any, what: str, clip: bool = False, bounds: tuple[float, float] = (0.0, 1.0)) -> float:
+    """A reward as a float in ``bounds`` ([0, 1]; a reward list's sum: its ``reward_range``): a finite real number
+    (an int, a float, True/False as 1/0, a one-element NumPy or torch value); out of bounds refused, or clipped
+    into them when ``clip`` (``task.reward_clip``). ``UserCodeError`` naming ``what`` otherwise."""
     if hasattr(value, "item") and not isinstance(value, numbers.Real):
         try:
             value = value.item()
@@ -79,11 +80,12 @@ def checked_reward(value: Any, what: str, clip: bool = False) -> float:
     value = float(value)
     if not math.isfinite(value):
         raise UserCodeError(f"{what} returned {value}; a reward is a finite number in [0, 1]")
-    if not 0.0 <= value <= 1.0:
+    low, high = bounds
+    if not low <= value <= high:
         if not clip:
-            raise UserCodeError(f"{what} returned {value:g}, outside [0, 1]; fix the function, or clip rewards into "
-                                "[0, 1] with task.reward_clip=true")  # fmt: skip
-        value = min(max(value, 0.0), 1.0)
+            raise UserCodeError(f"{what} returned {value:g}, outside [{low:g}, {high:g}]; fix the function, or clip "
+                                f"rewards into [{low:g}, {high:g}] with task.reward_clip=true")  # fmt: skip
+        value = min(max(value, low), high)
     return value
 
 

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from rollcorr.tasks.base import SPLITS, check_count, check_split
-from rollcorr.tasks.verifiers import READS_ANSWER_AS_TEXT, RewardFn, resolve_reward
+from rollcorr.tasks.reward_list import CompositeReward, RewardTerm
+from rollcorr.tasks.verifiers import READS_ANSWER_AS_TEXT, RewardFn, is_batched, resolve_reward
 
 MAX_BAD_SAMPLE = 120  # characters of a bad value quoted in an error
 
@@ -208,20 +209,51 @@ def duplicates_note(path: Path, train: list[dict], test: list[dict]) -> str | No
             "measures what the model saw in training)")  # fmt: skip
 
 
-class DataTask:
-    """Prompts from a data set, scored by ``reward`` (a name of ``rollcorr.tasks.verifiers.REWARDS`` or
-    "module:function"); splits and evaluation order as the module docstring says."""
-
-    def __init__(self, path: str | Path, reward: str | RewardFn = "exact", *, prompt_key: str = "prompt",
-                 answer_key: str = "answer", eval_file: str | Path | None = None) -> None:  # fmt: skip
-        self.path = Path(path)
+def reward_terms(rewards: list, weights: list | None) -> list[RewardTerm]:
+    """``task.reward`` as a list (names, "module:function"s or functions) with ``task.reward_weights`` → the
+    terms of a reward list; DataError naming the setting at fault."""
+    if not rewards:
+        raise DataError("an empty list: name at least one reward", "reward")
+    if weights is not None and len(weights) != len(rewards):
+        raise DataError(f"{len(weights)} weights for {len(rewards)} rewards: give one weight per reward "
+                        "(task.reward_weights), or none (1 each)", "reward_weights")  # fmt: skip
+    if weights is not None and not all(isinstance(w, int | float) and math.isfinite(w) for w in weights):
+        raise DataError(f"the weights must be finite numbers, got {_excerpt(weights)}", "reward_weights")
+    terms = []
+    for reward, weight in zip(rewards, weights or [1.0] * len(rewards)):
         try:
-            self.reward_fn = resolve_reward(reward)
+            fn = resolve_reward(reward)
         except ValueError as err:
             raise DataError(str(err), "reward") from None
-        self.reward_name = f"reward {reward if isinstance(reward, str) else getattr(reward, '__qualname__', 'fn')!r}"
+        name = reward if isinstance(reward, str) else getattr(reward, "__qualname__", "fn")
+        terms.append(RewardTerm(name, fn, float(weight)))
+    if len({term.name for term in terms}) != len(terms):
+        raise DataError(f"a reward list names each function once, got {[term.name for term in terms]}", "reward")
+    return terms
+
+
+class DataTask:
+    """Prompts from a data set, scored by ``reward`` (a name of ``rollcorr.tasks.verifiers.REWARDS`` or
+    "module:function", or a list of them with ``reward_weights``: ``rollcorr.tasks.reward_list``, each value clipped
+    into [0, 1] when ``reward_clip``); splits and evaluation order as the module docstring says."""
+
+    def __init__(self, path: str | Path, reward: str | RewardFn | list = "exact", *, prompt_key: str = "prompt",
+                 answer_key: str = "answer", eval_file: str | Path | None = None, reward_weights: list | None = None,
+                 reward_clip: bool = False) -> None:  # fmt: skip
+        self.path = Path(path)
+        listed = list(reward) if isinstance(reward, list | tuple) else [reward]
+        terms = reward_terms(listed, reward_weights)
+        self.reward_fn = terms[0].fn
+        # a list, weights or TRL's batched signature: the reward is the list's, with its parts (reward_parts)
+        several = len(terms) > 1 or reward_weights is not None or is_batched(self.reward_fn)
+        self.reward_list = CompositeReward(terms, reward_clip) if several else None
+        self.reward_name = (f"reward {terms[0].name!r}" if self.reward_list is None
+                            else f"reward list {list(self.reward_list.names)}")  # fmt: skip
+        if self.reward_list is not None:  # the environment checks the sum against its range
+            self.reward_range = self.reward_list.reward_range
+            self.reward_parts = self.reward_list.parts
         self.name = f"data:{self.path.name}"
-        text = reward if isinstance(reward, str) and reward in READS_ANSWER_AS_TEXT else None
+        text = next((r for r in listed if isinstance(r, str) and r in READS_ANSWER_AS_TEXT), None)
         splits = load_items(self.path, prompt_key, answer_key, text)
         items = lambda labelled: [item for _, item in labelled]  # noqa: E731
         if eval_file is not None:
@@ -259,5 +291,8 @@ class DataTask:
         return [dict(item) for item in self.by_split["test"][:n]]
 
     def reward(self, item: dict[str, Any], response_text: str) -> Any:
-        """The reward function's value as it returned it (``tasks.base.rewards`` checks it)."""
+        """The reward function's value as it returned it (``tasks.base.rewards`` checks it); with a reward list,
+        its weighted sum (each value checked: ``reward_parts`` gives them too)."""
+        if self.reward_list is not None:
+            return self.reward_list.parts(item, response_text)[0]
         return self.reward_fn(item, response_text)

@@ -117,9 +117,21 @@ def math_equivalent(item: dict[str, Any], response_text: str) -> float:
     return 1.0 if gold and guess and verify(gold, guess, timeout_seconds=None) else 0.0
 
 
+def is_batched(fn: Callable) -> bool:
+    """Whether ``fn`` takes TRL's batched signature, ``fn(completions, **columns) -> list``: a parameter named
+    ``completions`` (``rollcorr.tasks.reward_list``)."""
+    try:
+        return "completions" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read (a function written in C): a per-response one
+        return False
+
+
 def check_signature(fn: RewardFn, label: Any) -> RewardFn:
-    """``fn`` if it can be called as ``fn(item, response_text)``; ValueError naming ``label`` and its signature
-    otherwise (said when the task is built, not at the first response)."""
+    """``fn`` if it can be called as ``fn(item, response_text)`` or is batched in TRL's signature (``is_batched``);
+    ValueError naming ``label`` and its signature otherwise (said when the task is built, not at the first
+    response)."""
+    if is_batched(fn):
+        return fn
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to read (a function written in C): its first call will tell
@@ -129,7 +141,7 @@ def check_signature(fn: RewardFn, label: Any) -> RewardFn:
     except TypeError:
         name = getattr(fn, "__name__", "fn")
         raise ValueError(f"reward {label!r}: {name}{signature} cannot be called as {name}(item, "
-                         "response_text)") from None  # fmt: skip
+                         "response_text), nor as TRL's batched fn(completions, **columns)") from None  # fmt: skip
     return fn
 
 
@@ -153,7 +165,11 @@ for _name, _fn in (("exact", exact), ("last_number", last_number), ("boxed", box
 
 
 def reward_module(reward: Any) -> str | None:
-    """The module ``task.reward`` would import: ``"pkg.mod"`` of ``"pkg.mod:fn"``; None for a registered name."""
+    """The module ``task.reward`` would import: ``"pkg.mod"`` of ``"pkg.mod:fn"`` (of a list: the first one this
+    process has not imported, else the first); None for registered names."""
+    if isinstance(reward, list | tuple):
+        modules = [m for m in map(reward_module, reward) if m is not None]
+        return next((m for m in modules if m not in sys.modules), modules[0] if modules else None)
     if not isinstance(reward, str) or reward in REWARDS:
         return None
     module, sep, _ = reward.partition(":")

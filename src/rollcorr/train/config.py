@@ -136,7 +136,10 @@ class TaskConfig:
     """The prompts and the reward (docs/tasks.md): a built-in task, or a data set with its reward."""
 
     name: str = "addition"  # a built-in task (addition, chain, ...) or a data set: .jsonl, .parquet, a datasets folder
-    reward: str | None = None  # data sets: exact | last_number | boxed | gsm8k | math | module:function (null: exact)
+    # data sets: exact | last_number | boxed | gsm8k | math | module:function (null: exact), or a list of them
+    # (each per response, fn(item, text), or batched in TRL's fn(completions, **columns)), summed with reward_weights
+    reward: str | list[str] | None = None
+    reward_weights: list[float] | None = None  # one per reward of a list (TRL's reward_weights); null: 1 each
     chat: bool | None = None  # the chat template on prompts: null = when the model's tokenizer has one
     prompt_key: str = "prompt"  # data sets: the column holding the prompt (text or a list of messages)
     answer_key: str = "answer"  # data sets: the column the reward reads
@@ -156,7 +159,8 @@ class TaskConfig:
         from rollcorr.tasks import make_task
 
         return make_task(self.name, self.reward, prompt_key=self.prompt_key, answer_key=self.answer_key,
-                         eval_file=self.eval_file)  # fmt: skip
+                         eval_file=self.eval_file, reward_weights=self.reward_weights,
+                         reward_clip=self.reward_clip)  # fmt: skip
 
     def limits(self):
         """What bounds a trajectory and the user code it calls (``rollcorr.envs.Limits``): ``task.env``'s
@@ -440,6 +444,11 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if getattr(hint, "__origin__", None) is list:
         hint = list
     args = getattr(hint, "__args__", ())
+    numbers = [a for a in args if getattr(a, "__origin__", None) is list and a.__args__ == (float,)]
+    if numbers and value is not None:  # a list of numbers (task.reward_weights)
+        return _numbers(value, key)
+    if isinstance(value, list) and any(getattr(a, "__origin__", None) is list for a in args):  # str | list[str]
+        hint, args = list, ()
     optional = type(None) in args
     base = next((a for a in args if a is not type(None)), hint) if args else hint
     base = getattr(base, "__origin__", base)
@@ -489,6 +498,14 @@ def _check_env(env: dict[str, Any] | None) -> None:
         value = env.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"task.env.{key}: expected a positive integer, got {excerpt(value)}")
+
+
+def _numbers(value: Any, key: str) -> list[float]:
+    """A list of finite numbers, e.g. [1.0, 0.5]; ConfigError naming ``key`` otherwise."""
+    if not isinstance(value, list) or not all(isinstance(v, int | float) and not isinstance(v, bool)
+                                              and math.isfinite(v) for v in value):  # fmt: skip
+        raise ConfigError(f"{key}: expected a list of finite numbers, e.g. [1.0, 0.5], got {excerpt(value)}")
+    return [float(v) for v in value]
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -118,6 +118,7 @@ def reward_metrics(rollout: Rollout) -> dict[str, float]:
     low = torch.full((int(group.max()) + 1,), math.inf).scatter_reduce(0, group, rewards, "amin")
     high = torch.full_like(low, -math.inf).scatter_reduce(0, group, rewards, "amax")
     return {
+        **reward_part_metrics(rollout),
         "reward/mean": float(rewards.mean()),
         "reward/accuracy": float((rewards >= 1.0).float().mean()),
         "reward/zero_std_group_fraction": float((low == high).float().mean()),
@@ -127,6 +128,22 @@ def reward_metrics(rollout: Rollout) -> dict[str, float]:
         "response/clipped_ratio": float(cut.float().mean()),
         "response/terminated_length_mean": float(lengths[~cut].mean()) if (~cut).any() else math.nan,
     }
+
+
+def reward_part_metrics(rollout: Rollout) -> dict[str, float]:
+    """``reward/<name>/mean`` and ``/std`` of each function of a reward list (``meta[i]["reward_parts"]``, TRL's
+    ``rewards/<name>/mean``), over the responses it scored (a batched function's None left out); {} without one."""
+    parts: dict[str, list[float]] = {}
+    for meta in rollout.meta:
+        for name, value in meta.get("reward_parts", {}).items():
+            if not math.isnan(value):
+                parts.setdefault(name, []).append(value)
+    out = {}
+    for name, values in parts.items():
+        v = torch.tensor(values, dtype=torch.float64)
+        out[f"reward/{name}/mean"] = float(v.mean())
+        out[f"reward/{name}/std"] = float(v.std(correction=0))
+    return out
 
 
 def shaped_rewards(rollout: Rollout, config: StepConfig) -> tuple[Rollout, dict[str, float]]:
