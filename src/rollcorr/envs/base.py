@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from rollcorr.tasks.base import Task
+from rollcorr.tasks.base import Task, task_reward_range
 from rollcorr.tasks.chat import Prompt
 
 
@@ -56,7 +56,9 @@ class Episode(Protocol):
 @runtime_checkable
 class Environment(Protocol):
     """Items (``sample`` / ``held_out``, as ``rollcorr.tasks.Task``) and an episode per trajectory (``reset``).
-    ``max_turns``: the model turns an episode allows at most (the trainer also applies ``task.env.max_turns``)."""
+    ``max_turns``: the model turns an episode allows at most (the trainer also applies ``task.env.max_turns``).
+    ``reward_range`` (optional, default (0, 1)): the bounds a turn's reward is checked against (a reward list's
+    sum may pass 1: ``rollcorr.tasks.base.task_reward_range``)."""
 
     name: str
     max_turns: int
@@ -78,7 +80,7 @@ class SingleTurn:
         self.task = task
         self.name = task.name
         self.user_code_name = getattr(task, "reward_name", None) or f"the reward of task {task.name!r}"
-        self.reward_range = getattr(task, "reward_range", (0.0, 1.0))  # a reward list's sum may pass 1
+        self.reward_range = task_reward_range(task)
 
     def sample(self, n: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
         return self.task.sample(n, seed, split)
@@ -100,10 +102,16 @@ class _OneTurn:
         self.task, self.item, self.prompt = task, item, item["prompt"]
 
     def step(self, response_text: str) -> Turn:
-        if hasattr(self.task, "reward_parts"):  # a reward list: its sum and each function's value
-            total, parts = self.task.reward_parts(self.item, response_text)
-            return Turn(reward=total, done=True, parts=parts)
-        return Turn(reward=self.task.reward(self.item, response_text), done=True)  # checked by the caller
+        return answer_turn(self.task, self.item, response_text)
+
+
+def answer_turn(task: Task, item: dict[str, Any], response_text: str) -> Turn:
+    """The last turn of an episode whose answer ``task.reward`` scores (checked by the caller, ``Episodes``); a
+    reward list (``task.reward_parts``) also gives each function's value."""
+    if hasattr(task, "reward_parts"):  # a reward list: its sum and each function's value
+        total, parts = task.reward_parts(item, response_text)
+        return Turn(reward=total, done=True, parts=parts)
+    return Turn(reward=task.reward(item, response_text), done=True)
 
 
 # ---- the registry: name → factory(task, **options) -> Environment ------------------------------------------

@@ -30,8 +30,8 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from rollcorr.envs.base import Turn, register_env
-from rollcorr.tasks.base import Task
+from rollcorr.envs.base import Turn, answer_turn, register_env
+from rollcorr.tasks.base import Task, task_reward_range
 
 CALL = re.compile(r"<calc>(.*?)</calc>", re.S)
 MAX_EXPRESSION = 120  # characters of an expression the tool evaluates (longer: an error, before parsing)
@@ -50,6 +50,7 @@ class CalculatorEnv:
             raise ValueError(f"calculator: tool_role must be 'tool' or 'user', got {tool_role!r}")
         self.task, self.tool_role, self.example = task, tool_role, bool(example)
         self.name, self.max_turns = f"{task.name}/calculator", max_calls + 1
+        self.reward_range = task_reward_range(task)  # the answer's reward: the task's, a reward list's sum too
 
     def sample(self, n: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
         return self.task.sample(n, seed, split)
@@ -82,7 +83,7 @@ class Calculation:
     def step(self, response_text: str) -> Turn:
         call = CALL.search(response_text)
         if call is None:  # the answer
-            return Turn(reward=self.env.task.reward(self.item, response_text), done=True)
+            return answer_turn(self.env.task, self.item, response_text)
         return Turn(observation=[{"role": self.env.tool_role, "content": evaluate(call.group(1))}])
 
 

@@ -22,6 +22,8 @@ class Task(Protocol):
     ``reward(item, response_text)`` scores one decoded response (special tokens already removed) in [0, 1];
     it is called through ``rewards`` (below), which bounds its time and checks its value.
     ``reward_name`` (optional): how an error names the reward, e.g. "reward 'my_mod:score'".
+    ``reward_range`` and ``reward_parts(item, response_text)`` (optional, a reward list's: ``tasks.reward_list``):
+    the bounds of the reward when they are not [0, 1] (``task_reward_range``), and (the reward, each part by name).
     An item's ``"prompt"`` is text, or a conversation (a list of {"role", "content"} messages) that the chat
     template turns into the model's input (``rollcorr.tasks.chat``).
     """
@@ -61,8 +63,12 @@ def rewards(task: Task, items: list[dict[str, Any]], responses: list[str], timeo
         return f"{name} on row {i} of {rows} (prompt {excerpt(items[i].get('prompt'))})"
 
     values = call_each(task.reward, list(zip(items, responses)), what, timeout, "task.reward_timeout")
-    bounds = getattr(task, "reward_range", (0.0, 1.0))  # a reward list's sum: its weights' range
-    return [checked_reward(value, what(i), clip, bounds) for i, value in enumerate(values)]
+    return [checked_reward(value, what(i), clip, task_reward_range(task)) for i, value in enumerate(values)]
+
+
+def task_reward_range(task: Task) -> tuple[float, float]:
+    """The bounds of a task's reward: [0, 1], or a reward list's (its weights' range: the sum may pass 1)."""
+    return getattr(task, "reward_range", (0.0, 1.0))
 
 
 def checked_reward(value: Any, what: str, clip: bool = False, bounds: tuple[float, float] = (0.0, 1.0)) -> float:

@@ -204,7 +204,9 @@ def _check_run_reward(config, args: argparse.Namespace) -> None:
 
     if any(parse_override(text)[0] == ["task", "reward"] for text in args.overrides):
         return
-    how = f"name it again on the command line: rollcorr train --resume {args.resume} task.reward={config.task.reward}"
+    reward = config.task.reward  # a list as the shell passes it whole: quoted, no spaces
+    again = f"'task.reward=[{','.join(reward)}]'" if isinstance(reward, list) else f"task.reward={reward}"
+    how = f"name it again on the command line: rollcorr train --resume {args.resume} {again}"
     try:
         check_named_reward(config.task.reward, f"--resume: {args.resume / 'config.yaml'}", how)
     except ValueError as err:
