@@ -282,11 +282,7 @@ FMT_PENDING: dict[str, tuple[str, ...]] = {
                           "src/rollcorr/audit/localize.py", "src/rollcorr/audit/plots.py",
                           "src/rollcorr/audit/report.py", "src/rollcorr/audit/verdict.py",
                           "tests/test_audit_report.py"),
-    "users (#50)": ("src/rollcorr/envs/base.py", "src/rollcorr/envs/calculator.py", "src/rollcorr/envs/episodes.py",
-                    "src/rollcorr/tasks/__init__.py", "src/rollcorr/tasks/base.py", "src/rollcorr/tasks/data.py",
-                    "src/rollcorr/tasks/verifiers.py", "src/rollcorr/train/cli.py", "src/rollcorr/train/config.py",
-                    "tests/test_env_calculator.py", "tests/test_hostile.py", "tests/test_keep_mask.py",
-                    "tests/test_readme.py"),
+    "users (#50)": ("tests/test_keep_mask.py",),
 }
 FORMATTER_MARKER = re.compile(r"#\s*fmt:\s*(skip|off|on)\b")
 

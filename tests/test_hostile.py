@@ -62,7 +62,7 @@ from rollcorr.train.loop import run
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["task.name=addition:1", "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=4",
         "task.eval_prompts=0", "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false",
-        "trainer.mini_batches=1", "optim.lr=1e-3"]  # fmt: skip
+        "trainer.mini_batches=1", "optim.lr=1e-3"]
 
 
 class Marker:
@@ -101,7 +101,7 @@ def two_checkpoints(tmp_path_factory, addition_model_dir):
     """A finished 2-step run (checkpoints at 1 and 2), kept pristine beside its path."""
     base = tmp_path_factory.mktemp("hostile")
     config = load_config(None, [*TINY, f"model.path={addition_model_dir}", f"trainer.out={base / 'run'}",
-                                "trainer.steps=2", "trainer.checkpoint_every=1"])  # fmt: skip
+                                "trainer.steps=2", "trainer.checkpoint_every=1"])
     result = run(config)
     return result.run_dir, result.run_dir.rename(base / "pristine")
 
@@ -199,7 +199,7 @@ def test_run_config__from_run_imports_no_module_the_run_names(tmp_path, monkeypa
     one line says the run names it and how to import it yourself; the module was never imported."""
     marker = tmp_path / "imported"
     (tmp_path / "sidefx_hostile.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n"
-                                                "def score(item, text):\n    return 1.0\n")  # fmt: skip
+                                                "def score(item, text):\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     run_dir = _run_naming(tmp_path, "sidefx_hostile:score")
     assert main(["audit", "--from-run", str(run_dir), "-n", "2", "--out", str(tmp_path / "a")]) == 2
@@ -214,7 +214,7 @@ def test_run_config__resume_imports_no_module_the_run_names(tmp_path, monkeypatc
     imported; named again on the command line (``task.reward=...``), the run goes on with it."""
     marker = tmp_path / "imported"
     (tmp_path / "sidefx_resume.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n"
-                                               "def score(item, text):\n    return 1.0\n")  # fmt: skip
+                                               "def score(item, text):\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     run_dir = _run_naming(tmp_path, "sidefx_resume:score")
     small = ["trainer.steps=1", "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false"]
@@ -232,7 +232,7 @@ def test_run_config__a_reward_list_imports_no_module_the_run_names(tmp_path, mon
     --resume refuse it in one line, nothing imported; the resume's advice is one shell word that runs as pasted."""
     marker = tmp_path / "imported"
     (tmp_path / "sidefx_list.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n"
-                                             "def score(item, text):\n    return 1.0\n")  # fmt: skip
+                                             "def score(item, text):\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     run_dir = _run_naming(tmp_path, "[exact, sidefx_list:score]")
     assert main(["audit", "--from-run", str(run_dir), "-n", "2", "--out", str(tmp_path / "a")]) == 2
@@ -256,13 +256,13 @@ def test_run_config__from_run_takes_a_module_the_user_imported(tmp_path, monkeyp
 
     run_dir = _run_naming(tmp_path, "mine_hostile:score")
     assert main(["audit", "--from-run", str(run_dir), "-n", "2", "--max-new-tokens", "2", "--out",
-                 str(tmp_path / "a")]) == 0  # fmt: skip
+                 str(tmp_path / "a")]) == 0
 
 
 def test_run_config__the_docs_line_audits_a_run_with_your_reward(tmp_path):
     """docs/security.md's command, as written, on a run folder naming a reward module of the test's."""
     line = next(b for b in re.findall(r"```bash\n(.*?)```", (ROOT / "docs/security.md").read_text(), re.S)
-                if "--from-run" in b).strip()  # fmt: skip
+                if "--from-run" in b).strip()
     (tmp_path / "my_rewards.py").write_text("def score(item, text):\n    return float(item['answer'] in text)\n")
     run_dir = _run_naming(tmp_path, "my_rewards:score")
     (tmp_path / "runs").mkdir()
@@ -270,7 +270,7 @@ def test_run_config__the_docs_line_audits_a_run_with_your_reward(tmp_path):
     argv = [sys.executable, "-m", *shlex.split(line)]  # rollcorr as python -m rollcorr (this checkout's)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(tmp_path)])}
     done = subprocess.run([*argv, "--max-new-tokens", "2", "--out", str(tmp_path / "audit")], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+                          env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "audit" / "report.html").is_file()
 
@@ -383,7 +383,7 @@ def test_reward__a_call_past_its_time_limit_is_abandoned_with_a_line(bad_rewards
 
     task = DataTask(bad_rewards, "bad_rewards:hangs")
     with pytest.raises(UserCodeError, match=r"on row 0 of the batch .* gave no answer in 0.2 s "
-                                            r"\(task.reward_timeout=0.2\); it was abandoned"):  # fmt: skip
+                                            r"\(task.reward_timeout=0.2\); it was abandoned"):
         rewards(task, task.sample(2, seed=0), ["1", "2"], timeout=0.2)
     half = DataTask(bad_rewards, "bad_rewards:half")  # the next call gets a fresh worker
     assert rewards(half, task.sample(2, seed=0), ["1", "2"], timeout=0.2) == [0.5, 0.5]
@@ -447,12 +447,12 @@ def test_reward__a_wrong_signature_is_refused_before_any_model_loads(bad_rewards
 
 
 SMALL = ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=3", "task.eval_prompts=0",
-         "trainer.steps=2", "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false"]  # fmt: skip
+         "trainer.steps=2", "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false"]
 
 
 def _train(tmp_path: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rollcorr", "train", *SMALL, f"trainer.out={tmp_path / 'run'}",
-                           *overrides], capture_output=True, text=True, timeout=timeout)  # fmt: skip
+                           *overrides], capture_output=True, text=True, timeout=timeout)
 
 
 def _one_line(done, *expected: str) -> str:
@@ -473,7 +473,7 @@ def test_reward__a_raising_reward_stops_every_executor_in_one_line(bad_rewards, 
 @pytest.mark.ray
 def test_reward__a_raising_reward_on_a_ray_worker_is_the_same_line(bad_rewards, tmp_path):
     done = _train(tmp_path, f"task.name={bad_rewards}", "task.reward=bad_rewards:raises", "trainer.executor=ray",
-                  "trainer.ray_workers=1")  # fmt: skip
+                  "trainer.ray_workers=1")
     _one_line(done, "reward 'bad_rewards:raises' on row 0 of the batch", "failed: ValueError: no answer in ''")
 
 
@@ -496,14 +496,14 @@ def test_reward__sigterm_while_a_reward_hangs_saves_a_checkpoint(tmp_path, monke
         f"        open({str(started)!r}, 'w').close()\n"
         "        time.sleep(3600)\n"
         "    return float(calls % 2)\n"
-    )  # fmt: skip
+    )
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "1+2=", "answer": "3"}\n' * 12)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT / "src")])}
     proc = subprocess.Popen([sys.executable, "-m", "rollcorr", "train", *SMALL, f"trainer.out={tmp_path / 'run'}",
                              f"task.name={data}", "task.reward=late_hang:score", "task.reward_timeout=null",
                              "trainer.checkpoint_every=0"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+                            text=True)
     try:
         while not started.exists() and proc.poll() is None:
             time.sleep(0.2)
@@ -532,7 +532,7 @@ def _jsonl(tmp_path: Path, rows: list[str], name: str = "data.jsonl") -> Path:
     ("true", "last_number", "is a boolean (True); reward 'last_number' reads the answer as text, 'True'"),
     ("NaN", "exact", "is nan (not a finite number): no response can equal it"),
     ("-Infinity", "last_number", "is -inf (not a finite number)"),
-])  # fmt: skip
+])
 def test_data__an_answer_a_builtin_verifier_cannot_read_is_refused_naming_its_line(tmp_path, answer, reward, said):
     from rollcorr.tasks import DataError, DataTask
 
@@ -571,7 +571,7 @@ def test_data__an_evaluation_with_no_rows_is_refused_at_start(tmp_path, capsys):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err
     assert "task.eval_prompts: 200 held-out prompts asked, but" in err and "has no held-out rows (every 10th row is " \
-        "held out, and it has 9 rows)" in err, err  # fmt: skip
+        "held out, and it has 9 rows)" in err, err
 
 
 def test_data__held_out_rows_that_repeat_training_prompts_are_counted_and_said(tmp_path, capsys):
@@ -581,7 +581,7 @@ def test_data__held_out_rows_that_repeat_training_prompts_are_counted_and_said(t
     rows += [f'{{"prompt": "{a}+2=", "answer": "{a + 2}"}}' for a in range(9)] + ['{"prompt": "9+9=", "answer": "18"}']
     data = _jsonl(tmp_path, rows)
     assert DataTask(data).notes == [f"{data}: 1 of 2 held-out rows repeat a training prompt (greedy accuracy on them "
-                                    "measures what the model saw in training)"]  # fmt: skip
+                                    "measures what the model saw in training)"]
     assert main(["train", f"task.name={data}", *SMALL, "trainer.steps=1", f"trainer.out={tmp_path / 'run'}"]) == 0
     assert "1 of 2 held-out rows repeat a training prompt" in capsys.readouterr().out
 
@@ -611,7 +611,7 @@ K2, K3 = [[[1, 2]], [[0, 3]]], [[[1, 2, 3]], [[0, 3, 4]]]
      "routing not compared: the learner's are on 3 of 6 rows"),
     (lambda i: {"routed_experts": K2 if i % 2 else K3, "learner_routed_experts": K2 if i % 2 else K3},
      "the sampler's routed experts have several (layers, top-k) shapes"),
-])  # fmt: skip
+])
 def test_analyze__routing_that_cannot_be_compared_is_said(tmp_path, capsys, make_row, note):
     import json
 
@@ -628,10 +628,10 @@ def test_analyze__standard_input_closed_is_no_traceback(tmp_path):
     for argv, code in (([str(dump)], 0), (["-"], 2)):
         command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "rollcorr", "analyze", *argv])
         done = subprocess.run(["bash", "-c", f"exec {command} 0<&-"], capture_output=True, text=True, env=env,
-                              timeout=300)  # fmt: skip
+                              timeout=300)
         assert done.returncode == code and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert done.stderr.strip() == ("rollcorr analyze: -: standard input is closed, so there is no dump to read; give "
-                                   "the dump's path")  # fmt: skip
+                                   "the dump's path")
 
 
 # ---------------------------------------------------------------- options checked before anything loads
@@ -639,13 +639,13 @@ def test_analyze__standard_input_closed_is_no_traceback(tmp_path):
 
 def test_options__exact_pair_with_top_k_is_refused_at_the_config_check(tmp_path, capsys):
     argv = ["train", "model.sampler=hf:exact", "model.learner=hf:exact", "rollout.top_k=5", "trainer.steps=1",
-            f"trainer.out={tmp_path / 'run'}"]  # fmt: skip
+            f"trainer.out={tmp_path / 'run'}"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("rollcorr train: config error: rollout.top_k: 5 asks hf:exact to truncate its distribution")
     assert len(err.splitlines()) == 1 and not (tmp_path / "run").exists()
     assert main(["audit", "--sampler", "hf:exact", "--learner", "hf:exact", "--top-p", "0.9", "--out",
-                 str(tmp_path / "a")]) == 2  # fmt: skip
+                 str(tmp_path / "a")]) == 2
     assert "--top-p: 0.9 asks hf:exact to truncate" in capsys.readouterr().err
 
 
@@ -664,7 +664,7 @@ def test_run_config__a_truncated_config_says_which_keys_it_lacks(tmp_path, capsy
     cut = next(i for i, line in enumerate(lines) if line.startswith("rollout:"))
     (run_dir / "config.yaml").write_text("\n".join(lines[:cut]) + "\n")  # model and task: the rest is gone
     assert main(["audit", "--from-run", str(run_dir), "-n", "2", "--max-new-tokens", "2", "--out",
-                 str(tmp_path / "a")]) == 0  # fmt: skip
+                 str(tmp_path / "a")]) == 0
     out = capsys.readouterr().out.replace("\n", " ")
     assert f"note: --from-run {run_dir}: its config.yaml has no rollout.prompts_per_step, rollout.group_size" in out
     assert "cut short, edited or written by an older rollcorr; their defaults are used" in out
@@ -681,7 +681,7 @@ def test_amp__a_loss_scale_that_underflows_every_gradient_is_named(tmp_path, add
 
     out = tmp_path / "run"
     config = load_config(None, [*TINY, f"model.path={addition_model_dir}", "model.learner=hf:amp-fp16",
-                                "model.sampler=hf:fp16", "trainer.steps=1", f"trainer.out={out}"])  # fmt: skip
+                                "model.sampler=hf:fp16", "trainer.steps=1", f"trainer.out={out}"])
     trainer = Trainer(config, run_dir=out)
     trainer.loss_scaler.scale = 2.0**-100
     trainer.run()
@@ -705,7 +705,7 @@ def test_ports__torchrun_on_a_busy_port_fails_as_the_docs_say_and_ranks_pick_a_f
         port = busy.getsockname()[1]
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
                                "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "rollcorr", "train"],
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+                              capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "name: EADDRINUSE, message: address already in use" in done.stderr.strip().splitlines()[-1]
     seen = {}
 
@@ -723,7 +723,7 @@ def test_ports__torchrun_on_a_busy_port_fails_as_the_docs_say_and_ranks_pick_a_f
 # call's dotted name as written; a method by its last part)
 LOADERS = {"pickle.load", "pickle.loads", "pickle.Unpickler", "marshal.loads", "torch.load", "torch.jit.load",
            "np.load", "numpy.load", "yaml.load", "yaml.unsafe_load", "yaml.full_load", "importlib.import_module",
-           "import_module", "__import__", "eval", "exec", "runpy.run_path", "runpy.run_module"}  # fmt: skip
+           "import_module", "__import__", "eval", "exec", "runpy.run_path", "runpy.run_module"}
 METHODS = {"from_pretrained", "load_from_disk"}
 
 

@@ -46,7 +46,7 @@ def test_readme_geo_rs_remark_holds_on_the_example_data():
     for name in (n for n in PRESETS if "geo_rs" in n and n.startswith("decoupled")):
         with pytest.warns(AllRejectedWarning):
             corr = compute_correction(scope["old_log_prob"], scope["rollout_log_prob"], scope["response_mask"],
-                                      preset(name))  # fmt: skip
+                                      preset(name))
         assert not corr.kept_mask.any(), name
 
 
@@ -230,7 +230,7 @@ NOT_HERE = {
         "a study's follow-up (an hour); tests/test_experiments.py runs the study's --quick mode",
     ("docs/results.md", "PYTHONPATH=. .venv/bin/python -m experiments.long_mismatch --arms fp32/ppo int8/ppo int8/tis int8/seq_mis int8/icepop int8/geo_rs &"):
         "a study (hours); tests/test_experiments.py runs its --quick mode",
-}  # fmt: skip
+}
 
 
 def fenced_blocks(path: Path) -> list[tuple[str, str, str]]:
@@ -317,7 +317,7 @@ def run_analyze_lines(body: str, tmp_path: Path) -> None:
 
     dump = read_dump(_sample_dump())  # its well-formed rows, as a Parquet file with verl's field names
     rows = [{"rollout_log_probs": dump.rollout_log_prob[b][m].tolist(), "old_log_probs": dump.learner_log_prob[b][m].tolist(),
-             "response_mask": [1] * int(m.sum())} for b, m in enumerate(dump.response_mask)]  # fmt: skip
+             "response_mask": [1] * int(m.sum())} for b, m in enumerate(dump.response_mask)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "dump.parquet")
     (tmp_path / "corr.yaml").write_text(block("docs/analyze.md", "# corr.yaml"))
     assert len(read_dump(tmp_path / "dump.parquet")) == len(dump)
@@ -347,7 +347,7 @@ def run_audit_lines(body: str, tmp_path: Path) -> None:
                 assert _cli(["train", f"trainer.steps={step}", f"trainer.checkpoint_every={step}", "trainer.eval_every=0",
                              "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=3",
                              "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false",
-                             f"trainer.out={run}"]) == 0  # fmt: skip
+                             f"trainer.out={run}"]) == 0
             if "--from-log" not in argv:
                 argv += ["-n", "4", "--max-new-tokens", "4"]
             argv += ["--out", str(tmp_path / f"audit{i}")]
@@ -363,7 +363,7 @@ def _tensors(b: int = 3, t: int = 5, seed: int = 0) -> dict:
     log_prob = old.clone().requires_grad_()
     return {"rollout_log_prob": rollout, "old_log_prob": old, "response_mask": mask, "kept_mask": mask,
             "log_prob": log_prob, "advantages": torch.tensor([[1.0], [-1.0], [0.5]])[:b].expand(b, t),
-            "p_old": old.exp(), "p_rollout": rollout.exp()}  # fmt: skip
+            "p_old": old.exp(), "p_rollout": rollout.exp()}
 
 
 def exec_python(body: str, tmp_path: Path, **scope) -> dict:
@@ -395,14 +395,14 @@ def run_library_snippets(name: str, first: str, tmp_path: Path, addition_model_d
         lm_head = torch.nn.Linear(8, 11, bias=False)
         scope = exec_python(body, tmp_path, hidden=torch.randn(6, 8, generator=g), lm_head=lm_head,
                             targets=torch.randint(0, 11, (6,), generator=g), logits=torch.randn(2, 3, 11, generator=g),
-                            response_ids=torch.randint(0, 11, (2, 3), generator=g))  # fmt: skip
+                            response_ids=torch.randint(0, 11, (2, 3), generator=g))
         assert torch.isfinite(scope["log_prob"]).all() and (scope["log_prob"] <= 0).all()
     elif first.startswith("from rollcorr.proximal"):
         from rollcorr.engines import SamplingParams, make_learner, make_sampler
 
         learner = make_learner("hf:fp32", str(addition_model_dir))
         rollout = make_sampler("hf:bf16", str(addition_model_dir)).generate(["1+2="], SamplingParams(max_new_tokens=3, seed=0), n=2)
-        scope = exec_python(body, tmp_path, learner=learner, rollout=rollout, current_version=0)  # fmt: skip
+        scope = exec_python(body, tmp_path, learner=learner, rollout=rollout, current_version=0)
         assert scope["rollout"].old_log_prob.shape == rollout.response_ids.shape
     elif first.startswith("# a verl agent-loop row"):  # the turns it prints are the ones its comment says
         scope = exec_python(body, tmp_path)
@@ -487,7 +487,7 @@ RUN = {
     ("docs/moe.md", "rollcorr train --config moe"): "train",
     ("docs/moe.md", "rollcorr train --config moe model.sampler=hf:fp32 trainer.mini_batches=1 trainer.steps=30"):
         "train",
-}  # fmt: skip
+}
 
 
 def all_blocks() -> set[tuple[str, str]]:
@@ -536,7 +536,7 @@ def run_block(name: str, first: str, tmp_path: Path, addition_model_dir: Path, t
 
         metrics = {"rollout_corr/num_tokens": 412, "rollout_corr/num_kept_tokens": 0,
                    "rollout_corr/num_valid_seqs": 128, "rollout_corr/num_kept_seqs": 0,
-                   "train/applied_updates": 0, "train/zero_grad_skips": 2, "train/zero_grad_minibatches": 2}  # fmt: skip
+                   "train/applied_updates": 0, "train/zero_grad_skips": 2, "train/zero_grad_minibatches": 2}
         (said,) = RunAlerts().observe(1, metrics)
         assert " ".join(body.split()) == said
     elif kind == "train":
@@ -595,7 +595,7 @@ def test_readme_train_example_trains(tmp_path):
     train = shlex.split(command_lines(body)[2])[2:]
     config = load_config(None, [*train, "trainer.steps=40", "trainer.eval_every=0", "trainer.progress=false",
                                 "trainer.plot=false", "trainer.tensorboard=false", "trainer.checkpoint_every=0",
-                                f"trainer.out={tmp_path / 'run'}"])  # fmt: skip
+                                f"trainer.out={tmp_path / 'run'}"])
     from rollcorr.config.presets import preset
 
     assert config.algorithm.correction == preset("decoupled_seq_is_rs")

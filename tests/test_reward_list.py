@@ -13,7 +13,7 @@ from rollcorr.tasks.reward_list import CompositeReward, RewardTerm, trl_columns
 from rollcorr.user_code import UserCodeError
 
 ITEMS = [{"prompt": "12+7=", "answer": "19", "level": "easy"}, {"prompt": "30+4=", "answer": "34", "level": "hard"},
-         {"prompt": "6+21=", "answer": "27", "level": "easy"}]  # fmt: skip
+         {"prompt": "6+21=", "answer": "27", "level": "easy"}]
 TEXTS = ["19", "33 is it", "27"]
 
 
@@ -33,7 +33,7 @@ def easy_only(completions, level, answer):
 
 def test_a_reward_list_is_the_weighted_sum_by_hand_and_keeps_each_function():
     reward = CompositeReward([RewardTerm("exact", exact, 1.0), RewardTerm("short", short, 0.5),
-                              RewardTerm("easy_only", easy_only, 2.0)])  # fmt: skip
+                              RewardTerm("easy_only", easy_only, 2.0)])
     got = [reward.parts(item, text) for item, text in zip(ITEMS, TEXTS)]
     assert [g[0] for g in got] == [1.0 + 0.5 + 2.0, 0.0, 1.0 + 0.5 + 2.0]  # row 1: easy_only's None left out
     assert got[0][1] == {"exact": 1.0, "short": 1.0, "easy_only": 1.0}
@@ -79,7 +79,7 @@ def test_a_data_task_takes_the_list_its_weights_and_checks_every_value(tmp_path)
 
     for fn, said in ((too_big, "reward 'too_big' returned 2, outside [0, 1]"),
                      (none_at_all, "no reward scored the response to '12+7='"),
-                     (one_for_all, "a batched reward returns a list of one number (or None) per completion")):  # fmt: skip
+                     (one_for_all, "a batched reward returns a list of one number (or None) per completion")):
         register_reward(fn.__name__, fn)
         bad = make_task(str(data), [fn.__name__] if fn is none_at_all else ["exact", fn.__name__])
         with pytest.raises(UserCodeError) as err:
@@ -115,7 +115,7 @@ def test_the_config_reads_a_reward_list_and_refuses_what_does_not_fit(tmp_path):
                              "task.reward_weights: 1 weights for 2 rewards"),
                             (["task.reward=[exact, nope]"], "task.reward: unknown reward 'nope'"),
                             (["task.reward=[exact, exact]"], "task.reward: a reward list names each function once"),
-                            (["task.reward_weights=[1, x]"], "task.reward_weights: expected a list of finite numbers")):  # fmt: skip
+                            (["task.reward_weights=[1, x]"], "task.reward_weights: expected a list of finite numbers")):
         with pytest.raises(ConfigError) as err:
             build_task(load_config(None, [f"task.name={data}", *overrides]))
         assert str(err.value).startswith(said), str(err.value)
@@ -136,7 +136,7 @@ def test_a_run_logs_each_reward_of_the_list(tmp_path, addition_model_dir):
                                 "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=4",
                                 "task.eval_prompts=0", "trainer.progress=false", "trainer.plot=false",
                                 "trainer.tensorboard=false", "trainer.steps=2", f"model.path={addition_model_dir}",
-                                f"trainer.out={tmp_path / 'run'}"])  # fmt: skip
+                                f"trainer.out={tmp_path / 'run'}"])
     run(config)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]

@@ -139,7 +139,7 @@ def make_env(task: Task, env: dict[str, Any] | None) -> Environment:
     name = options.pop("name", None)
     if name not in ENVIRONMENTS:
         raise ValueError(f"unknown environment {name!r}; registered: {sorted(ENVIRONMENTS)} (a plugin registers "
-                         "its own with rollcorr.envs.register_env)")  # fmt: skip
+                         "its own with rollcorr.envs.register_env)")
     try:
         return ENVIRONMENTS[name](task, **options)
     except TypeError as err:  # an option the factory does not take

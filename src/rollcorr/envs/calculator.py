@@ -36,7 +36,7 @@ from rollcorr.tasks.base import Task, task_reward_range
 CALL = re.compile(r"<calc>(.*?)</calc>", re.S)
 MAX_EXPRESSION = 120  # characters of an expression the tool evaluates (longer: an error, before parsing)
 SYSTEM = ("You can use a calculator: write <calc>expression</calc> and you will get the result. "
-          "Then write Answer: and the number.")  # fmt: skip
+          "Then write Answer: and the number.")
 EXAMPLE = (("What is 12 * 34 + 5?", "12*34+5"),)  # the worked example: a question and the call that solves it
 
 
@@ -67,7 +67,7 @@ class CalculatorEnv:
         for asked, expression in EXAMPLE if self.example else ():
             out += [{"role": "user", "content": asked}, {"role": "assistant", "content": f"<calc>{expression}</calc>"},
                     {"role": self.tool_role, "content": evaluate(expression)},
-                    {"role": "assistant", "content": f"Answer: {evaluate(expression)}"}]  # fmt: skip
+                    {"role": "assistant", "content": f"Answer: {evaluate(expression)}"}]
         return [*out, {"role": "user", "content": question}]
 
 
@@ -104,7 +104,7 @@ def evaluate(expression: str) -> str:
 
 
 _OPERATORS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-              ast.Div: lambda a, b: a / b}  # fmt: skip
+              ast.Div: lambda a, b: a / b}
 
 
 def _value(node: ast.AST) -> Fraction:

@@ -56,7 +56,7 @@ class Episodes:
     """One batch's episodes, row by row (``items`` already repeated per response)."""
 
     def __init__(self, env: Environment, items: Sequence[dict[str, Any]], renderer: Renderer,
-                 limits: Limits = Limits(), max_new_tokens: int = 0, rows: str = "the batch") -> None:  # fmt: skip
+                 limits: Limits = Limits(), max_new_tokens: int = 0, rows: str = "the batch") -> None:
         """``max_new_tokens``: one model turn's cap (the sampler's); ``rows``: what the rows are, for messages."""
         self.env, self.renderer, self.limits, self.rows = env, renderer, limits, rows
         self.items = list(items)
@@ -80,7 +80,7 @@ class Episodes:
         """Step the episode of every row whose model turn has just ended; append the replies' observations."""
         if self.multi_turn and rollout.turn is None:  # a trajectory from its first call: every token in turn 0
             rollout = rollout.replace(observation_mask=torch.zeros_like(rollout.response_mask, dtype=torch.bool),
-                                      turn=torch.zeros_like(rollout.response_ids))  # fmt: skip
+                                      turn=torch.zeros_like(rollout.response_ids))
         observations: dict[int, list[int]] = {}
         turns = rollout.next_turn()
         ended = [i for i, m in enumerate(rollout.meta) if not self.over[i] and m.get("finished", True)]
@@ -108,16 +108,16 @@ class Episodes:
         """``fn`` over ``calls`` through the door for user code (``rollcorr.user_code``), bounded by the timeout."""
         rows = list(range(len(calls))) if rows is None else rows
         return call_each(fn, calls, lambda k: self._what(rows[k], call), self.limits.timeout, "task.reward_timeout",
-                         self.limits.workers)  # fmt: skip
+                         self.limits.workers)
 
     def _checked(self, reply: Any, row: int) -> Turn:
         """A ``Turn`` whose reward is a number in [0, 1] (``checked_reward``), or ``UserCodeError`` naming it."""
         if not isinstance(reply, Turn):
             raise UserCodeError(f"{self._what(row, 'step')} returned {excerpt(reply)} ({type(reply).__name__}); "
-                                "a step returns rollcorr.envs.Turn(observation, reward, done)")  # fmt: skip
+                                "a step returns rollcorr.envs.Turn(observation, reward, done)")
         bounds = getattr(self.env, "reward_range", (0.0, 1.0))
         return Turn(reply.observation, checked_reward(reply.reward, self._what(row, "step"), self.limits.clip, bounds),
-                    reply.done, reply.parts)  # fmt: skip
+                    reply.done, reply.parts)
 
     def _next(self, rollout: Rollout, row: int, turns_done: int, reply: Turn) -> list[int] | None:
         """The observation ids to append, or None when the row is over (done, a limit: then maybe cut)."""
@@ -154,7 +154,7 @@ class Episodes:
 
 
 def play(sampler, env: Environment, items: Sequence[dict[str, Any]], renderer: Renderer, params,
-         group_ids: Sequence[int] | None = None, limits: Limits = Limits(), rows: str = "the batch") -> Rollout:  # fmt: skip
+         group_ids: Sequence[int] | None = None, limits: Limits = Limits(), rows: str = "the batch") -> Rollout:
     """Every episode of ``items`` (one row each) played to its end with ``sampler``'s current weights."""
     episodes = Episodes(env, items, renderer, limits, params.max_new_tokens, rows)
     rollout = sampler.generate(episodes.prompts(), params, meta=[dict(it) for it in items], group_ids=group_ids)
@@ -174,4 +174,4 @@ def episode_metrics(rollout: Rollout) -> dict[str, float]:
     tokens = rollout.token_mask.sum()
     return {"env/turns_mean": sum(turns) / len(turns), "env/turns_max": max(turns),
             "env/cut_share": sum(bool(m.get("cut")) for m in rollout.meta) / len(rollout.meta),
-            "env/observation_token_share": float(observed) / float(tokens) if tokens else 0.0}  # fmt: skip
+            "env/observation_token_share": float(observed) / float(tokens) if tokens else 0.0}

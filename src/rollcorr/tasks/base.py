@@ -51,7 +51,7 @@ REWARD_TIMEOUT_S = 5.0  # task.reward_timeout's default: seconds one reward call
 
 
 def rewards(task: Task, items: list[dict[str, Any]], responses: list[str], timeout: float | None = None,
-            clip: bool = False, rows: str = "the batch") -> list[float]:  # fmt: skip
+            clip: bool = False, rows: str = "the batch") -> list[float]:
     """``task.reward`` of each (item, response), called through the door for user code (``rollcorr.user_code``:
     each call bounded by ``timeout`` seconds, a failure one line naming the reward and the row of ``rows``) and
     checked by ``checked_reward``; ``UserCodeError`` when one fails. Raises if items and responses differ in number."""
@@ -82,7 +82,7 @@ def checked_reward(value: Any, what: str, clip: bool = False, bounds: tuple[floa
             pass
     if not isinstance(value, numbers.Real):
         raise UserCodeError(f"{what} returned {excerpt(value)} ({type(value).__name__}); a reward is a number in "
-                            "[0, 1]")  # fmt: skip
+                            "[0, 1]")
     value = float(value)
     if not math.isfinite(value):
         raise UserCodeError(f"{what} returned {value}; a reward is a finite number in [0, 1]")
@@ -90,7 +90,7 @@ def checked_reward(value: Any, what: str, clip: bool = False, bounds: tuple[floa
     if not low <= value <= high:
         if not clip:
             raise UserCodeError(f"{what} returned {value:g}, outside [{low:g}, {high:g}]; fix the function, or clip "
-                                f"rewards into [{low:g}, {high:g}] with task.reward_clip=true")  # fmt: skip
+                                f"rewards into [{low:g}, {high:g}] with task.reward_clip=true")
         value = min(max(value, low), high)
     return value
 

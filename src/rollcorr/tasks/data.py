@@ -61,7 +61,7 @@ def read_rows(path: str | Path) -> dict[str, Rows]:
     if path.is_dir():
         if not is_datasets_folder(path):
             raise DataError(f"{path}: a folder that datasets' save_to_disk did not write (no dataset_info.json or "
-                            "dataset_dict.json); expected a JSONL or Parquet file, or such a folder")  # fmt: skip
+                            "dataset_dict.json); expected a JSONL or Parquet file, or such a folder")
         return _read_datasets_folder(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file {str(path)!r} does not exist")
@@ -84,7 +84,7 @@ def _read_jsonl(path: Path) -> Rows:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
                 raise DataError(f"{path}, line {lineno}: not UTF-8 text; expected JSONL (one JSON object per line), "
-                                "a Parquet file or a datasets folder") from None  # fmt: skip
+                                "a Parquet file or a datasets folder") from None
             if not line.strip():
                 continue
             try:
@@ -125,13 +125,13 @@ def _read_datasets_folder(path: Path) -> dict[str, Rows]:
 def check_messages(value: Any, where: str) -> None:
     """A conversation: a non-empty list of {"role": str, "content": str} messages."""
     if not value or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                            for m in value):  # fmt: skip
+                            for m in value):
         raise DataError(f"{where}: a conversation prompt must be a non-empty list of "
-                        f'{{"role": ..., "content": ...}} messages, got {_excerpt(value)}')  # fmt: skip
+                        f'{{"role": ..., "content": ...}} messages, got {_excerpt(value)}')
 
 
 def to_item(row: dict[str, Any], prompt_key: str, answer_key: str, where: str, text_reward: str | None = None
-            ) -> dict[str, Any]:  # fmt: skip
+            ) -> dict[str, Any]:
     """A row → an item with "prompt" and "answer" (the other fields kept); DataError naming the problem.
     ``text_reward``: the name of a built-in verifier, which reads the answer as text (``check_answer``)."""
     for key, role in ((prompt_key, "prompt_key"), (answer_key, "answer_key")):
@@ -142,7 +142,7 @@ def to_item(row: dict[str, Any], prompt_key: str, answer_key: str, where: str, t
         check_messages(prompt, where)
     elif not isinstance(prompt, str) or not prompt:
         raise DataError(f"{where}: field {prompt_key!r} must be a non-empty string or a list of messages, "
-                        f"got {_excerpt(prompt)}")  # fmt: skip
+                        f"got {_excerpt(prompt)}")
     if row[answer_key] is None:
         raise DataError(f"{where}: field {answer_key!r} is null")
     if text_reward is not None:
@@ -159,7 +159,7 @@ def check_answer(answer: Any, what: str, reward: str) -> None:
         kind = "a boolean" if isinstance(answer, bool) else f"a {type(answer).__name__}"
         raise DataError(f"{what} is {kind} ({_excerpt(answer)}); reward {reward!r} reads the answer as text, "
                         f"{str(answer)!r}: give it as text or a number, or score it with your own reward "
-                        "(task.reward=module:function gets it as it is)", "answer_key")  # fmt: skip
+                        "(task.reward=module:function gets it as it is)", "answer_key")
     if isinstance(answer, float) and not math.isfinite(answer):
         raise DataError(f"{what} is {answer} (not a finite number): no response can equal it", "answer_key")
 
@@ -168,7 +168,7 @@ Labelled = list[tuple[str, dict[str, Any]]]  # (where: "data.jsonl, line 3", the
 
 
 def load_items(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer",
-               text_reward: str | None = None) -> dict[str, Labelled]:  # fmt: skip
+               text_reward: str | None = None) -> dict[str, Labelled]:
     """{split: [(where, item)]} of a data set (see the module docstring); DataError for anything unusable."""
     out = {}
     for split, rows in read_rows(path).items():
@@ -176,7 +176,7 @@ def load_items(path: str | Path, prompt_key: str = "prompt", answer_key: str = "
         if not rows:
             raise DataError(f"{where}: no rows")
         out[split] = [(f"{where}, {label}", to_item(row, prompt_key, answer_key, f"{where}, {label}", text_reward))
-                      for label, row in rows]  # fmt: skip
+                      for label, row in rows]
     return out
 
 
@@ -187,7 +187,7 @@ def split_rows(path: Path, rows: Labelled) -> tuple[list[dict], list[dict], str]
         for where, item in rows:
             if item.get("split", "train") not in SPLITS:
                 raise DataError(f"{where}: split {item['split']!r} is none of {', '.join(map(repr, SPLITS))} (rows "
-                                "of split 'test' are held out, the others train)", "name")  # fmt: skip
+                                "of split 'test' are held out, the others train)", "name")
         test = [item for _, item in rows if item.get("split") == "test"]
         return [item for _, item in rows if item.get("split", "train") == "train"], test, "no row has split 'test'"
     train = [item for i, (_, item) in enumerate(rows) if i % 10 != 9]
@@ -206,7 +206,7 @@ def duplicates_note(path: Path, train: list[dict], test: list[dict]) -> str | No
     if not repeated:
         return None
     return (f"{path}: {repeated} of {len(test)} held-out rows repeat a training prompt (greedy accuracy on them "
-            "measures what the model saw in training)")  # fmt: skip
+            "measures what the model saw in training)")
 
 
 def reward_terms(rewards: list, weights: list | None) -> list[RewardTerm]:
@@ -216,7 +216,7 @@ def reward_terms(rewards: list, weights: list | None) -> list[RewardTerm]:
         raise DataError("an empty list: name at least one reward", "reward")
     if weights is not None and len(weights) != len(rewards):
         raise DataError(f"{len(weights)} weights for {len(rewards)} rewards: give one weight per reward "
-                        "(task.reward_weights), or none (1 each)", "reward_weights")  # fmt: skip
+                        "(task.reward_weights), or none (1 each)", "reward_weights")
     if weights is not None and not all(isinstance(w, int | float) and math.isfinite(w) for w in weights):
         raise DataError(f"the weights must be finite numbers, got {_excerpt(weights)}", "reward_weights")
     terms = []
@@ -239,7 +239,7 @@ class DataTask:
 
     def __init__(self, path: str | Path, reward: str | RewardFn | list = "exact", *, prompt_key: str = "prompt",
                  answer_key: str = "answer", eval_file: str | Path | None = None, reward_weights: list | None = None,
-                 reward_clip: bool = False) -> None:  # fmt: skip
+                 reward_clip: bool = False) -> None:
         self.path = Path(path)
         listed = list(reward) if isinstance(reward, list | tuple) else [reward]
         terms = reward_terms(listed, reward_weights)
@@ -248,7 +248,7 @@ class DataTask:
         several = len(terms) > 1 or reward_weights is not None or is_batched(self.reward_fn)
         self.reward_list = CompositeReward(terms, reward_clip) if several else None
         self.reward_name = (f"reward {terms[0].name!r}" if self.reward_list is None
-                            else f"reward list {list(self.reward_list.names)}")  # fmt: skip
+                            else f"reward list {list(self.reward_list.names)}")
         if self.reward_list is not None:  # the environment checks the sum against its range
             self.reward_range = self.reward_list.reward_range
             self.reward_parts = self.reward_list.parts

@@ -49,7 +49,7 @@ def columns_for(fn: Callable, columns: dict[str, list]) -> dict[str, list]:
 
 
 def trl_columns(items: Sequence[dict[str, Any]], responses: Sequence[str],
-                completion_ids: Sequence[Sequence[int]] | None = None) -> dict[str, list]:  # fmt: skip
+                completion_ids: Sequence[Sequence[int]] | None = None) -> dict[str, list]:
     """TRL's keyword lists of a batch (module docstring)."""
     conversational = any(isinstance(item.get("prompt"), list) for item in items)
     completions = [[{"role": "assistant", "content": text}] for text in responses] if conversational else list(responses)
@@ -87,7 +87,7 @@ class CompositeReward:
         scored = [(term.weight, parts[term.name]) for term in self.terms if not math.isnan(parts[term.name])]
         if not scored:
             raise UserCodeError(f"no reward scored the response to {excerpt(item.get('prompt'))}: every function of "
-                                f"{list(self.names)} returned None for it")  # fmt: skip
+                                f"{list(self.names)} returned None for it")
         return sum(weight * value for weight, value in scored), parts
 
     def _value(self, term: RewardTerm, item: dict[str, Any], text: str) -> float:
@@ -97,5 +97,5 @@ class CompositeReward:
         values = term.fn(**columns_for(term.fn, trl_columns([item], [text])))
         if not isinstance(values, list | tuple) or len(values) != 1:
             raise UserCodeError(f"{what} returned {excerpt(values)} for one completion; a batched reward returns a "
-                                "list of one number (or None) per completion")  # fmt: skip
+                                "list of one number (or None) per completion")
         return math.nan if values[0] is None else checked_reward(values[0], what, self.clip)

@@ -141,7 +141,7 @@ def check_signature(fn: RewardFn, label: Any) -> RewardFn:
     except TypeError:
         name = getattr(fn, "__name__", "fn")
         raise ValueError(f"reward {label!r}: {name}{signature} cannot be called as {name}(item, "
-                         "response_text), nor as TRL's batched fn(completions, **columns)") from None  # fmt: skip
+                         "response_text), nor as TRL's batched fn(completions, **columns)") from None
     return fn
 
 
@@ -160,7 +160,7 @@ def register_reward(name: str, fn: RewardFn) -> None:
 
 
 for _name, _fn in (("exact", exact), ("last_number", last_number), ("boxed", boxed), ("gsm8k", gsm8k),
-                   ("math", math_equivalent)):  # fmt: skip
+                   ("math", math_equivalent)):
     register_reward(_name, _fn)
 
 
@@ -183,7 +183,7 @@ def check_named_reward(reward: Any, source: str, how: str) -> None:
     module = reward_module(reward)
     if module is not None and module not in sys.modules:
         raise ValueError(f"{source} names the reward module {module!r} (task.reward {reward!r}); a run folder's "
-                         f"file never imports code by itself: {how}")  # fmt: skip
+                         f"file never imports code by itself: {how}")
 
 
 def resolve_reward(reward: str | RewardFn) -> RewardFn:

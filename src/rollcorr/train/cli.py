@@ -26,20 +26,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", type=Path, default=None,
                         help="run folder, new or empty, taken as a path (never YAML; a leading ~ is your home) "
-                             "(default: runs/<timestamp>-<random suffix>)")  # fmt: skip
+                             "(default: runs/<timestamp>-<random suffix>)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace the run already in --out (default: refuse a non-empty folder)")  # fmt: skip
+                        help="replace the run already in --out (default: refuse a non-empty folder)")
     parser.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                         help="continue the run in RUN_DIR from its newest checkpoint (overrides apply on top; "
-                             "only some keys may change, see docs/training.md)")  # fmt: skip
+                             "only some keys may change, see docs/training.md)")
     parser.add_argument("--print-config", action="store_true",
-                        help="check and print the resolved config, then exit")  # fmt: skip
+                        help="check and print the resolved config, then exit")
     parser.add_argument("--measure-engines", action="store_true",
                         help="time real steps of this config with each sampler engine, sync and async, within a "
-                             "time budget; print which is faster here, then exit (no run folder is made)")  # fmt: skip
+                             "time budget; print which is faster here, then exit (no run folder is made)")
     parser.add_argument("--measure-budget", default=None, metavar="SECONDS",
                         help="with --measure-engines: seconds for the whole measurement (default 10); what does not "
-                             "fit is listed as skipped")  # fmt: skip
+                             "fit is listed as skipped")
 
 
 def measure_budget(args: argparse.Namespace) -> float:

@@ -52,7 +52,7 @@ REFUSED_LOSSES: dict[str, str] = {
            "algorithm.correction.is_upper, a floor with algorithm.correction.is_lower)",
     "areal": "algorithm.loss=ppo_clip algorithm.correction.preset=areal_decoupled_cap (w = ρ·1[ρ ≤ 5]; set the cap "
              "with algorithm.correction.is_upper)",
-}  # fmt: skip
+}
 # algorithm.loss_args: the losses' own hyper-parameters (their LossSpec.options), the losses that read them.
 # The other LossConfig fields come from other keys (clip_low → algorithm.clip_low, clip_c → algorithm.dual_clip,
 # agg → algorithm.aggregation, denominator → the correction, oapl_beta → algorithm.oapl_beta, ...).
@@ -89,7 +89,7 @@ ALGORITHMS: dict[str, dict[str, Any]] = {
                  clip_low=3e-4, clip_high=4e-4, dynamic_sampling=False),
     "oapl": dict(loss="oapl", advantage="oapl", norm_std=False, aggregation="seq-mean-token-mean",
                  clip_low=0.2, clip_high=0.2, dynamic_sampling=False),
-}  # fmt: skip
+}
 # AlgorithmConfig keys that are the loss's own settings → the LossSpec field holding the loss's default.
 LOSS_SETTINGS = {"clip_low": "clip_low", "clip_high": "clip_high", "aggregation": "agg"}
 
@@ -160,7 +160,7 @@ class TaskConfig:
 
         return make_task(self.name, self.reward, prompt_key=self.prompt_key, answer_key=self.answer_key,
                          eval_file=self.eval_file, reward_weights=self.reward_weights,
-                         reward_clip=self.reward_clip)  # fmt: skip
+                         reward_clip=self.reward_clip)
 
     def limits(self):
         """What bounds a trajectory and the user code it calls (``rollcorr.envs.Limits``): ``task.env``'s
@@ -169,7 +169,7 @@ class TaskConfig:
 
         env = self.env or {}
         return Limits(env.get("max_turns"), env.get("max_tokens"), self.reward_timeout, self.reward_clip,
-                      env.get("workers", 1))  # fmt: skip
+                      env.get("workers", 1))
 
     def environment(self, task=None):
         """The run's environment over the task's items (``task``, default ``build()``'s; ``rollcorr.envs.make_env``):
@@ -503,7 +503,7 @@ def _check_env(env: dict[str, Any] | None) -> None:
 def _numbers(value: Any, key: str) -> list[float]:
     """A list of finite numbers, e.g. [1.0, 0.5]; ConfigError naming ``key`` otherwise."""
     if not isinstance(value, list) or not all(isinstance(v, int | float) and not isinstance(v, bool)
-                                              and math.isfinite(v) for v in value):  # fmt: skip
+                                              and math.isfinite(v) for v in value):
         raise ConfigError(f"{key}: expected a list of finite numbers, e.g. [1.0, 0.5], got {excerpt(value)}")
     return [float(v) for v in value]
 
@@ -565,7 +565,7 @@ def preset_overrides(name: str) -> list[str]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *,
-                inside_run: bool = False) -> TrainConfig:  # fmt: skip
+                inside_run: bool = False) -> TrainConfig:
     """Read YAML (default: the shipped default.yaml; a bare name such as "chain" is a shipped
     preset applied over it), apply overrides, build and validate. ``inside_run``: ``path`` is a run
     folder's config.yaml (not followed if it is a link)."""
@@ -620,7 +620,7 @@ def import_plugins(value: Any, overrides: list[str], run_file: Path | None = Non
         listed = ",".join(missing)
         raise ConfigError(f"plugins: {run_file} names {listed}, not imported: a run folder's file never imports "
                           f"code; name them yourself (rollcorr train --resume RUN_DIR plugins=[{listed}]; rollcorr "
-                          f"audit --plugins {listed})")  # fmt: skip
+                          f"audit --plugins {listed})")
     return names
 
 
@@ -707,13 +707,13 @@ def _validate_correction(a: AlgorithmConfig, loss: str) -> None:
         if loss_spec(loss).has_ratio:  # gpg = REINFORCE without its metric
             raise ConfigError(f"algorithm.loss: {loss!r} has its own ratio, but the correction has loss_type=reinforce "
                               "(its weight min(π_θ/μ, C) is already the ratio, so it would count twice); leave "
-                              "algorithm.loss unset or use a bypass_ppo_clip* preset")  # fmt: skip
+                              "algorithm.loss unset or use a bypass_ppo_clip* preset")
     elif c.mode == "bypass" and not loss_spec(loss).has_ratio:
         raise ConfigError(f"algorithm.loss: {loss!r} has no ratio and a bypass_ppo_clip* correction applies no weight, "
-                          "so nothing would correct for μ ≠ π_θ; use a bypass_pg_* preset")  # fmt: skip
+                          "so nothing would correct for μ ≠ π_θ; use a bypass_pg_* preset")
     if c.mode == "bypass" and not a.proximal.strategy.old_is_rollout:
         raise ConfigError(f"algorithm.proximal.name: a bypass correction preset means π_old := μ; use "
-                          f"algorithm.proximal.name=bypass, not {a.proximal.name!r}")  # fmt: skip
+                          f"algorithm.proximal.name=bypass, not {a.proximal.name!r}")
     if loss_spec(loss).regresses_on_rollout and c.mode == "bypass":
         raise ConfigError(
             "algorithm.correction: OAPL regresses on log μ itself; use a decoupled preset or 'disabled'"
@@ -732,10 +732,10 @@ def _validate_shaping(a: AlgorithmConfig, r: RolloutConfig, loss: str) -> None:
     _check(a.kl.where in KL_WHERE, "algorithm.kl.where", f"expected one of {list(KL_WHERE)}, got {a.kl.where!r}")
     if a.kl.coef and a.kl.where == "loss" and loss_spec(loss).regresses_on_rollout:
         raise ConfigError("algorithm.kl.where: OAPL regresses on log μ and has no policy-gradient term to add a KL "
-                          "loss to; use algorithm.kl.where=reward")  # fmt: skip
+                          "loss to; use algorithm.kl.where=reward")
     _positive(a.overlong_buffer, "algorithm.overlong_buffer", allow_zero=True)
     _check(a.overlong_buffer < r.max_new_tokens, "algorithm.overlong_buffer",
-           f"must be below rollout.max_new_tokens ({r.max_new_tokens}), got {a.overlong_buffer}")  # fmt: skip
+           f"must be below rollout.max_new_tokens ({r.max_new_tokens}), got {a.overlong_buffer}")
     _positive(a.overlong_penalty, "algorithm.overlong_penalty", allow_zero=True)
 
 
@@ -772,10 +772,10 @@ def _validate_rollout_and_task(c: TrainConfig) -> None:
     _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     _positive(c.task.eval_prompts, "task.eval_prompts", allow_zero=True)
     _check(c.task.reward_timeout is None or 0 < c.task.reward_timeout < float("inf"), "task.reward_timeout",
-           f"must be a number of seconds > 0 (or null: no limit), got {c.task.reward_timeout}")  # fmt: skip
+           f"must be a number of seconds > 0 (or null: no limit), got {c.task.reward_timeout}")
     _check_env(c.task.env)
     _check(c.algorithm.advantage_level in ADVANTAGE_LEVELS, "algorithm.advantage_level",
-           f"expected one of {list(ADVANTAGE_LEVELS)}, got {c.algorithm.advantage_level!r}")  # fmt: skip
+           f"expected one of {list(ADVANTAGE_LEVELS)}, got {c.algorithm.advantage_level!r}")
 
 
 
@@ -783,7 +783,7 @@ def _validate_model(c: TrainConfig) -> None:
     """``model.*``: the device, LoRA, routing replay."""
     device = c.model.device
     _check(device is None or device in ("cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit()),
-           "model.device", f"expected cpu, cuda or cuda:<index> (or null: CUDA when available), got {device!r}")  # fmt: skip
+           "model.device", f"expected cpu, cuda or cuda:<index> (or null: CUDA when available), got {device!r}")
     lora = c.model.lora
     _check(lora.r >= 0, "model.lora.r", f"must be >= 0 (0 = no LoRA), got {lora.r}")
     if lora.r:
@@ -791,9 +791,9 @@ def _validate_model(c: TrainConfig) -> None:
         _check(0 <= lora.dropout < 1, "model.lora.dropout", f"must be in [0, 1), got {lora.dropout}")
         _check(bool(lora.target_modules), "model.lora.target_modules", "needs at least one module name")
         _check(learner_processes(c) == 1, "model.lora",
-               "LoRA trains in one process; a data-parallel learner (trainer.ranks > 1) shards full weights")  # fmt: skip
+               "LoRA trains in one process; a data-parallel learner (trainer.ranks > 1) shards full weights")
     _check(c.model.routing_replay in ROUTING_REPLAY_MODES, "model.routing_replay",
-           f"unknown routing replay {c.model.routing_replay!r}; use null or r3")  # fmt: skip
+           f"unknown routing replay {c.model.routing_replay!r}; use null or r3")
     if c.model.routing_replay is not None:
         from rollcorr.engines import backend_of
         from rollcorr.engines.spec import backends_that
@@ -803,7 +803,7 @@ def _validate_model(c: TrainConfig) -> None:
         except ValueError:  # an unknown engine: no routing to replay (model.sampler's own check names it)
             captures = False
         _check(captures, "model.routing_replay", f"r3 replays the routing the sampler captures, which the "
-               f"{' / '.join(backends_that('captures_routing'))} sampler does; got {c.model.sampler!r}")  # fmt: skip
+               f"{' / '.join(backends_that('captures_routing'))} sampler does; got {c.model.sampler!r}")
 
 
 
@@ -819,14 +819,14 @@ def _validate_algorithm(c: TrainConfig) -> str:
     if loss in LOSS_CATALOGUE and loss_spec(loss).builds_own_weights:
         instead = REFUSED_LOSSES.get(loss, "algorithm.loss=ppo_clip with an algorithm.correction preset")
         raise ConfigError(f"algorithm.loss: {loss!r} weights by π_old/μ itself, which the trainer leaves to "
-                          f"algorithm.correction; for the same loss use {instead}")  # fmt: skip
+                          f"algorithm.correction; for the same loss use {instead}")
     accepted = accepted_losses()
     _check(loss in accepted, "algorithm.loss", f"unknown loss {loss!r}; use one of {accepted}")
     _validate_loss_args(loss, a.loss_args)
     _check(a.resolved("advantage") in ESTIMATORS, "algorithm.advantage",
-           f"unknown advantage estimator {a.advantage!r}; use one of {ESTIMATORS}")  # fmt: skip
+           f"unknown advantage estimator {a.advantage!r}; use one of {ESTIMATORS}")
     _check(a.resolved("aggregation") in AGG_MODES, "algorithm.aggregation",
-           f"unknown aggregation {a.aggregation!r}; use one of {AGG_MODES}")  # fmt: skip
+           f"unknown aggregation {a.aggregation!r}; use one of {AGG_MODES}")
     _positive(a.resolved("clip_low"), "algorithm.clip_low", allow_zero=True)
     _positive(a.resolved("clip_high"), "algorithm.clip_high", allow_zero=True)
     if a.dual_clip is not None:
@@ -877,16 +877,16 @@ def _validate_trainer(c: TrainConfig, loss: str) -> None:
     _check(t.max_staleness >= 0, "trainer.max_staleness", f"must be >= 0, got {t.max_staleness}")
     if t.mode == "simulated_async":
         _check(t.lag <= t.max_staleness, "trainer.lag",
-               f"lag {t.lag} exceeds trainer.max_staleness {t.max_staleness}")  # fmt: skip
+               f"lag {t.lag} exceeds trainer.max_staleness {t.max_staleness}")
     if loss_spec(loss).regresses_on_rollout and t.mode != "async":
         # the sampler lags by up to sync_every - 1 versions on top of the executor's own lag
         own = t.lag if t.mode == "simulated_async" else 0
         _check(own + a.oapl_sync_every - 1 <= t.max_staleness, "algorithm.oapl_sync_every",
                f"sync every {a.oapl_sync_every} steps lags the sampler by up to {own + a.oapl_sync_every - 1} "
-               f"versions, above trainer.max_staleness {t.max_staleness}")  # fmt: skip
+               f"versions, above trainer.max_staleness {t.max_staleness}")
     _positive(t.queue_size, "trainer.queue_size")
     _check(not t.partial_rollouts or t.mode == "async", "trainer.partial_rollouts",
-           f"partial rollouts need trainer.mode=async, got {t.mode!r}")  # fmt: skip
+           f"partial rollouts need trainer.mode=async, got {t.mode!r}")
     _positive(t.partial_chunk_tokens, "trainer.partial_chunk_tokens")
     _positive(t.steps, "trainer.steps")
     for key, seed in (("trainer.seed", t.seed), ("task.eval_seed", c.task.eval_seed)):  # NumPy takes [0, 2³²)
@@ -898,11 +898,11 @@ def _validate_trainer(c: TrainConfig, loss: str) -> None:
     if problem is not None:
         raise ConfigError(f"{problem[0]}: {problem[1]}")
     _check(t.data_parallel in DATA_PARALLEL, "trainer.data_parallel",
-           f"expected one of {list(DATA_PARALLEL)}, got {t.data_parallel!r}")  # fmt: skip
+           f"expected one of {list(DATA_PARALLEL)}, got {t.data_parallel!r}")
     for key in ("param_dtype", "reduce_dtype"):
         value = getattr(t.fsdp, key)
         _check(value is None or value in FSDP_DTYPES, f"trainer.fsdp.{key}",
-               f"expected one of {list(FSDP_DTYPES)} or null, got {value!r}")  # fmt: skip
+               f"expected one of {list(FSDP_DTYPES)} or null, got {value!r}")
     _positive(t.micro_batch_size, "trainer.micro_batch_size", allow_zero=True)
     _positive(t.ppo_epochs, "trainer.ppo_epochs")
     _positive(t.eval_every, "trainer.eval_every", allow_zero=True)
