@@ -282,7 +282,6 @@ FMT_PENDING: dict[str, tuple[str, ...]] = {
                           "src/rollcorr/audit/localize.py", "src/rollcorr/audit/plots.py",
                           "src/rollcorr/audit/report.py", "src/rollcorr/audit/verdict.py",
                           "tests/test_audit_report.py"),
-    "users (#50)": ("tests/test_keep_mask.py",),
 }
 FORMATTER_MARKER = re.compile(r"#\s*fmt:\s*(skip|off|on)\b")
 

@@ -94,7 +94,7 @@ def test_the_kept_set_score_matches_its_float64_definition_and_gradients():
     assert float(got[2]) == 0.0 and float(got[4]) == 0.0
     assert torch.autograd.gradcheck(lambda h, w: logprobs_over_kept(h, w, targets, kept, temperature=0.9), (hidden, weight))
     assert torch.autograd.gradcheck(lambda h, w: logprobs_over_kept_logits(h @ w.T, targets, kept, temperature=0.9),
-                                    (hidden, weight))  # fmt: skip
+                                    (hidden, weight))
     outside = targets.clone()
     outside[0] = next(t for t in range(13) if t not in kept[0].tolist())
     with pytest.raises(ValueError, match="not in their own kept set"):
@@ -128,7 +128,7 @@ def test_the_hf_sampler_records_kept_sets_and_the_learner_scores_over_them():
     with torch.no_grad():
         pos = (r.attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         logits = learner.model(input_ids=r.input_ids, attention_mask=r.attention_mask.long(),
-                               position_ids=pos).logits[:, p - 1 : p - 1 + r.response_ids.shape[1]].double()  # fmt: skip
+                               position_ids=pos).logits[:, p - 1 : p - 1 + r.response_ids.shape[1]].double()
     log_p = torch.log_softmax(logits, -1)
     ids = r.kept_ids.long()
     in_set = torch.where(ids >= 0, log_p.gather(-1, ids.clamp_min(0)), torch.full(ids.shape, -math.inf, dtype=torch.float64))
@@ -166,10 +166,10 @@ def test_training_with_top_p_replays_the_kept_sets(tmp_path, addition_model_dir,
                                     "trainer.progress=false", "trainer.plot=false", "trainer.tensorboard=false",
                                     "trainer.mini_batches=1", "trainer.steps=1", "model.sampler=hf:fp32",
                                     f"model.path={addition_model_dir}", f"trainer.out={tmp_path / mode}",
-                                    f"algorithm.correction.sampler_distribution={mode}"])  # fmt: skip
+                                    f"algorithm.correction.sampler_distribution={mode}"])
         run(config)
         rows = [r for r in map(__import__("json").loads, (tmp_path / mode / "metrics.jsonl").read_text().splitlines())
-                if "rollout_corr/kl" in r]  # fmt: skip
+                if "rollout_corr/kl" in r]
         return rows[0]["rollout_corr/kl"]
 
     kept = k1_of("keep_mask")
@@ -199,10 +199,90 @@ def test_trajectories_keep_the_sets_of_the_models_tokens_and_none_for_the_enviro
     sampler, learner = make_sampler("hf:fp32"), make_learner("hf:fp32")
     params = SamplingParams(max_new_tokens=4, temperature=1.0, top_k=3, seed=2, record_kept_ids=True)
     r = play(sampler, Echo(), [{"prompt": "12+34="}] * 2, Renderer(sampler.tokenizer, chat=False), params,
-             limits=Limits(max_turns=3))  # fmt: skip
+             limits=Limits(max_turns=3))
     model, observed = r.response_mask.bool(), r.observation_mask.bool()
     assert observed.any() and (r.kept_ids[observed] == -1).all() and (r.kept_ids[~r.token_mask] == -1).all()
     assert ((r.kept_ids == r.response_ids[..., None]).any(-1) == model).all()
     assert ((r.kept_ids >= 0).sum(-1)[model] == 3).all()
     log_rho = (learner.log_prob(r) - r.rollout_log_prob)[model]
     assert float(log_rho.abs().max()) < 0.01  # one engine on both sides: float noise, not the kept mass
+
+
+def _chain_trajectories(params: SamplingParams) -> Rollout:
+    """Two-turn trajectories of the checkpoints environment on the built-in chain model (4 items × 2 responses),
+    rewarded 1, 0, 1, 0, … by row so that every group has a gradient."""
+    from rollcorr.envs import Renderer, make_env, play
+    from rollcorr.tasks import make_task
+
+    sampler = make_sampler("hf:fp32", "builtin:chain")
+    env = make_env(make_task("chain"), {"name": "checkpoints", "every": 7})
+    items = [it for it in env.sample(4, seed=3) for _ in range(2)]
+    r = play(sampler, env, items, Renderer(sampler.tokenizer, chat=False), params, group_ids=[i // 2 for i in range(8)])
+    return r.replace(rewards=(torch.arange(8) % 2).float())
+
+
+def _keep_mask_step(rollout: Rollout) -> tuple[dict, dict]:
+    """One training step of ``chain_turns`` under top-k 3 and the keep mask: (its metrics, the weights after)."""
+    from rollcorr.train.build import build_proximal, build_step_config
+    from rollcorr.train.config import load_config
+    from rollcorr.train.step import train_step
+
+    config = load_config("chain_turns", ["trainer.mini_batches=1", "rollout.top_k=3",
+                                         "algorithm.correction.sampler_distribution=keep_mask"])
+    torch.manual_seed(0)
+    learner = make_learner("hf:fp32", "builtin:chain")
+    optimizer = torch.optim.AdamW(learner.model.parameters(), lr=1e-3)
+    proximal = build_proximal(config)
+    proximal.on_publish(0, learner.model)
+    result = train_step(rollout, learner, optimizer, proximal, build_step_config(config), version=0)
+    return result.metrics, {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
+
+
+@builtin
+def test_a_trajectorys_step_reads_the_models_tokens_over_their_sets_and_nothing_of_the_environments():
+    """Multi-turn under top-k with the keep mask: the loss, the correction and every metric read the model's tokens
+    alone, each over the set it was drawn from. Whatever the environment's positions hold — a kept set (here
+    its own token alone, as a tool's "certain" token would read), log-probs of NaN, any kept mass — the step is the
+    same, weights bit for bit (Flash-RL's tool-token leak, on the keep-mask path)."""
+    params = SamplingParams(max_new_tokens=35, temperature=0.7, top_k=3, seed=5, record_kept_ids=True)
+    r = _chain_trajectories(params)
+    model, observed = r.response_mask.bool(), r.observation_mask.bool()
+    assert observed.any() and (r.turns == 2).all() and (r.kept_ids[observed] == -1).all()
+    assert ((r.kept_ids >= 0).sum(-1)[model] == 3).all()  # every model token drawn from a set of three
+    reference_metrics, reference_weights = _keep_mask_step(r)
+    assert reference_metrics["rollout_corr/num_tokens"] == int(model.sum())  # the model's tokens, no observation
+    sets = r.kept_ids.clone()
+    sets[observed] = -1
+    sets[..., 0][observed] = r.response_ids[observed].to(sets.dtype)
+    filled = r.replace(kept_ids=sets, rollout_log_prob=r.rollout_log_prob.masked_fill(observed, math.nan),
+                       log_kept_mass=r.log_kept_mass.masked_fill(observed, -7.0))
+    metrics, weights = _keep_mask_step(filled)
+    timing = {k for k in metrics if k.startswith(("time/", "memory/", "proximal/seconds"))}
+    assert {k: v for k, v in metrics.items() if k not in timing} == pytest.approx(
+        {k: v for k, v in reference_metrics.items() if k not in timing}, nan_ok=True)
+    for name, value in weights.items():
+        assert torch.equal(value, reference_weights[name]), name
+
+
+def test_training_trajectories_with_top_k_replays_the_models_sets(tmp_path):
+    """``chain_turns`` (two model turns, the environment's number between them) under top-k 2 at τ = 1.5, one
+    engine on both sides: the keep mask gives ρ ≈ 1 on every model token of both turns (k1 ≈ 0), the truncated
+    comparison the kept mass (|k1| = mean −log kept mass): the sets reach the learner across the observation.
+    The task's own reward (a patched one would skip the episodes' bookkeeping); k1 is measured before any update."""
+    from rollcorr.train.config import load_config
+    from rollcorr.train.loop import run
+
+    def k1_of(mode: str) -> float:
+        config = load_config("chain_turns", [
+            "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.top_k=2", "rollout.temperature=1.5",
+            "task.eval_prompts=0", "trainer.eval_every=0", "trainer.progress=false", "trainer.plot=false",
+            "trainer.tensorboard=false", "trainer.steps=1", "trainer.mini_batches=1", "model.sampler=hf:fp32",
+            f"trainer.out={tmp_path / mode}", f"algorithm.correction.sampler_distribution={mode}"])
+        run(config)
+        rows = [r for r in map(__import__("json").loads, (tmp_path / mode / "metrics.jsonl").read_text().splitlines())
+                if "rollout_corr/kl" in r]
+        assert rows[0]["env/turns_mean"] == 2.0
+        return rows[0]["rollout_corr/kl"]
+
+    kept, truncated = k1_of("keep_mask"), k1_of("truncated")
+    assert abs(kept) < 1e-3 < 0.05 < abs(truncated)
