@@ -78,7 +78,8 @@ def results_text(r: dict[str, Any]) -> str:
     machine_ = r["machine"]
     rows = [f"| {run['seed']} | {run['initial_score']:.3f} → {run['final_score']:.3f} | "
             f"{run['initial_accuracy']:.3f} → {run['final_accuracy']:.3f} | {run['turns_per_trajectory']:.2f} | "
-            f"{run['trainer_seconds'] / 60:.0f} | {_load(run)} |" for run in runs]  # fmt: skip
+            f"{run['trainer_seconds'] / 60:.0f} | {_load(run)} | {(run['code_commit'] or '?')[:7]} |"
+            for run in runs]  # fmt: skip
     finals = [run["final_score"] for run in runs]
     steps = runs[0]["evals"][-1][0]
     return "\n".join([
@@ -91,8 +92,9 @@ def results_text(r: dict[str, Any]) -> str:
         f"{s['turns_per_trajectory_mean']:.2f} model turns per trajectory. {len(runs)} seeds of one recipe, not a "
         f"pre-registered study: it shows the multi-turn path trains, not by how much it beats anything.",
         "",
-        "| seed | greedy score | chains wholly right | model turns per trajectory | trainer minutes | load average (1, 5, 15 min) before → after |",
-        "|---|---|---|---|---|---|",
+        "| seed | greedy score | chains wholly right | model turns per trajectory | trainer minutes | "
+        "load average (1, 5, 15 min) before → after | code commit |",
+        "|---|---|---|---|---|---|---|",
         *rows,
     ])  # fmt: skip
 

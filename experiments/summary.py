@@ -920,6 +920,7 @@ BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
         [readme_sentence(res), readme_confirmatory(res), *filter(None, [readme_dose(res), readme_fp16(res)])])),
     "exploratory:pooled": ("docs/results.md", lambda res: _pooled_paragraph(res)),
     "recipe:instruct": ("docs/tasks.md", lambda res: _recipe_text(res)),
+    "multi-turn:results": ("docs/multi-turn.md", lambda res: _multi_turn_text(res)),
     "bench:trl": ("docs/performance.md", lambda res: _bench_table(REPO / "benchmarks/results/bench_trl.txt")),
     "audit:diagnosis": ("docs/audit.md", lambda res: _diagnosis_text(res)),
     "bench:exact": ("docs/precision.md", lambda res: _bench_table(REPO / "benchmarks/results/bench_exact.txt")),
@@ -1162,6 +1163,12 @@ def _recipe_text(results: Path) -> str:
     from experiments.instruct_recipe import recipe_text
 
     return recipe_text(load("instruct_recipe", results))
+
+
+def _multi_turn_text(results: Path) -> str:
+    from experiments.multi_turn import results_text
+
+    return results_text(load("multi_turn", results))
 
 
 def _pooled_paragraph(results: Path) -> str:

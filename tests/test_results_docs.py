@@ -323,3 +323,18 @@ def test_clopper_pearson_matches_known_intervals():
     assert clopper_pearson(0, 10) == pytest.approx((0.0, 0.3085), abs=1e-4)  # the rule of three's exact form
     assert clopper_pearson(5, 10) == pytest.approx((0.1871, 0.8129), abs=1e-4)
     assert clopper_pearson(25, 40) == pytest.approx((0.4580, 0.7727), abs=1e-4)
+
+
+def test_the_multi_turn_page_reports_its_seeds_from_their_run_curves():
+    """docs/multi-turn.md's recipe paragraph: baseline -> trained greedy score with at least 2 model turns per
+    trajectory, each seed's numbers the first and last evaluation of its curve, the means over the seeds."""
+    r = json.loads((RESULTS / "multi_turn/results.json").read_text())
+    runs, text = r["runs"], (ROOT / "docs/multi-turn.md").read_text()
+    assert [run["seed"] for run in runs] == r["summary"]["seeds"] and len(runs) >= 3
+    for run in runs:
+        assert run["turns_per_trajectory"] >= 2 and run["stopped"] is None
+        assert (run["initial_score"], run["final_score"]) == (run["evals"][0][1], run["evals"][-1][1])
+        assert f"| {run['seed']} | {run['initial_score']:.3f} → {run['final_score']:.3f} |" in text
+    initial, final = (statistics.fmean(run[key] for run in runs) for key in ("initial_score", "final_score"))
+    assert f"went from {initial:.3f} to {final:.3f} on average over the {len(runs)} seeds" in text
+    assert "not a pre-registered study" in text
