@@ -53,7 +53,7 @@ def one_seed(seed: int, steps: int | None, run_root: Path) -> dict[str, Any]:
             "reused": not trained, "wall_seconds": wall if trained else None,
             "load_before": list(load) if trained else None,
             "load_after": list(os.getloadavg()) if trained else None,
-            "code_commit": result["code_commit"]}  # fmt: skip
+            "code_commit": result["code_commit"]}
 
 
 def seed_file(out: Path, seed: int) -> Path:
@@ -68,7 +68,7 @@ def assemble(out: Path) -> dict[str, Any]:
                "final_score_mean": statistics.fmean(r["final_score"] for r in runs),
                "initial_accuracy_mean": statistics.fmean(r["initial_accuracy"] for r in runs),
                "final_accuracy_mean": statistics.fmean(r["final_accuracy"] for r in runs),
-               "turns_per_trajectory_mean": statistics.fmean(r["turns_per_trajectory"] for r in runs)}  # fmt: skip
+               "turns_per_trajectory_mean": statistics.fmean(r["turns_per_trajectory"] for r in runs)}
     return {"recipe": "multi_turn", "summary": summary, "runs": runs, "machine": machine(), "code_commit": code_commit()}
 
 
@@ -79,7 +79,7 @@ def results_text(r: dict[str, Any]) -> str:
     rows = [f"| {run['seed']} | {run['initial_score']:.3f} → {run['final_score']:.3f} | "
             f"{run['initial_accuracy']:.3f} → {run['final_accuracy']:.3f} | {run['turns_per_trajectory']:.2f} | "
             f"{run['trainer_seconds'] / 60:.0f} | {_load(run)} | {(run['code_commit'] or '?')[:7]} |"
-            for run in runs]  # fmt: skip
+            for run in runs]
     finals = [run["final_score"] for run in runs]
     steps = runs[0]["evals"][-1][0]
     return "\n".join([
@@ -96,7 +96,7 @@ def results_text(r: dict[str, Any]) -> str:
         "load average (1, 5, 15 min) before → after | code commit |",
         "|---|---|---|---|---|---|---|",
         *rows,
-    ])  # fmt: skip
+    ])
 
 
 def _load(run: dict[str, Any]) -> str:
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     results = assemble(out)
     write_json(results, out / "results.json")
     print(f"multi_turn: greedy score {results['summary']['initial_score_mean']:.3f} → "
-          f"{results['summary']['final_score_mean']:.3f} over {len(SEEDS)} seeds → {out / 'results.json'}")  # fmt: skip
+          f"{results['summary']['final_score_mean']:.3f} over {len(SEEDS)} seeds → {out / 'results.json'}")
     return 0
 
 

@@ -277,7 +277,6 @@ FMT_PENDING: dict[str, tuple[str, ...]] = {
                     "src/rollcorr/correction/api.py", "src/rollcorr/correction/fused.py",
                     "tests/test_performance_docs.py"),
     "memory": ("benchmarks/bench_train.py", "src/rollcorr/train/loop.py", "tests/test_distributed_train.py"),
-    "lead": ("experiments/multi_turn.py",),
     "auditux / mtaudit": ("src/rollcorr/audit/cli.py", "src/rollcorr/audit/dump_audit.py",
                           "src/rollcorr/audit/localize.py", "src/rollcorr/audit/plots.py",
                           "src/rollcorr/audit/report.py", "src/rollcorr/audit/verdict.py",
