@@ -30,6 +30,7 @@ from rollcorr.envs.base import Environment, Turn
 from rollcorr.envs.render import Renderer
 from rollcorr.rollout import Rollout
 from rollcorr.tasks.base import checked_reward, excerpt
+from rollcorr.tasks.chat import Prompt, messages_of
 from rollcorr.user_code import UserCodeError, call_each
 
 
@@ -65,6 +66,7 @@ class Episodes:
         self.episodes = self._call(lambda item: env.reset(item), [(it,) for it in self.items], "reset")
         self.rewards: list[list[float]] = [[] for _ in self.items]
         self.parts: list[dict[str, float]] = [{} for _ in self.items]  # a reward list's parts, summed over turns
+        self.said: list[list[Prompt]] = [[] for _ in self.items]  # each row's observations, in order
         self.over = [False] * len(self.items)
         self.cut = [False] * len(self.items)
 
@@ -96,6 +98,7 @@ class Episodes:
                 self.over[i] = True
             else:
                 observations[i] = ids
+                self.said[i].append(reply.observation)
         return rollout.with_observations(observations, version) if observations else rollout
 
     def _what(self, row: int, call: str) -> str:
@@ -134,12 +137,33 @@ class Episodes:
             return None
         return obs
 
-    def _turn_text(self, rollout: Rollout, row: int, turn: int) -> str:
-        """The text of ``turn``'s model tokens in ``row`` (special tokens removed), what the episode reads."""
+    def _turn_text(self, rollout: Rollout, row: int, turn: int, special: bool = False) -> str:
+        """The text of ``turn``'s model tokens in ``row``, what the episode reads: special tokens removed (kept
+        with ``special``)."""
         mask = rollout.response_mask[row].bool()
         if rollout.turn is not None:
             mask = mask & (rollout.turn[row] == turn)
-        return self.renderer.tokenizer.decode(rollout.response_ids[row][mask].tolist(), skip_special_tokens=True)
+        return self.renderer.tokenizer.decode(rollout.response_ids[row][mask].tolist(), skip_special_tokens=not special)
+
+    def messages(self, rollout: Rollout, row: int) -> list[dict[str, str]]:
+        """Row ``row``'s conversation as messages: the episode's prompt, then each model turn (its text, as the
+        episode read it) and the observation that answered it (text: a user message, as the renderer takes it) —
+        what a pipeline that keeps messages would template again (``Renderer.conversation_ids``). Without a chat
+        template a turn keeps its special tokens (its end-of-turn token): no template would put them back."""
+        out = messages_of(self.episodes[row].prompt)
+        for k in range(int(rollout.turns[row])):
+            out.append({"role": "assistant", "content": self._turn_text(rollout, row, k, special=not self.renderer.chat)})
+            if k < len(self.said[row]):
+                out += messages_of(self.said[row][k])
+        return out
+
+    def play(self, sampler, params, group_ids: Sequence[int] | None = None) -> Rollout:
+        """Every episode played to its end with ``sampler``'s current weights, rewarded."""
+        rollout = sampler.generate(self.prompts(), params, meta=[dict(it) for it in self.items], group_ids=group_ids)
+        rollout = self.advance(rollout, sampler.version)
+        while not all(m.get("finished", True) for m in rollout.meta):
+            rollout = self.advance(sampler.generate(None, params, resume=rollout), sampler.version)
+        return self.rewarded(rollout)
 
     def rewarded(self, rollout: Rollout) -> Rollout:
         """The finished batch with its rewards (each row's sum over its turns) and each row's episode record in
@@ -156,12 +180,7 @@ class Episodes:
 def play(sampler, env: Environment, items: Sequence[dict[str, Any]], renderer: Renderer, params,
          group_ids: Sequence[int] | None = None, limits: Limits = Limits(), rows: str = "the batch") -> Rollout:
     """Every episode of ``items`` (one row each) played to its end with ``sampler``'s current weights."""
-    episodes = Episodes(env, items, renderer, limits, params.max_new_tokens, rows)
-    rollout = sampler.generate(episodes.prompts(), params, meta=[dict(it) for it in items], group_ids=group_ids)
-    rollout = episodes.advance(rollout, sampler.version)
-    while not all(m.get("finished", True) for m in rollout.meta):
-        rollout = episodes.advance(sampler.generate(None, params, resume=rollout), sampler.version)
-    return episodes.rewarded(rollout)
+    return Episodes(env, items, renderer, limits, params.max_new_tokens, rows).play(sampler, params, group_ids)
 
 
 def episode_metrics(rollout: Rollout) -> dict[str, float]:

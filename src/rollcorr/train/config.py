@@ -488,7 +488,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     return value
 
 
-def _check_env(env: dict[str, Any] | None) -> None:
+def check_env(env: dict[str, Any] | None) -> None:
     """``task.env``: a mapping with a ``name``; its limits, when given, positive integers."""
     if env is None:
         return
@@ -773,7 +773,7 @@ def _validate_rollout_and_task(c: TrainConfig) -> None:
     _positive(c.task.eval_prompts, "task.eval_prompts", allow_zero=True)
     _check(c.task.reward_timeout is None or 0 < c.task.reward_timeout < float("inf"), "task.reward_timeout",
            f"must be a number of seconds > 0 (or null: no limit), got {c.task.reward_timeout}")
-    _check_env(c.task.env)
+    check_env(c.task.env)
     _check(c.algorithm.advantage_level in ADVANTAGE_LEVELS, "algorithm.advantage_level",
            f"expected one of {list(ADVANTAGE_LEVELS)}, got {c.algorithm.advantage_level!r}")
 
