@@ -5,6 +5,7 @@
     rollcorr audit --from-log dump.jsonl             # a rollout dump from any framework (verl field names; - or a FIFO too)
     rollcorr audit --localize --whatif               # where the mismatch enters, and what would remove it
     rollcorr audit --from-run runs/RUN --step 200    # what a training run samples and scores, at a checkpoint
+    rollcorr audit --model builtin:chain --env checkpoints   # trajectories through an environment, per turn
 
 Every input is checked before any long work: the prompts file (line numbers), sampling parameters, the model
 path and GGUF file, engine specs. Errors print one line naming the problem and exit with status 2.
@@ -22,7 +23,7 @@ from pathlib import Path
 DEFAULT_SAMPLER = "hf:bf16"
 DEFAULT_LEARNER = "hf:fp32"
 LIVE_ONLY = ("sampler", "learner", "model", "gguf_file", "prompts", "chat", "routing_replay", "localize", "whatif",
-             "from_run", "step")
+             "from_run", "step", "env", "task", "reward")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +58,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default: truncation is not mismatch), with the renormalised one it drew from (processed), or both "
         "renormalised over the sampler's kept sets (keep_mask: what training compares by default)",
     )
+    env = parser.add_argument_group("through an environment (multi-turn trajectories; docs/multi-turn.md)")
+    env.add_argument(
+        "--env", metavar="SPEC",
+        help="play each item's episode through an environment, as task.env names it: its name (checkpoints) or a "
+        "mapping with its options and limits ('{name: checkpoints, every: 7, max_turns: 2}'); the report adds the "
+        "mismatch per turn and the token-in-token-out check",
+    )  # fmt: skip
+    env.add_argument("--task", help="the task whose items are played (a built-in task or a data set, as task.name; "
+                     "default: the built-in model's own task); without --env each item is a one-turn episode")  # fmt: skip
+    env.add_argument("--reward", help="--task's reward, as task.reward: a data set's verifier (exact, last_number, "
+                     "boxed, ...; default exact) or module:function; the report gives the trajectories' mean")  # fmt: skip
     run = parser.add_argument_group("from a training run")
     run.add_argument(
         "--from-run", metavar="RUN",
@@ -90,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 SAMPLING_DEFAULTS = {"max_new_tokens": 64, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
-FROM_RUN_CONFLICTS = ("model", "gguf_file", "prompts", "chat")
+FROM_RUN_CONFLICTS = ("model", "gguf_file", "prompts", "chat", "env", "task", "reward")
 
 
 def _run_plan(args) -> dict:
@@ -102,8 +114,8 @@ def _run_plan(args) -> dict:
 
     given = [f"--{name.replace('_', '-')}" for name in FROM_RUN_CONFLICTS if getattr(args, name, None) not in (None, False)]
     if given:
-        raise ValueError(f"--from-run takes the model, prompts and chat template from the run; {', '.join(given)} "
-                         "do(es) not apply")  # fmt: skip
+        raise ValueError(f"--from-run takes the model, prompts and chat template from the run (and its environment); "
+                         f"{', '.join(given)} do(es) not apply")  # fmt: skip
     run = Path(args.from_run)
     if not (run / "config.yaml").is_file():
         raise FileNotFoundError(f"--from-run {run}: not a run folder (no config.yaml); give the folder `rollcorr "
@@ -144,9 +156,74 @@ def _run_plan(args) -> dict:
         raise ValueError(f"--from-run {run}: its task cannot be rebuilt here ({err})") from None
     r = config.rollout
     return {"run": str(run), "step": step, "model": model, "task": task, "chat": config.task.chat, "note": note,
+            "task_config": config.task,
             "sampler": config.model.sampler, "learner": config.model.learner,
             "sampling": {"max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_k": r.top_k,
                          "top_p": r.top_p}}  # fmt: skip
+
+
+def _env_plan(args, plan: dict | None) -> dict | None:
+    """The environment the audit plays — ``--env`` / ``--task``, or a --from-run run's ``task.env`` —, its items
+    (one trajectory each) and limits, checked before anything loads; None: prompts sampled as they are (a
+    --from-run run of one turn keeps that path)."""
+    from rollcorr.train.config import ConfigError, TaskConfig, check_env
+
+    if plan is not None:
+        if not plan["task_config"].env:
+            return None
+        task_config, task, where, split = plan["task_config"], plan["task"], f"--from-run {plan['run']}: task.env", "train"
+    elif args.env is None and args.task is None:
+        if args.reward is not None:
+            raise ValueError("--reward scores the items of --task (or --env's); give the task")
+        return None
+    else:
+        if args.prompts:
+            raise ValueError("--prompts: --env / --task play the items of a task; give the prompts or the task")
+        spec = _env_spec(args.env)
+        try:
+            check_env(spec)
+        except ConfigError as err:
+            raise ValueError(f"--env: {str(err).removeprefix('task.env: ')}") from None
+        task_config = TaskConfig(name=args.task or _model_task(args.model), reward=args.reward, env=spec)
+        where, split = "--env", "test"
+        try:
+            task = task_config.build()
+        except (ValueError, FileNotFoundError) as err:
+            raise ValueError(f"--task {task_config.name}: {err}") from None
+    try:
+        env = task_config.environment(task)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    items = env.sample(args.num_responses, seed=args.seed, split=split)
+    return {"env": env, "items": items, "limits": task_config.limits(), "task": task_config.name,
+            "reward": task_config.reward, "spec": task_config.env}  # fmt: skip
+
+
+def _env_spec(text: str | None) -> dict | None:
+    """``--env``: an environment's name, or a YAML mapping as ``task.env`` holds it (None: a one-turn episode)."""
+    if text is None:
+        return None
+    from rollcorr.config.yaml_io import YamlError, load_yaml
+
+    try:
+        value = load_yaml(text, "--env")
+    except YamlError as err:
+        raise ValueError(str(err)) from None
+    if not isinstance(value, str | dict):
+        raise ValueError(f"--env {text!r}: give an environment's name, or a mapping as task.env holds it: "
+                         "'{name: checkpoints, every: 7, max_turns: 2}'")  # fmt: skip
+    return {"name": value} if isinstance(value, str) else value
+
+
+def _model_task(model: str | None) -> str:
+    """The task a built-in model was trained on (``--task``'s default)."""
+    from rollcorr.models.builtin import BUILTIN_MODELS
+
+    spelling = model or "builtin"
+    if spelling not in BUILTIN_MODELS:
+        raise ValueError("--env / --task: name the task whose items are played with --task NAME (a model that is "
+                         "not a built-in one has no task of its own)")  # fmt: skip
+    return BUILTIN_MODELS[spelling].task
 
 
 def _fail(message: str) -> int:
@@ -260,7 +337,7 @@ def _length(tokenizer, prompt: str | list[int]) -> int:
 def _collect_live(args, console, workdir: str):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from rollcorr.audit.collect import collect, from_rollout, learner_routing
+    from rollcorr.audit.collect import from_rollout, learner_routing
     from rollcorr.engines import SamplingParams, backend_of, make_learner, make_sampler, parse_spec
     from rollcorr.engines.spec import check_kept_ids, check_kept_mass, check_truncation
 
@@ -269,7 +346,8 @@ def _collect_live(args, console, workdir: str):
     plan = _run_plan(args) if args.from_run else None
     if args.step is not None and plan is None:
         raise ValueError("--step picks a checkpoint of --from-run RUN; give the run")
-    prompts = _live_prompts(args, plan, console)  # line-numbered prompt errors before anything is loaded
+    episodes = _env_plan(args, plan)  # an environment to play (--env / --task, a multi-turn run), or None
+    prompts = _live_prompts(args, plan, episodes, console)  # line-numbered prompt errors before anything is loaded
     defaults = plan["sampling"] if plan is not None else SAMPLING_DEFAULTS
     sampling = {key: getattr(args, key) if getattr(args, key) is not None else value for key, value in defaults.items()}
     params = SamplingParams(**sampling, seed=args.seed, record_kept_ids=args.sampler_dist == "keep_mask")
@@ -291,36 +369,25 @@ def _collect_live(args, console, workdir: str):
             from rollcorr.tasks.chat import uses_chat
 
             args.chat = uses_chat(learner.tokenizer, plan["chat"])
-        prompts = _prepare_prompts(prompts, args, learner.tokenizer)
-        from rollcorr.engines.preflight import check_prompts
-
-        positions = getattr(learner.model.config, "max_position_embeddings", None)
-        distinct = list({p if isinstance(p, str) else tuple(p): p for p in prompts}.values())
-        check_prompts(learner.tokenizer, distinct, params.max_new_tokens, positions, "prompt")
+        prompts, tokens = _checked_prompts(prompts, args, learner, params, episodes)
         # what the engine needs to know up front (llama.cpp sizes its KV cache for this audit, serves a GGUF file)
-        longest = max(_length(learner.tokenizer, p) for p in distinct)
         sampler_kw = backend_of(sampler_spec).audit_kwargs(
-            parse_spec(sampler_spec), rows=args.batch_size, tokens=longest + params.max_new_tokens,
+            parse_spec(sampler_spec), rows=args.batch_size, tokens=tokens,
             gguf_file=str(Path(model) / gguf_file) if gguf_file else None,
         )  # fmt: skip
         sampler = make_sampler(sampler_spec, model_path=model_path, **sampler_kw)
+    gather = _gatherer(args, learner, prompts, params, episodes)
+    rows = len(prompts) if episodes is None else len(episodes["items"])
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     started = time.perf_counter()
     try:
         with Progress(*columns, console=console) as progress:
             tasks = {
-                "sample": progress.add_task(f"sampling ({sampler_spec})", total=len(prompts)),
-                "score": progress.add_task(f"scoring  ({learner_spec})", total=len(prompts)),
+                "sample": progress.add_task(f"sampling ({sampler_spec})", total=rows),
+                "score": progress.add_task(f"scoring  ({learner_spec})", total=rows),
             }
-            rollout = collect(
-                sampler,
-                learner,
-                prompts,
-                params,
-                batch_size=args.batch_size,
-                on_batch=lambda stage, rows: progress.advance(tasks[stage], rows),
-            )
-            diagnosis = _diagnose(args, sampler_spec, changes, progress, sampler, learner, rollout, prompts, params,
+            rollout, conversations = gather(sampler, lambda stage, n: progress.advance(tasks[stage], n))
+            diagnosis = _diagnose(args, sampler_spec, changes, progress, sampler, learner, rollout, gather, params,
                                   lambda spec, **kw: make_sampler(spec, model_path=model_path, **sampler_kw, **kw))  # fmt: skip
     finally:
         close = getattr(sampler, "close", None)
@@ -329,45 +396,128 @@ def _collect_live(args, console, workdir: str):
     if args.routing_replay and rollout.routed_experts is None:
         raise ValueError(f"--routing-replay: sampler {sampler_spec} returned no routed experts to replay")
     learner_routes = learner_routing(learner, rollout, args.batch_size)
-    source = _source(args, plan, sampler_spec, learner_spec, model, gguf_file, len(prompts), params)
+    source = _source(args, plan, episodes, rollout, sampler_spec, learner_spec, model, gguf_file, params)
     source["seconds"] = round(time.perf_counter() - started, 2)
     data = from_rollout(rollout, learner.tokenizer, sampler_dist=args.sampler_dist, source=source,
                         learner_routed_experts=learner_routes)  # fmt: skip
     data.diagnosis = diagnosis
+    if episodes is not None:
+        with console.status("token in, token out: re-tokenising the conversations ..."):
+            data.tito = _tito(args, learner, rollout, conversations, data, params)
     return data
 
 
-def _live_prompts(args, plan: dict | None, console) -> list:
-    """The prompts a live audit samples: with ``--from-run`` the run's training prompts (text or conversations;
-    the template comes later), and the run's model and engines unless named; else ``--prompts``' file or the
-    built-in task's."""
+def _live_prompts(args, plan: dict | None, episodes: dict | None, console) -> list:
+    """The prompts a live audit samples: through an environment (``_env_plan``) its items' first prompts, checked
+    as the sampler gets them; with ``--from-run`` the run's training prompts (text or conversations; the template
+    comes later), and the run's model and engines unless named; else ``--prompts``' file or the built-in task's."""
     from rollcorr.audit.collect import builtin_prompts, load_prompts
 
-    if plan is None:
+    if plan is None and episodes is None:
         return load_prompts(args.prompts) if args.prompts else builtin_prompts(args.num_responses, seed=args.seed)
-    if plan["note"]:
-        console.print(f"[yellow]note:[/] {plan['note']}", highlight=False, soft_wrap=True)
-    args.model, args.sampler, args.learner = plan["model"], args.sampler or plan["sampler"], args.learner or plan["learner"]
+    if plan is not None:
+        if plan["note"]:
+            console.print(f"[yellow]note:[/] {plan['note']}", highlight=False, soft_wrap=True)
+        args.model, args.sampler, args.learner = plan["model"], args.sampler or plan["sampler"], args.learner or plan["learner"]
+    if episodes is not None:
+        return [item["prompt"] for item in episodes["items"] if "prompt" in item]
     return [item["prompt"] for item in plan["task"].sample(args.num_responses, seed=args.seed, split="train")]
 
 
-def _source(args, plan: dict | None, sampler_spec: str, learner_spec: str, model: str | None, gguf_file: str | None,
-            responses: int, params) -> dict:  # fmt: skip
+def _checked_prompts(prompts, args, learner, params, episodes) -> tuple[list, int]:
+    """(what the sampler gets for each prompt, the longest sequence a row can grow to), the prompts checked against
+    the model's context; an environment's rows grow by turns: up to ``max_tokens`` when the environment sets it,
+    else a turn's budget again for each observation (their lengths are known only once said)."""
+    from rollcorr.engines.preflight import check_prompts
+
+    if not prompts:  # an environment whose items carry no prompt: its episodes say it
+        return prompts, 0
+    prompts = _prepare_prompts(prompts, args, learner.tokenizer)
+    positions = getattr(learner.model.config, "max_position_embeddings", None)
+    distinct = list({p if isinstance(p, str) else tuple(p): p for p in prompts}.values())
+    check_prompts(learner.tokenizer, distinct, params.max_new_tokens, positions, "prompt")
+    longest = max(_length(learner.tokenizer, p) for p in distinct)
+    if episodes is None:
+        return prompts, longest + params.max_new_tokens
+    turns = min(episodes["env"].max_turns, episodes["limits"].max_turns or episodes["env"].max_turns)  # as Episodes
+    return prompts, longest + (episodes["limits"].max_tokens or 2 * turns * params.max_new_tokens)
+
+
+def _gatherer(args, learner, prompts, params, episodes):
+    """``gather(sampler, on_batch) -> (rollout, conversations)``: the audit's rows sampled by ``sampler`` and scored
+    by the learner — the prompts as they are (conversations None), or each item's episode through the
+    environment (each row's conversation as messages)."""
+    from rollcorr.audit.collect import collect, collect_episodes
+
+    if episodes is None:
+        return lambda sampler, on_batch=None: (collect(sampler, learner, prompts, params, batch_size=args.batch_size,
+                                                       on_batch=on_batch), None)  # fmt: skip
+    from rollcorr.envs import Renderer
+
+    renderer = Renderer(learner.tokenizer, args.chat)
+    return lambda sampler, on_batch=None: collect_episodes(
+        sampler, learner, episodes["env"], episodes["items"], renderer, params, limits=episodes["limits"],
+        batch_size=args.batch_size, on_batch=on_batch)  # fmt: skip
+
+
+def _tito(args, learner, rollout, conversations, data, params) -> dict:
+    """The token-in-token-out check of the played trajectories (``rollcorr.audit.tito``), scored by the learner."""
+    import torch
+
+    from rollcorr.audit.tito import tito_check
+    from rollcorr.envs import Renderer
+
+    def score(part):
+        with torch.no_grad():
+            return learner.log_prob(part, temperature=params.temperature or 1.0).detach().float().cpu()
+
+    try:
+        return tito_check(rollout, conversations, Renderer(learner.tokenizer, args.chat), data.rollout_log_prob,
+                          rollout.old_log_prob, score, batch_size=args.batch_size)  # fmt: skip
+    except ValueError as err:  # a template that fails on the conversation (e.g. it refuses a role)
+        raise ValueError(f"token in, token out: the chat template cannot re-tokenise a conversation ({err})") from None
+
+
+def _played(episodes: dict, rollout) -> dict:
+    """What an audit through an environment played (``summary["source"]``): the environment (``{"name": "(one
+    turn)"}`` for ``--task`` alone), task, reward and its mean, and the ``env/`` metrics of a run — given whatever
+    the episodes did (``episode_metrics`` is empty for a batch in which no episode went past its first turn)."""
+    from rollcorr.envs import episode_metrics
+
+    metrics = episode_metrics(rollout) or {
+        "env/turns_mean": 1.0, "env/turns_max": 1.0, "env/observation_token_share": 0.0,
+        "env/cut_share": sum(bool(m.get("cut")) for m in rollout.meta) / len(rollout.meta)}  # fmt: skip
+    return {"environment": episodes["spec"] or {"name": "(one turn)"}, "task": episodes["task"],
+            **({"reward": episodes["reward"]} if episodes["reward"] else {}),
+            "reward_mean": round(float(rollout.rewards.mean()), 4),
+            **{k.removeprefix("env/"): round(v, 4) for k, v in metrics.items()}}  # fmt: skip
+
+
+def _source(args, plan: dict | None, episodes: dict | None, rollout, sampler_spec: str, learner_spec: str,
+            model: str | None, gguf_file: str | None, params) -> dict:  # fmt: skip
     """How a live audit's data was made (``summary["source"]``): what the report shows and what its suggested
-    commands repeat (``verdict.override``, ``verdict.audit_command``)."""
+    commands repeat (``verdict.override``, ``verdict.audit_command``); an environment's episodes add what was
+    played (its spec, task, reward) and the ``env/`` metrics of the trajectories."""
+    if episodes is not None:
+        played = _played(episodes, rollout)
+        prompts = f"the items of task {episodes['task']} ({'train' if plan is not None else 'test'} split)"
+    else:
+        played = {}
+        prompts = (f"the run's task ({plan['task'].__class__.__name__}, train split)" if plan is not None
+                   else args.prompts or "builtin addition task (test split)")  # fmt: skip
     return {
         "sampler": sampler_spec,
         "learner": learner_spec,
         "model": model or "builtin",
         **({"gguf_file": gguf_file} if gguf_file else {}),
-        "prompts": (f"the run's task ({plan['task'].__class__.__name__}, train split)" if plan is not None
-                    else args.prompts or "builtin addition task (test split)"),
+        "prompts": prompts,
         **({"prompts_file": args.prompts} if args.prompts else {}),
+        **played,
         **({"run": plan["run"], "step": plan["step"]} if plan is not None else {}),
         "chat_template": args.chat,
         "sampler_dist": args.sampler_dist,
         **({"routing_replay": args.routing_replay} if args.routing_replay else {}),
-        "responses": responses,
+        "responses": rollout.batch_size,
         "max_new_tokens": params.max_new_tokens,
         "temperature": params.temperature,
         "top_k": params.top_k,
@@ -394,9 +544,10 @@ def _check_diagnosis(args, sampler_spec: str) -> list[str] | None:
     return None if args.whatif is None else parse_changes(args.whatif, sampler_spec)
 
 
-def _diagnose(args, sampler_spec, changes, progress, sampler, learner, rollout, prompts, params, build) -> dict:
-    """--localize and --whatif on the audited rollout, while its sampler is still loaded."""
-    from rollcorr.audit.collect import collect, from_rollout
+def _diagnose(args, sampler_spec, changes, progress, sampler, learner, rollout, gather, params, build) -> dict:
+    """--localize and --whatif on the audited rollout, while its sampler is still loaded (``gather``: the audit's
+    rows sampled again by another sampler and scored, as ``_gatherer`` makes it)."""
+    from rollcorr.audit.collect import from_rollout
 
     out: dict = {}
     full = from_rollout(rollout, sampler_dist="full")  # the audit's own log μ of these tokens
@@ -413,7 +564,7 @@ def _diagnose(args, sampler_spec, changes, progress, sampler, learner, rollout, 
         task = progress.add_task("what if", total=len(changes))
 
         def sample_and_score(other):
-            scored = collect(other, learner, prompts, params, batch_size=args.batch_size)
+            scored, _ = gather(other)
             return from_rollout(scored, sampler_dist=args.sampler_dist)
 
         out["whatif"] = run_whatif(changes, sampler_spec, build, sample_and_score, sampler,

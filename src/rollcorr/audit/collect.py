@@ -36,6 +36,8 @@ class AuditData:
     learner_routed_experts  (B, T, L, k) the experts the learner's own routers pick for the same tokens
                       (without replay: the routing mismatch; rollcorr.moe)
     diagnosis         "localization" and "whatif" when asked (rollcorr.audit.localize, rollcorr.audit.whatif)
+    tito              the token-in-token-out check of trajectories played through an environment
+                      (rollcorr.audit.tito), or None
     turn              (B, T) int64 the model turn of each token (multi-turn trajectories), or None: then a turn is
                       a run of valid tokens (rollcorr.turns)
     """
@@ -50,6 +52,7 @@ class AuditData:
     learner_routed_experts: Tensor | None = None
     diagnosis: dict[str, Any] = field(default_factory=dict)  # --localize / --whatif results (audit.localize, .whatif)
     turn: Tensor | None = None
+    tito: dict[str, Any] | None = None
 
 
 def load_prompts(path: str | Path) -> list[str]:
@@ -119,20 +122,49 @@ def collect(
     for i, start in enumerate(range(0, len(prompts), batch_size)):
         batch_params = params if params.seed is None else replace(params, seed=params.seed + i)
         rollout = sampler.generate(prompts[start : start + batch_size], batch_params, n=n)
-        if rollout.rollout_log_prob is None:
-            raise ValueError(
-                f"sampler {type(sampler).__name__} returned no rollout log-probs: nothing to audit"
-            )
-        if on_batch:
-            on_batch("sample", rollout.batch_size)
-        with torch.no_grad():
-            # greedy (temperature 0) compares against the untempered distribution (log kept mass, docs/spec.md §8)
-            old = learner.log_prob(rollout, temperature=params.temperature or 1.0)
-        parts.append(rollout.replace(old_log_prob=old.detach().float().cpu()))
-        if on_batch:
-            on_batch("score", rollout.batch_size)
+        parts.append(_scored(sampler, learner, rollout, params, on_batch))
+    return _joined(learner, parts)
+
+
+def _scored(sampler, learner, rollout: Rollout, params, on_batch: Callable[[str, int], None] | None) -> Rollout:
+    """A sampled batch with the learner's log-probs of its tokens (``old_log_prob``), at the sampling temperature."""
+    if rollout.rollout_log_prob is None:
+        raise ValueError(f"sampler {type(sampler).__name__} returned no rollout log-probs: nothing to audit")
+    if on_batch:
+        on_batch("sample", rollout.batch_size)
+    with torch.no_grad():
+        # greedy (temperature 0) compares against the untempered distribution (log kept mass, docs/spec.md §8)
+        old = learner.log_prob(rollout, temperature=params.temperature or 1.0)
+    if on_batch:
+        on_batch("score", rollout.batch_size)
+    return rollout.replace(old_log_prob=old.detach().float().cpu())
+
+
+def _joined(learner, parts: list[Rollout]) -> Rollout:
     pad = getattr(getattr(learner, "tokenizer", None), "pad_token_id", None) or 0
     return Rollout.concat(parts, pad_token_id=pad)
+
+
+def collect_episodes(sampler, learner, env, items: list[dict[str, Any]], renderer, params, *, limits=None,
+                     batch_size: int = 8, on_batch: Callable[[str, int], None] | None = None,
+                     ) -> tuple[Rollout, list[list[dict[str, str]]]]:
+    """``collect`` through an environment: ``batch_size`` items at a time, each item's episode played turn by
+    turn to its end (``rollcorr.envs.Episodes``, within ``limits``), the trajectories scored by the learner.
+    Returns the Rollout (``old_log_prob`` and the rewards set) and each row's conversation as messages
+    (``Episodes.messages``: what the token-in-token-out check re-tokenises). Seeds as ``collect``'s."""
+    from rollcorr.envs import Episodes, Limits
+
+    if not items:
+        raise ValueError("no items to play")
+    parts, conversations = [], []
+    for i, start in enumerate(range(0, len(items), batch_size)):
+        batch_params = params if params.seed is None else replace(params, seed=params.seed + i)
+        episodes = Episodes(env, items[start : start + batch_size], renderer, limits or Limits(),
+                            params.max_new_tokens, rows="the audit's items")
+        rollout = episodes.play(sampler, batch_params)
+        conversations += [episodes.messages(rollout, j) for j in range(rollout.batch_size)]
+        parts.append(_scored(sampler, learner, rollout, params, on_batch))
+    return _joined(learner, parts), conversations
 
 
 def learner_routing(learner, rollout: Rollout, batch_size: int = 64) -> Tensor | None:
@@ -178,8 +210,8 @@ def from_rollout(
     if sampler_dist == "full" and rollout.log_kept_mass is not None:
         log_mu = log_mu + rollout.log_kept_mass.masked_fill(~mask, 0.0)
     tokens = prompts = None
-    if tokenizer is not None:
-        lengths = mask.sum(dim=1).tolist()  # responses are right-padded: valid tokens come first
+    if tokenizer is not None:  # every real token's text (the environment's too), by column
+        lengths = rollout.token_mask.sum(dim=1).tolist()  # responses are right-padded: real tokens come first
         tokens = [
             tokenizer.batch_decode([[t] for t in ids[:n].tolist()])
             for ids, n in zip(rollout.response_ids, lengths)

@@ -64,6 +64,8 @@ def build_summary(data: AuditData, worst_k: int = 10) -> dict[str, Any]:
     turns = turn_summary(data.rollout_log_prob, data.old_log_prob, data.response_mask, data.turn)
     if turns is not None:  # multi-turn trajectories: the mismatch per turn and by place in the turn
         summary["turns"] = turns
+    if data.tito is not None:  # trajectories played through an environment: the token-in-token-out check
+        summary["tito"] = data.tito
     conclude(summary)  # the verdict, the commands it points to, the suggested preset
     return summary
 
@@ -217,6 +219,31 @@ def print_commands(console: Console, summary: dict[str, Any]) -> None:
         console.print(f"  {item['command']}", soft_wrap=True, highlight=False, markup=False)
 
 
+def tito_lines(summary: dict[str, Any]) -> list[str]:
+    """The token-in-token-out check in words (``summary["tito"]``): what differs, where first, and the k3 the
+    learner would see on the re-tokenised sequences; empty when the audit played no environment."""
+    t = summary.get("tito")
+    if not t:
+        return []
+    head = (f"Re-tokenising each conversation through {t['template']} gives back the sampled ids of "
+            f"{t['trajectories'] - t['trajectories_differing']} of {t['trajectories']} trajectories")  # fmt: skip
+    if not t["trajectories_differing"]:
+        extra = f" ({t['trailing_tokens']} tokens added after the last sampled one, which change no score)" if t["trailing_tokens"] else ""
+        return [f"{head}{extra}: the learner would score what the sampler sampled (k3 {_num(t['k3_sampled'])})."]
+    e, n = t["example"], lambda count, what: f"{count} {what}{'' if count == 1 else 's'}"  # noqa: E731
+    return [
+        f"{head}: {n(t['sampled_tokens_differing'], 'sampled token')} without a counterpart in the re-tokenised "
+        f"sequences ({t['model_tokens_without_counterpart']} of them the model's, which that pipeline would never "
+        f"train) and {n(t['retokenized_tokens_differing'], 'token')} there that were never sampled.",
+        f"First difference: trajectory {e['row']}, position {e['position']} ({e['in']}):",
+        f"  sampled      …{e['before']}⟦{e['sampled']}⟧",
+        f"  re-tokenised …{e['before']}⟦{e['retokenized']}⟧",
+        f"On the {t['tokens_compared']} model tokens both sequences hold, the learner's k3 against the sampler is "
+        f"{_num(t['k3_sampled'])} on the sampled sequence and {_num(t['k3_retokenized'])} on the re-tokenised one: "
+        "keep the sampled ids end to end (docs/multi-turn.md).",
+    ]  # fmt: skip
+
+
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
     """The summary table, the worst tokens, the per-turn and what-if tables, the verdict and its commands,
     printed with rich (``print_table``: no number is cut; ``print_commands``: each command whole on a line)."""
@@ -240,6 +267,12 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
         for row in rows:
             table.add_row(*map(escape, row))
         print_table(console, table)
+    for i, line in enumerate(tito_lines(summary)):  # the example's two lines whole, each on one line
+        text = f"[bold]Token in, token out[/]: {escape(line)}" if i == 0 else escape(line)
+        if line.startswith("  "):
+            console.print(text, soft_wrap=True, highlight=False)
+        else:
+            print_line(console, text)
     if summary.get("whatif"):
         names = ("change", "sampler", *(c[0] for c in WHATIF_COLUMNS), "level")
         table = new_table("what would remove it (--whatif)",
@@ -416,6 +449,10 @@ def _turns_html(summary: dict[str, Any]) -> str:
         head = "".join(f"<th>{esc(h)}</th>" for h in header)
         body = "".join("<tr>" + "".join(f"<td class='num'>{esc(v)}</td>" for v in row) + "</tr>" for row in rows)
         out += f"<h2>{esc(title[0].upper() + title[1:])}</h2><table><tr>{head}</tr>{body}</table>"
+    lines = tito_lines(summary)
+    if lines:
+        out += "<h2>Token in, token out</h2>" + "".join(
+            f"<p class='ctx'>{esc(line)}</p>" if line.startswith("  ") else f"<p>{esc(line)}</p>" for line in lines)
     return out
 
 

@@ -15,6 +15,7 @@ each with the evidence it rests on (the project's own studies, docs/results.md).
 
 from __future__ import annotations
 
+import json
 import math
 import shlex
 from pathlib import Path
@@ -128,8 +129,10 @@ def _shell(parts: list[str]) -> str:
 def _hf_folder(source: dict[str, Any]) -> str | None:
     """The Hugging Face folder the audited model trains from: ``--model``, or for a ``--gguf-file`` the folder
     ``gguf_command`` converts it into; None for the built-in model or a dump."""
+    from rollcorr.models.builtin import BUILTIN_MODELS
+
     model = source.get("model")
-    if not model or model == "builtin":
+    if not model or model in BUILTIN_MODELS:  # "builtin", "builtin:chain", ...: model.path as it is
         return None
     gguf = source.get("gguf_file")
     return f"models/{Path(gguf).stem}" if gguf else str(model)
@@ -149,8 +152,8 @@ def override(preset_name: str, summary: dict[str, Any] | None = None) -> str:
     - ``--from-run RUN``: the run's own config again (its model, task, chat setting and sampling) into a new
       folder ``RUN-<preset>``, with the audited sampler and learner;
     - a live audit: its model (``--config instruct`` for a model of the user's: its learning rate and reward,
-      docs/tasks.md), sampler, learner, prompts file as the task, chat setting and sampling temperature, top-k,
-      top-p;
+      docs/tasks.md), sampler, learner, prompts file as the task (or the task, environment and reward an audit
+      through an environment played), chat setting and sampling temperature, top-k, top-p;
     - a dump (``--from-log``), which names none of these: the preset alone.
     """
     source = (summary or {}).get("source", {})
@@ -164,12 +167,15 @@ def override(preset_name: str, summary: dict[str, Any] | None = None) -> str:
     folder = _hf_folder(source)
     if folder:
         parts += ["--config", "instruct", f"model.path={folder}"]
+    elif source.get("model") not in (None, "builtin"):  # another built-in model (builtin:chain, builtin:moe)
+        parts.append(f"model.path={source['model']}")
     parts += engines
     if source.get("routing_replay"):
         parts.append(f"model.routing_replay={source['routing_replay']}")
     if source.get("prompts_file"):
         parts.append(f"task.name={source['prompts_file']}")
-    if folder or source.get("prompts_file"):  # the chat template as audited (null would mean: when there is one)
+    parts += _played(source, "train")
+    if folder or source.get("prompts_file") or source.get("task"):  # the chat template as audited (null would mean: when there is one)
         parts.append(f"task.chat={'true' if source.get('chat_template') else 'false'}")
     temperature = source.get("temperature")
     if temperature is not None and (folder or temperature != 1.0):  # instruct's own default is 0.7
@@ -193,7 +199,7 @@ def audit_command(summary: dict[str, Any], *extra: str) -> str | None:
         words = [*(["--model", model] if model and model != "builtin" else []),
                  *(["--gguf-file", s["gguf_file"]] if s.get("gguf_file") else []),
                  "--sampler", s["sampler"], *(["--learner", s["learner"]] if s.get("learner") else []),
-                 *(["--prompts", s["prompts_file"]] if s.get("prompts_file") else []),
+                 *(["--prompts", s["prompts_file"]] if s.get("prompts_file") else []), *_played(s, "audit"),
                  *(["--chat"] if s.get("chat_template") else []),
                  *(["--routing-replay", s["routing_replay"]] if s.get("routing_replay") else [])]  # fmt: skip
     else:
@@ -205,6 +211,21 @@ def audit_command(summary: dict[str, Any], *extra: str) -> str | None:
         if s.get(key) is not None and s[key] != default:
             words += [flag, f"{s[key]:g}" if isinstance(s[key], float) else str(s[key])]
     return _shell(["rollcorr", "audit", *words, *extra])
+
+
+def _played(source: dict[str, Any], command: str) -> list[str]:
+    """What an audit through an environment played (``--task``, ``--env``, ``--reward``), as ``command`` ("audit"
+    or "train") names it; nothing for prompts."""
+    if not source.get("task"):
+        return []
+    env = source.get("environment") or {}
+    env = json.dumps(env) if env.get("name") != "(one turn)" else None  # JSON: a YAML mapping both read
+    if command == "audit":
+        return ["--task", source["task"], *(["--env", env] if env else []),
+                *(["--reward", source["reward"]] if source.get("reward") else [])]  # fmt: skip
+    return [f"task.name={source['task']}", *([f"task.env={env}"] if env else []),
+            *([f"task.reward={source['reward']}"] if source.get("reward") else []),
+            *([f"rollout.max_new_tokens={source['max_new_tokens']}"] if source.get("max_new_tokens") else [])]  # fmt: skip
 
 
 def commands(summary: dict[str, Any]) -> list[dict[str, str]]:

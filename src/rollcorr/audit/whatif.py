@@ -96,7 +96,7 @@ def batch_component(sampler, rollout) -> dict[str, Any]:
     model = sampler.model
     device = next(model.parameters()).device
     ids = torch.cat([rollout.prompt_ids, rollout.response_ids], 1).to(device)
-    mask = torch.cat([rollout.prompt_mask.bool(), rollout.response_mask.bool()], 1).to(device)
+    mask = rollout.attention_mask.to(device)  # the environment's tokens of a trajectory attended, as the learner does
     targets, p = rollout.response_ids.to(device), rollout.prompt_ids.shape[1]
     together = response_log_probs(model, ids, mask, p, targets, 1.0)
     alone = torch.cat([response_log_probs(model, ids[i : i + 1], mask[i : i + 1], p, targets[i : i + 1], 1.0)
