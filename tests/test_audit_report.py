@@ -159,7 +159,7 @@ def test_the_suggested_command_carries_the_audited_model_engines_prompts_and_cha
     data = _gap(0.012)
     data.source = {"sampler": "vllm:bf16", "learner": "hf:fp32", "model": "models/smollm2-135m",
                    "prompts_file": "my prompts.jsonl", "chat_template": True, "temperature": 0.7, "top_k": 0,
-                   "top_p": 1.0, "responses": 64, "max_new_tokens": 48, "seed": 0}  # fmt: skip
+                   "top_p": 1.0, "responses": 64, "max_new_tokens": 48, "seed": 0}
     summary, _ = _page(tmp_path, data)
     assert summary["suggested_override"] == (
         "rollcorr train --config instruct model.path=models/smollm2-135m model.sampler=vllm:bf16 model.learner=hf:fp32 "
@@ -276,7 +276,7 @@ def test_suggestion_evidence_quotes_the_studies_numbers_as_recorded():
     dose = json.loads((results / "dose_response/results.json").read_text())["summary"]  # study 9: arms, H1, H2
     recorded |= {f"{a['final_score_mean']:.3f}" for a in dose["arms"].values()}
     recorded |= {f"{abs(x):.3f}" for t in dose["tests"].values()
-                 for x in (t.get("slope", t.get("difference")), *t["ci95"], t["p_holm"])}  # fmt: skip
+                 for x in (t.get("slope", t.get("difference")), *t["ci95"], t["p_holm"])}
     recorded |= {f"{abs(t['difference']):.3f}" for t in dose["secondary"].values()}  # each arm against fp32
     # study 6's exact permutation p of token TIS against sequence MIS (three seeds each), as quoted
     import sys

@@ -64,31 +64,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="play each item's episode through an environment, as task.env names it: its name (checkpoints) or a "
         "mapping with its options and limits ('{name: checkpoints, every: 7, max_turns: 2}'); the report adds the "
         "mismatch per turn and the token-in-token-out check",
-    )  # fmt: skip
+    )
     env.add_argument("--task", help="the task whose items are played (a built-in task or a data set, as task.name; "
-                     "default: the built-in model's own task); without --env each item is a one-turn episode")  # fmt: skip
+                     "default: the built-in model's own task); without --env each item is a one-turn episode")
     env.add_argument("--reward", help="--task's reward, as task.reward: a data set's verifier (exact, last_number, "
-                     "boxed, ...; default exact) or module:function; the report gives the trajectories' mean")  # fmt: skip
+                     "boxed, ...; default exact) or module:function; the report gives the trajectories' mean")
     run = parser.add_argument_group("from a training run")
     run.add_argument(
         "--from-run", metavar="RUN",
         help="audit what a `rollcorr train` run samples and scores: its model at a checkpoint, its sampler and "
         "learner (--sampler / --learner override them), its task's training prompts through its chat template, "
         "its temperature, top-k, top-p and response length",
-    )  # fmt: skip
+    )
     run.add_argument("--step", type=int, help="with --from-run: the checkpoint's step (default: the newest; the "
-                     "run's starting model when it has none); 0: the run's starting model")  # fmt: skip
+                     "run's starting model when it has none); 0: the run's starting model")
     diagnosis = parser.add_argument_group("diagnosis (hf engines; docs/audit.md)")
     diagnosis.add_argument(
         "--localize", nargs="?", type=int, const=8, default=None, metavar="N",
         help="where the mismatch enters: the two forwards of the same tokens compared layer by layer and component "
         "by component, on the N responses holding the largest |Δp| (default 8)",
-    )  # fmt: skip
+    )
     diagnosis.add_argument(
         "--whatif", nargs="?", const="", default=None, metavar="CHANGES",
         help="rerun the sampler with one change each and report what mismatch it leaves: a comma list of fp16, "
         "bf16, fp32, lm_head_fp32, batch (default: the changes that apply to the sampler)",
-    )  # fmt: skip
+    )
     log = parser.add_argument_group("from a rollout dump")
     log.add_argument(
         "--from-log", help="rollout dump (JSONL / Parquet) with per-token rollout and learner log-probs"
@@ -115,11 +115,11 @@ def _run_plan(args) -> dict:
     given = [f"--{name.replace('_', '-')}" for name in FROM_RUN_CONFLICTS if getattr(args, name, None) not in (None, False)]
     if given:
         raise ValueError(f"--from-run takes the model, prompts and chat template from the run (and its environment); "
-                         f"{', '.join(given)} do(es) not apply")  # fmt: skip
+                         f"{', '.join(given)} do(es) not apply")
     run = Path(args.from_run)
     if not (run / "config.yaml").is_file():
         raise FileNotFoundError(f"--from-run {run}: not a run folder (no config.yaml); give the folder `rollcorr "
-                                "train` wrote (runs/<timestamp>-<suffix>)")  # fmt: skip
+                                "train` wrote (runs/<timestamp>-<suffix>)")
     try:
         config = load_config(run / "config.yaml", inside_run=True)
     except ConfigError as err:
@@ -127,11 +127,11 @@ def _run_plan(args) -> dict:
     missing = missing_keys(run / "config.yaml")
     note = missing and (f"--from-run {run}: its config.yaml has no {', '.join(missing[:6])}"
                         f"{f' (and {len(missing) - 6} more)' if len(missing) > 6 else ''}: cut short, edited or "
-                        "written by an older rollcorr; their defaults are used")  # fmt: skip
+                        "written by an older rollcorr; their defaults are used")
     steps = {checkpoint_step(p): p for p in list_checkpoints(run)}
     if args.step is not None and args.step not in steps and args.step != 0:
         raise FileNotFoundError(f"--step {args.step}: {run} has no checkpoint of that step (it has: "
-                                f"{sorted(steps) or 'none'}; --step 0 is the run's starting model)")  # fmt: skip
+                                f"{sorted(steps) or 'none'}; --step 0 is the run's starting model)")
     if args.step is not None and args.step in steps:
         model, step = str(checkpoint_dir(run, args.step) / "model"), args.step
     elif args.step == 0:  # the run's starting model: its model.path (a LoRA run's base, adapters off)
@@ -149,7 +149,7 @@ def _run_plan(args) -> dict:
 
     module = reward_module(config.task.reward)
     check_named_reward(config.task.reward, f"--from-run {run}: its config.yaml",
-                       f"name it yourself: rollcorr audit --plugins {module} --from-run ... (docs/security.md)")  # fmt: skip
+                       f"name it yourself: rollcorr audit --plugins {module} --from-run ... (docs/security.md)")
     try:
         task = config.task.build()
     except (ValueError, FileNotFoundError) as err:
@@ -159,7 +159,7 @@ def _run_plan(args) -> dict:
             "task_config": config.task,
             "sampler": config.model.sampler, "learner": config.model.learner,
             "sampling": {"max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_k": r.top_k,
-                         "top_p": r.top_p}}  # fmt: skip
+                         "top_p": r.top_p}}
 
 
 def _env_plan(args, plan: dict | None) -> dict | None:
@@ -196,7 +196,7 @@ def _env_plan(args, plan: dict | None) -> dict | None:
         raise ValueError(f"{where}: {err}") from None
     items = env.sample(args.num_responses, seed=args.seed, split=split)
     return {"env": env, "items": items, "limits": task_config.limits(), "task": task_config.name,
-            "reward": task_config.reward, "spec": task_config.env}  # fmt: skip
+            "reward": task_config.reward, "spec": task_config.env}
 
 
 def _env_spec(text: str | None) -> dict | None:
@@ -211,7 +211,7 @@ def _env_spec(text: str | None) -> dict | None:
         raise ValueError(str(err)) from None
     if not isinstance(value, str | dict):
         raise ValueError(f"--env {text!r}: give an environment's name, or a mapping as task.env holds it: "
-                         "'{name: checkpoints, every: 7, max_turns: 2}'")  # fmt: skip
+                         "'{name: checkpoints, every: 7, max_turns: 2}'")
     return {"name": value} if isinstance(value, str) else value
 
 
@@ -222,7 +222,7 @@ def _model_task(model: str | None) -> str:
     spelling = model or "builtin"
     if spelling not in BUILTIN_MODELS:
         raise ValueError("--env / --task: name the task whose items are played with --task NAME (a model that is "
-                         "not a built-in one has no task of its own)")  # fmt: skip
+                         "not a built-in one has no task of its own)")
     return BUILTIN_MODELS[spelling].task
 
 
@@ -299,7 +299,7 @@ def _claim(out: Path, overwrite: bool):
     if held and not overwrite:
         shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
         raise ValueError(f"--out {out}: not empty ({shown}); choose a new folder, or pass --overwrite to replace "
-                         "the report in it")  # fmt: skip
+                         "the report in it")
     out.mkdir(parents=True, exist_ok=True)
     lock = RunLock(out)
     if overwrite:
@@ -356,7 +356,7 @@ def _collect_live(args, console, workdir: str):
     check_truncation(sampler_spec, params.top_k, params.top_p, ("--top-k", "--top-p"))
     check_kept_mass(sampler_spec, params.truncated, args.sampler_dist == "full", "--sampler-dist full")
     check_kept_ids(sampler_spec, params.records_kept_ids, "--sampler-dist keep_mask",
-                   "compare with the distribution it drew from (--sampler-dist processed)")  # fmt: skip
+                   "compare with the distribution it drew from (--sampler-dist processed)")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # rollcorr's own progress bars are the ones to read
@@ -374,7 +374,7 @@ def _collect_live(args, console, workdir: str):
         sampler_kw = backend_of(sampler_spec).audit_kwargs(
             parse_spec(sampler_spec), rows=args.batch_size, tokens=tokens,
             gguf_file=str(Path(model) / gguf_file) if gguf_file else None,
-        )  # fmt: skip
+        )
         sampler = make_sampler(sampler_spec, model_path=model_path, **sampler_kw)
     gather = _gatherer(args, learner, prompts, params, episodes)
     rows = len(prompts) if episodes is None else len(episodes["items"])
@@ -388,7 +388,7 @@ def _collect_live(args, console, workdir: str):
             }
             rollout, conversations = gather(sampler, lambda stage, n: progress.advance(tasks[stage], n))
             diagnosis = _diagnose(args, sampler_spec, changes, progress, sampler, learner, rollout, gather, params,
-                                  lambda spec, **kw: make_sampler(spec, model_path=model_path, **sampler_kw, **kw))  # fmt: skip
+                                  lambda spec, **kw: make_sampler(spec, model_path=model_path, **sampler_kw, **kw))
     finally:
         close = getattr(sampler, "close", None)
         if close:
@@ -399,7 +399,7 @@ def _collect_live(args, console, workdir: str):
     source = _source(args, plan, episodes, rollout, sampler_spec, learner_spec, model, gguf_file, params)
     source["seconds"] = round(time.perf_counter() - started, 2)
     data = from_rollout(rollout, learner.tokenizer, sampler_dist=args.sampler_dist, source=source,
-                        learner_routed_experts=learner_routes)  # fmt: skip
+                        learner_routed_experts=learner_routes)
     data.diagnosis = diagnosis
     if episodes is not None:
         with console.status("token in, token out: re-tokenising the conversations ..."):
@@ -451,13 +451,13 @@ def _gatherer(args, learner, prompts, params, episodes):
 
     if episodes is None:
         return lambda sampler, on_batch=None: (collect(sampler, learner, prompts, params, batch_size=args.batch_size,
-                                                       on_batch=on_batch), None)  # fmt: skip
+                                                       on_batch=on_batch), None)
     from rollcorr.envs import Renderer
 
     renderer = Renderer(learner.tokenizer, args.chat)
     return lambda sampler, on_batch=None: collect_episodes(
         sampler, learner, episodes["env"], episodes["items"], renderer, params, limits=episodes["limits"],
-        batch_size=args.batch_size, on_batch=on_batch)  # fmt: skip
+        batch_size=args.batch_size, on_batch=on_batch)
 
 
 def _tito(args, learner, rollout, conversations, data, params) -> dict:
@@ -473,7 +473,7 @@ def _tito(args, learner, rollout, conversations, data, params) -> dict:
 
     try:
         return tito_check(rollout, conversations, Renderer(learner.tokenizer, args.chat), data.rollout_log_prob,
-                          rollout.old_log_prob, score, batch_size=args.batch_size)  # fmt: skip
+                          rollout.old_log_prob, score, batch_size=args.batch_size)
     except ValueError as err:  # a template that fails on the conversation (e.g. it refuses a role)
         raise ValueError(f"token in, token out: the chat template cannot re-tokenise a conversation ({err})") from None
 
@@ -486,15 +486,15 @@ def _played(episodes: dict, rollout) -> dict:
 
     metrics = episode_metrics(rollout) or {
         "env/turns_mean": 1.0, "env/turns_max": 1.0, "env/observation_token_share": 0.0,
-        "env/cut_share": sum(bool(m.get("cut")) for m in rollout.meta) / len(rollout.meta)}  # fmt: skip
+        "env/cut_share": sum(bool(m.get("cut")) for m in rollout.meta) / len(rollout.meta)}
     return {"environment": episodes["spec"] or {"name": "(one turn)"}, "task": episodes["task"],
             **({"reward": episodes["reward"]} if episodes["reward"] else {}),
             "reward_mean": round(float(rollout.rewards.mean()), 4),
-            **{k.removeprefix("env/"): round(v, 4) for k, v in metrics.items()}}  # fmt: skip
+            **{k.removeprefix("env/"): round(v, 4) for k, v in metrics.items()}}
 
 
 def _source(args, plan: dict | None, episodes: dict | None, rollout, sampler_spec: str, learner_spec: str,
-            model: str | None, gguf_file: str | None, params) -> dict:  # fmt: skip
+            model: str | None, gguf_file: str | None, params) -> dict:
     """How a live audit's data was made (``summary["source"]``): what the report shows and what its suggested
     commands repeat (``verdict.override``, ``verdict.audit_command``); an environment's episodes add what was
     played (its spec, task, reward) and the ``env/`` metrics of the trajectories."""
@@ -504,7 +504,7 @@ def _source(args, plan: dict | None, episodes: dict | None, rollout, sampler_spe
     else:
         played = {}
         prompts = (f"the run's task ({plan['task'].__class__.__name__}, train split)" if plan is not None
-                   else args.prompts or "builtin addition task (test split)")  # fmt: skip
+                   else args.prompts or "builtin addition task (test split)")
     return {
         "sampler": sampler_spec,
         "learner": learner_spec,
@@ -540,7 +540,7 @@ def _check_diagnosis(args, sampler_spec: str) -> list[str] | None:
             here = " / ".join(backends_that("in_process"))
             raise ValueError(f"--localize compares the two models module by module, so the sampler must run in this "
                              f"process (an {here} engine); {sampler_spec} runs its own kernels out of reach of the "
-                             f"hooks (compare an {here} sampler of the same precision, or use --whatif)")  # fmt: skip
+                             f"hooks (compare an {here} sampler of the same precision, or use --whatif)")
     return None if args.whatif is None else parse_changes(args.whatif, sampler_spec)
 
 
@@ -557,7 +557,7 @@ def _diagnose(args, sampler_spec, changes, progress, sampler, learner, rollout, 
         task = progress.add_task("localising", total=len(components(learner.model)))
         out["localization"] = localize(sampler, learner, rollout, temperature=params.temperature,
                                        responses=args.localize, audit_log_mu=full.rollout_log_prob,
-                                       on_component=lambda name: progress.advance(task))  # fmt: skip
+                                       on_component=lambda name: progress.advance(task))
     if changes:
         from rollcorr.audit.whatif import run_whatif
 
@@ -568,7 +568,7 @@ def _diagnose(args, sampler_spec, changes, progress, sampler, learner, rollout, 
             return from_rollout(scored, sampler_dist=args.sampler_dist)
 
         out["whatif"] = run_whatif(changes, sampler_spec, build, sample_and_score, sampler,
-                                   rollout, on_change=lambda name: progress.advance(task))  # fmt: skip
+                                   rollout, on_change=lambda name: progress.advance(task))
     return out
 
 
@@ -617,7 +617,7 @@ def _audit(args, out: Path, console) -> int:
                 return _fail(f"--from-log reads log-probs from the file; {', '.join(given)} do(es) not apply")
             # read chunk by chunk: a dump too large to hold padded is summed as it is read (audit.dump_audit)
             log = audit_log(args.from_log, rollout_field=args.rollout_field, learner_field=args.learner_field,
-                            mask_field=args.mask_field, worst_k=args.worst)  # fmt: skip
+                            mask_field=args.mask_field, worst_k=args.worst)
         else:
             log = None
             with tempfile.TemporaryDirectory(prefix="rollcorr-audit-") as workdir:

@@ -104,9 +104,9 @@ def rounded_residual(learner_model: nn.Module, dtype: torch.dtype) -> Iterator[N
     for layer in learner_model.get_decoder().layers:
         handles.append(layer.register_forward_pre_hook(
             lambda m, args, kwargs: ((round_trip(args[0]), *args[1:]), kwargs) if args else
-            (args, {**kwargs, "hidden_states": round_trip(kwargs["hidden_states"])}), with_kwargs=True))  # fmt: skip
+            (args, {**kwargs, "hidden_states": round_trip(kwargs["hidden_states"])}), with_kwargs=True))
         handles.append(layer.register_forward_hook(
-            lambda m, a, out: (round_trip(out[0]), *out[1:]) if isinstance(out, tuple) else round_trip(out)))  # fmt: skip
+            lambda m, a, out: (round_trip(out[0]), *out[1:]) if isinstance(out, tuple) else round_trip(out)))
     try:
         yield
     finally:
@@ -146,12 +146,12 @@ def swapped(learner_model: nn.Module, sampler_model: nn.Module, paths: list[str]
 
 
 def response_log_probs(model: nn.Module, ids: Tensor, mask: Tensor, prompt_len: int, targets: Tensor,
-                       temperature: float) -> Tensor:  # fmt: skip
+                       temperature: float) -> Tensor:
     """(B, T) float64 log p of ``targets`` from one full forward of ``model`` (its lm-head module called, so a
     hook on it fires); the softmax in float64, so only the logits carry each model's precision."""
     body = model.get_decoder()
     hidden = body(input_ids=ids, attention_mask=mask.long(), position_ids=positions_from_mask(mask),
-                  use_cache=False).last_hidden_state  # fmt: skip
+                  use_cache=False).last_hidden_state
     t = targets.shape[1]
     logits = model.get_output_embeddings()(hidden[:, prompt_len - 1 : prompt_len - 1 + t])
     log_p = torch.log_softmax(logits.double() / temperature, dim=-1)
@@ -191,7 +191,7 @@ def _sites(model: nn.Module) -> list[tuple[str, str, bool]]:
     for i, layer in enumerate(decoder.layers):
         mlp = "mlp" if hasattr(layer, "mlp") else "block_sparse_moe"
         out += [(f"{i}/input", f"{prefix}.layers.{i}", True), (f"{i}/attention", f"{prefix}.layers.{i}.self_attn", False),
-                (f"{i}/mlp", f"{prefix}.layers.{i}.{mlp}", False)]  # fmt: skip
+                (f"{i}/mlp", f"{prefix}.layers.{i}.{mlp}", False)]
     out.append(("final norm", f"{prefix}.norm", False))
     head = next(name for name, m in model.named_modules() if m is model.get_output_embeddings())
     out.append(("logits", head, False))
@@ -209,14 +209,14 @@ def pick_rows(rollout: Rollout, abs_diff: Tensor | None, n: int) -> list[int]:
 
 @torch.no_grad()
 def localize(sampler, learner, rollout: Rollout, *, temperature: float = 1.0, responses: int = MAX_RESPONSES,
-             audit_log_mu: Tensor | None = None, on_component: Callable[[str], None] | None = None) -> dict[str, Any]:  # fmt: skip
+             audit_log_mu: Tensor | None = None, on_component: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The module docstring's two measurements on ``responses`` of ``rollout``'s rows. ``audit_log_mu``: the
     audit's log μ of the same tokens (its decode), to separate the decode-and-batch part. ValueError for a sampler
     whose modules are not in this process."""
     sampler_model = getattr(sampler, "model", None)
     if not isinstance(sampler_model, nn.Module) or not hasattr(learner, "model"):
         raise ValueError(f"--localize compares the two models module by module, so both must run in this process "
-                         f"(the hf engines); {type(sampler).__name__} runs its own kernels out of reach")  # fmt: skip
+                         f"(the hf engines); {type(sampler).__name__} runs its own kernels out of reach")
     learner_model = learner.model
     temp = 1.0 if temperature == 0 else float(temperature)
     abs_diff = None
@@ -235,7 +235,7 @@ def localize(sampler, learner, rollout: Rollout, *, temperature: float = 1.0, re
         ref = response_log_probs(learner_model, ids, mask, p, targets, temp)
     with _capture(sampler_model, _sites(sampler_model)) as smp_sites:
         full = response_log_probs(sampler_model, ids.to(sampler_device), mask.to(sampler_device), p,
-                                  targets.to(sampler_device), temp).to(device)  # fmt: skip
+                                  targets.to(sampler_device), temp).to(device)
     positions = mask if mask.shape[1] == next(iter(ref_sites.values())).shape[1] else None
     sites = []
     for name in ref_sites:
@@ -246,7 +246,7 @@ def localize(sampler, learner, rollout: Rollout, *, temperature: float = 1.0, re
             diff, base = diff[keep], base[keep]
         layer, _, site = name.partition("/")
         sites.append({"layer": int(layer) if site else None, "site": site or layer,
-                      "rel_error": float(diff.norm() / base.norm().clamp(min=1e-300))})  # fmt: skip
+                      "rel_error": float(diff.norm() / base.norm().clamp(min=1e-300))})
     # what each component adds
     total = _k3_and_dp(full, ref, valid)
     rows_out = []
@@ -260,7 +260,7 @@ def localize(sampler, learner, rollout: Rollout, *, temperature: float = 1.0, re
         row["share"] = row["k3"] / total["k3"] if total["k3"] > 0 else 0.0
     out: dict[str, Any] = {"responses": len(rows), "tokens": int(valid.sum()), "rows": rows, "full_forward": total,
                            "components": rows_out, "sites": sites,
-                           "share_sum": sum(r["share"] for r in rows_out if not r["component"].endswith("router"))}  # fmt: skip
+                           "share_sum": sum(r["share"] for r in rows_out if not r["component"].endswith("router"))}
     # (a router's share is inside its layer's MLP's, so it is left out of the sum)
     if audit_log_mu is not None:
         audited = audit_log_mu[rows].to(device).double()
@@ -275,16 +275,16 @@ def entry_sentence(loc: dict[str, Any]) -> str:
     total = loc["full_forward"]["k3"]
     if total <= 0 or all(r["k3"] <= 0 for r in loc["components"]):
         return ("Nothing to localise: the sampler's forward gives the learner's log-probs on these tokens "
-                "(k3 0).")  # fmt: skip
+                "(k3 0).")
     ranked = sorted(loc["components"], key=lambda r: -r["share"])
     top = ranked[0]
     parts = ", ".join(f"{r['component']} {100 * r['share']:.0f} %" for r in ranked[:3])
     text = (f"The divergence enters mostly at the {top['component']}: swapping it alone into the fp32 learner gives "
             f"{100 * top['share']:.0f} % of the k3 of the sampler's whole forward (largest shares: {parts}; "
-            f"sum of all shares {100 * loc['share_sum']:.0f} %")  # fmt: skip
+            f"sum of all shares {100 * loc['share_sum']:.0f} %")
     text += ")." if 0.5 <= loc["share_sum"] <= 1.5 else "; far from 100 %, so the components' errors interact)."
     if "decode_and_batch" in loc and "audited" in loc:
         text += (f" The audit's own decode has k3 {loc['audited']['k3']:.3g} on these tokens against "
                  f"{total:.3g} for the sampler's full forward; between the decode and that forward: "
-                 f"{loc['decode_and_batch']['k3']:.3g} (the KV cache and the batch's other rows).")  # fmt: skip
+                 f"{loc['decode_and_batch']['k3']:.3g} (the KV cache and the batch's other rows).")
     return text

@@ -60,7 +60,7 @@ def build_summary(data: AuditData, worst_k: int = 10) -> dict[str, Any]:
         from rollcorr.moe import routing_summary
 
         summary["routing"] = routing_summary(data.routed_experts, data.learner_routed_experts,
-                                             data.rollout_log_prob, data.old_log_prob, data.response_mask)  # fmt: skip
+                                             data.rollout_log_prob, data.old_log_prob, data.response_mask)
     turns = turn_summary(data.rollout_log_prob, data.old_log_prob, data.response_mask, data.turn)
     if turns is not None:  # multi-turn trajectories: the mismatch per turn and by place in the turn
         summary["turns"] = turns
@@ -126,13 +126,13 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
              f"{_num(r['abs_dp_mean_flipped'])} / {_num(r['abs_dp_mean_unflipped'])}"),
             ("routing (MoE)", "tokens flipped / unflipped", f"{r['tokens_flipped']} / {r['tokens_unflipped']}"),
             ("routing (MoE)", "share of Σ|Δp| on flipped tokens", _pct(r["abs_dp_share_flipped"])),
-        ]  # fmt: skip
+        ]
     return rows
 
 
 TURN_COLUMNS = (("tokens", "tokens", None), ("share ≥ 0.01", "prob_diff_frac_ge_0.01", _pct),
                 ("share ≥ 0.05", "prob_diff_frac_ge_0.05", _pct), ("mean |Δp|", "prob_diff_mean", _num),
-                ("max |Δp|", "prob_diff_max", _num), ("k3", "k3_kl", _num))  # fmt: skip
+                ("max |Δp|", "prob_diff_max", _num), ("k3", "k3_kl", _num))
 
 
 def turn_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
@@ -145,10 +145,10 @@ def turn_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list
     by_turn = [[str(r["turn"] + 1), str(r["responses"]), *(show(r[key]) for _, key, show in keys)] for r in t["turns"]]
     p = t["position_in_turn"]
     by_place = [[f"{p['start'][i]}–{p['end'][i] - 1}", *(show(p[key][i]) for _, key, show in keys)]
-                for i in range(len(p.get("start", [])))]  # fmt: skip
+                for i in range(len(p.get("start", [])))]
     names = [name for name, _, _ in keys]
     return [(f"per turn (turns from {t['turns_from']})", ["turn", "responses", *names], by_turn),
-            ("by place in the turn (model tokens before it in its turn)", ["places", *names], by_place)]  # fmt: skip
+            ("by place in the turn (model tokens before it in its turn)", ["places", *names], by_place)]
 
 
 def new_table(title: str, columns: list[tuple[str, bool]]) -> Table:
@@ -226,7 +226,7 @@ def tito_lines(summary: dict[str, Any]) -> list[str]:
     if not t:
         return []
     head = (f"Re-tokenising each conversation through {t['template']} gives back the sampled ids of "
-            f"{t['trajectories'] - t['trajectories_differing']} of {t['trajectories']} trajectories")  # fmt: skip
+            f"{t['trajectories'] - t['trajectories_differing']} of {t['trajectories']} trajectories")
     if not t["trajectories_differing"]:
         extra = f" ({t['trailing_tokens']} tokens added after the last sampled one, which change no score)" if t["trailing_tokens"] else ""
         return [f"{head}{extra}: the learner would score what the sampler sampled (k3 {_num(t['k3_sampled'])})."]
@@ -241,7 +241,7 @@ def tito_lines(summary: dict[str, Any]) -> list[str]:
         f"On the {t['tokens_compared']} model tokens both sequences hold, the learner's k3 against the sampler is "
         f"{_num(t['k3_sampled'])} on the sampled sequence and {_num(t['k3_retokenized'])} on the re-tokenised one: "
         "keep the sampled ids end to end (docs/multi-turn.md).",
-    ]  # fmt: skip
+    ]
 
 
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
@@ -255,12 +255,12 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
         previous = section
     print_table(console, table)
     worst = new_table("worst tokens", [(name, True) for name in ("resp", "pos", "p_sampler", "p_learner", "|Δp|")]
-                      + [("context", False)])  # fmt: skip
+                      + [("context", False)])
     for w in summary["worst_tokens"]:
         before, after = escape(w["before"][-PRINT_CONTEXT_CHARS:]), escape(w["after"][:PRINT_CONTEXT_CHARS])
         context = f"{before}[bold red]⟦{escape(w['token'])}⟧[/]{after}" if w["token"] else ""
         worst.add_row(str(w["row"]), str(w["position"]), f"{w['p_sampler']:.4f}", f"{w['p_learner']:.4f}",
-                      f"{w['abs_diff']:.4f}", context)  # fmt: skip
+                      f"{w['abs_diff']:.4f}", context)
     print_table(console, worst)
     for title, header, rows in turn_tables(summary):
         table = new_table(title, [(name, True) for name in header])
@@ -276,7 +276,7 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
     if summary.get("whatif"):
         names = ("change", "sampler", *(c[0] for c in WHATIF_COLUMNS), "level")
         table = new_table("what would remove it (--whatif)",
-                          [(name, name not in ("change", "sampler", "level")) for name in names])  # fmt: skip
+                          [(name, name not in ("change", "sampler", "level")) for name in names])
         for row in whatif_rows(summary):
             table.add_row(*map(escape, row))
         print_table(console, table)
@@ -321,18 +321,18 @@ CAPTIONS = {
 
 WHATIF_COLUMNS = (("share < 0.001", "prob_diff_frac_lt_1e-3", True), ("share ≥ 0.01", "prob_diff_frac_ge_0.01", True),
                   ("share ≥ 0.05", "prob_diff_frac_ge_0.05", True), ("max", "prob_diff_max", False),
-                  ("mean", "prob_diff_mean", False), ("k3", "k3_kl", False))  # fmt: skip
+                  ("mean", "prob_diff_mean", False), ("k3", "k3_kl", False))
 
 
 def whatif_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:
     """(change, sampler, each WHATIF_COLUMNS value, level) rows: the audit itself first, then each change."""
     p = {**summary["probability"], "k3_kl": summary["divergence"]["k3_kl"]}
     audited = ("(as audited)", str(summary["source"].get("sampler", "")),
-               *(_pct(p[k]) if pct else _num(p[k]) for _, k, pct in WHATIF_COLUMNS), summary.get("verdict_level", {}).get("level", ""))  # fmt: skip
+               *(_pct(p[k]) if pct else _num(p[k]) for _, k, pct in WHATIF_COLUMNS), summary.get("verdict_level", {}).get("level", ""))
     rows = [audited]
     for r in summary.get("whatif", []):
         rows.append((r["change"], r["sampler"], *(_pct(r[k]) if pct else _num(r[k]) for _, k, pct in WHATIF_COLUMNS),
-                     r["verdict_level"]))  # fmt: skip
+                     r["verdict_level"]))
     return rows
 
 
@@ -368,7 +368,7 @@ def commands_html(summary: dict[str, Any]) -> str:
     esc = html.escape
     return "".join(f"<div class='cmd'><div class='label'>{esc(c['label'])}:</div><pre><code>{esc(c['command'])}</code>"
                    f"</pre><button type='button' onclick=\"{COPY}\">copy</button></div>"
-                   for c in summary.get("commands", []))  # fmt: skip
+                   for c in summary.get("commands", []))
 
 
 def render_html(summary: dict[str, Any], images: dict[str, Path]) -> str:
@@ -400,7 +400,7 @@ def render_html(summary: dict[str, Any], images: dict[str, Path]) -> str:
     def figure(name: str) -> str:
         data = base64.b64encode(Path(images[name]).read_bytes()).decode()
         return (f"<figure><img alt='{esc(name)}' src='data:image/png;base64,{data}'><figcaption>"
-                f"{esc(CAPTIONS[name])}</figcaption></figure>")  # fmt: skip
+                f"{esc(CAPTIONS[name])}</figcaption></figure>")
 
     diagnosis = ""
     if "levels" in images:
@@ -411,15 +411,15 @@ def render_html(summary: dict[str, Any], images: dict[str, Path]) -> str:
         diagnosis += (f"<h2>What would remove it (measured on this model)</h2><table><tr>{head}</tr>{body}</table>"
                       "<p class='note'>Each change reruns the sampler side with that one thing different, on the same "
                       "prompts and seed; <code>batch</code> scores the same tokens with each response alone against "
-                      "one batch.</p>")  # fmt: skip
+                      "one batch.</p>")
     if "localization" in summary:
         loc = summary["localization"]
         rows_html = "".join(f"<tr><td>{esc(c['component'])}</td><td class='num'>{c['k3']:.3g}</td>"
-                            f"<td class='num'>{100 * c['share']:.1f} %</td></tr>" for c in loc["components"])  # fmt: skip
+                            f"<td class='num'>{100 * c['share']:.1f} %</td></tr>" for c in loc["components"])
         diagnosis += (f"<h2>Where it enters</h2><p>{esc(loc['entry'])}</p>{figure('localization')}"
                       f"<p class='note'>{loc['responses']} responses, {loc['tokens']} tokens (those holding the largest "
                       f"|Δp|).</p><table><tr><th>component</th><th>k3 swapped in alone</th><th>share</th></tr>"
-                      f"{rows_html}</table>")  # fmt: skip
+                      f"{rows_html}</table>")
     figures = "".join(figure(name) for name in images if name not in ("levels", "localization"))
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>rollcorr audit</title><style>{CSS}</style></head><body>

@@ -162,7 +162,7 @@ def override(preset_name: str, summary: dict[str, Any] | None = None) -> str:
     if source.get("run"):
         run = str(source["run"]).rstrip("/")
         return _shell(["rollcorr", "train", "--config", f"{run}/config.yaml", "--out", f"{run}-{preset_name}",
-                       *engines, preset_key])  # fmt: skip
+                       *engines, preset_key])
     parts = ["rollcorr", "train"]
     folder = _hf_folder(source)
     if folder:
@@ -201,13 +201,13 @@ def audit_command(summary: dict[str, Any], *extra: str) -> str | None:
                  "--sampler", s["sampler"], *(["--learner", s["learner"]] if s.get("learner") else []),
                  *(["--prompts", s["prompts_file"]] if s.get("prompts_file") else []), *_played(s, "audit"),
                  *(["--chat"] if s.get("chat_template") else []),
-                 *(["--routing-replay", s["routing_replay"]] if s.get("routing_replay") else [])]  # fmt: skip
+                 *(["--routing-replay", s["routing_replay"]] if s.get("routing_replay") else [])]
     else:
         return None
     for flag, key, default in (("-n", "responses", None), ("--max-new-tokens", "max_new_tokens", None),
                                ("--temperature", "temperature", None), ("--top-k", "top_k", 0),
                                ("--top-p", "top_p", 1.0), ("--seed", "seed", 0),
-                               ("--sampler-dist", "sampler_dist", "full")):  # fmt: skip
+                               ("--sampler-dist", "sampler_dist", "full")):
         if s.get(key) is not None and s[key] != default:
             words += [flag, f"{s[key]:g}" if isinstance(s[key], float) else str(s[key])]
     return _shell(["rollcorr", "audit", *words, *extra])
@@ -222,10 +222,10 @@ def _played(source: dict[str, Any], command: str) -> list[str]:
     env = json.dumps(env) if env.get("name") != "(one turn)" else None  # JSON: a YAML mapping both read
     if command == "audit":
         return ["--task", source["task"], *(["--env", env] if env else []),
-                *(["--reward", source["reward"]] if source.get("reward") else [])]  # fmt: skip
+                *(["--reward", source["reward"]] if source.get("reward") else [])]
     return [f"task.name={source['task']}", *([f"task.env={env}"] if env else []),
             *([f"task.reward={source['reward']}"] if source.get("reward") else []),
-            *([f"rollout.max_new_tokens={source['max_new_tokens']}"] if source.get("max_new_tokens") else [])]  # fmt: skip
+            *([f"rollout.max_new_tokens={source['max_new_tokens']}"] if source.get("max_new_tokens") else [])]
 
 
 def commands(summary: dict[str, Any]) -> list[dict[str, str]]:
@@ -268,7 +268,7 @@ def level(summary: dict[str, Any]) -> str:
         return summary["verdict_level"]["level"]
     p = summary["probability"]
     return level_of({"ge_1e-3": 1.0 - p["prob_diff_frac_lt_1e-3"], "ge_0.01": p["prob_diff_frac_ge_0.01"],
-                     "ge_0.05": p["prob_diff_frac_ge_0.05"]})  # fmt: skip
+                     "ge_0.05": p["prob_diff_frac_ge_0.05"]})
 
 
 def _straddle(summary: dict[str, Any]) -> list[str]:
@@ -352,7 +352,7 @@ def _measure_command(summary: dict[str, Any]) -> str | None:
 
 
 WHATIF_WORDS = {"fp16": "an fp16 sampler", "bf16": "a bf16 sampler", "fp32": "the same engine in fp32",
-                "lm_head_fp32": "an fp32 lm-head", "batch": "the batch's composition alone"}  # fmt: skip
+                "lm_head_fp32": "an fp32 lm-head", "batch": "the batch's composition alone"}
 
 
 def whatif_sentences(summary: dict[str, Any]) -> list[str]:
@@ -363,9 +363,9 @@ def whatif_sentences(summary: dict[str, Any]) -> list[str]:
     p = summary["probability"]
     parts = [f"{WHATIF_WORDS[r['change']]} {'makes' if r['change'] == 'batch' else 'leaves'} "
              f"{_pct(r['prob_diff_frac_ge_0.01'])} of tokens at |Δp| ≥ 0.01 (k3 {r['k3_kl']:.2g}, level "
-             f"\"{r['verdict_level']}\")" for r in rows]  # fmt: skip
+             f"\"{r['verdict_level']}\")" for r in rows]
     return [f"Measured on this model (--whatif): as audited, {_pct(p['prob_diff_frac_ge_0.01'])} of tokens are at "
-            f"|Δp| ≥ 0.01 (k3 {summary['divergence']['k3_kl']:.2g}); " + "; ".join(parts) + "."]  # fmt: skip
+            f"|Δp| ≥ 0.01 (k3 {summary['divergence']['k3_kl']:.2g}); " + "; ".join(parts) + "."]
 
 
 def verdict(summary: dict[str, Any]) -> list[str]:
@@ -405,7 +405,7 @@ def verdict(summary: dict[str, Any]) -> list[str]:
             + _compare(p, refs)
         )
         out.append(_suggest(where, f"token ESS/N {ess_tok:.3g}, sequence ESS/N {ess_seq:.3g}; per-token "
-                                   "weights capped at 2 keep the variance low even where sequence products spread", summary))  # fmt: skip
+                                   "weights capped at 2 keep the variance low even where sequence products spread", summary))
         if _says_precision(summary):
             out.append(_precision_sentence(summary))
     else:
@@ -422,7 +422,7 @@ def verdict(summary: dict[str, Any]) -> list[str]:
             )
         else:
             out.append(_suggest(where, f"token ESS/N {ess_tok:.3g}, sequence ESS/N {ess_seq:.3g}; capping each "
-                                       "token's weight keeps rare large ratios from dominating the gradient", summary))  # fmt: skip
+                                       "token's weight keeps rare large ratios from dominating the gradient", summary))
     out += _straddle(summary)
     out += whatif_sentences(summary)
     if "localization" in summary:
@@ -435,7 +435,7 @@ def verdict(summary: dict[str, Any]) -> list[str]:
             ("reverse KL k1", "policy_kl_k1"),
             ("χ² token", "chi2_token"),
             ("χ² sequence", "chi2_seq"),
-        )  # fmt: skip
+        )
         if isinstance(d.get(key), float) and math.isfinite(d[key]) and d[key] < 0
     ]
     if negative:
