@@ -28,6 +28,7 @@ from torch import Tensor
 
 from rollcorr.audit import levels
 from rollcorr.audit.collect import AuditData, from_dump
+from rollcorr.audit.stats import MAX_OVER_TOP, median_max_over
 from rollcorr.chunked import one_thread, quantiles, release_memory
 from rollcorr.config.correction import LOG_RATIO_CLAMP
 from rollcorr.correction import metrics as metric_fns
@@ -151,7 +152,7 @@ class _AuditSums:
 
     def __init__(self, worst_k: int) -> None:
         self.worst_k = worst_k
-        keys = ("index", "n", "max", "sum", "seq", "old", "roll", "lr", "d_max", "d_sum", *levels.THRESHOLDS)
+        keys = ("index", "n", "max", "sum", "seq", "old", "roll", "lr", "d_max", "d_sum", "k3", *levels.THRESHOLDS)
         self.per_row: dict[str, list[np.ndarray]] = {k: [] for k in keys}
         self.prompts_ok = True  # every row's prompt is text (report.token_context shows the prompt then)
         self.tot: dict[str, float] = {}
@@ -163,6 +164,7 @@ class _AuditSums:
         self.top_row: tuple | None = None  # the row with the largest |Δp|: (−max, row, tensors…)
         self.routing: dict | None = None
         self.turns = TurnStats()  # the mismatch per turn and by place in the turn (multi-turn dumps)
+        self.top_abs_diff = torch.zeros(0, dtype=torch.float64)  # the largest |Δp|, descending (median_max_over)
 
     def add(self, key: str, value: float) -> None:
         self.tot[key] = self.tot.get(key, 0.0) + value
@@ -176,8 +178,10 @@ class _AuditSums:
         n = mask.sum(dim=1)
         row_max = abs_diff.max(dim=1).values
         for key, x in (("index", index), ("n", n.numpy()), ("max", row_max.numpy()), ("sum", abs_diff.sum(dim=1).numpy()),
-                       ("seq", lr.sum(dim=1).numpy())):  # fmt: skip
+                       ("seq", lr.sum(dim=1).numpy()), ("k3", levels.row_k3(lr, mask).numpy())):  # fmt: skip
             self.per_row[key].append(np.asarray(x))
+        kept = torch.cat([self.top_abs_diff, abs_diff[mask.bool()]])
+        self.top_abs_diff = kept.topk(min(MAX_OVER_TOP, kept.numel())).values
         for key, x in levels.row_hits(abs_diff, mask)[0].items():  # the verdict level's shares, per response
             self.per_row[key].append(x.numpy())
         # the probability table (mismatch_stats) and the divergences (offpolicy / divergence metrics)
@@ -289,7 +293,7 @@ class _AuditSums:
 
     # -- the whole dump -----------------------------------------------------------------------------------------
     def finish(self, info: DumpInfo, path) -> tuple[dict[str, Any], AuditData]:
-        from rollcorr.audit.verdict import conclude
+        from rollcorr.audit.verdict import conclude, reference_token_counts
 
         order = np.argsort(np.concatenate(self.per_row["index"]), kind="stable")
         row = {k: np.concatenate(v)[order] for k, v in self.per_row.items() if k != "index"}
@@ -344,6 +348,8 @@ class _AuditSums:
             "per_response": per_response, "divergence": div, "position": self._profile(),
             "worst_tokens": [{**item, **context[0 if self.prompts_ok else 1]} for *_, item, context in self.worst],
             "verdict_level": levels.verdict_level_from_rows({k: torch.from_numpy(row[k]) for k in levels.THRESHOLDS}, n),
+            "k3_level": levels.k3_level(torch.from_numpy(row["k3"]), n),
+            "max_over_tokens": {str(c): median_max_over(self.top_abs_diff, tokens, c) for c in reference_token_counts()},
         }  # fmt: skip
         if (info.complete.get("routed_experts") and info.complete.get("learner_routed_experts") and self.routing
                 and not self.routing.get("mismatch")):  # fmt: skip

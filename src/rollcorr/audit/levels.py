@@ -21,11 +21,23 @@ The share at ≥ 0.01 does not separate bf16 from the rest across models — 10�
 on SmolLM2-135M's 30 layers, 41 % for int8 on the dense model — so the bf16/beyond boundary reads the share at
 ≥ 0.05 (it read ≥ 0.01 ≤ 25 % until the SmolLM2 audits showed a plain bf16 engine at 31 %). The boundaries sit in
 the gaps between the precisions measured (docs/audit.md has the table); a pair near a boundary has an interval
-that straddles it, and the report says so.
+that straddles it, and the report says so. A share with no hit at all (or every token a hit) has no bootstrap
+spread — every resample gives 0 — so its interval is the exact binomial one (Clopper-Pearson over the valid
+tokens): [0, 1 − 0.025^(1/N)], about 3.7/N (the rule of three's 3/N is the one-sided bound).
+
+"Is this level normal?" places the audit's k3 of KL(μ ‖ π_old) among the levels published for other models
+(``K3_BANDS``). The token mean of k3 is heavy-tailed: one off-distribution token (|Δp| 0.53 among 594 tokens of
+the built-in hf:bf16 audit at -n 128, k3 0.63) moved it from 2.3e-4 (n = 32) to 1.5e-3 (n = 128) and back to
+5.7e-4 (n = 512), across the dense/MoE boundary. The placement reads the **median of means** instead
+(``k3_level``): the responses split into ``K3_GROUPS`` consecutive groups, each group's token-mean k3, their
+median — an estimator of the same token mean (as the groups grow, each group's mean converges to it) that one
+token cannot move further than to a neighbouring group's mean (1.5e-4, 3.2e-4, 2.9e-4 on those three audits).
+The token mean itself is kept, with its 95 % percentile-bootstrap interval over responses, and drawn beside it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -62,32 +74,53 @@ def row_hits(abs_diff: Tensor, mask: Tensor) -> tuple[dict[str, Tensor], Tensor]
 PICK_BLOCK = 1 << 20  # bootstrap indices drawn at once (8 MB: blocks the allocator reuses)
 
 
-def share_intervals(hits: dict[str, Tensor], counts: Tensor, n: int = BOOTSTRAP, seed: int = STAT_SEED) -> dict[str, Any]:
-    """Each share of valid tokens at or above a threshold, with a 95 % percentile-bootstrap interval over
-    responses (``n`` resamples of the responses with a token, each response's tokens kept together).
+def bootstrap_means(sums: dict[str, Tensor], counts: Tensor, n: int = BOOTSTRAP, seed: int = STAT_SEED
+                    ) -> dict[str, list[float]]:
+    """95 % percentile-bootstrap intervals of token means over responses: for each name, Σ sums[picks] /
+    Σ counts[picks] over ``n`` resamples of the responses with a token (a response's tokens kept together).
 
-    ``hits`` {name: (B,)} and ``counts`` (B,) from ``row_hits``. Returns {name: {"share", "ci95"}}. The
-    resamples are drawn in blocks of at most ``PICK_BLOCK`` indices (the same draws as one (n, B) tensor, which
-    at 10⁵ responses took 1.6 GB).
+    ``sums`` {name: (B,)} per-response sums, ``counts`` (B,) valid tokens per response. The resamples are drawn in
+    blocks of at most ``PICK_BLOCK`` indices (the same draws as one (n, B) tensor, which at 10⁵ responses took
+    1.6 GB); every name is read on the same resamples.
     """
     rows = counts > 0
     counts = counts[rows]
-    hits = {name: hits[name][rows] for name in THRESHOLDS}
+    sums = {name: x[rows] for name, x in sums.items()}
     g = torch.Generator().manual_seed(seed)
     per_block = max(1, PICK_BLOCK // max(counts.numel(), 1))
-    total, hit_sums = [], {name: [] for name in THRESHOLDS}
+    total, drawn = [], {name: [] for name in sums}
     for start in range(0, n, per_block):
         picks = torch.randint(0, counts.numel(), (min(per_block, n - start), counts.numel()), generator=g)
         total.append(counts[picks].sum(dim=1))
-        for name in THRESHOLDS:
-            hit_sums[name].append(hits[name][picks].sum(dim=1))
+        for name, x in sums.items():
+            drawn[name].append(x[picks].sum(dim=1))
     total_t = torch.cat(total)
     probs = torch.tensor([0.025, 0.975], dtype=torch.float64)
+    return {name: torch.quantile(torch.cat(drawn[name]) / total_t, probs).tolist() for name in sums}
+
+
+def exact_interval(hits: float, tokens: float) -> list[float] | None:
+    """The exact (Clopper-Pearson) 95 % interval of a share with no hit or only hits among ``tokens``:
+    [0, 1 − 0.025^(1/N)] or [0.025^(1/N), 1]; None otherwise (the bootstrap's spread is then the interval)."""
+    if tokens <= 0 or 0 < hits < tokens:
+        return None
+    bound = 0.025 ** (1.0 / tokens)
+    return [0.0, 1.0 - bound] if hits == 0 else [bound, 1.0]
+
+
+def share_intervals(hits: dict[str, Tensor], counts: Tensor, n: int = BOOTSTRAP, seed: int = STAT_SEED) -> dict[str, Any]:
+    """Each share of valid tokens at or above a threshold, with its 95 % interval: the percentile bootstrap over
+    responses (``bootstrap_means``), or for a share of no hit (or all hits) the exact one (``exact_interval``:
+    a bootstrap of zero hits is [0, 0], which claims a certainty 145 tokens do not give).
+
+    ``hits`` {name: (B,)} and ``counts`` (B,) from ``row_hits``. Returns {name: {"share", "ci95"}}.
+    """
+    ci = bootstrap_means({name: hits[name] for name in THRESHOLDS}, counts, n, seed)
+    tokens = float(counts[counts > 0].sum())
     out = {}
     for name in THRESHOLDS:
-        h = hits[name]
-        lo, hi = torch.quantile(torch.cat(hit_sums[name]) / total_t, probs).tolist()
-        out[name] = {"share": float(h.sum() / counts.sum()), "ci95": [lo, hi]}
+        h = float(hits[name][counts > 0].sum())
+        out[name] = {"share": h / tokens, "ci95": exact_interval(h, tokens) or ci[name]}
     return out
 
 
@@ -102,3 +135,86 @@ def verdict_level_from_rows(hits: dict[str, Tensor], counts: Tensor) -> dict[str
 def verdict_level(abs_diff: Tensor, mask: Tensor) -> dict[str, Any]:
     """``verdict_level_from_rows`` of a (B, T) |Δp| and its (B, T) mask."""
     return verdict_level_from_rows(*row_hits(abs_diff, mask))
+
+
+# ---- "Is this level normal?": the audit's k3 among published levels ------------------------------------------------
+
+K3_GROUPS = 5  # the median of this many group means (fewer when there are fewer responses)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One measured k3 of KL(μ ‖ π_old) between two engines holding one model, with where it was published."""
+
+    label: str
+    k3: float
+    source: str
+
+
+@dataclass(frozen=True)
+class Band:
+    """Where the k3 of one kind of model sits: the range a source states (``quoted``) and the pairs measured on
+    such models (``measured``); its ``edges`` are the widest those sources go, so a measured pair of its kind is
+    never drawn outside its own band."""
+
+    name: str
+    quoted: tuple[float, float]
+    quoted_source: str
+    measured: tuple[Measured, ...]
+
+    @property
+    def edges(self) -> tuple[float, float]:
+        values = [*self.quoted, *(m.k3 for m in self.measured)]
+        return min(values), max(values)
+
+
+MILES = "Miles / LMSYS write-up 'Let Speed Be With Stability' (2026): K3 KL 'typically'"
+R3 = "R3 paper (Ma et al., arXiv 2510.11370): SGLang vs Megatron"
+OURS = "rollcorr audit, experiments/results/audit_diagnosis (temperature 0.7, learner hf:fp32)"
+K3_BANDS = (
+    Band("dense models", (1e-5, 1e-3), f"{MILES} 1e-5 to 1e-3 for dense models", (
+        Measured("Qwen3-8B", 6.4e-4, R3),
+        Measured("SmolLM2-135M, vllm:bf16 (CPU build)", 1.487e-3, OURS),
+        Measured("SmolLM2-135M, hf:bf16", 1.801e-3, OURS),
+    )),
+    Band("MoE models", (1e-3, 1e-1), f"{MILES} 1e-3 to 1e-1 for mixture-of-experts models", (
+        Measured("Qwen3-30B-A3B", 1.535e-3, R3),
+        Measured("DeepSeek-V4, no alignment", 5.2e-3, "verl PR #7242"),
+    )),
+)
+
+
+def bands_of(k3: float) -> list[str]:
+    """The names of the bands (``K3_BANDS``) whose edges hold ``k3``: none, one, or two where bands overlap."""
+    return [band.name for band in K3_BANDS if band.edges[0] <= k3 <= band.edges[1]]
+
+
+def row_k3(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """(B,) float64 Σ_t (e^ℓ − 1 − ℓ) over each response's valid tokens; ``log_ratio`` (B, T) ℓ = log π_old − log μ
+    (clamped), ``mask`` (B, T)."""
+    lr = log_ratio.double()
+    return ((lr.exp() - 1 - lr) * mask).sum(dim=1)
+
+
+def median_of_means(sums: Tensor, counts: Tensor, groups: int = K3_GROUPS) -> float:
+    """The median over ``groups`` consecutive groups of responses of each group's token mean Σ sums / Σ counts
+    (responses without a token left out; as many groups as responses when there are fewer)."""
+    rows = counts > 0
+    sums, counts = sums[rows].double(), counts[rows].double()
+    k = min(groups, counts.numel())
+    group = torch.arange(counts.numel()) * k // counts.numel()
+    means = torch.zeros(k, dtype=torch.float64).index_add_(0, group, sums) / torch.zeros(k, dtype=torch.float64).index_add_(0, group, counts)
+    return float(torch.quantile(means, 0.5))
+
+
+def k3_level(row_k3: Tensor, counts: Tensor) -> dict[str, Any]:
+    """The audit's k3 of KL(μ ‖ π_old) for "Is this level normal?": ``robust`` (``median_of_means``, what places
+    it: ``bands``), the token ``mean`` with its 95 % bootstrap interval over responses (``ci95``), ``groups``.
+
+    ``row_k3`` (B,) each response's Σ_t (ρ_t − 1 − ℓ_t), ``counts`` (B,) its valid tokens.
+    """
+    rows = counts > 0
+    robust = median_of_means(row_k3, counts)
+    return {"robust": robust, "mean": float(row_k3[rows].sum() / counts[rows].sum()),
+            "ci95": bootstrap_means({"k3": row_k3.double()}, counts.double())["k3"],
+            "groups": min(K3_GROUPS, int(rows.sum())), "bands": bands_of(robust)}

@@ -4,7 +4,7 @@
 - ``histogram``: |Δp| on log-spaced bins with a log count axis, thresholds of the ABEJA table marked;
 - ``position``: |Δp| along the response (mean and max per position bucket; the worst response token by token);
 - ``per_response``: each response's max and mean |Δp| against its length;
-- ``levels``: this audit's k3 among the levels published for other models (``PUBLISHED_K3``), with what the
+- ``levels``: this audit's k3 among the levels published for other models (``levels.K3_BANDS``), with what the
   ``--whatif`` changes left;
 - ``localization`` (with ``--localize``): the hidden states' relative error by depth, and each component's
   share of the mismatch.
@@ -167,50 +167,119 @@ def per_response_plot(view: TokenView, path: Path) -> Path:
     return save_figure(fig, path, dpi=DPI)
 
 
-# k3 of KL(μ ‖ π_old) levels reported for other models and stacks, each with its public source
-PUBLISHED_K3 = {
-    "dense models (Miles / LMSYS write-up, 2026)": (1e-5, 1e-3),
-    "MoE models (Miles / LMSYS write-up, 2026)": (1e-3, 1e-1),
-}
-PUBLISHED_POINTS = {"DeepSeek-V4, no alignment (verl PR #7242)": 0.0052}
 FP16_PAPER_FACTOR = 24  # "Defeating the Training-Inference Mismatch via FP16": ~24× lower KL with fp16 both sides
+BAND_COLORS = ("#c8dcf0", "#f3d9c4")
+
+
+def _level_rows(summary: dict) -> list[tuple[str, float, dict]]:
+    """(kind, k3, what to draw) per row of the levels figure, top to bottom: each band of ``K3_BANDS`` then the
+    pairs measured on its kind of model, this audit, each --whatif change."""
+    from rollcorr.audit.levels import K3_BANDS
+
+    rows: list[tuple[str, float, dict]] = []
+    for band, color in zip(K3_BANDS, BAND_COLORS):
+        rows.append(("band", band.edges[0], {"band": band, "color": color}))
+        rows += [("measured", m.k3, {"label": f"{m.label} ({m.source.split(' (')[0].split(',')[0]})"})
+                 for m in band.measured]  # fmt: skip
+    level = summary.get("k3_level") or {"robust": summary["divergence"]["k3_kl"], "mean": summary["divergence"]["k3_kl"]}
+    rows.append(("audit label", level["robust"], level))  # its own row: the label is long, the interval wide
+    rows.append(("audit", level["robust"], level))
+    rows += [("whatif", r["k3_kl"], r) for r in summary.get("whatif", [])]
+    return rows
+
+
+def levels_figure(summary: dict):
+    """This audit's k3 of KL(μ ‖ π_old) on a log axis among the levels published for other models: each band of
+    ``levels.K3_BANDS`` (the range its source states, darker, and as far as the pairs measured on that kind of
+    model go), those pairs, this audit — the median of group means that places it, the token mean with its 95 %
+    bootstrap interval, the FP16 paper's ~24× reduction drawn from it — and what each --whatif change left.
+    Every label is inside the axes (``_inside``)."""
+    rows = _level_rows(summary)
+    values = [v for kind, v, _ in rows if v > 0] + [r.get("mean", 0) for k, _, r in rows if k == "audit"]
+    floor = min([v for v in values if v > 0] + [1e-5]) / 100  # where an exact 0 is drawn (log axis)
+    ends = [max(v, floor) for _, v, _ in rows] + [e for k, _, d in rows if k == "band" for e in d["band"].edges]
+    ends += [x for k, _, d in rows if k == "audit" for x in d.get("ci95", []) if x > 0]
+    fig, ax = plt.subplots(figsize=(9, 1.0 + 0.3 * len(rows)))
+    fig.subplots_adjust(left=0.02, right=0.98, top=1 - 0.35 / (1.0 + 0.3 * len(rows)), bottom=0.55 / (1.0 + 0.3 * len(rows)))
+    ax.set_xscale("log")
+    ax.set_xlim(min(ends) / 10, max(ends) * 10)
+    labels = []
+    for y, (kind, value, d) in enumerate(rows):
+        y = len(rows) - 1 - y
+        if kind.startswith("audit") and "ci95" in d:  # an exact 0 is drawn at the floor on the log axis
+            d = {**d, "mean": max(d["mean"], floor), "ci95": [max(v, floor) for v in d["ci95"]]}
+        labels.append(_draw_level_row(ax, y, kind, max(value, floor), d))
+    ax.set_yticks([])
+    ax.set_ylim(-0.7, len(rows) - 0.3)
+    ax.set(xlabel="k3 of KL(μ ‖ π_old): a token mean (×, the bands), the median of group means (●)")
+    ax.set_title("Is this level normal? This audit among published levels (other models, other stacks)")
+    ax.grid(alpha=0.3, axis="x")
+    _inside(fig, ax, [t for t in labels if t is not None])
+    return fig
+
+
+def _draw_level_row(ax, y: float, kind: str, x: float, d: dict):
+    """One row of ``levels_figure``; returns its label (a matplotlib Text)."""
+    if kind == "band":
+        band = d["band"]
+        ax.fill_betweenx([y - 0.38, y + 0.38], *band.edges, color=d["color"], alpha=0.55, lw=0)
+        ax.fill_betweenx([y - 0.38, y + 0.38], *band.quoted, color=d["color"], lw=0)
+        lo, hi = band.edges
+        said = f"{band.name}: {band.quoted[0]:.0e} to {band.quoted[1]:.0e} (Miles / LMSYS)"
+        said += f"; measured pairs to {hi:.2g}" if hi > band.quoted[1] else ""
+        return ax.text((lo * hi) ** 0.5, y, said, va="center", ha="center", fontsize=8)
+    if kind == "measured":
+        ax.plot([x], [y], "s", color="#555", ms=5)
+        return _label(ax, x, y, f"{d['label']}: k3 {x:.2g}", color="#333")
+    if kind == "audit label":
+        said = f"this audit: k3 {x:.2g}" + (f" (●, the median of {d['groups']} group means)" if "groups" in d else "")
+        if "ci95" in d:
+            said += f"; token mean {d['mean']:.2g} (×) with its 95 % interval [{d['ci95'][0]:.2g}, {d['ci95'][1]:.2g}]"
+        return ax.text(ax.get_xlim()[0] * 1.5, y - 0.15, said, va="center", ha="left", fontsize=8, color="#c44e52")
+    if kind == "audit":
+        if d.get("ci95"):
+            lo, hi = d["ci95"]
+            ax.errorbar([max(d["mean"], lo)], [y], xerr=[[max(d["mean"] - lo, 0)], [max(hi - d["mean"], 0)]], fmt="x",
+                        color="#c44e52", alpha=0.7, capsize=3, ms=6)  # fmt: skip
+        ax.plot([x], [y], "o", color="#c44e52", markersize=8)
+        ax.annotate("", xy=(x / FP16_PAPER_FACTOR, y), xytext=(x, y),
+                    arrowprops={"arrowstyle": "->", "color": "#c44e52", "alpha": 0.5})  # fmt: skip
+        return _label(ax, x / FP16_PAPER_FACTOR, y, f"FP16 paper: ~{FP16_PAPER_FACTOR}× lower", span=d.get("ci95"),
+                      color="#c44e52", alpha=0.7)  # fmt: skip
+    ax.plot([x], [y], "D", color="#4c72b0")
+    said = f"k3 {d['k3_kl']:.2g}" if d["k3_kl"] > 0 else "k3 exactly 0 (drawn at the left)"
+    return _label(ax, x, y, f"--whatif {d['change']}: {said}")
+
+
+def _label(ax, x: float, y: float, text: str, span: list[float] | None = None, **kw):
+    """A label beside the point at (x, y) — beyond its interval ``span`` when it has one — on the side of the axis
+    with more room (log x)."""
+    import math
+
+    lo, hi = ax.get_xlim()
+    left_end, right_end = min([x, *(span or [])]), max([x, *(span or [])])
+    right = math.log(hi / right_end) >= math.log(left_end / lo)
+    at = right_end * 1.4 if right else left_end / 1.4
+    return ax.text(at, y, text, va="center", ha="left" if right else "right", fontsize=8, **kw)
+
+
+def _inside(fig, ax, texts) -> None:
+    """Keep each label inside the axes: one that runs past an edge shrinks until it fits (at 5 points the
+    least), and is clipped to the axes beyond that."""
+    renderer = fig.canvas.get_renderer()
+    box = ax.get_window_extent(renderer)
+    for text in texts:
+        text.set_clip_on(True)
+        while text.get_fontsize() > 5:
+            extent = text.get_window_extent(renderer)
+            if extent.x0 >= box.x0 and extent.x1 <= box.x1:
+                break
+            text.set_fontsize(text.get_fontsize() - 0.5)
 
 
 def levels(summary: dict, path: Path) -> Path:
-    """This audit's token-mean k3 on a log axis, among the published levels, with the k3 each ``--whatif``
-    change left (when measured) and the FP16 paper's ~24× reduction drawn from this audit's k3."""
-    measured = [summary["divergence"]["k3_kl"], *(r["k3_kl"] for r in summary.get("whatif", []))]
-    floor = min([v for v in measured if v > 0] + [1e-5]) / 100  # where an exact 0 is drawn (log axis)
-    k3 = max(summary["divergence"]["k3_kl"], floor)
-    fig, ax = plt.subplots(figsize=(8, 2.6 + 0.25 * len(summary.get("whatif", []))))
-    y = 0
-    for (label, (lo, hi)), color in zip(PUBLISHED_K3.items(), ("#c8dcf0", "#f3d9c4")):
-        ax.fill_betweenx([y - 0.35, y + 0.35], lo, hi, color=color)
-        ax.text(hi * 1.15, y, label, va="center", fontsize=8)
-        y += 1
-    for label, value in PUBLISHED_POINTS.items():
-        ax.plot([value], [y], "s", color="#555")
-        ax.text(value * 1.3, y, label, va="center", fontsize=8)
-        y += 1
-    ax.plot([k3], [y], "o", color="#c44e52", markersize=9)
-    ax.annotate("", xy=(k3 / FP16_PAPER_FACTOR, y), xytext=(k3, y), arrowprops={"arrowstyle": "->", "color": "#c44e52", "alpha": 0.5})
-    ax.text(k3 * 1.3, y, f"this audit (k3 {k3:.2g}); arrow: the FP16 paper's ~{FP16_PAPER_FACTOR}× lower KL",
-            va="center", fontsize=8, color="#c44e52")  # fmt: skip
-    for row in summary.get("whatif", []):
-        y += 1
-        value = max(row["k3_kl"], floor)
-        ax.plot([value], [y], "D", color="#4c72b0")
-        said = f"k3 {row['k3_kl']:.2g}" if row["k3_kl"] > 0 else "k3 exactly 0 (drawn at the left)"
-        ax.text(value * 1.3, y, f"--whatif {row['change']}: {said}", va="center", fontsize=8)
-    ax.set_xscale("log")
-    ax.set_yticks([])
-    ax.set_ylim(-0.7, y + 0.7)
-    values = [k3, *(max(r["k3_kl"], floor) for r in summary.get("whatif", [])), 1e-5, 1e-1]
-    ax.set_xlim(min(values) / 30, max(values) * 30)
-    ax.set(xlabel="token-mean k3 of KL(μ ‖ π_old)")
-    ax.set_title("Is this level normal? This audit among published levels (other models, other stacks)")
-    ax.grid(alpha=0.3, axis="x")
-    return save_figure(fig, path, dpi=DPI)
+    """``levels_figure`` saved to ``path``."""
+    return save_figure(levels_figure(summary), path, dpi=DPI)
 
 
 def localization(loc: dict, path: Path) -> Path:

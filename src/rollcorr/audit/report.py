@@ -18,8 +18,8 @@ from rich.table import Table
 
 from rollcorr.audit import plots
 from rollcorr.audit.collect import AuditData
-from rollcorr.audit.stats import audit_stats, check_inputs
-from rollcorr.audit.verdict import SHARE_KEYS, conclude, references_for
+from rollcorr.audit.stats import audit_stats, check_inputs, median_max_over
+from rollcorr.audit.verdict import SHARE_KEYS, conclude, max_over, reference_token_counts, references_for
 from rollcorr.turns import turn_summary
 
 CONTEXT_TOKENS = 12  # tokens shown on each side of a worst token
@@ -50,12 +50,21 @@ def token_context(data: AuditData, row: int, position: int, window: int = CONTEX
     }
 
 
+def max_over_tokens(data: AuditData) -> dict[str, float | None]:
+    """{str(N): the median max |Δp| over N of this audit's tokens} for each token count N a reference's max is over
+    (``stats.median_max_over``; ``verdict.max_over`` reads it)."""
+    view = check_inputs(data.rollout_log_prob, data.old_log_prob, data.response_mask)
+    tokens = view.abs_diff[view.mask].sort(descending=True).values
+    return {str(n): median_max_over(tokens, tokens.numel(), n) for n in reference_token_counts()}
+
+
 def build_summary(data: AuditData, worst_k: int = 10) -> dict[str, Any]:
     """Statistics (``audit_stats``), the source description, the worst tokens' context and the verdict."""
     stats = audit_stats(data.rollout_log_prob, data.old_log_prob, data.response_mask, worst_k=worst_k)
     for item in stats["worst_tokens"]:
         item.update(token_context(data, item["row"], item["position"]))
     summary = {"source": data.source, **stats, **data.diagnosis}
+    summary["max_over_tokens"] = max_over_tokens(data)
     if data.routed_experts is not None and data.learner_routed_experts is not None:
         from rollcorr.moe import routing_summary
 
@@ -282,6 +291,8 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
         print_table(console, table)
     if "localization" in summary:
         print_line(console, f"[bold]Where it enters[/]: {escape(summary['localization']['entry'])}")
+    if sentence := level_sentence(summary):
+        print_line(console, f"[bold]Is this level normal?[/] {escape(sentence)}")
     print_line(console, f"[bold]In short[/]: {escape(' '.join(summary['verdict']))}")
     print_commands(console, summary)
 
@@ -312,8 +323,11 @@ CAPTIONS = {
     "context? Bottom: the response with the largest |Δp|, token by token — isolated spikes or a drift?",
     "per_response": "Each response's largest and average |Δp| (the TIS paper's two metrics) against its "
     "length. Max mismatch tends to grow with length even when the mean does not.",
-    "levels": "This audit's k3 among the levels reported for other models and stacks (their sources named): a "
-    "band is where those models sit, not a threshold for this one. Diamonds: what each --whatif change left here.",
+    "levels": "This audit's k3 among the levels reported for other models and stacks (sources below): a band is "
+    "where those models sit — the range its source states, darker, and as far as the pairs measured on that kind "
+    "of model go — not a threshold for this one. ● places this audit: the median of the token-mean k3 of groups of "
+    "its responses, which one token cannot move across a band; × is the token mean with its 95 % bootstrap "
+    "interval over responses; the arrow, the FP16 paper's ~24× lower KL. Diamonds: what each --whatif change left.",
     "localization": "Left: how far the sampler's hidden state is from the learner's at each layer (an error there "
     "includes everything upstream). Right: each component's own contribution — the sampler's version of that "
     "component alone swapped into the fp32 learner — as a share of the sampler forward's k3.",
@@ -339,13 +353,27 @@ def whatif_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:
 SHARE_LABELS = ("share |Δp| < 0.001", "share ≥ 0.01", "share ≥ 0.05", "share ≥ 0.1")
 
 
+def _uncompared_max(reference: dict[str, Any]) -> str:
+    """For a reference whose max is over a token count its source does not give: its max, and why the table
+    does not compare it."""
+    if reference.get("tokens"):
+        return ""
+    return (f". Its max |Δp| {reference['prob_diff_max']:.3g} is over a number of tokens the source does not give, "
+            "so it is compared with nothing: a max grows with the number of tokens")
+
+
 def reference_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:
-    """(metric, this audit, each reference level) rows: the |Δp| shares and the max."""
+    """(metric, this audit, each reference level) rows: the |Δp| shares, and for each token count a reference's max
+    is over, the max over that many tokens (this audit's: the median max of that many of its tokens, ``max_over``;
+    a reference measured over another count, or an unknown one: —)."""
     p, refs = summary["probability"], list(references_for(summary).values())
     rows = [
         (label, _pct(p[key]), *(_pct(r[key]) for r in refs)) for label, key in zip(SHARE_LABELS, SHARE_KEYS)
     ]
-    rows.append(("max |Δp|", _num(p["prob_diff_max"]), *(_num(r["prob_diff_max"]) for r in refs)))
+    for n in sorted({r["tokens"] for r in refs if r.get("tokens")}):  # a max only against one over as many tokens
+        ours = max_over(summary, n)
+        rows.append((f"max |Δp| over {n} tokens", "—" if ours is None else _num(ours),
+                     *(_num(r["prob_diff_max"]) if r.get("tokens") == n else "—" for r in refs)))
     return rows
 
 
@@ -381,7 +409,7 @@ def render_html(summary: dict[str, Any], images: dict[str, Path]) -> str:
         "<tr>" + f"<td>{esc(row[0])}</td>" + "".join(f"<td class='num'>{esc(v)}</td>" for v in row[1:]) + "</tr>"
         for row in reference_rows(summary)
     )
-    ref_sources = "".join(f"<li>{esc(r['label'])}: {esc(r['source'])}</li>" for r in refs.values())
+    ref_sources = "".join(f"<li>{esc(r['label'])}: {esc(r['source'])}{esc(_uncompared_max(r))}</li>" for r in refs.values())
     source = "".join(
         f"<tr><td>{esc(str(k))}</td><td>{esc(json.dumps(v) if isinstance(v, dict | list) else str(v))}</td></tr>"
         for k, v in summary["source"].items()
@@ -404,7 +432,7 @@ def render_html(summary: dict[str, Any], images: dict[str, Path]) -> str:
 
     diagnosis = ""
     if "levels" in images:
-        diagnosis += f"<h2>Is this level normal?</h2>{figure('levels')}"
+        diagnosis += f"<h2>Is this level normal?</h2>{figure('levels')}{_level_html(summary)}"
     if summary.get("whatif"):
         head = "".join(f"<th>{esc(h)}</th>" for h in ("change", "sampler", *(c[0] for c in WHATIF_COLUMNS), "level"))
         body = "".join("<tr>" + "".join(f"<td>{esc(v)}</td>" for v in row) + "</tr>" for row in whatif_rows(summary))
@@ -440,6 +468,30 @@ def render_html(summary: dict[str, Any], images: dict[str, Path]) -> str:
 <h2>Plots</h2>{figures}
 </body></html>
 """
+
+
+def level_sentence(summary: dict[str, Any]) -> str | None:
+    """Where ``summary["k3_level"]`` places this audit among the published bands, in words (None without it)."""
+    level = summary.get("k3_level")
+    if not level:
+        return None
+    where = (" and ".join(f"the band of {name}" for name in level["bands"]) if level["bands"]
+             else "no published band")
+    lo, hi = level["ci95"]
+    return (f"This audit's k3 is {level['robust']:.2g} (the median of {level['groups']} group means of its "
+            f"responses), in {where}; the token mean is {level['mean']:.2g}, 95 % interval {lo:.2g} to {hi:.2g}.")
+
+
+def _level_html(summary: dict[str, Any]) -> str:
+    """The placement sentence and the sources of every band and measured pair of the levels figure."""
+    from rollcorr.audit.levels import K3_BANDS
+
+    esc = html.escape
+    items = "".join(f"<li>{esc(b.name)}: {esc(b.quoted_source)}; measured: "
+                    + "; ".join(esc(f"{m.label} {m.k3:.3g} ({m.source})") for m in b.measured) + "</li>"
+                    for b in K3_BANDS)
+    sentence = level_sentence(summary)
+    return (f"<p>{esc(sentence)}</p>" if sentence else "") + f"<ul class='refs'>{items}</ul>"
 
 
 def _turns_html(summary: dict[str, Any]) -> str:

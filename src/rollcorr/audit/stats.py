@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rollcorr.audit.levels import verdict_level
+from rollcorr.audit.levels import k3_level, row_k3, verdict_level
 from rollcorr.config.correction import LOG_RATIO_CLAMP
 from rollcorr.correction.metrics import (
     divergence_metrics,
@@ -214,6 +214,26 @@ def worst_tokens(view: TokenView, k: int = 10) -> list[dict[str, float | int]]:
     return out
 
 
+MAX_OVER_TOP = 1 << 16  # largest |Δp| a chunked dump audit keeps for ``median_max_over``
+
+
+def median_max_over(top: Tensor, total: int, n: int) -> float | None:
+    """The median of the max |Δp| over ``n`` tokens drawn from the audit's ``total`` tokens: the max of n draws is
+    ≤ x with probability F(x)^n (F the tokens' empirical distribution), so its median is F's quantile at
+    0.5^(1/n) — what a max over n tokens of these engines usually is, comparable with a max published over n
+    tokens where the audit's own max (over all its tokens) is not. ``top``: the largest |Δp| of the tokens (all
+    of them, or at least the ones above that quantile), descending; None when they do not reach it. Linear
+    interpolation between order statistics, as ``torch.quantile``."""
+    position = (total - 1) * 0.5 ** (1.0 / n)
+    below = int(position)
+    need = total - below  # the quantile reads the values of ascending ranks `below` and `below + 1`
+    if total < 1 or need > top.numel():
+        return None
+    low = float(top[total - 1 - below])
+    high = float(top[total - 2 - below]) if below + 1 <= total - 1 else low
+    return low + (position - below) * (high - low)
+
+
 def audit_stats(
     rollout_log_prob: Tensor, old_log_prob: Tensor, response_mask: Tensor, *, worst_k: int = 10
 ) -> dict:
@@ -222,7 +242,8 @@ def audit_stats(
     Keys: ``n_responses``, ``n_tokens``, ``probability`` (ABEJA table, Pearson, per-response max/mean |Δp|
     distributions), ``divergence`` (log-ratio moments, KL both ways, χ², ESS), ``position`` (profile) and
     ``worst_tokens``, ``verdict_level`` (the level the verdict reads: ``rollcorr.audit.levels``),
-    ``tokens_differing`` (tokens whose two log-probs are not bitwise equal).
+    ``tokens_differing`` (tokens whose two log-probs are not bitwise equal), ``k3_level`` (k3 among published
+    levels: ``rollcorr.audit.levels.k3_level``).
     """
     view = check_inputs(rollout_log_prob, old_log_prob, response_mask)
     rows = per_response(view)
@@ -242,4 +263,5 @@ def audit_stats(
         "position": position_profile(view),
         "worst_tokens": worst_tokens(view, worst_k),
         "verdict_level": verdict_level(view.abs_diff, view.mask),
+        "k3_level": k3_level(row_k3(view.log_ratio, view.mask), view.mask.sum(dim=1).double()),
     }

@@ -41,6 +41,7 @@ REFERENCES: dict[str, dict[str, Any]] = {
         "prob_diff_frac_ge_0.05": 0.0,
         "prob_diff_frac_ge_0.1": 0.0,
         "prob_diff_max": 0.0397,
+        "tokens": 294,  # the max is over this many tokens (a max grows with the sample: compared at this count)
     },
     "builtin_fp16": {
         "model": "builtin",
@@ -52,6 +53,7 @@ REFERENCES: dict[str, dict[str, Any]] = {
         "prob_diff_frac_ge_0.05": 0.0,
         "prob_diff_frac_ge_0.1": 0.0,
         "prob_diff_max": 0.00408,
+        "tokens": 294,
     },
     "abeja_vllm_hf": {
         "model": None,  # a published production-scale level, shown for every model
@@ -62,6 +64,7 @@ REFERENCES: dict[str, dict[str, Any]] = {
         "prob_diff_frac_ge_0.05": 0.020,
         "prob_diff_frac_ge_0.1": 0.003,
         "prob_diff_max": 0.215,
+        "tokens": None,  # not given by the post: its max is compared with nothing
     },
 }
 SEQ_ESS_GUARD = 0.9  # sequence ESS below this: long responses' weights spread; guard at sequence level
@@ -287,15 +290,33 @@ def _pct(x: float) -> str:
     return f"{100 * x:.2g} %" if x < 0.1 else f"{100 * x:.1f} %"
 
 
-def _compare(p: dict[str, Any], refs_shown: dict[str, dict[str, Any]]) -> str:
-    refs = "; ".join(
-        f"{r['label']}: {_pct(r['prob_diff_frac_ge_0.01'])} and {_pct(r['prob_diff_frac_ge_0.05'])}, "
-        f"max {r['prob_diff_max']:.3g}"
-        for r in refs_shown.values()
-    )
+def reference_token_counts() -> list[int]:
+    """The token counts the references' maxima are over (those known), ascending."""
+    return sorted({r["tokens"] for r in REFERENCES.values() if r.get("tokens")})
+
+
+def max_over(summary: dict[str, Any], tokens: int) -> float | None:
+    """This audit's median max |Δp| over ``tokens`` tokens (``summary["max_over_tokens"]``, written for each
+    reference's token count when the audit's tokens were at hand), or None."""
+    value = (summary.get("max_over_tokens") or {}).get(str(tokens))
+    return None if value is None else float(value)
+
+
+def _compare(summary: dict[str, Any], refs_shown: dict[str, dict[str, Any]]) -> str:
+    """The audit's shares against the references'; a maximum only where it can be compared — a reference's max
+    over its N tokens against this audit's median max over N (``max_over``): a max grows with the sample."""
+    p = summary["probability"]
+    refs = []
+    for r in refs_shown.values():
+        text = f"{r['label']}: {_pct(r['prob_diff_frac_ge_0.01'])} and {_pct(r['prob_diff_frac_ge_0.05'])}"
+        ours = max_over(summary, r["tokens"]) if r.get("tokens") else None
+        if ours is not None:
+            text += f", max {r['prob_diff_max']:.3g} over its {r['tokens']} tokens where this audit's is {ours:.3g}"
+        refs.append(text)
     return (
         f"{_pct(p['prob_diff_frac_ge_0.01'])} of the sampled tokens move by |Δp| ≥ 0.01 and "
-        f"{_pct(p['prob_diff_frac_ge_0.05'])} by ≥ 0.05, max {p['prob_diff_max']:.3g} (references — {refs})."
+        f"{_pct(p['prob_diff_frac_ge_0.05'])} by ≥ 0.05, max {p['prob_diff_max']:.3g} over "
+        f"{_plural(summary['n_tokens'], 'token')} (references — {'; '.join(refs)})."
     )
 
 
@@ -368,6 +389,27 @@ def whatif_sentences(summary: dict[str, Any]) -> list[str]:
             f"|Δp| ≥ 0.01 (k3 {summary['divergence']['k3_kl']:.2g}); " + "; ".join(parts) + "."]
 
 
+SIZE_AND_CAUSE = {
+    "fp16": "as close as fp16 numerics put two engines holding the same model — precision alone keeps the mismatch "
+    "this small",
+    "bf16": "as far apart as bf16 numerics usually put two engines holding the same model",
+    "beyond": "further apart than bf16 numerics put two engines holding the same model — the two sides most likely "
+    "hold different weights (quantisation, another checkpoint or tokenizer, a temperature applied on one side only)",
+}
+SIZE_ONLY = {"fp16": "the size fp16 numerics leave", "bf16": "the size bf16 numerics leave",
+             "beyond": "larger than bf16 numerics leave"}
+
+
+def _size(where: str, summary: dict[str, Any]) -> str:
+    """The verdict's first words: the mismatch's size against what numerics leave between two engines holding one
+    model, with the usual cause of that size (``SIZE_AND_CAUSE``) — or, when --localize ran, the size alone: the
+    cause is what the localisation found (one perturbed tensor in an fp32 sampler is not "bf16 numerics")."""
+    if "localization" in summary:
+        return (f'The mismatch is {SIZE_ONLY[where]} between two engines holding one model (level "{where}"); '
+                "where it comes from is the localisation's finding below, not read from its size: ")
+    return f"The engines are {SIZE_AND_CAUSE[where]}: "
+
+
 def verdict(summary: dict[str, Any]) -> list[str]:
     """A few sentences: how far apart the engines are, the correction the numbers suggest and why (with the
     override that applies it), whether precision alone would remove the gap, and what a negative
@@ -390,30 +432,20 @@ def verdict(summary: dict[str, Any]) -> list[str]:
             "is needed (preset disabled); any mismatch during training comes from staleness, not from the engines."
         )
     elif where == "fp16":
-        out.append(
-            "The engines are as close as fp16 numerics put two engines holding the same model — precision alone "
-            "keeps the mismatch this small: " + _compare(p, refs)
-        )
+        out.append(_size(where, summary) + _compare(summary, refs))
         out.append(
             _suggest(
                 where, f"token ESS/N {ess_tok:.3g}, sequence ESS/N {ess_seq:.3g}: the weights barely spread", summary
             )
         )
     elif where == "bf16":
-        out.append(
-            "The engines are as far apart as bf16 numerics usually put two engines holding the same model: "
-            + _compare(p, refs)
-        )
+        out.append(_size(where, summary) + _compare(summary, refs))
         out.append(_suggest(where, f"token ESS/N {ess_tok:.3g}, sequence ESS/N {ess_seq:.3g}; per-token "
                                    "weights capped at 2 keep the variance low even where sequence products spread", summary))
         if _says_precision(summary):
             out.append(_precision_sentence(summary))
     else:
-        out.append(
-            "The engines are further apart than bf16 numerics put two engines holding the same model — the two "
-            "sides most likely hold different weights (quantisation, another checkpoint or tokenizer, a "
-            "temperature applied on one side only): " + _compare(p, refs)
-        )
+        out.append(_size(where, summary) + _compare(summary, refs))
         if ess_seq < SEQ_ESS_BROKEN:
             out.append(
                 f"Fix the sampler before training (a finer quantisation, the same checkpoint): sequence ESS/N "
