@@ -23,6 +23,10 @@ experts it picks); the final norm; the lm-head;
 and the residual stream — a bf16 or fp16 model also carries the hidden state between layers in its dtype, so
 this component rounds every decoder layer's input and output to the sampler's dtype (nothing for int8 and rtn<k>,
 which compute in float32).
+Cost: the learner's input to every decoder layer is kept from its one reference forward, so a component at layer
+i runs only layers i … L−1, the final norm and the lm-head from there (``suffix_log_probs``) — the unchanged
+prefix is reused, not recomputed; the embedding and the residual stream, which touch layer 0, run whole. On an
+L-layer model the components cost L + 3 full forwards' worth of layers instead of 2L + 4 (30 layers: 33 against 64).
 The sampler's *decode* (a KV cache, a batch of other rows) can differ from its full forward: the audit's own
 k3 on the same tokens against the all-swapped forward's separates that part (``decode_and_batch``).
 
@@ -42,7 +46,7 @@ from torch import Tensor, nn
 from rollcorr.engines.kvdecode import positions_from_mask
 from rollcorr.rollout import Rollout
 
-MAX_RESPONSES = 8  # responses localised by default (each component costs a full forward over them)
+MAX_RESPONSES = 8  # responses localised by default (each component costs up to a full forward over them)
 
 
 def _cast(x: Any, dtype: torch.dtype) -> Any:
@@ -91,6 +95,25 @@ def components(model: nn.Module) -> list[tuple[str, list[str]]]:
 
 
 RESIDUAL = "residual stream"
+
+
+def start_layer(model: nn.Module, paths: list[str]) -> int | None:
+    """The first decoder layer a swap of ``paths`` changes: i for modules inside layer i, L (the layer count) for
+    the final norm or the lm-head; None for the embedding and the residual stream, which change layer 0's input
+    (a full forward)."""
+    decoder = model.get_decoder()
+    prefix = next(name for name, m in model.named_modules() if m is decoder)
+    head = next(name for name, m in model.named_modules() if m is model.get_output_embeddings())
+    starts = []
+    for path in paths:
+        inside = path.removeprefix(f"{prefix}.layers.")
+        if inside != path and inside.split(".")[0].isdigit():
+            starts.append(int(inside.split(".")[0]))
+        elif path in (f"{prefix}.norm", head):
+            starts.append(len(decoder.layers))
+        else:
+            return None
+    return min(starts)
 
 
 @contextmanager
@@ -152,6 +175,50 @@ def response_log_probs(model: nn.Module, ids: Tensor, mask: Tensor, prompt_len: 
     body = model.get_decoder()
     hidden = body(input_ids=ids, attention_mask=mask.long(), position_ids=positions_from_mask(mask),
                   use_cache=False).last_hidden_state
+    t = targets.shape[1]
+    logits = model.get_output_embeddings()(hidden[:, prompt_len - 1 : prompt_len - 1 + t])
+    log_p = torch.log_softmax(logits.double() / temperature, dim=-1)
+    return log_p.gather(-1, targets[..., None]).squeeze(-1)
+
+
+@contextmanager
+def _layer_calls(model: nn.Module) -> Iterator[list[tuple[tuple, dict]]]:
+    """Inside, each decoder layer's call (args, kwargs) of the forward run there is recorded, in layer order — the
+    hidden state entering it and what the model passes beside (position embeddings, attention mask) — and last,
+    as ((h,), {}), the hidden state leaving the last layer: L + 1 entries."""
+    calls: list[tuple[tuple, dict]] = []
+    layers = model.get_decoder().layers
+    handles = [layer.register_forward_pre_hook(lambda m, args, kwargs: calls.append((args, dict(kwargs))),
+                                               with_kwargs=True) for layer in layers]
+    handles.append(layers[-1].register_forward_hook(
+        lambda m, args, out: calls.append(((out[0] if isinstance(out, tuple) else out,), {}))))
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _with_hidden(call: tuple[tuple, dict], hidden: Tensor) -> tuple[tuple, dict]:
+    """A recorded layer call with its hidden state replaced by ``hidden``."""
+    args, kwargs = call
+    return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+
+
+def suffix_log_probs(model: nn.Module, calls: list[tuple[tuple, dict]], start: int, prompt_len: int,
+                     targets: Tensor, temperature: float) -> Tensor:
+    """(B, T) float64 log p of ``targets`` from decoder layer ``start`` on: its recorded input (``calls``, from
+    ``_layer_calls`` around a forward of the same tokens) through layers start … L−1, the final norm and the
+    lm-head — ``response_log_probs`` with the layers before ``start`` not run again (``start`` = L: the norm and
+    the head alone). Hooks on the modules run fire as in a full forward."""
+    layers = model.get_decoder().layers
+    args, kwargs = calls[start]
+    hidden = args[0] if args else kwargs["hidden_states"]
+    for j in range(start, len(layers)):
+        args, kwargs = _with_hidden(calls[j], hidden)
+        out = layers[j](*args, **kwargs)
+        hidden = out[0] if isinstance(out, tuple) else out
+    hidden = model.get_decoder().norm(hidden)
     t = targets.shape[1]
     logits = model.get_output_embeddings()(hidden[:, prompt_len - 1 : prompt_len - 1 + t])
     log_p = torch.log_softmax(logits.double() / temperature, dim=-1)
@@ -231,7 +298,7 @@ def localize(sampler, learner, rollout: Rollout, *, temperature: float = 1.0, re
     p = part.prompt_ids.shape[1]
     sampler_device = next(sampler_model.parameters()).device
     # divergence by depth: the two full forwards, hooked
-    with _capture(learner_model, _sites(learner_model)) as ref_sites:
+    with _capture(learner_model, _sites(learner_model)) as ref_sites, _layer_calls(learner_model) as calls:
         ref = response_log_probs(learner_model, ids, mask, p, targets, temp)
     with _capture(sampler_model, _sites(sampler_model)) as smp_sites:
         full = response_log_probs(sampler_model, ids.to(sampler_device), mask.to(sampler_device), p,
@@ -253,8 +320,10 @@ def localize(sampler, learner, rollout: Rollout, *, temperature: float = 1.0, re
     for name, paths in components(learner_model):
         if on_component is not None:
             on_component(name)
+        start = start_layer(learner_model, paths)  # the unchanged prefix is not run again
         with swapped(learner_model, sampler_model, paths):
-            got = response_log_probs(learner_model, ids, mask, p, targets, temp)
+            got = (response_log_probs(learner_model, ids, mask, p, targets, temp) if start is None
+                   else suffix_log_probs(learner_model, calls, start, p, targets, temp))
         rows_out.append({"component": name, **_k3_and_dp(got, ref, valid)})
     for row in rows_out:
         row["share"] = row["k3"] / total["k3"] if total["k3"] > 0 else 0.0

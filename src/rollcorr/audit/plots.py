@@ -6,8 +6,8 @@
 - ``per_response``: each response's max and mean |Δp| against its length;
 - ``levels``: this audit's k3 among the levels published for other models (``levels.K3_BANDS``), with what the
   ``--whatif`` changes left;
-- ``localization`` (with ``--localize``): the hidden states' relative error by depth, and each component's
-  share of the mismatch.
+- ``localization`` (with ``--localize``): the hidden states' relative error by depth, each layer's components'
+  shares of the mismatch, and the largest shares named — on a layer axis, so it reads at any depth.
 """
 
 from __future__ import annotations
@@ -282,26 +282,54 @@ def levels(summary: dict, path: Path) -> Path:
     return save_figure(levels_figure(summary), path, dpi=DPI)
 
 
-def localization(loc: dict, path: Path) -> Path:
-    """Left: ‖h_sampler − h_learner‖ / ‖h_learner‖ at each site, in forward order. Right: each component's
-    share of the sampler forward's k3 (swapped alone into the fp32 learner)."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.6))
-    sites = loc["sites"]
-    short = {"input": "in", "attention": "attn", "mlp": "mlp"}
-    labels = [f"L{s['layer']} {short[s['site']]}" if s["layer"] is not None else s["site"] for s in sites]
-    left.plot(range(len(sites)), [max(s["rel_error"], 1e-12) for s in sites], "o-", color="#4c72b0")
+LOCALIZATION_NAMED = 10  # components named in the localization figure's right panel (the largest shares)
+
+
+def localization_figure(loc: dict):
+    """Three panels on a layer axis (ticks chosen by matplotlib, so 4 or 60 layers read alike). Left: ‖h_sampler −
+    h_learner‖ / ‖h_learner‖ at each layer's input, attention and MLP output, the final norm and the logits
+    drawn after the last layer. Middle: each layer's attention and MLP share of the sampler forward's k3 (swapped
+    alone into the fp32 learner; routers too). Right: the ``LOCALIZATION_NAMED`` largest shares by name,
+    the embedding, final norm, lm-head and residual stream among them where they are large."""
+    sites, comps = loc["sites"], loc["components"]
+    depth = 1 + max([s["layer"] for s in sites if s["layer"] is not None] + [0])
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [1.2, 1.2, 1]})
+    for site, marker in (("input", "o"), ("attention", "s"), ("mlp", "^")):
+        at = [s for s in sites if s["site"] == site]
+        left.plot([s["layer"] for s in at], [max(s["rel_error"], 1e-12) for s in at], f"{marker}-", ms=4, label=site)
+    for i, s in enumerate(s for s in sites if s["layer"] is None):  # the final norm, the logits: after the layers
+        left.plot([depth + i], [max(s["rel_error"], 1e-12)], "D*"[i % 2], color=("#555", "#000")[i % 2], ms=6,
+                  ls="", label=s["site"])  # fmt: skip
     left.set_yscale("log")
-    left.set_xticks(range(len(sites)), labels, rotation=90, fontsize=6)
-    left.set(ylabel="relative error of the hidden state")
-    left.set_title("Divergence by depth (includes everything upstream)")
-    left.grid(alpha=0.3)
-    comps = loc["components"]
-    right.bar(range(len(comps)), [100 * c["share"] for c in comps], color="#c44e52")
-    right.set_xticks(range(len(comps)), [c["component"].replace("layer ", "L") for c in comps], rotation=90, fontsize=6)
-    right.set(ylabel="% of the sampler forward's k3")
-    right.set_title("What each component adds, swapped in alone")
-    right.grid(alpha=0.3, axis="y")
-    return save_figure(fig, path, dpi=DPI)
+    left.set(xlabel="layer", ylabel="relative error of the hidden state")
+    left.set_title("Divergence by depth (includes everything upstream)", fontsize=10)
+    left.legend(fontsize=8, loc="best")
+    width = 0.4
+    for kind, offset, color in (("attention", -width / 2, "#4c72b0"), ("mlp", width / 2, "#c44e52"),
+                                ("router", width / 2, "#8172b3")):  # fmt: skip
+        at = [(int(c["component"].split()[1]), c["share"]) for c in comps
+              if c["component"].startswith("layer ") and c["component"].endswith(kind)]  # fmt: skip
+        if at:
+            middle.bar([i + offset for i, _ in at], [100 * v for _, v in at], width, color=color, label=kind)
+    middle.set(xlabel="layer", ylabel="% of the sampler forward's k3")
+    middle.set_title("What each layer's components add, swapped in alone", fontsize=10)
+    middle.legend(fontsize=8)
+    for ax in (left, middle):
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=12, integer=True))
+        ax.grid(alpha=0.3)
+    named = sorted(comps, key=lambda c: -c["share"])[:LOCALIZATION_NAMED][::-1]
+    right.barh(range(len(named)), [100 * c["share"] for c in named], color="#c44e52")
+    right.set_yticks(range(len(named)), [c["component"] for c in named], fontsize=8)
+    right.set(xlabel="% of the sampler forward's k3")
+    right.set_title(f"The {len(named)} largest shares", fontsize=10)
+    right.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    return fig
+
+
+def localization(loc: dict, path: Path) -> Path:
+    """``localization_figure`` saved to ``path``."""
+    return save_figure(localization_figure(loc), path, dpi=DPI)
 
 
 def draw_all(view: TokenView, out_dir: Path, summary: dict | None = None) -> dict[str, Path]:

@@ -329,8 +329,9 @@ CAPTIONS = {
     "its responses, which one token cannot move across a band; × is the token mean with its 95 % bootstrap "
     "interval over responses; the arrow, the FP16 paper's ~24× lower KL. Diamonds: what each --whatif change left.",
     "localization": "Left: how far the sampler's hidden state is from the learner's at each layer (an error there "
-    "includes everything upstream). Right: each component's own contribution — the sampler's version of that "
-    "component alone swapped into the fp32 learner — as a share of the sampler forward's k3.",
+    "includes everything upstream). Middle: each layer's attention and MLP own contribution — the sampler's version "
+    "of that component alone swapped into the fp32 learner — as a share of the sampler forward's k3. Right: the "
+    "largest shares by name (the embedding, final norm, lm-head and residual stream among them when large).",
 }
 
 WHATIF_COLUMNS = (("share < 0.001", "prob_diff_frac_lt_1e-3", True), ("share ≥ 0.01", "prob_diff_frac_ge_0.01", True),

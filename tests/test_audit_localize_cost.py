@@ -1,0 +1,116 @@
+"""--localize at real-model cost (issue 50 item 6): a component at layer i runs the learner from layer i's kept input
+on, not the whole model again — the same numbers as the whole swapped forward, bit for bit, for fewer layers."""
+
+import pytest
+import torch
+
+from rollcorr.audit.collect import builtin_prompts, collect
+from rollcorr.audit.localize import (
+    _layer_calls,
+    components,
+    localize,
+    response_log_probs,
+    start_layer,
+    suffix_log_probs,
+    swapped,
+)
+from rollcorr.engines import SamplingParams, make_learner, make_sampler
+
+
+@pytest.fixture(scope="module")
+def pair():
+    learner, sampler = make_learner("hf:fp32"), make_sampler("hf:bf16")
+    rollout = collect(sampler, learner, builtin_prompts(6), SamplingParams(max_new_tokens=10, seed=0), n=2, batch_size=12)
+    part = rollout.select(list(range(8)))
+    ids = torch.cat([part.prompt_ids, part.response_ids], 1)
+    mask = torch.cat([part.prompt_mask.bool(), part.response_mask.bool()], 1)
+    return learner, sampler, rollout, (ids, mask, part.prompt_ids.shape[1], part.response_ids)
+
+
+def test_each_component_from_its_layer_equals_the_whole_swapped_forward(pair):
+    """Every component swapped into the learner (a bf16 sampler: each one changes something): the log-probs from
+    its first layer on (the prefix's hidden states kept from the reference forward) are the whole forward's."""
+    learner, sampler, _, (ids, mask, p, targets) = pair
+    model = learner.model
+    with torch.no_grad():
+        with _layer_calls(model) as calls:
+            ref = response_log_probs(model, ids, mask, p, targets, 1.0)
+        layers = model.config.num_hidden_layers
+        assert len(calls) == layers + 1
+        assert torch.equal(suffix_log_probs(model, calls, 0, p, targets, 1.0), ref)
+        assert torch.equal(suffix_log_probs(model, calls, layers, p, targets, 1.0), ref)
+        starts = {}
+        for name, paths in components(model):
+            starts[name] = start_layer(model, paths)
+            if starts[name] is None:
+                continue
+            with swapped(model, sampler.model, paths):
+                whole = response_log_probs(model, ids, mask, p, targets, 1.0)
+                part = suffix_log_probs(model, calls, starts[name], p, targets, 1.0)
+            assert not torch.equal(whole, ref), name  # the swap changes the log-probs …
+            assert torch.equal(part, whole), name  # … and the suffix alone computes the same ones
+    assert starts["embedding"] is None and starts["residual stream"] is None
+    assert starts["final norm"] == starts["lm head"] == layers
+    assert [starts[f"layer {i} {kind}"] for i in range(layers) for kind in ("attention", "mlp")] == \
+        [i for i in range(layers) for _ in range(2)]  # fmt: skip
+
+
+def test_localize_runs_each_decoder_layer_only_from_the_component_on(pair):
+    """Decoder-layer calls of the learner in one localize: L (the reference forward) + 2·L (the embedding and the
+    residual stream, whole) + Σ_i 2·(L − i) (each layer's attention and MLP from layer i on); the norm and the
+    head run none. The whole-forward way was L·(2L + 5): on a 30-layer model 1,020 calls against 1,950."""
+    learner, sampler, rollout, _ = pair
+    layers = learner.model.config.num_hidden_layers
+    count = [0]
+    handles = [layer.register_forward_pre_hook(lambda *a: count.__setitem__(0, count[0] + 1))
+               for layer in learner.model.get_decoder().layers]  # fmt: skip
+    try:
+        loc = localize(sampler, learner, rollout, responses=8)
+    finally:
+        for h in handles:
+            h.remove()
+    assert count[0] == layers + 2 * layers + sum(2 * (layers - i) for i in range(layers))
+    assert count[0] < layers * (2 * layers + 5)
+    # in whole forwards, the components alone: L·(L + 3) layer calls now, L·(2L + 4) before — as the page says
+    assert count[0] - layers == layers * (layers + 3)
+    from pathlib import Path
+
+    page = " ".join((Path(__file__).resolve().parents[1] / "docs/audit.md").read_text(encoding="utf-8").split())
+    assert "the components cost about L + 3 forwards instead of 2L + 4" in page
+    assert loc["full_forward"]["k3"] > 0 and abs(sum(c["share"] for c in loc["components"]) - loc["share_sum"]) < 1
+
+
+
+def _deep_localization(layers: int) -> dict:
+    """A --localize result of the shape ``localize`` returns, for a model of ``layers`` layers."""
+    sites = [{"layer": i, "site": site, "rel_error": 1e-3 * (1 + i)} for i in range(layers)
+             for site in ("input", "attention", "mlp")] + [{"layer": None, "site": "final norm", "rel_error": 0.05},
+                                                          {"layer": None, "site": "logits", "rel_error": 0.06}]  # fmt: skip
+    names = ["embedding", *(f"layer {i} {k}" for i in range(layers) for k in ("attention", "mlp")), "final norm",
+             "lm head", "residual stream"]  # fmt: skip
+    shares = torch.rand(len(names), generator=torch.Generator().manual_seed(0)).tolist()
+    return {"sites": sites, "components": [{"component": n, "share": v / sum(shares)} for n, v in zip(names, shares)]}
+
+
+@pytest.mark.parametrize("layers", [4, 30, 64])
+def test_the_localization_figure_reads_at_any_depth(layers):
+    """Issue 50: at 30 layers the figure had 94 overprinted x-ticks and 5-point bar labels. Now: a layer axis
+    with at most 13 ticks, tick labels that do not overlap, names at 8 points, everything inside the figure."""
+    from rollcorr.audit.plots import localization_figure
+
+    fig = localization_figure(_deep_localization(layers))
+    renderer = fig.canvas.get_renderer()
+    left, middle, right = fig.axes[:3]
+    for ax in (left, middle):
+        ticks = [t for t in ax.get_xticklabels() if t.get_text() and ax.get_xlim()[0] <= t.get_position()[0] <= ax.get_xlim()[1]]
+        assert 2 <= len(ticks) <= 13
+        boxes = sorted((t.get_window_extent(renderer) for t in ticks), key=lambda b: b.x0)
+        assert all(a.x1 <= b.x0 for a, b in zip(boxes, boxes[1:]))  # no two tick labels overlap
+        assert ax.get_xlim()[1] >= layers - 1
+    names = right.get_yticklabels()
+    assert len(names) == 10 and all(t.get_fontsize() >= 8 for t in names)
+    figure = fig.bbox
+    assert [t.get_text() for t in left.get_legend().get_texts()][-2:] == ["final norm", "logits"]
+    for text in [*names, *(ax.title for ax in fig.axes[:3])]:
+        box = text.get_window_extent(renderer)
+        assert figure.x0 <= box.x0 and box.x1 <= figure.x1, text.get_text()
