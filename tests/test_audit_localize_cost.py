@@ -114,3 +114,31 @@ def test_the_localization_figure_reads_at_any_depth(layers):
     for text in [*names, *(ax.title for ax in fig.axes[:3])]:
         box = text.get_window_extent(renderer)
         assert figure.x0 <= box.x0 and box.x1 <= figure.x1, text.get_text()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
+def test_a_mixture_of_experts_from_its_layer_equals_the_whole_forward(family):
+    """The same on transformers' MoE families (a router is a component too): from its layer on, bit for bit."""
+    import copy
+
+    from test_moe import FAMILIES, tiny_moe  # tests/ is on sys.path (pytest rootdir)
+
+    learner = tiny_moe(family.removesuffix("_raw"), **FAMILIES[family])
+    sampler = copy.deepcopy(learner).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    ids, p = torch.randint(3, 40, (3, 9), generator=g), 4
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[0, :2] = False  # a left-padded prompt
+    targets = ids[:, p:]
+    names = [name for name, _ in components(learner)]
+    assert any(name.endswith("router") for name in names)
+    with torch.no_grad():
+        with _layer_calls(learner) as calls:
+            response_log_probs(learner, ids, mask, p, targets, 1.0)
+        for name, paths in components(learner):
+            start = start_layer(learner, paths)
+            if start is None:
+                continue
+            with swapped(learner, sampler, paths):
+                whole = response_log_probs(learner, ids, mask, p, targets, 1.0)
+                assert torch.equal(suffix_log_probs(learner, calls, start, p, targets, 1.0), whole), name
