@@ -14,6 +14,7 @@ audits it. Models are loaded before the clock starts. The machine (CPU, load bef
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 from unittest import mock
@@ -56,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/bench_localize.txt"), help="- for stdout only")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    header = f"# bench_localize: {machine()}; load before {load()}"
+    busy = os.getloadavg()[0] > (os.cpu_count() or 1)
+    header = f"# bench_localize: {machine()}; load before {load()}" + (
+        " (a loaded machine: other jobs shared its cores)" if busy else "")
     learner = make_learner("hf:fp32", model_path=args.model)
     sampler = make_sampler(args.sampler, model_path=args.model)
     layers = learner.model.config.num_hidden_layers
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench_localize: the two ways gave different shares")
     tokens = int(rollout.response_mask.sum())
     lines = [header,
-             f"# {args.model or 'built-in model'} ({layers} layers), sampler {args.sampler} vs hf:fp32; {args.n} responses "
+             f"# {Path(args.model).name if args.model else 'built-in model'} ({layers} layers), sampler {args.sampler} vs hf:fp32; {args.n} responses "
              f"of <= {args.max_new_tokens} tokens ({tokens} tokens), temperature {args.temperature}; {args.threads} "
              f"torch thread(s); command: python benchmarks/bench_localize.py"
              + (f" --model {Path(args.model).name}" if args.model else "") + f" -n {args.n} --max-new-tokens "
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
              f"localize, prefix reused | {now_s:.1f} | {now_s / audit_s:.2f}",
              f"localize, whole forwards (before) | {before_s:.1f} | {before_s / audit_s:.2f}",
              f"before / now | {before_s / now_s:.2f} |",
-             f"# load after {load()}"]  # fmt: skip
+             f"# load after {load()}"]
     text = "\n".join(lines)
     print(text)
     if args.out != "-":

@@ -52,7 +52,7 @@ def test_each_component_from_its_layer_equals_the_whole_swapped_forward(pair):
     assert starts["embedding"] is None and starts["residual stream"] is None
     assert starts["final norm"] == starts["lm head"] == layers
     assert [starts[f"layer {i} {kind}"] for i in range(layers) for kind in ("attention", "mlp")] == \
-        [i for i in range(layers) for _ in range(2)]  # fmt: skip
+        [i for i in range(layers) for _ in range(2)]
 
 
 def test_localize_runs_each_decoder_layer_only_from_the_component_on(pair):
@@ -63,7 +63,7 @@ def test_localize_runs_each_decoder_layer_only_from_the_component_on(pair):
     layers = learner.model.config.num_hidden_layers
     count = [0]
     handles = [layer.register_forward_pre_hook(lambda *a: count.__setitem__(0, count[0] + 1))
-               for layer in learner.model.get_decoder().layers]  # fmt: skip
+               for layer in learner.model.get_decoder().layers]
     try:
         loc = localize(sampler, learner, rollout, responses=8)
     finally:
@@ -85,9 +85,9 @@ def _deep_localization(layers: int) -> dict:
     """A --localize result of the shape ``localize`` returns, for a model of ``layers`` layers."""
     sites = [{"layer": i, "site": site, "rel_error": 1e-3 * (1 + i)} for i in range(layers)
              for site in ("input", "attention", "mlp")] + [{"layer": None, "site": "final norm", "rel_error": 0.05},
-                                                          {"layer": None, "site": "logits", "rel_error": 0.06}]  # fmt: skip
+                                                          {"layer": None, "site": "logits", "rel_error": 0.06}]
     names = ["embedding", *(f"layer {i} {k}" for i in range(layers) for k in ("attention", "mlp")), "final norm",
-             "lm head", "residual stream"]  # fmt: skip
+             "lm head", "residual stream"]
     shares = torch.rand(len(names), generator=torch.Generator().manual_seed(0)).tolist()
     return {"sites": sites, "components": [{"component": n, "share": v / sum(shares)} for n, v in zip(names, shares)]}
 
@@ -142,3 +142,19 @@ def test_a_mixture_of_experts_from_its_layer_equals_the_whole_forward(family):
             with swapped(learner, sampler, paths):
                 whole = response_log_probs(learner, ids, mask, p, targets, 1.0)
                 assert torch.equal(suffix_log_probs(learner, calls, start, p, targets, 1.0), whole), name
+
+
+def test_the_audit_page_reads_the_committed_benchmark():
+    """docs/audit.md's sentence on the cost, against benchmarks/results/bench_localize.txt: faster than whole
+    forwards, still more than twice the audit's own sampling and scoring on a 30-layer model."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    lines = (root / "benchmarks/results/bench_localize.txt").read_text().splitlines()
+    assert lines[0].startswith("# bench_localize: ") and "load before" in lines[0] and "command: " in lines[1]
+    assert "(30 layers)" in lines[1] and "shares identical both ways: True" in lines[2]
+    rows = {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in (line.split("|") for line in lines if "|" in line)}
+    now, before = float(rows["localize, prefix reused"][1]), float(rows["localize, whole forwards (before)"][1])
+    assert before > now > 2
+    page = " ".join((root / "docs/audit.md").read_text(encoding="utf-8").split())
+    assert "on SmolLM2's 30 layers reusing the prefix makes it faster, but localising still costs several times the audit itself" in page
