@@ -277,7 +277,6 @@ FMT_PENDING: dict[str, tuple[str, ...]] = {
                     "src/rollcorr/correction/api.py", "src/rollcorr/correction/fused.py",
                     "tests/test_performance_docs.py"),
     "memory": ("benchmarks/bench_train.py", "src/rollcorr/train/loop.py", "tests/test_distributed_train.py"),
-    "auditux": ("src/rollcorr/audit/dump_audit.py", "src/rollcorr/audit/plots.py"),
 }
 FORMATTER_MARKER = re.compile(r"#\s*fmt:\s*(skip|off|on)\b")
 

@@ -139,7 +139,7 @@ def _whole(chunks: list[Dump], info: DumpInfo) -> Dump:
         routed_experts=routed[0], learner_routed_experts=routed[1],
         turn=stack("turn") if info.complete.get("turn") else None,
         extras={key: [c.extras[key][b] for _, c, b in rows] for key in info.extra_fields}, total_rows=info.total_rows,
-    )  # fmt: skip
+    )
 
 
 def _hash(i: int) -> int:
@@ -178,7 +178,7 @@ class _AuditSums:
         n = mask.sum(dim=1)
         row_max = abs_diff.max(dim=1).values
         for key, x in (("index", index), ("n", n.numpy()), ("max", row_max.numpy()), ("sum", abs_diff.sum(dim=1).numpy()),
-                       ("seq", lr.sum(dim=1).numpy()), ("k3", levels.row_k3(lr, mask).numpy())):  # fmt: skip
+                       ("seq", lr.sum(dim=1).numpy()), ("k3", levels.row_k3(lr, mask).numpy())):
             self.per_row[key].append(np.asarray(x))
         kept = torch.cat([self.top_abs_diff, abs_diff[mask.bool()]])
         self.top_abs_diff = kept.topk(min(MAX_OVER_TOP, kept.numel())).values
@@ -256,11 +256,11 @@ class _AuditSums:
                 "row": int(index[b]), "position": t, "p_sampler": float(chunk.rollout_log_prob[b, t].exp()),
                 "p_learner": float(chunk.learner_log_prob[b, t].exp()), "abs_diff": float(vals[i]),
                 "log_ratio": float(lr[b, t]),
-            }  # fmt: skip
+            }
             tokens = chunk.token_text[b] if chunk.token_text is not None else None
             prompt = prompts[b] if prompts is not None else None
             self.worst.append((-float(vals[i]), int(index[b]), t, item, (_context(tokens, prompt, t),
-                                                                          _context(tokens, None, t))))  # fmt: skip
+                                                                          _context(tokens, None, t))))
         self.worst.sort(key=lambda w: w[:3])
         del self.worst[k:]
 
@@ -272,7 +272,7 @@ class _AuditSums:
         def row(b: int) -> tuple[Tensor, Tensor, Tensor]:
             n = lengths[b]
             return (chunk.rollout_log_prob[b, :n].clone(), chunk.learner_log_prob[b, :n].clone(),
-                    mask[b, :n].clone())  # fmt: skip
+                    mask[b, :n].clone())
 
         maxima = row_max.tolist()
         for b, i in enumerate(index.tolist()):
@@ -299,7 +299,7 @@ class _AuditSums:
         row = {k: np.concatenate(v)[order] for k, v in self.per_row.items() if k != "index"}
         n = torch.from_numpy(row["n"].astype(np.float64))
         rows = Rows(n=n, valid=n > 0, num_tokens=n.sum(), num_rows=(n > 0).sum().to(n.dtype),
-                    num_pad=torch.zeros((), dtype=torch.float64), verl=False, count_dtype=torch.float32)  # fmt: skip
+                    num_pad=torch.zeros((), dtype=torch.float64), verl=False, count_dtype=torch.float32)
         tensor = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
         tot = self.tot
         prob = metric_fns.metrics_to_floats(metric_fns.prob_from_sums(
@@ -308,7 +308,7 @@ class _AuditSums:
             p_cross_sum=tensor(tot["p_cross_sum"]), d_row_max=torch.from_numpy(row["d_max"]),
             d_row_sum=torch.from_numpy(row["d_sum"]), small_diff_count=tensor(tot["small_diff_count"]),
             ge=[tensor(tot[f"ge{i}"]) for i in range(len(metric_fns.PROB_SHARES))],
-        ))  # fmt: skip
+        ))
         lr_row = torch.from_numpy(row["lr"])
         div = metric_fns.metrics_to_floats({
             **metric_fns.offpolicy_from_sums(rows, old_row=torch.from_numpy(row["old"]), roll_row=torch.from_numpy(row["roll"]),
@@ -317,7 +317,7 @@ class _AuditSums:
             **metric_fns.divergence_from_sums(rows, k3_sum=tensor(tot["k3_sum"]), policy_kl_sum=tensor(tot["policy_kl"]),
                                               js_sum=tensor(tot["js"]), e_abs_sum=tensor(tot["e_abs"]), lr_sum=lr_row.sum(),
                                               abs_sum=tensor(tot["abs"])),
-        })  # fmt: skip
+        })
         tokens = int(row["n"].sum())
         w = np.exp(np.clip(row["seq"], -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         div.update(
@@ -336,7 +336,7 @@ class _AuditSums:
         source = {
             "log": str(path), "fields": info.fields, "rows_read": info.total_rows,
             "malformed_rows": [f"line {m.line}: {m.reason}" for m in info.malformed],
-        }  # fmt: skip
+        }
         figures = self._figures()
         source["figures"] = (
             f"drawn from {len(figures.response_mask)} of {info.rows} responses (the response with the largest |Δp| "
@@ -350,9 +350,9 @@ class _AuditSums:
             "verdict_level": levels.verdict_level_from_rows({k: torch.from_numpy(row[k]) for k in levels.THRESHOLDS}, n),
             "k3_level": levels.k3_level(torch.from_numpy(row["k3"]), n),
             "max_over_tokens": {str(c): median_max_over(self.top_abs_diff, tokens, c) for c in reference_token_counts()},
-        }  # fmt: skip
+        }
         if (info.complete.get("routed_experts") and info.complete.get("learner_routed_experts") and self.routing
-                and not self.routing.get("mismatch")):  # fmt: skip
+                and not self.routing.get("mismatch")):
             summary["routing"] = routing_result(self.routing)
         elif info.routing_note:  # routing in the dump that cannot be compared: said, not dropped silently
             summary["routing_note"] = info.routing_note
@@ -389,7 +389,7 @@ class _AuditSums:
             return torch.stack([torch.cat([r[j], torch.zeros(t - len(r[j]), dtype=dtype)]) for r in rows])
 
         return AuditData(rollout_log_prob=pad(0, torch.float64), old_log_prob=pad(1, torch.float64),
-                         response_mask=pad(2, torch.bool))  # fmt: skip
+                         response_mask=pad(2, torch.bool))
 
 
 def _distribution(x: np.ndarray) -> dict[str, float]:
@@ -408,4 +408,4 @@ def _context(tokens: list[str] | None, prompt: Any, position: int, window: int =
     if position < window and isinstance(prompt, str):
         before = prompt[-(window - position) * 4 :] + "│" + before
     return {"before": _visible(before), "token": _visible(tokens[position]),
-            "after": _visible("".join(tokens[position + 1 : position + 1 + window]))}  # fmt: skip
+            "after": _visible("".join(tokens[position + 1 : position + 1 + window]))}

@@ -180,7 +180,7 @@ def _level_rows(summary: dict) -> list[tuple[str, float, dict]]:
     for band, color in zip(K3_BANDS, BAND_COLORS):
         rows.append(("band", band.edges[0], {"band": band, "color": color}))
         rows += [("measured", m.k3, {"label": f"{m.label} ({m.source.split(' (')[0].split(',')[0]})"})
-                 for m in band.measured]  # fmt: skip
+                 for m in band.measured]
     level = summary.get("k3_level") or {"robust": summary["divergence"]["k3_kl"], "mean": summary["divergence"]["k3_kl"]}
     rows.append(("audit label", level["robust"], level))  # its own row: the label is long, the interval wide
     rows.append(("audit", level["robust"], level))
@@ -240,12 +240,12 @@ def _draw_level_row(ax, y: float, kind: str, x: float, d: dict):
         if d.get("ci95"):
             lo, hi = d["ci95"]
             ax.errorbar([max(d["mean"], lo)], [y], xerr=[[max(d["mean"] - lo, 0)], [max(hi - d["mean"], 0)]], fmt="x",
-                        color="#c44e52", alpha=0.7, capsize=3, ms=6)  # fmt: skip
+                        color="#c44e52", alpha=0.7, capsize=3, ms=6)
         ax.plot([x], [y], "o", color="#c44e52", markersize=8)
         ax.annotate("", xy=(x / FP16_PAPER_FACTOR, y), xytext=(x, y),
-                    arrowprops={"arrowstyle": "->", "color": "#c44e52", "alpha": 0.5})  # fmt: skip
+                    arrowprops={"arrowstyle": "->", "color": "#c44e52", "alpha": 0.5})
         return _label(ax, x / FP16_PAPER_FACTOR, y, f"FP16 paper: ~{FP16_PAPER_FACTOR}× lower", span=d.get("ci95"),
-                      color="#c44e52", alpha=0.7)  # fmt: skip
+                      color="#c44e52", alpha=0.7)
     ax.plot([x], [y], "D", color="#4c72b0")
     said = f"k3 {d['k3_kl']:.2g}" if d["k3_kl"] > 0 else "k3 exactly 0 (drawn at the left)"
     return _label(ax, x, y, f"--whatif {d['change']}: {said}")
@@ -299,16 +299,16 @@ def localization_figure(loc: dict):
         left.plot([s["layer"] for s in at], [max(s["rel_error"], 1e-12) for s in at], f"{marker}-", ms=4, label=site)
     for i, s in enumerate(s for s in sites if s["layer"] is None):  # the final norm, the logits: after the layers
         left.plot([depth + i], [max(s["rel_error"], 1e-12)], "D*"[i % 2], color=("#555", "#000")[i % 2], ms=6,
-                  ls="", label=s["site"])  # fmt: skip
+                  ls="", label=s["site"])
     left.set_yscale("log")
     left.set(xlabel="layer", ylabel="relative error of the hidden state")
     left.set_title("Divergence by depth (includes everything upstream)", fontsize=10)
     left.legend(fontsize=8, loc="best")
     width = 0.4
     for kind, offset, color in (("attention", -width / 2, "#4c72b0"), ("mlp", width / 2, "#c44e52"),
-                                ("router", width / 2, "#8172b3")):  # fmt: skip
+                                ("router", width / 2, "#8172b3")):
         at = [(int(c["component"].split()[1]), c["share"]) for c in comps
-              if c["component"].startswith("layer ") and c["component"].endswith(kind)]  # fmt: skip
+              if c["component"].startswith("layer ") and c["component"].endswith(kind)]
         if at:
             middle.bar([i + offset for i, _ in at], [100 * v for _, v in at], width, color=color, label=kind)
     middle.set(xlabel="layer", ylabel="% of the sampler forward's k3")
