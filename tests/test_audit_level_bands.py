@@ -60,6 +60,7 @@ def test_median_max_over_n_tokens_is_the_quantile_at_half_to_the_one_over_n():
         need = 5000 - int(4999 * 0.5 ** (1 / n))
         assert median_max_over(ordered[:need], 5000, n) == pytest.approx(want, rel=1e-12)
         assert median_max_over(ordered[: need - 1], 5000, n) is None  # the quantile is below what was kept
+    assert median_max_over(ordered[:300], 293, 294) is None  # fewer tokens than the max is over: no estimate
     draws = tokens[torch.randint(0, 5000, (4001, 294), generator=g)].amax(dim=1)  # simulated: within sampling error
     assert float(draws.median()) == pytest.approx(median_max_over(ordered, 5000, 294), rel=0.05)
 
@@ -156,6 +157,11 @@ def test_maxima_are_compared_only_over_as_many_tokens(tmp_path):
     rows = {row[0]: row[1:] for row in reference_rows(summary)}
     assert "max |Δp|" not in rows and rows["max |Δp| over 294 tokens"][0] == _num(want)
     assert rows["max |Δp| over 294 tokens"][-1] == "—"  # ABEJA: tokens not given
+    few = write_report(AuditData(log_mu[:9], log_old[:9], torch.ones(9, 30, dtype=torch.bool), source={"model": "builtin"}),
+                       tmp_path / "few")  # 270 tokens: a max over 294 cannot be read from them
+    assert few["max_over_tokens"] == {"294": None}
+    assert {row[0]: row[1] for row in reference_rows(few)}["max |Δp| over 294 tokens"] == "—"
+    assert "where this audit's is" not in few["verdict"][0]
     page = (tmp_path / "report.html").read_text()
     assert f"Its max |Δp| {REFERENCES['abeja_vllm_hf']['prob_diff_max']:.3g} is over a number of tokens" in page
 

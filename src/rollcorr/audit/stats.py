@@ -222,12 +222,13 @@ def median_max_over(top: Tensor, total: int, n: int) -> float | None:
     ≤ x with probability F(x)^n (F the tokens' empirical distribution), so its median is F's quantile at
     0.5^(1/n) — what a max over n tokens of these engines usually is, comparable with a max published over n
     tokens where the audit's own max (over all its tokens) is not. ``top``: the largest |Δp| of the tokens (all
-    of them, or at least the ones above that quantile), descending; None when they do not reach it. Linear
-    interpolation between order statistics, as ``torch.quantile``."""
+    of them, or at least the ones above that quantile), descending; None when they do not reach it, and None
+    when the audit has fewer than ``n`` tokens (its sample does not reach the quantile: the estimate would be
+    its own max, or below it). Linear interpolation between order statistics, as ``torch.quantile``."""
     position = (total - 1) * 0.5 ** (1.0 / n)
     below = int(position)
     need = total - below  # the quantile reads the values of ascending ranks `below` and `below + 1`
-    if total < 1 or need > top.numel():
+    if total < max(n, 1) or need > top.numel():
         return None
     low = float(top[total - 1 - below])
     high = float(top[total - 2 - below]) if below + 1 <= total - 1 else low
