@@ -2,7 +2,6 @@
 
     python benchmarks/bench_analyze.py                      # 1e5 1e6 1e7 1e8 tokens → benchmarks/results/bench_analyze.txt
     python benchmarks/bench_analyze.py --sizes 1e5 1e6 --out -          # smaller, printed only
-    python benchmarks/bench_analyze.py --fused-vs-eager --sizes 1e5 1e6 1e7   # → benchmarks/results/bench_analyze_fused.txt
     python benchmarks/bench_analyze.py --read-vs HEAD~2 --sizes 1e5 1e6 1e7     # → benchmarks/results/bench_analyze_read_ab.txt
 
 Each dump is generated streaming into a temporary folder (removed afterwards): rows of 1 … 1000 tokens (uniform),
@@ -21,22 +20,13 @@ and the dump that used to fail: 10^5 one-token rows plus one 10^5-token row (``r
 memory hardly. Needs about 6.5 GB free in the temporary folder for 10^8 tokens (checked first: the top size is
 dropped, and said, when it does not fit).
 
-``--fused-vs-eager`` measures the compile tax instead (issue #38: a short command must not pay for compiling the
-fused correction kernel): per size, the wall time of a fresh ``rollcorr analyze`` of the Parquet dump with the
-default environment and with ``ROLLCORR_FUSED=0`` (never fused), ``--repeats`` of each interleaved, and the ratio
-of their medians (default / eager: ≤ 1 means the default costs nothing over eager); then, in a fresh process, the
-first call of the verl drop-in (``rollcorr.compat.verl``) on a 256 × 8192 float32 batch: its rollout correction
-and its vanilla policy loss, in seconds against the 1 s asked, and the same correction with ``ROLLCORR_FUSED=1``
-and an empty Inductor cache (the compile the default avoids).
 """
 
 from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -65,49 +55,6 @@ with open(sys.argv[1], "rb") as f:
         orjson.loads(line)
 print(time.perf_counter() - t)
 """
-VERL_FIRST_CALL = """
-import json, sys, time
-t0 = time.perf_counter()
-import torch
-out = {"torch": time.perf_counter() - t0}
-t0 = time.perf_counter()
-try:
-    import verl.protocol  # in a verl run verl is imported before the drop-in is called
-    out["verl"] = time.perf_counter() - t0
-except ImportError:
-    out["verl"] = None
-t0 = time.perf_counter()
-import rollcorr.compat.verl as rc
-out["rollcorr"] = time.perf_counter() - t0
-B, T = 256, 8192  # a realistic verl batch: 2.1 M positions, above the fused path's 256 K
-g = torch.Generator().manual_seed(0)
-rollout = -torch.rand(B, T, generator=g) * 4 - 1e-3
-old = (rollout + 0.05 * torch.randn(B, T, generator=g)).clamp(max=-1e-4)
-mask = (torch.arange(T)[None] < torch.randint(T // 4, T + 1, (B,), generator=g)[:, None]).float()
-log_prob = old + 0.01 * torch.randn(B, T, generator=g)
-advantages = torch.randn(B, 1, generator=g).expand(B, T)
-
-
-def correction():
-    return rc.compute_rollout_correction_and_rejection_mask(
-        old, rollout, mask, rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k3",
-        rollout_rs_threshold=0.01)[0]
-
-
-def loss():
-    return float(rc.compute_policy_loss_vanilla(old, log_prob, advantages, mask, "token-mean", {"clip_ratio": 0.2},
-                                                weights.batch["rollout_is_weights"])[0])
-
-
-for name, call in [("correction", correction), ("loss", loss)] if sys.argv[1] == "all" else [("correction", correction)]:
-    for n in (1, 2):
-        w, c = time.perf_counter(), time.process_time()
-        result = call()
-        out[f"{name}{n}"] = (time.perf_counter() - w, time.process_time() - c)
-        if name == "correction":
-            weights = result
-print(json.dumps(out))
-"""
 
 
 def generate(folder: Path, tokens: int, seed: int = 0, with_jsonl: bool = True) -> tuple[Path, Path, int]:
@@ -121,7 +68,7 @@ def generate(folder: Path, tokens: int, seed: int = 0, with_jsonl: bool = True) 
     rng = np.random.default_rng(seed)
     jsonl, parquet = folder / f"dump_{tokens}.jsonl", folder / f"dump_{tokens}.parquet"
     schema = pa.schema([("rollout_log_probs", pa.list_(pa.float64())), ("old_log_probs", pa.list_(pa.float64())),
-                        ("response_mask", pa.list_(pa.int8()))])  # fmt: skip
+                        ("response_mask", pa.list_(pa.int8()))])
     written = rows = 0
     with open(jsonl if with_jsonl else os.devnull, "wb") as f, pq.ParquetWriter(parquet, schema) as w:
         while written < tokens:
@@ -138,12 +85,12 @@ def generate(folder: Path, tokens: int, seed: int = 0, with_jsonl: bool = True) 
             if with_jsonl:
                 f.write(b"".join(orjson.dumps({"rollout_log_probs": roll[a:b], "old_log_probs": old[a:b],
                                                "response_mask": mask[a:b]}, option=opt) + b"\n"
-                                 for a, b in zip(offsets[:-1], offsets[1:])))  # fmt: skip
+                                 for a, b in zip(offsets[:-1], offsets[1:])))
             w.write_table(pa.table({
                 "rollout_log_probs": pa.ListArray.from_arrays(pa.array(offsets), pa.array(roll)),
                 "old_log_probs": pa.ListArray.from_arrays(pa.array(offsets), pa.array(old)),
                 "response_mask": pa.ListArray.from_arrays(pa.array(offsets), pa.array(mask)),
-            }, schema=schema))  # fmt: skip
+            }, schema=schema))
             written += total
             rows += len(lengths)
     return jsonl, parquet, rows
@@ -168,79 +115,12 @@ def run_measured(argv: list[str]) -> tuple[float, float, int, str]:
     with tempfile.NamedTemporaryFile("r", suffix=".time") as report, tempfile.TemporaryFile() as out:
         started = time.perf_counter()
         code = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", report.name, *argv], stdout=out,
-                              stderr=subprocess.STDOUT, cwd=ROOT).returncode  # fmt: skip
+                              stderr=subprocess.STDOUT, cwd=ROOT).returncode
         wall = time.perf_counter() - started
         out.seek(0)
         text = out.read().decode(errors="replace")
         kib = int(Path(report.name).read_text().split()[-1])
     return kib / 1024, wall, code, text
-
-
-def timed(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """(wall, CPU) seconds of ``argv`` in a fresh process (start to exit, CPU: user + system of the child) with
-    ``env``; raises when it fails."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    started = time.perf_counter()
-    done = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wall = time.perf_counter() - started
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv[:4])} … failed ({done.returncode}): {done.stderr[-500:]}")
-    return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-
-
-def verl_first_call(what: str, env: dict[str, str]) -> dict[str, float]:
-    """Seconds of a fresh process's import of the verl drop-in and of its first calls (``VERL_FIRST_CALL``)."""
-    done = subprocess.run([sys.executable, "-c", VERL_FIRST_CALL, what], cwd=ROOT, env=env, capture_output=True,
-                          text=True, check=True)  # fmt: skip
-    return json.loads(done.stdout.splitlines()[-1])
-
-
-def fused_vs_eager(sizes: list[int], repeats: int, tmp: str | None) -> list[str]:
-    """The compile-tax lines (``#`` notes and ``a | b`` rows, as docs/performance.md quotes them)."""
-    rollcorr = [sys.executable, "-m", "rollcorr.cli", "analyze"]
-    default = {k: v for k, v in os.environ.items() if k != "ROLLCORR_FUSED"}
-    eager = {**default, "ROLLCORR_FUSED": "0"}
-    lines = [f"# bench_analyze --fused-vs-eager: {machine()}; load before {load()}; Parquet dumps (rows of 1-1000 "
-             f"tokens), default preset; median wall and CPU time (user + system) of {repeats} fresh `rollcorr analyze` "
-             f"processes per size and environment, interleaved (imports included)",
-             "tokens | default wall s | ROLLCORR_FUSED=0 wall s | default / eager, wall | default CPU s | "
-             "ROLLCORR_FUSED=0 CPU s | default / eager, CPU"]  # fmt: skip
-    print("\n".join(lines), flush=True)
-    with tempfile.TemporaryDirectory(dir=tmp, prefix="bench-analyze-") as folder:
-        for size in sizes:
-            _, parquet, _ = generate(Path(folder), size, with_jsonl=False)
-            times: dict[str, list[tuple[float, float]]] = {"default": [], "eager": []}
-            for r in range(repeats):  # interleaved, the order alternating
-                for name in ("default", "eager") if r % 2 == 0 else ("eager", "default"):
-                    times[name].append(timed([*rollcorr, str(parquet)], default if name == "default" else eager))
-            parquet.unlink()
-            (dw, dc), (ew, ec) = ([statistics.median(t[i] for t in times[name]) for i in (0, 1)]
-                                  for name in ("default", "eager"))  # fmt: skip
-            lines.append(f"{size:.0e} | {dw:.2f} | {ew:.2f} | {dw / ew:.2f} | {dc:.2f} | {ec:.2f} | {dc / ec:.2f}")
-            print(lines[-1], flush=True)
-    calls = verl_first_call("all", default)
-    with tempfile.TemporaryDirectory(prefix="bench-inductor-") as cache:
-        compiled = verl_first_call("correction", {**default, "ROLLCORR_FUSED": "1", "TORCHINDUCTOR_CACHE_DIR": cache})
-
-    def row(name: str, key: str, found: dict) -> str:
-        (w1, c1), (w2, _) = found[f"{key}1"], found[f"{key}2"]
-        return f"{name} | {w1:.2f} | {c1:.2f} | {w2:.2f} | {w1 / w2:.2f} | {'yes' if w1 <= 1.0 else 'no'}"
-
-    verl = "not installed" if calls["verl"] is None else f"{calls['verl']:.2f} s"
-    lines += [f"# verl drop-in in a fresh process, default environment: import torch {calls['torch']:.2f} s, "
-              f"import verl.protocol {verl} (a verl run has it; the drop-in returns verl's DataProto), import "
-              f"rollcorr.compat.verl {calls['rollcorr']:.2f} s; then each function called twice on one 256 x 8192 "
-              f"float32 batch",
-              "verl drop-in call (256 x 8192) | first call wall s | first call CPU s | second call wall s | "
-              "first / second | first <= 1 s",
-              row("compute_rollout_correction_and_rejection_mask (token TIS + seq_mean_k3 RS)", "correction", calls),
-              row("compute_policy_loss_vanilla (token-mean, with the IS weights)", "loss", calls),
-              row("the same correction with ROLLCORR_FUSED=1 and an empty Inductor cache (compiles)", "correction",
-                  compiled),
-              f"# load after {load()}"]  # fmt: skip
-    print("\n".join(lines[-6:]), flush=True)
-    return lines
 
 
 def read_vs(rev: str, sizes: list[int], repeats: int, tmp: str | None) -> list[str]:
@@ -250,7 +130,7 @@ def read_vs(rev: str, sizes: list[int], repeats: int, tmp: str | None) -> list[s
     lines = [f"# bench_analyze --read-vs {rev}: {machine()}; load before {load()}; reading only (open_dump(FILE).chunks(), "
              f"timed inside a fresh process, imports excluded), median of {repeats} per side, interleaved; dumps as "
              f"bench_analyze.py generates them",
-             f"format | tokens | before ({rev}) M tokens/s | after (this checkout) M tokens/s | after / before"]  # fmt: skip
+             f"format | tokens | before ({rev}) M tokens/s | after (this checkout) M tokens/s | after / before"]
     print("\n".join(lines), flush=True)
     with tempfile.TemporaryDirectory(dir=tmp, prefix="bench-analyze-") as name:
         folder = Path(name)
@@ -258,7 +138,7 @@ def read_vs(rev: str, sizes: list[int], repeats: int, tmp: str | None) -> list[s
         with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
             tar.extractall(folder / "before", filter="data")
         envs = {side: {**os.environ, "PYTHONPATH": str(src)}
-                for side, src in (("before", folder / "before" / "src"), ("after", ROOT / "src"))}  # fmt: skip
+                for side, src in (("before", folder / "before" / "src"), ("after", ROOT / "src"))}
         for size in sizes:
             jsonl, parquet, _ = generate(folder, size)
             for kind, path in (("jsonl", jsonl), ("parquet", parquet)):
@@ -266,7 +146,7 @@ def read_vs(rev: str, sizes: list[int], repeats: int, tmp: str | None) -> list[s
                 for r in range(repeats):
                     for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
                         done = subprocess.run([sys.executable, "-c", READ_ONLY, str(path)], cwd=folder, env=envs[side],
-                                              capture_output=True, text=True, check=True)  # fmt: skip
+                                              capture_output=True, text=True, check=True)
                         n, seconds, _ = done.stdout.split()[-3:]
                         rates[side].append(int(n) / float(seconds) / 1e6)
                 before, after = statistics.median(rates["before"]), statistics.median(rates["after"])
@@ -283,29 +163,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["1e5", "1e6", "1e7", "1e8"], help="dump sizes in tokens")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_analyze.txt"),
-                        help="results file ('-': print only)")  # fmt: skip
+                        help="results file ('-': print only)")
     parser.add_argument("--tmp", default=None, help="folder for the generated dumps (default: the system's)")
     parser.add_argument("--no-pathological", action="store_true", help="skip the one-long-row dump")
-    parser.add_argument("--fused-vs-eager", action="store_true",
-                        help="the compile tax: default vs ROLLCORR_FUSED=0 per size, the verl drop-in's first call "
-                             "(default --out: benchmarks/results/bench_analyze_fused.txt)")  # fmt: skip
-    parser.add_argument("--repeats", type=int, default=3, help="--fused-vs-eager, --read-vs: fresh processes per "
-                        "size and side")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=3, help="--read-vs: fresh processes per size and side")
     parser.add_argument("--read-vs", metavar="REV", default=None,
                         help="reading alone, this checkout vs git revision REV, interleaved (default --out: "
-                             "benchmarks/results/bench_analyze_read_ab.txt)")  # fmt: skip
+                             "benchmarks/results/bench_analyze_read_ab.txt)")
     args = parser.parse_args(argv)
     sizes = sorted(int(float(s)) for s in args.sizes)
     if args.read_vs:
         out = args.out if "--out" in (argv or sys.argv) else str(ROOT / "benchmarks/results/bench_analyze_read_ab.txt")
         lines = read_vs(args.read_vs, sizes, args.repeats, args.tmp)
-        if out != "-":
-            Path(out).write_text("\n".join(lines) + "\n")
-            print(f"wrote {out}")
-        return 0
-    if args.fused_vs_eager:
-        out = args.out if "--out" in (argv or sys.argv) else str(ROOT / "benchmarks/results/bench_analyze_fused.txt")
-        lines = fused_vs_eager(sizes, args.repeats, args.tmp)
         if out != "-":
             Path(out).write_text("\n".join(lines) + "\n")
             print(f"wrote {out}")
@@ -326,12 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         say(f"machine: {machine()}; Python {sys.version.split()[0]}")
         say(f"load average before: {load()}")
         say("dumps: rows of 1-1000 tokens (uniform), float64 log-probs 1 % apart, a mask; default preset "
-            "(decoupled_geo_rs_token_tis)")  # fmt: skip
+            "(decoupled_geo_rs_token_tis)")
         if dropped:
             say(f"dropped for lack of disk space ({free / 1e9:.1f} GB free): {', '.join(f'{s:.0e}' for s in dropped)}")
         say()
         header = (f"{'format':<8}{'tokens':>12}{'rows':>9}{'file MB':>10}{'peak RSS MB':>13}{'wall s':>9}"
-                  f"{'tokens/s':>11}{'read tokens/s':>15}{'read tokens/CPU s':>19}")  # fmt: skip
+                  f"{'tokens/s':>11}{'read tokens/s':>15}{'read tokens/CPU s':>19}")
         say(header)
         peaks: dict[tuple[str, int], float] = {}
         reads: dict[tuple[str, int], tuple[float, float]] = {}  # M tokens / s of reading: wall, CPU
@@ -348,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                 peaks[kind, size] = rss
                 reads[kind, size] = (int(n) / float(seconds) / 1e6, int(n) / float(cpu) / 1e6)
                 say(f"{kind:<8}{size:>12,}{rows:>9,}{path.stat().st_size / 1e6:>10.1f}{rss:>13.0f}{wall:>9.1f}"
-                    f"{size / wall / 1e6:>9.2f} M{reads[kind, size][0]:>13.2f} M{reads[kind, size][1]:>17.2f} M")  # fmt: skip
+                    f"{size / wall / 1e6:>9.2f} M{reads[kind, size][0]:>13.2f} M{reads[kind, size][1]:>17.2f} M")
             if size == 10**6:
                 _, _, _, text = run_measured([sys.executable, "-c", ORJSON_ONLY, str(jsonl)])
                 ceiling = size / float(text.split()[-1]) / 1e6
@@ -358,25 +227,25 @@ def main(argv: list[str] | None = None) -> int:
         top = max(sizes)
         if 10**6 in sizes and top > 10**6:
             ratios = ", ".join(f"{kind} {peaks[kind, top] / peaks[kind, 10**6]:.2f}" for kind in ("jsonl", "parquet")
-                               if (kind, top) in peaks and (kind, 10**6) in peaks)  # fmt: skip
+                               if (kind, top) in peaks and (kind, 10**6) in peaks)
             say(f"peak RSS at {top:.0e} tokens / at 1e+06 tokens: {ratios} (asked: <= 2)")
         for kind in ("jsonl", "parquet"):
             big = [size for size in sizes if size >= 10**6 and (kind, size) in reads]
             if big:
                 wall, cpu = (min(reads[kind, size][i] for size in big) for i in (0, 1))
                 say(f"{kind} reading at >= 1e+06 tokens, the slowest size: {wall:.2f} M tokens/s wall, {cpu:.2f} M "
-                    f"per CPU second (asked: >= 5 M)")  # fmt: skip
+                    f"per CPU second (asked: >= 5 M)")
         if ceiling is not None:
             say(f"orjson.loads alone on the 1e+06-token JSONL: {ceiling:.2f} M tokens/s (the JSONL ceiling here)")
         if not args.no_pathological:
             path = pathological(folder)
             for name, command in (("analyze", [*rollcorr, "analyze", str(path)]),
                                   ("audit --from-log", [*rollcorr, "audit", "--from-log", str(path), "--out",
-                                                        str(folder / "audit")])):  # fmt: skip
+                                                        str(folder / "audit")])):
                 rss, wall, code, text = run_measured(command)
                 status = "ok" if code == 0 else f"exit {code}: {text.strip().splitlines()[-1][:200]}"
                 say(f"one long row (100,000 one-token rows + one 100,000-token row, {path.stat().st_size / 1e6:.1f} MB "
-                    f"JSONL), {name}: peak RSS {rss:.0f} MB, wall {wall:.1f} s, {status}")  # fmt: skip
+                    f"JSONL), {name}: peak RSS {rss:.0f} MB, wall {wall:.1f} s, {status}")
         say(f"load average after: {load()}")
     if args.out != "-":
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

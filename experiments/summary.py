@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
@@ -87,7 +88,7 @@ def direction(high: dict[str, Any], low: dict[str, Any]) -> str:
 def compared(high_name: str, high: dict[str, Any], low_name: str, low: dict[str, Any]) -> str:
     """'a m ± s vs b m ± s (difference d, spread s)': the numbers the rule reads for "high above low"."""
     return (f"{high_name} {ms(high)} vs {low_name} {ms(low)} (difference {high['mean'] - low['mean']:+.3f}, "
-            f"spread {high['std'] + low['std']:.3f})")  # fmt: skip
+            f"spread {high['std'] + low['std']:.3f})")
 
 
 def mde(*arms: dict[str, Any], family: int = 1) -> float | None:
@@ -97,7 +98,7 @@ def mde(*arms: dict[str, Any], family: int = 1) -> float | None:
     from experiments.power import mde_of_arms
 
     return mde_of_arms([(a["std"], len(a["values"]) - a["n_nonfinite"]) for a in arms if a["std"] is not None],
-                       family=family)  # fmt: skip
+                       family=family)
 
 
 def mde_protocol(*arms: dict[str, Any], family: int) -> float | None:
@@ -130,18 +131,18 @@ def mismatch_anatomy(r: dict[str, Any], vllm: dict[str, Any] | None = None) -> l
     vb = (vllm or {}).get("results", {}).get("builtin vllm:bf16")
     # ABEJA's Qwen3-4B measurement (vLLM bf16 vs transformers, GPU), quoted, not measured here
     abeja = {"prob_diff_frac_lt_1e-3": 0.811, "prob_diff_frac_ge_0.01": 0.109, "prob_diff_frac_ge_0.05": 0.020,
-             "prob_diff_frac_ge_0.1": 0.003, "prob_diff_max": 0.215}  # fmt: skip
+             "prob_diff_frac_ge_0.1": 0.003, "prob_diff_max": 0.215}
     names = {"prob_diff_frac_lt_1e-3": "< 1e-3", "prob_diff_frac_ge_0.01": "≥ 0.01", "prob_diff_frac_ge_0.05": "≥ 0.05",
-             "prob_diff_frac_ge_0.1": "≥ 0.1", "prob_diff_max": "max"}  # fmt: skip
+             "prob_diff_frac_ge_0.1": "≥ 0.1", "prob_diff_max": "max"}
     inside = [names[k] for k, v in abeja.items() if abs(bf16[k]["mean"] - v) <= bf16[k]["std"]]
     shown = lambda k, x: f"{x:.3f}" if k == "prob_diff_max" else pct(x)  # noqa: E731
     ours = "; ".join(f"{names[k]} {shown(k, bf16[k]['mean'])}" + (f" (vLLM bf16 {shown(k, vb[k]['mean'])})" if vb else "")
-                     + f" vs ABEJA {shown(k, v)}" for k, v in abeja.items())  # fmt: skip
+                     + f" vs ABEJA {shown(k, v)}" for k, v in abeja.items())
     rows = [Row("1", "bf16 / quantised samplers disagree with an fp32 learner on a sizeable share of tokens "
                 "(ABEJA's vLLM-vs-transformers measurement)", OBSERVATION,
                 "≥ 0.01 on " + ", ".join(f"{pct(v)} ({n})" for n, v in ge01.items()) + " of tokens; hf bf16 against "
                 f"ABEJA's bf16 (Qwen3-4B, GPU): {ours} — ABEJA's figure is inside our seed spread for "
-                f"{', '.join(inside) or 'none'} of the five")]  # fmt: skip
+                f"{', '.join(inside) or 'none'} of the five")]
     claims = r["claims"]
     grows = [n for n in low if claims[n]["max_grows"] and claims[n]["max_ratio_long_over_short"] > 1]
     mean_up = [n for n in low if claims[n]["mean_changes"] and claims[n]["mean_ratio_long_over_short"] > 1]
@@ -152,14 +153,14 @@ def mismatch_anatomy(r: dict[str, Any], vllm: dict[str, Any] | None = None) -> l
     rows.append(Row("1", "max mismatch grows with response length, the mean does not (TIS paper)", verdict,
                     f"max over the first {c0['prefix_long']} vs {c0['prefix_short']} tokens separated upwards for "
                     f"{len(grows)} of {len(low)} low-precision samplers (×{min(ratios):.1f}–{max(ratios):.1f}); "
-                    f"the mean separated upwards for {len(mean_up)} of them"))  # fmt: skip
+                    f"the mean separated upwards for {len(mean_up)} of them"))
     changes = [
         c["mean_change_vs_alone"] for name, c in r["batch_composition"]["int8"].items() if name != "alone"
     ]
     rows.append(Row("1", "— (new) int8 dynamic quantisation is batch-variant", OBSERVATION,
                     f"one set of targets, no seed spread: μ moves by {min(changes):.3f}–{max(changes):.3f} on "
                     f"average with batch composition; fp32 by ≤ "
-                    f"{max(c['max_change_vs_alone'] for c in r['batch_composition']['fp32'].values()):.1e}"))  # fmt: skip
+                    f"{max(c['max_change_vs_alone'] for c in r['batch_composition']['fp32'].values()):.1e}"))
     return rows
 
 
@@ -170,7 +171,7 @@ def quantised_rollouts(r: dict[str, Any]) -> list[Row]:
               ("TIS recovers the uncorrected int8 gap (TIS paper)", "int8/tis", "int8/ppo"),
               ("untruncated (vanilla) IS is unstable: worse than TIS (TIS paper)", "int8/tis", "int8/vanilla_is"),
               ("— (new) PPO-IS (π_old := μ) learns worse than decoupled PPO", "fp32/ppo", "int8/ppo_is"),
-              ("— (new) verl's Geo-RS band [0.999, 1.001] collapses int8 runs", "fp32/ppo", "int8/geo_rs")]  # fmt: skip
+              ("— (new) verl's Geo-RS band [0.999, 1.001] collapses int8 runs", "fp32/ppo", "int8/geo_rs")]
     for claim, high, low in claims:
         verdicts, numbers, compared_arms = {}, [], []
         for label, arms in _by_label(r["final"]).items():
@@ -185,7 +186,7 @@ def quantised_rollouts(r: dict[str, Any]) -> list[Row]:
             compared_arms += [a, b]
             numbers.append(f"lr {lr}: {compared(high, a, low, b)}")
         rows.append(Row("2", claim, _joined(verdicts, "lr"), "; ".join(numbers), POST_HOC if "(new)" in claim else "",
-                        mde(*compared_arms)))  # fmt: skip
+                        mde(*compared_arms)))
     return rows
 
 
@@ -197,16 +198,16 @@ def staleness(r: dict[str, Any]) -> list[Row]:
                 "(Guan et al.)", direction(acc["int8lag4/snapshot"], acc["int8lag4/recompute"]),
                 compared("snapshot", acc["int8lag4/snapshot"], "recompute", acc["int8lag4/recompute"]) +
                 " (int8 sampler, lag 4)", code_versions(r, ["int8lag4/snapshot", "int8lag4/recompute"]),
-                mde(acc["int8lag4/snapshot"], acc["int8lag4/recompute"]))]  # fmt: skip
+                mde(acc["int8lag4/snapshot"], acc["int8lag4/recompute"]))]
     above = direction(acc["int8lag4/ewma"], acc["int8lag4/recompute"])
     below = direction(acc["int8lag4/snapshot"], acc["int8lag4/ewma"])
     between = REPRODUCED if above == below == REPRODUCED else (
-        OPPOSITE if OPPOSITE in (above, below) else NOT_REPRODUCED)  # fmt: skip
+        OPPOSITE if OPPOSITE in (above, below) else NOT_REPRODUCED)
     rows.append(Row("3", "EWMA old logits fall between snapshot and recompute (Guan et al.)", between,
                     f"{compared('EWMA', acc['int8lag4/ewma'], 'recompute', acc['int8lag4/recompute'])}: {above}; "
                     f"{compared('snapshot', acc['int8lag4/snapshot'], 'EWMA', acc['int8lag4/ewma'])}: {below}",
                     code_versions(r, ["int8lag4/ewma", "int8lag4/recompute", "int8lag4/snapshot"]),
-                    mde(acc["int8lag4/ewma"], acc["int8lag4/recompute"], acc["int8lag4/snapshot"])))  # fmt: skip
+                    mde(acc["int8lag4/ewma"], acc["int8lag4/recompute"], acc["int8lag4/snapshot"])))
     reset_arms = [a for a in acc if a.startswith("int8lag4/ewma_reset")]
     verdicts = {a.split("/")[1]: direction(acc[a], acc["int8lag4/ewma"]) for a in reset_arms}
     rows.append(Row("3", "EWMA's auto-reset helps, with few reset events (Guan et al.)", _joined(verdicts, ""),
@@ -215,14 +216,14 @@ def staleness(r: dict[str, Any]) -> list[Row]:
                               for a in reset_arms),
                     _noted("the 0.5 threshold is one extra arm outside the grid, added after the 0.9 arm was seen",
                            code_versions(r, ["int8lag4/ewma", *reset_arms])),
-                    mde(acc["int8lag4/ewma"], *(acc[a] for a in reset_arms))))  # fmt: skip
+                    mde(acc["int8lag4/ewma"], *(acc[a] for a in reset_arms))))
     lags = sorted({a.split("/")[0] for a in acc if a.startswith("lag") and a != "lag0/recompute"})
     verdicts = {lag: direction(acc["lag0/recompute"], acc[f"{lag}/recompute"]) for lag in lags}
     rows.append(Row("3", "lag alone hurts (async RL folklore)", _joined(verdicts, ""),
                     "recompute + token IS, fp32 sampler: lag 0 " + ms(acc["lag0/recompute"]) + "; " +
                     ", ".join(f"{lag} {ms(acc[f'{lag}/recompute'])}" for lag in lags),
                     code_versions(r, ["lag0/recompute", *(f"{lag}/recompute" for lag in lags)]),
-                    mde(acc["lag0/recompute"], *(acc[f"{lag}/recompute"] for lag in lags))))  # fmt: skip
+                    mde(acc["lag0/recompute"], *(acc[f"{lag}/recompute"] for lag in lags))))
     return rows
 
 
@@ -237,11 +238,11 @@ def oapl_lag(r: dict[str, Any]) -> list[Row]:
     rows = [Row("4", "OAPL stays stable with a sampler 100s of steps behind (OAPL, Ritter et al.)", OBSERVATION,
                 f"{'every' if worst > start else 'not every'} run of every sync interval ends above the start "
                 f"({start:.3f}; lowest final {worst:.3f}); "
-                f"{compared(oapl[0], acc[oapl[0]], lagged, acc[lagged])}: {_gap(acc[oapl[0]], acc[lagged], lagged)}")]  # fmt: skip
+                f"{compared(oapl[0], acc[oapl[0]], lagged, acc[lagged])}: {_gap(acc[oapl[0]], acc[lagged], lagged)}")]
     verdicts = {a.removeprefix("oapl_sync"): direction(acc[a], acc["grpo_tis"]) for a in oapl}
     rows.append(Row("4", "OAPL beats GRPO + IS (OAPL)", _joined(verdicts, "sync"),
                     f"grpo_tis {ms(acc['grpo_tis'])}; " + ", ".join(f"{a} {ms(acc[a])}" for a in oapl), "",
-                    mde(acc["grpo_tis"], *(acc[a] for a in oapl))))  # fmt: skip
+                    mde(acc["grpo_tis"], *(acc[a] for a in oapl))))
     return rows
 
 
@@ -257,16 +258,16 @@ def throughput(r: dict[str, Any]) -> list[Row]:
     speed = {arm: first_cell(c) for arm, c in r["speed"].items()}
     rows = []
     verdicts = {a: direction(speed[a]["samples_per_s"], speed["sync"]["samples_per_s"])
-                for a in speed if a != "sync"}  # fmt: skip
+                for a in speed if a != "sync"}
     rows.append(Row("5", "async is faster per sample than sync", _joined(verdicts, ""),
                     "samples/s: " + ", ".join(f"{a} {ms(s['samples_per_s'], '.0f')}" for a, s in speed.items()),
-                    code_versions(r, list(speed)), mde(*(s["samples_per_s"] for s in speed.values()))))  # fmt: skip
+                    code_versions(r, list(speed)), mde(*(s["samples_per_s"] for s in speed.values()))))
     verdicts = {a: direction(speed["sync"]["time_to_target_s"], speed[a]["time_to_target_s"])
-                for a in speed if a != "sync"}  # fmt: skip
+                for a in speed if a != "sync"}
     rows.append(Row("5", f"async reaches greedy accuracy {r['target_accuracy']} sooner (wall clock)",
                     _joined(verdicts, ""),
                     "seconds: " + ", ".join(f"{a} {ms(s['time_to_target_s'], '.1f')}" for a, s in speed.items()), "",
-                    mde(*(s["time_to_target_s"] for s in speed.values()))))  # fmt: skip
+                    mde(*(s["time_to_target_s"] for s in speed.values()))))
     return rows
 
 
@@ -294,7 +295,7 @@ def long_mismatch(r: dict[str, Any], retest: dict[str, Any] | None = None) -> li
                         compared("fp32/ppo", fp32, f"{s}/ppo", acc[f"{s}/ppo"]),
                         f"collapses {w['collapsed']} of {n} vs fp32 {warn['fp32/ppo']['collapsed']} of {n_fp32} "
                         f"(one-sided Fisher p = {p:.2f}; the protocol defines a collapse but lets it decide no verdict)"
-                        + (f"; the dips: {dips}" if dips else ""), mde(fp32, acc[f"{s}/ppo"])))  # fmt: skip
+                        + (f"; the dips: {dips}" if dips else ""), mde(fp32, acc[f"{s}/ppo"])))
     # 2: <s>/<m> above <s>/ppo, and not separated below fp32/ppo
     for s in samplers:
         verdicts, numbers = {}, []
@@ -310,19 +311,19 @@ def long_mismatch(r: dict[str, Any], retest: dict[str, Any] | None = None) -> li
                 else (OPPOSITE if up == OPPOSITE else NOT_REPRODUCED)
             )
             numbers.append(f"{m}{'*' if arm in late else ''} {acc[arm]['mean'] - acc[f'{s}/ppo']['mean']:+.3f} "
-                           f"(spread {acc[arm]['std'] + acc[f'{s}/ppo']['std']:.3f})")  # fmt: skip
+                           f"(spread {acc[arm]['std'] + acc[f'{s}/ppo']['std']:.3f})")
         uncorrected_ok = direction(fp32, acc[f"{s}/ppo"]) != REPRODUCED
         rows.append(Row(f"6 ({s})", "a correction recovers it: above uncorrected, not below fp32 (TIS; IcePop; Geo-RS)",
                         _joined(verdicts, ""), f"against {s}/ppo {ms(acc[f'{s}/ppo'])}: " + ", ".join(numbers),
                         ("not separated below fp32/ppo holds for the uncorrected arm too" if uncorrected_ok else "")
                         + (f"; * {late_note}" if s == "q4_0" else ""),
-                        mde(acc[f"{s}/ppo"], *(acc[f"{s}/{m}"] for m in verdicts))))  # fmt: skip
+                        mde(acc[f"{s}/ppo"], *(acc[f"{s}/{m}"] for m in verdicts))))
     # 3: <s>/seq_mis above <s>/tis
     verdicts = {s: direction(acc[f"{s}/seq_mis"], acc[f"{s}/tis"]) for s in samplers}
     rows.append(Row("6", "sequence-level MIS repairs it better than token TIS (\"When Speed Kills Stability\")",
                     _joined(verdicts, ""), "; ".join(compared(f"{s}/seq_mis", acc[f"{s}/seq_mis"], f"{s}/tis",
                                                               acc[f"{s}/tis"]) for s in samplers), "",
-                    mde(*(acc[f"{s}/{m}"] for s in samplers for m in ("seq_mis", "tis")))))  # fmt: skip
+                    mde(*(acc[f"{s}/{m}"] for s in samplers for m in ("seq_mis", "tis")))))
     # 4: early warning, by the protocol's rule; false alarms are a criterion added after results were seen
     collapsed = {a: w for a, w in warn.items() if w["collapsed"] and a.split("/")[1] == "ppo"}
     steady = sum(w["steady"] for w in warn.values())
@@ -348,7 +349,7 @@ def long_mismatch(r: dict[str, Any], retest: dict[str, Any] | None = None) -> li
                         f"{alarms} of {steady} runs that did not collapse"
                         + (f", {negative} of them because the median is ≤ 0 (signed k3 ≈ −1e-9 at fp32)" if negative else "")
                         + "; the evaluations are 25 steps apart, so \"before\" is on that grid"
-                        + _retested_warning(retest, key)))  # fmt: skip
+                        + _retested_warning(retest, key)))
     # 5: sum vs mean (diagnostic: the protocol names what to compare, no rule)
     parts = []
     for s in samplers:
@@ -356,10 +357,10 @@ def long_mismatch(r: dict[str, Any], retest: dict[str, Any] | None = None) -> li
             rej = _run_mean(r, f"{s}/seq_mis_mean", "rollout_corr/rollout_is_seq_fraction_high")
             rej_sum = _run_mean(r, f"{s}/seq_mis", "rollout_corr/rollout_is_seq_fraction_high")
             parts.append(f"{s}: masked {rej:.3f} vs {rej_sum:.3f}; " + compared(
-                "seq_mis_mean", acc[f"{s}/seq_mis_mean"], "seq_mis", acc[f"{s}/seq_mis"]))  # fmt: skip
+                "seq_mis_mean", acc[f"{s}/seq_mis_mean"], "seq_mis", acc[f"{s}/seq_mis"]))
     rows.append(Row("6", "sum vs mean: TRL's sequence mask on the geometric mean instead of the product (diagnostic)",
                     OBSERVATION, "; ".join(parts),
-                    "q4_0's seq_mis_mean arm was added after seeds 0–1 of q4_0 had been seen"))  # fmt: skip
+                    "q4_0's seq_mis_mean arm was added after seeds 0–1 of q4_0 had been seen"))
     return rows
 
 
@@ -379,30 +380,30 @@ def confirm_collapse(r: dict[str, Any]) -> list[Row]:
 
     s = r["summary"]
     out = protocol_rows("7", s, CONFIRM_CLAIMS, "confirmatory: ", PROTOCOL, len(RUNGS[1][1]) * len(SEEDS),
-                        "rung-1 runs")  # fmt: skip
+                        "rung-1 runs")
     if not s["complete"]:
         return out
     out.append(Row("7", "confirmatory: every arm's final score, the secondary comparisons and the early warning "
                    "(reported, not decided by the protocol)", OBSERVATION,
-                   confirm_secondary(s, r["rung1"]["early_warning"])))  # fmt: skip
+                   confirm_secondary(s, r["rung1"]["early_warning"])))
     if s["rung2_called"]:
         steps = RUNGS[2][0]
         rung2 = _rung2(s)
         claims = {key: CONFIRM_CLAIMS[key] for key in ("{} vs {}".format(*pair) for pair in COMPARISONS[2])}
         rows2 = protocol_rows(f"7 (rung 2: {steps} steps)", rung2, claims, "confirmatory: ", PROTOCOL,
-                              len(RUNGS[2][1]) * len(SEEDS), "rung-2 runs")  # fmt: skip
+                              len(RUNGS[2][1]) * len(SEEDS), "rung-2 runs")
         called = f"rung 2 {'ran' if rung2['complete'] else 'runs'} because rung 1's first comparison is {_ladder_verdict(s)}"
         out += [Row(row.study, row.claim, row.verdict, row.numbers, called, row.mde) for row in rows2]
         if rung2["complete"]:
             out.append(Row(rows2[0].study, "confirmatory: every arm's final score, the secondary comparison and the "
                            "early warning (reported, not decided by the protocol)", OBSERVATION,
-                           confirm_secondary(rung2, rung2["early_warning"])))  # fmt: skip
+                           confirm_secondary(rung2, rung2["early_warning"])))
         answer = study_answer(s)
         if answer is not None:
             first = rung2["arms"]  # the ladder's comparison: rung 2's first, fp32/ppo vs q4_0/ppo
             hi, lo = (COMPARISONS[2][0])
             out.append(Row("7 (its answer)", f"confirmatory: the central claim, {CENTRAL_CLAIM}", answer,
-                           LADDER_ANSWER, mde=mde_protocol(first[hi], first[lo], family=len(COMPARISONS[2]))))  # fmt: skip
+                           LADDER_ANSWER, mde=mde_protocol(first[hi], first[lo], family=len(COMPARISONS[2]))))
     return out
 
 
@@ -440,7 +441,7 @@ def confirm_secondary(s: dict[str, Any], warning: dict[str, Any]) -> str:
     differences, and the early-warning rule's call per metric."""
     alarms = "; ".join(f"{key.split('/')[-1]}: {m['verdict']} (warned {m['hits']} of {m['collapsed']} collapsed "
                        f"runs, fired in {m['false_alarms']} of {m['steady']} others)"
-                       for key, m in warning["metrics"].items())  # fmt: skip
+                       for key, m in warning["metrics"].items())
     return f"{arm_scores(s)}. Secondary: {secondary_differences(s)}. Early warning: {alarms}"
 
 
@@ -448,13 +449,13 @@ def arm_scores(s: dict[str, Any]) -> str:
     """Every arm of a protocol study's summary: mean ± std [bootstrap 95 % interval], sustained collapses."""
     return "; ".join(f"{arm} {a['final_score_mean']:.3f} ± {a['final_score_std']:.3f} [{a['final_score_ci95'][0]:.3f}, "
                      f"{a['final_score_ci95'][1]:.3f}], {a['collapses']} collapse{'' if a['collapses'] == 1 else 's'}"
-                     for arm, a in s["arms"].items())  # fmt: skip
+                     for arm, a in s["arms"].items())
 
 
 def secondary_differences(s: dict[str, Any]) -> str:
     """A protocol study's secondary comparisons: difference [bootstrap 95 % interval], no verdict."""
     return "; ".join(f"{key}: {t['difference']:+.3f} [{t['ci95'][0]:+.3f}, {t['ci95'][1]:+.3f}]"
-                     for key, t in s["secondary"].items())  # fmt: skip
+                     for key, t in s["secondary"].items())
 
 
 def finished_runs(s: dict[str, Any]) -> int:
@@ -463,7 +464,7 @@ def finished_runs(s: dict[str, Any]) -> int:
 
 
 def protocol_rows(study: str, s: dict[str, Any], claims: dict[str, str], prefix: str, protocol: str, total: int,
-                  runs: str) -> list[Row]:  # fmt: skip
+                  runs: str) -> list[Row]:
     """The rows of a study read by its own protocol (studies 7 and 8): one per primary comparison, "pending"
     until every arm has its ten seeds, then the Holm-adjusted permutation test's verdict with its numbers."""
     if not s["complete"]:
@@ -471,7 +472,7 @@ def protocol_rows(study: str, s: dict[str, Any], claims: dict[str, str], prefix:
         return [Row(study, f"{prefix}{claim}", "pending",
                     f"{done} of {total} {runs} finished; the protocol ({protocol}) gives a verdict only when every "
                     "arm has its ten seeds")
-                for claim in claims.values()]  # fmt: skip
+                for claim in claims.values()]
     out = []
     for key, claim in claims.items():
         t = s["tests"][key]
@@ -483,7 +484,7 @@ def protocol_rows(study: str, s: dict[str, Any], claims: dict[str, str], prefix:
         numbers = (f"{hi} {a['final_score_mean']:.3f} vs {lo} {b['final_score_mean']:.3f} ({seeds}): "
                    f"difference {t['difference']:+.3f}, 95 % CI [{t['ci95'][0]:+.3f}, {t['ci95'][1]:+.3f}], "
                    f"permutation p = {t['p_value']:.3g}, Holm p = {t['p_holm']:.3g}; sustained collapses "
-                   f"{t['collapses'][0]} vs {t['collapses'][1]}")  # fmt: skip
+                   f"{t['collapses'][0]} vs {t['collapses'][1]}")
         out.append(Row(study, f"{prefix}{claim}", t["verdict"], numbers, mde=mde_protocol(a, b, family=len(claims))))
     return out
 
@@ -503,7 +504,7 @@ def dose_response(r: dict[str, Any]) -> list[Row]:
         done = finished_runs(s)
         return [Row("9", f"dose-response: {claim}", "pending",
                     f"{done} of 70 runs finished; the protocol (docs/dose-study.md) gives a verdict only when every "
-                    "arm has its ten seeds") for claim in DOSE_CLAIMS.values()]  # fmt: skip
+                    "arm has its ten seeds") for claim in DOSE_CLAIMS.values()]
     h1, h2 = s["tests"]["H1"], s["tests"]["H2"]
     scores = "; ".join(f"{arm} {a['final_score_mean']:.3f}" for arm, a in s["arms"].items())
     rows = [  # the protocol asks every verdict with its MDE: said whatever the verdict
@@ -517,10 +518,10 @@ def dose_response(r: dict[str, Any]) -> list[Row]:
             f"{h2['ci95'][1]:+.3f}], permutation p = {h2['p_value']:.3g}, Holm p = {h2['p_holm']:.3g}; "
             f"{MDE_LABEL} {h2['mde']:.4f}", "above uncorrected is not recovered: at rtn2 TIS still ends "
             f"{s['secondary']['rtn2/tis vs fp32/ppo']['difference']:+.3f} against fp32"),
-    ]  # fmt: skip
+    ]
     if s.get("answer"):
         rows.append(Row("9 (its answer)", "dose-response: how much mismatch uncorrected RL tolerates on this task",
-                        h1["verdict"], s["answer"].rstrip(".")))  # fmt: skip
+                        h1["verdict"], s["answer"].rstrip(".")))
     return rows
 
 
@@ -540,12 +541,12 @@ def fp16_study(r: dict[str, Any]) -> list[Row]:
         claim = f"{FP16_CLAIM} — audit, {model}"
         if not s["complete_a"] or t is None:
             rows.append(Row("10 (A)", claim, "pending", f"{len(s['tests'])} of {len(MODELS)} models audited; the "
-                            "protocol (docs/fp16-study.md) gives each verdict when part A is complete"))  # fmt: skip
+                            "protocol (docs/fp16-study.md) gives each verdict when part A is complete"))
             continue
         rows.append(Row("10 (A)", claim, t["verdict"],
                         f"k3 bf16 pair {t['k3']['bf16']:.3g} vs fp16 pair {t['k3']['fp16']:.3g}: ratio {t['ratio']:.1f}, "
                         f"95 % CI [{t['ci95'][0]:.1f}, {t['ci95'][1]:.1f}]; |Δp| ≥ 0.01: {100 * t['share_ge_0.01']['bf16']:.1f} % "
-                        f"vs {100 * t['share_ge_0.01']['fp16']:.2f} %", _exploratory_ratio(t)))  # fmt: skip
+                        f"vs {100 * t['share_ge_0.01']['fp16']:.2f} %", _exploratory_ratio(t)))
     b = s["tests"].get("B")
     done = sum(a["seeds"] for a in s["arms"].values())
     if not s["complete_b"] or b is None:
@@ -555,7 +556,7 @@ def fp16_study(r: dict[str, Any]) -> list[Row]:
         rows.append(Row("10 (B)", FP16_TRAIN_CLAIM, b["verdict"],
                         f"fp16/ppo {a['final_score_mean']:.3f} vs bf16/ppo {c['final_score_mean']:.3f} (10 seeds each): "
                         f"difference {b['difference']:+.3f}, 95 % CI [{b['ci95'][0]:+.3f}, {b['ci95'][1]:+.3f}], "
-                        f"permutation p = {b['p_value']:.3g}; overflow skips {a['overflow_skips']:.0f}", mde=b["mde"]))  # fmt: skip
+                        f"permutation p = {b['p_value']:.3g}; overflow skips {a['overflow_skips']:.0f}", mde=b["mde"]))
     return rows
 
 
@@ -590,35 +591,35 @@ def moe(r: dict[str, Any]) -> list[Row]:
         flips = audits["moe/fp32"]["routing"]["routing_flip_share"]
         out.append(Row("8", "MoE: an fp32 sampler against the fp32 learner flips no router decision (A1)",
                        REPRODUCED if rules["A1_fp32_flips_nothing"] else NOT_REPRODUCED,
-                       f"flip share {flips:.2%} of token × layer pairs, {audits['moe/fp32']['tokens']} tokens"))  # fmt: skip
+                       f"flip share {flips:.2%} of token × layer pairs, {audits['moe/fp32']['tokens']} tokens"))
     if "A2_lower_precisions_flip" in rules:
         a2 = rules["A2_lower_precisions_flip"]
         numbers = "; ".join(f"{p}: {audits[f'moe/{p}']['routing']['routing_flip_share']:.2%} of pairs, "
-                            f"{audits[f'moe/{p}']['routing']['routing_flip_token_share']:.2%} of tokens" for p in a2)  # fmt: skip
+                            f"{audits[f'moe/{p}']['routing']['routing_flip_token_share']:.2%} of tokens" for p in a2)
         out.append(Row("8", "MoE: a lower-precision sampler flips router decisions (A2; R3 paper)",
-                       _qualified(a2), numbers))  # fmt: skip
+                       _qualified(a2), numbers))
     if "A3_replay_shrinks_the_gap" in rules:
         a3 = rules["A3_replay_shrinks_the_gap"]
         numbers = "; ".join(f"{p}: mean |Δp| {audits[f'moe/{p}']['prob_diff_mean']:.5f} → "
                             f"{audits[f'moe/{p}+r3']['prob_diff_mean']:.5f}, k3 {audits[f'moe/{p}']['k3_kl']:.2e} → "
-                            f"{audits[f'moe/{p}+r3']['k3_kl']:.2e}" for p in a3)  # fmt: skip
+                            f"{audits[f'moe/{p}+r3']['k3_kl']:.2e}" for p in a3)
         out.append(Row("8", "MoE: replaying the sampler's experts shrinks the sampler–learner gap (A3)",
-                       _qualified(a3), numbers))  # fmt: skip
+                       _qualified(a3), numbers))
     if rules.get("A4_moe_over_dense"):
         numbers = "; ".join(f"{p}: k3 {audits[f'moe/{p}']['k3_kl']:.2e} vs {audits[f'dense/{p}']['k3_kl']:.2e} "
                             f"(× {ratio['k3_kl']:.2f}), mean |Δp| × {ratio['prob_diff_mean']:.2f}"
-                            for p, ratio in rules["A4_moe_over_dense"].items())  # fmt: skip
+                            for p, ratio in rules["A4_moe_over_dense"].items())
         out.append(Row("8", "MoE against the dense built-in model at the same sampler precision (A4, descriptive)",
                        OBSERVATION, numbers,
                        "int8 dynamic quantisation converts nn.Linear layers: the dense model's MLPs, not the MoE "
-                       "experts, which are parameters and stay float32"))  # fmt: skip
+                       "experts, which are parameters and stay float32"))
     from experiments.moe_study import ARMS, SEEDS
 
     out += protocol_rows("8", s, MOE_CLAIMS, "", "docs/moe-study.md", len(ARMS) * len(SEEDS), "training runs")
     if not s["complete"]:
         return out
     out.append(Row("8", "MoE: every arm's final greedy accuracy, and the secondary comparisons (no verdict by the protocol)",
-                   OBSERVATION, f"{arm_scores(s)}. Secondary: {secondary_differences(s)}"))  # fmt: skip
+                   OBSERVATION, f"{arm_scores(s)}. Secondary: {secondary_differences(s)}"))
     return out
 
 
@@ -645,7 +646,7 @@ def distributed_accuracy(r: dict[str, Any]) -> list[Row]:
                 "seed 0 of both arms had been run (commit 781df16: 0.905 at N=2, 0.965 at N=1) before the rule was "
                 f"written (07ff832); the rule's spread grows with the seeds' noise (N=1's {one['std']:.3f} comes "
                 f"from one seed at {one['min']:.2f}), so not separating is weak evidence of sameness",
-                mde(two, one))]  # fmt: skip
+                mde(two, one))]
 
 
 def code_versions(r: dict[str, Any], arms: list[str]) -> str:
@@ -710,7 +711,7 @@ def _retested_warning(retest: dict[str, Any] | None, key: str) -> str:
         m = s.get("early_warning", {}).get("metrics", {}).get(key)
         if m is not None:
             parts.append(f"{label}: fired in {m['false_alarms']} of {m['steady']} runs without a sustained collapse, "
-                         f"warned {m['hits']} of {m['collapsed']} collapsed")  # fmt: skip
+                         f"warned {m['hits']} of {m['collapsed']} collapsed")
     return ("; study 7 (ten seeds an arm, its own protocol) contradicts this verdict's use as a warning — "
             + "; ".join(parts)) if parts else ""
 
@@ -829,15 +830,15 @@ def readme_confirmatory(results: Path = RESULTS) -> str:
     s = load("confirm_collapse", results)["summary"]
     text = ("Study 7 (the confirmatory retest of study 6's claims, ten fresh seeds per arm, Holm-adjusted permutation "
             f"tests, [protocol](docs/confirm-collapse.md)), rung 1 ({RUNGS[1][0]} steps): "
-            f"{_rung_verdicts(s, len(RUNGS[1][1]) * len(SEEDS))}.")  # fmt: skip
+            f"{_rung_verdicts(s, len(RUNGS[1][1]) * len(SEEDS))}.")
     if s["rung2_called"]:
         rung2 = _rung2(s)
         text += (f" Rung 2 ({RUNGS[2][0]} steps, run because the first comparison of rung 1 is {_ladder_verdict(s)}): "
-                 f"{_rung_verdicts(rung2, len(RUNGS[2][1]) * len(SEEDS))}.")  # fmt: skip
+                 f"{_rung_verdicts(rung2, len(RUNGS[2][1]) * len(SEEDS))}.")
     if study_answer(s) is not None:
         answer = next(row for row in confirm_collapse(load("confirm_collapse", results)) if "its answer" in row.study)
         text += (f" The study's answer: **{study_answer(s)}** — {LADDER_ANSWER}; with ten seeds "
-                 f"{unseen(answer.mde, 'a final-score cost of the 4-bit sampler')}.")  # fmt: skip
+                 f"{unseen(answer.mde, 'a final-score cost of the 4-bit sampler')}.")
     return text
 
 
@@ -854,7 +855,7 @@ def readme_dose(results: Path = RESULTS) -> str:
             f"{h1['p_holm']:.2g}, MDE {h1['mde_slope']:.3f}); \"{DOSE_CLAIMS['H2']}\" is **{h2['verdict']}** "
             f"(TIS − uncorrected {h2['difference']:+.3f} over the doses, 95 % CI [{h2['ci95'][0]:+.3f}, "
             f"{h2['ci95'][1]:+.3f}], Holm p = {h2['p_holm']:.2g}, MDE {h2['mde']:.3f}). Its answer: {s['answer']} "
-            "The per-dose reading is in docs/results.md.")  # fmt: skip
+            "The per-dose reading is in docs/results.md.")
 
 
 def readme_fp16(results: Path = RESULTS) -> str:
@@ -873,11 +874,11 @@ def readme_fp16(results: Path = RESULTS) -> str:
         seen = detectable_ratio(t["ratio"], t["ci95"][0], CLAIM_RATIO)
         could = (f"; exploratory, not in the protocol: an interval this wide shows ≥ {CLAIM_RATIO:.0f}× with 80 % power "
                  f"only for a true ratio near {seen:.1f}×" if t["verdict"] == "not reproduced" and seen is not None
-                 else "")  # fmt: skip
+                 else "")
         part_a.append(f"{model} **{t['verdict']}** ({t['ratio']:.1f}×, 95 % CI [{t['ci95'][0]:.1f}, "
-                      f"{t['ci95'][1]:.1f}]{could})")  # fmt: skip
+                      f"{t['ci95'][1]:.1f}]{could})")
     text = (f"Study 10 (fp16 on both sides, [protocol](docs/fp16-study.md)), part A — {FP16_CLAIM}, by the audit's "
-            f"k3 ratio of the bf16 pair to the fp16 pair: {'; '.join(part_a)}. ")  # fmt: skip
+            f"k3 ratio of the bf16 pair to the fp16 pair: {'; '.join(part_a)}. ")
     b, arms = s["tests"].get("B"), s["arms"]
     if not s["complete_b"] or b is None:
         done = sum(a["seeds"] for a in arms.values())
@@ -888,7 +889,7 @@ def readme_fp16(results: Path = RESULTS) -> str:
                    f"{b['difference']:+.3f}, 95 % CI [{b['ci95'][0]:+.3f}, {b['ci95'][1]:+.3f}], permutation p = "
                    f"{b['p_value']:.3g}{could}); sustained collapses {fp16['collapses']} (fp16) and {bf16['collapses']} "
                    f"(bf16) of ten, {fp16['overflow_skips']:.0f} fp16 overflow skips, training-time k3 "
-                   f"{fp16['k3_median']:.2g} (fp16) against {bf16['k3_median']:.2g} (bf16).")  # fmt: skip
+                   f"{fp16['k3_median']:.2g} (fp16) against {bf16['k3_median']:.2g} (bf16).")
 
 
 def _rung_verdicts(s: dict[str, Any], total: int) -> str:
@@ -901,7 +902,7 @@ def _rung_verdicts(s: dict[str, Any], total: int) -> str:
         could = f"; {unseen(seen)}" if t["verdict"] == NOT_REPRODUCED else ""
         parts.append(f'"{CONFIRM_CLAIMS[key].split(" (")[0]}" is **{t["verdict"]}** ({key.replace(" vs ", " − ")} = '
                      f"{t['difference']:+.3f}, 95 % CI [{t['ci95'][0]:+.3f}, {t['ci95'][1]:+.3f}], Holm p = "
-                     f"{t['p_holm']:.3g}{could})")  # fmt: skip
+                     f"{t['p_holm']:.3g}{could})")
     return "; ".join(parts)
 
 
@@ -926,11 +927,16 @@ BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
     "bench:exact": ("docs/precision.md", lambda res: _bench_table(REPO / "benchmarks/results/bench_exact.txt")),
     "bench:verl": ("docs/performance.md",
                    lambda res: _bench_table(REPO / "benchmarks/results/bench_correction_verl.txt")),
-    "bench:verl_nommap": ("docs/performance.md",
-                          lambda res: _bench_table(REPO / "benchmarks/results/bench_correction_verl_nommap.txt")),
-    "bench:verl_ratios": ("docs/performance.md", lambda res: verl_ratio_text(
-        REPO / "benchmarks/results/bench_correction_verl_nommap.txt",
-        REPO / "benchmarks/results/bench_correction_verl.txt")),
+    "bench:verl_ratios": ("docs/performance.md",
+                          lambda res: verl_ratio_text(REPO / "benchmarks/results/bench_correction_verl.txt")),
+    "bench:speed": ("README.md", lambda res: readme_speed(REPO / "benchmarks/results/bench_correction_verl.txt")),
+    "bench:scaling": ("docs/performance.md", lambda res: _bench_table(REPO / "benchmarks/results/bench_scaling.txt")),
+    "bench:scaling_reading": ("docs/performance.md",
+                              lambda res: scaling_text(REPO / "benchmarks/results/bench_scaling.txt")),
+    "bench:steps": ("docs/performance.md",
+                    lambda res: _bench_table(REPO / "benchmarks/results/bench_correction_steps.txt")),
+    "bench:steps_reading": ("docs/performance.md",
+                            lambda res: steps_text(REPO / "benchmarks/results/bench_correction_steps.txt")),
     "bench:analyze": ("docs/analyze.md", lambda res: analyze_bench_text(REPO / "benchmarks/results/bench_analyze.txt")),
     "bench:measure_engines": ("docs/training.md",
                               lambda res: _fenced(REPO / "benchmarks/results/measure_engines_builtin.txt")),
@@ -939,10 +945,6 @@ BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
     "reading:dose_response": ("docs/results.md", lambda res: dose_reading(load("dose_response", res))),
     "bench:startup": ("docs/performance.md",
                       lambda res: _bench_table(REPO / "benchmarks/results/bench_startup.txt")),
-    "bench:floor": ("docs/performance.md",
-                    lambda res: _bench_table(REPO / "benchmarks/results/bench_correction_floor.txt")),
-    "bench:compile_tax": ("docs/performance.md",
-                          lambda res: _bench_table(REPO / "benchmarks/results/bench_analyze_fused.txt")),
     "bench:read_ab": ("docs/performance.md",
                       lambda res: _bench_table(REPO / "benchmarks/results/bench_analyze_read_ab.txt")),
     "bench:distributed": ("docs/performance.md", lambda res: _fenced(REPO / "benchmarks/results/bench_distributed.txt")),
@@ -998,10 +1000,10 @@ def analyze_bench_text(path: Path) -> str:
     rows = []
     for line in text.splitlines():
         m = re.match(r"^(jsonl|parquet)\s+([\d,]+)\s+[\d,]+\s+[\d.]+\s+(\d+)\s+([\d.]+)\s+([\d.]+) M\s+([\d.]+) M"
-                     r"(?:\s+([\d.]+) M)?$", line)  # fmt: skip
+                     r"(?:\s+([\d.]+) M)?$", line)
         if m:  # format, tokens, peak RSS MB, analyze M tokens/s, reading M tokens/s (wall), (per CPU second)
             rows.append((m[1], int(m[2].replace(",", "")), int(m[3]), float(m[5]), float(m[6]),
-                         float(m[7]) if m[7] else None))  # fmt: skip
+                         float(m[7]) if m[7] else None))
     ratio = re.search(r"tokens: jsonl ([\d.]+), parquet ([\d.]+)", text)
     ceiling = re.search(r"orjson.loads alone .*?: ([\d.]+) M tokens/s", text)
 
@@ -1025,7 +1027,7 @@ def analyze_bench_text(path: Path) -> str:
             f"Parquet (imports included); reading alone is {span('jsonl', 4)} M tokens/s (JSONL) and "
             f"{span('parquet', 4)} M tokens/s (Parquet), where decoding the JSON lines alone (orjson) reaches "
             f"{ceiling[1]} M tokens/s on this machine ({where[1] if where else 'see its first lines'})."
-            + _reading_target(rows) + note)  # fmt: skip
+            + _reading_target(rows) + note)
 
 
 def _reading_target(rows: list[tuple]) -> str:
@@ -1070,7 +1072,7 @@ def distributed_text(path: Path) -> str:
     steps = {case: number(rf"builtin model, {case}: ([\d.]+) steps/s") for case in ("N=1", "N=2 replicate", "N=2 shard")}
     wide = {case: number(rf"wide model, {case}: .*steps/s ratio ([\d.]+)") for case in ("N=2 replicate", "N=2 shard")}
     rss = {case: number(rf"wide model, {case}: peak RSS per rank \(max over ranks\) / N=1's ([\d.]+)")
-           for case in ("N=2 replicate", "N=2 shard")}  # fmt: skip
+           for case in ("N=2 replicate", "N=2 shard")}
     stall = number(r"every rank scoring every row [\d.]+; ratio ([\d.]+)")
     met = ratio["N=2 replicate"] >= 1.3
     half, gloo = "N=1, half the batch", "N=2 replicate over gloo"
@@ -1098,32 +1100,90 @@ def distributed_text(path: Path) -> str:
     ])
 
 
-def verl_ratio_text(quoted: Path, defaults: Path) -> str:
-    """The ratio to verl per shape, from the run without the allocator effect, and what the effect added."""
+def verl_ratios(path: Path) -> dict[str, dict[str, tuple[float, float]]]:
+    """Per shape of ``benchmarks/bench_correction.py``'s committed output, the (min, max) over its cases of
+    verl / rollcorr, verl / drop-in and rollcorr / floor."""
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    for row in bench_rows(path):
+        cells = out.setdefault(row["shape"], {})
+        for key in ("verl / rollcorr", "verl / drop-in", "rollcorr / floor"):
+            lo, hi = cells.get(key, (math.inf, -math.inf))
+            cells[key] = (min(lo, float(row[key])), max(hi, float(row[key])))
+    return out
 
-    def span(rows: list[dict[str, str]], key: str) -> str:
-        values = [float(r[key]) for r in rows]
-        return f"{min(values):.1f}–{max(values):.1f}×"
 
-    def positions(row: dict[str, str]) -> int:
-        b, t = (int(x) for x in row["shape"].split(" x "))
-        return b * t
+def _span(pair: tuple[float, float], digits: int = 1) -> str:
+    lo, hi = pair
+    return f"{lo:.{digits}f}×" if f"{lo:.{digits}f}" == f"{hi:.{digits}f}" else f"{lo:.{digits}f}–{hi:.{digits}f}×"
 
-    rows, plain = bench_rows(quoted), bench_rows(defaults)
-    fused_min = 1 << 18  # rollcorr.correction.fused.MIN_POSITIONS
-    small = [r for r in rows if positions(r) < 1 << 16]
-    middle = [r for r in rows if 1 << 16 <= positions(r) < fused_min]
-    large = [r for r in rows if positions(r) >= fused_min]
-    big = [r for r in plain if positions(r) == max(map(positions, plain))]
-    return (f"verl's CPU time over rollcorr's, per shape: {span(small, 'verl / eager')} at "
-            f"{', '.join(sorted({r['shape'] for r in small}))} (the fixed cost of a call dominates: parity); "
-            f"{span(middle, 'verl / eager')} at {', '.join(sorted({r['shape'] for r in middle}))} (eager: below the "
-            f"fused path's 256 K positions); at {', '.join(sorted({r['shape'] for r in large}, key=len))} "
-            f"{span(large, 'verl / fused')} on the fused path, {span(large, 'verl / eager')} eager, and "
-            f"{span(large, 'verl / drop-in')} for the verl drop-in. With glibc's defaults verl's system time at "
-            f"{big[0]['shape']} is {min(float(r['verl system ms']) for r in big):.0f}–"
-            f"{max(float(r['verl system ms']) for r in big):.0f} ms a call, and the fused ratio there reads "
-            f"{span(big, 'verl / fused')}: not quoted as a speed-up.")  # fmt: skip
+
+def verl_ratio_text(path: Path) -> str:
+    """docs/performance.md's reading of the verl table: the ratios per shape, the drop-in's, the floor's."""
+    ratios = verl_ratios(path)
+    shapes = list(ratios)
+    per_shape = "; ".join(f"{_span(ratios[s]['verl / rollcorr'])} at {s}" for s in shapes)
+    drop_in = "; ".join(f"{_span(ratios[s]['verl / drop-in'])} at {s}" for s in shapes)
+    floor = "; ".join(f"{_span(ratios[s]['rollcorr / floor'], 0)} at {s}" for s in shapes)
+    return (f"verl's CPU time over the default's, per shape (the three cases): {per_shape}. The verl drop-in (verl's "
+            f"signature, floats out): {drop_in}. The default's time over one read of its inputs: {floor}.")
+
+
+def readme_speed(path: Path) -> str:
+    """The README's speed sentence, from the verl table: verl's CPU time over the default's from the second shape
+    up, and at the smallest shape (said as slower where it is below 1)."""
+    ratios = verl_ratios(path)
+    shapes = list(ratios)
+    small, large = shapes[0], shapes[1:]
+    lo = min(ratios[s]["verl / rollcorr"][0] for s in large)
+    hi = max(ratios[s]["verl / rollcorr"][1] for s in large)
+    at_small = ratios[small]["verl / rollcorr"]
+    slower = " (slower: each call's fixed cost dominates there)" if at_small[1] < 1 else ""
+    return (f"With every metric on and nothing compiled, verl's own helper takes {lo:.1f}–{hi:.1f}× the CPU time of "
+            f"`compute_correction` on batches from {large[0]} to {large[-1]} positions, and "
+            f"{_span(at_small, 2)} at {small}{slower} (one thread, one run on a shared machine whose load the file "
+            "states: [benchmarks/results/bench_correction_verl.txt](benchmarks/results/bench_correction_verl.txt), "
+            "[docs/performance.md](docs/performance.md#the-correction-compute_correction)).")
+
+
+def scaling_tables(path: Path) -> dict[str, list[dict[str, str]]]:
+    """``benchmarks/bench_scaling.py``'s committed output: each sweep's rows keyed by its header, by swept key."""
+    tables: dict[str, list[dict[str, str]]] = {}
+    header: list[str] = []
+    for line in (x for x in path.read_text().splitlines() if x and not x.startswith("#")):
+        cells = [c.strip() for c in line.split("|")]
+        if not cells[1].isdigit():
+            header = cells
+            tables[cells[0]] = []
+        else:
+            tables[header[0]].append(dict(zip(header, cells)))
+    return tables
+
+
+def scaling_text(path: Path) -> str:
+    """docs/performance.md's reading of the step-time sweeps: CPU per token and growth over linear per sweep."""
+    names = {"rollout.prompts_per_step": "prompts per step", "rollout.max_new_tokens": "max_new_tokens",
+             "rollout.group_size": "group size"}
+    parts, worst = [], 0.0
+    for key, rows in scaling_tables(path).items():
+        per_token = [float(r["CPU ms / token"]) for r in rows]
+        growth = [float(r["growth / linear"]) for r in rows[1:]]
+        worst = max(worst, *growth)
+        parts.append(f"{names.get(key, key)} {rows[0][key]} → {rows[-1][key]}: {per_token[0]:.2f} → {per_token[-1]:.2f} "
+                     f"CPU ms per response token, growth / linear {min(growth):.2f}–{max(growth):.2f}")
+    verdict = "no sweep grew super-linearly" if worst <= 1.0 else f"the largest growth / linear is {worst:.2f}"
+    return (f"{'; '.join(parts)}: {verdict} (1.0 is linear; below it the per-step costs that do not grow with the "
+            "batch — orchestration, the optimizer update, metrics and logging — are shared by more tokens).")
+
+
+def steps_text(path: Path) -> str:
+    """docs/performance.md's reading of ``benchmarks/bench_correction_steps.py``'s committed output."""
+    rows = {r["seconds per step"]: r for r in bench_rows(path)}
+    steps = re.search(r"# (\d+) steps at B x T = (\d+ x \d+)", path.read_text())
+    cpu, wall = rows["CPU"], rows["wall"]
+    return (f"Over {steps.group(1)} steps at {steps.group(2)} the slowest step took {cpu['max / median']}× the median "
+            f"CPU time ({cpu['max']} s against {cpu['median']} s), and {cpu['steps over 3x median']} steps were over 3× "
+            f"it; by the wall clock, which counts the waits for a core on a shared machine, {wall['max / median']}× "
+            f"and {wall['steps over 3x median']} steps.")
 
 
 def _sampler_vs_generate(results: Path) -> str:

@@ -129,32 +129,38 @@ def protocol_held():
 
 
 # ---- the fused correction path ------------------------------------------------------------------------------
+class EveryVariant:
+    """A ``fused._state["warm"]`` that holds every kernel variant: as if ``fused.warm`` had run for each."""
+
+    def __contains__(self, key) -> bool:
+        return True
+
+
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Take the fused correction path on any batch size (what ROLLCORR_FUSED=1 does on a large batch), the kernel
-    function run eagerly (``row_pass`` is pure; tests/test_correction_perf_fused.py compiles it); the list of the
-    kernel's calls."""
+    """Take the fused (compiled) statistics on any batch size, as a process that ran ``fused.warm`` does, with the
+    kernel function run eagerly (``_row_pass`` is pure; tests/test_correction_perf_fused.py compiles it); the
+    list of the kernel's calls."""
     from rollcorr.correction import fused
 
     calls = []
 
     def counted(*args):
         calls.append(args)
-        return fused.row_pass(*args)
+        return fused._row_pass(*args)
 
     monkeypatch.setattr(fused, "MIN_POSITIONS", 0)
-    monkeypatch.setenv(fused.ENV, "1")
     monkeypatch.setitem(fused._state, "compiled", counted)
-    monkeypatch.setitem(fused._state, "failed", False)
+    monkeypatch.setitem(fused._state, "warm", EveryVariant())
     return calls
 
 
-def on_eager_path(monkeypatch, fn, *args, **kw):
-    """``fn(*args, **kw)`` with the fused correction path off (ROLLCORR_FUSED=0)."""
+def on_default_path(monkeypatch, fn, *args, **kw):
+    """``fn(*args, **kw)`` on the default (plain torch) statistics: no kernel warmed."""
     from rollcorr.correction import fused
 
     with monkeypatch.context() as m:
-        m.setenv(fused.ENV, "0")
+        m.setitem(fused._state, "warm", set())
         return fn(*args, **kw)
 
 

@@ -226,10 +226,7 @@ def test_the_layout_names_every_module():
 LONGEST = 80  # lines a function may take, its signature and docstring included (docs/architecture.md)
 # Functions over LONGEST known today, each with who shortens it; a test below fails once one is short enough, so
 # the list stays true.
-LONG_PENDING: dict[str, str] = {
-    "rollcorr.correction.api.compute_correction": "#51 (correction speed) rewrites it as statistics → weights → "
-                                                  "rejection → diagnostics",
-}
+LONG_PENDING: dict[str, str] = {}
 
 
 def function_lengths() -> dict[str, int]:
@@ -272,10 +269,6 @@ def test_long_pending_functions_are_still_long():
 # some: each is being edited on a branch in flight today (removing a marker there would make its merge conflict);
 # strip them once it lands. A test below fails once a listed file holds none, so the list stays true.
 FMT_PENDING: dict[str, tuple[str, ...]] = {
-    "speed (#51)": ("benchmarks/bench_analyze.py", "benchmarks/bench_correction.py", "benchmarks/bench_scaling.py",
-                    "experiments/summary.py", "scripts/check_gpu.py", "src/rollcorr/analyze/analysis.py",
-                    "src/rollcorr/correction/api.py", "src/rollcorr/correction/fused.py",
-                    "tests/test_performance_docs.py"),
     "memory": ("benchmarks/bench_train.py", "src/rollcorr/train/loop.py", "tests/test_distributed_train.py"),
 }
 FORMATTER_MARKER = re.compile(r"#\s*fmt:\s*(skip|off|on)\b")

@@ -1,8 +1,9 @@
-"""The fused path of compute_correction (correction/fused.py) agrees with the eager path to float rounding.
+"""The fused statistics (correction/fused.py, compiled on request by ``fused.warm``) agree with the default
+plain-torch statistics (correction/statistics.py) to float rounding, and nothing compiles unless asked.
 
-Most cases run the fused path's kernel function eagerly (``row_pass`` is a pure function; compiling it changes
-the summation order, not the formulas), on small batches with holes, all-padding rows and every supported
-rule; two cases compile it for real on a batch above ``MIN_POSITIONS``. Nothing here measures time.
+Most cases run the kernel function eagerly (``_row_pass`` is a pure function; compiling it changes the summation
+order, not the formulas), on small batches with holes, all-padding rows and every rule; a few compile it for
+real on a batch above ``MIN_POSITIONS``. Nothing here measures time.
 """
 
 import dataclasses
@@ -12,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import EPS32, assert_as_accurate, assert_metrics_as_accurate
+from conftest import EPS32, EveryVariant, assert_as_accurate, assert_metrics_as_accurate
 from rollcorr.config import CorrectionConfig, preset
 from rollcorr.correction import compute_correction, fused
 from rollcorr.correction.metrics import DIAGNOSTIC_METRICS
@@ -65,11 +66,10 @@ def _call(config, old, roll, mask, log_prob, kept, **kw):
 
 @pytest.fixture
 def eager_kernel(monkeypatch):
-    """Take the fused path on any batch size, with the kernel function run eagerly."""
+    """Take the fused path on any batch size, as if warmed for every variant, the kernel function run eagerly."""
     monkeypatch.setattr(fused, "MIN_POSITIONS", 0)
-    monkeypatch.setenv(fused.ENV, "1")
-    monkeypatch.setitem(fused._state, "compiled", fused.row_pass)
-    monkeypatch.setitem(fused._state, "failed", False)
+    monkeypatch.setitem(fused._state, "compiled", fused._row_pass)
+    monkeypatch.setitem(fused._state, "warm", EveryVariant())
 
 
 def _assert_close(got, want, exact=None, rel=None):
@@ -107,8 +107,9 @@ def _assert_close(got, want, exact=None, rel=None):
 
 
 def _eager(monkeypatch, *args, **kw):
+    """The default (plain torch) statistics: no kernel warmed."""
     with monkeypatch.context() as m:
-        m.setenv(fused.ENV, "0")
+        m.setitem(fused._state, "warm", set())
         return _call(*args, **kw)
 
 
@@ -129,10 +130,10 @@ def _float64(x):
 
 
 def _exact(monkeypatch, fn, *args, **kw):
-    """``fn`` on the eager path with float64 copies of its inputs: the reference both float32 paths are
+    """``fn`` on the default path with float64 copies of its inputs: the reference both float32 paths are
     measured against (compute_correction computes in float64 for float64 inputs)."""
     with monkeypatch.context() as m:
-        m.setenv(fused.ENV, "0")
+        m.setitem(fused._state, "warm", set())
         return fn(*_float64(args), **_float64(kw))
 
 
@@ -144,7 +145,6 @@ def _reference(monkeypatch, *args, **kw):
 @pytest.mark.parametrize("noise", [0.3, 30.0])  # 30: |ℓ| exceeds the ±20 bound, the clamp matters
 def test_fused_path_matches_eager_path(config, noise, eager_kernel, monkeypatch):
     args = (config, *_batch(noise=noise))
-    assert fused.plan(config, 1) is not None
     _assert_close(_call(*args), _eager(monkeypatch, *args), _reference(monkeypatch, *args))
 
 
@@ -186,56 +186,94 @@ def test_fused_path_checks_its_inputs(eager_kernel):
     _assert_close(dirty, _call(config, old, roll, mask, lp, kept), rel=0)
 
 
-def test_the_fused_path_applies_when_every_rule_declares_its_reductions(monkeypatch):
-    monkeypatch.setenv(fused.ENV, "1")  # past the compile's break-even (test_short_commands_stay_eager_...)
-    big = fused.MIN_POSITIONS
-    assert fused.plan(preset("disabled"), big) == frozenset()
-    assert fused.plan(preset("disabled"), big - 1) is None
-    assert fused.plan(preset("decoupled_geo_rs_token_tis"), big) == {"sum_k1"}
-    assert fused.plan(preset("trm_max_k2_mean_k3"), big) == {"max_k2", "sum_k3"}
-    verl = dataclasses.replace(preset("decoupled_token_is"), verl_compat=True)
-    assert fused.plan(verl, big) == frozenset()
-    for name in ("slime_veto", "opsm", "skyrl_outlier"):  # veto and OPSM read the (B, T) tokens
-        assert fused.plan(preset(name), big) is None, name
-    for option, threshold in (("token_k1", "0.5_2.0"), ("seq_mean_binary_kl", 0.1)):
-        assert fused.plan(CorrectionConfig(rs=(option,), rs_thresholds=(threshold,)), big) is None
+@pytest.mark.parametrize("name", ["slime_veto", "opsm", "skyrl_outlier", "token_k1", "seq_mean_binary_kl"])
+def test_rules_that_read_tokens_take_them_beside_the_kernel(name, eager_kernel, monkeypatch):
+    """Veto, OPSM, token-level and binary-KL rules read the (B, T) tokens (built on first use) while the kernel
+    serves every per-row sum: the same result as the default path."""
+    thresholds = {"token_k1": "0.5_2.0", "seq_mean_binary_kl": 0.1}
+    config = (CorrectionConfig(rs=(name,), rs_thresholds=(thresholds[name],)) if name in thresholds
+              else preset(name))
+    old, roll, mask, lp, kept = _batch(noise=0.3)
+    kw = dict(advantages=torch.randn(mask.shape[0], generator=torch.Generator().manual_seed(2)))
+    calls = []
+    monkeypatch.setitem(fused._state, "compiled", lambda *a: calls.append(1) or fused._row_pass(*a))
+    got = compute_correction(old, roll, mask, config, lp, **kw)
+    assert len(calls) == 1
+    want = _eager_run(monkeypatch, compute_correction, old, roll, mask, config, lp, **kw)
+    _assert_close(got, want, _exact(monkeypatch, compute_correction, old, roll, mask, config, lp, **kw))
+
+
+def _eager_run(monkeypatch, fn, *args, **kw):
+    """``fn`` on the default path (no kernel warmed)."""
+    with monkeypatch.context() as m:
+        m.setitem(fused._state, "warm", set())
+        return fn(*args, **kw)
+
+
+def test_nothing_compiles_unless_warmed(monkeypatch):
+    """A process that never called ``fused.warm`` corrects every batch, small or large, on the default path:
+    no compiled function exists and the kernel is never asked."""
+    monkeypatch.setitem(fused._state, "compiled", None)
+    monkeypatch.setitem(fused._state, "warm", set())
+    args = (preset("decoupled_geo_rs_token_tis"), *_batch(b=4, t=fused.MIN_POSITIONS // 4 + 8))
+    _call(*args)
+    assert fused._state["compiled"] is None
+    with monkeypatch.context() as m:  # a warmed variant is used only for its own configuration
+        m.setitem(fused._state, "warm", {fused.variant(preset("decoupled_token_is"), torch.float32)})
+        m.setitem(fused._state, "compiled", lambda *a: pytest.fail("another variant's kernel was called"))
+        _call(*args)
 
 
 def test_compile_failure_falls_back_to_the_eager_path(monkeypatch):
+    """``fused.warm`` that cannot compile says so (``FusedUnavailableWarning``) and returns False; every call then
+    takes the default path."""
+
     def broken(*args):
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(fused, "MIN_POSITIONS", 0)
-    monkeypatch.setenv(fused.ENV, "1")
     monkeypatch.setitem(fused._state, "compiled", broken)
-    monkeypatch.setitem(fused._state, "failed", False)
-    args = (preset("decoupled_token_is"), *_batch())
+    monkeypatch.setitem(fused._state, "warm", set())
+    config = preset("decoupled_token_is")
     with pytest.warns(fused.FusedUnavailableWarning, match=r"no C\+\+ compiler"):
+        assert fused.warm(config) is False
+    assert fused._state["warm"] == set()
+    args = (config, *_batch())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         got = _call(*args)
     want = _eager(monkeypatch, *args)
     assert torch.equal(got.is_weights, want.is_weights)
     assert all(torch.equal(got.metrics[k], v) for k, v in want.metrics.items())
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once: later calls go eager without a word
-        _call(*args)
+
+
+def _compiled_or_skip(config, dtype=torch.float32, diagnostics=True):
+    """Warm the real kernel for ``config`` (seconds to a minute), or skip where this machine cannot compile."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", fused.FusedUnavailableWarning)
+        ok = fused.warm(config, dtype, diagnostics=diagnostics)
+    if not ok:  # e.g. Inductor's C++ under ATEN_CPU_CAPABILITY=default
+        assert any(issubclass(w.category, fused.FusedUnavailableWarning) for w in caught)
+        pytest.skip("the fused kernel could not be compiled on this machine")
 
 
 @pytest.mark.parametrize("name", ["disabled", "decoupled_geo_rs_token_tis"])
 def test_compiled_kernel_matches_eager_path(name, monkeypatch):
-    """The real torch.compile'd kernel, on a batch large enough to take the fused path by itself."""
-    if fused._state["failed"]:
-        pytest.skip("the fused kernel could not be compiled on this machine")
-    monkeypatch.setenv(fused.ENV, "1")  # from the first call (the default waits until compiling pays)
+    """The real torch.compile'd kernel, warmed on a small batch, serves a batch of another shape (dynamic shapes:
+    no recompile) and agrees with the default path; a call it would have to recompile for (a strided input)
+    is refused and served by the default path instead."""
     config = preset(name)
+    _compiled_or_skip(config)
+    calls = []
+    compiled = fused._state["compiled"]
+    monkeypatch.setitem(fused._state, "compiled", lambda *a: calls.append(1) or compiled(*a))
     args = (config, *_batch(b=64, t=fused.MIN_POSITIONS // 64, noise=0.05))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", fused.FusedUnavailableWarning)
-        got = _call(*args)
-    _assert_close(got, _eager(monkeypatch, *args), _reference(monkeypatch, *args))  # compiled, or the eager fallback
-    if fused._state["failed"]:  # e.g. Inductor's C++ under ATEN_CPU_CAPABILITY=default
-        assert any(issubclass(w.category, fused.FusedUnavailableWarning) for w in caught)
-        pytest.skip("the fused kernel could not be compiled here; the eager fallback gave the same results")
-    assert fused._state["compiled"] is not None
+    got = _call(*args)
+    assert calls == [1]
+    _assert_close(got, _eager(monkeypatch, *args), _reference(monkeypatch, *args))
+    old, roll, mask, lp, kept = _batch(b=fused.MIN_POSITIONS // 64, t=64, noise=0.05)
+    strided = (config, old.t().contiguous().t(), roll, mask, lp, kept)  # column-major: another stride
+    _assert_close(_call(*strided), _eager(monkeypatch, *strided), _reference(monkeypatch, *strided))
 
 
 def test_kernels_are_cached_per_cpu_capability(tmp_path):
@@ -264,26 +302,6 @@ def test_kernels_are_cached_per_cpu_capability(tmp_path):
     assert seen["avx2"] in (str(tmp_path / "rollcorr-avx2"), str(tmp_path / "rollcorr-default"))
 
 
-def test_short_commands_stay_eager_until_compiling_pays(monkeypatch):
-    """By default a process corrects BREAKEVEN_POSITIONS positions eagerly before it compiles (a short command
-    never pays the compile); ROLLCORR_FUSED=1 takes the fused path from the first large call, =0 never."""
-    monkeypatch.delenv(fused.ENV, raising=False)
-    monkeypatch.setitem(fused._state, "seen", 0)
-    monkeypatch.setitem(fused._state, "failed", False)
-    config = preset("decoupled_token_is")
-    large = fused.MIN_POSITIONS
-    assert fused.plan(config, large) is None  # a fresh process: eager
-    monkeypatch.setitem(fused._state, "seen", fused.BREAKEVEN_POSITIONS)
-    assert fused.plan(config, large) is not None  # paid back: fused for large calls
-    assert fused.plan(config, large - 1) is None  # never for small ones
-    monkeypatch.setitem(fused._state, "seen", 0)
-    monkeypatch.setenv(fused.ENV, "1")
-    assert fused.plan(config, large) is not None
-    monkeypatch.setenv(fused.ENV, "0")
-    monkeypatch.setitem(fused._state, "seen", 10 * fused.BREAKEVEN_POSITIONS)
-    assert fused.plan(config, large) is None
-
-
 def _without_diagnostics(want, got):
     """``got`` (diagnostics=False) is ``want`` (the default) less the diagnostic metrics, every value, the
     weights and the mask bit for bit; returns the keys left out."""
@@ -303,14 +321,14 @@ def _without_diagnostics(want, got):
 @pytest.mark.parametrize("path", ["eager", "fused"])
 def test_diagnostics_false_leaves_out_only_the_diagnostics(config, path, monkeypatch):
     """``diagnostics=False`` computes every weight, rule and count metric exactly as the default and leaves out
-    the mismatch diagnostics (metrics.DIAGNOSTIC_METRICS), on either path (fused: the kernel run eagerly)."""
+    the mismatch diagnostics (metrics.DIAGNOSTIC_METRICS), on either path (fused: the kernel run eagerly).
+    The default path computes the rules' terms the same way with or without them: the values bit for bit."""
     if path == "fused":
         monkeypatch.setattr(fused, "MIN_POSITIONS", 0)
-        monkeypatch.setenv(fused.ENV, "1")
-        monkeypatch.setitem(fused._state, "compiled", fused.row_pass)
-        monkeypatch.setitem(fused._state, "failed", False)
+        monkeypatch.setitem(fused._state, "compiled", fused._row_pass)
+        monkeypatch.setitem(fused._state, "warm", EveryVariant())
     else:
-        monkeypatch.setenv(fused.ENV, "0")
+        monkeypatch.setitem(fused._state, "warm", set())
     args = (config, *_batch(noise=30.0))  # the clamp matters
     dropped = _without_diagnostics(_call(*args), _call(*args, diagnostics=False))
     assert len(dropped) == 28  # off-policy 13, divergence 6, probability mismatch 9
@@ -319,7 +337,6 @@ def test_diagnostics_false_leaves_out_only_the_diagnostics(config, path, monkeyp
 def test_diagnostics_false_leaves_out_the_whole_documented_set(monkeypatch):
     """With π_θ given in decoupled mode (the discrepancy/drift split) every name of DIAGNOSTIC_METRICS is one
     the default reports, and diagnostics=False leaves each of them out."""
-    monkeypatch.setenv(fused.ENV, "0")
     old, roll, mask, lp, _ = _batch()
     config = preset("decoupled_seq_is_rs")
     want = compute_correction(old, roll, mask, config, lp)
@@ -337,20 +354,18 @@ def test_the_kernel_writes_token_weights_with_its_row_loop_operand(eager_kernel)
     assert all(torch.equal(with_one[k], plain[k]) for k in plain)
 
 
+@pytest.mark.slow  # a compile per variant: seconds to a minute each
 @pytest.mark.parametrize("diagnostics", [True, False])
 def test_compiled_kernel_on_rows_it_splits(diagnostics, monkeypatch):
     """The real compiled kernel on rows of 8192 positions, which it reduces as two pieces of 4096
-    (fused.split_for), with and without the diagnostics (each its own variant), against the eager path, both
+    (fused.split_for), with and without the diagnostics (each its own variant), against the default path, both
     measured against float64, as test_compiled_kernel_matches_eager_path does for unsplit rows."""
-    if fused._state["failed"]:
-        pytest.skip("the fused kernel could not be compiled on this machine")
-    monkeypatch.setenv(fused.ENV, "1")
     t = 8192
     assert fused.split_for(t) == 2
-    args = (preset("decoupled_geo_rs_token_tis"), *_batch(b=fused.MIN_POSITIONS // t, t=t, noise=0.05))
+    config = preset("decoupled_geo_rs_token_tis")
+    _compiled_or_skip(config, diagnostics=diagnostics)
+    args = (config, *_batch(b=fused.MIN_POSITIONS // t, t=t, noise=0.05))
     got = _call(*args, diagnostics=diagnostics)
-    if fused._state["failed"]:
-        pytest.skip("the fused kernel could not be compiled here")
     want = _eager(monkeypatch, *args, diagnostics=diagnostics)
     _assert_close(got, want, _reference(monkeypatch, *args, diagnostics=diagnostics))
     assert got.is_weights.shape == want.is_weights.shape and got.is_weights.is_contiguous()

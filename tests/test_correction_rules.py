@@ -1,11 +1,10 @@
-"""One rule list, two backends: every rejection rule runs through ``rejection.RULES`` on the eager
-statistics or on the fused kernel's, and each entry point (compute_correction, the training step, the verl
-drop-in, analyze) takes the fused path when the rules declare their reductions. The fused path runs its kernel
-function eagerly here (``row_pass`` is pure; compiling changes the summation order, not the formulas;
-tests/test_correction_perf_fused.py compiles it for real), on small batches; the documented tolerance is float
-rounding: each path's error against the eager path on float64 copies of the inputs (conftest.assert_as_accurate;
-analyze's dumps are float64 already: float64 math there). A rule registered from outside the package, on every
-path and in every consumer: tests/test_recipes.py."""
+"""One rule list, two sources of statistics: every rejection rule runs through ``rejection.RULES`` on the default
+plain-torch statistics or on the fused kernel's (once warmed), and each entry point of a run (compute_correction,
+the training step, the verl drop-in) takes the warmed kernel. The kernel function runs eagerly here (``_row_pass``
+is pure; compiling changes the summation order, not the formulas; tests/test_correction_perf_fused.py compiles it
+for real), on small batches; the documented tolerance is float rounding: each path's error against the default
+path on float64 copies of the inputs (conftest.assert_as_accurate). A rule registered from outside the package,
+on every path and in every consumer: tests/test_recipes.py."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import EPS32, assert_as_accurate, assert_metrics_as_accurate, on_eager_path
+from conftest import EPS32, assert_as_accurate, assert_metrics_as_accurate, on_default_path
 from rollcorr.config import CorrectionConfig, preset
 from rollcorr.correction import compute_correction
 from test_correction_perf_fused import _assert_close, _batch, _exact  # tests/ is on sys.path (pytest rootdir)
@@ -38,12 +37,12 @@ PER_RULE = {
 @pytest.mark.parametrize(
     ("name", "verl"), [(n, v) for n in PER_RULE for v in (False, True) if not (v and n.startswith("trm"))]
 )  # verl mode (verl_compat: verl's K1 windows, +1e-8 means, all rows) for verl's own rules
-def test_each_fusable_rule_matches_the_eager_path(name, verl, kernel_calls, monkeypatch):
+def test_each_fusable_rule_matches_the_default_path(name, verl, kernel_calls, monkeypatch):
     config = dataclasses.replace(PER_RULE[name], verl_compat=verl)
     old, roll, mask, lp, kept = _batch(noise=0.3, seed=3)
     got = compute_correction(old, roll, mask, config)
     assert len(kernel_calls) == 1
-    want = on_eager_path(monkeypatch, compute_correction, old, roll, mask, config)
+    want = on_default_path(monkeypatch, compute_correction, old, roll, mask, config)
     _assert_close(got, want, _exact(monkeypatch, compute_correction, old, roll, mask, config))
     assert not torch.equal(want.kept_mask, mask) and want.kept_mask.any()  # rejects some rows, not all
 
@@ -57,7 +56,7 @@ def test_version_lag_and_decomposition_take_the_fused_path(kernel_calls, monkeyp
     kw = dict(log_prob=lp, version=version, current_version=4)
     got = compute_correction(old, roll, mask, config, **kw)
     assert len(kernel_calls) == 1
-    want = on_eager_path(monkeypatch, compute_correction, old, roll, mask, config, **kw)
+    want = on_default_path(monkeypatch, compute_correction, old, roll, mask, config, **kw)
     _assert_close(got, want, _exact(monkeypatch, compute_correction, old, roll, mask, config, **kw))
     for key in ("staleness_mean", "staleness_max", "discrepancy_k3", "drift_k3", "total_k3"):
         assert f"rollout_corr/{key}" in got.metrics
@@ -79,7 +78,7 @@ def test_the_training_step_takes_the_fused_path(kernel_calls, monkeypatch):
     )
     got, metrics = step.attach_correction(rollout, algo, lp)
     assert len(kernel_calls) == 1
-    want, want_metrics = on_eager_path(monkeypatch, step.attach_correction, rollout, algo, lp)
+    want, want_metrics = on_default_path(monkeypatch, step.attach_correction, rollout, algo, lp)
     exact, _ = _exact(monkeypatch, step.attach_correction, rollout, algo, lp)
     assert torch.equal(got.kept_mask, want.kept_mask)
     # token weights under a sequence-level rejection: the floor of a length-T row reduction (metric_floor's rule)
@@ -102,27 +101,10 @@ def test_the_verl_drop_in_takes_the_fused_path(kernel_calls, monkeypatch):
     )
     weights, kept_mask, metrics = helper(old, roll, mask.float(), **kw)
     assert len(kernel_calls) == 1
-    want_w, want_mask, want = on_eager_path(monkeypatch, helper, old, roll, mask.float(), **kw)
+    want_w, want_mask, want = on_default_path(monkeypatch, helper, old, roll, mask.float(), **kw)
     exact_w, _, exact = _exact(monkeypatch, helper, old, roll, mask.float(), **kw)
     assert torch.equal(kept_mask, want_mask) and kept_mask.dtype == torch.float32
     w, w_eager, w_exact = (x.batch["rollout_is_weights"] for x in (weights, want_w, exact_w))
     assert_as_accurate(w, w_eager, w_exact, floor=mask.shape[-1] * EPS32 * float(w_exact.norm()), what="weights")
     assert metrics.keys() == want.keys()
     assert_metrics_as_accurate(metrics, want, exact, n=mask.numel())
-
-
-def test_analyze_takes_the_fused_path(kernel_calls, monkeypatch):
-    from rollcorr.analyze.analysis import analyze
-    from rollcorr.analyze.cli import sample_dump_path
-    from rollcorr.dumps import read_dump
-
-    dump = read_dump(sample_dump_path())
-    config = preset("decoupled_geo_rs_token_tis")
-    got = analyze(dump, config)
-    assert len(kernel_calls) == 1
-    want = on_eager_path(monkeypatch, analyze, dump, config)
-    assert torch.equal(got.kept_mask, want.kept_mask) and got.notes == want.notes
-    for key, value in want.metrics.items():  # float64 math (the dump's dtype)
-        assert got.metrics[key] == pytest.approx(
-            value, rel=2e-5, abs=1e-3 if key.endswith("_std") else 1e-6
-        ), key

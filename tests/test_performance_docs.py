@@ -6,42 +6,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_cpu_per_token_range_is_the_scaling_tables():
-    text = (ROOT / "docs/performance.md").read_text()
-    rows = []  # (responses, CPU ms / token) of the batch-size and group-size tables
-    for header in ("| prompts per step | responses |", "| group size | responses |"):
-        table = text[text.index(header) :].split("\n\n")[0].splitlines()[2:]
-        rows += [(int(cells[2]), float(cells[6])) for cells in (re.split(r"\s*\|\s*", line) for line in table)]
-    small = [ms for n, ms in rows if n <= 32]
-    large = [ms for n, ms in rows if n >= 128]
-    prose = " ".join(text.split())
-    assert f"falls from {min(small):.2f}–{max(small):.2f} ms at 32 responses or fewer" in prose
-    assert f"to {min(large):.2f}–{max(large):.2f} ms at 128–256" in prose
-
-
-def test_the_floor_paragraph_follows_from_the_committed_output():
-    """docs/performance.md's reading of benchmarks/results/bench_correction_floor.txt (the table itself is a
-    generated block, checked by tests/test_results_docs.py): every number the paragraph after it quotes."""
-    lines = (ROOT / "benchmarks/results/bench_correction_floor.txt").read_text().splitlines()
-    rows = [[c.strip() for c in line.split("|")] for line in lines if not line.startswith("#")][1:]
-    by_case = {cells[0]: [float(c) for c in cells[1:]] for cells in rows}
-    assert len(by_case) == 3
-    cols = list(zip(*by_case.values()))
-    _, _, to_rules, _, to_full, _, lean_to_rules, fixed = cols
-    seq = by_case["Seq-MIS (decoupled_seq_is_rs)"]
+def test_the_scaling_sentence_follows_from_the_committed_output():
+    """The step-time sweeps (benchmarks/results/bench_scaling.txt): the sentence's per-token CPU and growth ranges,
+    recomputed here from the rows."""
+    rows = [r for r in _rows("bench_scaling.txt") if len(r) == 8]
+    tables, key = {}, None
+    for r in rows:
+        if not r[1].isdigit():
+            key = r[0]
+            tables[key] = []
+        else:
+            tables[key].append(r)
+    assert list(tables) == ["rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.group_size"]
     prose = " ".join((ROOT / "docs/performance.md").read_text().split())
-    assert (f"With every metric (the default) the correction takes {min(to_full):.2f}–{max(to_full):.2f}× the full "
-            f"floor and {min(to_rules):.2f}–{max(to_rules):.2f}× the rules floor.") in prose  # fmt: skip
-    # "Seq-MIS cannot be within 2× of the rules floor with every diagnostic computed": its full floor alone is not
-    seq_full_to_rules = seq[3] / seq[1]
-    assert seq_full_to_rules > 2.0
-    assert f"the full floor alone is {seq_full_to_rules:.2f}× the rules floor" in prose
-    assert max(lean_to_rules) <= 2.0  # "within … of the rules floor for every preset"
-    assert (f"With `diagnostics=False` the correction is within {min(lean_to_rules):.2f}–{max(lean_to_rules):.2f}× "
-            "of the rules floor for every preset.") in prose  # fmt: skip
-    assert max(fixed) <= 1.0  # the issue's ≤ 1 ms
-    fixed_cost = f"{min(fixed):.2f}–{max(fixed):.2f} ms"
-    assert f"the metrics' small tensor operations, with one sync — is {fixed_cost}." in prose
+    for table in tables.values():
+        first, last = float(table[0][5]), float(table[-1][5])
+        growth = [float(r[6]) for r in table[1:]]
+        assert f"{first:.2f} → {last:.2f} CPU ms per response token, growth / linear {min(growth):.2f}–{max(growth):.2f}" in prose
 
 
 def _rows(name: str) -> list[list[str]]:
@@ -50,32 +31,50 @@ def _rows(name: str) -> list[list[str]]:
     return [[c.strip() for c in line.split("|")] for line in lines if not line.startswith("#")]
 
 
-SUPERSCRIPT = str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹")
-
-
-def test_the_compile_tax_paragraph_quotes_the_committed_output():
-    """#38: default / ROLLCORR_FUSED=0 wall time of a fresh `rollcorr analyze` per dump size, and the verl
-    drop-in's first calls, as benchmarks/results/bench_analyze_fused.txt has them (the table itself is a
-    generated block, checked by tests/test_results_docs.py)."""
-    rows = _rows("bench_analyze_fused.txt")
-    sizes = {int(float(r[0])): (float(r[3]), float(r[6])) for r in rows if len(r) == 7 and r[0][0].isdigit()}
-    assert sorted(sizes)[0] == 10**5 and len(sizes) >= 3
-    calls = {r[0].split(" (")[0]: r for r in rows if len(r) == 6 and r[1][0].isdigit()}
-    correction = calls["compute_rollout_correction_and_rejection_mask"]
-    loss = calls["compute_policy_loss_vanilla"]
-    compiled = calls["the same correction with ROLLCORR_FUSED=1 and an empty Inductor cache"]
+def test_the_correction_figures_are_the_default_s():
+    """#51: the verl table and every speed sentence about the correction (docs/performance.md, the README) come
+    from one committed run of the default (no ROLLCORR_FUSED, glibc's allocator as it comes) whose header names
+    the machine, the load and the command; the sentences' ratios are recomputed here from its rows."""
+    path = ROOT / "benchmarks/results/bench_correction_verl.txt"
+    header = path.read_text().splitlines()[:2]
+    assert "cores" in header[0] and "load before" in header[0] and "command: python benchmarks/bench_correction.py" in header[0]
+    assert "ROLLCORR_FUSED unset" in header[1] and "glibc's allocator defaults" in header[1]
+    rows = [r for r in _rows("bench_correction_verl.txt") if len(r) > 2 and r[2][0].isdigit()]
+    shapes = list(dict.fromkeys(r[0] for r in rows))
+    assert shapes == ["8 x 512", "64 x 2048", "256 x 8192", "1024 x 16384"]
+    assert {r[1] for r in rows} == {"token TIS", "Seq-MIS", "token TIS + Geo-RS"}
+    header_row = next(r for r in _rows("bench_correction_verl.txt") if r[0] == "shape")
+    col = {name: i for i, name in enumerate(header_row)}
     prose = " ".join((ROOT / "docs/performance.md").read_text().split())
-    exponents = ", ".join(f"10{str(len(str(s)) - 1).translate(SUPERSCRIPT)}" for s in sorted(sizes))
-    assert f"At every dump size measured ({exponents} tokens)" in prose
-    wall, cpu = ([ratios[i] for ratios in sizes.values()] for i in (0, 1))
-    assert f"{min(wall):.2f}–{max(wall):.2f} times the wall time and {min(cpu):.2f}–{max(cpu):.2f} times the CPU time" in prose
-    assert (f"first rollout correction on a 256 × 8192 batch took {correction[1]} s wall ({correction[2]} s CPU; "
-            f"its second call {correction[3]} s wall)" in prose)  # fmt: skip
-    assert f"its first policy loss {loss[1]} s" in prose
-    within = correction[5] == loss[5] == "yes"  # the file's "first <= 1 s" column
-    assert ("both ≤ 1 s" in prose) == within and ("over the 1 s asked" in prose) != within
-    assert float(correction[2]) <= 1.0 and float(loss[2]) <= 1.0  # the CPU time is within it either way
-    assert f"the same first correction takes {compiled[1]} s" in prose
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    for shape in shapes:
+        ratio = [float(r[col["verl / rollcorr"]]) for r in rows if r[0] == shape]
+        lo, hi = f"{min(ratio):.1f}", f"{max(ratio):.1f}"
+        assert (f"{lo}× at {shape}" if lo == hi else f"{lo}–{hi}× at {shape}") in prose
+    large = [float(r[col["verl / rollcorr"]]) for r in rows if r[0] != shapes[0]]
+    assert f"verl's own helper takes {min(large):.1f}–{max(large):.1f}× the CPU time of `compute_correction`" in readme
+
+
+def test_the_step_sentence_quotes_the_committed_output():
+    """#51: no step of the 400 over 3× the median, as benchmarks/results/bench_correction_steps.txt measured it."""
+    rows = {r[0]: r for r in _rows("bench_correction_steps.txt") if r[0] in ("wall", "CPU")}
+    header = (ROOT / "benchmarks/results/bench_correction_steps.txt").read_text().splitlines()[0]
+    assert "load before" in header and "command: python benchmarks/bench_correction_steps.py" in header
+    prose = " ".join((ROOT / "docs/performance.md").read_text().split())
+    cpu = rows["CPU"]
+    assert f"the slowest step took {cpu[5]}× the median CPU time ({cpu[4]} s against {cpu[1]} s)" in prose
+    assert f"and {cpu[6]} steps were over 3× it" in prose
+
+
+def test_every_quoted_results_file_names_its_machine_and_load():
+    """Each committed output docs/performance.md quotes names, in its first lines, the machine (its cores) and the
+    load."""
+    text = (ROOT / "docs/performance.md").read_text()
+    quoted = sorted(set(re.findall(r"benchmarks/results/([\w.]+\.txt)", text)))
+    assert "bench_correction_verl.txt" in quoted and "bench_correction_steps.txt" in quoted
+    for name in quoted:
+        head = " ".join((ROOT / "benchmarks/results" / name).read_text().splitlines()[:3])
+        assert "cores" in head and "load" in head, name
 
 
 def test_the_run_end_sentence_quotes_the_committed_output():
@@ -104,7 +103,7 @@ def test_the_reading_target_sentence_quotes_the_committed_output():
     """#38: JSONL and Parquet reading from 10⁶ tokens up, as benchmarks/results/bench_analyze.txt measured it."""
     text = (ROOT / "benchmarks/results/bench_analyze.txt").read_text()
     slowest = {kind: re.search(rf"^{kind} reading at >= 1e\+06 tokens, the slowest size: ([\d.]+) M tokens/s wall, "
-                               rf"([\d.]+) M per CPU second", text, re.M) for kind in ("jsonl", "parquet")}  # fmt: skip
+                               rf"([\d.]+) M per CPU second", text, re.M) for kind in ("jsonl", "parquet")}
     top = {m[1]: m[2] for m in re.finditer(r"^(jsonl|parquet)\s+100,000,000\s+.*?([\d.]+) M\s+[\d.]+ M$", text, re.M)}
     prose = " ".join((ROOT / "docs/performance.md").read_text().split())
     met = all(float(slowest[k][1]) >= 5 for k in slowest)

@@ -1,12 +1,12 @@
-"""The recipes of docs/architecture.md, checked: a loss, a rejection rule (one per level: a sequence rule the fused
-kernel serves, a token rule that reads the (B, T) tokens) and a π_old strategy, each added from outside the
+"""The recipes of docs/architecture.md, checked: a loss, a rejection rule (one per level: a sequence rule that reads
+a per-row reduction, a token rule that reads the (B, T) tokens) and a π_old strategy, each added from outside the
 package — here, in this module, as a user's own module would — through its one door (``register_loss``,
 ``register_rule``, ``proximal.register``), and each picked up by every consumer it applies to:
 
     toy                     rollcorr train   rollcorr analyze   verl drop-in                   fused correction
     loss toy_clipped_pg     2 steps          does not apply     toy_mode, rollcorr_<name>      does not apply
-    rule toy_max_abs_...    2 steps          explained          in the drop-in's correction    the kernel; = eager
-    rule toy_token_abs_...  2 steps          explained          in the drop-in's correction    stays eager; = eager
+    rule toy_max_abs_...    2 steps          explained          in the drop-in's correction    its row max; = default
+    rule toy_token_abs_...  2 steps          explained          in the drop-in's correction    its tokens; = default
     π_old counting_...      2 steps          does not apply     does not apply                 does not apply
 
 Where an extension point does not apply to a consumer:
@@ -42,14 +42,21 @@ import pytest
 import torch
 from torch import Tensor
 
-from conftest import on_eager_path
+from conftest import on_default_path
 from rollcorr import proximal
 from rollcorr.analyze.analysis import analyze
 from rollcorr.analyze.cli import sample_dump_path
 from rollcorr.cli import main
 from rollcorr.config import CorrectionConfig
 from rollcorr.correction import compute_correction
-from rollcorr.correction.rejection import RULES, Rule, RuleOutcome, register_rule, rejects, rule_reductions
+from rollcorr.correction.rejection import (
+    RULES,
+    Rule,
+    RuleOutcome,
+    declared_reductions,
+    register_rule,
+    rejects,
+)
 from rollcorr.dumps import read_dump
 from rollcorr.losses import LOSSES, LossConfig, LossSpec, policy_loss, register_loss
 from rollcorr.losses.common import clamped_ratio, masked_mean
@@ -193,7 +200,7 @@ TOKEN_RULE, TOKEN_LIMIT = "toy_token_abs_log_ratio", 1.0142  # drop a token with
 
 def drop_far_rows(name, limit, stats, context):
     """Sequence level: keep a row iff max_t ½ℓ_t² ≤ ½ (log limit)², i.e. every |ℓ_t| ≤ log limit."""
-    row_max_k2 = stats.row_max("k2")  # (B,), from the eager tokens or the fused kernel
+    row_max_k2 = stats.row_max("k2")  # (B,), from the statistics pass (or the compiled kernel)
     bound = 0.5 * math.log(limit) ** 2
     return RuleOutcome(name, None, row_max_k2 <= bound, row_max_k2, None, bound, limit)
 
@@ -229,10 +236,10 @@ def limit_option(default: float):
 
 TOY_RULES = {
     "sequence": Rule(SEQ_RULE, options=limit_option(SEQ_LIMIT),
-                     reductions=lambda name, limit: frozenset({"max_k2"}),  # what the fused kernel must compute
+                     reductions=lambda name, limit: frozenset({"max_k2"}),  # what the statistics pass must compute
                      apply=drop_far_rows, metrics=seq_rule_metrics),
     "token": Rule(TOKEN_RULE, options=limit_option(TOKEN_LIMIT),
-                  reductions=lambda name, limit: None,  # reads the (B, T) tokens: the call stays eager
+                  reductions=lambda name, limit: None,  # reads the (B, T) tokens (built on first use)
                   apply=drop_far_tokens, metrics=token_rule_metrics),
 }
 METRIC = {"sequence": "rollout_corr/toy_seq_fraction", "token": "rollout_corr/toy_token_rows"}
@@ -262,19 +269,16 @@ def kept_by_hand(level: str, old: Tensor, rollout: Tensor, mask: Tensor) -> Tens
 
 
 def test_rule_in_compute_correction_eager_and_fused(toy_rule, kernel_calls, monkeypatch):
-    """With the fused path forced (the kernel run eagerly, conftest.kernel_calls): the sequence rule is served by
-    the kernel, the token rule keeps the call eager; either way the result is the eager one, and the rule's keep
-    is its definition."""
+    """With the fused statistics warmed (the kernel run eagerly, conftest.kernel_calls): the sequence rule reads the
+    kernel's row maxima, the token rule the (B, T) tokens built beside it; either way the result is the default
+    path's, and the rule's keep is its definition."""
     config = CorrectionConfig(is_level="token", rules=NAMED[toy_rule])  # token IS and the toy, the only rule
     old, roll, mask, _, _ = _batch(noise=0.02)
     got = compute_correction(old, roll, mask, config)
-    want = on_eager_path(monkeypatch, compute_correction, old, roll, mask, config)
-    if toy_rule == "sequence":
-        assert rule_reductions(config) == {"max_k2"} and len(kernel_calls) == 1  # the fused path ran
-        _assert_close(got, want, _exact(monkeypatch, compute_correction, old, roll, mask, config))
-    else:
-        assert rule_reductions(config) is None and kernel_calls == []  # no kernel for a token rule
-        assert torch.equal(got.kept_mask, want.kept_mask) and torch.equal(got.is_weights, want.is_weights)
+    want = on_default_path(monkeypatch, compute_correction, old, roll, mask, config)
+    assert len(kernel_calls) == 1  # the kernel served the statistics
+    assert declared_reductions(config) == ({"max_k2"} if toy_rule == "sequence" else set())
+    _assert_close(got, want, _exact(monkeypatch, compute_correction, old, roll, mask, config))
     keep = kept_by_hand(toy_rule, old, roll, mask)
     assert torch.equal(want.kept_mask, keep)
     assert keep[mask].any() and not keep[mask].all()  # the rule drops some, not all

@@ -15,7 +15,7 @@ returned. Nothing of a chunk is kept but what the report needs:
 - per finding (a removed or zeroed sequence or token, ~120 bytes); the ``top`` most mismatched tokens.
 
 The metrics are the library's own formulas (``metrics.*_from_sums``, ``rejection.Rule.metrics``,
-``fused.row_pass`` for the per-row reductions) applied once to the per-row values of the whole dump and to
+``metrics.diagnostics_from_sums``) applied once to the per-row values of the whole dump and to
 token totals summed chunk by chunk. Batch-level normalisation (``batch_normalize``) divides by the mean weight of
 the whole dump: the chunks are corrected without it, the divisor is formed from the whole dump's sums at the
 end and the applied weights reported are divided by it then, so nothing depends on the chunking.
@@ -41,9 +41,8 @@ from torch import Tensor
 
 from rollcorr.chunked import one_thread, quantiles, release_memory
 from rollcorr.config.correction import CorrectionConfig
-from rollcorr.correction import fused
 from rollcorr.correction import metrics as metric_fns
-from rollcorr.correction.ratios import Rows, any_per_row, kl_stats, make_tokens, positive_tolerance
+from rollcorr.correction.ratios import Rows, any_per_row, kl_stats, make_tokens
 from rollcorr.correction.rejection import RULES, RSOutcome, RuleOutcome, rejection_rules
 from rollcorr.correction.weights import apply_threshold, norm_factor, raw_weights, row_log_weight
 from rollcorr.dumps import CHUNK_POSITIONS, Dump, DumpInfo, DumpReader
@@ -143,7 +142,7 @@ class FindingTable(Sequence):
         return Finding(row=int(c["row"][i]), line=int(c["line"][i]), rule=m["rule"], level=m["level"],
                        position=int(c["position"][i]), token=self._labels[i], statistic=m["statistic"],
                        value=float(c["value"][i]), threshold=m["threshold"], lower=m["lower"], upper=m["upper"],
-                       excess=float(c["excess"][i]), tokens=int(c["tokens"][i]), effect=m["effect"])  # fmt: skip
+                       excess=float(c["excess"][i]), tokens=int(c["tokens"][i]), effect=m["effect"])
 
     def levels(self) -> np.ndarray:
         """(N,) the level of each finding: True for sequence findings."""
@@ -208,7 +207,7 @@ def analyze(dump: Dump, config: CorrectionConfig, source: str = "", *, top: int 
 
 
 def analyze_reader(reader: DumpReader, config: CorrectionConfig, source: str = "", *, top: int = TOP_TOKENS,
-                   positions: int | None = None) -> Analysis:  # fmt: skip
+                   positions: int | None = None) -> Analysis:
     """Run the correction on a dump read chunk by chunk (``open_dump``): memory is one chunk plus the
     per-row, per-finding (and, for token rules, per-token) values listed in the module docstring. Raises
     ``ValueError`` for what only the whole dump can say (OPSM rows without advantages, rows recording
@@ -238,10 +237,10 @@ def _info_of(dump: Dump) -> DumpInfo:
         "version": dump.version is not None, "token_text": dump.token_text is not None,
         "text": dump.text is not None, "routed_experts": dump.routed_experts is not None,
         "learner_routed_experts": dump.learner_routed_experts is not None, "turn": dump.turn is not None,
-    }  # fmt: skip
+    }
     return DumpInfo(path=dump.path, fields=dump.fields, malformed=dump.malformed, total_rows=dump.total_rows,
                     rows=len(dump), num_tokens=dump.num_tokens, partial=dump.partial, correction=dump.correction,
-                    corrections_seen=dump.corrections_seen, complete=complete)  # fmt: skip
+                    corrections_seen=dump.corrections_seen, complete=complete)
 
 
 def fmt(x: float) -> str:
@@ -277,8 +276,8 @@ def _outside(value: np.ndarray, lo: float | None, hi: float | None) -> np.ndarra
 
 # ---- the engine -----------------------------------------------------------------------------------------
 TOTALS = ("sum_k3", "rho2", "policy_kl", "js", "e_abs", "abs", "p_old_sum", "p_rollout_sum", "p_old_sq_sum",
-          "p_rollout_sq_sum", "p_cross_sum", "small_diff_count", "ge0", "ge1", "ge2")  # fmt: skip
-PER_ROW = ("n", "old", "rollout", "lr", "d_max", "d_sum")  # row_pass reductions kept per row
+          "p_rollout_sq_sum", "p_cross_sum", "small_diff_count", "ge0", "ge1", "ge2")
+PER_ROW = ("n", "old", "rollout", "lr", "d_max", "d_sum")  # the reductions kept per row
 TOKEN_IS_TOTALS = ("w_sq", "high", "low", "oob")
 
 
@@ -286,7 +285,7 @@ class _Engine:
     """Consumes chunks (``feed``) and sums up the analysis (``finish``); see the module docstring."""
 
     def __init__(self, config: CorrectionConfig, source: str, info: DumpInfo | None, *, top: int,
-                 keep_tensors: bool = False) -> None:  # fmt: skip
+                 keep_tensors: bool = False) -> None:
         self.config, self.source, self.info, self.top = config, source, info, max(int(top), 0)
         self.run_config = dataclasses.replace(config, batch_normalize=False)  # normalised once, at the end
         self.keep_tensors = keep_tensors
@@ -328,7 +327,7 @@ class _Engine:
         config = self.config
         b, t = chunk.response_mask.shape
         index = (chunk.row_index.numpy() if chunk.row_index is not None
-                 else np.arange(self.next_row, self.next_row + b, dtype=np.int64))  # fmt: skip
+                 else np.arange(self.next_row, self.next_row + b, dtype=np.int64))
         self.next_row += b
         self.chunks += 1
         if config.opsm_delta is not None and chunk.advantages is None:
@@ -337,7 +336,7 @@ class _Engine:
             return
         if config.sampler_distribution == "full":
             raise ValueError("sampler_distribution='full' needs log_kept_mass (log of the top-k/top-p kept mass), "
-                             "which a dump does not hold")  # fmt: skip
+                             "which a dump does not hold")
         mask = chunk.response_mask
         learner, rollout = chunk.learner_log_prob, chunk.rollout_log_prob
         tok = make_tokens(learner, rollout, mask, bound=config.safety_bound, verl=config.verl_compat)
@@ -348,7 +347,7 @@ class _Engine:
             w = apply_threshold(raw, tok.mask_f, config.is_mode, config.is_upper, config.is_lower)
         applied = w if config.applies_weights else None
         outcomes = rejection_rules(config, tok, k3=k3, log_prob=learner if config.mode == "bypass" else None,
-                                   advantages=chunk.advantages)  # fmt: skip
+                                   advantages=chunk.advantages)
         keep = torch.ones_like(tok.mask)
         for o in outcomes:  # compute_correction's AND of every rule's keep
             keep &= o.token_keep if o.token_keep is not None else o.row_keep[:, None]
@@ -397,54 +396,39 @@ class _Engine:
     def _sums(self, chunk: Dump, index: np.ndarray, tok, k3: Tensor, raw: Tensor | None, w: Tensor | None) -> None:
         """The reductions the diagnostics and IS metrics read, as the eager ``offpolicy_metrics``,
         ``divergence_metrics``, ``prob_mismatch`` and ``is_metrics`` form them: per row what they read per row,
-        totals of the rest (padding's known contribution removed). A process that already compiled the fused
-        kernel (``fused.run_row_pass``; analyze never compiles it) has it compute the diagnostics' ones."""
+        totals of the rest (padding's known contribution removed)."""
         c = self.config
         pad = float(tok.num_pad)
         lr, lrs, rho = tok.log_ratio, tok.log_ratio_safe, tok.ratio
         self.rows["index"].append(index)
-        s = None
-        reductions = fused.plan(c, tok.mask.numel())
-        if reductions is not None and fused._state["compiled"] is not None:
-            tol = positive_tolerance(torch.float64)
-            s = fused.run_row_pass(chunk.learner_log_prob, chunk.rollout_log_prob, tok.mask, float(c.safety_bound),
-                                   tol, tol, None, tuple(sorted(reductions)), c.verl_compat)  # fmt: skip
-        if s is not None:
-            for k in PER_ROW:
-                self.rows[k].append(s[k].numpy())
-            for k in TOTALS:
-                self.tot[k] += float(s[k].sum())
-            if c.verl_compat:
-                self.tot["k3_unclamped"] += float(s["k3_unclamped"].sum())
+        row = {"n": tok.n, "old": tok.anchor.sum(dim=-1), "rollout": tok.rollout.sum(dim=-1), "lr": lr.sum(dim=-1)}
+        tot = self.tot
+        tot["sum_k3"] += float(k3.sum())
+        if c.verl_compat:
+            tot["k3_unclamped"] += float(lr.exp().sub_(lr).sub_(1.0).sum())
+            tot["rho2"] += float(torch.where(tok.mask, rho.square(), 0.0).sum())
         else:
-            row = {"n": tok.n, "old": tok.anchor.sum(dim=-1), "rollout": tok.rollout.sum(dim=-1), "lr": lr.sum(dim=-1)}
-            tot = self.tot
-            tot["sum_k3"] += float(k3.sum())
-            if c.verl_compat:
-                tot["k3_unclamped"] += float(lr.exp().sub_(lr).sub_(1.0).sum())
-                tot["rho2"] += float(torch.where(tok.mask, rho.square(), 0.0).sum())
-            else:
-                tot["rho2"] += float(torch.dot(rho.reshape(-1), rho.reshape(-1))) - pad
-            rho_lr = rho * lrs
-            tot["policy_kl"] += float(torch.sub(rho_lr, rho).add_(1.0).sum())
-            js = torch.nn.functional.softplus(lrs).sub_(math.log(2.0)).mul_(rho + 1.0)
-            tot["js"] += float(torch.sub(rho_lr, js, out=js).mul_(0.5).sum())
-            tot["e_abs"] += float(torch.maximum(rho, torch.reciprocal(rho)).sub_(1.0).sum())
-            tot["abs"] += float(lrs.abs().sum())
-            a, bb = tok.anchor.exp(), tok.rollout.exp()  # 1 on padding
-            dot = lambda x, y: float(torch.dot(x.reshape(-1), y.reshape(-1)))  # noqa: E731
-            tot["p_old_sum"] += float(a.sum()) - pad
-            tot["p_rollout_sum"] += float(bb.sum()) - pad
-            tot["p_old_sq_sum"] += dot(a, a) - pad
-            tot["p_rollout_sq_sum"] += dot(bb, bb) - pad
-            tot["p_cross_sum"] += dot(a, bb) - pad
-            d = a.sub_(bb).abs_()  # |Δp|, 0 on padding
-            row["d_max"], row["d_sum"] = d.amax(dim=-1), d.sum(dim=-1)
-            tot["small_diff_count"] += float(torch.count_nonzero(d < 1e-3)) - pad
-            for i, threshold in enumerate(metric_fns.PROB_SHARES):
-                tot[f"ge{i}"] += float(torch.count_nonzero(d >= threshold))
-            for k in PER_ROW:
-                self.rows[k].append(row[k].numpy())
+            tot["rho2"] += float(torch.dot(rho.reshape(-1), rho.reshape(-1))) - pad
+        rho_lr = rho * lrs
+        tot["policy_kl"] += float(torch.sub(rho_lr, rho).add_(1.0).sum())
+        js = torch.nn.functional.softplus(lrs).sub_(math.log(2.0)).mul_(rho + 1.0)
+        tot["js"] += float(torch.sub(rho_lr, js, out=js).mul_(0.5).sum())
+        tot["e_abs"] += float(torch.maximum(rho, torch.reciprocal(rho)).sub_(1.0).sum())
+        tot["abs"] += float(lrs.abs().sum())
+        a, bb = tok.anchor.exp(), tok.rollout.exp()  # 1 on padding
+        dot = lambda x, y: float(torch.dot(x.reshape(-1), y.reshape(-1)))  # noqa: E731
+        tot["p_old_sum"] += float(a.sum()) - pad
+        tot["p_rollout_sum"] += float(bb.sum()) - pad
+        tot["p_old_sq_sum"] += dot(a, a) - pad
+        tot["p_rollout_sq_sum"] += dot(bb, bb) - pad
+        tot["p_cross_sum"] += dot(a, bb) - pad
+        d = a.sub_(bb).abs_()  # |Δp|, 0 on padding
+        row["d_max"], row["d_sum"] = d.amax(dim=-1), d.sum(dim=-1)
+        tot["small_diff_count"] += float(torch.count_nonzero(d < 1e-3)) - pad
+        for i, threshold in enumerate(metric_fns.PROB_SHARES):
+            tot[f"ge{i}"] += float(torch.count_nonzero(d >= threshold))
+        for k in PER_ROW:
+            self.rows[k].append(row[k].numpy())
         if raw is not None:
             lo, hi = metric_fns.is_band(c.is_upper, c.is_lower)
             self.rows["w_sum"].append(w.sum(dim=-1).numpy())
@@ -471,7 +455,7 @@ class _Engine:
             _rule_sum(state, o, tok)
 
     def _explain(self, chunk: Dump, index: np.ndarray, tok, outcomes: list[RuleOutcome],
-                 w: Tensor | None) -> list[dict]:  # fmt: skip
+                 w: Tensor | None) -> list[dict]:
         """The chunk's findings (one dict of columns per rule) and the rules' summaries; each rule runs alone
         through the correction library's rule functions on ℓ = log π_old − log μ (in bypass mode the dump's
         learner log-probs are π_θ, so the same ℓ)."""
@@ -488,13 +472,13 @@ class _Engine:
             if len(self.summaries) <= j:
                 self.summaries.append({"rule": rule, "statistic": statistic, "threshold": threshold, "level": level,
                                        "effect": effect, "lower": lo, "upper": hi, "sequences": 0, "tokens": 0,
-                                       "observed": []})  # fmt: skip
+                                       "observed": []})
             s = self.summaries[j]
             s["sequences"] += len(np.unique(local)) if level == "token" else len(local)
             s["tokens"] += int(removed)
             s["observed"].append(observed)
             f = {"rule": j, "level": level, "effect": effect, "local": local, "position": position, "values": values,
-                 "tokens": lengths[local] if level == "sequence" else np.ones(len(local), np.int64)}  # fmt: skip
+                 "tokens": lengths[local] if level == "sequence" else np.ones(len(local), np.int64)}
             out.append(f)
             self._store(chunk, index, f, lo, hi)
             j += 1
@@ -506,14 +490,14 @@ class _Engine:
             shown = values.double().numpy()
             pos = (worst if positions is None else np.asarray(positions))[local]
             record(rule, "sequence", statistic, threshold, lo, hi, effect, local, pos, shown[local],
-                   lengths[local].sum(), shown[valid_rows])  # fmt: skip
+                   lengths[local].sum(), shown[valid_rows])
 
         def add_tokens(rule, statistic, threshold, drop, values, lo, hi, *, effect="rejected"):
             """One finding per valid token in ``drop`` (B, T) bool; ``values`` (B, T) is the statistic shown."""
             idx = (drop & tok.mask).nonzero().numpy()
             shown = values.double()
             record(rule, "token", statistic, threshold, lo, hi, effect, idx[:, 0], idx[:, 1],
-                   shown[drop & tok.mask].numpy(), len(idx), shown[tok.mask].numpy())  # fmt: skip
+                   shown[drop & tok.mask].numpy(), len(idx), shown[tok.mask].numpy())
 
         for rule in outcomes:
             _explain_rule(rule, tok, k2, add_rows, add_tokens)
@@ -531,10 +515,10 @@ class _Engine:
             "rule": np.full(len(local), f["rule"], np.int64), "row": index[local], "line": lines[local],
             "position": np.asarray(position, np.int64), "value": np.asarray(f["values"], np.float64),
             "excess": _outside(f["values"], lo, hi), "tokens": np.asarray(f["tokens"], np.int64),
-        })  # fmt: skip
+        })
         for b, p in zip(local.tolist(), np.asarray(position).tolist()):
             self.labels.append((text[b][p] if text is not None else None,
-                                int(ids[b, p]) if ids is not None else None))  # fmt: skip
+                                int(ids[b, p]) if ids is not None else None))
             if f["level"] == "sequence":
                 self.snippets.append(_snippet_of(chunk, b))
             else:
@@ -566,7 +550,7 @@ class _Engine:
                 float(chunk.rollout_log_prob[b, t]), float(chunk.learner_log_prob[b, t]),
                 _fate_hits(findings, self.summaries, b, t),
                 None if weights is None else float(weights[b, t]),
-            ))  # fmt: skip
+            ))
         self.candidates.sort(key=lambda c: c[:3])
         del self.candidates[k:]
 
@@ -591,7 +575,7 @@ class _Engine:
         n = per_row["n"]
         rows = Rows(n=n, valid=n > 0, num_tokens=n.sum(), num_rows=(n > 0).sum().to(n.dtype),
                     num_pad=torch.zeros((), dtype=n.dtype), verl=config.verl_compat,
-                    count_dtype=torch.get_default_dtype())  # fmt: skip
+                    count_dtype=torch.get_default_dtype())
         metrics: dict[str, Tensor] = {}
         factor = None
         if config.is_level is not None:
@@ -599,15 +583,14 @@ class _Engine:
             metrics.update(is_m)
             if config.batch_normalize:
                 factor = norm_factor(w_rows[:, None], rows.n, rows.valid, config.is_level,
-                                     den=rows.den if rows.verl else None)  # fmt: skip
+                                     den=rows.den if rows.verl else None)
                 metrics["rollout_is_batch_norm_factor"] = factor
         metrics.update(self._rule_metrics(rows, order))
         num_tokens = rows.num_tokens
         dtype = n.dtype
         metrics.update(self._count_metrics(rows))
-        s = {k: per_row[k] for k in PER_ROW}
-        s.update({k: torch.tensor([v], dtype=dtype) for k, v in self.tot.items()})
-        metrics.update(fused.diagnostics(s, rows))
+        total = {k: torch.tensor(v, dtype=dtype) for k, v in self.tot.items()}
+        metrics.update(metric_fns.diagnostics_from_sums({k: per_row[k] for k in PER_ROW}, total, rows))
         if info.complete.get("version") and self.version[1] is not None:
             current = self.version[2]
             lag_sum = float(current * int(num_tokens) - self.version[0])
@@ -640,7 +623,7 @@ class _Engine:
             tokens=tokens, rejected_tokens=self.rejected_tokens, rejected_sequences=self.rejected_rows,
             weights=weights, top_tokens=self._token_rows(info, f),
             turns=self.turns.result(scale={"weight_mean": f}) if self.turns.multi_turn else None,
-        )  # fmt: skip
+        )
 
     def _count_metrics(self, rows: Rows) -> dict[str, Tensor]:
         """Tokens and sequences of the dump: all, valid, kept; with a rule, the shares it masked (verl's names)."""
@@ -669,7 +652,7 @@ class _Engine:
             routing = routing_result(r)
             out.update({f"routing/{k}": float(v) for k, v in routing.items() if isinstance(v, int | float)})
             notes.append(routing_sentence(routing) or "routing: the sampler and the learner chose the same experts "
-                         "on every token")  # fmt: skip
+                         "on every token")
         elif info.routing_note:
             notes.append(info.routing_note)
 
@@ -685,13 +668,13 @@ class _Engine:
         extra: dict[str, Tensor] = {}
         if row_log is None:
             extra = {"high": tensor(self.tot["high"]), "low": tensor(self.tot["low"]), "w_max": tensor(self.w_max),
-                     "w_min": tensor(self.w_min)}  # fmt: skip
+                     "w_min": tensor(self.w_min)}
         elif c.is_mode == "mask":
             extra["oob"] = tensor(self.tot["oob"])
         m = metric_fns.is_metrics_from_sums(
             rows, c.is_upper, c.is_lower, c.is_mode, row_log=row_log, w_sum=per_row["w_sum"].sum(),
             w_sq=tensor(self.tot["w_sq"]), w_row_sum=per_row["w_sum"], raw_row_sum=per_row["raw"], **extra,
-        )  # fmt: skip
+        )
         return per_row["w_sum"], m
 
     def _rule_metrics(self, rows: Rows, order: np.ndarray) -> dict[str, Tensor]:
@@ -710,7 +693,7 @@ class _Engine:
                 for s in mine:
                     r = s["outcome"].rs
                     seq = RSOutcome(r.option, None, per_row(s, "row_keep"), None, per_row(s, "row_stat"), r.lower,
-                                    r.upper)  # fmt: skip
+                                    r.upper)
                     m = metric_fns.rs_option_metrics(seq, rows)
                     if r.token_keep is not None:
                         m = _token_option(m, s["tot"], r, rows)
@@ -726,7 +709,7 @@ class _Engine:
                     o = s["outcome"]
                     trm = (per_row(s, "trm0"), per_row(s, "trm1")) if "trm0" in s["rows"] else None
                     outcomes.append(dataclasses.replace(o, row_keep=per_row(s, "row_keep"), stat=per_row(s, "stat"),
-                                                        trm=trm))  # fmt: skip
+                                                        trm=trm))
                 out.update(rule.metrics(outcomes, rows))
             else:  # token-level rules registered later: token-weighted means of their chunks' metrics
                 tot = mine[0]["tot"]
@@ -738,7 +721,7 @@ class _Engine:
     def _summaries(self) -> list[RuleSummary]:
         return [RuleSummary(s["rule"], s["statistic"], s["threshold"], s["level"], s["effect"], s["sequences"],
                             s["tokens"], quantiles(np.concatenate(s["observed"])))
-                for s in self.summaries]  # fmt: skip
+                for s in self.summaries]
 
     def _finding_table(self, info: DumpInfo) -> FindingTable:
         keys = ("rule", "row", "line", "position", "value", "excess", "tokens")
@@ -751,7 +734,7 @@ class _Engine:
         labels = [_label(self.labels[i], info) for i in order.tolist()]
         snippets = [_choose_snippet(self.snippets[i], info) for i in order.tolist()]
         meta = [{k: s[k] for k in ("rule", "statistic", "threshold", "level", "effect", "lower", "upper")}
-                for s in self.summaries]  # fmt: skip
+                for s in self.summaries]
         return FindingTable(meta, cols, labels, snippets)
 
     def _token_rows(self, info: DumpInfo, factor: float) -> list[TokenRow]:
@@ -910,7 +893,7 @@ def iter_chunks(dump: Dump, positions: int) -> Iterable[Dump]:
 
     numeric = {k: flat(getattr(dump, k)) for k in ("advantages", "tokens", "version") if getattr(dump, k) is not None}
     routed = {role: [None if getattr(dump, role) is None else getattr(dump, role)[i, : lengths[i]].tolist()
-                     for i in range(b)] for role in ("routed_experts", "learner_routed_experts")}  # fmt: skip
+                     for i in range(b)] for role in ("routed_experts", "learner_routed_experts")}
     rows = _Rows(
         lines=np.asarray(dump.line_numbers, np.int64), n=lengths, rollout=flat(dump.rollout_log_prob),
         learner=flat(dump.learner_log_prob), mask=flat(mask), numeric=numeric,
@@ -918,7 +901,7 @@ def iter_chunks(dump: Dump, positions: int) -> Iterable[Dump]:
         token_text=list(dump.token_text) if dump.token_text is not None else [None] * b,
         text=list(dump.text) if dump.text is not None else [None] * b, routed=routed,
         extras={k: list(v) for k, v in dump.extras.items()}, correction=[None] * b,
-    )  # fmt: skip
+    )
     order = np.argsort(lengths, kind="stable")
     a = 0
     while a < b:
@@ -931,7 +914,7 @@ def iter_chunks(dump: Dump, positions: int) -> Iterable[Dump]:
 
 
 def analyze_chunks(dump: Dump, config: CorrectionConfig, positions: int, source: str = "", *,
-                   top: int = TOP_TOKENS) -> Analysis:  # fmt: skip
+                   top: int = TOP_TOKENS) -> Analysis:
     """``analyze`` with the dump cut into chunks of at most ``positions`` padded positions (``iter_chunks``)."""
     engine = _Engine(config, source, _info_of(dump), top=top)
     engine.check_start()
@@ -984,4 +967,4 @@ def _explain_masked_weights(config, tok, w: Tensor | None, add_rows, add_tokens)
     else:
         stat = "Π ρ_t" if config.is_level == "sequence" else "geo-mean ρ"
         add_rows(name, stat, kept_range(lo, hi), zeroed.any(dim=-1), row_log.exp(), lo, hi,
-                 effect="zero weight")  # fmt: skip
+                 effect="zero weight")

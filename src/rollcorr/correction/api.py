@@ -1,23 +1,18 @@
 """``compute_correction``: the one entry point from log-probs to IS weights, rejection mask and metrics.
 
-    ℓ_t = log π_old − log μ          (bypass: log π_θ − log μ, from ``log_prob``, detached)
-    weights = IS(ℓ; config)          (weights.py; None when no IS or bypass + ppo_clip)
-    mask    = response_mask ∧ RS ∧ veto ∧ TRM ∧ OPSM   (rejection.py)
-    metrics = verl's + rollcorr's    (metrics.py; 0-d tensors, no sync; ``diagnostics=False``: the weights',
-                                      the rules' and the counts only)
+    statistics   ℓ_t = log π_old − log μ per token, reduced per row   (statistics.py; bypass: log π_θ − log μ)
+    weights      w = clip(ρ)   ρ = e^ℓ_t (token), Π_t ρ_t or its geometric mean (sequence levels)   (weights.py)
+    rejection    kept = response_mask ∧ RS ∧ veto ∧ TRM ∧ OPSM                                     (rejection.py)
+    diagnostics  verl's off-policy metrics and rollcorr's divergences, from the row sums            (metrics.py)
 
 Nothing here is differentiable. The only device syncs are the input checks (one small stacked read, plus one
 for the optional inputs log_prob / advantages / log_kept_mass when given), which ``validate=False`` skips
 when the caller has already checked the tensors, and, when a rejection rule is set, the check for a batch that
 lost every token (``AllRejectedWarning``), which ``warn=False`` skips.
 
-Cost (CPU, B×T = 256×8192 float32; benchmarks/bench_correction.py, docs/performance.md): batches of ≥ 256 K
-positions whose configuration needs only per-row reductions take the fused path (fused.py: one compiled
-pass over (B, T), results equal to float rounding). Otherwise every (B, T) pass costs ~0.5–2 ms and every
-fresh (B, T) buffer as much again in page faults, so the eager path makes few of either: statistics come
-from sums over tensors already 0 on padding, sequence rules from per-row sums, and each (B, T) temporary is
-freed (or reused in place) as soon as it has been read. Its fast paths are bit-identical to the
-straightforward formulas (tests/test_correction_perf_equivalence.py).
+Cost: the statistics are one walk over (B, T) in plain torch, block by block of rows (statistics.py), and every
+later step works on (B,) vectors, except token-level rules, veto and OPSM, which read the (B, T) tokens. No call
+ever compiles (docs/performance.md); ``fused.warm`` compiles the same statistics on request, before a run.
 """
 
 from __future__ import annotations
@@ -29,20 +24,11 @@ import torch
 from torch import Tensor
 
 from rollcorr.config.correction import CorrectionConfig
-from rollcorr.correction import fused
 from rollcorr.correction import metrics as metric_fns
-from rollcorr.correction.ratios import (
-    Rows,
-    any_per_row,
-    check_extra,
-    check_mask,
-    check_not_newer,
-    check_tensor,
-    kl_stats,
-    make_tokens,
-)
-from rollcorr.correction.rejection import Statistics, rejection_rules, rule_metrics
-from rollcorr.correction.weights import apply_threshold, norm_factor, raw_weights
+from rollcorr.correction.ratios import any_per_row, check_extra, check_mask, check_not_newer, check_tensor
+from rollcorr.correction.rejection import rejection_rules, rule_metrics
+from rollcorr.correction.statistics import BatchStatistics, batch_statistics
+from rollcorr.correction.weights import importance_weights
 
 PREFIX = "rollout_corr/"
 
@@ -74,42 +60,17 @@ class CorrectionResult:
     metrics: dict[str, Tensor]
 
 
-def _masked(mask: Tensor, keep: Tensor) -> Tensor:
-    """``response_mask`` ∧ keep (keep: (B, T) or (B, 1) bool), in the mask's dtype. Bool masks are combined
-    as their uint8 bytes (0 / 1, the same bits): torch's bool ``&`` with a broadcast operand is not vectorised
-    (1.1 ms against 0.06 ms on 256 × 8192)."""
-    if mask.dtype == torch.bool:
-        return (mask.view(torch.uint8) & keep.view(torch.uint8)).view(torch.bool)
-    return (mask * keep).to(mask.dtype)
+@dataclass(frozen=True)
+class Inputs:
+    """The checked inputs of one call: the ratio's anchor (π_old, or π_θ in bypass) and its name, log μ (of the
+    full distribution when ``sampler_distribution="full"``), the mask, π_θ and the advantages (detached)."""
 
-
-def _apply_row_rules(
-    mask: Tensor, rows: Rows, row_keep: Tensor | None, metrics: dict[str, Tensor]
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(output mask, kept tokens (0-d), (B,) kept rows) when only sequence rules (``row_keep``, or None for
-    no rule) reject; adds the rejection totals to ``metrics``."""
-    if row_keep is None:
-        return mask.clone(), rows.num_tokens, rows.valid
-    kept_tokens = (rows.n * row_keep).sum()
-    rejected_rows = rows.valid & ~row_keep
-    metrics.update(metric_fns.rs_total_from_counts(rows.num_tokens - kept_tokens, rejected_rows, rows))
-    return _masked(mask, row_keep[:, None]), kept_tokens, rows.valid & row_keep
-
-
-def _count_metrics(
-    metrics: dict[str, Tensor], rows: Rows, num_seqs: int, kept_tokens: Tensor, kept_rows: Tensor, warn: bool
-) -> None:
-    """The counts for the loss denominator (docs/spec.md §3); ``warn``: check for a batch that lost every token
-    (one sync) and say so with ``AllRejectedWarning``."""
-    if warn and bool((kept_tokens == 0) & (rows.num_tokens > 0)):
-        warn_all_rejected(int(rows.num_tokens), int(rows.num_rows), stacklevel=5)
-    dtype = rows.dtype
-    metrics["num_tokens"] = rows.num_tokens
-    metrics["num_kept_tokens"] = kept_tokens
-    metrics["num_seqs"] = torch.tensor(float(num_seqs), dtype=dtype, device=rows.n.device)
-    metrics["num_valid_seqs"] = rows.num_rows
-    metrics["num_kept_seqs"] = torch.count_nonzero(kept_rows).to(dtype)
-    metrics["all_rejected"] = (kept_tokens == 0).to(dtype)
+    anchor: Tensor
+    rollout: Tensor
+    mask: Tensor
+    names: tuple[str, str]
+    log_prob: Tensor | None
+    advantages: Tensor | None
 
 
 @torch.no_grad()
@@ -148,43 +109,70 @@ def compute_correction(
                       weights', each rejection rule's, the counts, staleness); left out, and not computed:
                       ``metrics.DIAGNOSTIC_METRICS`` — verl's off-policy metrics (training_ppl … chi2_seq), the
                       divergences (gen_kl, policy_kl, js_divergence, token_mult_prob_error, log_ratio_*), the
-                      probability mismatch (prob_*) and the discrepancy/drift split (*_k3). A large batch then
-                      costs less (Seq-MIS, whose rules read no exponential: about 40 %; docs/performance.md).
-                      Weights, mask and every metric kept are the same.
+                      probability mismatch (prob_*) and the discrepancy/drift split (*_k3). Weights, mask and
+                      every metric kept are the same.
     """
+    inputs = _checked_inputs(old_log_prob, rollout_log_prob, response_mask, config, log_prob, advantages,
+                             log_kept_mass, version, current_version, validate)
+    decomposition = config.mode == "decoupled" and log_prob is not None
+    stats = batch_statistics(
+        inputs.anchor, inputs.rollout, inputs.mask, config, names=inputs.names, validate=validate,
+        diagnostics=diagnostics, log_prob=inputs.log_prob if decomposition else None,
+    )
+    weights, metrics = importance_weights(config, stats.rows, stats.row, stats.total, stats.weights,
+                                          stats.mask_bool, group)
+    kept_mask, rejection_metrics = _reject(stats, config, inputs, warn)
+    metrics |= rejection_metrics
+    if diagnostics:
+        metrics |= metric_fns.diagnostics_from_sums(stats.row, stats.total, stats.rows)
+    if version is not None:
+        metrics |= metric_fns.staleness_metrics(version, current_version, stats.mask_bool, stats.rows)
+    if diagnostics and decomposition:
+        metrics |= metric_fns.decomposition_from_sums(stats.total, stats.rows)
+    return CorrectionResult(weights if config.applies_weights else None, kept_mask,
+                            {PREFIX + k: v for k, v in metrics.items()})
+
+
+def _checked_inputs(
+    old_log_prob: Tensor | None,
+    rollout_log_prob: Tensor,
+    response_mask: Tensor,
+    config: CorrectionConfig,
+    log_prob: Tensor | None,
+    advantages: Tensor | None,
+    log_kept_mass: Tensor | None,
+    version: Tensor | None,
+    current_version: int | Tensor | None,
+    validate: bool,
+) -> Inputs:
+    """Type, shape and presence checks (no sync); with ``validate``, the optional inputs' values (one sync)."""
     if not isinstance(config, CorrectionConfig):
         raise TypeError(f"config must be a CorrectionConfig, got {type(config).__name__}")
     mask = check_mask(response_mask)
     shape = tuple(mask.shape)
-    rollout = check_tensor("rollout_log_prob", rollout_log_prob, shape)
+    rollout = check_tensor("rollout_log_prob", rollout_log_prob, shape).detach()
     if log_prob is not None:
         log_prob = check_tensor("log_prob", log_prob, shape).detach()
     if config.mode == "bypass":
         if log_prob is None:
             raise ValueError("bypass mode computes the ratio π_θ/μ from log_prob: pass log_prob")
-        anchor_name, anchor = "log_prob", log_prob
+        names, anchor = ("log_prob", "rollout_log_prob"), log_prob
     else:
         if old_log_prob is None:
             raise ValueError("decoupled mode needs old_log_prob (π_old)")
-        anchor_name, anchor = "old_log_prob", check_tensor("old_log_prob", old_log_prob, shape).detach()
-    rollout = rollout.detach()
-    non_positive: dict[str, Tensor] = {}
-    if log_prob is not None and anchor_name != "log_prob":
-        non_positive["log_prob"] = log_prob
+        names = ("old_log_prob", "rollout_log_prob")
+        anchor = check_tensor("old_log_prob", old_log_prob, shape).detach()
+    non_positive: dict[str, Tensor] = {} if log_prob is None or config.mode == "bypass" else {"log_prob": log_prob}
     if config.sampler_distribution == "full":
         if log_kept_mass is None:
-            raise ValueError(
-                "sampler_distribution='full' needs log_kept_mass (log of the top-k/top-p kept mass)"
-            )
+            raise ValueError("sampler_distribution='full' needs log_kept_mass (log of the top-k/top-p kept mass)")
         non_positive["log_kept_mass"] = check_tensor("log_kept_mass", log_kept_mass, shape).detach()
     finite_rows: dict[str, Tensor] = {}
     if config.opsm_delta is not None:
         if advantages is None:
             raise ValueError("opsm_delta is set: OPSM needs advantages at call time")
         if tuple(advantages.shape) not in (shape, shape[:1]):
-            raise ValueError(
-                f"advantages has shape {tuple(advantages.shape)}, expected {shape[:1]} or {shape}"
-            )
+            raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected {shape[:1]} or {shape}")
         finite_rows["advantages"] = check_tensor("advantages", advantages).detach()
     if version is not None:
         check_tensor("version", version, shape, float_only=False)
@@ -194,73 +182,31 @@ def compute_correction(
             check_not_newer(version, current_version, mask)
     if validate and (non_positive or finite_rows):
         check_extra(mask if mask.dtype == torch.bool else mask != 0, non_positive, finite_rows)
-    if config.sampler_distribution == "full":
-        rollout = (
-            rollout.to(torch.promote_types(rollout.dtype, torch.float32)) + non_positive["log_kept_mass"]
-        )
+    if config.sampler_distribution == "full":  # log μ_full = log μ + log kept mass
+        rollout = rollout.to(torch.promote_types(rollout.dtype, torch.float32)) + non_positive["log_kept_mass"]
+    return Inputs(anchor, rollout, mask, names, log_prob, finite_rows.get("advantages"))
 
-    decomposition = config.mode == "decoupled" and log_prob is not None
-    mask_bool = mask if mask.dtype == torch.bool else mask != 0
-    names = (anchor_name, "rollout_log_prob")
-    metrics: dict[str, Tensor] = {}
-    weights = None
 
-    # ---- the statistics: one compiled pass (fused.py) when every rule declares its reductions, else eager
-    reductions = fused.plan(config, mask.numel())
-    kernel = None
-    if reductions is not None:  # None from row_statistics: the kernel is unavailable, go on eagerly
-        kernel = fused.row_statistics(
-            anchor, rollout, mask, config, reductions, names=names, validate=validate, diagnostics=diagnostics
-        )
-    if kernel is not None:
-        stats, sums = kernel
-        rows, tok, k3 = stats.rows, None, None
-    else:
-        tok = make_tokens(
-            anchor, rollout, mask, bound=config.safety_bound, verl=config.verl_compat, names=names,
-            validate=validate,
-        )  # fmt: skip
-        k3 = kl_stats(tok, "k3") if diagnostics else None  # else built by a rule that reads it, if any
-        rows, stats = tok, Statistics(tok, k3)
-
-    # ---- IS weights ------------------------------------------------------------------------------
-    if config.is_level is not None:
-        if tok is None:
-            w, is_metrics = fused.is_weights(sums, rows, mask_bool, config)
-            metrics.update(is_metrics)
-        else:
-            raw, row_log = raw_weights(tok, config.is_level, config.safety_bound)
-            w = apply_threshold(raw, tok.mask_f, config.is_mode, config.is_upper, config.is_lower)
-            metrics.update(
-                metric_fns.is_metrics(
-                    w, raw, row_log, tok, config.is_level, config.is_upper, config.is_lower, config.is_mode
-                )
-            )
-            del raw  # free each (B, T) temporary once read: the next one reuses its memory
-        if config.batch_normalize:
-            factor = norm_factor(
-                w, rows.n, rows.valid, config.is_level, den=rows.den if rows.verl else None, group=group
-            )
-            w = w.div_(factor)  # w is a fresh tensor (raw_weights / apply_threshold / the kernel never alias)
-            metrics["rollout_is_batch_norm_factor"] = factor
-        if config.applies_weights:
-            weights = w
-        del w
-
-    # ---- rejection: the one rule list (rejection.RULES), on either statistics ----------------------
+def _reject(
+    stats: BatchStatistics, config: CorrectionConfig, inputs: Inputs, warn: bool
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """kept = response_mask ∧ token rules ∧ row rules (the rules of ``rejection.RULES`` that ``config`` sets),
+    with each rule's metrics, the rejection totals and the counts; counts are exact integers in float."""
+    outcomes = rejection_rules(config, stats, log_prob=inputs.log_prob, advantages=inputs.advantages)
     keep = None  # (B, T) bool, None while no token rule rejects
     row_keep = None  # (B,) bool, None while no sequence rule rejects
-    outcomes = rejection_rules(config, stats, log_prob=log_prob, advantages=finite_rows.get("advantages"))
     for rule in outcomes:
         if rule.token_keep is not None:
             keep = rule.token_keep if keep is None else keep & rule.token_keep
         else:
             row_keep = rule.row_keep if row_keep is None else row_keep & rule.row_keep
-    metrics.update(rule_metrics(outcomes, rows))
-    # kept = response_mask ∧ token rules ∧ row rules; counts are exact integers in float
+    rows = stats.tok if stats.has_tokens else stats.rows  # token rules' metrics read the (B, T) tokens
+    metrics = rule_metrics(outcomes, rows)
+    mask = inputs.mask
     if keep is None:  # no rule, or sequence rules only: everything follows from the per-row counts n
         out_mask, kept_tokens, kept_rows = _apply_row_rules(mask, rows, row_keep, metrics)
     else:
+        tok = stats.tok
         if row_keep is not None:
             keep = keep & row_keep[:, None]
         kept = tok.mask & keep
@@ -268,33 +214,44 @@ def compute_correction(
         kept_rows, rejected_rows = any_per_row(kept), any_per_row(tok.mask & ~kept)
         metrics.update(metric_fns.rs_total_from_counts(tok.num_tokens - kept_tokens, rejected_rows, tok))
         out_mask = _masked(mask, keep)
-    _count_metrics(
-        metrics, rows, shape[0], kept_tokens, kept_rows, warn and (keep is not None or row_keep is not None)
-    )
+    rejects = keep is not None or row_keep is not None
+    _count_metrics(metrics, stats.rows, mask.shape[0], kept_tokens, kept_rows, warn and rejects)
+    return out_mask, metrics
 
-    # ---- diagnostics ------------------------------------------------------------------------------
-    late: dict[str, Tensor] = {}
-    if version is not None:
-        late.update(metric_fns.staleness_metrics(version, current_version, mask_bool, rows))
-    if not diagnostics:
-        metrics.update(late)
-        return CorrectionResult(weights, out_mask, {PREFIX + k: v for k, v in metrics.items()})
-    if tok is None:
-        metrics.update(fused.diagnostics(sums, rows))
-        if decomposition:
-            dtype = rows.dtype
-            masked = (torch.where(mask_bool, x.to(dtype), 0.0) for x in (anchor, rollout))
-            late.update(metric_fns.decomposition_metrics(log_prob, *masked, mask_bool, rows))
-        metrics.update(late)
-        return CorrectionResult(weights, out_mask, {PREFIX + k: v for k, v in metrics.items()})
-    metrics.update(metric_fns.offpolicy_metrics(tok, k3))
-    if decomposition:
-        late.update(metric_fns.decomposition_metrics(log_prob, tok.anchor, tok.rollout, tok.mask, tok))
-    # Last reads of the masked log-probs (tok is local): exponentiate them in place for the
-    # probability-space metrics, then reuse both buffers as the divergence metrics' scratch.
-    p_old, p_rollout = tok.anchor.exp_(), tok.rollout.exp_()
-    prob = metric_fns.prob_mismatch(p_old, p_rollout, tok, overwrite=True)
-    metrics.update(metric_fns.divergence_metrics(tok, k3, scratch=(p_old, p_rollout)))
-    metrics.update(prob)
-    metrics.update(late)
-    return CorrectionResult(weights, out_mask, {PREFIX + k: v for k, v in metrics.items()})
+
+def _masked(mask: Tensor, keep: Tensor) -> Tensor:
+    """``response_mask`` ∧ keep (keep: (B, T) or (B, 1) bool), in the mask's dtype. Bool masks are combined
+    as their uint8 bytes (0 / 1, the same bits): torch's bool ``&`` with a broadcast operand is not vectorised
+    (1.1 ms against 0.06 ms on 256 × 8192)."""
+    if mask.dtype == torch.bool:
+        return (mask.view(torch.uint8) & keep.view(torch.uint8)).view(torch.bool)
+    return (mask * keep).to(mask.dtype)
+
+
+def _apply_row_rules(
+    mask: Tensor, rows, row_keep: Tensor | None, metrics: dict[str, Tensor]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(output mask, kept tokens (0-d), (B,) kept rows) when only sequence rules (``row_keep``, or None for
+    no rule) reject; adds the rejection totals to ``metrics``."""
+    if row_keep is None:
+        return mask.clone(), rows.num_tokens, rows.valid
+    kept_tokens = (rows.n * row_keep).sum()
+    rejected_rows = rows.valid & ~row_keep
+    metrics.update(metric_fns.rs_total_from_counts(rows.num_tokens - kept_tokens, rejected_rows, rows))
+    return _masked(mask, row_keep[:, None]), kept_tokens, rows.valid & row_keep
+
+
+def _count_metrics(
+    metrics: dict[str, Tensor], rows, num_seqs: int, kept_tokens: Tensor, kept_rows: Tensor, warn: bool
+) -> None:
+    """The counts for the loss denominator (docs/spec.md §3); ``warn``: check for a batch that lost every token
+    (one sync) and say so with ``AllRejectedWarning``."""
+    if warn and bool((kept_tokens == 0) & (rows.num_tokens > 0)):
+        warn_all_rejected(int(rows.num_tokens), int(rows.num_rows), stacklevel=6)
+    dtype = rows.dtype
+    metrics["num_tokens"] = rows.num_tokens
+    metrics["num_kept_tokens"] = kept_tokens
+    metrics["num_seqs"] = torch.tensor(float(num_seqs), dtype=dtype, device=rows.n.device)
+    metrics["num_valid_seqs"] = rows.num_rows
+    metrics["num_kept_seqs"] = torch.count_nonzero(kept_rows).to(dtype)
+    metrics["all_rejected"] = (kept_tokens == 0).to(dtype)

@@ -1,8 +1,11 @@
-"""The correction of a large batch in one pass over (B, T): every per-row reduction the weights, the sequence
-rules and the diagnostics read, computed by one compiled kernel (``torch.compile``, Inductor's C++ backend).
+"""The statistics of a large batch in one compiled pass over (B, T), on request only: ``warm(config)`` compiles
+``_row_pass`` (``torch.compile``, Inductor's C++ backend) for one configuration before a run, and from then on
+``statistics.batch_statistics`` takes it for batches of ≥ ``MIN_POSITIONS`` positions of that configuration.
+Nothing compiles in a call of ``compute_correction``: a call the warmed kernel does not fit (another variant, a
+shape Inductor would recompile for) takes the default plain-torch path (statistics.py) instead. ``rollcorr train``
+warms it at start when ``ROLLCORR_FUSED=1`` is set (docs/performance.md).
 
-The eager path (api.py) makes ~30 passes over (B, T), one per operation, each reading and writing memory; here
-one loop per row reads π_old, μ and the mask once and keeps every per-token quantity in registers:
+One loop per row reads π_old, μ and the mask once and keeps every per-token quantity in registers:
 
     ℓ = old − rollout (0 on padding), ℓ_c = clamp(ℓ, ±bound), ρ = exp(ℓ_c), p_old = e^old, p_μ = e^rollout
     per row: n, Σ old, Σ rollout, Σ ℓ, Σ k3, Σ ρ², Σ (ρℓ_c − ρ + 1), Σ JS term, Σ (e^|ℓ_c| − 1), Σ |ℓ_c|,
@@ -14,34 +17,13 @@ one loop per row reads π_old, μ and the mask once and keeps every per-token qu
     ``compute_correction(..., diagnostics=False)``: only n, the invalid counts, Σ ℓ, the rules' and token IS's
 
 Rows of 4 096 < T ≤ 16 384 positions that 2 or 4 divides are reduced as 2 or 4 pieces (``split_for``): Inductor
-keeps the accumulators of rows up to 4 096 long in registers, longer ones in memory.
+keeps the accumulators of rows up to 4 096 long in registers, longer ones in memory. Sums run in another order
+than the default path's, and e^x is computed as 2^(x·log2 e) (see ``_exp``; relative error ≲ |x|·6e-8, so
+≲ 1.2e-6 at the ±20 clamp): results agree with the default path to float rounding (tests/test_correction_perf_fused.py).
 
-The kernel is a backend of the same rule list, not a second one: ``compute_correction`` runs
-``rejection.rejection_rules`` on a ``KernelStatistics`` (these per-row values) instead of the eager
-``rejection.Statistics``, and forms the weights with the functions of weights.py. Everything else (sequence
-weights, metrics) follows from these (B,) values with the functions the eager path uses
-(``metrics.*_from_sums``, ``weights.row_weights``). Sums run in another order
-than the eager path's, and e^x is computed as 2^(x·log2 e) (see ``_exp``; relative error ≲ |x|·6e-8, so
-≲ 1.2e-6 at the ±20 clamp), so results agree with the eager path to float rounding, not bit for bit
-(tests/test_correction_perf_fused.py).
-
-Used by ``compute_correction`` when B·T ≥ ``MIN_POSITIONS`` and every rule the configuration sets declares
-its per-row reductions (``plan``): RS options at sequence level on k1/k2/k3 and TRM do, token-level and
-binary-KL options, veto and OPSM read the (B, T) tokens and keep the call eager. Staleness and the
-discrepancy/drift split are computed beside the kernel; verl mode (``verl_compat``) is served with verl's
-conventions from the same sums. The first call compiles (13–35 s measured on a loaded 2-core machine with a
-cold cache, less once Inductor's on-disk cache holds the kernel; again per input dtype and kernel variant:
-token IS or not, the reductions the rules read); if compiling fails (no C++
-compiler, an unsupported platform) a ``FusedUnavailableWarning`` says so once and every call takes the eager
-path.
-
-**When it pays.** Compiling costs seconds (≈ 7 s with a warm on-disk cache, 17–35 s cold, on a 2-core machine)
-and saves tens of nanoseconds a position (256 × 8192 float32 here: 63 ns eager, 17 ns fused), so it pays only
-after some 10⁸ positions in one process — never in a short command (``rollcorr analyze`` of 10⁶ tokens was 3×
-slower with it, ``audit --from-log``, the first call of the verl drop-in) and not in a training run whose batches
-are small. The default therefore keeps a process eager until it has corrected ``BREAKEVEN_POSITIONS`` positions
-(counted over every call), then compiles for the large calls that follow. ``ROLLCORR_FUSED=1`` takes the fused
-path for every large call from the first (a long job that knows it will pay); ``ROLLCORR_FUSED=0`` never does.
+Compiling costs seconds to tens of seconds per variant (token IS or not, the reductions the rules read, verl
+mode, diagnostics, dtype) and is worth it only for a long job of large batches; if it fails (no C++ compiler,
+an unsupported platform) ``warm`` says so with a ``FusedUnavailableWarning`` and the default path serves.
 """
 
 from __future__ import annotations
@@ -56,41 +38,18 @@ from torch import Tensor
 
 from rollcorr.config.correction import CorrectionConfig
 from rollcorr.correction import metrics as metric_fns
-from rollcorr.correction.ratios import (
-    NO_VALID_TOKEN,
-    Rows,
-    check_binary_mask,
-    compute_dtype,
-    locate,
-    positive_tolerance,
-)
-from rollcorr.correction.rejection import rule_reductions
-from rollcorr.correction.weights import apply_threshold, row_weights
+from rollcorr.correction.ratios import compute_dtype, positive_tolerance
+from rollcorr.correction.weights import apply_threshold
 
-MIN_POSITIONS = 1 << 18  # B·T from which compute_correction takes the fused path (256 K positions)
-BREAKEVEN_POSITIONS = 200_000_000  # positions corrected in this process before compiling is worth it (docstring)
-ENV = "ROLLCORR_FUSED"
+MIN_POSITIONS = 1 << 18  # B·T from which a warmed kernel serves (below, the default path costs about as much)
+ENV = "ROLLCORR_FUSED"  # "1": ``rollcorr train`` warms the kernel for its correction before the first step
 # Inductor fuses at most 16 reductions into one loop by default: this kernel has ~30, all over the same rows.
 COMPILE_OPTIONS = {"cpp.max_horizontal_fusion_size": 64}
 
 
 class FusedUnavailableWarning(UserWarning):
-    """The fused correction kernel could not be compiled: compute_correction runs eagerly (slower; results equal
-    to float rounding)."""
-
-
-def plan(config: CorrectionConfig, numel: int) -> frozenset[str] | None:
-    """The per-row reductions the fused path computes for this call, or None when it does not apply: a small
-    batch (< ``MIN_POSITIONS``), a process that has not yet corrected ``BREAKEVEN_POSITIONS`` positions (unless
-    ``ROLLCORR_FUSED=1``), ``ROLLCORR_FUSED=0``, a kernel that failed to compile, or a rule that needs the (B, T)
-    tokens (``rejection.rule_reductions``)."""
-    _state["seen"] = int(_state["seen"]) + int(numel)
-    mode = os.environ.get(ENV, "")
-    if numel < MIN_POSITIONS or mode == "0" or _state["failed"]:
-        return None
-    if mode != "1" and int(_state["seen"]) < BREAKEVEN_POSITIONS:  # not paid back yet: stay eager
-        return None
-    return rule_reductions(config)
+    """The fused correction kernel could not be compiled: compute_correction takes the default path (results
+    equal to float rounding)."""
 
 
 def _exp(x: Tensor) -> Tensor:
@@ -112,6 +71,7 @@ def row_pass(
     diagnostics: bool = True,
     row_one: Tensor | None = None,
     split: bool = False,
+    kernel: Callable[..., dict[str, Tensor]] | None = None,
 ) -> dict[str, Tensor]:
     """The per-row reductions listed in the module docstring: (B,) tensors in the compute dtype, plus the
     (B, T) token weights ``w`` when ``token_is`` = (mode, upper, lower) is given. ``reductions``: those the
@@ -123,15 +83,16 @@ def row_pass(
     w's loop to one dimension, so the row loop that computes the reductions also writes w (without it w is
     written by a separate pass over (B, T), recomputing ρ). ``split`` (contiguous inputs): reduce each row as
     k = ``split_for(T)`` pieces of T / k positions, then add (max, min) the pieces' results; w is then returned
-    as its (B·k, T / k) pieces, for the caller to view as (B, T). Pure; ``torch.compile`` turns it into one
-    loop over the batch."""
+    as its (B·k, T / k) pieces, for the caller to view as (B, T). Pure; ``torch.compile`` turns ``_row_pass`` into one
+    loop over the batch. ``kernel``: ``_row_pass`` compiled (``warm``); None runs it eagerly (the tests)."""
     b, t = mask.shape
     k = split_for(t) if split else 1
+    kernel = kernel or _row_pass
     if k == 1:
-        return _row_pass(old, rollout, mask, bound, tol_old, tol_rollout, token_is, reductions, verl, diagnostics,
-                         row_one)  # fmt: skip
+        return kernel(old, rollout, mask, bound, tol_old, tol_rollout, token_is, reductions, verl, diagnostics,
+                      row_one)
     pieces = (x.reshape(b * k, t // k) for x in (old, rollout, mask))
-    out = _row_pass(*pieces, bound, tol_old, tol_rollout, token_is, reductions, verl, diagnostics, row_one)
+    out = kernel(*pieces, bound, tol_old, tol_rollout, token_is, reductions, verl, diagnostics, row_one)
     return {key: _combine(key, v, b) for key, v in out.items()}
 
 
@@ -274,7 +235,7 @@ def _diagnostic_sums(
     return out
 
 
-_state: dict[str, object] = {"compiled": None, "failed": False, "seen": 0}  # seen: positions corrected so far
+_state: dict[str, object] = {"compiled": None, "warm": set()}  # warm: the variants compiled and run once
 
 
 def capability_cache_dir() -> str:
@@ -292,153 +253,71 @@ def capability_cache_dir() -> str:
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
-def run_row_pass(*args: object) -> dict[str, Tensor] | None:
-    """``row_pass`` compiled (dynamic shapes: one kernel for every B, T); None once compiling has failed."""
-    if _state["failed"]:
-        return None
+def variant(config: CorrectionConfig, dtype: torch.dtype, diagnostics: bool = True) -> tuple:
+    """What one compiled kernel is specialised on: token IS (mode, upper, lower) or None, the rules' reductions,
+    verl mode, the diagnostics, the compute dtype."""
+    from rollcorr.correction.rejection import declared_reductions
+
+    token_is = (config.is_mode, config.is_upper, config.is_lower) if config.is_level == "token" else None
+    return token_is, tuple(sorted(declared_reductions(config))), config.verl_compat, diagnostics, dtype
+
+
+def warm(config: CorrectionConfig, dtype: torch.dtype = torch.float32, *, diagnostics: bool = True) -> bool:
+    """Compile the kernel for ``config``'s statistics and run it once, now (seconds to a minute): from then on
+    every batch of ≥ ``MIN_POSITIONS`` positions with this configuration, dtype and ``diagnostics`` takes it.
+    Returns False (with a ``FusedUnavailableWarning``) when compiling fails: the default path serves."""
+    key = variant(config, dtype, diagnostics)
+    if key in _state["warm"]:
+        return True
     if _state["compiled"] is None:
         capability_cache_dir()
-        _state["compiled"] = torch.compile(row_pass, dynamic=True, options=COMPILE_OPTIONS)
+        _state["compiled"] = torch.compile(_row_pass, dynamic=True, options=COMPILE_OPTIONS)
+    g = torch.Generator().manual_seed(0)
+    rollout = -torch.rand(3, 64, generator=g, dtype=dtype) - 0.1
+    old = rollout + 0.01 * torch.randn(3, 64, generator=g, dtype=dtype)
+    mask = torch.arange(64)[None] < torch.tensor([[64], [40], [0]])
     try:
-        return _state["compiled"](*args)
-    except Exception as err:  # noqa: BLE001 — any compiler failure: fall back to the eager path, once
-        _state["failed"] = True
-        warnings.warn(
-            f"the fused correction kernel could not be compiled ({type(err).__name__}: {str(err)[:200]}); "
-            f"compute_correction runs eagerly from now on (slower on large batches). "
-            f"Set {ENV}=0 to skip the attempt.",
-            FusedUnavailableWarning,
-            stacklevel=5,  # the caller of compute_correction
-        )
-        return None
+        with torch.no_grad():  # as compute_correction calls it (grad mode is one of the kernel's guards)
+            _run(old, rollout, mask, key, float(config.safety_bound))
+    except Exception as err:  # noqa: BLE001 — any compiler failure: say so once, the default path serves
+        warnings.warn(f"the fused correction kernel could not be compiled ({type(err).__name__}: {str(err)[:200]}); "
+                      "compute_correction keeps its default path", FusedUnavailableWarning, stacklevel=2)
+        return False
+    _state["warm"].add(key)
+    return True
 
 
-def rows_from(s: dict[str, Tensor], shape: tuple[int, int], *, verl: bool, count_dtype: torch.dtype) -> Rows:
-    """The ``Rows`` of a batch from the kernel's per-row counts (verl's conventions when ``verl``)."""
-    n = s["n"]
-    valid = n > 0
-    num_tokens = n.sum()
-    return Rows(
-        n=n,
-        valid=valid,
-        num_tokens=num_tokens,
-        num_rows=valid.sum().to(n.dtype),
-        num_pad=shape[0] * shape[1] - num_tokens,
-        verl=verl,
-        count_dtype=count_dtype,
-    )
-
-
-class KernelStatistics:
-    """The rules' statistics from the kernel's per-row reductions (``rejection.Statistics``' fused twin): only
-    ``row_sum`` / ``row_max`` of what the rules declared; no (B, T) token statistic."""
-
-    def __init__(self, sums: dict[str, Tensor], rows: Rows) -> None:
-        self.sums, self.rows = sums, rows
-
-    def row_sum(self, stat: str) -> Tensor:
-        return self.sums[f"sum_{stat}"]
-
-    def row_max(self, stat: str) -> Tensor:
-        return self.sums[f"max_{stat}"]
-
-    def token(self, stat: str) -> Tensor:
-        raise RuntimeError(
-            f"the fused path holds no (B, T) statistic ({stat}); the rule must declare its reductions"
-        )
-
-
-def diagnostics(s: dict[str, Tensor], rows: Rows) -> metric_fns.Metrics:
-    """The off-policy, divergence and probability-mismatch metrics from the kernel's row sums."""
-    tot = {k: s[k].sum() for k in ("lr", "sum_k3", "rho2", "policy_kl", "js", "e_abs", "abs")}
-    k3_kl = s["k3_unclamped"].sum() if rows.verl else tot["sum_k3"]
-    prob_sums = (
-        "p_old_sum", "p_rollout_sum", "p_old_sq_sum", "p_rollout_sq_sum", "p_cross_sum", "small_diff_count",
-    )  # fmt: skip
-    return {
-        **metric_fns.offpolicy_from_sums(
-            rows, old_row=s["old"], roll_row=s["rollout"], lr_row=s["lr"], lr_sum=tot["lr"], k3_sum=k3_kl,
-            rho2_sum=tot["rho2"],
-        ),
-        **metric_fns.divergence_from_sums(
-            rows, k3_sum=tot["sum_k3"], policy_kl_sum=tot["policy_kl"], js_sum=tot["js"],
-            e_abs_sum=tot["e_abs"], lr_sum=tot["lr"], abs_sum=tot["abs"],
-        ),
-        **metric_fns.prob_from_sums(
-            rows.n, rows.num_tokens, **{k: s[k].sum() for k in prob_sums},
-            d_row_max=s["d_max"], d_row_sum=s["d_sum"],
-            ge=[s[f"ge{i}"].sum() for i in range(len(metric_fns.PROB_SHARES))],
-        ),
-    }  # fmt: skip
+def _run(old: Tensor, rollout: Tensor, mask: Tensor, key: tuple, bound: float) -> dict[str, Tensor]:
+    """The compiled kernel on a batch (contiguous inputs: rows reduced in ``split_for`` pieces)."""
+    token_is, reductions, verl, diagnostics, dtype = key
+    b, t = mask.shape
+    split = all(x.is_contiguous() for x in (old, rollout, mask))
+    rows = b * (split_for(t) if split else 1)
+    row_one = None if token_is is None else old.new_ones(rows, 1, dtype=dtype)
+    tols = (positive_tolerance(old.dtype), positive_tolerance(rollout.dtype))
+    return row_pass(old, rollout, mask, bound, *tols, token_is, reductions, verl, diagnostics, row_one, split,
+                    kernel=_state["compiled"])
 
 
 def row_statistics(
-    anchor: Tensor,
-    rollout: Tensor,
-    mask: Tensor,
-    config: CorrectionConfig,
-    reductions: frozenset[str],
-    *,
-    names: tuple[str, str],
-    validate: bool,
-    diagnostics: bool = True,
-) -> tuple[KernelStatistics, dict[str, Tensor]] | None:
-    """Run the kernel for ``compute_correction``: (the rules' statistics, with ``.rows``; every per-row sum),
-    or None when the kernel is unavailable. Raises the eager path's ``ValueError`` for an empty mask or an
-    invalid log-prob (``validate``). ``diagnostics``: also the diagnostics' reductions (``row_pass``)."""
-    mask_bool = mask if mask.dtype == torch.bool else mask != 0
-    if validate and mask.dtype != torch.bool:
-        check_binary_mask("response_mask", mask)
-    token_is = (config.is_mode, config.is_upper, config.is_lower) if config.is_level == "token" else None
-    tols = (positive_tolerance(anchor.dtype), positive_tolerance(rollout.dtype))
-    dtype = compute_dtype(anchor, rollout)
-    b, t = mask.shape
-    split = all(x.is_contiguous() for x in (anchor, rollout, mask_bool))  # reshaping them is free
-    rows = b * (split_for(t) if split else 1)  # the kernel's rows (pieces of rows when it splits them)
-    s = run_row_pass(
-        anchor, rollout, mask_bool, float(config.safety_bound), *tols, token_is, tuple(sorted(reductions)),
-        config.verl_compat, diagnostics, None if token_is is None else anchor.new_ones(rows, 1, dtype=dtype),
-        split,
-    )  # fmt: skip
-    if s is None:
+    anchor: Tensor, rollout: Tensor, mask_bool: Tensor, plan, dtype: torch.dtype
+) -> tuple[dict[str, Tensor], dict[str, Tensor], Tensor | None] | None:
+    """``statistics.batch_statistics``' compiled source: (per-row reductions, batch totals, token weights) as the
+    default path names them (the π_θ split is computed beside it), or None — not warmed for this variant, a
+    batch under ``MIN_POSITIONS``, or a call Inductor would recompile for (never done mid-run)."""
+    key = (plan.token_is, tuple(sorted(plan.reductions)), plan.verl, plan.diagnostics, dtype)
+    if key not in _state["warm"] or mask_bool.numel() < MIN_POSITIONS:
         return None
-    if "w" in s:
-        s["w"] = s["w"].view(b, t)  # the pieces' weights (row_pass), contiguous: a view
-    count_dtype = mask.dtype if mask.dtype.is_floating_point else torch.get_default_dtype()
-    rows = rows_from(s, tuple(mask.shape), verl=config.verl_compat, count_dtype=count_dtype)
-    if validate:  # one sync, as in the eager path
-        num_tokens, *bad = torch.stack([rows.num_tokens, s["bad_old"].sum(), s["bad_rollout"].sum()]).tolist()
-        if num_tokens == 0:
-            raise ValueError(NO_VALID_TOKEN)
-        for count, name, x, tol in zip(bad, names, (anchor, rollout), tols):
-            if count:
-                raise ValueError(locate(name, x, mask_bool, tol))
-    return KernelStatistics(s, rows), s
-
-
-def is_weights(
-    s: dict[str, Tensor], rows: Rows, mask: Tensor, config: CorrectionConfig
-) -> tuple[Tensor, metric_fns.Metrics]:
-    """(B, T) thresholded IS weights (0 on padding) and the IS metrics, from the kernel's reductions.
-    Sequence levels threshold the (B,) row weight (``weights.row_weights``), then broadcast it to the row's
-    valid tokens."""
-    level, mode, upper, lower = config.is_level, config.is_mode, config.is_upper, config.is_lower
-    if level == "token":
-        w = s["w"]
-        return w, metric_fns.is_metrics_from_sums(
-            rows, upper, lower, mode, row_log=None, w_sum=s["w_sum"].sum(), w_sq=s["w_sq"].sum(),
-            w_row_sum=s["w_sum"], raw_row_sum=s["raw"], high=s["high"].sum(), low=s["low"].sum(),
-            w_max=s["w_max"].max(), w_min=s["w_min"].min(),
-        )  # fmt: skip
-    row_log, row_raw, row_w = row_weights(s["lr"], rows, level, config.safety_bound, mode, upper, lower)
-    oob = None
-    if mode == "mask":
-        out = (row_raw > metric_fns.is_band(upper, lower)[1]) | (row_raw < (lower or 0.0))
-        oob = (rows.n * out).sum()
-    metrics = metric_fns.is_metrics_from_sums(
-        rows, upper, lower, mode, row_log=row_log, w_sum=(row_w * rows.n).sum(),
-        w_sq=(row_w.square() * rows.n).sum(), w_row_sum=row_w * rows.n, raw_row_sum=row_raw * rows.n, oob=oob,
-    )  # fmt: skip
-    # w_bt = 1[valid] · w_row, as the eager path's raw_weights (the mask's bytes as floats: a broadcast
-    # ``torch.where`` on a bool mask is ~4× slower on 256 × 8192)
-    return mask.view(torch.uint8).to(row_w.dtype).mul_(row_w[:, None]), metrics
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            s = _run(anchor, rollout, mask_bool, key, plan.bound)
+    except Exception:  # noqa: BLE001 — a guard failed (another stride, a size-1 dimension): the default path serves
+        return None
+    weights = s.pop("w").view(mask_bool.shape) if "w" in s else None
+    per_row = ("n", "lr", "old", "rollout", "d_sum", "d_max", "sum_k1", "sum_k2", "max_k2", "max_k3", "w_sum", "raw")
+    row = {k: v for k, v in s.items() if k in per_row}
+    if "sum_k3" in s:
+        row["sum_k3"] = s["sum_k3"]
+    total = {k: v.amax() if k == "w_max" else v.amin() if k == "w_min" else v.sum()
+             for k, v in s.items() if k not in per_row and not k.startswith("bad_")}
+    return row, total, weights

@@ -119,43 +119,43 @@ def is_metrics_from_sums(
     """The IS metrics from reductions of the thresholded weights w and the raw ones (valid tokens):
     Σ w, Σ w², (B,) row sums Σ_t w and Σ_t raw; token level: the counts of raw > hi and raw < lo, max and
     min of w; sequence / geometric level: ``row_log`` (B,) and, in mask mode, the count ``oob`` of tokens
-    whose raw weight is outside [lower or 0, hi]."""
+    whose raw weight is outside [lower or 0, hi].
+
+        mean = Σw / N   std = sqrt(Σw²/N − mean²)   ESS = (mean + 1e-8)² / (Σw²/N)   (N valid tokens)
+        seq_*: over rows of the row means Σ_t w / n and of the flags Σ_t raw / n > hi, < lo"""
     out: Metrics = {}
-    dtype = rows.dtype
     lo, hi = is_band(upper, lower)
     total = rows.den(rows.num_tokens)
-    if row_log is not None:
+    if row_log is None:
+        mean, sq, share_high, share_low = (torch.stack([w_sum, w_sq, high, low]) / total).unbind()
+        out["rollout_is_ratio_fraction_high"], out["rollout_is_ratio_fraction_low"] = share_high, share_low
+        out["rollout_is_max"], out["rollout_is_min"] = w_max, w_min
+        if mode == "mask":  # IcePop out-of-band share; the band's lower edge is 0 when none is given
+            out["rollout_is_oob_ratio"] = share_high + share_low if lower else share_high
+    else:
+        mean, sq = (torch.stack([w_sum, w_sq]) / total).unbind()
         log_hi = math.log(hi) if hi != math.inf else math.inf
         log_lo = math.log(lo) if lo > 0 else -math.inf
-        out["rollout_is_max"] = rows.rows_max(row_log).clamp(max=LOG_RATIO_CLAMP).exp()
-        row_min = rows.rows_min(row_log)  # verl leaves the minimum unclamped (inf for ℓ ≫ 0)
-        out["rollout_is_min"] = (row_min if rows.verl else row_min.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).exp()
-        high_low = rows.over_rows(torch.stack([row_log > log_hi, row_log < log_lo]).to(dtype))
-        out["rollout_is_ratio_fraction_high"], out["rollout_is_ratio_fraction_low"] = high_low.unbind()
-    else:
-        out["rollout_is_ratio_fraction_high"] = high / total
-        out["rollout_is_ratio_fraction_low"] = low / total
-        out["rollout_is_max"] = w_max
-        out["rollout_is_min"] = w_min
-        if mode == "mask":  # IcePop out-of-band share; the band's lower edge is 0 when none is given
-            out["rollout_is_oob_ratio"] = (high + (low if lower else 0.0)) / total
+        per_row = rows.summary(torch.stack([row_log, row_log > log_hi, row_log < log_lo]))
+        log_max, log_min = per_row.max[0], per_row.min[0]
+        out["rollout_is_max"] = log_max.clamp(max=LOG_RATIO_CLAMP).exp()
+        # verl leaves the minimum unclamped (inf for ℓ ≫ 0)
+        out["rollout_is_min"] = (log_min if rows.verl else log_min.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).exp()
+        out["rollout_is_ratio_fraction_high"], out["rollout_is_ratio_fraction_low"] = per_row.mean[1:].unbind()
     # std / ESS on the applied weights clamped to [0, upper] (verl); thresholded weights already lie there
-    mean, sq = w_sum / total, w_sq / total
     out["rollout_is_mean"] = mean
-    std = (sq - mean.square()).clamp_min(0).sqrt()
-    out["rollout_is_std"] = torch.where(rows.num_tokens > 1, std, torch.zeros_like(std))
+    out["rollout_is_std"] = torch.addcmul(sq, mean, mean, value=-1.0).clamp_min_(0).sqrt_().masked_fill_(
+        rows.num_tokens <= 1, 0.0)
     # 1 / mean((w / (mean + 1e-8))²); 0 (not inf) when every weight is 0 (all tokens masked out)
-    out["rollout_is_eff_sample_size"] = torch.where(sq > 0, (mean + 1e-8).square() / sq, 0.0)
-    # per-row values stacked (k, B): one reduction over the rows for all of them
+    out["rollout_is_eff_sample_size"] = torch.where(sq > 0, (mean + 1e-8).square_() / sq, 0.0)
     row_w, raw_row = rows.row_mean_of_sum(torch.stack([w_row_sum, raw_row_sum])).unbind()
-    flags = torch.stack([raw_row > hi, raw_row < lo]).to(dtype)
-    seq_mean, seq_high, seq_low = rows.over_rows(torch.cat([row_w[None], flags])).unbind()
-    extremes = rows.rows_max(torch.stack([row_w, -row_w, (row_w - 1.0).abs()]))  # max, −min, max |w − 1|
-    out["rollout_is_seq_mean"] = seq_mean
-    out["rollout_is_seq_std"] = _row_std_unbiased(row_w, rows)
-    out["rollout_is_seq_max"] = extremes[0]
-    out["rollout_is_seq_min"] = -extremes[1]
-    out["rollout_is_seq_max_deviation"] = extremes[2]
+    seq = rows.summary(torch.stack([row_w, (row_w - 1.0).abs_(), raw_row > hi, raw_row < lo]))
+    mean_w, _, seq_high, seq_low = seq.mean.unbind()
+    out["rollout_is_seq_mean"] = mean_w
+    out["rollout_is_seq_std"] = seq.std[0]
+    out["rollout_is_seq_max"] = seq.max[0]
+    out["rollout_is_seq_min"] = seq.min[0]
+    out["rollout_is_seq_max_deviation"] = seq.max[1]
     out["rollout_is_seq_fraction_high"] = seq_high
     out["rollout_is_seq_fraction_low"] = seq_low
     if mode == "mask" and row_log is not None:
@@ -219,7 +219,7 @@ def rs_option_metrics(r: RSOutcome, tok: Rows) -> Metrics:
             mean = clamped.sum() / total
             std = (clamped.square().sum() / total - mean.square()).clamp_min(0).sqrt()
             out[f"{p}_masked_fraction_"] = (row_rejected.to(dtype) * tok.n).sum() / total
-        else:  # from the per-row counts (the fused path in verl mode too: equal to float rounding)
+        else:  # from the per-row counts (compute_correction in verl mode too: equal to float rounding)
             # Σ seq·n and Σ rejected·n in one reduction; std of the clamped statistic, token-weighted
             seq_sum, rejected_sum = (torch.stack([seq, row_rejected.to(dtype)]) * tok.n).sum(-1).unbind()
             out[f"{p}_mean"] = seq_sum / total
@@ -302,11 +302,12 @@ def offpolicy_from_sums(
     chi2 = (2.0 * lr_row.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).exp()
     per_row = [ppl[0], neg_mean[0], ppl[1], neg_mean[1], diff, diff.abs(), ratio, chi2]
     m = rows.over_rows(torch.stack(per_row)).unbind()
+    neg_kl, k3_kl, rho2 = (torch.stack([lr_sum, k3_sum, rho2_sum]) / total).unbind()
     return {
         "training_ppl": m[0],
         "training_log_ppl": m[1],
-        "kl": -(lr_sum / total),
-        "k3_kl": k3_sum / total,
+        "kl": -neg_kl,
+        "k3_kl": k3_kl,
         "rollout_ppl": m[2],
         "rollout_log_ppl": m[3],
         "log_ppl_diff": m[4],
@@ -314,7 +315,7 @@ def offpolicy_from_sums(
         "log_ppl_diff_max": rows.rows_max(diff),
         "log_ppl_diff_min": rows.rows_min(diff),
         "ppl_ratio": m[6],
-        "chi2_token": rho2_sum / total - 1.0,
+        "chi2_token": rho2 - 1.0,
         "chi2_seq": m[7] - 1.0,
     }
 
@@ -363,14 +364,15 @@ def divergence_from_sums(
 ) -> Metrics:
     """``divergence_metrics`` from the sums over valid tokens of k3, ρℓ − ρ + 1, the JS term, e^|ℓ| − 1,
     ℓ (unclamped) and |ℓ| (clamped)."""
-    total = rows.den(rows.num_tokens)
+    means = torch.stack([k3_sum, policy_kl_sum, js_sum, e_abs_sum, lr_sum, abs_sum]) / rows.den(rows.num_tokens)
+    gen_kl, policy_kl, js, e_abs, lr, lr_abs = means.unbind()
     return {
-        "gen_kl": k3_sum / total,
-        "policy_kl": policy_kl_sum / total,
-        "js_divergence": js_sum / total,
-        "token_mult_prob_error": 1.0 + e_abs_sum / total,
-        "log_ratio_mean": lr_sum / total,
-        "log_ratio_abs_mean": abs_sum / total,
+        "gen_kl": gen_kl,
+        "policy_kl": policy_kl,
+        "js_divergence": js,
+        "token_mult_prob_error": 1.0 + e_abs,
+        "log_ratio_mean": lr,
+        "log_ratio_abs_mean": lr_abs,
     }
 
 
@@ -448,23 +450,18 @@ def prob_from_sums(
     d = |a − b| (rows without a valid token: 0), the number of tokens with d < 1e-3
     (``small_diff_count``) and those with d ≥ each of ``PROB_SHARES``."""
     valid = n > 0
-    rows = valid.sum().clamp_min(1)
     count = count.clamp_min(1)
-    # Pearson over valid tokens from raw moments, in float64 (one cast for the five moments)
-    f64 = torch.float64
+    # Pearson over valid tokens from raw moments, in float64 (one cast): N·cov = Σab − ΣaΣb/N, N·var likewise
     moments = torch.stack([p_old_sum, p_rollout_sum, p_old_sq_sum, p_rollout_sq_sum, p_cross_sum, count])
-    sa, sb, saa, sbb, sab, cnt = moments.to(f64).unbind()
-    cov = sab - sa * sb / cnt
-    var_a = (saa - sa.square() / cnt).clamp_min(0)
-    var_b = (sbb - sb.square() / cnt).clamp_min(0)
-    denom = (var_a * var_b).sqrt()
+    sa, sb, saa, sbb, sab, cnt = moments.to(torch.float64).unbind()
+    var_ab = torch.stack([saa - sa * sa / cnt, sbb - sb * sb / cnt]).clamp_min_(0)
+    denom = var_ab.prod().sqrt_()
     d_max = d_row_max.max()  # |Δp| ≥ 0 and 0 on padding
-    scale = 1e-12 * cnt  # variance below rounding noise of the moment sums counts as constant
-    pearson = torch.where(denom > scale, cov / denom.clamp_min(1e-300), (d_max == 0).to(f64))
+    # variance below rounding noise of the moment sums (1e-12 N) counts as constant: 1 if Δp is 0 everywhere
+    pearson = torch.where(denom > 1e-12 * cnt, (sab - sa * sb / cnt) / denom, d_max == 0)
     # per-row means over rows with a valid token: max |Δp| and mean |Δp| of each row, stacked (2, B)
-    seq_max_mean, seq_mean_mean = (
-        torch.where(valid, torch.stack([d_row_max, d_row_sum / n.clamp_min(1)]), 0).sum(-1) / rows
-    ).unbind()
+    per_row = torch.stack([d_row_max, d_row_sum / n.clamp_min(1)]).masked_fill_(~valid, 0.0)
+    seq_max_mean, seq_mean_mean = (per_row.sum(-1) / valid.sum().clamp_min(1)).unbind()
     shares = (torch.stack([d_row_sum.sum(), small_diff_count, *ge]) / count).unbind()
     out = {
         "prob_diff_seq_max_mean": seq_max_mean,
@@ -475,8 +472,37 @@ def prob_from_sums(
     }
     for threshold, c in zip(PROB_SHARES, shares[2:]):
         out[f"prob_diff_frac_ge_{threshold}"] = c
-    out["prob_pearson"] = pearson.clamp(-1.0, 1.0).to(d_row_max.dtype)
+    out["prob_pearson"] = pearson.clamp_(-1.0, 1.0).to(d_row_max.dtype)
     return out
+
+
+def diagnostics_from_sums(row: dict[str, Tensor], total: dict[str, Tensor], rows: Rows) -> Metrics:
+    """The off-policy, divergence and probability-mismatch metrics from the statistics' reductions
+    (statistics.py): per row ``old``, ``rollout``, ``lr``, ``d_sum``, ``d_max``; the batch totals of the rest."""
+    lr_sum = row["lr"].sum()
+    out = {
+        **offpolicy_from_sums(
+            rows, old_row=row["old"], roll_row=row["rollout"], lr_row=row["lr"], lr_sum=lr_sum,
+            k3_sum=total["k3_unclamped"] if rows.verl else total["sum_k3"], rho2_sum=total["rho2"],
+        ),
+        **divergence_from_sums(
+            rows, k3_sum=total["sum_k3"], policy_kl_sum=total["policy_kl"], js_sum=total["js"],
+            e_abs_sum=total["e_abs"], lr_sum=lr_sum, abs_sum=total["abs"],
+        ),
+        **prob_from_sums(
+            rows.n, rows.num_tokens, p_old_sum=total["p_old_sum"], p_rollout_sum=total["p_rollout_sum"],
+            p_old_sq_sum=total["p_old_sq_sum"], p_rollout_sq_sum=total["p_rollout_sq_sum"],
+            p_cross_sum=total["p_cross_sum"], d_row_max=row["d_max"], d_row_sum=row["d_sum"],
+            small_diff_count=total["small_diff_count"], ge=[total[f"ge{i}"] for i in range(len(PROB_SHARES))],
+        ),
+    }
+    return out
+
+
+def decomposition_from_sums(total: dict[str, Tensor], rows: Rows) -> Metrics:
+    """``decomposition_metrics`` from the sums over valid tokens of the three k3 terms (statistics.py)."""
+    names = ("discrepancy_k3", "drift_k3", "total_k3")
+    return dict(zip(names, (torch.stack([total[k] for k in names]) / rows.den(rows.num_tokens)).unbind()))
 
 
 def staleness_metrics(version: Tensor, current_version: int | Tensor, mask: Tensor, rows: Rows) -> Metrics:

@@ -158,6 +158,50 @@ class Rows:
         """Min of a (B,) (or stacked (k, B)) per-row value over the rows that count (all in verl mode)."""
         return (x if self.verl else x.masked_fill(self.invalid, float("inf"))).amin(dim=-1)
 
+    def summary(self, table: Tensor, *, valid_only: bool = False) -> RowSummary:
+        """Mean, max, min and unbiased std over rows of each of the k per-row values of ``table`` (k, B), over the
+        rows that count (all in verl mode; ``valid_only``: rows with a valid token in either mode)."""
+        return RowSummary(table, self, valid_only or not self.verl)
+
+
+class RowSummary:
+    """Statistics over rows of a (k, B) table of per-row values, each (k,) and computed on first use: one
+    operation serves all k values (a small batch's cost is its number of operations). ``valid``: only rows
+    with a valid token count (else every row)."""
+
+    def __init__(self, table: Tensor, rows: Rows, valid: bool) -> None:
+        self.table, self.rows, self.valid = table, rows, valid
+
+    @cached_property
+    def counted(self) -> Tensor:
+        """The table with the rows that do not count set to 0."""
+        return self.table.masked_fill(self.rows.invalid, 0.0) if self.valid else self.table
+
+    @cached_property
+    def count(self) -> Tensor | int:
+        return self.rows.num_rows if self.valid else self.table.shape[-1]
+
+    @cached_property
+    def mean(self) -> Tensor:
+        return self.counted.sum(dim=-1) / self.count
+
+    @cached_property
+    def max(self) -> Tensor:
+        return (self.table.masked_fill(self.rows.invalid, -math.inf) if self.valid else self.table).amax(dim=-1)
+
+    @cached_property
+    def min(self) -> Tensor:
+        return (self.table.masked_fill(self.rows.invalid, math.inf) if self.valid else self.table).amin(dim=-1)
+
+    @cached_property
+    def std(self) -> Tensor:
+        """sqrt(Σ (x − mean)² / (count − 1)) over the rows that count (two passes); 0 below two rows."""
+        deviation = (self.table - self.mean[:, None]).square_()
+        if self.valid:
+            deviation.masked_fill_(self.rows.invalid, 0.0)
+        count = torch.as_tensor(self.count, dtype=self.table.dtype, device=self.table.device)
+        return deviation.sum(dim=-1).div_((count - 1).clamp_min(1)).sqrt_().masked_fill_(count <= 1, 0.0)
+
 
 @dataclass(frozen=True)
 class Tokens(Rows):

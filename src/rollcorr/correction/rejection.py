@@ -194,8 +194,9 @@ class Statistics:
     """Where the rules read their statistics: per-row reductions (``row_sum`` / ``row_max`` of k1, k2, k3 over
     valid tokens, named ``sum_k1`` … ``max_k3``) and, for rules that need them, the (B, T) tokens.
 
-    This eager source computes them from the ``Tokens``; the fused kernel (fused.py) is the other source,
-    holding only the reductions a configuration's rules declare. ``rows``: the batch's ``Rows``."""
+    This source computes them from the ``Tokens`` (``analyze`` uses it); ``statistics.BatchStatistics`` is
+    ``compute_correction``'s, holding the reductions a configuration's rules declare from one pass over the batch
+    and building the tokens only for a rule that reads them. ``rows``: the batch's ``Rows``."""
 
     def __init__(self, tok: Tokens, k3: Tensor | None = None) -> None:
         self.tok, self.rows, self._token = tok, tok, {} if k3 is None else {"k3": k3}
@@ -221,7 +222,7 @@ class Statistics:
 @dataclass(frozen=True)
 class Rule:
     """One kind of rejection rule, declared once: ``rejection_rules`` applies every registered kind, for the
-    eager path and the fused one alike.
+    default statistics and the compiled kernel's alike.
 
     instances(config) → [(rule name, threshold), …] the instances ``config`` sets (none: the rule is off). A
     built-in rule answers through ``active(config)``, which reads its ``CorrectionConfig`` fields; a rule
@@ -230,8 +231,9 @@ class Rule:
     ``options(config.rules[kind])`` — the rule's own options, checked there (a ValueError says what is wrong) —
     or the options mapping itself when the rule has no ``options``.
     reductions(name, threshold) → the per-row reductions the instance reads (``sum_k1``, ``sum_k2``,
-    ``sum_k3``, ``max_k2``, ``max_k3``), or None when it needs the (B, T) tokens (then the fused path does
-    not apply). apply(name, threshold, statistics, context) → ``RuleOutcome`` (context: log_prob, advantages).
+    ``sum_k3``, ``max_k2``, ``max_k3``) that the statistics pass computes for it, or None when it reads the
+    (B, T) tokens instead (``Statistics.token`` / ``tok``, built on first use).
+    apply(name, threshold, statistics, context) → ``RuleOutcome`` (context: log_prob, advantages).
     metrics(outcomes, rows) → its metrics (the rule's metric kind), from its instances' outcomes.
     """
 
@@ -294,15 +296,13 @@ def register_rule(rule: Rule) -> Rule:
     return rule
 
 
-def rule_reductions(config: CorrectionConfig) -> frozenset[str] | None:
-    """The per-row reductions ``config``'s rules read, or None when one of them needs the (B, T) tokens."""
+def declared_reductions(config: CorrectionConfig) -> frozenset[str]:
+    """The per-row reductions the rules of ``config`` declare (those that read the (B, T) tokens declare none:
+    they read ``Statistics.token`` / ``tok``)."""
     needed: set[str] = set()
     for rule in RULES:
         for name, threshold in rule.instances(config):
-            got = rule.reductions(name, threshold)
-            if got is None:
-                return None
-            needed |= got
+            needed |= rule.reductions(name, threshold) or set()
     return frozenset(needed)
 
 
@@ -317,7 +317,7 @@ def rejection_rules(
     """Every rejection rule ``config`` sets, each applied alone, in order (``RULES``: the RS options, veto
     floor, veto ceiling, TRM max k2, TRM mean k3, OPSM, then any registered later); each outcome names its
     ``kind``. ``compute_correction`` ANDs their keeps into the mask; ``analyze`` explains each. source: the
-    ``Tokens`` (or a ``Statistics``: eager or the fused kernel's). k3: ``kl_stats(tok, "k3")`` if already
+    ``Tokens`` (or a ``Statistics``: a batch's, from the statistics pass). k3: ``kl_stats(tok, "k3")`` if already
     built. log_prob: π_θ for OPSM (default: the anchor). advantages: (B,) or (B, T), needed by OPSM."""
     if config.rules:
         check_rules(config)  # a rule named but not registered would otherwise be silently off
@@ -344,7 +344,7 @@ def rule_metrics(outcomes: list[RuleOutcome], rows: Rows) -> dict[str, Tensor]:
 def _rs_apply(option: str, threshold: Any, stats: Statistics, context: dict) -> RuleOutcome:
     kind, stat = split_option(option)
     if kind == "token":
-        r = rs_option(option, threshold, stats.token(stat), stats.rows)
+        r = rs_option(option, threshold, stats.token(stat), stats.tok)  # token rules read the (B, T) tokens
     else:
         r = rs_option(
             option, threshold, None, stats.rows,

@@ -12,11 +12,18 @@ Exponents are clamped to ±bound. Weights are 0 on padding.
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rollcorr.correction import metrics as metric_fns
 from rollcorr.correction.ratios import Rows, Tokens
+
+if TYPE_CHECKING:
+    from rollcorr.config.correction import CorrectionConfig
 
 
 def row_log_weight(row_sum: Tensor, n: Tensor, level: str) -> Tensor:
@@ -42,7 +49,7 @@ def row_weights(
     row_sum: Tensor, rows: Rows, level: str, bound: float, mode: str, upper: float | None, lower: float | None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """A sequence level's weights per row from Σ_t ℓ_t: (log weight, raw weight exp(clamp(log, ±bound)),
-    thresholded weight), each (B,). The fused path broadcasts the last to the row's tokens; ``raw_weights``
+    thresholded weight), each (B,). ``importance_weights`` broadcasts the last to the row's tokens; ``raw_weights``
     then ``apply_threshold`` give the same values on (B, T)."""
     row_log = row_log_weight(row_sum, rows.n, level)
     row_raw = row_log.clamp(-bound, bound).exp()
@@ -50,20 +57,66 @@ def row_weights(
 
 
 def apply_threshold(
-    raw: Tensor, mask_f: Tensor, mode: str, upper: float | None, lower: float | None
+    raw: Tensor, mask_f: Tensor, mode: str, upper: float | None, lower: float | None, *, out: Tensor | None = None
 ) -> Tensor:
-    """Truncate (clamp) or mask (zero outside the band, keep ρ inside) the raw weights."""
+    """Truncate (clamp) or mask (zero outside the band, keep ρ inside) the raw weights; ``out``: where to write
+    them (a fresh tensor otherwise; ``raw`` itself when nothing applies and no ``out`` is given). The band's
+    flags are 0/1 floats multiplied in (ρ·1 = ρ, ρ·0 = 0: a bool ``where`` is ~10× slower on large batches)."""
     if mode == "truncate":
         if upper is None and lower is None:
-            return raw
-        w = raw.clamp(min=lower, max=upper)
-        return w * mask_f if lower is not None else w  # a lower clamp would lift padding off 0
+            return raw if out is None else out.copy_(raw)
+        w = torch.clamp(raw, min=lower, max=upper, out=out)
+        return w.mul_(mask_f) if lower is not None else w  # a lower clamp would lift padding off 0
     if mode == "mask":
-        keep = raw <= (float("inf") if upper is None else upper)
+        w = torch.le(raw, math.inf if upper is None else upper, out=torch.empty_like(raw) if out is None else out)
         if lower:
-            keep = keep & (raw >= lower)
-        return torch.where(keep, raw, 0.0)
+            w.mul_(torch.ge(raw, lower, out=torch.empty_like(raw)))
+        return w.mul_(raw)
     raise ValueError(f"is_mode={mode!r}; choose one of ['truncate', 'mask']")
+
+
+def importance_weights(
+    config: CorrectionConfig,
+    rows: Rows,
+    row: dict[str, Tensor],
+    total: dict[str, Tensor],
+    token_weights: Tensor | None,
+    mask_bool: Tensor,
+    group: object | None = None,
+) -> tuple[Tensor | None, metric_fns.Metrics]:
+    """(B, T) IS weights w = threshold(ρ) (0 on padding), batch-normalised when ``config`` asks, and the IS
+    metrics; (None, {}) without IS. From a batch's statistics (``statistics.BatchStatistics``: ``rows``, the
+    per-row reductions ``row``, the totals ``total``): at token level the pass wrote w (``token_weights``);
+    sequence levels threshold the (B,) row weight exp(clamp(Σ_t ℓ_t or mean_t ℓ_t)) (``row_weights``) and
+    broadcast it to the row's valid tokens (``mask_bool`` (B, T))."""
+    if config.is_level is None:
+        return None, {}
+    level, mode, upper, lower = config.is_level, config.is_mode, config.is_upper, config.is_lower
+    if level == "token":
+        w = token_weights
+        metrics = metric_fns.is_metrics_from_sums(
+            rows, upper, lower, mode, row_log=None, w_sum=row["w_sum"].sum(), w_sq=total["w_sq"],
+            w_row_sum=row["w_sum"], raw_row_sum=row["raw"], high=total["high"], low=total["low"],
+            w_max=total["w_max"], w_min=total["w_min"],
+        )
+    else:
+        row_log, row_raw, row_w = row_weights(row["lr"], rows, level, config.safety_bound, mode, upper, lower)
+        oob = None
+        if mode == "mask":
+            out = (row_raw > metric_fns.is_band(upper, lower)[1]) | (row_raw < (lower or 0.0))
+            oob = (rows.n * out).sum()
+        metrics = metric_fns.is_metrics_from_sums(
+            rows, upper, lower, mode, row_log=row_log, w_sum=(row_w * rows.n).sum(),
+            w_sq=(row_w.square() * rows.n).sum(), w_row_sum=row_w * rows.n, raw_row_sum=row_raw * rows.n,
+            oob=oob,
+        )
+        # w_bt = 1[valid]·w_row (the mask's bytes as floats: a broadcast ``where`` on a bool mask is ~4× slower)
+        w = mask_bool.view(torch.uint8).to(row_w.dtype).mul_(row_w[:, None])
+    if config.batch_normalize:
+        factor = norm_factor(w, rows.n, rows.valid, level, den=rows.den if rows.verl else None, group=group)
+        w = w.div_(factor)  # w is this call's own buffer
+        metrics["rollout_is_batch_norm_factor"] = factor
+    return w, metrics
 
 
 LOCAL = "local"  # ``group`` value: the batch is already global on this rank (no all-reduce)

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 import signal
 import subprocess
@@ -417,11 +418,24 @@ class Trainer:
                 signal.signal(signum, handler)
             self.lock.release()
 
+    def _warm_correction(self) -> None:
+        """With ``ROLLCORR_FUSED=1``: compile the correction's fused statistics kernel now, before the first step
+        (correction/fused.py), so that no step ever waits for a compile; otherwise nothing (the default path)."""
+        from rollcorr.correction import fused
+
+        if os.environ.get(fused.ENV) != "1":
+            return
+        start = time.perf_counter()
+        if fused.warm(self.step_config.correction, torch.float32):
+            self.logger.message(f"{fused.ENV}=1: compiled the fused correction kernel in "
+                                f"{time.perf_counter() - start:.1f} s, before the first step")  # fmt: skip
+
     def _run(self) -> RunResult:
         t = self.config.trainer
         start = time.perf_counter()
         stopped = stop_signal = None
         self.alerts = RunAlerts.of_run(self.run_dir)  # a resumed run keeps its counts
+        self._warm_correction()
         try:
             if self.step == 0:
                 if not self.proximal.follows_sampler:
