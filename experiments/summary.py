@@ -923,6 +923,8 @@ BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
     "recipe:instruct": ("docs/tasks.md", lambda res: _recipe_text(res)),
     "multi-turn:results": ("docs/multi-turn.md", lambda res: _multi_turn_text(res)),
     "bench:trl": ("docs/performance.md", lambda res: _bench_table(REPO / "benchmarks/results/bench_trl.txt")),
+    "bench:multi_turn": ("docs/multi-turn.md",
+                         lambda res: _bench_markdown(REPO / "benchmarks/results/bench_multi_turn.txt")),
     "audit:diagnosis": ("docs/audit.md", lambda res: _diagnosis_text(res)),
     "bench:exact": ("docs/precision.md", lambda res: _bench_table(REPO / "benchmarks/results/bench_exact.txt")),
     "bench:verl": ("docs/performance.md",
@@ -1217,6 +1219,14 @@ def _bench_table(path: Path) -> str:
         else:
             out.append("| " + " | ".join(cells) + " |")
     return "\n".join([f"*{'; '.join(notes)}*"] + out)
+
+
+def _bench_markdown(path: Path) -> str:
+    """A benchmark's committed output that prints a markdown table itself: its ``#`` lines as the notes, then
+    the table as it is."""
+    lines = path.read_text().splitlines()
+    notes = [line.lstrip("# ") for line in lines if line.startswith("#")]
+    return "\n".join([f"*{'; '.join(notes)}*", "", *(line for line in lines if line.startswith("|"))])
 
 
 def _recipe_text(results: Path) -> str:

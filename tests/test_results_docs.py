@@ -9,6 +9,7 @@ independently of the generator.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import statistics
 import sys
@@ -338,3 +339,25 @@ def test_the_multi_turn_page_reports_its_seeds_from_their_run_curves():
     initial, final = (statistics.fmean(run[key] for run in runs) for key in ("initial_score", "final_score"))
     assert f"went from {initial:.3f} to {final:.3f} on average over the {len(runs)} seeds" in text
     assert "not a pre-registered study" in text
+
+
+def test_the_slow_environment_benchmark_is_quoted_from_its_output():
+    """docs/multi-turn.md's benchmark table is the committed output (the block test above). The output names the
+    machine, the load and the command; each ratio is its row's sync s/step over its async s/step (within the
+    rounding of the three printed figures); the page's reading of it follows from the rows."""
+    lines = (ROOT / "benchmarks/results/bench_multi_turn.txt").read_text().splitlines()
+    assert re.fullmatch(r"# .+ \(\w+\), \d+ cores; load [\d.]+ [\d.]+ [\d.]+ at start", lines[0])
+    assert lines[1].startswith("# command: python benchmarks/bench_multi_turn.py ")
+    assert any(re.fullmatch(r"# load [\d.]+ [\d.]+ [\d.]+ at end", line) for line in lines)
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines if line.startswith("| ")]
+    rows = {c[0]: [float(x) for x in c[1:]] for c in cells if re.fullmatch(r"[\d.]+", c[1])}
+    assert set(rows) == {"one at a time", "8 side by side"}
+    half = 0.005  # each printed figure is rounded to 2 decimals
+    for sync, async_, ratio in rows.values():
+        assert (sync - half) / (async_ + half) - half <= ratio <= (sync + half) / (async_ - half) + half
+    assert all(ratio > 1 for _, _, ratio in rows.values())
+    one, eight = rows["one at a time"], rows["8 side by side"]
+    assert eight[0] < one[0] and eight[1] < one[1]
+    page = " ".join((ROOT / "docs/multi-turn.md").read_text().split())
+    assert ("In both rows async trains more steps a second than sync — the environment's waits and the sampler run "
+            "while the learner trains — and stepping 8 episodes side by side shortens the step in both modes.") in page
