@@ -922,6 +922,7 @@ BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
     "exploratory:pooled": ("docs/results.md", lambda res: _pooled_paragraph(res)),
     "recipe:instruct": ("docs/tasks.md", lambda res: _recipe_text(res)),
     "multi-turn:results": ("docs/multi-turn.md", lambda res: _multi_turn_text(res)),
+    "recipe:calculator": ("docs/multi-turn.md", lambda res: _calculator_text(res)),
     "bench:trl": ("docs/performance.md", lambda res: _bench_table(REPO / "benchmarks/results/bench_trl.txt")),
     "bench:multi_turn": ("docs/multi-turn.md",
                          lambda res: _bench_markdown(REPO / "benchmarks/results/bench_multi_turn.txt")),
@@ -1239,6 +1240,12 @@ def _multi_turn_text(results: Path) -> str:
     from experiments.multi_turn import results_text
 
     return results_text(load("multi_turn", results))
+
+
+def _calculator_text(results: Path) -> str:
+    from experiments.calculator_recipe import recipe_text
+
+    return recipe_text(load("calculator_recipe", results))
 
 
 def _pooled_paragraph(results: Path) -> str:

@@ -361,3 +361,15 @@ def test_the_slow_environment_benchmark_is_quoted_from_its_output():
     page = " ".join((ROOT / "docs/multi-turn.md").read_text().split())
     assert ("In both rows async trains more steps a second than sync — the environment's waits and the sampler run "
             "while the learner trains — and stepping 8 episodes side by side shortens the step in both modes.") in page
+
+
+def test_the_calculator_recipe_is_quoted_from_its_run():
+    """docs/multi-turn.md's account of the SmolLM2 calculator recipe is generated from its results file (the block
+    test above); the file is a full run of the docs' command on committed code: every evaluation on the 40
+    held-out questions, trajectories of more than one model turn, a finite loss."""
+    report = json.loads((RESULTS / "calculator_recipe/results.json").read_text())
+    assert [step for step, _, _ in report["evals"]] == list(range(0, report["steps"] + 1, 5))
+    assert all(0 <= acc <= reward <= 1 for _, acc, reward in report["evals"])  # a reward is the answer's: ≤ 1
+    assert statistics.fmean(t for _, t in report["turns_mean"]) > 1 and report["loss_finite"]
+    assert len(report["code_commit"]) == 40 and report["steps"] == 20 and report["trajectories_per_step"] == 16
+    assert all(s["response"] for s in report["samples_first"] + report["samples_last"])
