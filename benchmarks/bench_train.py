@@ -4,6 +4,7 @@
     python benchmarks/bench_train.py --steps 20 --repeats 3 --skip-strategies
     python benchmarks/bench_train.py --skip-strategies rollout.prompts_per_step=8   # overrides for every run
     python benchmarks/bench_train.py --skip-strategies --config chain               # the long-response preset
+    python benchmarks/bench_train.py --memory --config instruct model.path=... task.name=...   # memory only
 
 Part 1 — modes: ``sync``, ``simulated_async`` (lag 2) and ``async`` (max_staleness 2, queue 2; and with partial
 rollouts; the sampler in its own process) on the built-in model and task with the default config
@@ -22,6 +23,12 @@ strategy's own time per step (``proximal/seconds``, mean), the extra memory it h
 last step) and, with ``measure_error=true``, the mean |log π_old − log π_train(v_gen)| against the exact old
 logits (``proximal/error/logp_abs_err_mean``; 0 for exact strategies).
 
+Part 3 — memory (``--memory``, alone): one whole run per variant (the learner as configured, and with LoRA r = 8
+on the attention projections), each in a fresh process (``benchmarks/memory_probe.py``): its peak resident set
+(``ru_maxrss``, exact whatever the load) and where it sat, what each part of the trainer holds at the end (each
+tensor storage counted once), and the final checkpoint's files against the weights plus AdamW's two moments of
+the trainable ones. The probe turns checkpoints off until the end, so the run writes exactly one.
+
 Every run uses ``trainer.threads`` (default 1) torch threads in each process; no evaluation, checkpoint or plot
 during the timed steps. The machine is shared: numbers vary with its load; the command line and the load
 average (before, after) are printed with them.
@@ -37,6 +44,7 @@ import sys
 import tempfile
 
 import torch
+from machine import load, machine  # benchmarks/machine.py (a benchmark runs as a script from its folder)
 
 from rollcorr.train.config import load_config
 from rollcorr.train.loop import run
@@ -109,21 +117,60 @@ def modes_table(overrides: list[str], steps: int, warmup: int, repeats: int, pre
     median = {name: {k: statistics.median(run[k] for run in rs) for k in rs[0]} for name, rs in runs.items()}
     base = median["sync"]["samples/s"]
     print(f"\n{'mode':<24}{'samples/s':>10}{'vs sync':>9}{'tokens/s':>10}{'s/step':>8}{'lag mean':>10}{'lag max':>9}"
-          f"   (median of {repeats} round{'s' * (repeats > 1)}; [samples/s in each round])")  # fmt: skip
+          f"   (median of {repeats} round{'s' * (repeats > 1)}; [samples/s in each round])")
     for name, m in median.items():
         rounds = " ".join(f"{r['samples/s']:.0f}" for r in runs[name])
         print(f"{name:<24}{m['samples/s']:>10.0f}{m['samples/s'] / base:>8.2f}x{m['tokens/s']:>10.0f}"
-              f"{m['s/step']:>8.3f}{m['lag mean']:>10.2f}{m['lag max']:>9.0f}   [{rounds}]")  # fmt: skip
+              f"{m['s/step']:>8.3f}{m['lag mean']:>10.2f}{m['lag max']:>9.0f}   [{rounds}]")
     print(f"\n{'seconds per step (mean)':<24}{'wait':>7}{'π_old':>7}{'correct':>8}{'optimize':>9}{'publish':>8}"
-          f"{'other':>7}{'= step':>8}{'generate':>10}")  # fmt: skip
+          f"{'other':>7}{'= step':>8}{'generate':>10}")
     for name, m in median.items():
         print(f"{name:<24}{m['time/wait_s']:>7.3f}{m['time/old_log_prob_s']:>7.3f}{m['time/correction_s']:>8.3f}"
               f"{m['time/optimize_s']:>9.3f}{m['time/publish_s']:>8.3f}{m['other']:>7.3f}{m['s/step']:>8.3f}"
-              f"{m['generate']:>10.3f}")  # fmt: skip
+              f"{m['generate']:>10.3f}")
     sync = median["sync"]
     print(f"overlap bound: sync s/step ÷ its learner time (s/step − wait) = {sync['s/step']:.3f} / "
           f"{sync['s/step'] - sync['time/wait_s']:.3f} = {sync['s/step'] / (sync['s/step'] - sync['time/wait_s']):.2f}x "
-          "(async cannot beat it: the learner's own work is not overlapped)")  # fmt: skip
+          "(async cannot beat it: the learner's own work is not overlapped)")
+
+
+MEMORY_VARIANTS = {
+    "learner as configured": [],
+    "LoRA r=8 (q, k, v, o)": ["model.lora.r=8", "model.lora.alpha=16"],
+}
+PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_probe.py")
+GB = 1e9
+
+
+def probe(preset: str | None, overrides: list[str]) -> dict:
+    """One run in a fresh process (its peak resident set is its own): memory_probe.py's JSON line."""
+    import subprocess
+
+    argv = [sys.executable, PROBE, *(["--config", preset] if preset else []), *overrides]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"memory_probe.py failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def memory_table(overrides: list[str], preset: str | None) -> None:
+    """Per variant: peak RSS and where, the parts held at the end, the checkpoint against weights + AdamW."""
+    for name, variant in MEMORY_VARIANTS.items():
+        m = probe(preset, [*overrides, *variant])
+        adamw = 2 * m["trainable"]  # exp_avg and exp_avg_sq, float32 like the trainable weights
+        ckpt = sum(m["checkpoint"].values())
+        print(f"\n## {name}: {m['steps']} steps, accuracy {m['accuracy']}")
+        print(f"peak RSS {m['peak_rss'] / GB:.2f} GB (libraries imported: {m['libraries'] / GB:.2f} GB); "
+              f"sampled peak {m['sampled_peak'] / GB:.2f} GB at: {m['where'] or '?'}")
+        print("held at the end: " + ", ".join(f"{k} {v / GB:.3f} GB" for k, v in m["held"].items()))
+        print(f"weights {m['weights'] / GB:.3f} GB, trainable {m['trainable'] / GB:.4f} GB, AdamW moments "
+              f"{adamw / GB:.4f} GB")
+        files = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in m["checkpoint"].items())
+        base = m["weights"] + adamw if m["trainable"] == m["weights"] else m["trainable"] + adamw
+        print(f"checkpoint {ckpt / 1e6:.1f} MB ({files}) = {ckpt / base:.2f}x "
+              f"({'weights + AdamW' if m['trainable'] == m['weights'] else 'adapters + their AdamW'})")
+        cpu = m["learner_cpu_s"]
+        print(f"learner CPU s/step (median) {statistics.median(cpu):.2f}; run CPU {m['run_cpu_s']:.0f} s")
 
 
 def main() -> int:
@@ -136,6 +183,7 @@ def main() -> int:
     )
     p.add_argument("--skip-modes", action="store_true")
     p.add_argument("--skip-strategies", action="store_true")
+    p.add_argument("--memory", action="store_true", help="part 3 only: memory per variant (one whole run each)")
     p.add_argument("overrides", nargs="*", help="extra config overrides for every run")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -143,7 +191,12 @@ def main() -> int:
 
     hf_logging.disable_progress_bar()  # model loads and checkpoint writes would flood the table
     print(f"# {' '.join(sys.argv)}")
+    print(f"# machine: {machine()}")
     print("# load average before: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+    if args.memory:
+        memory_table(args.overrides, args.config)
+        print(f"# load average after: {load()}")
+        return 0
 
     if not args.skip_modes:
         modes_table(args.overrides, args.steps, args.warmup, args.repeats, args.config)
@@ -154,7 +207,7 @@ def main() -> int:
         )
         for name in STRATEGIES:
             overrides = ["trainer.mode=simulated_async", "trainer.lag=2", f"algorithm.proximal.name={name}",
-                         "algorithm.proximal.measure_error=true", *args.overrides]  # fmt: skip
+                         "algorithm.proximal.measure_error=true", *args.overrides]
             try:
                 rows = bench(overrides, args.steps, args.warmup, args.config)
             except Exception as err:  # report and go on with the other strategies

@@ -15,18 +15,18 @@ import pytest
 import torch
 
 SMALL = ["rollout.prompts_per_step=4", "rollout.group_size=4", "task.eval_prompts=8", "trainer.progress=false",
-         "trainer.plot=false", "trainer.tensorboard=false", "trainer.eval_every=0"]  # fmt: skip
+         "trainer.plot=false", "trainer.tensorboard=false", "trainer.eval_every=0"]
 
 
 def _env() -> dict[str, str]:
     src = str(Path(__file__).resolve().parents[1] / "src")
     return {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1"}  # fmt: skip
+            "OMP_NUM_THREADS": "1"}
 
 
 def _train(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rollcorr", "train", *args], capture_output=True, text=True,
-                          env=_env(), timeout=timeout)  # fmt: skip
+                          env=_env(), timeout=timeout)
 
 
 def _steps(run_dir: Path) -> list[dict]:
@@ -43,14 +43,14 @@ def test_two_ranks_train_and_resume_at_one_and_back(tmp_path, layout):
     back at N=2."""
     run_dir = tmp_path / "run"
     done = _train("trainer.ranks=2", "trainer.steps=3", "trainer.checkpoint_every=2", f"trainer.data_parallel={layout}",
-                  *SMALL, "--out", str(run_dir))  # fmt: skip
+                  *SMALL, "--out", str(run_dir))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "greedy accuracy" in done.stdout and done.stdout.count("run folder:") == 1  # rank 0 alone prints
     said = {"shard": "sharded over 2 ranks by FSDP2 (trainer.data_parallel=shard; its training state 15 MiB); rank "
                      "0 samples every batch; the trainer's collectives over shared memory",
             "replicate": "replicated on 2 ranks (one gradient all-reduce per optimizer step; trainer.data_parallel="
                          "replicate; its training state 15 MiB); every rank samples its share of each batch; "
-                         "the trainer's collectives over shared memory"}  # fmt: skip
+                         "the trainer's collectives over shared memory"}
     assert f"data-parallel learner: {said[layout]}" in done.stdout + done.stderr
     assert [r["learner/ranks"] for r in _steps(run_dir)] == [2.0, 2.0, 2.0]
     last = run_dir / "checkpoints" / "step_000003"
@@ -61,6 +61,7 @@ def test_two_ranks_train_and_resume_at_one_and_back(tmp_path, layout):
 
     from rollcorr.checkpoint import load_checkpoint, load_sharded
     from rollcorr.engines import make_learner
+    from rollcorr.engines.lora import load_trainable_state_dict
 
     # the checkpoint read by one process (no group) equals the full weights rank 0 exported
     learner = make_learner("hf:fp32")
@@ -69,7 +70,7 @@ def test_two_ranks_train_and_resume_at_one_and_back(tmp_path, layout):
         load_sharded(last, learner.model, optimizer)
     else:
         state = load_checkpoint(last)
-        learner.model.load_state_dict(state["model"])
+        load_trainable_state_dict(learner.model, state["model"])  # model/'s weights: the tied lm-head once
         optimizer.load_state_dict(state["optimizer"])
     exported = load_file(last / "model" / "model.safetensors")
     for name, value in learner.model.state_dict().items():
@@ -95,7 +96,7 @@ def test_held_weight_strategy_trains_and_resumes_across_rank_counts(tmp_path, la
     process's copy; replicated, each rank holds a whole copy and rank 0 checkpoints it."""
     run_dir = tmp_path / "run"
     args = ["trainer.mode=simulated_async", "algorithm.proximal.name=ewma", "trainer.checkpoint_every=2",
-            "trainer.mini_batches=1", f"trainer.data_parallel={layout}", *SMALL]  # fmt: skip
+            "trainer.mini_batches=1", f"trainer.data_parallel={layout}", *SMALL]
     done = _train("trainer.ranks=2", "trainer.steps=3", *args, "--out", str(run_dir))
     assert done.returncode == 0, done.stderr[-3000:]
     one = _train("--resume", str(run_dir), "trainer.steps=4", "trainer.ranks=1")
@@ -107,7 +108,7 @@ def test_held_weight_strategy_trains_and_resumes_across_rank_counts(tmp_path, la
     assert steps[-1]["proximal/ewma_beta"] > 0  # the average is not the live weights
     whole = steps[3]["proximal/extra_bytes"]
     assert all((share - 0.05) * whole <= r["proximal/extra_bytes"] <= (share + 0.05) * whole
-               for r in steps if r["learner/ranks"] == 2)  # fmt: skip
+               for r in steps if r["learner/ranks"] == 2)
     # the resumed runs continue the average (its weight Σβ^j), not a fresh copy of the live weights (weight 1)
     assert steps[4]["proximal/ewma_weight"] >= steps[3]["proximal/ewma_weight"] > 1.0
 
@@ -135,7 +136,7 @@ def test_killed_rank_stops_every_rank_and_the_run_resumes(tmp_path):
     run_dir = tmp_path / "run"
     # steps enough that the run is still going when a rank is killed (it is, after its first checkpoints)
     args = [sys.executable, "-m", "rollcorr", "train", "trainer.ranks=2", "trainer.steps=5000",
-            "trainer.checkpoint_every=1", *SMALL, "--out", str(run_dir)]  # fmt: skip
+            "trainer.checkpoint_every=1", *SMALL, "--out", str(run_dir)]
     launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     try:
         deadline = time.monotonic() + 400
@@ -174,7 +175,7 @@ def test_a_signal_to_one_rank_stops_every_rank_and_the_launcher_says_which(tmp_p
     that nobody printed."""
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "rollcorr", "train", "trainer.ranks=2", "trainer.steps=500",
-            "trainer.checkpoint_every=0", *SMALL, "--out", str(run_dir)]  # fmt: skip
+            "trainer.checkpoint_every=0", *SMALL, "--out", str(run_dir)]
     launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     try:
         deadline = time.monotonic() + 300
@@ -259,7 +260,7 @@ def test_a_signal_to_the_launcher_stops_every_rank_with_a_checkpoint_in_one_line
     run_dir = tmp_path / "run"
     launcher = subprocess.Popen([sys.executable, "-m", "rollcorr", "train", "trainer.ranks=2", "trainer.steps=500",
                                  "trainer.checkpoint_every=0", *SMALL, f"trainer.out={run_dir}"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())  # fmt: skip
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not ((run_dir / "metrics.jsonl").is_file() and _steps(run_dir)):
@@ -285,9 +286,9 @@ def _torchrun_per_rank(tmp_path: Path, per_rank: dict[int, list[str]], timeout: 
     script = tmp_path / "per_rank.py"
     script.write_text("import os, sys\nfrom rollcorr.cli import main\n"
                       f"ARGS = {per_rank!r}\n"
-                      "sys.exit(main(['train', *ARGS[int(os.environ['RANK'])]]))\n")  # fmt: skip
+                      "sys.exit(main(['train', *ARGS[int(os.environ['RANK'])]]))\n")
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script)], capture_output=True, text=True, env=_env(), timeout=timeout)  # fmt: skip
+                           str(script)], capture_output=True, text=True, env=_env(), timeout=timeout)
 
 
 @pytest.mark.slow
@@ -299,7 +300,7 @@ def test_ranks_started_differently_stop_before_training_naming_the_key(tmp_path)
     cases = {
         "optim.lr": ({0: [*base, "optim.lr=0.0003"], 1: [*base, "optim.lr=0.3"]}, "optim.lr is 0.3 there, 0.0003 on rank 0"),
         "trainer.steps": ({0: [*base, "trainer.steps=4"], 1: [*base, "trainer.steps=5"]}, "trainer.steps is 5 there"),
-    }  # fmt: skip
+    }
     for name, (per_rank, message) in cases.items():
         out = tmp_path / name
         per_rank = {r: [*args, f"trainer.out={out}"] for r, args in per_rank.items()}
@@ -316,7 +317,7 @@ def test_a_distributed_environment_left_in_the_shell_is_one_line_at_once(tmp_pat
     """RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (or only RANK / WORLD_SIZE / LOCAL_RANK) left in the environment
     of a plain `rollcorr train`: one line naming them, exit 2, within seconds — never a wait for peers."""
     stale = [{"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"},
-             {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}]  # fmt: skip
+             {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}]
     for extra in stale:
         for ranks in ("1", "2"):
             env = {**_env(), **extra}
@@ -324,7 +325,7 @@ def test_a_distributed_environment_left_in_the_shell_is_one_line_at_once(tmp_pat
             start = time.monotonic()
             done = subprocess.run([sys.executable, "-m", "rollcorr", "train", f"trainer.ranks={ranks}",
                                    "trainer.steps=1", *SMALL, f"trainer.out={tmp_path / 'run'}"],
-                                  capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+                                  capture_output=True, text=True, env=env, timeout=120)
             assert done.returncode == 2 and time.monotonic() - start < 60
             lines = done.stderr.strip().splitlines()
             assert len(lines) == 1 and "not started by torchrun" in lines[0] and "unset" in lines[0], done.stderr
@@ -346,7 +347,7 @@ def test_too_few_file_descriptors_for_the_launcher_is_one_line(tmp_path):
 
         done = subprocess.run([sys.executable, "-m", "rollcorr", "train", "trainer.ranks=2", "trainer.steps=1", *SMALL,
                                f"trainer.out={tmp_path / f'run{n}'}"], capture_output=True, text=True, env=_env(),
-                              preexec_fn=limit, timeout=60)  # fmt: skip
+                              preexec_fn=limit, timeout=60)
         if done.returncode == 0:
             continue
         failed += 1

@@ -233,9 +233,11 @@ def test_manifest_is_written_with_every_checkpoint(run_copy):
 
 def test_nan_weight_in_a_checkpoint_is_caught_at_load(run_copy, capsys):
     path = checkpoint_dir(run_copy, 2)
-    state = torch.load(path / STATE_FILE, weights_only=False)
-    next(iter(state["model"].values())).view(-1)[0] = float("nan")
-    torch.save(state, path / STATE_FILE)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path / "model" / "model.safetensors")  # a full learner's weights: model/'s, saved once
+    next(iter(weights.values())).view(-1)[0] = float("nan")
+    save_file(weights, path / "model" / "model.safetensors", metadata={"format": "pt"})
     write_manifest(path)  # checksums match: the NaN itself is caught
     with pytest.raises(CheckpointError, match="non-finite value"):
         load_checkpoint(path)

@@ -1,5 +1,5 @@
-"""LoRA learners (rollcorr.engines.lora, model.lora): adapters train on a frozen base, the sampler, greedy
-evaluation and the exported model get the merged weights, checkpoints hold the adapters and resume."""
+"""LoRA learners (rollcorr.engines.lora, model.lora): adapters train on a frozen base, the sampler and greedy
+evaluation get the merged weights, checkpoints hold the adapters (model/: PEFT's files) and resume."""
 
 import pytest
 import torch
@@ -61,15 +61,16 @@ def test_lora_trains_the_adapters_only_and_the_sampler_sees_the_update(tmp_path)
     sampler = trainer.executor.source.sampler.model.state_dict()
     assert all(torch.equal(sampler[k], merged[k]) for k in merged)  # the sampler holds the merged update
     assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
-    # the checkpoint: adapters in the training state, merged weights in model/ (loadable with no PEFT)
+    # the checkpoint: adapters in the training state, and in model/ as PEFT saves them (PeftModel loads them)
     ckpt = latest_checkpoint(tmp_path / "run")
     state = load_checkpoint(ckpt)
     assert set(state["model"]) == set(adapter_state_dict(model))
-    from transformers import AutoModelForCausalLM
+    from peft import PeftModel
 
-    exported = AutoModelForCausalLM.from_pretrained(ckpt / "model").state_dict()
-    assert all(torch.equal(exported[k], merged[k]) for k in merged if k in exported)
-    assert torch.equal(exported["model.layers.0.self_attn.q_proj.weight"], merged["model.layers.0.self_attn.q_proj.weight"])
+    from rollcorr.models.builtin import load_model
+
+    exported = PeftModel.from_pretrained(load_model("builtin")[0], ckpt / "model").merge_and_unload().state_dict()
+    assert exported.keys() == merged.keys() and all(torch.equal(exported[k], merged[k]) for k in merged)
 
 
 def test_a_lora_run_resumes_from_its_adapters(tmp_path):
@@ -85,7 +86,10 @@ def test_a_lora_run_resumes_from_its_adapters(tmp_path):
 def merged_state_dict_of(run_dir):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(latest_checkpoint(run_dir) / "model").state_dict()
+    from rollcorr.engines.lora import merge_adapters
+
+    folder = merge_adapters("builtin", latest_checkpoint(run_dir) / "model", run_dir / "merged")
+    return AutoModelForCausalLM.from_pretrained(folder).state_dict()
 
 
 def test_lora_settings_are_checked():

@@ -165,6 +165,9 @@ NOT_HERE = {
     ("docs/training.md", "# VLLM_LOGGING_LEVEL=ERROR rollcorr train --measure-engines (built-in model, default config): " + MEASURED):
         "output of `rollcorr train --measure-engines`, benchmarks/results/measure_engines_builtin.txt (a generated block)",
     ("docs/training.md", "# benchmarks/bench_train.py"): "output of benchmarks/bench_train.py",
+    ("docs/training.md", (ROOT / "benchmarks/results/bench_train_memory.txt").read_text().splitlines()[0]):
+        "output of benchmarks/bench_train.py --memory, benchmarks/results/bench_train_memory.txt (tests/test_memory.py "
+        "checks the block is the file and the prose's numbers)",
     ("docs/training.md", "# benchmarks/bench_decode.py: CPU seconds per call, reference vs fast, one run (load average 11–13)"):
         "output of benchmarks/bench_decode.py",
     ("docs/training.md", "# PYTHONPATH=src:. python benchmarks/bench_train.py --skip-strategies --steps 8 --repeats 3"):

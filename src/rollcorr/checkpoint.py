@@ -43,6 +43,7 @@ import random
 import re
 import shutil
 import stat
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollcorr.engines.lora import load_trainable_state_dict, trainable_state_dict
+from rollcorr.engines.lora import is_lora, load_trainable_state_dict, save_adapters, trainable_state_dict
 from rollcorr.rollout import Rollout
 from rollcorr.safe_io import UnsafePathError, check_inside_dir, describe_os_error, read_bytes_inside
 
@@ -60,6 +61,9 @@ STATE_KEYS = ("step", "version", "model", "optimizer", "executor", "proximal", "
 SAFE_TYPES = [Rollout]  # the only non-builtin type a state.pt may contain (queued async batches)
 DCP_DIR = "dcp"  # a sharded checkpoint's weights, optimizer state and held π_old tensors (DCP's format)
 SHARDED = "dcp"  # the value of state["model"] / state["optimizer"] when the tensors are in dcp/
+EXPORT_DIR = "model"  # the learner's weights as a Hugging Face folder (a LoRA learner's: its adapters, PEFT's files)
+EXPORTED = "model/"  # the value of state["model"] when the weights are model/'s (a full learner's: saved once)
+WEIGHTS_FILE = "model.safetensors"
 HELD = "__dcp__"  # a marker dict {HELD: key, "shape", "dtype"} in state.pt where a held DTensor was
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -145,10 +149,10 @@ def checkpoints_root(run_dir: Path, create: bool = False) -> Path | None:
 
 def save_checkpoint(
     run_dir: Path, step: int, state: dict[str, Any], model=None, tokenizer=None, keep: int = 2,
-    export: dict[str, Any] | None = None,
+    export: dict[str, Any] | None = None, write_model: Callable[[Path], Any] | None = None,
 ) -> Path:
-    """Write ``state`` (and the model as an HF directory, with ``export`` as its weights when given: a LoRA
-    model's merged ones) atomically, with its checksum manifest; keep the newest ``keep`` checkpoints.
+    """Write ``state`` (and the model as an HF directory, with ``export`` as its weights when given; or whatever
+    ``write_model(folder)`` writes there) atomically, with its checksum manifest; keep the newest ``keep``.
 
     On any error the temporary directory is removed again and the older checkpoints stay as they were; a
     write error (a full disk, a file-size limit) is a one-line ``CheckpointError``.
@@ -160,10 +164,12 @@ def save_checkpoint(
     try:
         tmp.mkdir()
         torch.save(state, tmp / STATE_FILE)
-        if model is not None:
-            model.save_pretrained(tmp / "model", state_dict=export)
+        if write_model is not None:
+            write_model(tmp / EXPORT_DIR)
+        elif model is not None:
+            model.save_pretrained(tmp / EXPORT_DIR, state_dict=export)
             if tokenizer is not None:
-                tokenizer.save_pretrained(tmp / "model")
+                tokenizer.save_pretrained(tmp / EXPORT_DIR)
         write_manifest(tmp)
         fsync_tree(tmp)
     except BaseException as err:
@@ -321,12 +327,39 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     missing = [key for key in STATE_KEYS if key not in state] if isinstance(state, dict) else ["step"]
     if missing:
         raise CheckpointError(f"{file}: not a rollcorr checkpoint (no {missing[0]!r} entry)")
+    where = file
+    if isinstance(state["model"], str) and state["model"] == EXPORTED:  # the weights are model/'s, saved once
+        where = Path(path) / EXPORT_DIR
+        state["model"] = read_exported(where)
     bad = _non_finite_weights(state["model"])
     if bad:
-        raise CheckpointError(f"{file}: {bad}")
+        raise CheckpointError(f"{where}: {bad}")
     if state["model"] == "dcp":
         check_shard_files(path)
     return state
+
+
+def read_exported(folder: Path) -> dict[str, torch.Tensor]:
+    """The weights of a checkpoint's ``model/`` folder: its safetensors file (or the shards its index names), read
+    as data (safetensors holds tensors only); a tied tensor appears once, under the name the model saved it by.
+    ``CheckpointError`` naming the file that cannot be read."""
+    from safetensors.torch import load as load_safetensors
+
+    index = folder / f"{WEIGHTS_FILE}.index.json"
+    try:
+        names = sorted(set(json.loads(read_bytes_inside(index, limit=1 << 24))["weight_map"].values())) \
+            if os.path.lexists(index) else [WEIGHTS_FILE]
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as err:
+        raise CheckpointError(f"{index}: not a safetensors index ({type(err).__name__})") from None
+    weights: dict[str, torch.Tensor] = {}
+    for name in names:
+        if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
+            raise CheckpointError(f"{index}: names a file outside the folder ({name!r})")
+        try:
+            weights.update(load_safetensors(read_bytes_inside(folder / name)))
+        except Exception as err:  # missing, cut short, a link, not safetensors
+            raise CheckpointError(f"{folder / name}: unreadable weights ({str(err).strip()[:200] or type(err).__name__})") from None
+    return weights
 
 
 def check_shard_files(path: Path) -> None:
@@ -525,16 +558,25 @@ class Checkpointer:
         self.learner, self.optimizer = learner, optimizer
 
     def save(self, run_dir: Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:
-        model = self.learner.model
-        state = {**state, "model": trainable_state_dict(model), "optimizer": self.optimizer.state_dict()}
-        return save_checkpoint(run_dir, step, state, model, self.learner.tokenizer, keep=keep,
-                               export=self.learner.state_dict())
+        """A full learner's weights go into ``model/`` alone (``state["model"]`` says ``EXPORTED``); a LoRA
+        learner's adapters into state.pt and, in PEFT's files, into ``model/`` (the base is the run's model.path)."""
+        model, tokenizer = self.learner.model, self.learner.tokenizer
+        state = {**state, "optimizer": self.optimizer.state_dict()}
+        if is_lora(model):
+            state["model"] = trainable_state_dict(model)
+            return save_checkpoint(run_dir, step, state, keep=keep,
+                                   write_model=lambda folder: save_adapters(model, folder, tokenizer))
+        state["model"] = EXPORTED
+        return save_checkpoint(run_dir, step, state, model, tokenizer, keep=keep, export=self.learner.state_dict())
 
     def load(self, path: Path, state: dict[str, Any], proximal) -> None:
         if isinstance(state["model"], str) and state["model"] == SHARDED:  # written by N ranks: resharded to ours
             held = load_sharded(path, self.learner.model, self.optimizer, state["proximal"], self.held_target)
         else:
-            self.load_whole(state["model"], state["optimizer"])
+            weights = state["model"]
+            if isinstance(weights, str) and weights == EXPORTED:  # a state.pt read on its own: model/ holds them
+                weights = read_exported(Path(path) / EXPORT_DIR)
+            self.load_whole(weights, state["optimizer"])
             held = state["proximal"]
         proximal.load_state_dict(held)
 

@@ -110,6 +110,7 @@ def _run_plan(args) -> dict:
     run's starting model), its engines, its task and chat setting, its sampling settings — checked before anything
     loads (a missing run, config or step is one line naming it)."""
     from rollcorr.checkpoint import checkpoint_dir, checkpoint_step, list_checkpoints
+    from rollcorr.engines.lora import ADAPTER_CONFIG
     from rollcorr.train.config import ConfigError, load_config, missing_keys
 
     given = [f"--{name.replace('_', '-')}" for name in FROM_RUN_CONFLICTS if getattr(args, name, None) not in (None, False)]
@@ -141,6 +142,9 @@ def _run_plan(args) -> dict:
         model = str(checkpoint_dir(run, step) / "model")
     else:
         model, step = config.model.path, 0
+    adapters = None
+    if step and (Path(model) / ADAPTER_CONFIG).is_file():  # a LoRA run: its base, the checkpoint's adapters merged in
+        adapters, model = model, config.model.path
     if model.startswith("builtin"):
         model = None if model == "builtin" else model
     elif not Path(model).is_dir():
@@ -155,7 +159,7 @@ def _run_plan(args) -> dict:
     except (ValueError, FileNotFoundError) as err:
         raise ValueError(f"--from-run {run}: its task cannot be rebuilt here ({err})") from None
     r = config.rollout
-    return {"run": str(run), "step": step, "model": model, "task": task, "chat": config.task.chat, "note": note,
+    return {"run": str(run), "step": step, "model": model, "adapters": adapters, "task": task, "chat": config.task.chat, "note": note,
             "task_config": config.task,
             "sampler": config.model.sampler, "learner": config.model.learner,
             "sampling": {"max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_k": r.top_k,
@@ -364,6 +368,10 @@ def _collect_live(args, console, workdir: str):
         model_path = model
         if gguf_file:
             model_path = materialise_gguf(model, gguf_file, Path(workdir) / "model")
+        if plan is not None and plan["adapters"]:  # a LoRA run's checkpoint: its adapters merged into the base
+            from rollcorr.engines.lora import merge_adapters
+
+            model_path = str(merge_adapters(model or "builtin", plan["adapters"], Path(workdir) / "model"))
         learner = make_learner(learner_spec, model_path=model_path, routing_replay=args.routing_replay)
         if plan is not None:  # the run's own chat setting (null: the template when the tokenizer has one)
             from rollcorr.tasks.chat import uses_chat
@@ -508,7 +516,7 @@ def _source(args, plan: dict | None, episodes: dict | None, rollout, sampler_spe
     return {
         "sampler": sampler_spec,
         "learner": learner_spec,
-        "model": model or "builtin",
+        "model": (plan or {}).get("adapters") or model or "builtin",
         **({"gguf_file": gguf_file} if gguf_file else {}),
         "prompts": prompts,
         **({"prompts_file": args.prompts} if args.prompts else {}),

@@ -125,6 +125,21 @@ class Learner(Protocol):
     def parameters(self): ...
 
 
+def copy_weights(state_dict: StateDict, dtypes: dict[str, Any] | None = None) -> StateDict:
+    """A detached CPU copy (the learner keeps training its own tensors), each tensor in ``dtypes[name]`` when
+    given (else its own dtype); tensors that share memory (a tied embedding and lm-head) share their copy."""
+    copies: dict[tuple, Any] = {}
+    out = {}
+    for name, value in state_dict.items():
+        dtype = (dtypes or {}).get(name, value.dtype)
+        key = (value.device, value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
+               value.stride(), dtype)
+        if key not in copies:
+            copies[key] = value.detach().to("cpu", dtype=dtype, copy=True)
+        out[name] = copies[key]
+    return out
+
+
 def resume_seed(seed: int | None, tokens_so_far: int) -> int | None:
     """Seed for continuing a partial rollout: a fresh random stream, since re-using ``seed`` as-is would
     repeat the first call's draws at new positions (correlating early and late tokens)."""

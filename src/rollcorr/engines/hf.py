@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from rollcorr.engines import exact
-from rollcorr.engines.base import SamplingParams, draw, kept_token_ids, process_logits
+from rollcorr.engines.base import SamplingParams, copy_weights, draw, kept_token_ids, process_logits
 from rollcorr.engines.decoding import (  # noqa: F401
     DecodingSampler,
     encode_prompts,
@@ -123,9 +123,15 @@ class HFSampler(DecodingSampler):
         version: int = 0,
         fast_decode: bool = True,
         head_fp32: bool = False,
+        shared: tuple[nn.Module, object] | None = None,
     ) -> None:
         """``head_fp32``: a bf16 / fp16 model with its lm-head kept in float32 (the checkpoint's float weights, the
-        last hidden state cast up), as some engines offer — what ``rollcorr audit --whatif lm_head_fp32`` asks."""
+        last hidden state cast up), as some engines offer — what ``rollcorr audit --whatif lm_head_fp32`` asks.
+        ``shared``: (model, tokenizer) already loaded, decoded with as they are — tensors shared, not copied (a
+        plain float32 model: ``HFLearner.evaluation_sampler``)."""
+        if shared is not None and (quant is not None or head_fp32 or resolve_dtype(dtype) != torch.float32):
+            raise ValueError("a sampler sharing a model's tensors decodes a float32 model as it is: no quantisation, "
+                             "no other dtype, no float32 head")
         if quant not in QUANTIZATIONS:
             raise ValueError(f"unknown quantisation {quant!r}; use one of {QUANTIZATIONS}")
         self.dtype = resolve_dtype(dtype)
@@ -140,7 +146,8 @@ class HFSampler(DecodingSampler):
         self.attn = attn
         self.model_path = str(model_path)
         low_head = head_fp32 and self.dtype != torch.float32
-        model, self.tokenizer = load_model(model_path, dtype=torch.float32 if low_head else self.dtype, attn=attn)
+        model, self.tokenizer = shared or load_model(model_path, dtype=torch.float32 if low_head else self.dtype,
+                                                     attn=attn)
         if low_head:  # the head's float weights kept, the rest cast down
             head = Float32Head(model.get_output_embeddings().weight.detach().clone())
             model = model.to(self.dtype)
@@ -191,11 +198,19 @@ class HFSampler(DecodingSampler):
             value = value.detach()
             if self.rtn_bits is not None and quantizable(name, value):
                 value = rtn_quantize(value.float(), self.rtn_bits)
-            own[name].copy_(value)  # copy_ casts dtype and moves device
+            if own[name].data_ptr() != value.data_ptr() or own[name].device != value.device:  # shared: as it is
+                own[name].copy_(value)  # copy_ casts dtype and moves device
         if self.quant == "int8":
             self.model = quantize_int8(self.float_model)
         self.version = int(version)
         return self.version
+
+    def kept_weights(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+        """A CPU copy of ``state_dict`` that ``load_weights`` turns into the same sampler state, each tensor in the
+        dtype this sampler holds it (``load_weights`` casts the same way: a bf16 / fp16 sampler's copy is half an
+        fp32 one; int8 and rtn<k> quantise from float32, so they keep float32), tied tensors once."""
+        own = self.float_model.state_dict()
+        return copy_weights(state_dict, {name: own[name].dtype for name in state_dict if name in own})
 
     def close(self) -> None:
         self.model = self.float_model = None
@@ -335,6 +350,7 @@ class HFLearner:
         self.device = torch.device(device) if device is not None else default_device()
         self.model_path = str(model_path)
         model, self.tokenizer = load_model(model_path, dtype=self.dtype, attn=attn, skeleton=skeleton)
+        self.attn = attn
         if lora is not None:
             from rollcorr.engines.lora import apply_lora
 
@@ -372,6 +388,18 @@ class HFLearner:
         """The context of a whole scoring pass (forward and lm-head): ``hf:rtn<k>``'s straight-through rounded
         weights, or nothing."""
         return nullcontext() if self.rtn_bits is None else straight_through(self.model, self.rtn_bits)
+
+    def evaluation_sampler(self) -> HFSampler | None:
+        """A float32 sampler decoding with this learner's own tensors (no copy): what an hf:fp32 sampler loaded
+        with ``state_dict()`` decodes, token for token, for greedy evaluation. None where the model's tensors are
+        not those weights or not float32 (LoRA: merged on export; rtn<k>: rounded in each forward; a bf16 learner;
+        a skeleton)."""
+        from rollcorr.engines.lora import is_lora
+
+        if (self.dtype != torch.float32 or self.rtn_bits is not None or self.attn != "eager"
+                or is_lora(self.model) or any(p.is_meta for p in self.model.parameters())):
+            return None
+        return HFSampler(self.model_path, attn=self.attn, device=self.device, shared=(self.model, self.tokenizer))
 
     def state_dict(self) -> dict[str, Tensor]:
         """The weights a sampler or an exported model takes: the model's own, or with LoRA the merged ones."""

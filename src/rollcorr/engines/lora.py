@@ -86,15 +86,96 @@ def load_adapter_state_dict(model: nn.Module, state: dict[str, Any]) -> None:
 
 
 def trainable_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """What a checkpoint's training state keeps of the model: every tensor, or with LoRA the adapters only."""
+    """What a checkpoint's training state keeps of the model: every tensor (the model's own, not copied: a tied
+    one under both names, one storage), or with LoRA the adapters only."""
     if is_lora(model):
         return adapter_state_dict(model)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return model.state_dict()
 
 
 def load_trainable_state_dict(model: nn.Module, state: dict[str, Any]) -> None:
-    """The inverse of ``trainable_state_dict`` (a LoRA run's base is the run's model.path, loaded already)."""
+    """The inverse of ``trainable_state_dict`` (a LoRA run's base is the run's model.path, loaded already). A full
+    model's weights may name a tied tensor once (a Hugging Face export drops the tied lm-head); any other name
+    missing or extra is a ValueError."""
     if is_lora(model):
         load_adapter_state_dict(model, state)
-    else:
-        model.load_state_dict(state)
+        return
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    own = model.state_dict()
+    loaded = {own[name].data_ptr() for name in state if name in own}
+    untied = [name for name in missing if own[name].data_ptr() not in loaded]
+    if untied or unexpected:
+        raise ValueError(f"the checkpoint's weights do not fit the model: missing {untied[:3]}, unexpected "
+                         f"{list(unexpected)[:3]}")
+
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # PEFT's file names
+PEFT_PREFIX = "base_model.model."  # PEFT's prefix of a saved adapter's tensor names
+
+
+def save_adapters(model: nn.Module, folder, tokenizer=None) -> None:
+    """The adapters into ``folder`` as PEFT saves them — ``adapter_config.json`` and ``adapter_model.safetensors``,
+    so ``PeftModel.from_pretrained(base_model, folder)`` loads them — with the tokenizer's files (the base model
+    is the run's ``model.path``; no name of it is recorded, so nothing would look it up)."""
+    import copy
+    from pathlib import Path
+
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = copy.deepcopy(model.peft_config[ADAPTER])
+    config.base_model_name_or_path = None
+    config.save_pretrained(folder)
+    weights = {PEFT_PREFIX + k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    save_file(weights, folder / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+
+
+def read_adapters(folder) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """(LoRA settings for ``apply_lora``, adapter tensors named as an adapted model holds them) from PEFT's files in
+    ``folder``, read as data (JSON and safetensors: no code); ValueError naming what does not fit."""
+    import json
+    from pathlib import Path
+
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    from rollcorr.safe_io import UnsafePathError, read_bytes_inside
+
+    folder = Path(folder)
+    try:  # regular files only (a link is refused), the config's size bounded
+        config = json.loads(read_bytes_inside(folder / ADAPTER_CONFIG, limit=1 << 20))
+        r, alpha, targets = config["r"], config["lora_alpha"], config["target_modules"]
+        weights = load(read_bytes_inside(folder / ADAPTER_WEIGHTS))
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError, UnsafePathError) as err:
+        raise ValueError(f"{folder}: not LoRA adapters as PEFT saves them ({type(err).__name__}: {err})") from None
+    targets = sorted(targets) if isinstance(targets, (list, tuple)) else targets
+    if (type(r) is not int or r < 1 or not isinstance(alpha, (int, float))
+            or not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets))):
+        raise ValueError(f"{folder / ADAPTER_CONFIG}: r, lora_alpha and target_modules are not a LoRA setting")
+    named = {}
+    for key, value in weights.items():
+        stem, dot, leaf = key.removeprefix(PEFT_PREFIX).rpartition(".")
+        named[f"{stem}.{ADAPTER}{dot}{leaf}"] = value  # ...lora_A.weight → ...lora_A.default.weight
+    return {"r": r, "alpha": float(alpha), "dropout": 0.0, "target_modules": targets}, named
+
+
+def merge_adapters(base, folder, out):
+    """A plain Hugging Face folder at ``out`` (returned): the model at ``base`` with the adapters PEFT saved in
+    ``folder`` merged in, W + (α / r) · B A, as ``merged_state_dict`` gives them — what a LoRA run's checkpoint is
+    for a tool that loads one model folder (``rollcorr audit --from-run``)."""
+    from rollcorr.models.builtin import load_model
+
+    settings, weights = read_adapters(folder)
+    model, tokenizer = load_model(base)
+    apply_lora(model, **settings)
+    load_adapter_state_dict(model, weights)
+    merged = merged_state_dict(model)
+    plain, _ = load_model(base)
+    plain.load_state_dict(merged)
+    plain.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

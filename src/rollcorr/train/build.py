@@ -251,7 +251,7 @@ def make_executor(config, spec: SourceSpec | None = None, **ray_options: Any) ->
     if lag is None:
         return AsyncExecutor(ProcessSource(spec), t.max_staleness, t.queue_size, t.partial_rollouts,
                              t.partial_chunk_tokens)
-    return LaggedExecutor(spec.build(), lag)
+    return LaggedExecutor(spec.build(), lag, build_step_config(config).publish_every)
 
 
 def build_learner(config: TrainConfig, ranks: Ranks = ONE_PROCESS) -> tuple[Any, torch.optim.Optimizer]:
@@ -338,11 +338,17 @@ def follow_sampler(proximal: ProximalStrategy, executor: Executor, learner) -> N
     source.listeners.append(lambda rollout: proximal.submit(rollout, learner))
 
 
-def build_evaluator(config: TrainConfig, task, tokenizer) -> GreedyEvaluator | None:
-    """Greedy accuracy on at most ``task.eval_prompts`` held-out prompts with an fp32 hf sampler; None for 0."""
+def build_evaluator(config: TrainConfig, task, tokenizer, learner=None) -> GreedyEvaluator | None:
+    """Greedy accuracy on at most ``task.eval_prompts`` held-out prompts with an fp32 hf sampler; None for 0.
+    The sampler decodes with ``learner``'s own tensors where it lends them (``evaluation_sampler``: a float32
+    learner this process holds whole), else it is a model of its own, loaded with the learner's weights at each
+    evaluation."""
     if config.task.eval_prompts <= 0:
         return None
-    sampler = make_sampler("hf:fp32", config.model.path, device=config.model.device)
+    lend = getattr(learner, "evaluation_sampler", None)
+    sampler = lend() if lend is not None else None
+    if sampler is None:
+        sampler = make_sampler("hf:fp32", config.model.path, device=config.model.device)
     return GreedyEvaluator(sampler, task, tokenizer, config.task.eval_prompts, config.rollout.max_new_tokens,
                            config.task.eval_seed, chat=uses_chat(tokenizer, config.task.chat),
                            limits=config.task.limits())

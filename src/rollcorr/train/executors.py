@@ -83,26 +83,48 @@ class Executor(Protocol):
         ...
 
 
+LEARNER_WEIGHTS = "<the learner's weights>"  # in an executor's checkpoint state: weights the checkpoint holds anyway
+
+
+def with_learner_weights(state: Any, weights: StateDict) -> Any:
+    """An executor's checkpoint state with every ``LEARNER_WEIGHTS`` replaced by ``weights`` (the learner's,
+    restored from the same checkpoint)."""
+    if isinstance(state, str) and state == LEARNER_WEIGHTS:
+        return weights
+    if isinstance(state, dict):
+        return {k: with_learner_weights(v, weights) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(with_learner_weights(v, weights) for v in state)
+    return state
+
+
 class LaggedExecutor(Executor):
     """Synchronous (lag 0) or simulated-asynchronous (lag k) execution, fully deterministic.
 
     Batch ``step`` is generated on demand with the newest *published* weights of version ≤ step − lag. Only
     the versions still needed are kept (``history``), and they are part of the checkpoint, so a resumed run
     samples with exactly the weights an uninterrupted one would have.
+
+    What it holds of published weights: at lag 0, with a publish after every update (``publish_every`` 1), nothing
+    — a version is loaded into the sampler from the learner's own tensors as it is published, and until the next
+    publish the learner holds those same weights, so ``history`` marks it ``LEARNER_WEIGHTS`` and a checkpoint
+    refers to the learner's weights instead of repeating them (the trainer hands them back on resume). Otherwise
+    (lag k, or publishes every N updates) a version is read after the learner has moved on, so it is copied as
+    the sampler loads it (``Source.keep``: a bf16 sampler's copy in bf16, a tied tensor once).
     """
 
-    def __init__(self, source: Source, lag: int = 0):
-        if lag < 0:
-            raise ValueError(f"lag must be >= 0, got {lag}")
+    def __init__(self, source: Source, lag: int = 0, publish_every: int = 1):
+        if lag < 0 or publish_every < 1:
+            raise ValueError(f"lag must be >= 0 and publish_every >= 1, got {lag} and {publish_every}")
         self.source, self.lag = source, lag
-        self.history: dict[int, StateDict] = {}
+        self.copies = lag > 0 or publish_every > 1  # a version is read after the learner's next update
+        self.history: dict[int, StateDict | str] = {}
         self.sampler_version: int | None = None
         self._latest = 0
 
     def start(self, weights: StateDict, version: int) -> None:
-        self.history = {version: copy_weights(weights)}
-        self._latest = version
-        self._sync(version)
+        self.history = {}
+        self.publish(weights, version)
 
     def _sync(self, version: int) -> None:
         """Load the newest published weights of version ≤ ``version`` − lag; forget older ones."""
@@ -125,15 +147,18 @@ class LaggedExecutor(Executor):
         }
 
     def publish(self, weights: StateDict, version: int) -> None:
-        self.history[version] = copy_weights(weights)
+        self.history[version] = self.source.keep(weights) if self.copies else weights
         self._latest = version
         self._sync(version)
+        if not self.copies:  # loaded (lag 0): the learner holds these weights until the next publish
+            self.history[version] = LEARNER_WEIGHTS
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "lagged", "lag": self.lag, "history": self.history, "sampler_version": self.sampler_version,
                 "latest": self._latest}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """``state`` with ``LEARNER_WEIGHTS`` replaced by the learner's weights (``Trainer._restore`` does)."""
         if state.get("kind") != "lagged":
             raise ValueError(f"checkpoint holds a {state.get('kind')!r} executor state, not 'lagged'")
         self.history = {int(v): w for v, w in state["history"].items()}
@@ -141,6 +166,8 @@ class LaggedExecutor(Executor):
         version = int(state["sampler_version"])
         self.source.load_weights(self.history[version], version)
         self.sampler_version = version
+        if not self.copies:
+            self.history = {v: LEARNER_WEIGHTS for v in self.history}
 
     def close(self) -> None:
         self.source.close()

@@ -48,6 +48,7 @@ from rollcorr.train.build import (
     rank_executor,
 )
 from rollcorr.train.config import ConfigError, TrainConfig, config_differs, config_from_dict, save_config
+from rollcorr.train.executors import with_learner_weights
 from rollcorr.train.rundir import (
     CONFIG_FILE,
     LOCK_FILE,
@@ -97,7 +98,7 @@ def missing_log_probs_error(proximal, config: TrainConfig) -> ConfigError:
     """The error for a rollout that came back without log μ: the correction (and some strategies) read it."""
     if proximal.needs_rollout_log_prob:
         return ConfigError(f"algorithm.proximal.name: {proximal.name!r} needs rollout log-probs, but sampler "
-                           f"{config.model.sampler!r} gives none")  # fmt: skip
+                           f"{config.model.sampler!r} gives none")
     return ConfigError(
         f"model.sampler: {config.model.sampler!r} gives no rollout log-probs; the correction needs them"
     )
@@ -129,7 +130,7 @@ def open_resume(run_dir: Path, config: TrainConfig) -> tuple[dict[str, Any] | No
     messages += skipped
     if state is None and skipped:  # checkpoints exist but none loads: never silently start over
         raise RunFolderError(f"{run_dir}: no checkpoint can be read ({'; '.join(skipped)}); move "
-                             f"{run_dir / 'checkpoints'} aside to restart the run from step 0")  # fmt: skip
+                             f"{run_dir / 'checkpoints'} aside to restart the run from step 0")
     if state is None:
         check_restart_from_zero(run_dir, config.trainer.checkpoint_every)
         messages.append(f"{run_dir}: no checkpoint yet (killed before the first one); restarting from step 0")
@@ -151,7 +152,7 @@ def open_resume(run_dir: Path, config: TrainConfig) -> tuple[dict[str, Any] | No
 
 
 def open_run_dir(config: TrainConfig, run_dir: Path | None, resume: Path | None, overwrite: bool,
-                 ranks: Ranks = ONE_PROCESS) -> tuple[Path, Any, dict[str, Any] | None, list[str]]:  # fmt: skip
+                 ranks: Ranks = ONE_PROCESS) -> tuple[Path, Any, dict[str, Any] | None, list[str]]:
     """(folder, its lock, state to resume from or None, messages). Rank 0 opens it: a new run gets an empty
     (or, with ``overwrite``, emptied) folder, a resumed one its checked checkpoint; nothing is written before
     the lock is held and every check passed. The other ranks get its folder (or its error) by broadcast, no
@@ -172,7 +173,7 @@ def open_run_dir(config: TrainConfig, run_dir: Path | None, resume: Path | None,
 
 
 def _open_run_dir(config: TrainConfig, run_dir: Path | None, resume: Path | None, overwrite: bool
-                  ) -> tuple[Path, RunLock, dict[str, Any] | None, list[str]]:  # fmt: skip
+                  ) -> tuple[Path, RunLock, dict[str, Any] | None, list[str]]:
     if resume is not None:
         folder = Path(resume)
         lock = RunLock(folder)
@@ -212,7 +213,7 @@ class Trainer:
     """
 
     def __init__(self, config: TrainConfig, run_dir: Path | None = None, resume: Path | None = None,
-                 overwrite: bool = False, ranks: Ranks = ONE_PROCESS):  # fmt: skip
+                 overwrite: bool = False, ranks: Ranks = ONE_PROCESS):
         self.config = config
         self.ranks = ranks
         self.step_config, self.proximal, self.env = check_components(config)
@@ -264,10 +265,10 @@ class Trainer:
             raise ConfigError(f"task.chat: {err}") from None
         if getattr(self.env, "needs_chat", False) and not chat:  # an environment that talks in messages
             raise ConfigError(f"task.env: environment {self.env.name!r} sends messages, which need the model's chat "
-                              "template; this model has none, or task.chat is false")  # fmt: skip
+                              "template; this model has none, or task.chat is false")
         check_prompts(self.learner.tokenizer, inputs, config.rollout.max_new_tokens,
                       getattr(self.learner.model.config, "max_position_embeddings", None),
-                      f"task.name: {config.task.name} prompt")  # fmt: skip
+                      f"task.name: {config.task.name} prompt")
         # the sampler is built where it runs: here (sync, simulated_async), in a sampler process (async) or in
         # Ray actors (trainer.executor=ray)
         self.executor = rank_executor(config, self.ranks)
@@ -275,7 +276,7 @@ class Trainer:
             follow_sampler(self.proximal, self.executor, self.learner)
         self.evaluates = config.task.eval_prompts > 0  # every rank: the weights are gathered for rank 0
         self.evaluated_at: int | None = None
-        self.evaluator = build_evaluator(config, self.env, self.learner.tokenizer) if main else None
+        self.evaluator = build_evaluator(config, self.env, self.learner.tokenizer, self.learner) if main else None
         # the loss's own randomness (clip_cov's token draw): one stream per run, saved in checkpoints
         self.loss_generator = torch.Generator().manual_seed(t.seed)
         self.step = 0
@@ -295,13 +296,13 @@ class Trainer:
         if main:
             self.logger = RunLogger(self.run_dir, t.steps, tensorboard=t.tensorboard, wandb=t.wandb, progress=t.progress,
                                     config=config.to_dict(), resume_step=self.step if resumed else None,
-                                    wandb_project=t.wandb_project, line_every_s=t.log_every_s)  # fmt: skip
+                                    wandb_project=t.wandb_project, line_every_s=t.log_every_s)
         else:
             self.logger = SilentLogger()
         kl = config.algorithm.kl
         said = self.reference.describe(kl.coef, kl.estimator, kl.where) if self.reference is not None else None
         for note in [*notes, *getattr(getattr(self.env, "task", self.env), "notes", []),
-                     data_parallel_note(config, self.ranks, self.learner), said]:  # fmt: skip
+                     data_parallel_note(config, self.ranks, self.learner), said]:
             if note:
                 self.logger.message(note)
         self.samples = SampleLog(self.run_dir, self.learner.tokenizer, self.logger.tb) if main else None
@@ -317,7 +318,7 @@ class Trainer:
         sampling = sampling_params(config)
         for said in (lr_warning(n_params, config.optim.lr, trainable),
                      truncation_warning(sampling.top_k, sampling.top_p, sampling.truncated,
-                                        config.algorithm.correction.sampler_distribution)):  # fmt: skip
+                                        config.algorithm.correction.sampler_distribution)):
             if said:
                 self.logger.message(said)
 
@@ -344,7 +345,7 @@ class Trainer:
             size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
             keep = self.config.trainer.keep_checkpoints
             self.logger.message(f"checkpoint of step {self.step}: {size / 1e9:.2f} GB on disk; the run keeps the newest "
-                                f"{keep} (trainer.keep_checkpoints), up to {keep * size / 1e9:.2f} GB")  # fmt: skip
+                                f"{keep} (trainer.keep_checkpoints), up to {keep * size / 1e9:.2f} GB")
         return path
 
     def _restore(self, state: dict[str, Any], path: Path) -> None:
@@ -354,7 +355,8 @@ class Trainer:
         self.initial_accuracy = state["loop"]["initial_accuracy"]
         if self.loss_scaler is not None and state.get("loss_scaler"):  # fp16 amp: the scale where it was
             self.loss_scaler.load_state_dict(state["loss_scaler"])
-        self.executor.load_state_dict(state["executor"])
+        # an executor's state may refer to the learner's weights (a sync run's sampler holds them): handed back here
+        self.executor.load_state_dict(with_learner_weights(state["executor"], self._weights()))
         set_rng_state(state["rng"])
         # checkpoints written before the loss generator was saved restart its stream at the seed
         if "loss_generator" in state:
@@ -402,11 +404,11 @@ class Trainer:
         self.stop_signal = signum
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
         self.logger.message(f"[yellow]{signal.Signals(signum).name}:[/yellow] saving a checkpoint after this "
-                            "step (send it again to stop at once)")  # fmt: skip
+                            "step (send it again to stop at once)")
         running = "waiting for the sampler" if self._waiting_for_sampler else user_code.waiting()
         if running:  # do not wait on the sampler, nor on user code that may never return
             raise TrainingStopped(f"{signal.Signals(signum).name} at step {self.step} (while {running}); "
-                                  f"continue with rollcorr train --resume {self.run_dir}")  # fmt: skip
+                                  f"continue with rollcorr train --resume {self.run_dir}")
 
     def run(self) -> RunResult:
         """Train to ``trainer.steps``; a SIGINT, SIGTERM or SIGHUP (the terminal closed) stops after the current step
@@ -431,7 +433,7 @@ class Trainer:
         start = time.perf_counter()
         if fused.warm(self.step_config.correction, torch.float32):
             self.logger.message(f"{fused.ENV}=1: compiled the fused correction kernel in "
-                                f"{time.perf_counter() - start:.1f} s, before the first step")  # fmt: skip
+                                f"{time.perf_counter() - start:.1f} s, before the first step")
 
     def _run(self) -> RunResult:
         t = self.config.trainer
@@ -461,7 +463,7 @@ class Trainer:
                 stop_signal = int(self.ranks.all_reduce(torch.tensor([float(self.stop_signal or 0)]), "max").item())
                 where = "" if self.stop_signal is not None else " on another rank"
                 raise TrainingStopped(f"{signal.Signals(stop_signal).name}{where} at step {self.step}; continue "
-                                      f"with rollcorr train --resume {self.run_dir}")  # fmt: skip
+                                      f"with rollcorr train --resume {self.run_dir}")
             if self.evaluates and self.evaluated_at != self.step:  # the final step was not an eval step
                 ev = self._evaluate()
                 self.logger.log(self.step, ev, advance=False)
@@ -487,7 +489,7 @@ class Trainer:
 
             plotter = start_plot(self.run_dir)
         return RunResult(self.run_dir, self.step, self.version, self.initial_accuracy, self.final_accuracy, seconds,
-                         stopped, stop_signal, plotter)  # fmt: skip
+                         stopped, stop_signal, plotter)
 
     def _one_step(self) -> dict[str, float]:
         t = self.config.trainer
@@ -500,7 +502,7 @@ class Trainer:
         try:
             if self._waiting_for_sampler and self.stop_signal is not None:
                 raise TrainingStopped(f"{signal.Signals(self.stop_signal).name} at step {self.step}; continue "
-                                      f"with rollcorr train --resume {self.run_dir}")  # fmt: skip
+                                      f"with rollcorr train --resume {self.run_dir}")
             rollout, metrics = self.executor.next_rollout(self.step, self.version)
         finally:
             self._waiting_for_sampler = False
@@ -517,7 +519,7 @@ class Trainer:
 
         result = train_step(rollout, self.learner, self.optimizer, self.proximal, self.step_config, self.version,
                             generator=self.loss_generator, ranks=self.ranks, loss_scaler=self.loss_scaler,
-                            reference=self.reference)  # fmt: skip
+                            reference=self.reference)
         metrics.update(result.metrics)
         metrics["learner/ranks"] = float(self.ranks.world)
         metrics["proximal/stall_s"] = float(stall)
@@ -529,7 +531,7 @@ class Trainer:
         if result.skipped_updates:
             self.bad_steps += 1
             self.logger.message(f"step {self.step}: non-finite log-prob, loss, gradient or updated weights, update skipped "
-                                f"({self.bad_steps} in a row)")  # fmt: skip
+                                f"({self.bad_steps} in a row)")
         else:
             self.bad_steps = 0
         metrics["train/bad_steps_in_row"] = float(self.bad_steps)
@@ -574,7 +576,7 @@ def rank_facts(config: TrainConfig, run_dir, resume, overwrite: bool) -> dict[st
 
     facts = flat("", config.to_dict(), {})
     facts |= {"--out": str(run_dir) if run_dir is not None else None, "--resume": str(resume) if resume else None,
-              "--overwrite": bool(overwrite), "rollcorr version": rollcorr.__version__}  # fmt: skip
+              "--overwrite": bool(overwrite), "rollcorr version": rollcorr.__version__}
     model = Path(config.model.path)
     if model.is_dir():
         for path in sorted(p for p in model.rglob("*") if p.is_file()):
@@ -585,7 +587,7 @@ def rank_facts(config: TrainConfig, run_dir, resume, overwrite: bool) -> dict[st
 
 
 def run(config: TrainConfig, run_dir: Path | None = None, resume: Path | None = None,
-        overwrite: bool = False) -> RunResult:  # fmt: skip
+        overwrite: bool = False) -> RunResult:
     """Train with ``config``; ``resume`` continues the run in that folder from its newest checkpoint;
     ``overwrite`` replaces the run in a non-empty ``trainer.out`` (otherwise refused). In one of torchrun's
     processes this process is one rank of the data-parallel learner (docs/distributed.md), else a group of one."""
@@ -596,6 +598,6 @@ def run(config: TrainConfig, run_dir: Path | None = None, resume: Path | None = 
     agree(ranks, rank_facts(config, run_dir, resume, overwrite))  # ... with one config, before any work
     if config.trainer.ranks not in (1, ranks.world):
         raise ConfigError(f"trainer.ranks: {config.trainer.ranks}, but this run has {ranks.world} learner process(es); "
-                          "`rollcorr train trainer.ranks=N` starts N (leave trainer.ranks unset under torchrun)")  # fmt: skip
+                          "`rollcorr train trainer.ranks=N` starts N (leave trainer.ranks unset under torchrun)")
     trainer = Trainer(config, run_dir=run_dir, resume=resume, overwrite=overwrite, ranks=ranks)
     return trainer.run()

@@ -55,7 +55,7 @@ import torch
 
 from rollcorr.engines.base import StateDict
 from rollcorr.rollout import Rollout
-from rollcorr.train.source import SourceSpec
+from rollcorr.train.source import SourceSpec, copy_weights
 from rollcorr.user_code import UserCodeError
 
 Layout = list[tuple[str, torch.dtype, tuple[int, ...], int]]  # (name, dtype, shape, byte offset)
@@ -289,6 +289,10 @@ class ProcessSource:
         self._version = int(version)
         for listener in self.load_listeners:
             listener(weights, version)
+
+    def keep(self, weights: StateDict) -> StateDict:
+        """A copy of published weights (fp32, CPU): the sampler's own form is in its process."""
+        return copy_weights(weights)
 
     def sample(self, index: int, partial: Rollout | None = None, max_steps: int | None = None) -> Rollout:
         rollout = self._call("sample", index, partial, max_steps)

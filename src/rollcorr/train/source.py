@@ -27,15 +27,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rollcorr.engines import backend_of
-from rollcorr.engines.base import SamplingParams, StateDict
+from rollcorr.engines.base import SamplingParams, StateDict, copy_weights
 from rollcorr.envs import Episodes, Limits, Renderer, as_environment
 from rollcorr.models.builtin import model_location
 from rollcorr.rollout import Rollout
-
-
-def copy_weights(state_dict: StateDict) -> StateDict:
-    """A detached CPU copy (the learner keeps training its own tensors)."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}
 
 
 def finished(rollout: Rollout) -> bool:
@@ -128,6 +123,13 @@ class RolloutSource:
             meta["truncated"] = bool(len(last)) and int(last[-1]) != self.tokenizer.eos_token_id
         return rollout
 
+    def keep(self, weights: StateDict) -> StateDict:
+        """A copy of published weights to load later (simulated async), in the smallest form the sampler loads to
+        the same state: its ``kept_weights`` (``HFSampler``: each tensor in the dtype it holds it, so half the
+        bytes for a bf16 sampler), or an fp32 CPU copy for a sampler without one."""
+        own = getattr(self.sampler, "kept_weights", None)
+        return own(weights) if own is not None else copy_weights(weights)
+
     def load_weights(self, weights: StateDict, version: int) -> None:
         self.sampler.load_weights(weights, version)
         for listener in self.load_listeners:
@@ -154,6 +156,8 @@ class Source(Protocol):
     def sample(self, index: int, partial: Rollout | None = None, max_steps: int | None = None) -> Rollout: ...
 
     def load_weights(self, weights: StateDict, version: int) -> None: ...
+
+    def keep(self, weights: StateDict) -> StateDict: ...
 
     @property
     def version(self) -> int: ...
