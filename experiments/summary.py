@@ -926,6 +926,8 @@ BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
     "bench:trl": ("docs/performance.md", lambda res: _bench_table(REPO / "benchmarks/results/bench_trl.txt")),
     "bench:multi_turn": ("docs/multi-turn.md",
                          lambda res: _bench_markdown(REPO / "benchmarks/results/bench_multi_turn.txt")),
+    "perf:multi_turn": ("docs/performance.md",
+                        lambda res: _bench_markdown(REPO / "benchmarks/results/bench_multi_turn.txt")),
     "audit:diagnosis": ("docs/audit.md", lambda res: _diagnosis_text(res)),
     "bench:exact": ("docs/precision.md", lambda res: _bench_table(REPO / "benchmarks/results/bench_exact.txt")),
     "bench:verl": ("docs/performance.md",
