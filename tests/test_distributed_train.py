@@ -373,3 +373,22 @@ def test_a_refusal_under_the_launcher_never_ends_in_an_abort_at_exit(tmp_path):
         said = [line for line in done.stderr.splitlines() if line.startswith("rollcorr train:")]
         assert len(said) == 1 and "holds no run" in said[0] and "--resume" not in done.stderr, done.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_one_process_weights_reach_a_sharded_model_in_its_own_order_tied_once():
+    """A one-process checkpoint's model/ weights (a safetensors file read back: its own key order, which differs
+    between processes, and the tied lm-head saved once) are handed to set_model_state_dict in the model's order
+    with every name: each rank scatters the same tensors in the same order (a mismatch aborted rank 1)."""
+    import random
+
+    from rollcorr.distributed.checkpoint import in_model_order
+    from rollcorr.engines import make_learner
+
+    model = make_learner("hf:fp32").model
+    full = model.state_dict()
+    saved = [name for name in full if name != "lm_head.weight"]  # the tied head, saved once
+    random.Random(0).shuffle(saved)
+    ordered = in_model_order(model, {name: full[name] for name in saved})
+    assert list(ordered) == list(full)
+    assert ordered["lm_head.weight"] is full["model.embed_tokens.weight"] or torch.equal(
+        ordered["lm_head.weight"], full["lm_head.weight"])

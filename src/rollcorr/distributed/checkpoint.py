@@ -79,6 +79,22 @@ def shard_held(held: dict[str, dict[str, torch.Tensor]], model: nn.Module) -> No
                 copy[name] = done[key]
 
 
+def in_model_order(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` keyed and ordered as ``model.state_dict()``, a tied tensor saved once (the lm-head) under each
+    of its names. ``set_model_state_dict`` scatters the tensors one by one in the dict's order, so every rank must
+    walk the same order: a safetensors file read back gives its own (it differs between processes)."""
+    names_of: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(parameter), []).append(name)
+    tied = {name: names for names in names_of.values() for name in names}
+    ordered = {}
+    for name in model.state_dict():
+        saved = next((alias for alias in tied.get(name, [name]) if alias in weights), None)
+        if saved is not None:
+            ordered[name] = weights[saved]
+    return ordered
+
+
 def load_full(model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor],
               optim_state: dict[str, Any]) -> None:
     """A one-process checkpoint's full weights and ``optimizer.state_dict()`` into a sharded model: every rank
@@ -91,7 +107,7 @@ def load_full(model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict[
     )
 
     options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, weights, options=options)
+    set_model_state_dict(model, in_model_order(model, weights), options=options)
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     named = {
         "state": {names[i]: value for i, value in optim_state["state"].items()},
