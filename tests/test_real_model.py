@@ -58,7 +58,7 @@ def test_the_docs_command_trains_smollm2_with_its_template_and_verifier(smollm2,
     assert config.task.reward == "last_number" and config.optim.lr == 1e-5
     # what the sampler receives: the template's ids, special tokens once
     source = SourceSpec.from_config(config).build()
-    assert source.task.reward_fn is last_number and source.chat
+    assert source.env.task.reward_fn is last_number and source.chat  # the task as a one-turn environment
     rollout = source.sample(0)
     for row in range(rollout.batch_size):
         sent = rollout.prompt_ids[row][rollout.prompt_mask[row].bool()].tolist()
@@ -80,7 +80,7 @@ def test_the_docs_command_trains_smollm2_with_its_template_and_verifier(smollm2,
 def test_what_the_docs_say_of_the_shipped_model_holds(smollm2):
     """docs/tasks.md: the folder is the Q4_1 file dequantised; its template adds SmolLM's system message to a
     conversation without one and keeps a row's own; LoRA r = 8 on the attention projections trains 0.9 M weights;
-    and the page gives one instruct command (every `rollcorr train` line on it is the same)."""
+    and the page gives one instruct command (every `rollcorr train` line on it starts from it)."""
     from transformers import AutoTokenizer
 
     from rollcorr.engines.hf import HFLearner
@@ -100,4 +100,5 @@ def test_what_the_docs_say_of_the_shipped_model_holds(smollm2):
     trainable = sum(p.numel() for p in lora.model.parameters() if p.requires_grad)
     assert f"{trainable / 1e6:.1f} M of SmolLM2's 135 M at r = 8" in " ".join(text.split())
     commands = set(re.findall(r"^(?:\.venv/bin/)?rollcorr train .*$", text, re.M))
-    assert len(commands) == 1 and "--config instruct" in next(iter(commands))
+    assert all("--config instruct model.path=models/smollm2-135m " in c for c in commands), commands
+    assert len({c for c in commands if "task.reward" not in c}) == 1  # one recipe; the other adds a reward list
