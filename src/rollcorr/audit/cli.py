@@ -581,8 +581,12 @@ def _diagnose(args, sampler_spec, changes, progress, sampler, learner, rollout, 
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
     from rich.console import Console
 
+    # torch's CPU detection (cpuinfo) reads /proc/cpuinfo on its first use: done now, while a file descriptor is
+    # free, so an audit that later runs out of them says so in rollcorr's one line alone
+    torch.backends.cpu.get_cpu_capability()
     console = Console()
     if args.worst < 0:
         return _fail(f"--worst must be >= 0, got {args.worst}")
