@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 import tokenize
 import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
@@ -309,3 +313,12 @@ def test_fmt_pending_files_still_hold_markers():
 def test_the_marker_count_sees_comments_only():
     assert FORMATTER_MARKER.match("# fmt: skip") and FORMATTER_MARKER.match("#fmt: off")
     assert not FORMATTER_MARKER.match("# fmt: skipped") and not FORMATTER_MARKER.match("# format: skip")
+
+
+def test_the_linter_passes():
+    """`ruff check` (pyproject.toml's rules) holds over the whole repository: a lint error fails the suite, not only
+    an editor. Skipped where ruff is not installed (it is in the `dev` extra the README's setup installs)."""
+    pytest.importorskip("ruff")
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--quiet", str(ROOT)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, f"ruff check found problems:\n{done.stdout[-3000:]}{done.stderr[-500:]}"
