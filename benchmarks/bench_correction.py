@@ -17,8 +17,9 @@ sequence IS + seq_sum_k1 rejection, token TIS + Geo-RS), one thread, the default
 - with ``--with-fused``: rollcorr with the fused kernel, compiled by ``fused.warm`` before the timing starts.
 
 It prints the median CPU time (user + system, so page faults of fresh allocations count) of each, the ratios
-verl / rollcorr, verl / drop-in and rollcorr / floor, and the peak resident memory one extra call of rollcorr and
-of verl adds above the inputs (Linux VmHWM after ``malloc_trim``; NaN elsewhere). The header names the machine,
+verl / rollcorr, verl / drop-in and rollcorr / floor, the peak resident memory one extra call of rollcorr and
+of verl adds above the inputs (Linux VmHWM after ``malloc_trim``; NaN elsewhere) and the tensor operations one call
+of each dispatches (a dispatch hook's count, after the timing: what a small batch's fixed cost is made of). The header names the machine,
 the load, the cores the process may run on and the command. Asserts nothing.
 """
 
@@ -96,6 +97,24 @@ def peak_mib(call) -> float:
     return (_status_kib("VmHWM") - base) / 1024
 
 
+def operations(call) -> int:
+    """The tensor operations one call dispatches (ATen calls, views included), counted with a dispatch hook."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as count:
+        call()
+    return count.n
+
+
 def cpu_ms(call) -> float:
     start = time.process_time()
     call()
@@ -145,6 +164,7 @@ def measure(case: str, data: tuple, rounds: int, with_fused: bool) -> dict[str, 
     out = {c: statistics.median(v) for c, v in times.items()}
     out["rollcorr peak MiB"] = peak_mib(calls["rollcorr"])
     out["verl peak MiB"] = peak_mib(calls["verl"])
+    out["rollcorr ops"], out["verl ops"] = operations(calls["rollcorr"]), operations(calls["verl"])
     fused._state["warm"] = warm
     return out
 
@@ -173,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     columns = ["rollcorr", "drop-in", "verl"] + (["fused"] if args.with_fused else [])
     print(" | ".join(["shape", "case", *(f"{c} ms" for c in columns), "floor ms", "verl / rollcorr",
                       "verl / drop-in", *(["verl / fused"] if args.with_fused else []), "rollcorr / floor",
-                      "rollcorr peak MiB", "verl peak MiB", "rounds"]))
+                      "rollcorr peak MiB", "verl peak MiB", "rollcorr ops", "verl ops", "rounds"]))
     for shape in args.shapes:
         b, t = (int(x) for x in shape.split("x"))
         data = inputs(b, t)
@@ -189,7 +209,8 @@ def main(argv: list[str] | None = None) -> None:
                 ratios.append(m["verl"] / m["fused"] if "fused" in m else float("nan"))
             cells = [f"{b} x {t}", case, *(f"{m[c]:.2f}" for c in ("rollcorr", "drop-in", "verl")), *fused_cells,
                      f"{m['floor']:.3f}", *(f"{r:.2f}" for r in ratios), f"{m['rollcorr'] / m['floor']:.1f}",
-                     f"{m['rollcorr peak MiB']:.0f}", f"{m['verl peak MiB']:.0f}", str(rounds)]
+                     f"{m['rollcorr peak MiB']:.0f}", f"{m['verl peak MiB']:.0f}", str(m["rollcorr ops"]),
+                     str(m["verl ops"]), str(rounds)]
             print(" | ".join(cells), flush=True)
     print(f"# load after {load()}")
 

@@ -1130,7 +1130,39 @@ def verl_ratio_text(path: Path) -> str:
     drop_in = "; ".join(f"{_span(ratios[s]['verl / drop-in'])} at {s}" for s in shapes)
     floor = "; ".join(f"{_span(ratios[s]['rollcorr / floor'], 0)} at {s}" for s in shapes)
     return (f"verl's CPU time over the default's, per shape (the three cases): {per_shape}. The verl drop-in (verl's "
-            f"signature, floats out): {drop_in}. The default's time over one read of its inputs: {floor}.")
+            f"signature, floats out): {drop_in}. The default's time over one read of its inputs: {floor}. "
+            + verl_ops_text(path) + verl_targets_text(ratios))
+
+
+def verl_ops_text(path: Path) -> str:
+    """The tensor operations a call dispatches at the smallest shape (the table's ``ops`` columns), per case."""
+    rows = bench_rows(path)
+    if not rows or "rollcorr ops" not in rows[0]:
+        return ""
+    small = [r for r in rows if r["shape"] == rows[0]["shape"]]
+    cases = ", ".join(f"{r['case']} {r['rollcorr ops']} against {r['verl ops']}" for r in small)
+    return f"Tensor operations a call dispatches at {small[0]['shape']}, the default's against verl's: {cases}. "
+
+
+VERL_TARGETS = (1.0, 3.0, 3.0)  # #51: verl / default ≥ 1× at the smallest shape, ≥ 3× above; default ≤ 3× the floor
+
+
+def verl_targets_text(ratios: dict[str, dict[str, tuple[float, float]]]) -> str:
+    """Issue #51's targets against the table, shape by shape: verl / default at least 1× at the smallest shape and
+    3× from the second up, the default within 3× of the read floor from the second up (every case must meet it)."""
+    small_ratio, large_ratio, floor_ratio = VERL_TARGETS
+    shapes = list(ratios)
+    speed = []
+    for i, shape in enumerate(shapes):
+        want = small_ratio if i == 0 else large_ratio
+        lo = ratios[shape]["verl / rollcorr"][0]
+        speed.append(f"{shape} {'met' if lo >= want else 'not met'} (≥ {want:g}×; lowest case {lo:.2f}×)")
+    floor = []
+    for shape in shapes[1:]:
+        hi = ratios[shape]["rollcorr / floor"][1]
+        floor.append(f"{shape} {'met' if hi <= floor_ratio else 'not met'} (≤ {floor_ratio:g}×; highest case {hi:.0f}×)")
+    return (f"Issue #51's targets, per shape (every case): verl / default — {'; '.join(speed)}. Default / read floor — "
+            f"{'; '.join(floor)}.")
 
 
 def readme_speed(path: Path) -> str:

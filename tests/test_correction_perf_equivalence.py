@@ -195,3 +195,46 @@ def test_diagnostics_match_the_standalone_metric_functions(config, noise):
         assert got[torch.float64]["rollout_corr/" + key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
     assert_metrics_as_accurate({k: got[torch.float32]["rollout_corr/" + k] for k in exact}, want[torch.float32],
                                exact, n=inputs[torch.float32][2].numel())
+
+
+@pytest.mark.parametrize("config", [preset("decoupled_token_is"), preset("decoupled_seq_is_rs"), CONFIGS[9],
+                                    dataclasses.replace(preset("decoupled_token_is"), verl_compat=True)],
+                         ids=["token-is", "seq-is-rs", "rules", "token-is-verl"])
+@pytest.mark.parametrize("grouped", [True, False], ids=["one-exp", "exp2"])
+@pytest.mark.parametrize("noise", [0.3, 30.0])
+def test_blocks_of_rows_and_both_exponential_layouts_match_the_definitions(config, grouped, noise, monkeypatch):
+    """The statistics pass walked in several blocks of rows (the last one shorter) with either layout of its
+    exponentials (statistics.grouped_exp: one exp for a small block; exp2 for the probabilities and e^|ℓ| from ρ and
+    e for a large one): the diagnostics agree with the definitions (float64 to 1e-12; float32 as accurate as the
+    definitions in float32, both against float64), and weights, mask and every other metric with one whole block's
+    to float rounding."""
+    from conftest import assert_metrics_as_accurate
+    from rollcorr.correction import statistics
+
+    inputs = {dtype: _batch(dtype, noise, b=7, t=17) for dtype in (torch.float32, torch.float64)}
+    whole = {dtype: _call(config, *args) for dtype, args in inputs.items()}  # 119 positions: one block, one exp
+    monkeypatch.setattr(statistics, "BLOCK_POSITIONS", 40)  # blocks of 2 rows: 2, 2, 2, 1
+    monkeypatch.setattr(statistics, "GROUPED_EXP_BELOW", 1 << 30 if grouped else 1)
+    got = {dtype: _call(config, *args) for dtype, args in inputs.items()}
+
+    def definitions(old, roll, mask, extra):
+        tok = make_tokens(old, roll, mask, bound=config.safety_bound, verl=config.verl_compat)
+        return metrics.metrics_to_floats({**metrics.offpolicy_metrics(tok), **metrics.divergence_metrics(tok),
+                                          **metrics.prob_mismatch(tok.anchor.exp(), tok.rollout.exp(), tok)})
+
+    want = {dtype: definitions(*args) for dtype, args in inputs.items()}
+    floats = {dtype: metrics.metrics_to_floats(r.metrics) for dtype, r in got.items()}
+    exact = want[torch.float64]
+    for key, value in exact.items():
+        assert floats[torch.float64]["rollout_corr/" + key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
+    assert_metrics_as_accurate({k: floats[torch.float32]["rollout_corr/" + k] for k in exact}, want[torch.float32],
+                               exact, n=inputs[torch.float32][2].numel())
+    for dtype, result in got.items():
+        reference = whole[dtype]
+        assert torch.equal(result.kept_mask, reference.kept_mask)
+        if reference.is_weights is not None:
+            assert torch.equal(result.is_weights, reference.is_weights)  # elementwise: the same in any block
+        eps = torch.finfo(dtype).eps
+        for key, value in metrics.metrics_to_floats(reference.metrics).items():
+            if key.removeprefix("rollout_corr/") not in exact:  # the correction's own: sums in another order
+                assert floats[dtype][key] == pytest.approx(value, rel=64 * eps, abs=64 * eps), key

@@ -55,6 +55,26 @@ def test_the_correction_figures_are_the_default_s():
     assert f"verl's own helper takes {min(large):.1f}–{max(large):.1f}× the CPU time of `compute_correction`" in readme
 
 
+def test_the_target_verdicts_follow_from_the_committed_output():
+    """#51's targets (verl / default ≥ 1× at 8 x 512, ≥ 3× from 64 x 2048 up; default ≤ 3× the read floor from
+    64 x 2048 up), said met or not met per shape in docs/performance.md: each verdict recomputed here from the rows
+    (a case below its target makes its shape's verdict 'not met')."""
+    rows = [r for r in _rows("bench_correction_verl.txt") if len(r) > 2 and r[2][0].isdigit()]
+    header_row = next(r for r in _rows("bench_correction_verl.txt") if r[0] == "shape")
+    col = {name: i for i, name in enumerate(header_row)}
+    prose = " ".join((ROOT / "docs/performance.md").read_text().split())
+    shapes = list(dict.fromkeys(r[0] for r in rows))
+    for i, shape in enumerate(shapes):
+        speed = min(float(r[col["verl / rollcorr"]]) for r in rows if r[0] == shape)
+        want = 1 if i == 0 else 3
+        verdict = "met" if speed >= want else "not met"
+        assert f"{shape} {verdict} (≥ {want}×; lowest case {speed:.2f}×)" in prose
+        if i:
+            floor = max(float(r[col["rollcorr / floor"]]) for r in rows if r[0] == shape)
+            verdict = "met" if floor <= 3 else "not met"
+            assert f"{shape} {verdict} (≤ 3×; highest case {floor:.0f}×)" in prose
+
+
 def test_the_step_sentence_quotes_the_committed_output():
     """#51: no step of the 400 over 3× the median, as benchmarks/results/bench_correction_steps.txt measured it."""
     rows = {r[0]: r for r in _rows("bench_correction_steps.txt") if r[0] in ("wall", "CPU")}

@@ -18,17 +18,22 @@ valid ones. The diagnostics' totals, each Σ over valid tokens:
     Σ ρ²           = n + 2 Σ e + Σ e²                  (chi2_token)
     Σ ρℓ − ρ + 1   = Σ e·ℓ_c − Σ k3                    (policy_kl)
     Σ js_t         = ½ [Σ (ℓ_c − 2q) + Σ e·(ℓ_c − q)]  (½[ρℓ − (1 + ρ)·q] per token)
-    Σ e^|ℓ| − 1    = Σ_all e^|ℓ_c| − B·T               (token_mult_prob_error is 1 + its mean: e^|ℓ_c| − 1
-                                                        needs no expm1; padding adds e^0 = 1)
+    Σ e^|ℓ| − 1    = Σ max(e, −e/ρ)                    (large blocks with token IS: ρ and e are at hand)
+                   = Σ_all e^|ℓ_c| − B·T               (otherwise; token_mult_prob_error is 1 + its mean;
+                                                        padding adds e^0 = 1)
 
 written so that each term is computed where it is small (expm1, log1p: no 1 − 1 cancellation). The token IS
-weights read ρ = e^ℓ_c itself (1 + e loses ρ's relative precision where ρ ≪ 1).
+weights read ρ = e^ℓ_c itself (1 + e loses ρ's relative precision where ρ ≪ 1). In blocks of at least
+``GROUPED_EXP_BELOW`` positions the probabilities are p = 2^(x·log2 e) (``exp2``, about 3× cheaper than ``exp``
+on the CPU): the rounding of x·log2 e adds a relative error ≲ |x|·u (u the dtype's unit roundoff, 6e-8 in
+float32), an absolute one ≲ u·|x|·e^x ≤ u/e (x ≤ 0): below half an ulp of 1, the scale of every probability metric.
 
 **Passes.** The batch is walked in blocks of rows (``BLOCK_POSITIONS`` on CPU, a cache's worth); in each block
 the terms whose row sums are needed are written into the slices of one (k, rows, T) buffer and reduced by one
 ``sum``, the totals are dot products, and no (B, T) temporary outlives its block. Per position, every
-diagnostic on: four exponentials (expm1 ℓ_c; e^o, e^r, e^|ℓ_c| in one ``exp``) and one log1p; token IS one more
-(ρ, in the same ``exp``).
+diagnostic on: expm1 ℓ_c, one ``exp2`` over [o, r] (p_old, p_μ), one ``exp`` (ρ with token IS, else e^|ℓ_c|)
+and one log1p. A smaller block (a small batch, whose cost is its number of operations) takes one ``exp`` over
+[o, r (, ℓ_c), |ℓ_c|] instead (``grouped_exp``): the same values to float rounding.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from rollcorr.correction.weights import apply_threshold
 
 BLOCK_POSITIONS = 1 << 16  # positions per block on CPU: the block's ~20 float slices stay in cache
 DEVICE_BLOCK_POSITIONS = 1 << 24  # on an accelerator: one block for any batch a step holds (launches, not cache)
+GROUPED_EXP_BELOW = 1 << 13  # positions per block below which the pass takes one exp (``grouped_exp``)
 SMALL_DIFF = 1e-3  # |Δp| below this counts as "no difference" (prob_diff_frac_lt_1e-3)
 
 
@@ -199,15 +205,15 @@ def _check(
     return clean, not max(hi_a - lo_r, hi_r - lo_a) < bound  # |ℓ| < bound everywhere: the clamp is the identity
 
 
-# The buffer's layout: terms that one operation computes together are neighbours (one ``exp`` over [o, r, ℓ_c]
-# gives [p_old, p_μ, ρ]; one ``expm1`` over [ℓ_c, |ℓ_c|] gives [e, e^|ℓ_c| − 1]; one comparison over the
-# thresholds gives every |Δp| share): a small batch costs its number of operations, a large one its passes.
+# The buffer's layout: terms that one operation computes together are neighbours (one ``exp2`` over [o, r]
+# gives [p_old, p_μ]; one comparison over the thresholds gives every |Δp| share): a small batch costs its number
+# of operations, a large one its passes.
 GE = (SMALL_DIFF, *PROB_SHARES)  # |Δp| ≥ each: the shares' counts (|Δp| < 1e-3 is the complement of the first)
 
 
 def _slices(plan: Plan) -> list[str]:
     """The names of the per-position terms the pass writes, in the buffer's order (module docstring)."""
-    # the exponential's inputs [o, r (, ℓ_c), |ℓ_c|] side by side, and its outputs [p_old, p_μ (, ρ), e^|ℓ_c|]
+    # [o, r] side by side, and the probabilities [p_old, p_μ]
     names = ["n", "lr", *(["old", "rollout", "lr_c"] if plan.token_is else ["lr_c", "old", "rollout"])]
     if plan.diagnostics:
         names += ["abs", "p_old", "p_rollout"]
@@ -241,6 +247,15 @@ def _dots(plan: Plan) -> list[str]:
         ["w_sq"] if plan.token_is else [])
 
 
+@functools.lru_cache(maxsize=256)
+def _layout(plan: Plan) -> tuple[tuple[str, ...], tuple[str, ...], dict[str, int]]:
+    """(the block's slices, the row maxima, the totals' index: each slice's row-sum total, then the dot products
+    and token IS's max w and −min w), made once per plan."""
+    names, maxima = tuple(_slices(plan)), tuple(_maxima(plan))
+    extremes = ["w_max", "neg_w_min"] if plan.token_is else []
+    return names, maxima, {name: i for i, name in enumerate([*names, *_dots(plan), *extremes])}
+
+
 def _blocks(
     anchor: Tensor, rollout: Tensor, mask_bool: Tensor, plan: Plan, dtype: torch.dtype, clean: bool,
     log_prob: Tensor | None,
@@ -250,47 +265,68 @@ def _blocks(
     b, t = mask_bool.shape
     device = anchor.device
     step = max(1, (BLOCK_POSITIONS if device.type == "cpu" else DEVICE_BLOCK_POSITIONS) // t)
-    names, maxima = _slices(plan), _maxima(plan)
+    names, maxima, index = _layout(plan)
     work = torch.empty(len(names), min(step, b), t, dtype=dtype, device=device)
-    row_sums = torch.empty(len(names), b, dtype=dtype, device=device)
-    row_max = torch.empty(len(maxima), b, dtype=dtype, device=device)
+    # per row: the slices' sums, then Σ_t w (token IS); the maxima
+    row_sums = torch.empty(len(names) + (1 if plan.token_is else 0), b, dtype=dtype, device=device)
+    row_max = torch.empty(len(maxima), b, dtype=dtype, device=device) if maxima else None
     weights = torch.empty(b, t, dtype=dtype, device=device) if plan.token_is else None
-    dots, extremes = None, []
+    batch = None  # (k,) the dot products, then max w and −min w
+    grouped = grouped_exp(min(step, b) * t)  # one choice for every block (``_finish`` reads it)
     for i in range(0, b, step):
         rows = slice(i, min(i + step, b))
         whole = rows.stop - i == b  # one block: the tensors as they are (no slicing: a small batch counts operations)
         block = _Block(work if whole else work[:, : rows.stop - i], names, plan,
-                       mask_bool if whole else mask_bool[rows], clean)
+                       mask_bool if whole else mask_bool[rows], clean, grouped)
         part = (lambda x: x) if whole else (lambda x, rows=rows: None if x is None else x[rows])  # noqa: E731
-        dot, w_extremes = block.run(part(anchor), part(rollout), part(weights), part(log_prob))
-        torch.sum(block.work, dim=-1, out=row_sums if whole else row_sums[:, rows])
-        for k, name in enumerate(maxima):
-            torch.amax(block.rows_of(name.removeprefix("max_") if name != "d_max" else "d"), dim=-1,
+        acc = block.run(part(anchor), part(rollout), part(weights), part(log_prob))
+        sums = row_sums if whole else row_sums[:, rows]
+        torch.sum(block.work, dim=-1, out=sums[: len(names)])
+        if weights is not None:  # Σ_t w while the block's weights are in cache
+            torch.sum(part(weights), dim=-1, out=sums[len(names)])
+        for k, name in enumerate(maxima):  # max over each row of |Δp| (d_max), k2, k3
+            torch.amax(block.rows_of(name[4:] if name != "d_max" else "d"), dim=-1,
                        out=row_max[k] if whole else row_max[k, rows])
-        dots = dot if dots is None else dots.add_(dot)
-        extremes.append(w_extremes)
-    row = Named(row_sums, names)
-    total = Named(row_sums.sum(dim=-1), names)
-    if dots is not None:
-        total |= Named(dots, _dots(plan))
-    if plan.token_is:  # max w and −min w over the blocks
-        w_max, w_min = (extremes[0] if len(extremes) == 1 else torch.stack(extremes).amax(0)).unbind(0)
-        total |= {"w_max": w_max, "w_min": -w_min}
-    return _rows(row, Named(row_max, maxima), weights, plan), _finish(total, plan, b * t), weights
+        batch = acc if batch is None else _combine(batch, acc, 2 if plan.token_is else 0)
+    parts = [row_sums[: len(names)].sum(dim=-1)] + ([batch] if batch is not None else [])
+    total = Named(torch.cat(parts) if len(parts) > 1 else parts[0], index)
+    row = Named(row_sums, {**index, "w_sum": len(names)} if plan.token_is else index)
+    finished = _finish(total, plan, b * t, grouped)
+    return _rows(row, Named(row_max, {k: i for i, k in enumerate(maxima)}), plan), finished, weights
+
+
+def grouped_exp(positions: int) -> bool:
+    """Whether a block of ``positions`` takes the fewest operations (one ``exp`` over [o, r (, ℓ_c), |ℓ_c|]) rather
+    than the fewest exponentials (``exp2`` for the probabilities, e^|ℓ_c| from ρ and e): below
+    ``GROUPED_EXP_BELOW`` positions an operation's fixed cost outweighs an exponential's."""
+    return positions < GROUPED_EXP_BELOW
+
+
+def _combine(batch: Tensor | None, acc: Tensor | None, extremes: int) -> Tensor | None:
+    """Two blocks' (k,) dot products (summed) and, in the last ``extremes`` entries, maxima (the larger)."""
+    if batch is None:
+        return acc
+    if extremes:
+        torch.maximum(batch[-extremes:], acc[-extremes:], out=batch[-extremes:])
+        batch[:-extremes].add_(acc[:-extremes])
+        return batch
+    return batch.add_(acc)
 
 
 class Named(dict):
     """Named rows of one stacked tensor, each selected on first use (a small batch's cost is its number of
-    operations: the pass stacks ~20 terms, the metrics read a few of them)."""
+    operations: the pass stacks ~20 terms, the metrics read a few of them). ``index``: name → row."""
 
-    def __init__(self, stacked: Tensor, names: list[str]) -> None:
+    def __init__(self, stacked: Tensor | None, index: dict[str, int]) -> None:
         super().__init__()
-        self.stacked, self.index = stacked, {name: i for i, name in enumerate(names)}
+        self.stacked, self.index, self.rows = stacked, index, None
 
     def __missing__(self, name: str) -> Tensor:
         if name not in self.index:
             raise KeyError(name)
-        self[name] = value = self.stacked[self.index[name]]
+        if self.rows is None:  # every row as a view, in one operation
+            self.rows = self.stacked.unbind(0)
+        self[name] = value = self.rows[self.index[name]]
         return value
 
     def __contains__(self, name: object) -> bool:
@@ -299,44 +335,54 @@ class Named(dict):
     def get(self, name: str, default=None):
         return self[name] if name in self else default
 
-    def __ior__(self, other):
-        for key in (other.index if isinstance(other, Named) else other):
-            self[key] = other[key]
-        return self
+    def pick(self, names: tuple[str, ...]) -> Tensor:
+        """The rows ``names`` as one (k, …) tensor (one gather; the index made once per plan)."""
+        return self.stacked[_positions(tuple(self.index[k] for k in names), self.stacked.device)]
 
 
-def _rows(sums: dict[str, Tensor], maxima: dict[str, Tensor], w: Tensor | None, plan: Plan) -> dict[str, Tensor]:
+@functools.lru_cache(maxsize=256)
+def _positions(rows: tuple[int, ...], device: torch.device) -> Tensor:
+    """``rows`` as an index tensor on ``device``, made once."""
+    return torch.tensor(rows, device=device)
+
+
+def _rows(sums: Named, maxima: Named, plan: Plan) -> dict[str, Tensor]:
     """The per-row reductions under the names the weights, rules and metrics read (``BatchStatistics.row``)."""
     row = {k: sums[k] for k in ("n", "lr", "old", "rollout")} | {k: maxima[k] for k in maxima.index}
     if "sum_k1" in plan.reductions:
         row["sum_k1"] = -sums["lr_c"]
     if "sum_k2" in plan.reductions:
         row["sum_k2"] = sums["k2"]
-    if "k3" in sums:
+    if "k3" in sums.index:
         row["sum_k3"] = sums["k3"]
     if plan.diagnostics:
         row["d_sum"] = sums["d"]
-    if w is not None:
-        row["w_sum"], row["raw"] = w.sum(dim=-1), sums["raw"]
+    if plan.token_is:
+        row["w_sum"], row["raw"] = sums["w_sum"], sums["raw"]
     return row
 
 
-def _finish(raw: dict[str, Tensor], plan: Plan, numel: int) -> dict[str, Tensor]:
+_MOMENTS = ("p_old", "p_rollout", "p_old_sq", "p_rollout_sq", "p_cross")
+
+
+def _finish(raw: Named, plan: Plan, numel: int, grouped: bool) -> dict[str, Tensor]:
     """The totals ``metrics.*_from_sums`` read, from the pass's raw ones (the module docstring's identities;
-    the padding's known contribution removed: p = 1 there, and 0 < lo for the raw weight)."""
+    the padding's known contribution removed: p = 1 there, and 0 < lo for the raw weight). ``grouped``: the blocks
+    took one ``exp`` (``grouped_exp``)."""
     n = raw["n"]
     pad = numel - n
-    out = {k: raw[k] for k in ("w_sq", "w_max", "w_min", "high") if k in raw}
-    if "low" in raw:
+    out = {k: raw[k] for k in ("w_sq", "w_max", "high") if k in raw.index}
+    if plan.token_is:
+        out["w_min"] = -raw["neg_w_min"]
         out["low"] = raw["low"] - pad if is_band(plan.token_is[1], plan.token_is[2])[0] > 0 else raw["low"]
     if not plan.diagnostics:
         return out
-    moments = torch.stack([raw[k] for k in ("p_old", "p_rollout", "p_old_sq", "p_rollout_sq", "p_cross")]) - pad
     out |= dict(zip(("p_old_sum", "p_rollout_sum", "p_old_sq_sum", "p_rollout_sq_sum", "p_cross_sum"),
-                    moments.unbind()))
+                    raw.pick(_MOMENTS).sub_(pad).unbind()))
     out |= {
-        "sum_k3": raw["k3"], "rho2": n + 2.0 * raw["e"] + raw["e_sq"], "policy_kl": raw["e_lr"] - raw["k3"],
-        "js": 0.5 * (raw["js"] + raw["e_lr"] - raw["e_q"]), "e_abs": raw["exp_abs"] - numel, "abs": raw["abs"],
+        "sum_k3": raw["k3"], "rho2": torch.add(n, raw["e"], alpha=2.0).add_(raw["e_sq"]),
+        "policy_kl": raw["e_lr"] - raw["k3"], "js": torch.add(raw["js"], raw["e_lr"]).sub_(raw["e_q"]).mul_(0.5),
+        "e_abs": raw["exp_abs"] - numel if grouped or not plan.token_is else raw["exp_abs"], "abs": raw["abs"],
         "small_diff_count": n - raw["ge0"],  # padding has |Δp| = 0 < 1e-3
         **{f"ge{i}": raw[f"ge{i + 1}"] for i in range(len(PROB_SHARES))},
     }
@@ -351,8 +397,11 @@ def _finish(raw: dict[str, Tensor], plan: Plan, numel: int) -> dict[str, Tensor]
 class _Block:
     """One block of rows: the (k, rows, T) buffer ``work`` whose slices hold the terms of ``names``."""
 
-    def __init__(self, work: Tensor, names: list[str], plan: Plan, mask_bool: Tensor, clean: bool) -> None:
+    def __init__(
+        self, work: Tensor, names: tuple[str, ...], plan: Plan, mask_bool: Tensor, clean: bool, grouped: bool
+    ) -> None:
         self.index = {name: i for i, name in enumerate(names)}
+        self.grouped = grouped  # one exp over [o, r (, ℓ_c), |ℓ_c|] (``grouped_exp``)
         self.flat = work.view(len(names), -1)  # each term as one flat row: dot products read it as it is
         self.s = dict(zip(names, self.flat.unbind(0)))
         self.work, self.plan, self.mask_bool, self.clean = work, plan, mask_bool, clean
@@ -367,22 +416,30 @@ class _Block:
 
     def run(
         self, anchor: Tensor, rollout: Tensor, w_out: Tensor | None, log_prob: Tensor | None
-    ) -> tuple[Tensor | None, Tensor | None]:
+    ) -> Tensor | None:
         """Write every term of this block into its slice (the caller sums them per row) and its token weights into
-        ``w_out``; returns (the dot products of ``_dots``, (max w, −min w)), None where there are none."""
+        ``w_out``; returns the (k,) dot products of ``_dots`` then, with token IS, max w and −min w (None when
+        there are none)."""
         s, plan = self.s, self.plan
         mf = s["n"].copy_(self.mask_bool.view(torch.uint8).reshape(-1))  # the mask as 0/1 floats
         o, r = self._masked(anchor, s["old"], mf), self._masked(rollout, s["rollout"], mf)
         torch.sub(o, r, out=s["lr"])  # ℓ, unclamped
         lrs = torch.clamp(s["lr"], -plan.bound, plan.bound, out=s["lr_c"])  # ℓ_c
-        if plan.diagnostics:  # [o, r (, ℓ_c), |ℓ_c|] → [p_old, p_μ (, ρ), e^|ℓ_c|]: one exp
+        if plan.diagnostics:
             torch.abs(lrs, out=s["abs"])
+        if plan.diagnostics and self.grouped:  # [o, r (, ℓ_c), |ℓ_c|] → [p_old, p_μ (, ρ), e^|ℓ_c|]: one exp
             torch.exp(self.group("old", "abs"), out=self.group("p_old", "exp_abs"))
+        elif plan.diagnostics:  # [o, r] → [p_old, p_μ] as 2^(x·log2 e) (module docstring)
+            torch.mul(self.group("old", "rollout"), _LOG2E, out=self.group("p_old", "p_rollout")).exp2_()
+            torch.exp(lrs if plan.token_is else s["abs"], out=s["raw" if plan.token_is else "exp_abs"])
         elif plan.token_is:
-            torch.exp(lrs, out=s["raw"])
+            torch.exp(lrs, out=s["raw"])  # ρ
         if "e" in s:
             torch.expm1(lrs, out=s["e"])  # e = ρ − 1, exact where ρ ≈ 1
             torch.sub(s["e"], lrs, out=s["k3"])  # k3 = ρ − 1 − ℓ_c ≥ 0
+        if plan.diagnostics and plan.token_is and not self.grouped:  # e^|ℓ_c| − 1 = max(e, −e/ρ): no exp
+            e_abs = torch.div(s["e"], s["raw"], out=s["exp_abs"]).neg_()
+            torch.maximum(e_abs, s["e"], out=e_abs)
         if "k2" in s:
             torch.mul(lrs, lrs, out=s["k2"]).mul_(0.5)
         dots: list[Tensor] = []
@@ -390,11 +447,9 @@ class _Block:
             dots += self._divergences(lrs, s["e"], s["lr"]) + self._probabilities()
             if plan.decomposition:
                 self._decomposition(o, r, log_prob)
-        extremes = None
         if plan.token_is:
-            w_sq, extremes = self._token_weights(mf, w_out.view(-1))
-            dots.append(w_sq)
-        return (torch.stack(dots) if dots else None), extremes
+            dots += self._token_weights(mf, w_out.view(-1))
+        return torch.stack(dots) if dots else None
 
     def _masked(self, x: Tensor, out: Tensor, mf: Tensor) -> Tensor:
         """x·mf (checked inputs whose padding is finite: x·0 = 0), else ``where`` (NaN in padding stays out)."""
@@ -425,9 +480,9 @@ class _Block:
         theta = torch.where(self.mask_bool, log_prob.to(o.dtype), 0.0).view(-1)  # its padding is not checked
         _decomposition_terms(o, r, theta, out=self.s)
 
-    def _token_weights(self, mf: Tensor, w_out: Tensor) -> tuple[Tensor, Tensor]:
+    def _token_weights(self, mf: Tensor, w_out: Tensor) -> list[Tensor]:
         """Token IS: raw = ρ·mf (ρ = e^ℓ_c, relatively exact where ρ ≪ 1, unlike 1 + e), w = threshold(raw) into
-        ``w_out``, the flags of raw above / below the band; returns (Σ w², (max w, −min w) over valid tokens)."""
+        ``w_out``, the flags of raw above / below the band; returns [Σ w², max w, −min w] (over valid tokens)."""
         mode, upper, lower = self.plan.token_is
         lo, hi = is_band(upper, lower)
         raw = self.s["raw"].mul_(mf)
@@ -435,7 +490,7 @@ class _Block:
         torch.gt(raw, hi, out=self.s["high"])
         torch.lt(raw, lo, out=self.s["low"])
         lifted = torch.add(w_out, torch.rsub(mf, 1.0), alpha=_ABOVE_ANY_WEIGHT)  # padding above every weight
-        return _dot(w_out, w_out), torch.stack([w_out.amax(), lifted.amin().neg_()])
+        return [_dot(w_out, w_out), w_out.amax(), lifted.amin().neg_()]
 
 
 def _decomposition_terms(o: Tensor, r: Tensor, theta: Tensor, out: dict[str, Tensor] | None = None
@@ -452,6 +507,7 @@ def _decomposition_terms(o: Tensor, r: Tensor, theta: Tensor, out: dict[str, Ten
     return terms
 
 
+_LOG2E = math.log2(math.e)
 _ABOVE_ANY_WEIGHT = 1e30  # > e^80 (safety_bound ≤ 80), finite in float32
 
 
