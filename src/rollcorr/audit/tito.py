@@ -100,7 +100,7 @@ def tito_check(rollout: Rollout, messages: list[list[dict[str, str]]], renderer,
     rows, drift = [], []
     lr_sampled: list[Tensor] = []
     for i, (s, is_model, p) in enumerate(sequences(rollout)):
-        r = renderer.conversation_ids(messages[i])
+        r = renderer.conversation_ids(messages[i], getattr(messages[i], "tools", None))  # an episode's tools too
         a = align(s, r)
         cols = rollout.token_mask[i].nonzero().squeeze(1)  # s index p + k ↔ response column cols[k]
         mu_i, old_i = log_mu[i].double(), log_old[i].double()

@@ -47,7 +47,9 @@ class Turn:
 
 @runtime_checkable
 class Episode(Protocol):
-    """One trajectory's environment: ``prompt`` (the first messages or text) and ``step`` per model turn."""
+    """One trajectory's environment: ``prompt`` (the first messages or text) and ``step`` per model turn.
+    Optional ``tools`` (default None): tool schemas in the OpenAI chat format, which the chat template
+    describes in the prompt (``tasks.chat.template_ids``)."""
 
     prompt: Prompt
 

@@ -34,6 +34,12 @@ from rollcorr.tasks.chat import Prompt, messages_of
 from rollcorr.user_code import UserCodeError, call_each
 
 
+class Conversation(list):
+    """A row's conversation as messages (a list), with the ``tools`` its prompt described (None: none)."""
+
+    tools: list[dict[str, Any]] | None = None
+
+
 @dataclass(frozen=True)
 class Limits:
     """What bounds a trajectory, and the user code it calls (``task.env`` and ``task.reward_*``).
@@ -75,8 +81,8 @@ class Episodes:
         return self.max_turns > 1
 
     def prompts(self) -> list[str | list[int]]:
-        """Each row's first input for the sampler."""
-        return [self.renderer.prompt(e.prompt) for e in self.episodes]
+        """Each row's first input for the sampler (with the episode's ``tools``, when it has some)."""
+        return [self.renderer.prompt(e.prompt, getattr(e, "tools", None)) for e in self.episodes]
 
     def advance(self, rollout: Rollout, version: int) -> Rollout:
         """Step the episode of every row whose model turn has just ended; append the replies' observations."""
@@ -145,12 +151,14 @@ class Episodes:
             mask = mask & (rollout.turn[row] == turn)
         return self.renderer.tokenizer.decode(rollout.response_ids[row][mask].tolist(), skip_special_tokens=not special)
 
-    def messages(self, rollout: Rollout, row: int) -> list[dict[str, str]]:
+    def messages(self, rollout: Rollout, row: int) -> Conversation:
         """Row ``row``'s conversation as messages: the episode's prompt, then each model turn (its text, as the
         episode read it) and the observation that answered it (text: a user message, as the renderer takes it) —
         what a pipeline that keeps messages would template again (``Renderer.conversation_ids``). Without a chat
-        template a turn keeps its special tokens (its end-of-turn token): no template would put them back."""
-        out = messages_of(self.episodes[row].prompt)
+        template a turn keeps its special tokens (its end-of-turn token): no template would put them back.
+        Its ``tools``: the episode's, which the template described in the prompt."""
+        out = Conversation(messages_of(self.episodes[row].prompt))
+        out.tools = getattr(self.episodes[row], "tools", None)
         for k in range(int(rollout.turns[row])):
             out.append({"role": "assistant", "content": self._turn_text(rollout, row, k, special=not self.renderer.chat)})
             if k < len(self.said[row]):

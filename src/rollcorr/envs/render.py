@@ -35,9 +35,10 @@ class Renderer:
         self.tokenizer, self.chat = tokenizer, chat
         self.end_of_turn = tokenizer.eos_token_id
 
-    def prompt(self, prompt: Prompt) -> str | list[int]:
-        """What the sampler receives for an episode's first messages (``tasks.chat.model_input``)."""
-        return model_input(self.tokenizer, prompt, self.chat)
+    def prompt(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> str | list[int]:
+        """What the sampler receives for an episode's first messages (``tasks.chat.model_input``), with the
+        episode's ``tools`` (OpenAI chat format) described by the template."""
+        return model_input(self.tokenizer, prompt, self.chat, tools)
 
     def observation_ids(self, observation: Prompt, turn_ended: bool) -> list[int]:
         """The ids appended after a model turn for ``observation`` (messages, or text without a template);
@@ -62,15 +63,18 @@ class Renderer:
                              "is not append-only there: observations cannot be appended as tokens")
         return full[ends[-1] + 1 :]
 
-    def conversation_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """The whole conversation through the template, as a pipeline that re-tokenises would score it."""
+    def conversation_ids(self, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The whole conversation through the template (with the ``tools`` its prompt described), as a pipeline
+        that re-tokenises would score it."""
         if not self.chat:
             return [int(t) for t in self.tokenizer("".join(m["content"] for m in messages))["input_ids"]]
-        return _template(self.tokenizer, messages, generation_prompt=False)
+        return _template(self.tokenizer, messages, generation_prompt=False, tools=tools)
 
 
-def _template(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+def _template(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool,
+              tools: list[dict[str, Any]] | None = None) -> list[int]:
+    described = {"tools": tools} if tools else {}
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True, **described)
     ids = out["input_ids"] if hasattr(out, "keys") else out
     if ids and isinstance(ids[0], list):
         (ids,) = ids

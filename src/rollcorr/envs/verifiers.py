@@ -2,7 +2,7 @@
 ``MultiTurnEnv``, ``SingleTurnEnv`` or a subclass of theirs) played as a rollcorr environment.
 
     plugins: [my_env]                                       # the module that builds it, imported as a plugin
-    task.env: {name: verifiers, load: "my_env:load_environment", args: {...}}
+    task.env: {name: verifiers, load: "my_env:load_environment", args: {...}, tool_parser: hermes}
 
 ``load`` names a function of a module the run already imported (``plugins:``; never imported here) that returns
 the environment — a verifiers environment package's ``load_environment`` — called with ``args``.
@@ -25,10 +25,19 @@ maps the rubric's reward onto [0, 1] (as for ``skyrl``); rollcorr checks it is i
 
 Tokens: the model's turn goes back as the text of the tokens it sampled; the trajectory keeps those tokens and
 appends each observation rendered on its own (``envs.render``). An environment that rewrites the conversation
-(``get_prompt_messages`` not appending to it) cannot be played token in, token out: refused in one line. The
-model's message carries no ``tool_calls`` (rollcorr parses no template's tool calls yet), so a ``ToolEnv`` sees
-a turn without a call and ends. A rollout that a rollcorr limit cuts is dropped where it stands (its cleanup
-handlers do not run). ``text: true`` hands a model without a chat template the messages' contents as text.
+(``get_prompt_messages`` not appending to it) cannot be played token in, token out: refused in one line. A
+rollout that a rollcorr limit cuts is dropped where it stands (its cleanup handlers do not run). ``text: true``
+hands a model without a chat template the messages' contents as text.
+
+Tool calls (a ``ToolEnv``): ``tool_parser`` names a parser of ``envs.tool_calls`` (``hermes``: Qwen2.5's and
+Qwen3's ``<tool_call>`` JSON, read as vLLM's ``hermes`` parser reads it). Each model turn is then handed back as
+the parser's content and ``tool_calls`` (ids ``call_0``, ``call_1``, … over the episode), so ``env_response``
+runs the tools and its ``tool`` messages (with their ``tool_call_id``) are the next observation; the first
+request's tools (the environment's ``tool_defs``, in the OpenAI chat format its OpenAI client sends) are the
+episode's ``tools``, which the chat template describes in the prompt (not with ``text: true``). Parsing decides
+only what the environment sees: the trajectory keeps the sampled tokens. Without ``tool_parser`` the turn is its
+text, no tools are described, and a ``ToolEnv`` sees a turn without a call and ends. An unknown parser is refused
+in one line before the environment loads.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollcorr.envs.base import Turn, register_env, reward_scale
+from rollcorr.envs.tool_calls import ToolParser, parse_tool_calls, tool_parser
 from rollcorr.tasks.base import Task, excerpt
 from rollcorr.tasks.chat import Prompt, messages_of
 
@@ -56,6 +66,14 @@ def _verifiers():
         raise ValueError("environment 'verifiers' needs the verifiers package (0.3.x): ROLLCORR_OPTIONAL=verifiers "
                          "bash scripts/setup.sh") from None
     return verifiers
+
+
+def named_parser(name: Any) -> ToolParser:
+    """``tool_parser``'s function (``envs.tool_calls``); ValueError naming an unknown one."""
+    try:
+        return tool_parser(name)
+    except ValueError as err:
+        raise ValueError(f"verifiers: tool_parser: {err}") from None
 
 
 def loaded_function(load: Any) -> Any:
@@ -75,7 +93,9 @@ class VerifiersEnv:
     """A verifiers environment (``load(**args)``) over the task's rows, one library rollout per episode."""
 
     def __init__(self, task: Task, load: str, args: Mapping[str, Any] | None = None,
-                 reward_range: Sequence[float] | None = None, text: bool = False) -> None:
+                 reward_range: Sequence[float] | None = None, text: bool = False,
+                 tool_parser: str | None = None) -> None:
+        self.tool_parser = None if tool_parser is None else named_parser(tool_parser)  # before the library loads
         vf = _verifiers()
         if args is not None and not isinstance(args, Mapping):
             raise ValueError(f"verifiers: args must be a mapping, got {args!r}")
@@ -111,7 +131,17 @@ class VerifiersEnv:
 
     def as_prompt(self, messages: list[dict[str, str]]) -> Prompt:
         """Messages as the run's model takes them: as they are, or (``text``) their contents as text."""
-        return "\n".join(m["content"] for m in messages) if self.text else messages
+        return "\n".join(m["content"] or "" for m in messages) if self.text else messages
+
+    def answer(self, response_text: str, first_id: int) -> dict[str, Any]:
+        """The model's turn as the assistant message handed back: its text, or (``tool_parser``) the parser's
+        content and ``tool_calls`` (ids from ``call_<first_id>``)."""
+        if self.tool_parser is None:
+            return {"role": "assistant", "content": response_text}
+        content, calls = parse_tool_calls(response_text, self.tool_parser, first_id)
+        if not calls:  # a message without a call has text content, empty if need be
+            return {"role": "assistant", "content": content or ""}
+        return {"role": "assistant", "content": content, "tool_calls": calls}
 
 
 class VerifiersEpisode:
@@ -122,6 +152,8 @@ class VerifiersEpisode:
         self.loop.set_exception_handler(_quiet_when_dropped)
         self.answer: asyncio.Future | None = None  # what the rollout waits on: the model's turn
         self.asked: asyncio.Future | None = None  # set by the next request: its messages
+        self.requested_tools: list[dict[str, Any]] | None = None  # the last request's tools (OpenAI format)
+        self.calls = 0  # tool calls parsed so far: the next one's id is call_<calls>
         client = adapter.client_class(self)
         self.rollout = self.loop.create_task(adapter.env.run_rollout(row, client, MODEL, {}))
         first = self._run()
@@ -130,9 +162,13 @@ class VerifiersEpisode:
             raise ValueError(f"{adapter.name}: the rollout ended before asking the model for a turn")
         self.sent = first
         self.prompt = adapter.as_prompt(first)
+        # the first request's tools, for the chat template: shown only when calls are parsed, and only to a template
+        parsed = adapter.tool_parser is not None and not adapter.text
+        self.tools = self.requested_tools if parsed else None
 
-    async def ask(self, messages: list[dict[str, str]]) -> str:
-        """The client's request: post the messages, wait for the model's turn."""
+    async def ask(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """The client's request: post the messages (the first one's tools kept), wait for the model's message."""
+        self.requested_tools = tools or None
         self.answer = self.loop.create_future()
         self.asked.set_result(messages)
         return await self.answer
@@ -147,12 +183,14 @@ class VerifiersEpisode:
     def step(self, response_text: str) -> Turn:
         if self.answer is None or self.answer.done():
             raise ValueError(f"{self.adapter.name}: a step after the rollout ended")
-        self.answer.set_result(response_text)
+        message = self.adapter.answer(response_text, self.calls)
+        self.calls += len(message.get("tool_calls", ()))
+        self.answer.set_result(message)
         messages = self._run()
         if messages is None:
             return self._end()
         turn = len(self.sent)
-        if messages[:turn] != self.sent or messages[turn] != {"role": "assistant", "content": response_text}:
+        if messages[:turn] != self.sent or messages[turn] != message:
             raise ValueError(f"{self.adapter.name}: the environment rewrote the conversation (get_prompt_messages); "
                              "rollcorr appends to a trajectory and cannot play it token in, token out")
         self.sent = messages
@@ -183,21 +221,28 @@ def _quiet_when_dropped(loop: asyncio.AbstractEventLoop, context: dict[str, Any]
         loop.default_exception_handler(context)
 
 
-def plain(message: Any) -> dict[str, str]:
-    """A verifiers message as {"role", "content"} (text content; parts joined when all are text)."""
-    content = message.content
+def plain(message: Any) -> dict[str, Any]:
+    """A verifiers message as {"role", "content"} (text content; parts joined when all are text), with an
+    assistant's ``tool_calls`` (OpenAI chat format; its content may then be None) and a tool's ``tool_call_id``."""
+    content, calls = message.content, getattr(message, "tool_calls", None)
     if isinstance(content, list) and all(getattr(p, "type", None) == "text" for p in content):
         content = "".join(p.text for p in content)
-    if not isinstance(content, str):
+    if not isinstance(content, str) and not (content is None and calls):
         raise ValueError(f"verifiers: a {message.role} message whose content is not text ({excerpt(content)})")
-    return {"role": message.role, "content": content}
+    out = {"role": message.role, "content": content}
+    if calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in calls]
+    if message.role == "tool":
+        out["tool_call_id"] = message.tool_call_id
+    return out
 
 
 @functools.cache
 def _client_class() -> type:
     """verifiers' ``Client`` whose model is rollcorr's sampler: each request goes to the episode (``ask``)."""
     from verifiers.legacy.clients.client import Client
-    from verifiers.legacy.types import Response, ResponseMessage
+    from verifiers.legacy.types import Response, ResponseMessage, ToolCall
 
     class SamplerClient(Client):
         def __init__(self, episode: VerifiersEpisode) -> None:
@@ -206,21 +251,26 @@ def _client_class() -> type:
         def setup_client(self, config: Any) -> Any:
             raise ValueError("verifiers: rollcorr's client is its sampler, not a configured endpoint")
 
-        async def to_native_tool(self, tool: Any) -> Any:
-            return tool
+        async def to_native_tool(self, tool: Any) -> dict[str, Any]:  # as verifiers' OpenAI chat client sends it
+            function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
+            return {"type": "function", "function": function if tool.strict is None else {**function,
+                                                                                           "strict": tool.strict}}
 
-        async def to_native_prompt(self, messages: Any) -> tuple[list[dict[str, str]], dict]:
+        async def to_native_prompt(self, messages: Any) -> tuple[list[dict[str, Any]], dict]:
             return [plain(m) for m in messages], {}
 
-        async def get_native_response(self, prompt: list[dict[str, str]], model: str, sampling_args: Any,
-                                      tools: Any = None, **kwargs: Any) -> str:
-            return await self.client.ask(prompt)
+        async def get_native_response(self, prompt: list[dict[str, Any]], model: str, sampling_args: Any,
+                                      tools: Any = None, **kwargs: Any) -> dict[str, Any]:
+            return await self.client.ask(prompt, tools)
 
-        async def raise_from_native_response(self, response: str) -> None:
+        async def raise_from_native_response(self, response: dict[str, Any]) -> None:
             return None
 
-        async def from_native_response(self, response: str) -> Any:
-            message = ResponseMessage(content=response, finish_reason="stop", is_truncated=False)
+        async def from_native_response(self, response: dict[str, Any]) -> Any:
+            calls = [ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+                     for c in response.get("tool_calls", ())]
+            message = ResponseMessage(content=response["content"], tool_calls=calls or None, is_truncated=False,
+                                      finish_reason="tool_calls" if calls else "stop")
             return Response(id="rollcorr", created=int(time.time()), model=MODEL, message=message)
 
         async def close(self) -> None:

@@ -36,12 +36,14 @@ def messages_of(prompt: Prompt) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
 
 
-def template_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """The chat template applied to ``messages`` with the generation prompt, as token ids."""
+def template_ids(tokenizer: Any, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The chat template applied to ``messages`` with the generation prompt, as token ids; ``tools`` (OpenAI
+    chat format) go to the template as its ``tools``, where a template that can call tools describes them."""
     from jinja2 import TemplateError
 
     try:  # transformers renders templates in a sandbox: an escape attempt is a SecurityError, not code run
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        described = {"tools": tools} if tools else {}  # without tools, the call as before
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **described)
     except TemplateError as err:
         first = str(err).splitlines()[0][:160] if str(err) else "no message"
         raise ValueError(f"the model's chat template failed ({type(err).__name__}: {first})") from None
@@ -51,14 +53,16 @@ def template_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     return [int(t) for t in ids]
 
 
-def model_input(tokenizer: Any, prompt: Prompt, chat: bool) -> str | list[int]:
-    """What a sampler receives for one prompt: token ids through the template (``chat``), else the text.
-    ``chat`` is the resolved flag (``uses_chat``)."""
+def model_input(tokenizer: Any, prompt: Prompt, chat: bool, tools: list[dict[str, Any]] | None = None) -> str | list[int]:
+    """What a sampler receives for one prompt: token ids through the template (``chat``; with ``tools``, the
+    tool schemas it describes), else the text. ``chat`` is the resolved flag (``uses_chat``)."""
     if not chat:
         if not isinstance(prompt, str):
             raise ValueError("a conversation prompt (a list of messages) needs the chat template; task.chat is false")
+        if tools:
+            raise ValueError("tool schemas need the chat template to describe them; task.chat is false")
         return prompt
-    return template_ids(tokenizer, messages_of(prompt))
+    return template_ids(tokenizer, messages_of(prompt), tools)
 
 
 def prompt_text(prompt: Prompt) -> str:
