@@ -298,8 +298,17 @@ def test_validate_false_skips_the_check_but_keeps_padding_safe():
 
 def test_metrics_to_floats():
     assert metrics_to_floats({}) == {}
-    out = metrics_to_floats({"a": torch.tensor(1.5), "b": 2, "c": torch.tensor(3.0, dtype=torch.float64)})
-    assert out == {"a": 1.5, "b": 2.0, "c": 3.0} and all(type(v) is float for v in out.values())
+    out = metrics_to_floats({"a": torch.tensor(1.5), "b": 2, "c": torch.tensor(3.0, dtype=torch.float64),
+                             "d": torch.tensor(4), "e": torch.tensor(True), "f": torch.tensor([0.1]),
+                             "g": torch.tensor(0.1, requires_grad=True)})
+    assert out == {"a": 1.5, "b": 2.0, "c": 3.0, "d": 4.0, "e": 1.0, "f": float(torch.tensor(0.1)),
+                   "g": float(torch.tensor(0.1))}
+    assert all(type(v) is float for v in out.values())
+    from rollcorr.correction.metrics import _read_at_once  # the path of device tensors: one sync, same floats
+
+    values = {"a": torch.tensor(1.5), "b": 2, "c": torch.tensor(0.1, dtype=torch.float64), "d": torch.tensor(4),
+              "f": torch.tensor([0.1]), "g": torch.tensor(0.1, requires_grad=True)}
+    assert _read_at_once(values) == metrics_to_floats(values)
 
 
 def test_rs_seq_masked_fraction_counts_valid_rows_only():

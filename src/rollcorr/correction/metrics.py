@@ -536,9 +536,17 @@ def decomposition_metrics(
 
 
 def metrics_to_floats(metrics: dict[str, Tensor | float]) -> dict[str, float]:
-    """Python floats for logging: one device sync for the whole dict (the 0-d tensors stacked per dtype, cast to
-    float64 together, read at once). Stacked as they are (no per-value reshape / detach: ~1 µs each, 65 values
-    a call); a one-element tensor of another shape is reshaped to 0-d first."""
+    """Python floats for logging. Values on the CPU are read one by one (``item``: a CPU read waits for nothing,
+    and 65 reads cost less than stacking 65 tensors); elsewhere one device sync for the whole dict (the 0-d
+    tensors stacked per dtype, cast to float64 together, read at once; a one-element tensor of another shape is
+    reshaped to 0-d first). Either way each float is the value's exact float64."""
+    if all(not isinstance(v, Tensor) or v.device.type == "cpu" for v in metrics.values()):
+        return {k: float(v.item()) if isinstance(v, Tensor) else float(v) for k, v in metrics.items()}
+    return _read_at_once(metrics)
+
+
+def _read_at_once(metrics: dict[str, Tensor | float]) -> dict[str, float]:
+    """``metrics_to_floats`` with one device sync: the tensors stacked per dtype, cast to float64, read together."""
     by_dtype: dict[torch.dtype, list[str]] = {}
     for key, value in metrics.items():
         if isinstance(value, Tensor):
