@@ -140,6 +140,41 @@ def test_the_hf_sampler_records_kept_sets_and_the_learner_scores_over_them():
 
 
 @builtin
+def test_the_audit_under_the_keep_mask_sees_no_mismatch_on_one_engine_and_the_processed_one_the_kept_mass():
+    """``rollcorr audit --top-p 0.8 --sampler-dist keep_mask`` with one engine on both sides: the learner scored
+    over the sampler's kept sets gives k3 ≈ 0 (float noise, as the full comparison); compared with the
+    renormalised distribution (processed) the learner's full one sees the kept mass, k3 = mean e^x − 1 − x of
+    x = log kept mass."""
+    from rollcorr.audit.collect import collect, from_rollout
+    from rollcorr.audit.stats import audit_stats
+
+    sampler, learner = make_sampler("hf:fp32"), make_learner("hf:fp32")
+
+    def k3_of(dist: str) -> tuple[float, Rollout, torch.Tensor]:
+        params = SamplingParams(max_new_tokens=6, temperature=1.0, top_p=0.8, seed=0,
+                                record_kept_ids=dist == "keep_mask")
+        rollout = collect(sampler, learner, PROMPTS, params, batch_size=8)
+        data = from_rollout(rollout, sampler_dist=dist)
+        stats = audit_stats(data.rollout_log_prob, data.old_log_prob, data.response_mask)
+        valid = rollout.response_mask.bool()
+        return stats["divergence"]["k3_kl"], rollout, valid
+
+    kept, r, valid = k3_of("keep_mask")
+    assert r.kept_ids is not None
+    noise = float((r.old_log_prob - r.rollout_log_prob)[valid].abs().max())  # log ρ: the engines' float noise
+    assert noise < 1e-3  # not the kept mass (≈ −0.1 and below)
+    assert 0 <= kept <= noise**2 + 4 * EPS32  # k3 = e^x − 1 − x ≤ x² for |x| ≤ 1, plus its float32 rounding
+    processed, r, valid = k3_of("processed")
+    assert r.kept_ids is None
+    x = r.log_kept_mass[valid].double()
+    artefact = float((x.exp() - 1 - x).mean())  # what one engine shows against the renormalised distribution
+    # log ρ = log kept mass + ε (ε the engines' noise); k3 moves by at most |ε| · |e^x − 1| ≤ |ε| for x ≤ 0
+    eps = float((r.old_log_prob - r.rollout_log_prob - r.log_kept_mass)[valid].abs().max())
+    assert artefact > 1000 * (noise**2 + 4 * EPS32)
+    assert abs(processed - artefact) <= eps + 4 * EPS32
+
+
+@builtin
 def test_resumed_rows_keep_the_sets_they_were_drawn_from():
     sampler = make_sampler("hf:fp32")
     params = SamplingParams(max_new_tokens=6, temperature=1.0, top_k=4, seed=1, record_kept_ids=True)

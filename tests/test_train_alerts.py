@@ -265,3 +265,17 @@ def test_the_lr_rule_counts_the_weights_that_train():
     said = lr_warning(135_000_000, 3e-3, trainable=920_000)
     assert said.startswith("warning: optim.lr=0.003 is far above the usual range for LoRA adapters (0.9 M trainable")
     assert lr_warning(135_000_000, 2e-4, trainable=135_000_000) is not None  # every weight trains: the full rule
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_trainer_hands_the_lr_rule_the_weights_that_train(tmp_path, addition_model_dir, capsys, monkeypatch, lora):
+    """The rule at the start of a run counts the learner's trainable parameters: with the threshold lowered to the
+    built-in model's size, lr 2e-4 is "far above" for the full learner and in range for its LoRA adapters."""
+    monkeypatch.setattr(alerts, "LARGE_MODEL", 1)
+    extra = ["model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj]"] if lora else []
+    train(tmp_path, addition_model_dir, "trainer.steps=1", "optim.lr=2e-4", *extra)
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: optim.lr=")]
+    if lora:
+        assert said == []
+    else:
+        assert len(said) == 1 and "far above the usual range for a model of" in said[0]

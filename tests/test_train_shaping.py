@@ -13,7 +13,14 @@ from rollcorr.config.correction import CorrectionConfig
 from rollcorr.losses import LossConfig, policy_loss
 from rollcorr.losses.kl import kl_loss, kl_penalty, kl_reward_penalty
 from rollcorr.rollout import Rollout
-from rollcorr.train.step import StepConfig, _loss, reward_metrics, shaped_rewards, truncated_rows
+from rollcorr.train.step import (
+    StepConfig,
+    _loss,
+    correct_and_advantage,
+    reward_metrics,
+    shaped_rewards,
+    truncated_rows,
+)
 
 LOG_PI = [[-0.5, -1.0, -2.0], [-0.1, -3.0, 0.0]]
 LOG_REF = [[-0.7, -1.0, -1.5], [-0.4, -2.0, 0.0]]
@@ -45,6 +52,25 @@ def test_the_kl_loss_is_the_hand_computed_estimate_aggregated_as_the_loss():
     nan = log_pi.clone().requires_grad_(True)
     kl_loss(nan.masked_fill(~mask, math.nan), log_ref, mask, "k3", "token-mean").backward()
     assert torch.isfinite(nan.grad).all() and (nan.grad[~mask] == 0).all()
+
+
+def test_k2_abs_and_the_straight_through_estimators_by_hand():
+    """k2 = ½Δ² and abs = |Δ| (Δ = log π − log π_ref) token-averaged; k3+ keeps k3's value and takes k2's
+    gradient, Δ / (kept tokens) per token (autograd against the hand-computed derivative)."""
+    log_pi, log_ref, mask = tensors()
+    deltas = [p - r for rp, rr, rm in zip(LOG_PI, LOG_REF, MASK) for p, r, m in zip(rp, rr, rm) if m]
+    assert kl_loss(log_pi, log_ref, mask, "k2", "token-mean").item() == pytest.approx(
+        sum(0.5 * d * d for d in deltas) / 5, rel=1e-12)
+    assert kl_loss(log_pi, log_ref, mask, "abs", "token-mean").item() == pytest.approx(
+        sum(abs(d) for d in deltas) / 5, rel=1e-12)
+    x = log_pi.clone().requires_grad_(True)
+    value = kl_loss(x, log_ref, mask, "k3+", "token-mean")
+    assert value.item() == pytest.approx(kl_loss(log_pi, log_ref, mask, "k3", "token-mean").item(), rel=1e-12)
+    value.backward()
+    want = torch.where(mask, (log_pi - log_ref) / 5, torch.zeros_like(log_pi))
+    assert torch.allclose(x.grad, want, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="unknown kl_penalty 'k4'"):
+        kl_loss(log_pi, log_ref, mask, "k4", "token-mean")
 
 
 def test_the_kl_in_the_reward_is_the_hand_computed_sum_per_response():
@@ -82,6 +108,30 @@ def test_response_metrics_as_trl_names_them():
     none_ended = reward_metrics(rollout([1.0, 0.0], [4, 4], [True, True], [0, 0]))
     assert math.isnan(none_ended["response/terminated_length_mean"])
     assert truncated_rows(replace(r, meta=[])).tolist() == [False] * 4  # rows without the flag: not cut
+
+
+class _NoStrategy:
+    """A π_old strategy that watches nothing (correct_and_advantage tells it the keep share)."""
+
+    def after_correction(self, rollout, version):
+        pass
+
+
+def test_mask_truncated_takes_the_cut_responses_out_of_the_loss_and_leaves_them_in_the_baselines():
+    """rollout.mask_truncated (TRL's mask_truncated_completions): a response cut at the token cap keeps none of
+    its tokens in the loss; its reward still counts in its group's mean and std, so every other row's advantage
+    and kept tokens are what they are without the mask."""
+    r = rollout([1.0, 0.0, 1.0, 0.0], [4, 2, 4, 3], [True, False, False, True], [0, 0, 1, 1])
+    r = replace(r, old_log_prob=r.rollout_log_prob.clone())  # π_old = μ: every weight 1, every token kept
+    plain, _ = correct_and_advantage(r, step_config(), None, _NoStrategy(), 0)
+    masked, _ = correct_and_advantage(r, step_config(mask_truncated=True), None, _NoStrategy(), 0)
+    cut = torch.tensor([True, False, False, True])
+    assert torch.equal(plain.kept_mask, r.response_mask)  # nothing rejected without the mask
+    assert not masked.kept_mask[cut].any()
+    assert torch.equal(masked.kept_mask[~cut], plain.kept_mask[~cut])
+    assert torch.equal(masked.advantages, plain.advantages)  # the cut rows stayed in the baselines
+    # each group holds rewards 1 and 0: with the cut rows out of the baselines the others' advantage would be 0
+    assert (plain.advantages[~cut][plain.kept_mask[~cut]] != 0).all()
 
 
 def test_dapo_overlong_punishment_and_the_kl_reward_by_hand():
