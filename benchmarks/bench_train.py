@@ -23,9 +23,10 @@ strategy's own time per step (``proximal/seconds``, mean), the extra memory it h
 last step) and, with ``measure_error=true``, the mean |log π_old − log π_train(v_gen)| against the exact old
 logits (``proximal/error/logp_abs_err_mean``; 0 for exact strategies).
 
-Part 3 — memory (``--memory``, alone): one whole run per variant (the learner as configured, and with LoRA r = 8
-on the attention projections), each in a fresh process (``benchmarks/memory_probe.py``): its peak resident set
-(``ru_maxrss``, exact whatever the load) and where it sat, what each part of the trainer holds at the end (each
+Part 3 — memory (``--memory``, alone): one whole run per variant (the learner as configured, the same without
+gradient checkpointing, and with LoRA r = 8 on the attention projections), each in a fresh process
+(``benchmarks/memory_probe.py``): its peak resident set (``ru_maxrss``: exact for its run, yet not the same from
+one run to the next) and where it sat, what each part of the trainer holds at the end (each
 tensor storage counted once), and the final checkpoint's files against the weights plus AdamW's two moments of
 the trainable ones. The probe turns checkpoints off until the end, so the run writes exactly one.
 
@@ -136,6 +137,7 @@ def modes_table(overrides: list[str], steps: int, warmup: int, repeats: int, pre
 
 MEMORY_VARIANTS = {
     "learner as configured": [],
+    "without gradient checkpointing": ["model.gradient_checkpointing=false"],
     "LoRA r=8 (q, k, v, o)": ["model.lora.r=8", "model.lora.alpha=16"],
 }
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_probe.py")

@@ -221,40 +221,76 @@ def test_held_bytes_counts_a_shared_storage_once_for_the_first_part_that_holds_i
 # ---------------------------------------------------------------- the committed measurement and the docs
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks/results/bench_train_memory.txt"
+EARLIER = RESULTS.with_name("bench_train_memory_earlier.txt")  # the same command, run once before
 DOCS = Path(__file__).resolve().parents[1] / "docs/training.md"
 
 
-def measured() -> dict[str, dict[str, float]]:
-    """Per variant of benchmarks/results/bench_train_memory.txt: peak RSS (GB), checkpoint (MB) and its ratio."""
+def measured(path: Path = RESULTS) -> dict[str, dict[str, float]]:
+    """Per variant of benchmarks/results/bench_train_memory.txt (or ``path``): peak RSS (GB), checkpoint (MB) and its
+    ratio, the learner's CPU seconds a step."""
     out: dict[str, dict[str, float]] = {}
-    for block in RESULTS.read_text().split("\n## ")[1:]:
+    for block in path.read_text().split("\n## ")[1:]:
         name = block.split(":", 1)[0]
         peak = re.search(r"^peak RSS ([\d.]+) GB", block, re.M)
         ckpt = re.search(r"^checkpoint ([\d.]+) MB \(.*\) = ([\d.]+)x", block, re.M)
-        out[name] = {"peak_gb": float(peak[1]), "checkpoint_mb": float(ckpt[1]), "ratio": float(ckpt[2])}
+        cpu = re.search(r"^learner CPU s/step \(median\) ([\d.]+);", block, re.M)
+        out[name] = {"peak_gb": float(peak[1]), "checkpoint_mb": float(ckpt[1]), "ratio": float(ckpt[2]),
+                     "cpu_s": float(cpu[1])}
     return out
 
 
 def test_the_committed_smollm2_run_meets_the_memory_targets_and_the_docs_quote_it():
     """The committed output is SmolLM2-135M at --config instruct (its header says so); the full learner's run peaks
-    at ≤ 4 GB with a checkpoint ≤ 1.3 × (weights + AdamW), the LoRA one's checkpoint ≤ 50 MB; docs/training.md
-    shows the file as it is and quotes its numbers."""
+    at ≤ 4 GB with a checkpoint ≤ 1.3 × (weights + AdamW), the LoRA one's checkpoint ≤ 50 MB; without gradient
+    checkpointing (which the preset turns on) the same run peaks above 4 GB; docs/training.md shows the file as it
+    is and quotes its numbers, docs/tasks.md and the preset's comment the two peaks."""
     text = RESULTS.read_text()
     header = text.splitlines()
     assert "--memory --config instruct" in header[0] and "smollm2-135m" in header[0]
     assert header[1].startswith("# machine: ") and header[2].startswith("# load average before: ")
-    full, lora = measured().values()
-    assert full["peak_gb"] <= 4.0 and full["ratio"] <= 1.3 and lora["checkpoint_mb"] <= 50
+    assert header[-1].startswith("# load average after: ")
+    variants = measured()
+    assert list(variants) == ["learner as configured", "without gradient checkpointing", "LoRA r=8 (q, k, v, o)"]
+    full, plain, lora = variants.values()
+    assert full["peak_gb"] <= 4.0 < plain["peak_gb"] and full["ratio"] <= 1.3 and lora["checkpoint_mb"] <= 50
+    assert plain["checkpoint_mb"] == full["checkpoint_mb"]  # the same weights and moments
     docs = DOCS.read_text()
     assert text.strip() in docs  # the block is the file
     prose = " ".join(docs.split())
     assert f"peaks at {full['peak_gb']:.2f} GB" in prose
-    assert f"Its checkpoint is {full['checkpoint_mb'] / 1000:.2f} GB, {full['ratio']:.2f}×" in prose
+    assert (f"Without it (`model.gradient_checkpointing=false`) the same run peaks at {plain['peak_gb']:.2f} GB, "
+            f"{plain['peak_gb'] - full['peak_gb']:.2f} GB more") in prose
+    assert (f"the learner's {plain['cpu_s']:.2f} CPU seconds a step become {full['cpu_s']:.2f} with it "
+            f"({full['cpu_s'] / plain['cpu_s']:.2f}×") in prose
+    # the run before: the same command and variants; how far a peak moved, against checkpointing's saving
+    earlier = EARLIER.read_text().splitlines()
+    assert earlier[0] == header[0] and earlier[1] == header[1]  # the same command on the same machine
+    assert earlier[2].startswith("# load average before: ") and earlier[-1].startswith("# load average after: ")
+    assert earlier[3].startswith("# an earlier run of the same command")
+    loads = (earlier[2].split(": ")[1].split()[0], earlier[-1].split(": ")[1].split()[0])
+    assert f"(`benchmarks/results/bench_train_memory_earlier.txt`, load average {loads[0]} before, {loads[1]} after)" \
+        in prose
+    before = measured(EARLIER)
+    assert list(before) == list(variants)
+    moved = max(abs(before[k]["peak_gb"] - variants[k]["peak_gb"]) for k in variants)
+    saving = [v["without gradient checkpointing"]["peak_gb"] - v["learner as configured"]["peak_gb"]
+              for v in (variants, before)]
+    assert moved < min(saving)
+    a, b, c = (f"{v['peak_gb']:.2f}" for v in before.values())
+    assert (f"gave peaks of {a}, {b} and {c} GB: a variant's peak moved by up to {moved:.2f} GB from one run to the "
+            f"next, less than checkpointing's saving in either run ({saving[0]:.2f} and {saving[1]:.2f} GB)") in prose
+    assert f"The full learner's checkpoint is {full['checkpoint_mb'] / 1000:.2f} GB, {full['ratio']:.2f}×" in prose
     assert f"With LoRA r = 8 the checkpoint is {lora['checkpoint_mb']:.1f} MB" in prose
     table_row = next(line for line in docs.splitlines() if line.startswith("| `trainer.eval_every`"))
     assert f"{full['checkpoint_mb'] / 1000:.2f} GB for SmolLM2-135M" in table_row
+    peaks = f"{full['peak_gb']:.2f} GB, {plain['peak_gb']:.2f} GB without it"
+    tasks = " ".join((RESULTS.parents[2] / "docs/tasks.md").read_text().split())
+    assert f"a 2-step run of SmolLM2-135M peaks at {peaks}" in tasks
     preset = (RESULTS.parents[2] / "src/rollcorr/train/configs/instruct.yaml").read_text()
     assert f"(SmolLM2-135M's: {full['checkpoint_mb'] / 1000:.2f} GB with AdamW's state)" in preset
+    comment = " ".join(line.split("#", 1)[1].strip() for line in preset.splitlines()
+                       if line.lstrip().startswith(("gradient_checkpointing", "#")) and "#" in line)
+    assert f"SmolLM2-135M peaks at {peaks}" in comment
 
 
 def test_adapters_are_read_as_data_and_a_linked_file_is_refused(tmp_path):
