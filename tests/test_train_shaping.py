@@ -185,3 +185,28 @@ def test_a_run_with_a_kl_term_starts_at_zero_kl_and_moves(tmp_path, addition_mod
     steps = [r for r in rows if "kl/reference" in r]
     assert [r["step"] for r in steps] == [1, 2, 3] and steps[0]["kl/reference"] == 0.0
     assert steps[-1]["kl/reference"] > 0 and all("actor/kl_loss" in r and "response/clipped_ratio" in r for r in steps)
+
+
+def test_the_reference_says_its_memory_cost_the_bytes_of_the_weights_it_copies(addition_model_dir):
+    """algorithm.kl's memory cost as the run states it: a full learner's reference is a copy of every parameter and
+    persistent buffer (tied weights once), in storage of its own, and the start line gives those bytes; a LoRA
+    learner's holds nothing (its base, adapters off)."""
+    from rollcorr.engines import make_learner
+    from rollcorr.train.reference import FrozenReference
+
+    learner = make_learner("hf:fp32", addition_model_dir)
+    model = learner.model
+    state = model.state_dict()
+    by_hand = sum(p.numel() * p.element_size() for p in model.parameters())  # parameters(): tied ones once
+    by_hand += sum(b.numel() * b.element_size() for name, b in model.named_buffers() if name in state)
+    ref = FrozenReference(learner)
+    assert ref.bytes == by_hand > 0
+    ours = {t.untyped_storage().data_ptr() for t in state.values()}
+    assert not ours & {t.untyped_storage().data_ptr() for t in ref.weights.values()}  # a copy, not the model's
+    assert f"a frozen copy of the starting weights, {by_hand / 1e9:.2f} GB beside the model" in ref.describe(
+        0.1, "k3", "loss")
+    lora = make_learner("hf:fp32", addition_model_dir,
+                        lora={"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]})
+    held = FrozenReference(lora)
+    assert held.weights is None and held.bytes == 0
+    assert "the base model with the LoRA adapters off: no extra weights" in held.describe(0.1, "k3", "reward")
