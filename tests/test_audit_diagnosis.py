@@ -33,16 +33,19 @@ def test_an_fp32_pair_localises_nothing(learner):
     assert loc["entry"].startswith("Nothing to localise")
 
 
-def test_a_perturbed_layer_is_localised_to_that_layer(learner):
+@pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
+def test_a_perturbed_layer_is_localised_to_that_layer(learner, exact):
     """A sampler whose layer-2 MLP weights were moved (everything else the learner's, fp32): its mismatch is that
-    component's — the largest share by far — and the hidden states agree exactly up to that MLP."""
+    component's — the largest share by far, measured in both modes — and the hidden states agree exactly up to
+    that MLP."""
     sampler = make_sampler("hf:fp32")
     with torch.no_grad():
         weight = sampler.model.model.layers[2].mlp.down_proj.weight
         weight.add_(0.05 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)))
-    loc = localize(sampler, learner, _rollout(sampler, learner))
+    loc = localize(sampler, learner, _rollout(sampler, learner), exact=exact)
+    assert loc["mode"] == ("exact" if exact else "estimate")
     ranked = sorted(loc["components"], key=lambda c: -c["share"])
-    assert ranked[0]["component"] == "layer 2 mlp" and ranked[0]["share"] > 0.9
+    assert ranked[0]["component"] == "layer 2 mlp" and ranked[0]["share"] > 0.9 and ranked[0]["method"] == "exact"
     assert all(c["k3"] == 0.0 for c in ranked[1:])  # swapping any other component changes nothing
     by_site = {(s["layer"], s["site"]): s["rel_error"] for s in loc["sites"]}
     assert by_site[(2, "attention")] == 0.0 and by_site[(2, "mlp")] > 0 and by_site[(3, "input")] > 0
@@ -90,12 +93,17 @@ def test_audit_localize_and_whatif_fp16_of_a_bf16_pair(tmp_path, capsys):
     assert any(s.startswith("Measured on this model (--whatif)") for s in summary["verdict"])
     assert not any("Precision alone would remove" in s for s in summary["verdict"])  # measured, not quoted
     assert "Where it enters" in capsys.readouterr().out
+    # the default estimated most shares, and says so: per row, in the sentence, on the page
+    assert loc["mode"] == "estimate" and {c["method"] for c in loc["components"]} == {"exact", "estimate"}
+    assert "estimated to first order" in loc["entry"]
+    assert "first-order estimate</td>" in page and "exact: swapped in alone</td>" in page
 
 
 def test_diagnosis_refusals_are_one_line_before_loading(tmp_path, capsys):
     for argv, message in (
         (["--sampler", "llamacpp:q4_0", "--localize"], "--localize compares the two models module by module"),
         (["--localize", "0"], "--localize N: N must be >= 1"),
+        (["--localize-exact"], "--localize-exact measures --localize's components exactly: add --localize"),
         (["--whatif", "fp8"], "unknown change 'fp8'"),
         (["--sampler", "vllm:bf16", "--whatif", "batch"], "--whatif batch: needs the sampler's modules"),
     ):

@@ -55,24 +55,30 @@ def test_each_component_from_its_layer_equals_the_whole_swapped_forward(pair):
         [i for i in range(layers) for _ in range(2)]
 
 
-def test_localize_runs_each_decoder_layer_only_from_the_component_on(pair):
-    """Decoder-layer calls of the learner in one localize: L (the reference forward) + 2·L (the embedding and the
-    residual stream, whole) + Σ_i 2·(L − i) (each layer's attention and MLP from layer i on); the norm and the
-    head run none. The whole-forward way was L·(2L + 5): on a 30-layer model 1,020 calls against 1,950."""
-    learner, sampler, rollout, _ = pair
-    layers = learner.model.config.num_hidden_layers
+def _layer_calls_of(learner, sampler, rollout, **kw):
+    """localize's result and how many times the learner's decoder layers ran in it."""
     count = [0]
     handles = [layer.register_forward_pre_hook(lambda *a: count.__setitem__(0, count[0] + 1))
                for layer in learner.model.get_decoder().layers]
     try:
-        loc = localize(sampler, learner, rollout, responses=8)
+        loc = localize(sampler, learner, rollout, responses=8, **kw)
     finally:
         for h in handles:
             h.remove()
-    assert count[0] == layers + 2 * layers + sum(2 * (layers - i) for i in range(layers))
-    assert count[0] < layers * (2 * layers + 5)
+    return loc, count[0]
+
+
+def test_localize_exact_runs_each_decoder_layer_only_from_the_component_on(pair):
+    """Decoder-layer calls of the learner in one --localize-exact: L (the reference forward) + 2·L (the embedding
+    and the residual stream, whole) + Σ_i 2·(L − i) (each layer's attention and MLP from layer i on); the norm and
+    the head run none. The whole-forward way was L·(2L + 5): on a 30-layer model 1,020 calls against 1,950."""
+    learner, sampler, rollout, _ = pair
+    layers = learner.model.config.num_hidden_layers
+    loc, count = _layer_calls_of(learner, sampler, rollout, exact=True)
+    assert count == layers + 2 * layers + sum(2 * (layers - i) for i in range(layers))
+    assert count < layers * (2 * layers + 5)
     # in whole forwards, the components alone: L·(L + 3) layer calls now, L·(2L + 4) before — as the page says
-    assert count[0] - layers == layers * (layers + 3)
+    assert count - layers == layers * (layers + 3)
     from pathlib import Path
 
     page = " ".join((Path(__file__).resolve().parents[1] / "docs/audit.md").read_text(encoding="utf-8").split())
@@ -80,16 +86,37 @@ def test_localize_runs_each_decoder_layer_only_from_the_component_on(pair):
     assert loc["full_forward"]["k3"] > 0 and abs(sum(c["share"] for c in loc["components"]) - loc["share_sum"]) < 1
 
 
+def test_the_default_runs_the_learner_once_and_the_measured_components_from_their_layer(pair):
+    """The default: the learner's decoder layers run in its one reference forward (the estimate's backward runs none
+    again) and in the exact measurement of the components it refines, each from its layer on — at most the
+    largest estimate's run and REFINE forwards' worth beside it (at 30 layers at most 30 + 30 + 9 layer calls,
+    against 1,020 for --localize-exact)."""
+    from rollcorr.audit.localize import REFINE, head_cost, layers_run
+
+    learner, sampler, rollout, _ = pair
+    layers = learner.model.config.num_hidden_layers
+    loc, count = _layer_calls_of(learner, sampler, rollout)
+    paths = dict(components(learner.model))
+    runs = [layers_run(learner.model, paths[name]) for name in loc["refined"]]  # decoder layers of each
+    assert loc["refined"] and count == layers + sum(runs)
+    assert sum(runs) <= layers + REFINE * (layers + head_cost(
+        learner.model, rollout.response_ids.shape[1], rollout.prompt_ids.shape[1] + rollout.response_ids.shape[1]))
+    assert count < layers + 2 * layers + sum(2 * (layers - i) for i in range(layers))  # the exact mode's
+
 
 def _deep_localization(layers: int) -> dict:
-    """A --localize result of the shape ``localize`` returns, for a model of ``layers`` layers."""
+    """A --localize result of the shape ``localize`` returns (the default's: the two largest shares measured, the
+    rest estimated), for a model of ``layers`` layers."""
     sites = [{"layer": i, "site": site, "rel_error": 1e-3 * (1 + i)} for i in range(layers)
              for site in ("input", "attention", "mlp")] + [{"layer": None, "site": "final norm", "rel_error": 0.05},
                                                           {"layer": None, "site": "logits", "rel_error": 0.06}]
     names = ["embedding", *(f"layer {i} {k}" for i in range(layers) for k in ("attention", "mlp")), "final norm",
              "lm head", "residual stream"]
     shares = torch.rand(len(names), generator=torch.Generator().manual_seed(0)).tolist()
-    return {"sites": sites, "components": [{"component": n, "share": v / sum(shares)} for n, v in zip(names, shares)]}
+    measured = sorted(shares)[-2:]
+    return {"sites": sites, "components": [{"component": n, "share": v / sum(shares),
+                                            "method": "exact" if v in measured else "estimate"}
+                                           for n, v in zip(names, shares)]}
 
 
 @pytest.mark.parametrize("layers", [4, 30, 64])
@@ -109,6 +136,8 @@ def test_the_localization_figure_reads_at_any_depth(layers):
         assert ax.get_xlim()[1] >= layers - 1
     names = right.get_yticklabels()
     assert len(names) == 10 and all(t.get_fontsize() >= 8 for t in names)
+    assert sum(t.get_text().endswith(" (est.)") for t in names) == 8  # the two measured are not marked
+    assert "hatched: first-order estimate" in middle.get_title()
     figure = fig.bbox
     assert [t.get_text() for t in left.get_legend().get_texts()][-2:] == ["final norm", "logits"]
     for text in [*names, *(ax.title for ax in fig.axes[:3])]:
@@ -145,16 +174,40 @@ def test_a_mixture_of_experts_from_its_layer_equals_the_whole_forward(family):
 
 
 def test_the_audit_page_reads_the_committed_benchmark():
-    """docs/audit.md's sentence on the cost, against benchmarks/results/bench_localize.txt: faster than whole
-    forwards, still more than twice the audit's own sampling and scoring on a 30-layer model."""
+    """docs/audit.md's sentence on the cost is benchmarks/results/bench_localize.txt's (a generated header: machine,
+    load before and after, the command), on a 30-layer model: the default's seconds and ratios (wall, CPU) to the
+    audit's sampling and scoring, `rollcorr audit --localize` against the plain audit end to end, the exact mode's
+    seconds, the largest estimate against its measurement, and whether the two modes named the same component
+    first."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     lines = (root / "benchmarks/results/bench_localize.txt").read_text().splitlines()
     assert lines[0].startswith("# bench_localize: ") and "load before" in lines[0] and "command: " in lines[1]
-    assert "(30 layers)" in lines[1] and "shares identical both ways: True" in lines[2]
+    assert lines[-1].startswith("# load after ") and "(30 layers)" in lines[1]
+    assert "-n 8 --max-new-tokens 32" in lines[1] and "--cli" in lines[1]
     rows = {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in (line.split("|") for line in lines if "|" in line)}
-    now, before = float(rows["localize, prefix reused"][1]), float(rows["localize, whole forwards (before)"][1])
-    assert before > now > 2
+    audit = [float(x) for x in rows["audit: sampling and scoring (mean of the runs before and after the default)"]]
+    fast = [float(x) for x in rows["localize (default: first-order estimate, largest measured)"]]
+    exact = [float(x) for x in rows["localize --localize-exact (prefix reused)"]]
+    plain = [float(x) for x in rows["rollcorr audit (mean of the runs before and after)"]]
+    cli = [float(x) for x in rows["rollcorr audit --localize"]]
+    for row, base in ((fast, audit), (exact, audit), (cli, plain)):  # the ratios are the table's own seconds'
+        for sec, ratio in ((0, 1), (2, 3)):  # within the printing's rounding: seconds ± 0.05, a ratio ± 0.005
+            a, b = row[sec], base[sec]
+            assert abs(row[ratio] - a / b) <= 0.005 + 0.05 * (1 / b + a / b**2), (row, base)
+    assert exact[0] > fast[0] and exact[2] > fast[2]  # the default is the faster
+    same = rows["top component"][2] == "same: True"
+    first = next(line for line in lines if line.startswith("measured by the default | "))
+    name, measured = first.split("|")[1].strip().split(": ", 1)
+    share, estimate = measured.removesuffix(" %)").split(" % (estimate ")
+    exact_share = first.split("|")[2].strip().removeprefix("exact run: ")
     page = " ".join((root / "docs/audit.md").read_text(encoding="utf-8").split())
-    assert "on SmolLM2's 30 layers reusing the prefix makes it faster, but localising still costs several times the audit itself" in page
+    sentence = (f"on SmolLM2's 30 layers (8 responses of 32 tokens) the default took {fast[0]:.1f} s against "
+                f"{audit[0]:.1f} s for the audit's sampling and scoring: {fast[1]:.2f}× in wall time, {fast[3]:.2f}× "
+                f"in CPU time; `rollcorr audit --localize` took {cli[0]:.0f} s end to end against {plain[0]:.0f} s "
+                f"for the plain audit ({cli[1]:.2f}× wall, {cli[3]:.2f}× CPU); --localize-exact took {exact[0]:.0f} s "
+                f"({exact[1]:.1f}× the sampling and scoring). The default measured its largest estimate, the {name}: "
+                f"{share} % of the k3, estimated at {estimate} % (--localize-exact: {exact_share}); the two modes "
+                f"named {'the same' if same else 'a different'} component first.")
+    assert sentence in page, sentence

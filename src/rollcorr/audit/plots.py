@@ -289,8 +289,9 @@ def localization_figure(loc: dict):
     """Three panels on a layer axis (ticks chosen by matplotlib, so 4 or 60 layers read alike). Left: ‖h_sampler −
     h_learner‖ / ‖h_learner‖ at each layer's input, attention and MLP output, the final norm and the logits
     drawn after the last layer. Middle: each layer's attention and MLP share of the sampler forward's k3 (swapped
-    alone into the fp32 learner; routers too). Right: the ``LOCALIZATION_NAMED`` largest shares by name,
-    the embedding, final norm, lm-head and residual stream among them where they are large."""
+    alone into the fp32 learner; routers too; hatched where it is the first-order estimate). Right: the
+    ``LOCALIZATION_NAMED`` largest shares by name ("(est.)": estimated), the embedding, final norm, lm-head and
+    residual stream among them where they are large."""
     sites, comps = loc["sites"], loc["components"]
     depth = 1 + max([s["layer"] for s in sites if s["layer"] is not None] + [0])
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [1.2, 1.2, 1]})
@@ -307,19 +308,25 @@ def localization_figure(loc: dict):
     width = 0.4
     for kind, offset, color in (("attention", -width / 2, "#4c72b0"), ("mlp", width / 2, "#c44e52"),
                                 ("router", width / 2, "#8172b3")):
-        at = [(int(c["component"].split()[1]), c["share"]) for c in comps
+        at = [(int(c["component"].split()[1]), c["share"], c.get("method") == "estimate") for c in comps
               if c["component"].startswith("layer ") and c["component"].endswith(kind)]
         if at:
-            middle.bar([i + offset for i, _ in at], [100 * v for _, v in at], width, color=color, label=kind)
+            middle.bar([i + offset for i, _, _ in at], [100 * v for _, v, _ in at], width, color=color, label=kind,
+                       hatch=[("//" if est else "") for _, _, est in at], edgecolor="white", linewidth=0)
+    middle.axhline(0, color="#333", lw=0.6)
     middle.set(xlabel="layer", ylabel="% of the sampler forward's k3")
-    middle.set_title("What each layer's components add, swapped in alone", fontsize=10)
+    estimated = any(c.get("method") == "estimate" for c in comps)
+    middle.set_title("What each layer's components add" + (" (hatched: first-order estimate)" if estimated else
+                                                            ", swapped in alone"), fontsize=10)
     middle.legend(fontsize=8)
     for ax in (left, middle):
         ax.xaxis.set_major_locator(MaxNLocator(nbins=12, integer=True))
         ax.grid(alpha=0.3)
     named = sorted(comps, key=lambda c: -c["share"])[:LOCALIZATION_NAMED][::-1]
-    right.barh(range(len(named)), [100 * c["share"] for c in named], color="#c44e52")
-    right.set_yticks(range(len(named)), [c["component"] for c in named], fontsize=8)
+    right.barh(range(len(named)), [100 * c["share"] for c in named], color="#c44e52",
+               hatch=["//" if c.get("method") == "estimate" else "" for c in named], edgecolor="white", linewidth=0)
+    right.set_yticks(range(len(named)), [c["component"] + (" (est.)" if c.get("method") == "estimate" else "")
+                                         for c in named], fontsize=8)
     right.set(xlabel="% of the sampler forward's k3")
     right.set_title(f"The {len(named)} largest shares", fontsize=10)
     right.grid(alpha=0.3, axis="x")

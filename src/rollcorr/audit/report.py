@@ -330,8 +330,9 @@ CAPTIONS = {
     "interval over responses; the arrow, the FP16 paper's ~24× lower KL. Diamonds: what each --whatif change left.",
     "localization": "Left: how far the sampler's hidden state is from the learner's at each layer (an error there "
     "includes everything upstream). Middle: each layer's attention and MLP own contribution — the sampler's version "
-    "of that component alone swapped into the fp32 learner — as a share of the sampler forward's k3. Right: the "
-    "largest shares by name (the embedding, final norm, lm-head and residual stream among them when large).",
+    "of that component alone swapped into the fp32 learner — as a share of the sampler forward's k3, measured or, "
+    "hatched, estimated to first order. Right: the largest shares by name ((est.): estimated; the embedding, final "
+    "norm, lm-head and residual stream among them when large).",
 }
 
 WHATIF_COLUMNS = (("share < 0.001", "prob_diff_frac_lt_1e-3", True), ("share ≥ 0.01", "prob_diff_frac_ge_0.01", True),
@@ -400,6 +401,31 @@ def commands_html(summary: dict[str, Any]) -> str:
                    for c in summary.get("commands", []))
 
 
+
+LOCALIZATION_METHODS = {"exact": "exact: swapped in alone", "estimate": "first-order estimate"}
+
+
+def _localization_html(loc: dict[str, Any], figure_html: str) -> str:
+    """The "Where it enters" section: the sentence, the figure, and each component's k3 and share, each said as
+    measured (swapped in alone) or estimated (first order), with the estimate beside a measured share."""
+    esc = html.escape
+
+    def row(c: dict[str, Any]) -> str:
+        estimate = f"{100 * c['estimate']:.1f} %" if "estimate" in c else ""
+        return (f"<tr><td>{esc(c['component'])}</td><td class='num'>{c['k3']:.3g}</td>"
+                f"<td class='num'>{100 * c['share']:.1f} %</td><td>{LOCALIZATION_METHODS[c.get('method', 'exact')]}</td>"
+                f"<td class='num'>{estimate}</td></tr>")
+
+    rows_html = "".join(row(c) for c in loc["components"])
+    return (f"<h2>Where it enters</h2><p>{esc(loc['entry'])}</p>{figure_html}"
+            f"<p class='note'>{loc['responses']} responses, {loc['tokens']} tokens (those holding the largest |Δp|). "
+            "Measured: the component swapped alone into the fp32 learner, its k3 against the learner's; estimated: "
+            "the same k3 to first order, from the component's error at its output and the learner's gradient there "
+            "(one backward for every component; the largest estimates are then measured).</p><table><tr>"
+            "<th>component</th><th>k3</th>"
+            f"<th>share</th><th>how</th><th>first-order estimate</th></tr>{rows_html}</table>")
+
+
 def render_html(summary: dict[str, Any], images: dict[str, Path]) -> str:
     """One self-contained page: inline CSS, PNGs as base64 data URIs, no external resource."""
     esc = html.escape
@@ -442,13 +468,7 @@ def render_html(summary: dict[str, Any], images: dict[str, Path]) -> str:
                       "prompts and seed; <code>batch</code> scores the same tokens with each response alone against "
                       "one batch.</p>")
     if "localization" in summary:
-        loc = summary["localization"]
-        rows_html = "".join(f"<tr><td>{esc(c['component'])}</td><td class='num'>{c['k3']:.3g}</td>"
-                            f"<td class='num'>{100 * c['share']:.1f} %</td></tr>" for c in loc["components"])
-        diagnosis += (f"<h2>Where it enters</h2><p>{esc(loc['entry'])}</p>{figure('localization')}"
-                      f"<p class='note'>{loc['responses']} responses, {loc['tokens']} tokens (those holding the largest "
-                      f"|Δp|).</p><table><tr><th>component</th><th>k3 swapped in alone</th><th>share</th></tr>"
-                      f"{rows_html}</table>")
+        diagnosis += _localization_html(summary["localization"], figure("localization"))
     figures = "".join(figure(name) for name in images if name not in ("levels", "localization"))
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>rollcorr audit</title><style>{CSS}</style></head><body>
