@@ -2,14 +2,16 @@
 the built-in model with real hf engines."""
 
 import json
+import shlex
 
 import pytest
 import torch
 
 from rollcorr.audit.collect import builtin_prompts, collect
 from rollcorr.audit.localize import components, localize
+from rollcorr.audit.verdict import commands
 from rollcorr.audit.whatif import changed_spec, default_changes, parse_changes
-from rollcorr.cli import main
+from rollcorr.cli import build_parser, main
 from rollcorr.engines import SamplingParams, make_learner, make_sampler
 
 PARAMS = SamplingParams(max_new_tokens=12, seed=0)
@@ -93,10 +95,31 @@ def test_audit_localize_and_whatif_fp16_of_a_bf16_pair(tmp_path, capsys):
     assert any(s.startswith("Measured on this model (--whatif)") for s in summary["verdict"])
     assert not any("Precision alone would remove" in s for s in summary["verdict"])  # measured, not quoted
     assert "Where it enters" in capsys.readouterr().out
-    # the default estimated most shares, and says so: per row, in the sentence, on the page
+    # the default estimated most shares, and says so: per row, in the sentence, the page; the exact mode is a
+    # command away, the same audit with --localize-exact
     assert loc["mode"] == "estimate" and {c["method"] for c in loc["components"]} == {"exact", "estimate"}
-    assert "estimated to first order" in loc["entry"]
+    assert "estimated to first order (--localize-exact measures every one)" in loc["entry"]
     assert "first-order estimate</td>" in page and "exact: swapped in alone</td>" in page
+    (exact,) = [c["command"] for c in summary["commands"] if c["label"].startswith("Measure every component")]
+    args = build_parser("audit").parse_args(shlex.split(exact)[1:])
+    assert (args.sampler, args.learner, args.num_responses, args.max_new_tokens) == ("hf:bf16", "hf:fp32", 32, 16)
+    assert (args.localize, args.localize_exact, args.whatif) == (8, True, None)
+
+
+def test_the_exact_localisation_command_carries_the_audits_model_prompts_and_chat():
+    """After a partly estimated --localize of a model of one's own, prompts from a file and its chat template,
+    the command that measures every component exactly audits the same model, prompts and chat setting."""
+    summary = {"source": {"sampler": "hf:bf16", "learner": "hf:fp32", "model": "models/my model",
+                          "prompts_file": "data/my prompts.jsonl", "chat_template": True, "responses": 8,
+                          "max_new_tokens": 32},
+               "verdict_level": {"level": "same"}, "localization": {"mode": "estimate", "responses": 4,
+                                "components": [{"method": "exact"}, {"method": "estimate"}]}}
+    (exact,) = [c["command"] for c in commands(summary) if c["label"].startswith("Measure every component")]
+    args = build_parser("audit").parse_args(shlex.split(exact)[1:])
+    assert (args.model, args.prompts, args.chat) == ("models/my model", "data/my prompts.jsonl", True)
+    assert (args.num_responses, args.max_new_tokens, args.localize, args.localize_exact) == (8, 32, 4, True)
+    summary["localization"]["components"] = [{"method": "exact"}]  # every share measured: nothing to add
+    assert not any(c["label"].startswith("Measure every component") for c in commands(summary))
 
 
 def test_diagnosis_refusals_are_one_line_before_loading(tmp_path, capsys):

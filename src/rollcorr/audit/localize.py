@@ -642,7 +642,7 @@ def entry_sentence(loc: dict[str, Any]) -> str:
         estimated = sum(r["method"] == "estimate" for r in loc["components"])
         same = len(loc["components"]) - estimated - len(loc["refined"])
         counts = [f"{len(loc['refined'])} measured exactly (the largest estimates)",
-                  f"{estimated} estimated to first order" if estimated else "",
+                  f"{estimated} estimated to first order (--localize-exact measures every one)" if estimated else "",
                   f"{same} computing exactly the learner's output" if same else ""]
         text += "components: " + ", ".join(c for c in counts if c) + "; "
     text += f"sum of all shares {100 * loc['share_sum']:.0f} %"

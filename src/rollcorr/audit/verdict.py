@@ -234,7 +234,8 @@ def _played(source: dict[str, Any], command: str) -> list[str]:
 def commands(summary: dict[str, Any]) -> list[dict[str, str]]:
     """The commands the verdict points to, each {"label", "command"} — printed whole on a line of its own in the
     terminal and as a code block with a copy button in report.html: the conversion a GGUF model needs before
-    training, the one that applies the suggested preset, the one that measures what precision would remove."""
+    training, the one that applies the suggested preset, the one that measures what precision would remove, and,
+    after a --localize whose shares were partly estimated, the one that measures every component exactly."""
     out = []
     preset_name = suggestion(summary)
     if preset_name is not None:
@@ -245,6 +246,12 @@ def commands(summary: dict[str, Any]) -> list[dict[str, str]]:
     measure = _measure_command(summary)
     if measure:
         out.append({"label": "Measure what an fp16 sampler would leave on this model", "command": measure})
+    loc = summary.get("localization", {})
+    estimated = any(c.get("method") == "estimate" for c in loc.get("components", []))
+    exact = estimated and audit_command(summary, "--localize", str(loc["responses"]), "--localize-exact")
+    if exact:
+        out.append({"label": "Measure every component's share exactly (each a forward from its layer on)",
+                    "command": exact})
     return out
 
 
