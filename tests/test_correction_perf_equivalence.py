@@ -140,6 +140,27 @@ def test_stacked_row_reductions_match_one_row_at_a_time(verl):
         assert torch.equal(rows.rows_max(x), x[valid].max()) and torch.equal(rows.rows_min(x), x[valid].min())
 
 
+@pytest.mark.parametrize("verl", [False, True])
+def test_prob_metrics_read_the_batch_counts_as_their_definitions(verl):
+    """prob_from_sums reads the batch's cached counts (valid rows, n clamped to 1, rows with a token): bit for bit
+    the per-row means computed from n alone, in either mode (verl's mode changes none of these)."""
+    old, roll, mask, _ = _batch(torch.float32)
+    mask[2] = False  # a row without a valid token
+    rows = make_tokens(old, roll, mask, bound=20.0, verl=verl)
+    b = mask.shape[0]
+    d_max, d_sum = torch.rand(b) * (rows.n > 0), torch.rand(b) * rows.n
+    zero = torch.zeros(())
+    out = metrics.prob_from_sums(rows, p_old_sum=zero, p_rollout_sum=zero, p_old_sq_sum=zero,
+                                 p_rollout_sq_sum=zero, p_cross_sum=zero, d_row_max=d_max, d_row_sum=d_sum,
+                                 small_diff_count=zero, ge=[zero] * len(metrics.PROB_SHARES))
+    n = mask.sum(dim=-1).to(torch.float32)
+    valid = n > 0
+    per_row = torch.where(valid, torch.stack([d_max, d_sum / n.clamp_min(1)]), 0.0)
+    expected = per_row.sum(-1) / valid.sum().clamp_min(1)
+    assert torch.equal(out["prob_diff_seq_max_mean"], expected[0])
+    assert torch.equal(out["prob_diff_seq_mean_mean"], expected[1])
+    assert torch.equal(out["prob_diff_mean"], d_sum.sum() / n.sum().clamp_min(1))
+
 def test_bool_masks_combine_as_bytes():
     """compute_correction's kept mask ``mask ∧ keep`` (api._masked: the bool masks' uint8 bytes, a vectorised
     ``&``) is ``mask & keep``, for a (B, 1) row keep, a (B, T) keep and a non-contiguous mask."""

@@ -303,7 +303,7 @@ class _AuditSums:
         tensor = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
         tot = self.tot
         prob = metric_fns.metrics_to_floats(metric_fns.prob_from_sums(
-            rows.n, rows.num_tokens, p_old_sum=tensor(tot["p_old_sum"]), p_rollout_sum=tensor(tot["p_rollout_sum"]),
+            rows, p_old_sum=tensor(tot["p_old_sum"]), p_rollout_sum=tensor(tot["p_rollout_sum"]),
             p_old_sq_sum=tensor(tot["p_old_sq_sum"]), p_rollout_sq_sum=tensor(tot["p_rollout_sq_sum"]),
             p_cross_sum=tensor(tot["p_cross_sum"]), d_row_max=torch.from_numpy(row["d_max"]),
             d_row_sum=torch.from_numpy(row["d_sum"]), small_diff_count=tensor(tot["small_diff_count"]),

@@ -236,9 +236,9 @@ def _apply_row_rules(
     if row_keep is None:
         return mask.clone(), rows.num_tokens, rows.valid
     kept_tokens = (rows.n * row_keep).sum()
-    rejected_rows = rows.valid & ~row_keep
+    rejected_rows = rows.and_valid(~row_keep)
     metrics.update(metric_fns.rs_total_from_counts(rows.num_tokens - kept_tokens, rejected_rows, rows))
-    return _masked(mask, row_keep[:, None]), kept_tokens, rows.valid & row_keep
+    return _masked(mask, row_keep[:, None]), kept_tokens, rows.and_valid(row_keep)
 
 
 def _count_metrics(
@@ -246,12 +246,20 @@ def _count_metrics(
 ) -> None:
     """The counts for the loss denominator (docs/spec.md §3); ``warn``: check for a batch that lost every token
     (one sync) and say so with ``AllRejectedWarning``."""
-    if warn and bool((kept_tokens == 0) & (rows.num_tokens > 0)):
+    if warn and _lost_every_token(kept_tokens, rows.num_tokens):
         warn_all_rejected(int(rows.num_tokens), int(rows.num_rows), stacklevel=6)
     dtype = rows.dtype
     metrics["num_tokens"] = rows.num_tokens
     metrics["num_kept_tokens"] = kept_tokens
-    metrics["num_seqs"] = torch.tensor(float(num_seqs), dtype=dtype, device=rows.n.device)
+    metrics["num_seqs"] = torch.scalar_tensor(float(num_seqs), dtype=dtype, device=rows.n.device)
     metrics["num_valid_seqs"] = rows.num_rows
     metrics["num_kept_seqs"] = torch.count_nonzero(kept_rows).to(dtype)
     metrics["all_rejected"] = (kept_tokens == 0).to(dtype)
+
+
+def _lost_every_token(kept_tokens: Tensor, num_tokens: Tensor) -> bool:
+    """Whether rejection left no token of a batch that had some: CPU counts read as they are, device counts in
+    one sync."""
+    if kept_tokens.is_cpu:
+        return kept_tokens.item() == 0 and num_tokens.item() > 0
+    return bool((kept_tokens == 0) & (num_tokens > 0))

@@ -16,7 +16,16 @@ import torch
 from torch import Tensor
 
 from rollcorr.config.correction import LOG_RATIO_CLAMP
-from rollcorr.correction.ratios import Rows, RSOutcome, Tokens, any_per_row, check_mask, check_tensor
+from rollcorr.correction.ratios import (
+    Rows,
+    RSOutcome,
+    Tokens,
+    any_per_row,
+    at_least_one,
+    check_mask,
+    check_tensor,
+    zero_below_two,
+)
 
 Metrics = dict[str, Tensor]
 # The metrics that describe the sampler/learner mismatch rather than the correction applied to it: verl's
@@ -144,10 +153,11 @@ def is_metrics_from_sums(
         out["rollout_is_ratio_fraction_high"], out["rollout_is_ratio_fraction_low"] = per_row.mean[1:].unbind()
     # std / ESS on the applied weights clamped to [0, upper] (verl); thresholded weights already lie there
     out["rollout_is_mean"] = mean
-    out["rollout_is_std"] = torch.addcmul(sq, mean, mean, value=-1.0).clamp_min_(0).sqrt_().masked_fill_(
-        rows.num_tokens <= 1, 0.0)
+    out["rollout_is_std"] = zero_below_two(torch.addcmul(sq, mean, mean, value=-1.0).clamp_min_(0).sqrt_(),
+                                           rows.num_tokens)
     # 1 / mean((w / (mean + 1e-8))²); 0 (not inf) when every weight is 0 (all tokens masked out)
-    out["rollout_is_eff_sample_size"] = torch.where(sq > 0, (mean + 1e-8).square_() / sq, 0.0)
+    ess = (mean + 1e-8).square_() / sq
+    out["rollout_is_eff_sample_size"] = ess if sq.is_cpu and sq.item() > 0 else torch.where(sq > 0, ess, 0.0)
     row_w, raw_row = rows.row_mean_of_sum(torch.stack([w_row_sum, raw_row_sum])).unbind()
     seq = rows.summary(torch.stack([row_w, (row_w - 1.0).abs_(), raw_row > hi, raw_row < lo]))
     mean_w, _, seq_high, seq_low = seq.mean.unbind()
@@ -175,16 +185,16 @@ def rs_option_metrics(r: RSOutcome, tok: Rows) -> Metrics:
     is_k1 = r.lower is not None
     lower = r.lower if is_k1 else 0.0
     seq = r.row_stat
-    seq_w = tok.valid_f  # per-option seq metrics are over valid rows in verl too
     nv = tok.num_rows
     # over valid rows: max, −min and max |·| of the row statistic; mean of it and of the row flags
-    extremes = torch.stack([seq, -seq, seq.abs()]).masked_fill(tok.invalid, -math.inf)
+    extremes = tok.valid_rows(torch.stack([seq, -seq, seq.abs()]), -math.inf)
     seq_max, neg_min, seq_max_dev = extremes.amax(-1)
     seq_min = -neg_min
 
     def seq_shares(*flags: Tensor) -> tuple[Tensor, ...]:
-        """Means over valid rows of seq and of each (B,) flag: (Σ x·valid) / #valid rows."""
-        return ((torch.stack([seq, *(f.to(dtype) for f in flags)]) * seq_w).sum(-1) / nv).unbind()
+        """Means over valid rows of seq and of each (B,) flag: (Σ x·valid) / #valid rows (the stack casts the bool
+        flags to seq's dtype as 0 / 1, in the one operation)."""
+        return (tok.times_valid(torch.stack([seq, *flags])).sum(-1) / nv).unbind()
 
     if r.token_stat is not None:  # token level
         x = r.token_stat
@@ -205,7 +215,7 @@ def rs_option_metrics(r: RSOutcome, tok: Rows) -> Metrics:
         row_rejected = any_per_row(rejected)
         shares = seq_shares(seq > r.upper, *((seq < lower,) if is_k1 else ()), row_rejected)
     else:  # sequence level: the row statistic broadcast to its tokens (token-weighted mean / std)
-        row_rejected = ~r.row_keep & tok.valid
+        row_rejected = tok.and_valid(~r.row_keep)
         shares = seq_shares(seq > r.upper, *((seq < lower,) if is_k1 else ()), row_rejected)
         out[f"{p}_max"] = seq_max
         out[f"{p}_min"] = seq_min
@@ -221,14 +231,15 @@ def rs_option_metrics(r: RSOutcome, tok: Rows) -> Metrics:
             out[f"{p}_masked_fraction_"] = (row_rejected.to(dtype) * tok.n).sum() / total
         else:  # from the per-row counts (compute_correction in verl mode too: equal to float rounding)
             # Σ seq·n and Σ rejected·n in one reduction; std of the clamped statistic, token-weighted
-            seq_sum, rejected_sum = (torch.stack([seq, row_rejected.to(dtype)]) * tok.n).sum(-1).unbind()
+            seq_sum, rejected_sum = (torch.stack([seq, row_rejected]) * tok.n).sum(-1).unbind()
             out[f"{p}_mean"] = seq_sum / total
             std = _std(seq.clamp(min=lower, max=r.upper), tok.n, total)
             out[f"{p}_masked_fraction_"] = rejected_sum / total
-    out[f"{p}_std"] = torch.where(tok.num_tokens > 1, std, torch.zeros_like(std))
+    # 0 below two tokens / rows (the counts are never NaN: this is where(count > 1, x, 0))
+    out[f"{p}_std"] = zero_below_two(std, tok.num_tokens)  # std: a fresh tensor
     out[f"{p}_seq_mean"] = shares[0]
-    var = ((seq - shares[0]).square() * seq_w).sum() / (nv - 1).clamp_min(1)
-    out[f"{p}_seq_std"] = torch.where(nv > 1, var.sqrt(), torch.zeros_like(var))
+    var = tok.times_valid((seq - shares[0]).square()).sum() / at_least_one(nv - 1)  # over valid rows, verl too
+    out[f"{p}_seq_std"] = zero_below_two(var.sqrt(), nv)
     out[f"{p}_seq_max"] = seq_max
     out[f"{p}_seq_min"] = seq_min
     out[f"{p}_seq_max_deviation"] = seq_max_dev
@@ -398,21 +409,23 @@ def mismatch_stats(
     if log_space:
         a, b = a.exp(), b.exp()  # 1 on padding for both
     n = m.sum(dim=-1, dtype=dtype)
-    return _prob_mismatch(a, b, n, n.sum(), m.numel() - n.sum(), pad=1.0 if log_space else 0.0)
+    valid, num_tokens = n > 0, n.sum()
+    rows = Rows(n=n, valid=valid, num_tokens=num_tokens, num_rows=valid.sum().to(dtype),
+                num_pad=m.numel() - num_tokens, verl=False, count_dtype=dtype)
+    return _prob_mismatch(a, b, rows, pad=1.0 if log_space else 0.0)
 
 
 def prob_mismatch(p_old: Tensor, p_rollout: Tensor, tok: Tokens, *, overwrite: bool = False) -> Metrics:
     """``mismatch_stats`` on probabilities already equal on padding (exp of the masked log-probs).
     ``overwrite=True`` lets it store |Δp| in ``p_rollout`` (saves a (B, T) allocation)."""
-    return _prob_mismatch(p_old, p_rollout, tok.n, tok.num_tokens, tok.num_pad, pad=1.0, overwrite=overwrite)
+    return _prob_mismatch(p_old, p_rollout, tok, pad=1.0, overwrite=overwrite)
 
 
 @torch.no_grad()
-def _prob_mismatch(
-    a: Tensor, b: Tensor, n: Tensor, count: Tensor, num_pad: Tensor, *, pad: float, overwrite: bool = False
-) -> Metrics:
-    """a, b: (B, T) probabilities equal to ``pad`` on padding (so |Δp| = 0 there); ``overwrite``: b may be
-    reused for |Δp|."""
+def _prob_mismatch(a: Tensor, b: Tensor, rows: Rows, *, pad: float, overwrite: bool = False) -> Metrics:
+    """a, b: (B, T) probabilities equal to ``pad`` on padding (so |Δp| = 0 there), ``rows`` their counts;
+    ``overwrite``: b may be reused for |Δp|."""
+    num_pad = rows.num_pad
     # moments over valid tokens (Σa, Σb, Σa², Σb², Σab), removing the padding's known contribution
     pad_a, pad_aa = pad * num_pad, pad * pad * num_pad
     sa, sb = a.sum() - pad_a, b.sum() - pad_a
@@ -422,7 +435,7 @@ def _prob_mismatch(
     flag = torch.empty(d.shape, dtype=torch.bool, device=d.device)  # one (B, T) bool buffer for the shares
     counts = [_count(torch.ge(d, threshold, out=flag), dtype) for threshold in PROB_SHARES]
     return prob_from_sums(
-        n, count, p_old_sum=sa, p_rollout_sum=sb, p_old_sq_sum=saa, p_rollout_sq_sum=sbb, p_cross_sum=sab,
+        rows, p_old_sum=sa, p_rollout_sum=sb, p_old_sq_sum=saa, p_rollout_sq_sum=sbb, p_cross_sum=sab,
         d_row_max=d.amax(dim=-1), d_row_sum=d.sum(dim=-1),
         small_diff_count=_count(torch.lt(d, 1e-3, out=flag), dtype) - num_pad, ge=counts,  # padding has d = 0
     )
@@ -432,8 +445,7 @@ PROB_SHARES = (0.01, 0.05, 0.1)  # |Δp| thresholds of the prob_diff_frac_ge_* s
 
 
 def prob_from_sums(
-    n: Tensor,
-    count: Tensor,
+    rows: Rows,
     *,
     p_old_sum: Tensor,
     p_rollout_sum: Tensor,
@@ -445,12 +457,11 @@ def prob_from_sums(
     small_diff_count: Tensor,
     ge: list[Tensor],
 ) -> Metrics:
-    """The probability-mismatch metrics from reductions over valid tokens: n (B,) and ``count`` valid tokens,
-    the moments Σa, Σb, Σa², Σb², Σab of a = p_old and b = p_μ, the (B,) row max and row sum of
-    d = |a − b| (rows without a valid token: 0), the number of tokens with d < 1e-3
-    (``small_diff_count``) and those with d ≥ each of ``PROB_SHARES``."""
-    valid = n > 0
-    count = count.clamp_min(1)
+    """The probability-mismatch metrics from reductions over valid tokens (``rows``: n (B,), the valid tokens, the
+    rows holding one; over those rows in verl mode too), the moments Σa, Σb, Σa², Σb², Σab of a = p_old and
+    b = p_μ, the (B,) row max and row sum of d = |a − b| (rows without a valid token: 0), the number of tokens with
+    d < 1e-3 (``small_diff_count``) and those with d ≥ each of ``PROB_SHARES``."""
+    count = at_least_one(rows.num_tokens)
     # Pearson over valid tokens from raw moments, in float64 (one cast): N·cov = Σab − ΣaΣb/N, N·var likewise
     moments = torch.stack([p_old_sum, p_rollout_sum, p_old_sq_sum, p_rollout_sq_sum, p_cross_sum, count])
     sa, sb, saa, sbb, sab, cnt = moments.to(torch.float64).unbind()
@@ -458,10 +469,15 @@ def prob_from_sums(
     denom = var_ab.prod().sqrt_()
     d_max = d_row_max.max()  # |Δp| ≥ 0 and 0 on padding
     # variance below rounding noise of the moment sums (1e-12 N) counts as constant: 1 if Δp is 0 everywhere
-    pearson = torch.where(denom > 1e-12 * cnt, (sab - sa * sb / cnt) / denom, d_max == 0)
+    correlation = (sab - sa * sb / cnt) / denom
+    if denom.is_cpu:  # CPU values read as they are: the branch ``where`` would take, the same value
+        pearson = correlation if denom.item() > 1e-12 * cnt.item() else (d_max == 0).to(torch.float64)
+    else:
+        pearson = torch.where(denom > 1e-12 * cnt, correlation, d_max == 0)
     # per-row means over rows with a valid token: max |Δp| and mean |Δp| of each row, stacked (2, B)
-    per_row = torch.stack([d_row_max, d_row_sum / n.clamp_min(1)]).masked_fill_(~valid, 0.0)
-    seq_max_mean, seq_mean_mean = (per_row.sum(-1) / valid.sum().clamp_min(1)).unbind()
+    n_clamped = rows.n.clamp_min(1) if rows.verl else rows.n_den  # the batch's cached n.clamp_min(1)
+    per_row = rows.valid_rows(torch.stack([d_row_max, d_row_sum / n_clamped]), 0.0)
+    seq_max_mean, seq_mean_mean = (per_row.sum(-1) / at_least_one(rows.num_rows)).unbind()
     shares = (torch.stack([d_row_sum.sum(), small_diff_count, *ge]) / count).unbind()
     out = {
         "prob_diff_seq_max_mean": seq_max_mean,
@@ -490,7 +506,7 @@ def diagnostics_from_sums(row: dict[str, Tensor], total: dict[str, Tensor], rows
             e_abs_sum=total["e_abs"], lr_sum=lr_sum, abs_sum=total["abs"],
         ),
         **prob_from_sums(
-            rows.n, rows.num_tokens, p_old_sum=total["p_old_sum"], p_rollout_sum=total["p_rollout_sum"],
+            rows, p_old_sum=total["p_old_sum"], p_rollout_sum=total["p_rollout_sum"],
             p_old_sq_sum=total["p_old_sq_sum"], p_rollout_sq_sum=total["p_rollout_sq_sum"],
             p_cross_sum=total["p_cross_sum"], d_row_max=row["d_max"], d_row_sum=row["d_sum"],
             small_diff_count=total["small_diff_count"], ge=[total[f"ge{i}"] for i in range(len(PROB_SHARES))],
@@ -540,9 +556,15 @@ def metrics_to_floats(metrics: dict[str, Tensor | float]) -> dict[str, float]:
     and 65 reads cost less than stacking 65 tensors); elsewhere one device sync for the whole dict (the 0-d
     tensors stacked per dtype, cast to float64 together, read at once; a one-element tensor of another shape is
     reshaped to 0-d first). Either way each float is the value's exact float64."""
-    if all(not isinstance(v, Tensor) or v.device.type == "cpu" for v in metrics.values()):
-        return {k: float(v.item()) if isinstance(v, Tensor) else float(v) for k, v in metrics.items()}
-    return _read_at_once(metrics)
+    floats = {}
+    for key, value in metrics.items():  # one walk: a CPU value is read as met (~0.3 us), others at once
+        if not isinstance(value, Tensor):
+            floats[key] = float(value)
+        elif value.is_cpu:
+            floats[key] = float(value.item())
+        else:
+            return _read_at_once(metrics)
+    return floats
 
 
 def _read_at_once(metrics: dict[str, Tensor | float]) -> dict[str, float]:

@@ -79,6 +79,22 @@ def check_not_newer(version: Tensor, current_version: int | Tensor, mask: Tensor
         )
 
 
+def zero_below_two(x: Tensor, count: Tensor) -> Tensor:
+    """``x.masked_fill_(count <= 1, 0.0)`` (a statistic that needs two entries is 0 below two): ``x`` untouched
+    when the count is known on the CPU to be above 1, the same values without the two operations."""
+    if count.is_cpu and count.item() > 1:
+        return x
+    return x.masked_fill_(count <= 1, 0.0)
+
+
+def at_least_one(count: Tensor) -> Tensor:
+    """``count.clamp_min(1)`` (a denominator that is never 0): ``count`` itself when it is known on the CPU to be
+    ≥ 1, the same value without the operation."""
+    if count.is_cpu and count.item() >= 1:
+        return count
+    return count.clamp_min(1)
+
+
 def any_per_row(flag: Tensor) -> Tensor:
     """(B,) rows of a (B, T) bool tensor holding a True: a uint8 max (vectorised, unlike bool ``any``)."""
     return flag.view(torch.uint8).amax(dim=-1).bool()
@@ -127,7 +143,9 @@ class Rows:
     @cached_property
     def n_den(self) -> Tensor:
         """(B,) the per-row masked-mean denominator: ``den(n)`` in verl mode, n clamped to ≥ 1 otherwise."""
-        return self.den(self.n) if self.verl else self.n.clamp_min(1)
+        if self.verl:
+            return self.den(self.n)
+        return self.n if self.all_valid else self.n.clamp_min(1)  # every row valid: n ≥ 1 already
 
     @cached_property
     def valid_f(self) -> Tensor:
@@ -139,6 +157,25 @@ class Rows:
         """(B,) bool, rows without a valid token (``~valid``, computed once per batch)."""
         return ~self.valid
 
+    @cached_property
+    def all_valid(self) -> bool:
+        """Every row holds a valid token, where that is known without a device sync (CPU counts: one read); False
+        where it is not (then the rows are masked, which gives the same values)."""
+        return self.num_rows.is_cpu and self.num_rows.item() == self.n.shape[-1]
+
+    def valid_rows(self, x: Tensor, fill: float) -> Tensor:
+        """(…, B) ``x`` with the rows without a valid token set to ``fill``: ``x`` itself when every row holds one
+        (a masked_fill with nothing to fill is the identity; a small batch's cost is its number of operations)."""
+        return x if self.all_valid else x.masked_fill(self.invalid, fill)
+
+    def and_valid(self, flag: Tensor) -> Tensor:
+        """(B,) bool ``flag`` ∧ valid: ``flag`` itself when every row holds a valid token."""
+        return flag if self.all_valid else flag & self.valid
+
+    def times_valid(self, x: Tensor) -> Tensor:
+        """(…, B) ``x`` · valid (0 / 1): ``x`` itself when every row holds a valid token (x·1 = x, bit for bit)."""
+        return x if self.all_valid else x * self.valid_f
+
     def row_mean_of_sum(self, row_sum: Tensor) -> Tensor:
         """(…, B) per-row masked mean from the row sums Σ_t x (0 for all-padding rows)."""
         return row_sum / self.n_den
@@ -148,15 +185,15 @@ class Rows:
         x may be (k, B), k per-row values stacked: then (k,) means, each the same as for its row alone."""
         if self.verl:
             return x.mean(dim=-1)
-        return torch.where(self.valid, x, 0).sum(dim=-1) / self.num_rows
+        return self.valid_rows(x, 0.0).sum(dim=-1) / self.num_rows  # = where(valid, x, 0)
 
     def rows_max(self, x: Tensor) -> Tensor:
         """Max of a (B,) (or stacked (k, B)) per-row value over the rows that count (all in verl mode)."""
-        return (x if self.verl else x.masked_fill(self.invalid, float("-inf"))).amax(dim=-1)
+        return (x if self.verl else self.valid_rows(x, -math.inf)).amax(dim=-1)
 
     def rows_min(self, x: Tensor) -> Tensor:
         """Min of a (B,) (or stacked (k, B)) per-row value over the rows that count (all in verl mode)."""
-        return (x if self.verl else x.masked_fill(self.invalid, float("inf"))).amin(dim=-1)
+        return (x if self.verl else self.valid_rows(x, math.inf)).amin(dim=-1)
 
     def summary(self, table: Tensor, *, valid_only: bool = False) -> RowSummary:
         """Mean, max, min and unbiased std over rows of each of the k per-row values of ``table`` (k, B), over the
@@ -175,7 +212,7 @@ class RowSummary:
     @cached_property
     def counted(self) -> Tensor:
         """The table with the rows that do not count set to 0."""
-        return self.table.masked_fill(self.rows.invalid, 0.0) if self.valid else self.table
+        return self.rows.valid_rows(self.table, 0.0) if self.valid else self.table
 
     @cached_property
     def count(self) -> Tensor | int:
@@ -187,20 +224,20 @@ class RowSummary:
 
     @cached_property
     def max(self) -> Tensor:
-        return (self.table.masked_fill(self.rows.invalid, -math.inf) if self.valid else self.table).amax(dim=-1)
+        return (self.rows.valid_rows(self.table, -math.inf) if self.valid else self.table).amax(dim=-1)
 
     @cached_property
     def min(self) -> Tensor:
-        return (self.table.masked_fill(self.rows.invalid, math.inf) if self.valid else self.table).amin(dim=-1)
+        return (self.rows.valid_rows(self.table, math.inf) if self.valid else self.table).amin(dim=-1)
 
     @cached_property
     def std(self) -> Tensor:
         """sqrt(Σ (x − mean)² / (count − 1)) over the rows that count (two passes); 0 below two rows."""
         deviation = (self.table - self.mean[:, None]).square_()
-        if self.valid:
+        if self.valid and not self.rows.all_valid:
             deviation.masked_fill_(self.rows.invalid, 0.0)
         count = torch.as_tensor(self.count, dtype=self.table.dtype, device=self.table.device)
-        return deviation.sum(dim=-1).div_((count - 1).clamp_min(1)).sqrt_().masked_fill_(count <= 1, 0.0)
+        return zero_below_two(deviation.sum(dim=-1).div_(at_least_one(count - 1)).sqrt_(), count)
 
 
 @dataclass(frozen=True)

@@ -187,7 +187,10 @@ def _check(
     flags = [mask_bool.view(torch.uint8).amax(), *torch.aminmax(anchor), *torch.aminmax(rollout)]
     if mask.dtype != torch.bool:
         flags.append(((mask != 0) & (mask != 1)).any())
-    values = torch.stack([f if f.dtype == dtype else f.to(dtype) for f in flags]).tolist()
+    if mask.is_cpu:  # a CPU read waits for nothing: each flag as it is (the same values as the stacked read)
+        values = [f.item() for f in flags]
+    else:  # one device sync for them all
+        values = torch.stack([f if f.dtype == dtype else f.to(dtype) for f in flags]).tolist()
     if values[0] == 0:
         raise ValueError(NO_VALID_TOKEN)
     if len(values) > 5 and values[5]:
