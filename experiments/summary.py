@@ -1167,14 +1167,15 @@ def verl_targets_text(ratios: dict[str, dict[str, tuple[float, float]]]) -> str:
 
 def readme_speed(path: Path) -> str:
     """The README's speed sentence, from the verl table: verl's CPU time over the default's from the second shape
-    up, and at the smallest shape (said as slower where it is below 1)."""
+    up, and at the smallest shape (said as slower where it is below 1, in every case or in one)."""
     ratios = verl_ratios(path)
     shapes = list(ratios)
     small, large = shapes[0], shapes[1:]
     lo = min(ratios[s]["verl / rollcorr"][0] for s in large)
     hi = max(ratios[s]["verl / rollcorr"][1] for s in large)
     at_small = ratios[small]["verl / rollcorr"]
-    slower = " (slower: each call's fixed cost dominates there)" if at_small[1] < 1 else ""
+    slower = (" (slower: each call's fixed cost dominates there)" if at_small[1] < 1 else
+              " (below 1×, slower, in a case: each call's fixed cost dominates there)" if at_small[0] < 1 else "")
     return (f"With every metric on and nothing compiled, verl's own helper takes {lo:.1f}–{hi:.1f}× the CPU time of "
             f"`compute_correction` on batches from {large[0]} to {large[-1]} positions, and "
             f"{_span(at_small, 2)} at {small}{slower} (one thread, one run on a shared machine whose load the file "
