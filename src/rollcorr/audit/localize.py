@@ -62,22 +62,33 @@ REFINE = 0.25  # forwards' worth of exact measurement by default beyond the larg
 PROBES = 1  # random-sign probes of the default's estimate (one backward of the learner each)
 
 
+def _map_tensors(x: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """``x`` (a tensor, or tensors nested in tuples, lists and dicts) with ``fn`` applied to each tensor; anything
+    else as it is."""
+    if isinstance(x, Tensor):
+        return fn(x)
+    if isinstance(x, tuple):
+        return tuple(_map_tensors(v, fn) for v in x)
+    if isinstance(x, list):
+        return [_map_tensors(v, fn) for v in x]
+    if isinstance(x, dict):
+        return {k: _map_tensors(v, fn) for k, v in x.items()}
+    return x
+
+
 def _cast(x: Any, dtype: torch.dtype) -> Any:
     """Floating tensors in ``x`` (nested tuples, lists, dicts) to ``dtype``; a float mask keeps its meaning (its
     most negative value becomes ``dtype``'s, not −inf)."""
-    if isinstance(x, Tensor):
-        if not x.is_floating_point() or x.dtype == dtype:
-            return x
-        low = torch.finfo(x.dtype).min / 2
-        out = x.to(dtype)
-        return out.masked_fill(x <= low, torch.finfo(dtype).min) if torch.finfo(dtype).max < torch.finfo(x.dtype).max else out
-    if isinstance(x, tuple):
-        return tuple(_cast(v, dtype) for v in x)
-    if isinstance(x, list):
-        return [_cast(v, dtype) for v in x]
-    if isinstance(x, dict):
-        return {k: _cast(v, dtype) for k, v in x.items()}
-    return x
+
+    def cast(t: Tensor) -> Tensor:
+        if not t.is_floating_point() or t.dtype == dtype:
+            return t
+        out = t.to(dtype)
+        if torch.finfo(dtype).max < torch.finfo(t.dtype).max:
+            return out.masked_fill(t <= torch.finfo(t.dtype).min / 2, torch.finfo(dtype).min)
+        return out
+
+    return _map_tensors(x, cast)
 
 
 def _dtype_of(module: nn.Module) -> torch.dtype:
@@ -292,13 +303,7 @@ def _aliased(x: Any) -> Any:
     """``x`` with each tensor that requires grad replaced by a new view of itself: a gradient with respect to the view
     counts only what uses it from there on — not, for a module returning several tensors (attention: its output
     and the weights that made it), one output's use inside the module to make another."""
-    if isinstance(x, Tensor):
-        return x.view_as(x) if x.requires_grad else x
-    if isinstance(x, tuple):
-        return tuple(_aliased(v) for v in x)
-    if isinstance(x, list):
-        return [_aliased(v) for v in x]
-    return x
+    return _map_tensors(x, lambda t: t.view_as(t) if t.requires_grad else t)
 
 
 @contextmanager
@@ -353,15 +358,7 @@ def _floats(x: Any) -> list[Tensor]:
 
 def _replaced(x: Any, swaps: list[tuple[Tensor, Tensor]]) -> Any:
     """``x`` with each tensor that *is* (by identity) the first of a pair in ``swaps`` replaced by the second."""
-    if isinstance(x, Tensor):
-        return next((new for old, new in swaps if x is old), x)
-    if isinstance(x, tuple):
-        return tuple(_replaced(v, swaps) for v in x)
-    if isinstance(x, list):
-        return [_replaced(v, swaps) for v in x]
-    if isinstance(x, dict):
-        return {k: _replaced(v, swaps) for k, v in x.items()}
-    return x
+    return _map_tensors(x, lambda t: next((new for old, new in swaps if t is old), t))
 
 
 def sampler_output(sampler_model: nn.Module, paths: list[str], record: dict[str, tuple[tuple, dict, Any]]) -> Any:
