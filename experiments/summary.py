@@ -525,6 +525,116 @@ def dose_response(r: dict[str, Any]) -> list[Row]:
     return rows
 
 
+CORRECTION_PREFIX = "which correction at rtn2 (a sampler with 2-bit rounded weights, 300 steps): "
+CORRECTION_CLAIMS = {  # study 11's primary family (docs/correction-study.md), each alternative against token TIS
+    "rtn2/seq_mis vs rtn2/tis": "sequence-level MIS (w = ρ_seq · 1[ρ_seq ≤ 2], TRL's mask) against token TIS",
+    "rtn2/icepop vs rtn2/tis": "IcePop (w_t = ρ_t · 1[0.5 ≤ ρ_t ≤ 5]) against token TIS",
+    "rtn2/seq_is_rs vs rtn2/tis": "sequence-level IS + rejection (verl's decoupled_seq_is_rs) against token TIS",
+    "rtn2/removed vs rtn2/tis": "removing the mismatch (an hf:rtn2 learner, straight-through gradient to float32 "
+    "masters) against token TIS",
+}
+
+
+def correction_study(r: dict[str, Any]) -> list[Row]:
+    """Study 11 read by its own protocol (docs/correction-study.md): each alternative against token TIS at rtn2,
+    exact permutation p with Holm over four, every verdict with its MDE; "pending" until each of the primary
+    block's seven arms has its 15 seeds; then the study's answer."""
+    from experiments.correction_study import PRIMARY_ARMS, PRIMARY_SEEDS
+
+    s = r["summary"]
+    if not s["complete"]:
+        done = sum(s["arms"].get(arm, {}).get("seeds", 0) for arm in PRIMARY_ARMS)
+        total = len(PRIMARY_ARMS) * len(PRIMARY_SEEDS)
+        return [Row("11", f"{CORRECTION_PREFIX}{claim}", "pending",
+                    f"{done} of {total} runs of the primary block finished; the protocol (docs/correction-study.md) "
+                    f"gives a verdict only when each of its {len(PRIMARY_ARMS)} arms has its {len(PRIMARY_SEEDS)} "
+                    "seeds") for claim in CORRECTION_CLAIMS.values()]
+    out = []
+    for key, claim in CORRECTION_CLAIMS.items():
+        t, alt = s["tests"][key], key.split(" vs ")[0]
+        a, tis = s["arms"][alt], s["arms"]["rtn2/tis"]
+        fisher = s["secondary"][f"{alt} vs rtn2/tis: collapses"]["fisher_p"]
+        numbers = (f"{alt} {a['final_score_mean']:.3f} vs rtn2/tis {tis['final_score_mean']:.3f} ({a['seeds']} seeds "
+                   f"each): difference {t['difference']:+.3f}, 95 % CI [{t['ci95'][0]:+.3f}, {t['ci95'][1]:+.3f}], "
+                   f"permutation p = {t['p_value']:.3g}, Holm p = {t['p_holm']:.3g}; sustained collapses "
+                   f"{a['collapses']} vs {tis['collapses']} (Fisher p = {fisher:.3g}); {MDE_LABEL} {t['mde']:.3f}")
+        out.append(Row("11", f"{CORRECTION_PREFIX}{claim}", t["verdict"], numbers))
+    better = [k.split(" vs ")[0] for k, t in s["tests"].items() if t["verdict"] == "better than token TIS"]
+    verdict = f"{', '.join(better)} better than token TIS" if better else "nothing separated from token TIS"
+    out.append(Row("11 (its answer)", "which correction where uncorrected GRPO collapses (rtn2)", verdict,
+                   s["answer"].rstrip(".")))
+    return out
+
+
+def correction_reading(r: dict[str, Any], runs: list[dict[str, Any]]) -> str:
+    """Study 11's secondary comparisons (reported, not decided: each with its interval and, for differences, its
+    MDE at m = 1), the per-arm figures and the runs' wall times; empty until the primary block is complete."""
+    s = r["summary"]
+    if not s["complete"]:
+        return ""
+    arms, sec = s["arms"], s["secondary"]
+    ppo = sec["rtn2/ppo vs rtn2/tis"]
+
+    def recovered(arm: str) -> str:
+        g = sec["gap_recovered"][arm]
+        return f"{arm.split('/')[1]} {g['share']:.0%} [{g['ci95'][0]:.0%}, {g['ci95'][1]:.0%}]"
+
+    def figures(arm: str) -> str:
+        a = arms[arm]
+        served = "" if a["served_score_mean"] is None else f", served {a['served_score_mean']:.3f}"
+        kept = "" if a["kept_sequence_share_median"] is None else f", kept sequences {a['kept_sequence_share_median']:.0%}"
+        return (f"{arm} {a['final_score_mean']:.3f} ± {a['final_score_std']:.3f}{served}, training k3 "
+                f"{a['training_k3_median']:.3g}{kept}, {a['collapses']} of {a['seeds']} collapsed")
+
+    rtn2 = [a for a in arms if a.startswith("rtn2/")]
+    collapses = "; ".join(f"{k.split(' vs ')[0].split('/')[1]} {v['collapses'][0]} vs {v['collapses'][1]} "
+                          f"(Fisher p = {v['fisher_p']:.3g})" for k, v in sec.items() if k.endswith(": collapses"))
+    seconds = sorted(run["seconds"] for run in runs)
+    text = [
+        "**Secondary, reported, not decided (the protocol's list).** Uncorrected against token TIS at rtn2: "
+        f"{ppo['difference']:+.3f}, 95 % CI [{ppo['ci95'][0]:+.3f}, {ppo['ci95'][1]:+.3f}], permutation p = "
+        f"{ppo['p_value']:.3g}, {MDE_LABEL} {ppo['mde']:.3f}. Sustained collapses against token TIS's: {collapses}. "
+        "The share of the fp32 − uncorrected gap each arm recovers at rtn2 (95 % bootstrap interval): "
+        f"{'; '.join(recovered(a) for a in rtn2 if a in sec.get('gap_recovered', {}))}. Per arm (final score mean "
+        "± sd; served: the final weights' greedy score through the rounded sampler; medians over the runs): "
+        f"{'; '.join(figures(a) for a in ['fp32/ppo', *rtn2])}.",
+    ]
+    if s["complete_secondary"]:
+        rtn3 = "; ".join(f"{k.split(' vs ')[0].split('/')[1]} {t['difference']:+.3f} [{t['ci95'][0]:+.3f}, "
+                         f"{t['ci95'][1]:+.3f}], p = {t['p_value']:.3g}, MDE {t['mde']:.3f}, collapses "
+                         f"{t['collapses'][0]} vs {t['collapses'][1]} (Fisher p = {t['collapse_fisher_p']:.3g})"
+                         for k, t in sec.items() if k.startswith("rtn3/"))
+        text.append(f"The rtn3 block, each arm against rtn3/tis (10 seeds each): {rtn3}.")
+    else:
+        done = sum(a["seeds"] for k, a in arms.items() if k.startswith("rtn3/"))
+        text.append(f"The rtn3 block: {done} of 60 runs finished; reported when all are in.")
+    text.append(f"Wall time: {len(seconds)} runs of {seconds[0]:.0f}–{seconds[-1]:.0f} s each, median "
+                f"{statistics.median(seconds):.0f} s (their run files' `seconds`: one niced process per core, two at "
+                "a time, beside other work, over several sessions).")
+    return " ".join(text)
+
+
+def readme_correction(results: Path = RESULTS) -> str:
+    """The README's verdict on study 11 once its primary block is complete: each alternative's verdict against
+    token TIS with its difference, interval, Holm p and MDE, then the study's answer; empty before."""
+    s = load("correction_study", results)["summary"]
+    if not s["complete"]:
+        return ""
+    parts = []
+    for key, claim in CORRECTION_CLAIMS.items():
+        t = s["tests"][key]
+        parts.append(f"{claim.split(' (')[0]}: **{t['verdict']}** ({key.replace(' vs ', ' − ')} = "
+                     f"{t['difference']:+.3f}, 95 % CI [{t['ci95'][0]:+.3f}, {t['ci95'][1]:+.3f}], Holm p = "
+                     f"{t['p_holm']:.3g}, MDE {t['mde']:.3f})")
+    return ("Study 11 (which correction where mismatch hurts: a sampler with 2-bit rounded weights, 15 seeds an arm, "
+            f"exact permutation tests with Holm, [protocol](docs/correction-study.md)): {'; '.join(parts)}. Its answer: "
+            f"{s['answer']}")
+
+
+def _correction_runs(results: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted((results / "correction_study" / "runs").glob("*.json"))]
+
+
 FP16_CLAIM = 'fp16 on both sides lowers the mismatch ≥ 10× against bf16 ("Defeating the Training-Inference Mismatch via FP16")'
 FP16_TRAIN_CLAIM = "fp16 on both sides trains better than bf16 on both sides (the same paper)"
 
@@ -758,6 +868,7 @@ STUDIES: dict[str, Study] = {
     "confirm_collapse": Study(confirm_collapse),
     "moe": Study(moe),
     "dose_response": Study(dose_response),
+    "correction_study": Study(correction_study),
     "fp16_study": Study(fp16_study, page="docs/precision.md"),
     "distributed_accuracy": Study(distributed_accuracy, page="docs/distributed.md"),
 }
@@ -918,7 +1029,8 @@ BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
     "summary": ("docs/results.md", lambda res: summary_table([x for s in STUDIES for x in rows(s, res)])),
     **{f"verdicts:{s}": (spec.page, partial(_study_verdicts, s)) for s, spec in STUDIES.items()},
     "verdicts": ("README.md", lambda res: "\n\n".join(
-        [readme_sentence(res), readme_confirmatory(res), *filter(None, [readme_dose(res), readme_fp16(res)])])),
+        [readme_sentence(res), readme_confirmatory(res),
+         *filter(None, [readme_dose(res), readme_fp16(res), readme_correction(res)])])),
     "exploratory:pooled": ("docs/results.md", lambda res: _pooled_paragraph(res)),
     "recipe:instruct": ("docs/tasks.md", lambda res: _recipe_text(res)),
     "multi-turn:results": ("docs/multi-turn.md", lambda res: _multi_turn_text(res)),
@@ -948,6 +1060,8 @@ BLOCKS: dict[str, tuple[str, Callable[[Path], str]]] = {
     "observation:sampler_vs_generate": ("docs/engines.md", lambda res: _sampler_vs_generate(res)),
     "exploratory:fp16_moe": ("docs/precision.md", lambda res: _fp16_moe_paragraph(res)),
     "reading:dose_response": ("docs/results.md", lambda res: dose_reading(load("dose_response", res))),
+    "reading:correction_study": ("docs/results.md",
+                                 lambda res: correction_reading(load("correction_study", res), _correction_runs(res))),
     "bench:startup": ("docs/performance.md",
                       lambda res: _bench_table(REPO / "benchmarks/results/bench_startup.txt")),
     "bench:read_ab": ("docs/performance.md",

@@ -373,3 +373,56 @@ def test_the_calculator_recipe_is_quoted_from_its_run():
     assert statistics.fmean(t for _, t in report["turns_mean"]) > 1 and report["loss_finite"]
     assert len(report["code_commit"]) == 40 and report["steps"] == 20 and report["trajectories_per_step"] == 16
     assert all(s["response"] for s in report["samples_first"] + report["samples_last"])
+
+
+def _study11_results(shift: float, rtn3: bool) -> dict:
+    """A complete study 11 results file assembled by its own code from made-up runs: every arm 15 (rtn3: 10) seeds,
+    rtn2/removed ``shift`` above token TIS, the other alternatives level with it."""
+    from experiments import correction_study as cs
+
+    runs = []
+    for arm, seed in cs.schedule() if rtn3 else cs.schedule()[: len(cs.PRIMARY_ARMS) * len(cs.PRIMARY_SEEDS)]:
+        score = 0.3 + 0.01 * (seed % 7) + (shift if arm == "rtn2/removed" else 0.0) + (0.3 if arm == "fp32/ppo" else 0)
+        score -= 0.1 if arm.endswith("/ppo") and arm != "fp32/ppo" else 0.0
+        runs.append({"arm": arm, "seed": seed, "final_score": score, "evals": [[0, 0.1], [300, score]],
+                     "series": {"rollout_corr/k3_kl": [0.02, 0.03], "rollout_corr/num_kept_seqs": [6, 8],
+                                "rollout_corr/num_valid_seqs": [8, 8]},
+                     "served_score": None if arm.startswith("fp32") else score - 0.05, "stopped": None,
+                     "seconds": 400.0 + seed})
+    return {"summary": {"protocol_commit": cs.protocol_commit(), **cs.summarize(runs)}}, runs
+
+
+def test_study11_is_pending_until_the_primary_block_is_in_then_says_each_verdict_with_its_mde(tmp_path):
+    """The generated study 11 text follows its protocol: four pending rows and no README sentence while the primary
+    block lacks seeds; once complete, each alternative's verdict with its difference, interval, Holm p and MDE,
+    the answer, and the secondary reading (rtn3 said pending until its 60 runs are in)."""
+    committed = json.loads((RESULTS / "correction_study/results.json").read_text())
+    if not committed["summary"]["complete"]:
+        rows = summary.correction_study(committed)
+        assert [r.verdict for r in rows] == ["pending"] * 4 and "of 105 runs of the primary block" in rows[0].numbers
+        assert summary.readme_correction() == "" and summary.correction_reading(committed, []) == ""
+    results, runs = _study11_results(0.3, rtn3=False)
+    s = results["summary"]
+    assert s["complete"] and not s["complete_secondary"]
+    rows = summary.correction_study(results)
+    by_alt = {r.claim.split(": ", 1)[1].split(" (")[0]: r for r in rows[:4]}
+    removed = by_alt["removing the mismatch"]
+    t = s["tests"]["rtn2/removed vs rtn2/tis"]
+    assert removed.verdict == "better than token TIS" and f"difference {t['difference']:+.3f}" in removed.numbers
+    assert f"Holm p = {t['p_holm']:.3g}" in removed.numbers and f"(80 % power) {t['mde']:.3f}" in removed.numbers
+    assert by_alt["IcePop"].verdict == "not separated from token TIS" and "(80 % power)" in by_alt["IcePop"].numbers
+    assert rows[-1].study == "11 (its answer)" and rows[-1].verdict == "rtn2/removed better than token TIS"
+    assert rows[-1].numbers == s["answer"].rstrip(".") and s["answer"].startswith("at rtn2, rtn2/removed scores above")
+    folder = tmp_path / "correction_study"
+    folder.mkdir()
+    (folder / "results.json").write_text(json.dumps(results))
+    readme = summary.readme_correction(tmp_path)
+    assert "removing the mismatch: **better than token TIS** (rtn2/removed − rtn2/tis = +0.300" in readme
+    assert readme.endswith(s["answer"])
+    reading = summary.correction_reading(results, runs)
+    ppo = s["secondary"]["rtn2/ppo vs rtn2/tis"]
+    assert f"Uncorrected against token TIS at rtn2: {ppo['difference']:+.3f}" in reading
+    assert "The rtn3 block: 0 of 60 runs finished" in reading and "105 runs of 440–454 s each, median 447 s" in reading
+    full, runs = _study11_results(0.0, rtn3=True)
+    assert "The rtn3 block, each arm against rtn3/tis (10 seeds each): ppo -0.100" in summary.correction_reading(full, runs)
+    assert summary.correction_study(full)[-1].verdict == "nothing separated from token TIS"
