@@ -357,3 +357,87 @@ def test_a_tool_environment_trains_two_steps(tmp_path):
     assert [r["step"] for r in steps] == [1, 2] and all(r["loss/policy"] == r["loss/policy"] for r in steps)
     assert all(r["env/turns_mean"] == r["env/turns_max"] == 1 and r["env/cut_share"] == 0 for r in steps)
     assert all(r["env/observation_token_share"] == 0 for r in steps)
+
+
+# ---- the hermes path on the chat templates Qwen ships -----------------------------------------------------------
+
+
+def _qwen_tokenizer(template: str):
+    """A byte-level BPE tokenizer (Qwen's kind, without merges) with ChatML's tokens as Qwen's tokenizers have them:
+    ``<|im_start|>`` / ``<|im_end|>`` special (EOS ``<|im_end|>``), the tool and think tags added but not special;
+    its chat template ``template`` (``trl/chat_templates/<name>.jinja``: the models' own, which TRL compares byte for
+    byte against the Hub's)."""
+    import importlib.util
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    spec = importlib.util.find_spec("trl")
+    if spec is None:
+        pytest.skip("TRL is not installed (ROLLCORR_OPTIONAL=trl): its package holds the Qwen chat templates")
+    byte_level = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
+                                      merges=[]))
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    byte_level.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=byte_level)
+    tok.add_special_tokens({"eos_token": "<|im_end|>", "additional_special_tokens": ["<|im_start|>"]})
+    tok.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"])
+    tok.chat_template = (Path(spec.submodule_search_locations[0]) / "chat_templates" / f"{template}.jinja").read_text()
+    return tok
+
+
+@pytest.mark.parametrize("template", ["qwen2_5", "qwen3"])
+def test_the_hermes_path_on_the_chat_templates_qwen_ships(task, template):
+    """With Qwen2.5's and Qwen3's own chat templates: the prompt describes the tool as the template does; a call
+    written as the template writes one (an assistant message with ``tool_calls``) is read back by the ``hermes``
+    parser as that call; through the episode loop its ids stay as drawn, tags and all (decoded without special
+    tokens, the tags are kept: added, not special), and the tool's result is appended as the template renders a
+    tool message — a ``<tool_response>`` in a user turn, after the ``\\n`` that follows ``<|im_end|>``."""
+    import torch
+
+    from rollcorr.audit.tito import align
+    from rollcorr.envs import Episodes
+    from rollcorr.envs.tool_calls import parse_tool_calls
+    from rollcorr.rollout import Rollout
+
+    tok = _qwen_tokenizer(template)
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 3, "b": 4}}}
+    messages = [{"role": "user", "content": "3+4="}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    written = tok.apply_chat_template(messages, tokenize=False)
+    turn = written.split("<|im_start|>assistant\n")[-1].split("<|im_end|>")[0]
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>' in turn
+    parsed = parse_tool_calls(turn, "hermes")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls] == [
+        ("add", {"a": 3, "b": 4})]
+    item = {"prompt": "3+4=", "answer": "7"}
+    episodes = Episodes(make_env(task, TOOLS), [item, item], Renderer(tok, chat=True), Limits())
+    prompt = tok.decode(episodes.prompts()[0])
+    assert "<tools>\n" in prompt and '"name": "add"' in prompt and '"required": ["a", "b"]' in prompt
+    assert prompt.endswith("<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n")
+    drawn = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in (turn, "7")]
+    assert tok.decode(drawn[0][:-1], skip_special_tokens=True) == turn  # the tags survive the environment's decode
+    width = max(map(len, drawn))
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in drawn])
+    mask = torch.tensor([[k < len(r) for k in range(width)] for r in drawn])
+    first = Rollout(prompt_ids=torch.ones(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1, dtype=torch.bool),
+                    response_ids=ids, response_mask=mask, rollout_log_prob=torch.zeros(ids.shape),
+                    version=torch.zeros(ids.shape, dtype=torch.long), group_ids=torch.zeros(2, dtype=torch.long),
+                    meta=[{"finished": True}, {"finished": True}])
+    rollout = episodes.advance(first, version=0)
+    assert rollout.response_ids[0][rollout.response_mask[0]].tolist() == drawn[0]  # the call, as drawn
+    observed = tok.decode(rollout.response_ids[0][rollout.observation_mask[0]].tolist())
+    assert observed == "\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert episodes.over == [False, True] and episodes.rewards == [[0.0], [1.0]]
+    # a pipeline that templates the conversation again: Qwen2.5's gives back the sampled ids; Qwen3's renders the
+    # first turn without the empty think block it wrote there as the last turn (6 sampled tokens lack a counterpart)
+    sampled = episodes.prompts()[0] + rollout.response_ids[0][rollout.token_mask[0]].tolist()
+    opening = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]  # the next turn's, appended
+    assert sampled[-len(opening) :] == opening
+    conversation = episodes.messages(rollout, 0)
+    again = Renderer(tok, chat=True).conversation_ids(conversation, conversation.tools)
+    drift = align(sampled[: -len(opening)], again)
+    think = tok("<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"]
+    assert (drift["sampled"], drift["retokenized"], drift["trailing"]) == (
+        (0, 0, 0) if template == "qwen2_5" else (len(think), 0, 0))
+    if template == "qwen3":
+        assert len(think) == 6 and sampled[drift["first"] : drift["first"] + 6] == think

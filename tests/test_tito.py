@@ -152,6 +152,31 @@ def test_without_a_template_each_turn_keeps_its_end_of_turn_token(learner):
     assert got["example"]["position"] == 5 and got["example"]["sampled"].startswith("<eos>")
 
 
+# the last assistant turn gets a marker the earlier ones lack (Qwen3's empty think block, in miniature)
+MARKS_LAST = ("{% for m in messages %}<bos>{{ m['role'] }}:{% if m['role'] == 'assistant' and loop.last %}#{% endif %}"
+              "{{ m['content'] }}<eos>|{% endfor %}{% if add_generation_prompt %}<bos>assistant:{% endif %}")
+
+
+def test_an_observation_is_what_follows_the_assistants_end_even_where_the_template_rerenders_that_turn(learner):
+    """The observation's ids are what the template puts after the assistant's end-of-turn token, counted in the
+    full rendering: a template that renders the last assistant turn otherwise (MARKS_LAST) gives the same ids as
+    one that does not (CHATML); one that renders the user's turn otherwise, or ends no turn with the EOS token,
+    is refused in one line."""
+    tok = learner.tokenizer
+    rendered = {}
+    for name, template in (("chatml", CHATML), ("marks_last", MARKS_LAST)):
+        tok.chat_template = template
+        rendered[name] = Renderer(tok, chat=True).observation_ids("7,", turn_ended=True)
+    assert rendered["marks_last"] == rendered["chatml"] and tok.decode(rendered["chatml"]) == "|<bos>user:7,<eos>|<bos>assistant:"
+    second_to_last = "{% if loop.index0 == messages | length - 2 %}!{% endif %}"  # the user's turn, in head only
+    tok.chat_template = CHATML.replace("{{ m['content'] }}", "{{ m['content'] }}" + second_to_last)
+    with pytest.raises(ValueError, match=r"^the chat template renders the conversation before an observation differently"):
+        Renderer(tok, chat=True).observation_ids("7,", turn_ended=True)
+    tok.chat_template = CHATML.replace("<eos>", "")
+    with pytest.raises(ValueError, match=r"^the chat template does not end an assistant turn with the tokenizer's EOS token \('<eos>'\)"):
+        Renderer(tok, chat=True).observation_ids("7,", turn_ended=True)
+
+
 def chat_chain(tmp_path) -> str:
     """The built-in chain model in a folder whose tokenizer has the CHATML template."""
     folder = tmp_path / "chat-chain"

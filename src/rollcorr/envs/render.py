@@ -7,11 +7,15 @@ a sequence the sampler never produced. So an observation is rendered by the rule
 
     head = template([user "x", assistant "y"])                         (no generation prompt)
     full = template([user "x", assistant "y", *observation], generation prompt)
-    observation ids = full[k + 1 :],   k = the position of head's end-of-turn token (the tokenizer's EOS)
+    observation ids = full[k + 1 :],   k = the position in full of the assistant's end-of-turn token (the
+                                           tokenizer's EOS): full's n-th, n the count of them in head
 
 — everything the template puts after the assistant's end-of-turn token: its separator (ChatML's "\\n" after
 "<|im_end|>", which the model never samples and a naive concatenation drops at every turn), the observation's
-own turn, the next assistant turn's opening. A model turn cut at its token cap, without the end-of-turn token,
+own turn, the next assistant turn's opening. Everything up to the user's turn must render alike in head and full;
+the assistant's turn may not (Qwen3's own template writes an empty ``<think>`` block into the last assistant turn
+only, so "y" renders one way in head and another in full): a sampled turn's ids are kept as drawn whatever the
+template would write for it again — ``rollcorr audit``'s token-in-token-out check measures that difference. A model turn cut at its token cap, without the end-of-turn token,
 gets that token at the head of the observation (the environment's, never trained). A model without a chat template
 takes text observations, encoded without special tokens.
 
@@ -57,11 +61,17 @@ class Renderer:
     def _template_delta(self, observation: list[dict[str, str]]) -> list[int]:
         head = _template(self.tokenizer, _PROBE, generation_prompt=False)
         full = template_ids(self.tokenizer, [*_PROBE, *observation])
-        ends = [k for k, t in enumerate(head) if t == self.end_of_turn]
-        if not ends or full[: ends[-1] + 1] != head[: ends[-1] + 1]:
-            raise ValueError("the chat template does not end an assistant turn with the tokenizer's EOS token, or "
-                             "is not append-only there: observations cannot be appended as tokens")
-        return full[ends[-1] + 1 :]
+        ends_head = [k for k, t in enumerate(head) if t == self.end_of_turn]
+        ends_full = [k for k, t in enumerate(full) if t == self.end_of_turn]
+        if not ends_head or len(ends_full) < len(ends_head):
+            raise ValueError("the chat template does not end an assistant turn with the tokenizer's EOS token "
+                             f"({self.tokenizer.convert_ids_to_tokens(self.end_of_turn)!r}): observations cannot be "
+                             "appended as tokens")
+        user_end = ends_head[-2] + 1 if len(ends_head) > 1 else 0  # through the user's turn: rendered alike
+        if full[:user_end] != head[:user_end]:
+            raise ValueError("the chat template renders the conversation before an observation differently once the "
+                             "observation follows: observations cannot be appended as tokens")
+        return full[ends_full[len(ends_head) - 1] + 1 :]
 
     def conversation_ids(self, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The whole conversation through the template (with the ``tools`` its prompt described), as a pipeline
