@@ -284,6 +284,11 @@ def test_suggestion_evidence_quotes_the_studies_numbers_as_recorded():
     recorded |= {f"{abs(x):.3f}" for t in dose["tests"].values()
                  for x in (t.get("slope", t.get("difference")), *t["ci95"], t["p_holm"])}
     recorded |= {f"{abs(t['difference']):.3f}" for t in dose["secondary"].values()}  # each arm against fp32
+    study11 = json.loads((results / "correction_study/results.json").read_text())["summary"]  # arms, tests, secondary
+    recorded |= {f"{a['final_score_mean']:.3f}" for a in study11["arms"].values()}
+    recorded |= {f"{abs(x):.3f}" for t in study11["tests"].values() for x in (t["difference"], *t["ci95"], t["mde"])}
+    recorded |= {f"{abs(x):.3f}" for k, t in study11["secondary"].items() if " vs " in k and "difference" in t
+                 for x in (t["difference"], *t["ci95"], t["mde"])}
     # study 6's exact permutation p of token TIS against sequence MIS (three seeds each), as quoted
     import sys
 
