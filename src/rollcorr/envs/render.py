@@ -15,9 +15,10 @@ a sequence the sampler never produced. So an observation is rendered by the rule
 own turn, the next assistant turn's opening. Everything up to the user's turn must render alike in head and full;
 the assistant's turn may not (Qwen3's own template writes an empty ``<think>`` block into the last assistant turn
 only, so "y" renders one way in head and another in full): a sampled turn's ids are kept as drawn whatever the
-template would write for it again — ``rollcorr audit``'s token-in-token-out check measures that difference. A model turn cut at its token cap, without the end-of-turn token,
-gets that token at the head of the observation (the environment's, never trained). A model without a chat template
-takes text observations, encoded without special tokens.
+template would write for it again — ``rollcorr audit``'s token-in-token-out check measures that difference.
+A model turn cut at its token cap, without the end-of-turn token, gets that token at the head of the observation
+(the environment's, never trained). A model without a chat template takes text observations, encoded without
+special tokens.
 
 ``conversation_ids`` is the other way, the one a pipeline that re-tokenises takes: the whole conversation
 through the template. ``rollcorr audit`` compares it with the sampled ids (the token-in-token-out check).
