@@ -583,8 +583,9 @@ def correction_reading(r: dict[str, Any], runs: list[dict[str, Any]]) -> str:
         a = arms[arm]
         served = "" if a["served_score_mean"] is None else f", served {a['served_score_mean']:.3f}"
         kept = "" if a["kept_sequence_share_median"] is None else f", kept sequences {a['kept_sequence_share_median']:.0%}"
-        return (f"{arm} {a['final_score_mean']:.3f} ± {a['final_score_std']:.3f}{served}, training k3 "
-                f"{a['training_k3_median']:.3g}{kept}, {a['collapses']} of {a['seeds']} collapsed")
+        k3 = "" if a["training_k3_median"] is None else f", training k3 {a['training_k3_median']:.3g}"
+        return (f"{arm} {a['final_score_mean']:.3f} ± {a['final_score_std']:.3f}{served}{k3}{kept}, "
+                f"{a['collapses']} of {a['seeds']} collapsed")
 
     rtn2 = [a for a in arms if a.startswith("rtn2/")]
     collapses = "; ".join(f"{k.split(' vs ')[0].split('/')[1]} {v['collapses'][0]} vs {v['collapses'][1]} "
