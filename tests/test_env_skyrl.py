@@ -197,6 +197,7 @@ def test_smollm2_trains_two_steps_on_skyrl_gsm8k_through_its_chat_template(tmp_p
     assert [r["step"] for r in steps] == [1, 2] and all(r["loss/policy"] == r["loss/policy"] for r in steps)
     allowed = {0.0, 0.1, 1.0, 1.1}  # per trajectory: sums of at most two turns' {0, 0.2 / 2, 1}
     evaluated = [json.loads(line) for line in (tmp_path / "run/samples.jsonl").read_text().splitlines()]
-    assert all(min(abs(s["reward"] - a) for a in allowed) < 1e-9 for s in evaluated)
+    float32_ulp = 2 * 2.0**-23  # rewards are held as float32 (0.1 reads back as 0.10000000149): 2 ulps of [1, 2)
+    assert all(min(abs(s["reward"] - a) for a in allowed) <= float32_ulp for s in evaluated)
     for s in (s for s in evaluated if s["kind"] == "eval" and s["reward"] != 1.0):  # a first turn not right:
         assert "user\nNow provide only the final numeric answer" in s["response"]  # the template's user turn
