@@ -286,7 +286,8 @@ def test_suggestion_evidence_quotes_the_studies_numbers_as_recorded():
     recorded |= {f"{abs(t['difference']):.3f}" for t in dose["secondary"].values()}  # each arm against fp32
     study11 = json.loads((results / "correction_study/results.json").read_text())["summary"]  # arms, tests, secondary
     recorded |= {f"{a['final_score_mean']:.3f}" for a in study11["arms"].values()}
-    recorded |= {f"{abs(x):.3f}" for t in study11["tests"].values() for x in (t["difference"], *t["ci95"], t["mde"])}
+    recorded |= {f"{abs(x):.3f}" for t in study11["tests"].values()
+                 for x in (t["difference"], *t["ci95"], t["mde"], t["p_holm"])}
     recorded |= {f"{abs(x):.3f}" for k, t in study11["secondary"].items() if " vs " in k and "difference" in t
                  for x in (t["difference"], *t["ci95"], t["mde"])}
     # study 6's exact permutation p of token TIS against sequence MIS (three seeds each), as quoted
@@ -305,3 +306,43 @@ def test_suggestion_evidence_quotes_the_studies_numbers_as_recorded():
     paragraph = page[page.index("The suggestions come from one table") :].split("\n\n")[0]
     on_page = set(re.findall(r"\b0\.\d{3}\b", paragraph))
     assert on_page and on_page <= recorded, sorted(on_page - recorded)
+
+
+def test_the_suggestion_beyond_bf16_follows_study_11_by_its_protocols_rule():
+    """Study 11's protocol: when no alternative is better than token TIS at 2 bits, the suggestion beyond the bf16
+    level stays token TIS with the share of the fp32 gap it recovers and its collapses beside it, and alternatives
+    worse than it are named. The evidence quotes each figure as the results file gives it."""
+    import json
+    from pathlib import Path
+
+    from rollcorr.audit.verdict import SUGGESTIONS
+
+    s = json.loads((Path(__file__).resolve().parents[1] / "experiments/results/correction_study/results.json")
+                   .read_text())["summary"]
+    assert s["complete"]
+    verdicts = {k.split(" vs ")[0]: t["verdict"] for k, t in s["tests"].items()}
+    better = [arm for arm, v in verdicts.items() if v == "better than token TIS"]
+    entry = SUGGESTIONS["beyond"]
+    assert not better and entry["preset"] == "tis"  # the rule: nothing above TIS, the suggestion stays
+    text = " ".join(entry["evidence"].split())
+    worse = [arm for arm, v in verdicts.items() if v == "worse than token TIS"]
+    assert worse == ["rtn2/seq_mis", "rtn2/seq_is_rs"]
+    assert "sequence-level MIS and sequence-level IS + rejection ended below token TIS" in text
+    arms = s["arms"]
+    assert (f"({arms['rtn2/seq_mis']['final_score_mean']:.3f} and {arms['rtn2/seq_is_rs']['final_score_mean']:.3f} "
+            f"against {arms['rtn2/tis']['final_score_mean']:.3f}, Holm p "
+            f"{s['tests']['rtn2/seq_mis vs rtn2/tis']['p_holm']:.2g} each)") in text
+    icepop, removed = s["tests"]["rtn2/icepop vs rtn2/tis"], s["tests"]["rtn2/removed vs rtn2/tis"]
+    sign = lambda x: f"{x:+.3f}".replace("-", "−")  # noqa: E731
+    low = lambda x: f"{x:.3f}".replace("-", "−")  # noqa: E731  (an interval's lower end: signed only below 0)
+    assert (f"({sign(icepop['difference'])} and {sign(removed['difference'])}, 95 % intervals "
+            f"{low(icepop['ci95'][0])} to {sign(icepop['ci95'][1])} and {low(removed['ci95'][0])} to "
+            f"{sign(removed['ci95'][1])}, Holm p {icepop['p_holm']:.3f} each; the tests had an 80 % chance to detect "
+            f"a difference of {max(t['mde'] for t in s['tests'].values()):.3f}, a smaller one could easily go unseen)"
+            ) in text
+    assert icepop["p_holm"] == removed["p_holm"]
+    gap = s["secondary"]["gap_recovered"]["rtn2/tis"]
+    pct = lambda x: f"{100 * x:.0f} %".replace("-", "−")  # noqa: E731
+    assert (f"token TIS recovered {pct(gap['share'])} of the fp32 − uncorrected gap (95 % interval "
+            f"{pct(gap['ci95'][0])} to {pct(gap['ci95'][1])}), with {arms['rtn2/tis']['collapses']} of "
+            f"{arms['rtn2/tis']['seeds']} runs in sustained collapse") in text

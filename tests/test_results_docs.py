@@ -412,17 +412,22 @@ def test_study11_is_pending_until_the_primary_block_is_in_then_says_each_verdict
     assert f"Holm p = {t['p_holm']:.3g}" in removed.numbers and f"(80 % power) {t['mde']:.3f}" in removed.numbers
     assert by_alt["IcePop"].verdict == "not separated from token TIS" and "(80 % power)" in by_alt["IcePop"].numbers
     assert rows[-1].study == "11 (its answer)" and rows[-1].verdict == "rtn2/removed better than token TIS"
-    assert rows[-1].numbers == s["answer"].rstrip(".") and s["answer"].startswith("at rtn2, rtn2/removed scores above")
+    assert rows[-1].numbers == summary.correction_answer(s) == s["answer"].rstrip(".")  # no MDE clause to reword
+    assert s["answer"].startswith("at rtn2, rtn2/removed scores above")
     folder = tmp_path / "correction_study"
     folder.mkdir()
     (folder / "results.json").write_text(json.dumps(results))
     readme = summary.readme_correction(tmp_path)
     assert "removing the mismatch: **better than token TIS** (rtn2/removed − rtn2/tis = +0.300" in readme
-    assert readme.endswith(s["answer"])
+    assert readme.endswith(s["answer"])  # "… by 0.300 (95 % CI …)." as the protocol's code wrote it
     reading = summary.correction_reading(results, runs)
     ppo = s["secondary"]["rtn2/ppo vs rtn2/tis"]
     assert f"Uncorrected against token TIS at rtn2: {ppo['difference']:+.3f}" in reading
     assert "The rtn3 block: 0 of 60 runs finished" in reading and "105 runs of 440–454 s each, median 447 s" in reading
     full, runs = _study11_results(0.0, rtn3=True)
     assert "The rtn3 block, each arm against rtn3/tis (10 seeds each): ppo -0.100" in summary.correction_reading(full, runs)
-    assert summary.correction_study(full)[-1].verdict == "nothing separated from token TIS"
+    answer = summary.correction_study(full)[-1]
+    assert answer.verdict == "nothing separated from token TIS" and "could not have been seen" in full["summary"]["answer"]
+    mde = max(t["mde"] for t in full["summary"]["tests"].values())
+    assert answer.numbers == ("at rtn2, no alternative is separated from token TIS above it; the test had an 80 % "
+                              f"chance to detect a difference of {mde:.3f}; a smaller one could easily go unseen")
