@@ -200,7 +200,9 @@ def response_log_probs(model: nn.Module, ids: Tensor, mask: Tensor, prompt_len: 
     hidden = body(input_ids=ids, attention_mask=mask.long(), position_ids=positions_from_mask(mask),
                   use_cache=False).last_hidden_state
     t = targets.shape[1]
-    logits = model.get_output_embeddings()(hidden[:, prompt_len - 1 : prompt_len - 1 + t])
+    # contiguous: a strided slice takes another GEMM with autograd on than off, and on some CPUs (Intel's MKL)
+    # the two round differently; the estimate's graph forward must score as the plain forwards do, bit for bit
+    logits = model.get_output_embeddings()(hidden[:, prompt_len - 1 : prompt_len - 1 + t].contiguous())
     log_p = torch.log_softmax(logits.double() / temperature, dim=-1)
     return log_p.gather(-1, targets[..., None]).squeeze(-1)
 
@@ -243,8 +245,8 @@ def suffix_log_probs(model: nn.Module, calls: list[tuple[tuple, dict]], start: i
         out = layers[j](*args, **kwargs)
         hidden = out[0] if isinstance(out, tuple) else out
     hidden = model.get_decoder().norm(hidden)
-    t = targets.shape[1]
-    logits = model.get_output_embeddings()(hidden[:, prompt_len - 1 : prompt_len - 1 + t])
+    t = targets.shape[1]  # the head on a contiguous slice, as in ``response_log_probs``
+    logits = model.get_output_embeddings()(hidden[:, prompt_len - 1 : prompt_len - 1 + t].contiguous())
     log_p = torch.log_softmax(logits.double() / temperature, dim=-1)
     return log_p.gather(-1, targets[..., None]).squeeze(-1)
 
