@@ -622,8 +622,18 @@ def correction_reading(r: dict[str, Any], runs: list[dict[str, Any]]) -> str:
         text.append(f"The rtn3 block: {done} of 60 runs finished; reported when all are in.")
     text.append(f"Wall time: {len(seconds)} runs of {seconds[0]:.0f}–{seconds[-1]:.0f} s each, median "
                 f"{statistics.median(seconds):.0f} s (their run files' `seconds`: one niced process per core, two at "
-                "a time, beside other work, over several sessions).")
+                f"a time, beside other work, over several sessions){_machines(runs)}.")
     return " ".join(text) + "\n\n" + served_exploratory(arms, runs)
+
+
+def _machines(runs: list[dict[str, Any]]) -> str:
+    """", on <cpu> (n runs) and …" from the run files' ``machine`` (CPU and torch's capability), where recorded."""
+    cpus: dict[str, int] = {}
+    for run in runs:
+        if run.get("machine"):
+            key = f"{run['machine']['cpu']} ({run['machine']['capability']})"
+            cpus[key] = cpus.get(key, 0) + 1
+    return ", on " + " and ".join(f"{cpu}: {n} runs" for cpu, n in cpus.items()) if cpus else ""
 
 
 def served_exploratory(arms: dict[str, Any], runs: list[dict[str, Any]]) -> str:

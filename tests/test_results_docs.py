@@ -388,7 +388,7 @@ def _study11_results(shift: float, rtn3: bool) -> dict:
                      "series": {"rollout_corr/k3_kl": [0.02, 0.03], "rollout_corr/num_kept_seqs": [6, 8],
                                 "rollout_corr/num_valid_seqs": [8, 8]},
                      "served_score": None if arm.startswith("fp32") else score - 0.05, "stopped": None,
-                     "seconds": 400.0 + seed})
+                     "seconds": 400.0 + seed, "machine": {"cpu": "A CPU", "capability": "AVX2"}})
     return {"summary": {"protocol_commit": cs.protocol_commit(), **cs.summarize(runs)}}, runs
 
 
@@ -424,6 +424,7 @@ def test_study11_is_pending_until_the_primary_block_is_in_then_says_each_verdict
     ppo = s["secondary"]["rtn2/ppo vs rtn2/tis"]
     assert f"Uncorrected against token TIS at rtn2: {ppo['difference']:+.3f}" in reading
     assert "The rtn3 block: 0 of 60 runs finished" in reading and "105 runs of 440–454 s each, median 447 s" in reading
+    assert "over several sessions), on A CPU (AVX2): 105 runs." in reading
     full, runs = _study11_results(0.0, rtn3=True)
     assert "The rtn3 block, each arm against rtn3/tis (10 seeds each): ppo -0.100" in summary.correction_reading(full, runs)
     answer = summary.correction_study(full)[-1]
