@@ -293,16 +293,30 @@ TOOLS_TEMPLATE = ("{% if tools %}<bos>system:{% for t in tools %}{{ t['function'
                   "{% if add_generation_prompt %}<bos>assistant:{% endif %}")
 
 
+def _first_turns(drawn: list[list[int]]):
+    """A sampler's first batch: one finished row per list of ``drawn`` ids, right-padded, behind a 1-token prompt."""
+    import torch
+
+    from rollcorr.rollout import Rollout
+
+    width = max(map(len, drawn))
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in drawn])
+    mask = torch.tensor([[k < len(r) for k in range(width)] for r in drawn])
+    n = len(drawn)
+    return Rollout(prompt_ids=torch.ones(n, 1, dtype=torch.long), prompt_mask=torch.ones(n, 1, dtype=torch.bool),
+                   response_ids=ids, response_mask=mask, rollout_log_prob=torch.zeros(ids.shape),
+                   version=torch.zeros(ids.shape, dtype=torch.long), group_ids=torch.zeros(n, dtype=torch.long),
+                   meta=[{"finished": True} for _ in drawn])
+
+
 def test_tools_reach_the_template_and_the_sampled_call_stays_as_drawn(task):
     """Through rollcorr's episode loop (``Episodes``) on the built-in tokenizer with a template that describes
     tools: the prompt names the tool; a turn that calls it keeps its ids as drawn (tags and all, the model's), and
     the tool's result is appended after them as the environment's, rendered by the template alone; and the
     token-in-token-out check's re-tokenised conversation (``rollcorr audit``) describes the same tools."""
-    import torch
 
     from rollcorr.envs import Episodes
     from rollcorr.models.builtin import build_tokenizer
-    from rollcorr.rollout import Rollout
 
     tok = build_tokenizer()
     tok.chat_template = TOOLS_TEMPLATE
@@ -310,14 +324,7 @@ def test_tools_reach_the_template_and_the_sampled_call_stays_as_drawn(task):
     episodes = Episodes(make_env(task, TOOLS), [item, item], Renderer(tok, chat=True), Limits())
     assert tok.decode(episodes.prompts()[0]) == "<bos>system:add(a,b)<eos>\n<bos>user:3+4=<eos>\n<bos>assistant:"
     drawn = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in (_call(3, 4), "7")]
-    width = max(map(len, drawn))
-    ids = torch.tensor([r + [0] * (width - len(r)) for r in drawn])
-    mask = torch.tensor([[k < len(r) for k in range(width)] for r in drawn])
-    first = Rollout(prompt_ids=torch.ones(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1, dtype=torch.bool),
-                    response_ids=ids, response_mask=mask, rollout_log_prob=torch.zeros(ids.shape),
-                    version=torch.zeros(ids.shape, dtype=torch.long), group_ids=torch.zeros(2, dtype=torch.long),
-                    meta=[{"finished": True}, {"finished": True}])
-    rollout = episodes.advance(first, version=0)
+    rollout = episodes.advance(_first_turns(drawn), version=0)
     assert rollout.response_ids[0][rollout.response_mask[0]].tolist() == drawn[0]  # the call, as drawn
     observed = rollout.response_ids[0][rollout.observation_mask[0]].tolist()
     assert tok.decode(observed) == "\n<bos>tool:7<eos>\n<bos>assistant:"
@@ -393,12 +400,10 @@ def test_the_hermes_path_on_the_chat_templates_qwen_ships(task, template):
     parser as that call; through the episode loop its ids stay as drawn, tags and all (decoded without special
     tokens, the tags are kept: added, not special), and the tool's result is appended as the template renders a
     tool message — a ``<tool_response>`` in a user turn, after the ``\\n`` that follows ``<|im_end|>``."""
-    import torch
 
     from rollcorr.audit.tito import align
     from rollcorr.envs import Episodes
     from rollcorr.envs.tool_calls import parse_tool_calls
-    from rollcorr.rollout import Rollout
 
     tok = _qwen_tokenizer(template)
     call = {"type": "function", "function": {"name": "add", "arguments": {"a": 3, "b": 4}}}
@@ -416,14 +421,7 @@ def test_the_hermes_path_on_the_chat_templates_qwen_ships(task, template):
     assert prompt.endswith("<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n")
     drawn = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in (turn, "7")]
     assert tok.decode(drawn[0][:-1], skip_special_tokens=True) == turn  # the tags survive the environment's decode
-    width = max(map(len, drawn))
-    ids = torch.tensor([r + [0] * (width - len(r)) for r in drawn])
-    mask = torch.tensor([[k < len(r) for k in range(width)] for r in drawn])
-    first = Rollout(prompt_ids=torch.ones(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1, dtype=torch.bool),
-                    response_ids=ids, response_mask=mask, rollout_log_prob=torch.zeros(ids.shape),
-                    version=torch.zeros(ids.shape, dtype=torch.long), group_ids=torch.zeros(2, dtype=torch.long),
-                    meta=[{"finished": True}, {"finished": True}])
-    rollout = episodes.advance(first, version=0)
+    rollout = episodes.advance(_first_turns(drawn), version=0)
     assert rollout.response_ids[0][rollout.response_mask[0]].tolist() == drawn[0]  # the call, as drawn
     observed = tok.decode(rollout.response_ids[0][rollout.observation_mask[0]].tolist())
     assert observed == "\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
