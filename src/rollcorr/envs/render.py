@@ -66,7 +66,7 @@ class Renderer:
         ends_full = [k for k, t in enumerate(full) if t == self.end_of_turn]
         if not ends_head or len(ends_full) < len(ends_head):
             raise ValueError("the chat template does not end an assistant turn with the tokenizer's EOS token "
-                             f"({self.tokenizer.convert_ids_to_tokens(self.end_of_turn)!r}): observations cannot be "
+                             f"({self.tokenizer.eos_token!r}): observations cannot be "
                              "appended as tokens")
         user_end = ends_head[-2] + 1 if len(ends_head) > 1 else 0  # through the user's turn: rendered alike
         if full[:user_end] != head[:user_end]:
