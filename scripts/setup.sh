@@ -39,4 +39,7 @@ for extra in ${optional//,/ }; do
         .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     fi
 done
+# the correction's statistics kernel (C++, ~20 s a CPU capability): built now, never at call time; without it
+# the correction takes its plain-torch pass (same values to float rounding), with a warning here
+.venv/bin/python -m rollcorr.correction.build_kernel || echo "warning: the correction kernel did not build" >&2
 echo "rollcorr $(.venv/bin/python -c 'import rollcorr; print(rollcorr.__version__)') is installed in .venv"

@@ -156,12 +156,22 @@ def kernel_calls(monkeypatch):
 
 
 def on_default_path(monkeypatch, fn, *args, **kw):
-    """``fn(*args, **kw)`` on the default (plain torch) statistics: no kernel warmed."""
+    """``fn(*args, **kw)`` on the default statistics (the built kernel where it serves, else plain torch): no
+    compiled kernel warmed."""
     from rollcorr.correction import fused
 
     with monkeypatch.context() as m:
         m.setitem(fused._state, "warm", set())
         return fn(*args, **kw)
+
+
+@pytest.fixture
+def plain_torch(monkeypatch):
+    """The plain-torch statistics pass (correction/statistics.py) for every batch: the built kernel
+    (correction/native.py) is not used, as in a process where it was not built."""
+    from rollcorr.correction import native
+
+    monkeypatch.setitem(native._state, "loaded", False)
 
 
 # ---- float tolerances -------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The fast paths of the correction hot path give bit-identical results to the general ones.
+"""The fast paths of the correction's plain-torch pass give bit-identical results to the general ones.
 
 make_tokens masks by multiplication and skips the ±bound clamp when validated inputs allow it; the
 general path (``validate=False``, or garbage in the padding) masks with ``torch.where`` and always clamps.
@@ -14,6 +14,9 @@ import torch
 from rollcorr.config import CorrectionConfig, preset
 from rollcorr.correction import compute_correction, metrics
 from rollcorr.correction.ratios import any_per_row, make_tokens
+
+pytestmark = pytest.mark.usefixtures("plain_torch")  # the plain-torch pass's fast paths (test_correction_native.py
+# compares the built kernel with it)
 
 CONFIGS = [
     preset("disabled"),

@@ -10,9 +10,10 @@ for the optional inputs log_prob / advantages / log_kept_mass when given), which
 when the caller has already checked the tensors, and, when a rejection rule is set, the check for a batch that
 lost every token (``AllRejectedWarning``), which ``warn=False`` skips.
 
-Cost: the statistics are one walk over (B, T) in plain torch, block by block of rows (statistics.py), and every
-later step works on (B,) vectors, except token-level rules, veto and OPSM, which read the (B, T) tokens. No call
-ever compiles (docs/performance.md); ``fused.warm`` compiles the same statistics on request, before a run.
+Cost: the statistics are one read of (B, T) by the C++ kernel built at setup (native.py), or one walk in plain
+torch, block by block of rows, where it does not serve (statistics.py); every later step works on (B,) vectors,
+except token-level rules, veto and OPSM, which read the (B, T) tokens. No call ever compiles
+(docs/performance.md); ``fused.warm`` compiles the same statistics on request, before a run.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 ``_row_pass`` (``torch.compile``, Inductor's C++ backend) for one configuration before a run, and from then on
 ``statistics.batch_statistics`` takes it for batches of ≥ ``MIN_POSITIONS`` positions of that configuration.
 Nothing compiles in a call of ``compute_correction``: a call the warmed kernel does not fit (another variant, a
-shape Inductor would recompile for) takes the default plain-torch path (statistics.py) instead. ``rollcorr train``
-warms it at start when ``ROLLCORR_FUSED=1`` is set (docs/performance.md).
+shape Inductor would recompile for) takes the default path (statistics.py: the kernel built at setup, native.py,
+else plain torch) instead. ``rollcorr train`` warms it at start when ``ROLLCORR_FUSED=1`` is set
+(docs/performance.md).
 
 One loop per row reads π_old, μ and the mask once and keeps every per-token quantity in registers:
 
@@ -299,15 +300,25 @@ def _run(old: Tensor, rollout: Tensor, mask: Tensor, key: tuple, bound: float) -
                     kernel=_state["compiled"])
 
 
+def _key(plan, dtype: torch.dtype) -> tuple:
+    """The variant (``variant``) a ``statistics.Plan`` needs."""
+    return plan.token_is, tuple(sorted(plan.reductions)), plan.verl, plan.diagnostics, dtype
+
+
+def serves(plan, dtype: torch.dtype, mask_bool: Tensor) -> bool:
+    """Whether a warmed kernel takes this batch: its variant compiled, at least ``MIN_POSITIONS`` positions."""
+    return _key(plan, dtype) in _state["warm"] and mask_bool.numel() >= MIN_POSITIONS
+
+
 def row_statistics(
     anchor: Tensor, rollout: Tensor, mask_bool: Tensor, plan, dtype: torch.dtype
 ) -> tuple[dict[str, Tensor], dict[str, Tensor], Tensor | None] | None:
     """``statistics.batch_statistics``' compiled source: (per-row reductions, batch totals, token weights) as the
     default path names them (the π_θ split is computed beside it), or None — not warmed for this variant, a
     batch under ``MIN_POSITIONS``, or a call Inductor would recompile for (never done mid-run)."""
-    key = (plan.token_is, tuple(sorted(plan.reductions)), plan.verl, plan.diagnostics, dtype)
-    if key not in _state["warm"] or mask_bool.numel() < MIN_POSITIONS:
+    if not serves(plan, dtype, mask_bool):
         return None
+    key = _key(plan, dtype)
     try:
         with torch.compiler.set_stance("fail_on_recompile"):
             s = _run(anchor, rollout, mask_bool, key, plan.bound)

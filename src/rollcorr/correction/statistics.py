@@ -1,9 +1,11 @@
 """The statistics of a (B, T) batch: every per-row sum the weights, the rules and the diagnostics read.
 
 ``batch_statistics`` is the one door; it returns a ``BatchStatistics``, the interface every later step of
-``compute_correction`` reads (the rules through ``row_sum`` / ``row_max`` / ``token``). By default it is plain
-torch, the fewest passes over (B, T) (this module); ``fused.py`` is an optional compiled source of the same
-sums, used only once a process has compiled it on purpose (``fused.warm``), never mid-run.
+``compute_correction`` reads (the rules through ``row_sum`` / ``row_max`` / ``token``). Its sources of the same
+sums, to float rounding: the C++ kernel built at setup (``native.py``: one read of (B, T), the input checks in
+it), for contiguous float32 CPU batches; else plain torch, the fewest passes over (B, T) (this module).
+``fused.py`` is an optional compiled source, used only once a process has compiled it on purpose
+(``fused.warm``), never mid-run; a batch it was warmed for takes it first.
 
 Per position, with mf the mask as 0/1 floats and o = log π_old·mf, r = log μ·mf (0 on padding):
 
@@ -38,6 +40,7 @@ and one log1p. A smaller block (a small batch, whose cost is its number of opera
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -46,7 +49,7 @@ import torch
 from torch import Tensor
 
 from rollcorr.config.correction import LOG_RATIO_CLAMP, CorrectionConfig
-from rollcorr.correction import fused
+from rollcorr.correction import fused, native
 from rollcorr.correction.metrics import PROB_SHARES, is_band
 from rollcorr.correction.ratios import (
     NO_VALID_TOKEN,
@@ -147,17 +150,24 @@ def batch_statistics(
     ``validate``: check the inputs (one sync; ``ValueError`` naming the tensor and position). ``log_prob``: π_θ
     for the discrepancy/drift split (decoupled mode, diagnostics on)."""
     mask_bool = mask if mask.dtype == torch.bool else mask != 0
-    clean, clamp = _check(anchor, rollout, mask, mask_bool, config.safety_bound, names) if validate else (False, True)
+    clean = False  # unchecked: the padding may hold anything
     plan = Plan(
         reductions=declared_reductions(config),
         token_is=(config.is_mode, config.is_upper, config.is_lower) if config.is_level == "token" else None,
         diagnostics=diagnostics, verl=config.verl_compat, decomposition=diagnostics and log_prob is not None,
-        clamp=clamp, bound=float(config.safety_bound),
+        clamp=True, bound=float(config.safety_bound),
     )
     dtype = compute_dtype(anchor, rollout)
-    compiled = fused.row_statistics(anchor, rollout, mask_bool, plan, dtype)
-    if compiled is not None:
-        row, total, weights = compiled
+    # the built kernel (which checks the inputs in its read), unless a compiled one was warmed for this batch
+    if native.serves(anchor, rollout, mask_bool) and not fused.serves(plan, dtype, mask_bool):
+        kernel = _native(anchor, rollout, mask, mask_bool, plan, names, validate)
+    else:
+        if validate:
+            clean, clamp = _check(anchor, rollout, mask, mask_bool, plan.bound, names)
+            plan = dataclasses.replace(plan, clamp=clamp)
+        kernel = fused.row_statistics(anchor, rollout, mask_bool, plan, dtype)
+    if kernel is not None:
+        row, total, weights = kernel
         if plan.decomposition:  # beside the kernel
             masked = (torch.where(mask_bool, x.to(dtype), 0.0) for x in (anchor, rollout, log_prob))
             total |= {k: v.sum() for k, v in _decomposition_terms(*masked).items()}
@@ -175,6 +185,43 @@ def rows_from(n: Tensor, mask: Tensor, *, verl: bool) -> Rows:
     count_dtype = mask.dtype if mask.dtype.is_floating_point else torch.get_default_dtype()
     return Rows(n=n, valid=valid, num_tokens=num_tokens, num_rows=valid.sum().to(n.dtype),
                 num_pad=mask.numel() - num_tokens, verl=verl, count_dtype=count_dtype)
+
+
+def _native(
+    anchor: Tensor, rollout: Tensor, mask: Tensor, mask_bool: Tensor, plan: Plan, names: tuple[str, str],
+    validate: bool,
+) -> tuple[dict[str, Tensor], dict[str, Tensor], Tensor | None]:
+    """The statistics from the built kernel (native.py), under the names the plain-torch pass gives them. With
+    ``validate``, its counts of invalid entries and of valid tokens check the inputs (a bad batch is checked again
+    by ``_check``, which names the tensor and position)."""
+    rows, totals, weights = native.run(anchor, rollout, mask_bool, plan)
+    if validate:
+        n, bad_old, bad_rollout = totals[:3].tolist()
+        if mask.dtype != torch.bool and ((mask != 0) & (mask != 1)).any():
+            check_binary_mask("response_mask", mask)
+        if n == 0 or bad_old or bad_rollout:
+            _check(anchor, rollout, mask, mask_bool, plan.bound, names)
+    r = dict(zip(native.SLOTS, rows.unbind(0)))
+    t = dict(zip(native.SLOTS, totals.to(rows.dtype).unbind(0)))
+    row = {k: r[k] for k in ("n", "lr", "old", "rollout", "max_k2", "max_k3") if k in r and (
+        k[:4] != "max_" or k in plan.reductions)}
+    row |= {"sum_k1": -r["lr_c"]} if "sum_k1" in plan.reductions else {}
+    row |= {"sum_k2": r["k2"]} if "sum_k2" in plan.reductions else {}
+    if plan.diagnostics or plan.reductions & {"sum_k3", "max_k3"}:
+        row["sum_k3"] = r["k3"]
+    total = {}
+    if plan.token_is:
+        row |= {"w_sum": r["w"], "raw": r["raw"]}
+        total |= {k: t[k] for k in ("w_sq", "w_max", "w_min", "high", "low")}
+    if plan.diagnostics:
+        row |= {"d_sum": r["d"], "d_max": r["d_max"]}
+        total |= {f"{k}_sum": t[k] for k in ("p_old", "p_rollout", "p_old_sq", "p_rollout_sq", "p_cross")}
+        total |= {k: t[k] for k in ("e_abs", "abs", *(f"ge{i}" for i in range(len(PROB_SHARES))))}
+        total |= {"sum_k3": t["k3"], "small_diff_count": t["small"], "rho2": t["n"] + 2.0 * t["e"] + t["e_sq"],
+                  "policy_kl": t["e_lr"] - t["k3"], "js": (t["js_a"] + t["e_lr"] - t["e_q"]) * 0.5}
+        if plan.verl:
+            total["k3_unclamped"] = t["k3_unclamped"]
+    return row, total, weights
 
 
 def _check(
