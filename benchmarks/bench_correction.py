@@ -8,7 +8,9 @@ Per shape (float32 (B, T), random lengths: about 5/8 of the positions valid) and
 sequence IS + seq_sum_k1 rejection, token TIS + Geo-RS), one thread, the default environment (no
 ``ROLLCORR_FUSED``, glibc's allocator as it comes), it times, interleaved round by round in a rotating order:
 
-- rollcorr: ``compute_correction`` with every metric + ``metrics_to_floats`` (what a user gets by default);
+- rollcorr: ``compute_correction`` with every metric + ``metrics_to_floats`` (what a user gets by default: the
+  statistics from the kernel scripts/setup.sh built, correction/native.py, where it serves);
+- plain: the same call with the plain-torch statistics pass (what a machine without the built kernel gets);
 - the verl drop-in: ``rollcorr.compat.verl.compute_rollout_correction_and_rejection_mask`` (verl's signature
   and numbers, floats out);
 - verl: verl's own ``rollout_corr_helper.compute_rollout_correction_and_rejection_mask`` (floats out);
@@ -132,6 +134,7 @@ def calls_for(case: str, data: tuple, with_fused: bool) -> dict[str, object]:
     config = preset(name)
     calls = {
         "rollcorr": lambda: metrics_to_floats(compute_correction(*data, config).metrics),
+        "plain": lambda: metrics_to_floats(compute_correction(*data, config).metrics),
         "drop-in": lambda: drop_in(*data, **kwargs),
         "verl": lambda: helper(*data, **kwargs),
         "floor": lambda: read_once(*data),
@@ -143,14 +146,15 @@ def calls_for(case: str, data: tuple, with_fused: bool) -> dict[str, object]:
 
 def measure(case: str, data: tuple, rounds: int, with_fused: bool) -> dict[str, float]:
     """Median CPU ms per column, interleaved round by round in a rotating order, after one warm-up call each."""
-    from rollcorr.correction import fused
+    from rollcorr.correction import fused, native
 
     calls = calls_for(case, data, with_fused)
-    warm = set(fused._state["warm"])
-    fused._state["warm"] = set()  # rollcorr's default: no kernel (the fused column turns it back on)
+    warm, built = set(fused._state["warm"]), native.loaded()
+    fused._state["warm"] = set()  # rollcorr's default: no compiled kernel (the fused column turns it back on)
 
     def timed(column: str) -> float:
         fused._state["warm"] = warm if column == "fused" else set()
+        native._state["loaded"] = built and column != "plain"
         return cpu_ms(calls[column])
 
     columns = list(calls)
@@ -160,7 +164,7 @@ def measure(case: str, data: tuple, rounds: int, with_fused: bool) -> dict[str, 
     for i in range(rounds):
         for column in columns[i % len(columns):] + columns[: i % len(columns)]:
             times[column].append(timed(column))
-    fused._state["warm"] = set()
+    fused._state["warm"], native._state["loaded"] = set(), built
     out = {c: statistics.median(v) for c, v in times.items()}
     out["rollcorr peak MiB"] = peak_mib(calls["rollcorr"])
     out["verl peak MiB"] = peak_mib(calls["verl"])
@@ -185,14 +189,19 @@ def main(argv: list[str] | None = None) -> None:
             fused.warm(preset(AGAINST_VERL[case][0]))
     cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else "?"
     command = " ".join(["python", "benchmarks/bench_correction.py", *(argv if argv is not None else sys.argv[1:])])
+    from rollcorr.correction import native
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    kernel = f"the built {capability} kernel" if native.loaded() else f"no built kernel for {capability}: plain torch"
     print(f"# bench_correction: {machine()}; load before {load()}; command: {command} (cores {cores})")
     print("# float32, random lengths (about 5/8 of the positions valid), 1 thread, median CPU time of interleaved "
           "rounds after a warm-up; default environment: ROLLCORR_FUSED unset, glibc's allocator defaults; "
-          "rollcorr = compute_correction with every metric + metrics_to_floats; floor = one read of the inputs "
-          "(9 bytes a position)")
-    columns = ["rollcorr", "drop-in", "verl"] + (["fused"] if args.with_fused else [])
+          f"rollcorr = compute_correction with every metric + metrics_to_floats ({kernel}); plain = the same with "
+          "the plain-torch statistics pass; floor = one read of the inputs (9 bytes a position)")
+    columns = ["rollcorr", "plain", "drop-in", "verl"] + (["fused"] if args.with_fused else [])
     print(" | ".join(["shape", "case", *(f"{c} ms" for c in columns), "floor ms", "verl / rollcorr",
-                      "verl / drop-in", *(["verl / fused"] if args.with_fused else []), "rollcorr / floor",
+                      "verl / plain", "verl / drop-in", *(["verl / fused"] if args.with_fused else []),
+                      "rollcorr / floor",
                       "rollcorr peak MiB", "verl peak MiB", "rollcorr ops", "verl ops", "rounds"]))
     for shape in args.shapes:
         b, t = (int(x) for x in shape.split("x"))
@@ -204,10 +213,11 @@ def main(argv: list[str] | None = None) -> None:
             if args.with_fused:
                 fused_ms = m.get("fused", float("nan"))
                 fused_cells = [f"{fused_ms:.2f}"]
-            ratios = [m["verl"] / m["rollcorr"], m["verl"] / m["drop-in"]]
+            ratios = [m["verl"] / m["rollcorr"], m["verl"] / m["plain"], m["verl"] / m["drop-in"]]
             if args.with_fused:
                 ratios.append(m["verl"] / m["fused"] if "fused" in m else float("nan"))
-            cells = [f"{b} x {t}", case, *(f"{m[c]:.2f}" for c in ("rollcorr", "drop-in", "verl")), *fused_cells,
+            cells = [f"{b} x {t}", case, *(f"{m[c]:.2f}" for c in ("rollcorr", "plain", "drop-in", "verl")),
+                     *fused_cells,
                      f"{m['floor']:.3f}", *(f"{r:.2f}" for r in ratios), f"{m['rollcorr'] / m['floor']:.1f}",
                      f"{m['rollcorr peak MiB']:.0f}", f"{m['verl peak MiB']:.0f}", str(m["rollcorr ops"]),
                      str(m["verl ops"]), str(rounds)]

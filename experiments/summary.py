@@ -1264,11 +1264,13 @@ def distributed_text(path: Path) -> str:
 
 def verl_ratios(path: Path) -> dict[str, dict[str, tuple[float, float]]]:
     """Per shape of ``benchmarks/bench_correction.py``'s committed output, the (min, max) over its cases of
-    verl / rollcorr, verl / drop-in and rollcorr / floor."""
+    verl / rollcorr, verl / plain (when the file has it), verl / drop-in and rollcorr / floor."""
     out: dict[str, dict[str, tuple[float, float]]] = {}
     for row in bench_rows(path):
         cells = out.setdefault(row["shape"], {})
-        for key in ("verl / rollcorr", "verl / drop-in", "rollcorr / floor"):
+        for key in ("verl / rollcorr", "verl / plain", "verl / drop-in", "rollcorr / floor"):
+            if key not in row:
+                continue
             lo, hi = cells.get(key, (math.inf, -math.inf))
             cells[key] = (min(lo, float(row[key])), max(hi, float(row[key])))
     return out
@@ -1286,8 +1288,10 @@ def verl_ratio_text(path: Path) -> str:
     per_shape = "; ".join(f"{_span(ratios[s]['verl / rollcorr'])} at {s}" for s in shapes)
     drop_in = "; ".join(f"{_span(ratios[s]['verl / drop-in'])} at {s}" for s in shapes)
     floor = "; ".join(f"{_span(ratios[s]['rollcorr / floor'], 0)} at {s}" for s in shapes)
-    return (f"verl's CPU time over the default's, per shape (the three cases): {per_shape}. The verl drop-in (verl's "
-            f"signature, floats out): {drop_in}. The default's time over one read of its inputs: {floor}. "
+    plain = "; ".join(f"{_span(ratios[s]['verl / plain'])} at {s}" for s in shapes if "verl / plain" in ratios[s])
+    plain = f"Without the built kernel (the plain-torch pass): {plain}. " if plain else ""
+    return (f"verl's CPU time over the default's, per shape (the three cases): {per_shape}. {plain}The verl drop-in "
+            f"(verl's signature, floats out): {drop_in}. The default's time over one read of its inputs: {floor}. "
             + verl_ops_text(path) + verl_targets_text(ratios))
 
 
@@ -1333,7 +1337,8 @@ def readme_speed(path: Path) -> str:
     at_small = ratios[small]["verl / rollcorr"]
     slower = (" (slower: each call's fixed cost dominates there)" if at_small[1] < 1 else
               " (below 1×, slower, in a case: each call's fixed cost dominates there)" if at_small[0] < 1 else "")
-    return (f"With every metric on and nothing compiled, verl's own helper takes {lo:.1f}–{hi:.1f}× the CPU time of "
+    return (f"With every metric on and nothing compiled during the run, verl's own helper takes {lo:.1f}–{hi:.1f}× "
+            "the CPU time of "
             f"`compute_correction` on batches from {large[0]} to {large[-1]} positions, and "
             f"{_span(at_small, 2)} at {small}{slower} (one thread, one run on a shared machine whose load the file "
             "states: [benchmarks/results/bench_correction_verl.txt](benchmarks/results/bench_correction_verl.txt), "

@@ -61,6 +61,19 @@ def test_the_kernel_matches_the_plain_torch_pass(config, noise, kernel_calls, mo
 
 
 @needs_kernel
+@pytest.mark.parametrize("name", ["decoupled_token_is", "decoupled_seq_is_rs", "decoupled_k3_rs_seq_tis",
+                                  "trm_max_k2_mean_k3", "bypass_pg_is"])
+def test_without_diagnostics_the_kernel_gives_the_same_metrics(name, kernel_calls, monkeypatch):
+    """``diagnostics=False``: the kernel's variant without the diagnostic sums, the same metrics as the plain pass
+    (the rules' k1 / k2 / k3 reductions included)."""
+    args = (preset(name), *_batch(noise=0.3, seed=7))
+    got = _call(*args, diagnostics=False)
+    assert len(kernel_calls) == 1
+    _assert_close(got, _plain(monkeypatch, _call, *args, diagnostics=False),
+                  _reference(monkeypatch, *args, diagnostics=False))
+
+
+@needs_kernel
 @pytest.mark.parametrize("shape", [(1, 1), (3, 37), (2, 16384), (9, 1000)])
 @pytest.mark.parametrize("name", ["decoupled_token_is", "decoupled_token_icepop", "decoupled_seq_is_rs"])
 def test_shapes_around_the_vector_width_and_the_chunk(shape, name, kernel_calls, monkeypatch):

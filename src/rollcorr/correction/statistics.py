@@ -203,8 +203,8 @@ def _native(
             _check(anchor, rollout, mask, mask_bool, plan.bound, names)
     r = dict(zip(native.SLOTS, rows.unbind(0)))
     t = dict(zip(native.SLOTS, totals.to(rows.dtype).unbind(0)))
-    row = {k: r[k] for k in ("n", "lr", "old", "rollout", "max_k2", "max_k3") if k in r and (
-        k[:4] != "max_" or k in plan.reductions)}
+    row = {k: r[k] for k in ("n", "lr", "old", "rollout")} | {k: r[k] for k in ("max_k2", "max_k3")
+                                                                if k in plan.reductions}
     row |= {"sum_k1": -r["lr_c"]} if "sum_k1" in plan.reductions else {}
     row |= {"sum_k2": r["k2"]} if "sum_k2" in plan.reductions else {}
     if plan.diagnostics or plan.reductions & {"sum_k3", "max_k3"}:

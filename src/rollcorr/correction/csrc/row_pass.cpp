@@ -129,6 +129,8 @@ inline void step(const float* o_ptr, const float* r_ptr, const uint8_t* m_ptr, f
   const Vec lrc = at::vec::clamp(lr, Vec(-opt.bound), Vec(opt.bound));
   acc[N] += mf;
   acc[LR] += lr;
+  acc[OLD] += x;
+  acc[ROLLOUT] += y;
   if (opt.on(NEED_LR_C)) acc[LR_C] += lrc;
   if (opt.on(NEED_K2)) {
     const Vec k2 = lrc * lrc * Vec(0.5f);
@@ -142,10 +144,9 @@ inline void step(const float* o_ptr, const float* r_ptr, const uint8_t* m_ptr, f
     acc[K3] += k3;
     mx[MAX_K3 - SUMS] = at::vec::maximum(mx[MAX_K3 - SUMS], Vec::blendv(ninf, k3, valid));
   }
-  if (kDiagnostics || kTokenIs) rho = exp_via_exp2(lrc);  // ρ itself: 1 + e loses its relative precision where ρ ≪ 1
+  // ρ itself (1 + e loses its relative precision where ρ ≪ 1), by SLEEF's exp: the token IS weights are ρ
+  if (kDiagnostics || kTokenIs) rho = lrc.exp();
   if constexpr (kDiagnostics) {
-    acc[OLD] += x;
-    acc[ROLLOUT] += y;
     if (opt.on(VERL)) acc[K3_UNCLAMPED] += lr.expm1() - lr;  // verl's k3_kl: e^ℓ − 1 − ℓ of the unclamped ℓ
     const Vec q = log1p_small_first(e * Vec(0.5f));            // log((1 + ρ)/2)
     acc[E] += e;
