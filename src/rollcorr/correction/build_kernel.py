@@ -64,6 +64,9 @@ def main(argv: list[str]) -> int:
         print("rollcorr: this CPU has neither AVX2 nor AVX512; the correction takes its plain-torch pass")
         return 0
     for capability in capabilities:
+        if library_path(capability).exists():  # named by its source and torch: an existing file is this build
+            print(f"rollcorr: the {capability} correction kernel is built: {library_path(capability)}")
+            continue
         try:
             print(f"rollcorr: built the {capability} correction kernel: {build(capability)}")
         except (RuntimeError, OSError) as err:
