@@ -201,3 +201,16 @@ def test_a_failed_build_says_so_in_one_line(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match=r"^building the AVX2 correction kernel failed: no output$"):
         build_kernel.build("AVX2")
     assert not (tmp_path / "AVX2.so").exists()
+
+
+def test_setup_builds_each_capability_once(monkeypatch, tmp_path, capsys):
+    """``python -m rollcorr.correction.build_kernel`` leaves a capability whose file exists (the same source and
+    torch) as it is, and builds the others."""
+    built = tmp_path / "AVX2.so"
+    built.write_bytes(b"")
+    monkeypatch.setattr(build_kernel, "machine_capabilities", lambda: ["AVX2", "AVX512"])
+    monkeypatch.setattr(build_kernel, "library_path", lambda capability: tmp_path / f"{capability}.so")
+    asked = []
+    monkeypatch.setattr(build_kernel, "build", lambda capability: asked.append(capability) or tmp_path / "x.so")
+    assert build_kernel.main([]) == 0
+    assert asked == ["AVX512"] and "the AVX2 correction kernel is built" in capsys.readouterr().out
