@@ -82,11 +82,14 @@ def main(argv: list[str] | None = None) -> None:
     command = " ".join(["python", "benchmarks/bench_correction_steps.py", *(argv if argv is not None else sys.argv[1:])])
     print(f"# bench_correction_steps: {machine()}; load before {load()}; command: {command} (cores {cores})")
     from rollcorr.analyze.render import describe
+    from rollcorr.correction import native
 
+    capability = torch.backends.cpu.get_cpu_capability()
+    kernel = f"the built {capability} kernel" if native.loaded() else f"no built kernel for {capability}: plain torch"
     print(f"# {args.steps} steps at B x T = {args.batch} x {args.length} (float32, about 5/8 valid), 1 thread; each: "
           f"attach_correction (the default config's correction: {describe(algo.correction)}; every metric), "
           f"attach_advantages ({algo.advantage}), the {algo.loss.name} loss and its backward; default environment "
-          "(ROLLCORR_FUSED unset)")
+          f"(ROLLCORR_FUSED unset; statistics: {kernel})")
     start, start_cpu = time.perf_counter(), time.process_time()
     one_step(data[-1], algo, config.rollout.group_size)  # a process's first step: imports, first allocations
     first = (time.perf_counter() - start, time.process_time() - start_cpu)
