@@ -169,21 +169,27 @@ def test_fused_path_non_bool_masks(mask_dtype, eager_kernel, monkeypatch):
 
 
 def test_fused_path_checks_its_inputs(eager_kernel):
+    assert_the_input_errors(_call)
+
+
+def assert_the_input_errors(call):
+    """``call`` (``_call``'s signature) refuses a NaN or a positive log-prob on a valid token, naming it and its
+    position, and a batch without a valid token, in the default path's words; garbage in the padding is ignored."""
     config = preset("decoupled_token_is")
     old, roll, mask, lp, kept = _batch()
     bad = old.clone()
     bad[0, 3] = math.nan
     with pytest.raises(ValueError, match=r"old_log_prob is NaN/inf on valid tokens at \(row 0, pos 3\)"):
-        _call(config, bad, roll, mask, lp, kept)
+        call(config, bad, roll, mask, lp, kept)
     bad = roll.clone()
     bad[0, 2] = 0.5
     with pytest.raises(ValueError, match=r"rollout_log_prob is positive .* \(row 0, pos 2\)"):
-        _call(config, old, bad, mask, lp, kept)
+        call(config, old, bad, mask, lp, kept)
     with pytest.raises(ValueError, match="response_mask has no valid token"):
-        _call(config, old, roll, torch.zeros_like(mask), lp, kept)
+        call(config, old, roll, torch.zeros_like(mask), lp, kept)
     # garbage in the padding is ignored, as on the eager path
-    dirty = _call(config, torch.where(mask, old, math.nan), torch.where(mask, roll, 5.0), mask, lp, kept)
-    _assert_close(dirty, _call(config, old, roll, mask, lp, kept), rel=0)
+    dirty = call(config, torch.where(mask, old, math.nan), torch.where(mask, roll, 5.0), mask, lp, kept)
+    _assert_close(dirty, call(config, old, roll, mask, lp, kept), rel=0)
 
 
 @pytest.mark.parametrize("name", ["slime_veto", "opsm", "skyrl_outlier", "token_k1", "seq_mean_binary_kl"])

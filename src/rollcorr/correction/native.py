@@ -61,9 +61,12 @@ def _load() -> bool:
     if os.environ.get(ENV) == "0":
         return False
     capability = torch.backends.cpu.get_cpu_capability().upper()
-    if capability not in CAPABILITIES or not library_path(capability).exists():
+    if capability not in CAPABILITIES:
         return False
-    torch.ops.load_library(str(library_path(capability)))
+    path = library_path(capability)
+    if not path.exists():
+        return False
+    torch.ops.load_library(str(path))
     return True
 
 
@@ -77,7 +80,7 @@ def serves(anchor: Tensor, rollout: Tensor, mask_bool: Tensor) -> bool:
 def run(anchor: Tensor, rollout: Tensor, mask_bool: Tensor, plan) -> tuple[Tensor, Tensor, Tensor | None]:
     """The kernel on a batch for ``plan`` (``statistics.Plan``): ((slots, B) per-row values in ``SLOTS`` order,
     (slots,) float64 totals, the (B, T) token weights or None)."""
-    flags = sum(v for k, v in _FLAGS.items() if _wants(plan, k))
+    flags = sum(_FLAGS[k] for k, wanted in _wanted(plan).items() if wanted)
     lower, upper = (plan.token_is[2], plan.token_is[1]) if plan.token_is else (None, None)
     lo, hi = is_band(upper, lower) if plan.token_is else (0.0, 0.0)
     rows, totals, weights = torch.ops.rollcorr.row_pass(
@@ -86,11 +89,12 @@ def run(anchor: Tensor, rollout: Tensor, mask_bool: Tensor, plan) -> tuple[Tenso
     return rows, totals, weights if plan.token_is else None
 
 
-def _wants(plan, flag: str) -> bool:
+def _wanted(plan) -> dict[str, bool]:
+    """Which of the kernel's optional parts ``plan`` needs, by ``_FLAGS`` name."""
     reductions = plan.reductions
     return {
         "diagnostics": plan.diagnostics, "token_is": plan.token_is is not None,
         "mask_mode": plan.token_is is not None and plan.token_is[0] == "mask", "verl": plan.verl,
         "lr_c": "sum_k1" in reductions, "k2": bool(reductions & {"sum_k2", "max_k2"}),
         "k3": bool(reductions & {"sum_k3", "max_k3"}),
-    }[flag]
+    }

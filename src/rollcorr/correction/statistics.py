@@ -197,8 +197,7 @@ def _native(
     rows, totals, weights = native.run(anchor, rollout, mask_bool, plan)
     if validate:
         n, bad_old, bad_rollout = totals[:3].tolist()
-        if mask.dtype != torch.bool and ((mask != 0) & (mask != 1)).any():
-            check_binary_mask("response_mask", mask)
+        check_binary_mask("response_mask", mask)
         if n == 0 or bad_old or bad_rollout:
             _check(anchor, rollout, mask, mask_bool, plan.bound, names)
     r = dict(zip(native.SLOTS, rows.unbind(0)))
