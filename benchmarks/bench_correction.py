@@ -16,10 +16,13 @@ sequence IS + seq_sum_k1 rejection, token TIS + Geo-RS), one thread, the default
 - verl: verl's own ``rollout_corr_helper.compute_rollout_correction_and_rejection_mask`` (floats out);
 - the read floor: one pass that reads every input byte once and computes nothing (a sum over each input's
   memory, the mask's bytes as int32 words): the least any implementation must spend;
+- one exponential: ``torch.exp`` of the (B, T) log-probs into a buffer made before the timing (SLEEF's 1-ulp
+  ``exp``, the function the kernel calls for ρ): what one exponential a position costs, reading and writing 8 bytes
+  a position, fewer than the floor's 9;
 - with ``--with-fused``: rollcorr with the fused kernel, compiled by ``fused.warm`` before the timing starts.
 
 It prints the median CPU time (user + system, so page faults of fresh allocations count) of each, the ratios
-verl / rollcorr, verl / drop-in and rollcorr / floor, the peak resident memory one extra call of rollcorr and
+verl / rollcorr, verl / drop-in, rollcorr / floor and exp / floor, the peak resident memory one extra call of rollcorr and
 of verl adds above the inputs (Linux VmHWM after ``malloc_trim``; NaN elsewhere) and the tensor operations one call
 of each dispatches (a dispatch hook's count, after the timing: what a small batch's fixed cost is made of). The header names the machine,
 the load, the cores the process may run on and the command. Asserts nothing.
@@ -132,12 +135,14 @@ def calls_for(case: str, data: tuple, with_fused: bool) -> dict[str, object]:
 
     name, kwargs = AGAINST_VERL[case]
     config = preset(name)
+    exp_buffer = torch.empty_like(data[0])
     calls = {
         "rollcorr": lambda: metrics_to_floats(compute_correction(*data, config).metrics),
         "plain": lambda: metrics_to_floats(compute_correction(*data, config).metrics),
         "drop-in": lambda: drop_in(*data, **kwargs),
         "verl": lambda: helper(*data, **kwargs),
         "floor": lambda: read_once(*data),
+        "exp": lambda: torch.exp(data[0], out=exp_buffer),
     }
     if with_fused:  # the same call once the kernel is warm (it serves batches of ≥ fused.MIN_POSITIONS)
         calls["fused"] = calls["rollcorr"] if data[2].numel() >= fused.MIN_POSITIONS else None
@@ -197,11 +202,12 @@ def main(argv: list[str] | None = None) -> None:
     print("# float32, random lengths (about 5/8 of the positions valid), 1 thread, median CPU time of interleaved "
           "rounds after a warm-up; default environment: ROLLCORR_FUSED unset, glibc's allocator defaults; "
           f"rollcorr = compute_correction with every metric + metrics_to_floats ({kernel}); plain = the same with "
-          "the plain-torch statistics pass; floor = one read of the inputs (9 bytes a position)")
+          "the plain-torch statistics pass; floor = one read of the inputs (9 bytes a position); exp = torch.exp of "
+          "the (B, T) log-probs into a buffer (one exponential a position, SLEEF's)")
     columns = ["rollcorr", "plain", "drop-in", "verl"] + (["fused"] if args.with_fused else [])
-    print(" | ".join(["shape", "case", *(f"{c} ms" for c in columns), "floor ms", "verl / rollcorr",
+    print(" | ".join(["shape", "case", *(f"{c} ms" for c in columns), "floor ms", "exp ms", "verl / rollcorr",
                       "verl / plain", "verl / drop-in", *(["verl / fused"] if args.with_fused else []),
-                      "rollcorr / floor",
+                      "rollcorr / floor", "exp / floor",
                       "rollcorr peak MiB", "verl peak MiB", "rollcorr ops", "verl ops", "rounds"]))
     for shape in args.shapes:
         b, t = (int(x) for x in shape.split("x"))
@@ -218,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
                 ratios.append(m["verl"] / m["fused"] if "fused" in m else float("nan"))
             cells = [f"{b} x {t}", case, *(f"{m[c]:.2f}" for c in ("rollcorr", "plain", "drop-in", "verl")),
                      *fused_cells,
-                     f"{m['floor']:.3f}", *(f"{r:.2f}" for r in ratios), f"{m['rollcorr'] / m['floor']:.1f}",
+                     f"{m['floor']:.3f}", f"{m['exp']:.3f}", *(f"{r:.2f}" for r in ratios),
+                     f"{m['rollcorr'] / m['floor']:.1f}", f"{m['exp'] / m['floor']:.1f}",
                      f"{m['rollcorr peak MiB']:.0f}", f"{m['verl peak MiB']:.0f}", str(m["rollcorr ops"]),
                      str(m["verl ops"]), str(rounds)]
             print(" | ".join(cells), flush=True)

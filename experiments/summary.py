@@ -616,7 +616,11 @@ def correction_reading(r: dict[str, Any], runs: list[dict[str, Any]]) -> str:
                          f"{t['ci95'][1]:+.3f}], p = {t['p_value']:.3g}, MDE {t['mde']:.3f}, collapses "
                          f"{t['collapses'][0]} vs {t['collapses'][1]} (Fisher p = {t['collapse_fisher_p']:.3g})"
                          for k, t in sec.items() if k.startswith("rtn3/"))
-        text.append(f"The rtn3 block, each arm against rtn3/tis (10 seeds each): {rtn3}.")
+        rtn3_arms = [a for a in arms if a.startswith("rtn3/")]
+        text.append(f"The rtn3 block, each arm against rtn3/tis (10 seeds each): {rtn3}. The share of the fp32 − "
+                    "uncorrected gap each arm recovers at rtn3 (95 % bootstrap interval; fp32 from the primary "
+                    f"block): {'; '.join(recovered(a) for a in rtn3_arms if a in sec.get('gap_recovered', {}))}. "
+                    f"Per arm: {'; '.join(figures(a) for a in rtn3_arms)}.")
     else:
         done = sum(a["seeds"] for k, a in arms.items() if k.startswith("rtn3/"))
         text.append(f"The rtn3 block: {done} of 60 runs finished; reported when all are in.")
@@ -1264,11 +1268,12 @@ def distributed_text(path: Path) -> str:
 
 def verl_ratios(path: Path) -> dict[str, dict[str, tuple[float, float]]]:
     """Per shape of ``benchmarks/bench_correction.py``'s committed output, the (min, max) over its cases of
-    verl / rollcorr, verl / plain (when the file has it), verl / drop-in and rollcorr / floor."""
+    verl / rollcorr, verl / plain (when the file has it), verl / drop-in, rollcorr / floor and exp / floor (when the
+    file has it)."""
     out: dict[str, dict[str, tuple[float, float]]] = {}
     for row in bench_rows(path):
         cells = out.setdefault(row["shape"], {})
-        for key in ("verl / rollcorr", "verl / plain", "verl / drop-in", "rollcorr / floor"):
+        for key in ("verl / rollcorr", "verl / plain", "verl / drop-in", "rollcorr / floor", "exp / floor"):
             if key not in row:
                 continue
             lo, hi = cells.get(key, (math.inf, -math.inf))
@@ -1290,9 +1295,12 @@ def verl_ratio_text(path: Path) -> str:
     floor = "; ".join(f"{_span(ratios[s]['rollcorr / floor'], 0)} at {s}" for s in shapes)
     plain = "; ".join(f"{_span(ratios[s]['verl / plain'])} at {s}" for s in shapes if "verl / plain" in ratios[s])
     plain = f"Without the built kernel (the plain-torch pass): {plain}. " if plain else ""
+    exp = "; ".join(f"{_span(ratios[s]['exp / floor'])} at {s}" for s in shapes if "exp / floor" in ratios[s])
+    exp = (f"One exponential a position (`torch.exp` of the log-probs into a buffer, SLEEF's 1-ulp `exp`) over one "
+           f"read of the inputs: {exp}. " if exp else "")
     return (f"verl's CPU time over the default's, per shape (the three cases): {per_shape}. {plain}The verl drop-in "
             f"(verl's signature, floats out): {drop_in}. The default's time over one read of its inputs: {floor}. "
-            + verl_ops_text(path) + verl_targets_text(ratios))
+            + exp + verl_ops_text(path) + verl_targets_text(ratios))
 
 
 def verl_ops_text(path: Path) -> str:

@@ -55,6 +55,23 @@ def test_the_correction_figures_are_the_default_s():
     assert f"verl's own helper takes {min(large):.1f}–{max(large):.1f}× the CPU time of `compute_correction`" in readme
 
 
+def test_the_exponential_sentence_quotes_the_committed_output():
+    """#51: what one exponential a position costs against the read floor, per shape, as the verl table's
+    ``exp / floor`` column measured it in the same run (the sentence says the range over the three cases)."""
+    rows = [r for r in _rows("bench_correction_verl.txt") if len(r) > 2 and r[2][0].isdigit()]
+    header_row = next(r for r in _rows("bench_correction_verl.txt") if r[0] == "shape")
+    col = {name: i for i, name in enumerate(header_row)}
+    prose = " ".join((ROOT / "docs/performance.md").read_text().split())
+    spans = []
+    for shape in dict.fromkeys(r[0] for r in rows):
+        ratio = [float(r[col["exp / floor"]]) for r in rows if r[0] == shape]
+        lo, hi = f"{min(ratio):.1f}", f"{max(ratio):.1f}"
+        spans.append(f"{lo}× at {shape}" if lo == hi else f"{lo}–{hi}× at {shape}")
+    assert f"SLEEF's 1-ulp `exp`) over one read of the inputs: {'; '.join(spans)}." in prose
+    above_smallest = [float(r[col["exp / floor"]]) for r in rows if r[0] != rows[0][0]]
+    assert "takes longer than reading the inputs once from 64 x 2048 up" in prose and min(above_smallest) > 1
+
+
 def test_the_target_verdicts_follow_from_the_committed_output():
     """#51's targets (verl / default ≥ 1× at 8 x 512, ≥ 3× from 64 x 2048 up; default ≤ 3× the read floor from
     64 x 2048 up), said met or not met per shape in docs/performance.md: each verdict recomputed here from the rows

@@ -426,7 +426,14 @@ def test_study11_is_pending_until_the_primary_block_is_in_then_says_each_verdict
     assert "The rtn3 block: 0 of 60 runs finished" in reading and "105 runs of 440–454 s each, median 447 s" in reading
     assert "over several sessions), on A CPU (AVX2): 105 runs." in reading
     full, runs = _study11_results(0.0, rtn3=True)
-    assert "The rtn3 block, each arm against rtn3/tis (10 seeds each): ppo -0.100" in summary.correction_reading(full, runs)
+    reading = summary.correction_reading(full, runs)
+    assert "The rtn3 block, each arm against rtn3/tis (10 seeds each): ppo -0.100" in reading
+    gaps = full["summary"]["secondary"]["gap_recovered"]
+    said = "; ".join(f"{a.split('/')[1]} {g['share']:.0%} [{g['ci95'][0]:.0%}, {g['ci95'][1]:.0%}]"
+                     for a, g in gaps.items() if a.startswith("rtn3/"))
+    assert len(said.split("; ")) == 5 and f"recovers at rtn3 (95 % bootstrap interval; fp32 from the primary block): {said}." in reading
+    rtn3_ppo = full["summary"]["arms"]["rtn3/ppo"]
+    assert f"Per arm: rtn3/ppo {rtn3_ppo['final_score_mean']:.3f} ± {rtn3_ppo['final_score_std']:.3f}" in reading
     answer = summary.correction_study(full)[-1]
     assert answer.verdict == "nothing separated from token TIS" and "could not have been seen" in full["summary"]["answer"]
     mde = max(t["mde"] for t in full["summary"]["tests"].values())
