@@ -289,7 +289,7 @@ def test_suggestion_evidence_quotes_the_studies_numbers_as_recorded():
     recorded |= {f"{abs(x):.3f}" for t in study11["tests"].values()
                  for x in (t["difference"], *t["ci95"], t["mde"], t["p_holm"])}
     recorded |= {f"{abs(x):.3f}" for k, t in study11["secondary"].items() if " vs " in k and "difference" in t
-                 for x in (t["difference"], *t["ci95"], t["mde"])}
+                 for x in (t["difference"], *t["ci95"], t["mde"], t["p_value"])}
     # study 6's exact permutation p of token TIS against sequence MIS (three seeds each), as quoted
     import sys
 
@@ -346,3 +346,14 @@ def test_the_suggestion_beyond_bf16_follows_study_11_by_its_protocols_rule():
     assert (f"token TIS recovered {pct(gap['share'])} of the fp32 − uncorrected gap (95 % interval "
             f"{pct(gap['ci95'][0])} to {pct(gap['ci95'][1])}), with {arms['rtn2/tis']['collapses']} of "
             f"{arms['rtn2/tis']['seeds']} runs in sustained collapse") in text
+    rtn3 = {m: s["secondary"][f"rtn3/{m} vs rtn3/tis"] for m in ("ppo", "seq_mis", "icepop", "seq_is_rs", "removed")}
+    assert all(t["p_value"] < 0.05 for m, t in rtn3.items() if m.startswith("seq_"))
+    assert all(t["p_value"] >= 0.05 for m, t in rtn3.items() if not m.startswith("seq_"))
+    assert (f"({arms['rtn3/seq_mis']['final_score_mean']:.3f} and {arms['rtn3/seq_is_rs']['final_score_mean']:.3f} "
+            f"against {arms['rtn3/tis']['final_score_mean']:.3f}, permutation p {rtn3['seq_mis']['p_value']:.2g} and "
+            f"{rtn3['seq_is_rs']['p_value']:.2g}, {arms['rtn3/seq_mis']['collapses']} and "
+            f"{arms['rtn3/seq_is_rs']['collapses']} of 10 runs in sustained collapse against "
+            f"{arms['rtn3/tis']['collapses']})") in text
+    assert (f"(+{rtn3['ppo']['difference']:.3f}, {sign(rtn3['icepop']['difference'])} and "
+            f"{sign(rtn3['removed']['difference'])}, permutation p {rtn3['ppo']['p_value']:.2f}, "
+            f"{rtn3['icepop']['p_value']:.2f} and {rtn3['removed']['p_value']:.2g})") in text

@@ -431,7 +431,10 @@ def test_study11_is_pending_until_the_primary_block_is_in_then_says_each_verdict
     gaps = full["summary"]["secondary"]["gap_recovered"]
     said = "; ".join(f"{a.split('/')[1]} {g['share']:.0%} [{g['ci95'][0]:.0%}, {g['ci95'][1]:.0%}]"
                      for a, g in gaps.items() if a.startswith("rtn3/"))
-    assert len(said.split("; ")) == 5 and f"recovers at rtn3 (95 % bootstrap interval; fp32 from the primary block): {said}." in reading
+    means = {a: full["summary"]["arms"][a]["final_score_mean"] for a in ("fp32/ppo", "rtn3/ppo")}
+    denominator = f"fp32 {means['fp32/ppo']:.3f} − rtn3/ppo {means['rtn3/ppo']:.3f} = {means['fp32/ppo'] - means['rtn3/ppo']:.3f}"
+    assert len(said.split("; ")) == 5 and (f"recovers at rtn3 (95 % bootstrap interval; fp32 from the primary block; "
+                                           f"the gap itself: {denominator}): {said}.") in reading
     rtn3_ppo = full["summary"]["arms"]["rtn3/ppo"]
     assert f"Per arm: rtn3/ppo {rtn3_ppo['final_score_mean']:.3f} ± {rtn3_ppo['final_score_std']:.3f}" in reading
     answer = summary.correction_study(full)[-1]

@@ -113,7 +113,11 @@ SUGGESTIONS: dict[str, dict[str, str]] = {
         "Holm p 5.2e-08 each); IcePop and removing the mismatch (an hf:rtn2 learner) were not separated from it "
         "(−0.047 and +0.045, 95 % intervals −0.128 to +0.030 and −0.031 to +0.118, Holm p 0.517 each; the tests had "
         "an 80 % chance to detect a difference of 0.148, a smaller one could easily go unseen). There token TIS recovered 5 % of the fp32 − uncorrected gap (95 % "
-        "interval −16 % to 25 %), with 12 of 15 runs in sustained collapse",
+        "interval −16 % to 25 %), with 12 of 15 runs in sustained collapse. At 3 bits (its secondary block, 10 "
+        "seeds an arm, reported, not decided): sequence-level MIS and sequence-level IS + rejection again ended below "
+        "token TIS (0.168 and 0.220 against 0.519, permutation p 7.6e-05 and 6.5e-05, 9 and 10 of 10 runs in "
+        "sustained collapse against 2); uncorrected GRPO, IcePop and removing the mismatch were not separated from "
+        "it (+0.051, −0.024 and +0.079, permutation p 0.29, 0.62 and 0.083)",
     },
 }
 
