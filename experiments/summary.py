@@ -598,9 +598,12 @@ def correction_reading(r: dict[str, Any], runs: list[dict[str, Any]]) -> str:
         return (f"{arm} {a['final_score_mean']:.3f} ± {a['final_score_std']:.3f}{served}{k3}{kept}, "
                 f"{a['collapses']} of {a['seeds']} collapsed")
 
-    def gap(dose: str) -> str:  # the share's denominator, as the per-arm means give it
+    def shares(dose: str, fp32_from: str = "") -> str:
+        """The share of the gap each arm of ``dose`` recovers, its denominator beside it (the per-arm means)."""
         fp32, ppo = arms["fp32/ppo"]["final_score_mean"], arms[f"{dose}/ppo"]["final_score_mean"]
-        return f"the gap itself: fp32 {fp32:.3f} − {dose}/ppo {ppo:.3f} = {fp32 - ppo:.3f}"
+        said = "; ".join(recovered(a) for a in arms if a.startswith(f"{dose}/") and a in sec.get("gap_recovered", {}))
+        return (f"The share of the fp32 − uncorrected gap each arm recovers at {dose} (95 % bootstrap interval; "
+                f"{fp32_from}the gap itself: fp32 {fp32:.3f} − {dose}/ppo {ppo:.3f} = {fp32 - ppo:.3f}): {said}.")
 
     rtn2 = [a for a in arms if a.startswith("rtn2/")]
     collapses = "; ".join(f"{k.split(' vs ')[0].split('/')[1]} {v['collapses'][0]} vs {v['collapses'][1]} "
@@ -610,8 +613,7 @@ def correction_reading(r: dict[str, Any], runs: list[dict[str, Any]]) -> str:
         "**Secondary, reported, not decided (the protocol's list).** Uncorrected against token TIS at rtn2: "
         f"{ppo['difference']:+.3f}, 95 % CI [{ppo['ci95'][0]:+.3f}, {ppo['ci95'][1]:+.3f}], permutation p = "
         f"{ppo['p_value']:.3g}, {MDE_LABEL} {ppo['mde']:.3f}. Sustained collapses against token TIS's: {collapses}. "
-        f"The share of the fp32 − uncorrected gap each arm recovers at rtn2 (95 % bootstrap interval; {gap('rtn2')}): "
-        f"{'; '.join(recovered(a) for a in rtn2 if a in sec.get('gap_recovered', {}))}. Per arm (final score mean "
+        f"{shares('rtn2')} Per arm (final score mean "
         "± sd; served: the final weights' greedy score through the rounded sampler; medians over the runs): "
         f"{'; '.join(figures(a) for a in ['fp32/ppo', *rtn2])}.",
     ]
@@ -621,9 +623,8 @@ def correction_reading(r: dict[str, Any], runs: list[dict[str, Any]]) -> str:
                          f"{t['collapses'][0]} vs {t['collapses'][1]} (Fisher p = {t['collapse_fisher_p']:.3g})"
                          for k, t in sec.items() if k.startswith("rtn3/"))
         rtn3_arms = [a for a in arms if a.startswith("rtn3/")]
-        text.append(f"The rtn3 block, each arm against rtn3/tis (10 seeds each): {rtn3}. The share of the fp32 − "
-                    "uncorrected gap each arm recovers at rtn3 (95 % bootstrap interval; fp32 from the primary "
-                    f"block; {gap('rtn3')}): {'; '.join(recovered(a) for a in rtn3_arms if a in sec.get('gap_recovered', {}))}. "
+        text.append(f"The rtn3 block, each arm against rtn3/tis (10 seeds each): {rtn3}. "
+                    f"{shares('rtn3', 'fp32 from the primary block; ')} "
                     f"Per arm: {'; '.join(figures(a) for a in rtn3_arms)}.")
     else:
         done = sum(a["seeds"] for k, a in arms.items() if k.startswith("rtn3/"))

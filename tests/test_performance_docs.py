@@ -31,6 +31,20 @@ def _rows(name: str) -> list[list[str]]:
     return [[c.strip() for c in line.split("|")] for line in lines if not line.startswith("#")]
 
 
+def _verl_table() -> tuple[list[list[str]], dict[str, int]]:
+    """benchmarks/results/bench_correction_verl.txt: its data rows and the column index of each header name."""
+    header_row = next(r for r in _rows("bench_correction_verl.txt") if r[0] == "shape")
+    rows = [r for r in _rows("bench_correction_verl.txt") if len(r) > 2 and r[2][0].isdigit()]
+    return rows, {name: i for i, name in enumerate(header_row)}
+
+
+def _span_at(rows: list[list[str]], column: int, shape: str) -> str:
+    """"lo–hi× at <shape>" (or "x× at <shape>" where they round alike): a column's range over one shape's cases."""
+    ratio = [float(r[column]) for r in rows if r[0] == shape]
+    lo, hi = f"{min(ratio):.1f}", f"{max(ratio):.1f}"
+    return f"{lo}× at {shape}" if lo == hi else f"{lo}–{hi}× at {shape}"
+
+
 def test_the_correction_figures_are_the_default_s():
     """#51: the verl table and every speed sentence about the correction (docs/performance.md, the README) come
     from one committed run of the default (no ROLLCORR_FUSED, glibc's allocator as it comes) whose header names
@@ -39,18 +53,14 @@ def test_the_correction_figures_are_the_default_s():
     header = path.read_text().splitlines()[:2]
     assert "cores" in header[0] and "load before" in header[0] and "command: python benchmarks/bench_correction.py" in header[0]
     assert "ROLLCORR_FUSED unset" in header[1] and "glibc's allocator defaults" in header[1]
-    rows = [r for r in _rows("bench_correction_verl.txt") if len(r) > 2 and r[2][0].isdigit()]
+    rows, col = _verl_table()
     shapes = list(dict.fromkeys(r[0] for r in rows))
     assert shapes == ["8 x 512", "64 x 2048", "256 x 8192", "1024 x 16384"]
     assert {r[1] for r in rows} == {"token TIS", "Seq-MIS", "token TIS + Geo-RS"}
-    header_row = next(r for r in _rows("bench_correction_verl.txt") if r[0] == "shape")
-    col = {name: i for i, name in enumerate(header_row)}
     prose = " ".join((ROOT / "docs/performance.md").read_text().split())
     readme = " ".join((ROOT / "README.md").read_text().split())
     for shape in shapes:
-        ratio = [float(r[col["verl / rollcorr"]]) for r in rows if r[0] == shape]
-        lo, hi = f"{min(ratio):.1f}", f"{max(ratio):.1f}"
-        assert (f"{lo}× at {shape}" if lo == hi else f"{lo}–{hi}× at {shape}") in prose
+        assert _span_at(rows, col["verl / rollcorr"], shape) in prose
     large = [float(r[col["verl / rollcorr"]]) for r in rows if r[0] != shapes[0]]
     assert f"verl's own helper takes {min(large):.1f}–{max(large):.1f}× the CPU time of `compute_correction`" in readme
 
@@ -58,15 +68,9 @@ def test_the_correction_figures_are_the_default_s():
 def test_the_exponential_sentence_quotes_the_committed_output():
     """#51: what one exponential a position costs against the read floor, per shape, as the verl table's
     ``exp / floor`` column measured it in the same run (the sentence says the range over the three cases)."""
-    rows = [r for r in _rows("bench_correction_verl.txt") if len(r) > 2 and r[2][0].isdigit()]
-    header_row = next(r for r in _rows("bench_correction_verl.txt") if r[0] == "shape")
-    col = {name: i for i, name in enumerate(header_row)}
+    rows, col = _verl_table()
     prose = " ".join((ROOT / "docs/performance.md").read_text().split())
-    spans = []
-    for shape in dict.fromkeys(r[0] for r in rows):
-        ratio = [float(r[col["exp / floor"]]) for r in rows if r[0] == shape]
-        lo, hi = f"{min(ratio):.1f}", f"{max(ratio):.1f}"
-        spans.append(f"{lo}× at {shape}" if lo == hi else f"{lo}–{hi}× at {shape}")
+    spans = [_span_at(rows, col["exp / floor"], shape) for shape in dict.fromkeys(r[0] for r in rows)]
     assert f"SLEEF's 1-ulp `exp`) over one read of the inputs: {'; '.join(spans)}." in prose
     above_smallest = [float(r[col["exp / floor"]]) for r in rows if r[0] != rows[0][0]]
     assert "takes longer than reading the inputs once from 64 x 2048 up" in prose and min(above_smallest) > 1
@@ -76,9 +80,7 @@ def test_the_target_verdicts_follow_from_the_committed_output():
     """#51's targets (verl / default ≥ 1× at 8 x 512, ≥ 3× from 64 x 2048 up; default ≤ 3× the read floor from
     64 x 2048 up), said met or not met per shape in docs/performance.md: each verdict recomputed here from the rows
     (a case below its target makes its shape's verdict 'not met')."""
-    rows = [r for r in _rows("bench_correction_verl.txt") if len(r) > 2 and r[2][0].isdigit()]
-    header_row = next(r for r in _rows("bench_correction_verl.txt") if r[0] == "shape")
-    col = {name: i for i, name in enumerate(header_row)}
+    rows, col = _verl_table()
     prose = " ".join((ROOT / "docs/performance.md").read_text().split())
     shapes = list(dict.fromkeys(r[0] for r in rows))
     for i, shape in enumerate(shapes):
